@@ -1,0 +1,8 @@
+//! Configuration files: the server's resources file (Doorman's YAML) and,
+//! shared by both, a position-keeping YAML reader that reports every error
+//! with its `file:line:column`.
+
+pub mod resources;
+pub mod yaml;
+
+pub use yaml::{ConfigError, Diagnostic};

@@ -1,0 +1,490 @@
+//! A YAML tree that remembers where every node came from, and a checker that
+//! turns it into typed values while collecting *every* error with its
+//! `file:line:column`, the field's path, what was expected, and a hint.
+//!
+//! serde-based loaders stop at the first error and lose positions after
+//! deserialisation; configuration errors are the most common thing a user of
+//! usher will see, so both config files are read through this module instead.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fmt;
+use std::time::Duration;
+
+use saphyr_parser::{Event, Parser, ScalarStyle};
+
+/// A position in a file, 1-based line and column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Loc {
+    pub line: usize,
+    pub col: usize,
+}
+
+/// One problem found in a config file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Diagnostic {
+    pub file: String,
+    pub loc: Loc,
+    /// The field's path, e.g. `resources[2].algorithm.lease_length`; empty for the document.
+    pub field: String,
+    pub message: String,
+    pub hint: Option<String>,
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}: ", self.file, self.loc.line, self.loc.col)?;
+        if !self.field.is_empty() {
+            write!(f, "{}: ", self.field)?;
+        }
+        f.write_str(&self.message)?;
+        if let Some(h) = &self.hint {
+            write!(f, " (hint: {h})")?;
+        }
+        Ok(())
+    }
+}
+
+/// Every problem found in one file; never empty.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub diagnostics: Vec<Diagnostic>,
+}
+
+impl ConfigError {
+    /// An error about the file as a whole (unreadable, empty, ...).
+    pub fn whole_file(file: &str, message: impl Into<String>) -> Self {
+        ConfigError {
+            diagnostics: vec![Diagnostic {
+                file: file.to_string(),
+                loc: Loc { line: 1, col: 1 },
+                field: String::new(),
+                message: message.into(),
+                hint: None,
+            }],
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, d) in self.diagnostics.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{d}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// A YAML node and where it starts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    pub value: Value,
+    pub loc: Loc,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    /// A scalar's text, and whether it was plain (unquoted): only plain
+    /// scalars can be numbers, booleans or null.
+    Scalar(String, bool),
+    Seq(Vec<Node>),
+    Map(Vec<(Node, Node)>),
+}
+
+impl Node {
+    pub fn is_null(&self) -> bool {
+        matches!(&self.value, Value::Scalar(s, true) if matches!(s.as_str(), "" | "~" | "null" | "Null" | "NULL"))
+    }
+
+    fn kind_name(&self) -> &'static str {
+        match &self.value {
+            _ if self.is_null() => "null",
+            Value::Scalar(..) => "a scalar",
+            Value::Seq(_) => "a list",
+            Value::Map(_) => "a mapping",
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match &self.value {
+            Value::Scalar(s, _) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+/// Parses one YAML document; a syntax error is reported at its position.
+pub fn parse(file: &str, text: &str) -> Result<Node, ConfigError> {
+    let mut stack: Vec<(Node, Option<Node>, usize)> = Vec::new(); // (container, pending map key, anchor)
+    let mut anchors: HashMap<usize, Node> = HashMap::new();
+    let mut root: Option<Node> = None;
+    let mut docs = 0;
+    let err = |loc: Loc, msg: String| ConfigError {
+        diagnostics: vec![Diagnostic {
+            file: file.to_string(),
+            loc,
+            field: String::new(),
+            message: msg,
+            hint: None,
+        }],
+    };
+    for ev in Parser::new_from_str(text) {
+        let (ev, span) = ev.map_err(|e| {
+            let m = e.marker();
+            err(
+                Loc { line: m.line(), col: m.col() + 1 },
+                format!("YAML syntax error: {}", e.info()),
+            )
+        })?;
+        let loc = Loc { line: span.start.line(), col: span.start.col() + 1 };
+        let finished: Option<(Node, usize)> = match ev {
+            Event::DocumentStart(_) => {
+                docs += 1;
+                if docs > 1 {
+                    return Err(err(loc, "expected one YAML document, found several".into()));
+                }
+                None
+            }
+            Event::Scalar(text, style, anchor, _tag) => {
+                let plain = matches!(style, ScalarStyle::Plain);
+                Some((Node { value: Value::Scalar(Cow::into_owned(text), plain), loc }, anchor))
+            }
+            Event::Alias(id) => match anchors.get(&id) {
+                Some(n) => Some((n.clone(), 0)),
+                None => return Err(err(loc, "alias refers to an unknown anchor".into())),
+            },
+            Event::SequenceStart(anchor, _) => {
+                stack.push((Node { value: Value::Seq(Vec::new()), loc }, None, anchor));
+                None
+            }
+            Event::MappingStart(anchor, _) => {
+                stack.push((Node { value: Value::Map(Vec::new()), loc }, None, anchor));
+                None
+            }
+            Event::SequenceEnd | Event::MappingEnd => stack.pop().map(|(n, _, a)| (n, a)),
+            _ => None,
+        };
+        let Some((node, anchor)) = finished else { continue };
+        if anchor != 0 {
+            anchors.insert(anchor, node.clone());
+        }
+        match stack.last_mut() {
+            None => root = Some(node),
+            Some((Node { value: Value::Seq(items), .. }, _, _)) => items.push(node),
+            Some((Node { value: Value::Map(entries), .. }, pending, _)) => match pending.take() {
+                None => *pending = Some(node),
+                Some(key) => entries.push((key, node)),
+            },
+            Some(_) => unreachable!("only sequences and mappings are pushed"),
+        }
+    }
+    Ok(root.unwrap_or(Node { value: Value::Scalar(String::new(), true), loc: Loc { line: 1, col: 1 } }))
+}
+
+/// Collects diagnostics while a tree is checked and converted.
+pub struct Checker {
+    file: String,
+    pub diagnostics: Vec<Diagnostic>,
+}
+
+/// A mapping being read: remembers which keys were used so unknown ones can be reported.
+pub struct MapView<'a> {
+    node: &'a Node,
+    entries: &'a [(Node, Node)],
+    path: String,
+}
+
+impl<'a> MapView<'a> {
+    pub fn loc(&self) -> Loc {
+        self.node.loc
+    }
+
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    pub fn get(&self, key: &str) -> Option<&'a Node> {
+        self.entries
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(key))
+            .map(|(_, v)| v)
+            .filter(|v| !v.is_null())
+    }
+
+    /// The path of a child field, for diagnostics.
+    pub fn child(&self, key: &str) -> String {
+        if self.path.is_empty() { key.to_string() } else { format!("{}.{}", self.path, key) }
+    }
+
+    pub fn entries(&self) -> impl Iterator<Item = (&'a Node, &'a Node)> {
+        self.entries.iter().map(|(k, v)| (k, v))
+    }
+}
+
+impl Checker {
+    pub fn new(file: &str) -> Self {
+        Checker { file: file.to_string(), diagnostics: Vec::new() }
+    }
+
+    pub fn file(&self) -> &str {
+        &self.file
+    }
+
+    pub fn error(&mut self, loc: Loc, field: &str, message: impl Into<String>, hint: Option<String>) {
+        self.diagnostics.push(Diagnostic {
+            file: self.file.clone(),
+            loc,
+            field: field.to_string(),
+            message: message.into(),
+            hint,
+        });
+    }
+
+    /// `Ok(value)` if nothing was reported, else every diagnostic, in file order.
+    pub fn finish<T>(mut self, value: T) -> Result<T, ConfigError> {
+        if self.diagnostics.is_empty() {
+            return Ok(value);
+        }
+        self.diagnostics.sort_by_key(|d| (d.loc.line, d.loc.col));
+        Err(ConfigError { diagnostics: self.diagnostics })
+    }
+
+    /// Reads `node` as a mapping and reports keys outside `allowed` (and duplicates).
+    pub fn map<'a>(&mut self, node: &'a Node, path: &str, allowed: &[&str]) -> Option<MapView<'a>> {
+        let Value::Map(entries) = &node.value else {
+            self.error(node.loc, path, format!("expected a mapping, found {}", node.kind_name()), None);
+            return None;
+        };
+        let mut seen: Vec<&str> = Vec::new();
+        for (k, _) in entries {
+            let Some(key) = k.as_str() else {
+                self.error(k.loc, path, "expected a plain string key", None);
+                continue;
+            };
+            let field = if path.is_empty() { key.to_string() } else { format!("{path}.{key}") };
+            if seen.contains(&key) {
+                self.error(k.loc, &field, "duplicate key", Some("each key may appear once".into()));
+            }
+            seen.push(key);
+            if !allowed.is_empty() && !allowed.contains(&key) {
+                let hint = closest(key, allowed)
+                    .map(|c| format!("did you mean `{c}`?"))
+                    .or_else(|| Some(format!("known fields: {}", allowed.join(", "))));
+                self.error(k.loc, &field, "unknown field", hint);
+            }
+        }
+        Some(MapView { node, entries, path: path.to_string() })
+    }
+
+    /// Reads `node` as a list.
+    pub fn seq<'a>(&mut self, node: &'a Node, path: &str) -> Option<&'a [Node]> {
+        match &node.value {
+            Value::Seq(items) => Some(items),
+            _ => {
+                self.error(node.loc, path, format!("expected a list, found {}", node.kind_name()), None);
+                None
+            }
+        }
+    }
+
+    /// A required field; reports it missing at the mapping's position.
+    pub fn required<'a>(&mut self, m: &MapView<'a>, key: &str, hint: Option<&str>) -> Option<&'a Node> {
+        let v = m.get(key);
+        if v.is_none() {
+            self.error(m.loc(), &m.child(key), "missing required field", hint.map(str::to_string));
+        }
+        v
+    }
+
+    pub fn string(&mut self, node: &Node, path: &str) -> Option<String> {
+        match &node.value {
+            Value::Scalar(s, _) if !node.is_null() => Some(s.clone()),
+            _ => {
+                self.error(node.loc, path, format!("expected a string, found {}", node.kind_name()), None);
+                None
+            }
+        }
+    }
+
+    pub fn f64(&mut self, node: &Node, path: &str) -> Option<f64> {
+        let parsed = match &node.value {
+            Value::Scalar(s, true) => parse_yaml_float(s),
+            _ => None,
+        };
+        if parsed.is_none() {
+            self.error(node.loc, path, format!("expected a number, found {}", describe(node)), None);
+        }
+        parsed
+    }
+
+    pub fn i64(&mut self, node: &Node, path: &str) -> Option<i64> {
+        let parsed = match &node.value {
+            Value::Scalar(s, true) => parse_yaml_int(s),
+            _ => None,
+        };
+        if parsed.is_none() {
+            self.error(node.loc, path, format!("expected a whole number, found {}", describe(node)), None);
+        }
+        parsed
+    }
+
+    pub fn bool(&mut self, node: &Node, path: &str) -> Option<bool> {
+        let parsed = match &node.value {
+            Value::Scalar(s, true) => match s.as_str() {
+                "true" | "True" | "TRUE" => Some(true),
+                "false" | "False" | "FALSE" => Some(false),
+                _ => None,
+            },
+            _ => None,
+        };
+        if parsed.is_none() {
+            self.error(node.loc, path, format!("expected true or false, found {}", describe(node)), None);
+        }
+        parsed
+    }
+
+    /// A duration such as `500ms`, `2s` or `1m30s`; a bare number is seconds.
+    pub fn duration(&mut self, node: &Node, path: &str) -> Option<Duration> {
+        let parsed = node.as_str().and_then(parse_duration);
+        if parsed.is_none() {
+            self.error(
+                node.loc,
+                path,
+                format!("expected a duration, found {}", describe(node)),
+                Some("write it like 500ms, 2s or 1m30s".into()),
+            );
+        }
+        parsed
+    }
+}
+
+/// Parses `500ms`, `2s`, `1m30s` (humantime syntax) or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    if let Some(secs) = parse_yaml_float(s) {
+        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+    }
+    humantime::parse_duration(s).ok()
+}
+
+fn describe(node: &Node) -> String {
+    match &node.value {
+        Value::Scalar(s, _) if !node.is_null() => format!("`{s}`"),
+        _ => node.kind_name().to_string(),
+    }
+}
+
+fn parse_yaml_int(s: &str) -> Option<i64> {
+    let t = s.replace('_', "");
+    if let Some(h) = t.strip_prefix("0x") {
+        return i64::from_str_radix(h, 16).ok();
+    }
+    t.parse::<i64>().ok()
+}
+
+fn parse_yaml_float(s: &str) -> Option<f64> {
+    match s {
+        ".inf" | ".Inf" | ".INF" | "+.inf" => return Some(f64::INFINITY),
+        "-.inf" | "-.Inf" | "-.INF" => return Some(f64::NEG_INFINITY),
+        ".nan" | ".NaN" | ".NAN" => return Some(f64::NAN),
+        _ => {}
+    }
+    if let Some(i) = parse_yaml_int(s) {
+        return Some(i as f64);
+    }
+    let t = s.replace('_', "");
+    // Rust accepts "inf"/"nan" spellings that YAML does not.
+    if t.chars().any(|c| c.is_ascii_alphabetic() && c != 'e' && c != 'E') {
+        return None;
+    }
+    t.parse::<f64>().ok()
+}
+
+/// The allowed word closest to `word`, if it is close enough to be a typo.
+pub fn closest<'a>(word: &str, allowed: &[&'a str]) -> Option<&'a str> {
+    allowed
+        .iter()
+        .map(|a| (edit_distance(word, a), *a))
+        .filter(|(d, a)| *d <= 2.max(a.len() / 4))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, a)| a)
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let cost = usize::from(ca != *cb);
+            cur[j + 1] = (prev[j] + cost).min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_are_one_based_and_point_at_the_value() {
+        let n = parse("f.yaml", "a: 1\nb:\n  c: [x, 'y']\n").unwrap();
+        let mut ck = Checker::new("f.yaml");
+        let m = ck.map(&n, "", &["a", "b"]).unwrap();
+        let b = m.get("b").unwrap();
+        let bm = ck.map(b, "b", &["c"]).unwrap();
+        let c = bm.get("c").unwrap();
+        assert_eq!(c.loc, Loc { line: 3, col: 6 });
+        let items = ck.seq(c, "b.c").unwrap();
+        assert_eq!(items[1].value, Value::Scalar("y".into(), false));
+        assert!(ck.diagnostics.is_empty());
+    }
+
+    #[test]
+    fn collects_every_error_with_hints() {
+        let n = parse("f.yaml", "capacty: 1\nlease: x\nlease: 2\n").unwrap();
+        let mut ck = Checker::new("f.yaml");
+        let m = ck.map(&n, "", &["capacity", "lease"]).unwrap();
+        ck.f64(m.get("lease").unwrap(), "lease");
+        let err = ck.finish(()).unwrap_err();
+        let text = err.to_string();
+        assert_eq!(err.diagnostics.len(), 3, "{text}");
+        assert!(text.contains("f.yaml:1:1: capacty: unknown field (hint: did you mean `capacity`?)"), "{text}");
+        assert!(text.contains("f.yaml:2:8: lease: expected a number, found `x`"), "{text}");
+        assert!(text.contains("f.yaml:3:1: lease: duplicate key"), "{text}");
+    }
+
+    #[test]
+    fn syntax_errors_carry_a_position() {
+        let err = parse("bad.yaml", "a: [1, 2\nb: 3\n").unwrap_err();
+        let d = &err.diagnostics[0];
+        assert!(d.message.starts_with("YAML syntax error"), "{err}");
+        assert!(d.loc.line >= 1);
+    }
+
+    #[test]
+    fn quoted_numbers_are_strings_and_durations_parse() {
+        let n = parse("f", "a: '5'\nb: 1m30s\nc: 250ms\nd: 2\n").unwrap();
+        let mut ck = Checker::new("f");
+        let m = ck.map(&n, "", &[]).unwrap();
+        assert_eq!(ck.f64(m.get("a").unwrap(), "a"), None);
+        assert_eq!(ck.duration(m.get("b").unwrap(), "b"), Some(Duration::from_secs(90)));
+        assert_eq!(ck.duration(m.get("c").unwrap(), "c"), Some(Duration::from_millis(250)));
+        assert_eq!(ck.duration(m.get("d").unwrap(), "d"), Some(Duration::from_secs(2)));
+    }
+
+    #[test]
+    fn anchors_and_aliases_resolve() {
+        let n = parse("f", "a: &x {k: 1}\nb: *x\n").unwrap();
+        let mut ck = Checker::new("f");
+        let m = ck.map(&n, "", &[]).unwrap();
+        assert_eq!(m.get("a").unwrap().value, m.get("b").unwrap().value);
+    }
+}

@@ -1,0 +1,12 @@
+//! usher: lease-based sharing of one service's capacity among many clients.
+//!
+//! `usher server` is a Doorman-compatible capacity server; `usher proxy` is the
+//! sidecar that leases capacity from it and enforces it on outbound HTTP.
+//! See ARCHITECTURE.md for the data flow; each module's doc says what it owns.
+
+#![forbid(unsafe_code)]
+
+pub mod algorithm;
+pub mod clock;
+pub mod config;
+pub mod proto;
