@@ -6,7 +6,10 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod algorithm;
 pub mod clock;
 pub mod config;
+pub mod error;
 pub mod proto;
+pub mod server;

@@ -1,0 +1,79 @@
+//! Tells when a config file should be read again: on SIGHUP, on any change in
+//! the file's directory (which is how Kubernetes swaps a ConfigMap: it
+//! re-points a `..data` symlink, so the file's own inode never changes), and
+//! on a slow poll as a fallback for filesystems without inotify. Callers
+//! compare contents, so a spurious wake-up costs one read.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use notify::{RecursiveMode, Watcher};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// Why a reload was triggered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// The operator asked for it: reload even if the file looks unchanged.
+    Signal,
+    /// Something changed in the file's directory, or the poll fired.
+    FileEvent,
+}
+
+/// How often the file is re-read when no event arrives.
+pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Starts watching `path`. The returned receiver yields a [`Cause`] per
+/// trigger (bursts are coalesced) until `shutdown` is cancelled.
+pub fn watch(path: &Path, shutdown: CancellationToken) -> mpsc::Receiver<Cause> {
+    let (tx, rx) = mpsc::channel(1);
+    let dir: PathBuf = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+
+    let event_tx = tx.clone();
+    let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+        if res.is_ok() {
+            // A full channel already holds a pending reload.
+            let _ = event_tx.try_send(Cause::FileEvent);
+        }
+    })
+    .and_then(|mut w| w.watch(&dir, RecursiveMode::NonRecursive).map(|()| w));
+    let watcher = match watcher {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot watch config directory; relying on SIGHUP and polling");
+            None
+        }
+    };
+
+    tokio::spawn(async move {
+        let _watcher = watcher; // dropped (and unwatched) when this task ends
+        let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGHUP");
+                None
+            }
+        };
+        let mut poll = tokio::time::interval(POLL_INTERVAL);
+        poll.tick().await;
+        loop {
+            let cause = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => Cause::Signal,
+                _ = poll.tick() => Cause::FileEvent,
+            };
+            if cause == Cause::Signal {
+                // A signal must not be lost to coalescing.
+                if tx.send(cause).await.is_err() {
+                    return;
+                }
+            } else {
+                let _ = tx.try_send(cause);
+            }
+        }
+    });
+    rx
+}

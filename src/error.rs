@@ -1,0 +1,39 @@
+//! Errors that end a command, and the one place they become exit codes.
+
+use crate::config::ConfigError;
+
+/// `EX_USAGE` from sysexits.h: bad configuration or arguments.
+pub const EXIT_USAGE: u8 = 64;
+/// `EX_UNAVAILABLE`: a listener could not be bound.
+pub const EXIT_UNAVAILABLE: u8 = 69;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("invalid configuration:\n{0}")]
+    Config(#[from] ConfigError),
+    #[error("cannot listen on {addr} ({what}): {source}")]
+    Bind {
+        what: &'static str,
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+impl RunError {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            RunError::Config(_) => EXIT_USAGE,
+            RunError::Bind { .. } => EXIT_UNAVAILABLE,
+            RunError::Other(_) => 1,
+        }
+    }
+}
+
+/// Binds a TCP listener, naming what it is for in the error.
+pub async fn bind(what: &'static str, addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener, RunError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| RunError::Bind { what, addr, source })
+}

@@ -1,0 +1,74 @@
+//! The capacity server's Prometheus metrics, registered in an injected registry.
+
+use prometheus::{GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+use super::store::ResourceStatus;
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub rpc_requests: IntCounterVec,
+    pub rpc_errors: IntCounterVec,
+    pub rpc_duration: HistogramVec,
+    pub config_reloads: IntCounter,
+    pub config_reload_errors: IntCounter,
+    resource_capacity: GaugeVec,
+    resource_has: GaugeVec,
+    resource_wants: GaugeVec,
+    resource_clients: IntGaugeVec,
+    resource_learning: IntGaugeVec,
+    is_master: IntGaugeVec,
+}
+
+fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
+    r.register(Box::new(c.clone())).expect("metric names are unique");
+    c
+}
+
+impl Metrics {
+    pub fn new(registry: Registry) -> Self {
+        let r = &registry;
+        let res = |name: &str, help: &str| reg(r, GaugeVec::new(Opts::new(name, help), &["resource"]).expect("valid metric"));
+        Metrics {
+            rpc_requests: reg(r, IntCounterVec::new(Opts::new("usher_server_rpc_requests_total", "Capacity RPCs received, by method."), &["method"]).expect("valid metric")),
+            rpc_errors: reg(r, IntCounterVec::new(Opts::new("usher_server_rpc_errors_total", "Capacity RPCs answered with an error, by method and gRPC code."), &["method", "code"]).expect("valid metric")),
+            rpc_duration: reg(
+                r,
+                HistogramVec::new(
+                    HistogramOpts::new("usher_server_rpc_duration_seconds", "Time to answer a capacity RPC, by method.")
+                        .buckets(vec![0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.1]),
+                    &["method"],
+                )
+                .expect("valid metric"),
+            ),
+            config_reloads: reg(r, IntCounter::new("usher_config_reloads_total", "Configuration reloads applied.").expect("valid metric")),
+            config_reload_errors: reg(r, IntCounter::new("usher_config_reload_errors_total", "Configuration reloads rejected; the previous configuration stays in force.").expect("valid metric")),
+            resource_capacity: res("usher_server_resource_capacity", "Configured capacity of a resource."),
+            resource_has: res("usher_server_resource_has", "Sum of unexpired leases granted on a resource."),
+            resource_wants: res("usher_server_resource_wants", "Sum of what the clients of a resource want."),
+            resource_clients: reg(r, IntGaugeVec::new(Opts::new("usher_server_resource_clients", "Clients holding an unexpired lease on a resource."), &["resource"]).expect("valid metric")),
+            resource_learning: reg(r, IntGaugeVec::new(Opts::new("usher_server_resource_learning_mode", "1 while a resource is in learning mode."), &["resource"]).expect("valid metric")),
+            is_master: reg(r, IntGaugeVec::new(Opts::new("usher_server_is_master", "1 when this server is the master of its node."), &["server_id"]).expect("valid metric")),
+            registry,
+        }
+    }
+
+    /// Sets the per-resource gauges from a fresh snapshot; resources that are
+    /// gone disappear from the exposition.
+    pub fn set_resources(&self, resources: &[ResourceStatus], server_id: &str, is_master: bool) {
+        for g in [&self.resource_capacity, &self.resource_has, &self.resource_wants] {
+            g.reset();
+        }
+        self.resource_clients.reset();
+        self.resource_learning.reset();
+        for r in resources {
+            let l = [r.id.as_str()];
+            self.resource_capacity.with_label_values(&l).set(r.capacity);
+            self.resource_has.with_label_values(&l).set(r.sum_has);
+            self.resource_wants.with_label_values(&l).set(r.sum_wants);
+            self.resource_clients.with_label_values(&l).set(r.clients as i64);
+            self.resource_learning.with_label_values(&l).set(i64::from(r.learning_mode));
+        }
+        self.is_master.reset();
+        self.is_master.with_label_values(&[server_id]).set(i64::from(is_master));
+    }
+}

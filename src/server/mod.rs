@@ -1,0 +1,200 @@
+//! `usher server`: the Doorman-compatible capacity server.
+//!
+//! [`Node`] holds the state shared by the gRPC service, the admin pages and
+//! the background tasks (lease sweep, config reload). This module wires them
+//! together and runs them until shutdown.
+
+pub mod metrics;
+pub mod service;
+mod status;
+pub mod store;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::{Clock, Time};
+use crate::config::resources::ResourcesConfig;
+use crate::config::watch;
+use crate::error::{RunError, bind};
+pub use metrics::Metrics;
+pub use service::CapacityService;
+pub use store::Store;
+
+/// Default gRPC listen address.
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:15100";
+/// Default admin listen address (loopback: the admin pages are not for the network).
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:15180";
+/// Default minimum interval between two requests of one client for one resource.
+pub const DEFAULT_MIN_REQUEST_INTERVAL: &str = "1s";
+/// How often expired leases are swept when nobody asks.
+pub const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
+/// `usher server` flags; each can also be set as `USHER_<FLAG>`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServerArgs {
+    /// Doorman resources file (YAML). Reloaded on SIGHUP and whenever it changes.
+    #[arg(long, env = "USHER_CONFIG", value_name = "FILE")]
+    pub config: PathBuf,
+    /// Address for the gRPC `doorman.Capacity` service.
+    #[arg(long, env = "USHER_LISTEN", value_name = "ADDR", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+    /// Address for /metrics, /healthz, /readyz and /debug pages.
+    #[arg(long, env = "USHER_ADMIN_LISTEN", value_name = "ADDR", default_value = DEFAULT_ADMIN_LISTEN)]
+    pub admin_listen: SocketAddr,
+    /// This server's id and the master address it announces [default: HOSTNAME:PORT of --listen].
+    #[arg(long, env = "USHER_ADVERTISE_ADDR", value_name = "HOST:PORT")]
+    pub advertise_addr: Option<String>,
+    /// A client asking again for a resource sooner than this gets its current lease back unchanged.
+    #[arg(long, env = "USHER_MIN_REQUEST_INTERVAL", value_name = "DURATION", default_value = DEFAULT_MIN_REQUEST_INTERVAL, value_parser = parse_duration)]
+    pub min_request_interval: Duration,
+}
+
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    crate::config::yaml::parse_duration(s).ok_or_else(|| format!("`{s}` is not a duration (write e.g. 500ms, 1s, 2m)"))
+}
+
+/// Who the master is, as this server knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mastership {
+    pub is_master: bool,
+    pub master_address: Option<String>,
+}
+
+/// The outcome of the latest configuration load.
+#[derive(Debug, Clone, Default)]
+pub struct ConfigState {
+    pub loaded_at: Option<Time>,
+    pub last_error: Option<String>,
+}
+
+/// Everything one capacity server shares between its tasks.
+pub struct Node {
+    pub server_id: String,
+    pub store: Store,
+    pub metrics: Metrics,
+    pub config_source: String,
+    mastership: ArcSwap<Mastership>,
+    config_state: Mutex<ConfigState>,
+}
+
+impl Node {
+    pub fn new(server_id: String, config_source: String, config: ResourcesConfig, clock: Clock, min_request_interval: Duration, registry: prometheus::Registry) -> Self {
+        let now = clock.now();
+        Node {
+            mastership: ArcSwap::from_pointee(Mastership { is_master: true, master_address: Some(server_id.clone()) }),
+            server_id,
+            store: Store::new(clock, config, min_request_interval),
+            metrics: Metrics::new(registry),
+            config_source,
+            config_state: Mutex::new(ConfigState { loaded_at: Some(now), last_error: None }),
+        }
+    }
+
+    pub fn mastership(&self) -> Arc<Mastership> {
+        self.mastership.load_full()
+    }
+
+    pub fn config_state(&self) -> ConfigState {
+        self.config_state.lock().expect("config state lock poisoned").clone()
+    }
+
+    /// Applies a freshly read configuration, or keeps the old one and says why.
+    pub fn apply_config(&self, result: Result<ResourcesConfig, crate::config::ConfigError>) {
+        let mut state = self.config_state.lock().expect("config state lock poisoned");
+        match result {
+            Ok(cfg) => {
+                let n = cfg.templates.len();
+                self.store.reload(cfg);
+                self.metrics.config_reloads.inc();
+                state.loaded_at = Some(self.store.clock().now());
+                state.last_error = None;
+                tracing::info!(source = %self.config_source, templates = n, "configuration reloaded");
+            }
+            Err(e) => {
+                self.metrics.config_reload_errors.inc();
+                tracing::error!(source = %self.config_source, "configuration rejected, keeping the previous one:\n{e}");
+                state.last_error = Some(e.to_string());
+            }
+        }
+    }
+
+    /// Ready: configuration loaded, and this server is master or knows the master.
+    pub fn is_ready(&self) -> bool {
+        let m = self.mastership();
+        self.config_state().loaded_at.is_some() && (m.is_master || m.master_address.is_some())
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// Runs the server until `shutdown` is cancelled.
+pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), RunError> {
+    let source = args.config.display().to_string();
+    let config = ResourcesConfig::load(&args.config)?;
+    let grpc = bind("gRPC", args.listen).await?;
+    let admin = bind("admin", args.admin_listen).await?;
+    let grpc_addr = grpc.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
+    let admin_addr = admin.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
+    let server_id = args.advertise_addr.clone().unwrap_or_else(|| format!("{}:{}", hostname(), grpc_addr.port()));
+
+    let node = Arc::new(Node::new(server_id.clone(), source.clone(), config, Clock::system(), args.min_request_interval, prometheus::Registry::new()));
+    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, server_id = %server_id, config = %source, "usher server listening");
+
+    // Expired leases are dropped even when no request touches their resource.
+    let sweeper = {
+        let node = node.clone();
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(SWEEP_INTERVAL);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tick.tick() => node.store.sweep(),
+                }
+            }
+        })
+    };
+
+    let reloader = {
+        let node = node.clone();
+        let path = args.config.clone();
+        let mut causes = watch::watch(&args.config, shutdown.clone());
+        tokio::spawn(async move {
+            let mut last = std::fs::read(&path).ok();
+            while let Some(cause) = causes.recv().await {
+                let text = std::fs::read(&path).ok();
+                if cause == watch::Cause::FileEvent && text == last {
+                    continue;
+                }
+                last = text;
+                tracing::info!(?cause, "reloading configuration");
+                node.apply_config(ResourcesConfig::load(&path));
+            }
+        })
+    };
+
+    let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(node.clone()), shutdown.clone()));
+
+    let svc = CapacityService::new(node.clone()).into_server();
+    let served = tonic::transport::Server::builder()
+        .add_service(svc)
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), shutdown.clone().cancelled_owned())
+        .await;
+    shutdown.cancel();
+    let _ = tokio::join!(sweeper, reloader, admin_task);
+    served.map_err(|e| RunError::Other(format!("gRPC server failed: {e}")))?;
+    tracing::info!("usher server stopped");
+    Ok(())
+}

@@ -1,0 +1,264 @@
+//! The `doorman.Capacity` gRPC service: validates requests, asks the store,
+//! and answers in Doorman's wire format. A server that is not the master
+//! answers the capacity RPCs with only a mastership redirect.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tonic::{Request, Response, Status};
+
+use super::Node;
+use super::store::{Band, Grant, LeaseRequest, Requester};
+use crate::proto;
+use crate::proto::capacity_server::Capacity;
+
+/// The tonic service; cheap to clone, all state lives in the shared [`Node`].
+#[derive(Clone)]
+pub struct CapacityService {
+    node: Arc<Node>,
+}
+
+impl CapacityService {
+    pub fn new(node: Arc<Node>) -> Self {
+        CapacityService { node }
+    }
+
+    pub fn into_server(self) -> proto::capacity_server::CapacityServer<Self> {
+        proto::capacity_server::CapacityServer::new(self)
+    }
+
+    /// Runs `f`, recording the RPC's count, errors and duration.
+    fn observe<T>(&self, method: &str, f: impl FnOnce() -> Result<T, Status>) -> Result<Response<T>, Status> {
+        let start = Instant::now();
+        let out = f();
+        let m = &self.node.metrics;
+        m.rpc_requests.with_label_values(&[method]).inc();
+        m.rpc_duration.with_label_values(&[method]).observe(start.elapsed().as_secs_f64());
+        if let Err(s) = &out {
+            m.rpc_errors.with_label_values(&[method, code_name(s.code())]).inc();
+            tracing::debug!(method, code = ?s.code(), message = s.message(), "rejected request");
+        }
+        out.map(Response::new)
+    }
+
+    /// `Some(mastership)` when this server must redirect instead of answering.
+    fn redirect(&self) -> Option<proto::Mastership> {
+        let m = self.node.mastership();
+        (!m.is_master).then(|| proto::Mastership { master_address: m.master_address.clone() })
+    }
+}
+
+fn code_name(code: tonic::Code) -> &'static str {
+    match code {
+        tonic::Code::InvalidArgument => "InvalidArgument",
+        tonic::Code::ResourceExhausted => "ResourceExhausted",
+        tonic::Code::Unavailable => "Unavailable",
+        _ => "Other",
+    }
+}
+
+fn wire_lease(g: &Grant) -> proto::Lease {
+    proto::Lease {
+        expiry_time: g.expiry.as_secs(),
+        refresh_interval: g.refresh_interval.as_secs() as i64,
+        capacity: g.capacity,
+    }
+}
+
+pub(crate) fn wire_algorithm(a: &crate::config::resources::Algorithm) -> proto::Algorithm {
+    let kind = match a.kind {
+        crate::algorithm::Kind::NoAlgorithm => proto::algorithm::Kind::NoAlgorithm,
+        crate::algorithm::Kind::Static => proto::algorithm::Kind::Static,
+        crate::algorithm::Kind::ProportionalShare => proto::algorithm::Kind::ProportionalShare,
+        crate::algorithm::Kind::FairShare => proto::algorithm::Kind::FairShare,
+    };
+    proto::Algorithm {
+        kind: kind as i32,
+        lease_length: a.lease_length.as_secs() as i64,
+        refresh_interval: a.refresh_interval.as_secs() as i64,
+        parameters: a
+            .parameters
+            .iter()
+            .map(|(n, v)| proto::NamedParameter { name: n.clone(), value: v.clone() })
+            .collect(),
+        learning_mode_duration: Some(a.learning_mode_duration.as_secs() as i64),
+    }
+}
+
+// === validation ===
+
+fn invalid(msg: String) -> Status {
+    Status::invalid_argument(msg)
+}
+
+fn check_id(field: &str, id: &str) -> Result<(), Status> {
+    if id.is_empty() {
+        return Err(invalid(format!("{field} must not be empty")));
+    }
+    Ok(())
+}
+
+fn check_amount(field: &str, v: f64) -> Result<(), Status> {
+    if !v.is_finite() || v < 0.0 {
+        return Err(invalid(format!("{field} must be a finite number >= 0, got {v}")));
+    }
+    Ok(())
+}
+
+fn check_has(field: &str, has: &Option<proto::Lease>) -> Result<Option<f64>, Status> {
+    match has {
+        None => Ok(None),
+        Some(l) => {
+            check_amount(&format!("{field}.capacity"), l.capacity)?;
+            Ok(Some(l.capacity))
+        }
+    }
+}
+
+fn check_unique<'a>(seen: &mut HashSet<&'a str>, field: &str, id: &'a str) -> Result<(), Status> {
+    if !seen.insert(id) {
+        return Err(invalid(format!("{field}: resource `{id}` appears more than once in one request")));
+    }
+    Ok(())
+}
+
+/// Validates a whole GetCapacity request before anything is stored.
+pub fn client_requests(req: &proto::GetCapacityRequest) -> Result<Vec<LeaseRequest>, Status> {
+    check_id("client_id", &req.client_id)?;
+    let mut seen = HashSet::new();
+    req.resource
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let f = format!("resource[{i}]");
+            check_id(&format!("{f}.resource_id"), &r.resource_id)?;
+            check_unique(&mut seen, &f, &r.resource_id)?;
+            check_amount(&format!("{f}.wants"), r.wants)?;
+            let reported_has = check_has(&format!("{f}.has"), &r.has)?;
+            Ok(LeaseRequest {
+                resource_id: r.resource_id.clone(),
+                wants: r.wants,
+                subclients: 1,
+                reported_has,
+                requester: Requester::Client { priority: r.priority },
+            })
+        })
+        .collect()
+}
+
+/// Validates a whole GetServerCapacity request before anything is stored.
+pub fn server_requests(req: &proto::GetServerCapacityRequest) -> Result<Vec<LeaseRequest>, Status> {
+    check_id("server_id", &req.server_id)?;
+    let mut seen = HashSet::new();
+    req.resource
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let f = format!("resource[{i}]");
+            check_id(&format!("{f}.resource_id"), &r.resource_id)?;
+            check_unique(&mut seen, &f, &r.resource_id)?;
+            let reported_has = check_has(&format!("{f}.has"), &r.has)?;
+            let mut wants = 0.0;
+            let mut subclients: u64 = 0;
+            let mut bands = Vec::with_capacity(r.wants.len());
+            for (j, b) in r.wants.iter().enumerate() {
+                let bf = format!("{f}.wants[{j}]");
+                if b.num_clients < 1 {
+                    return Err(invalid(format!("{bf}.num_clients must be at least 1, got {}", b.num_clients)));
+                }
+                check_amount(&format!("{bf}.wants"), b.wants)?;
+                wants += b.wants;
+                subclients = subclients.saturating_add(b.num_clients as u64);
+                bands.push(Band { priority: b.priority, num_clients: b.num_clients, wants: b.wants });
+            }
+            check_amount(&format!("{f}.wants"), wants)?;
+            Ok(LeaseRequest {
+                resource_id: r.resource_id.clone(),
+                wants,
+                // A server with no band yet still counts as one subclient.
+                subclients: subclients.max(1),
+                reported_has,
+                requester: Requester::Server { bands },
+            })
+        })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl Capacity for CapacityService {
+    async fn discovery(&self, _req: Request<proto::DiscoveryRequest>) -> Result<Response<proto::DiscoveryResponse>, Status> {
+        self.observe("Discovery", || {
+            let m = self.node.mastership();
+            Ok(proto::DiscoveryResponse {
+                mastership: proto::Mastership { master_address: m.master_address.clone() },
+                is_master: m.is_master,
+            })
+        })
+    }
+
+    async fn get_capacity(&self, req: Request<proto::GetCapacityRequest>) -> Result<Response<proto::GetCapacityResponse>, Status> {
+        let req = req.into_inner();
+        self.observe("GetCapacity", || {
+            if let Some(m) = self.redirect() {
+                return Ok(proto::GetCapacityResponse { response: vec![], mastership: Some(m) });
+            }
+            let asks = client_requests(&req)?;
+            let response = asks
+                .iter()
+                .map(|a| {
+                    let g = self.node.store.get_capacity(&req.client_id, a);
+                    proto::ResourceResponse {
+                        resource_id: a.resource_id.clone(),
+                        gets: wire_lease(&g),
+                        safe_capacity: Some(g.safe_capacity),
+                    }
+                })
+                .collect();
+            Ok(proto::GetCapacityResponse { response, mastership: None })
+        })
+    }
+
+    async fn get_server_capacity(
+        &self,
+        req: Request<proto::GetServerCapacityRequest>,
+    ) -> Result<Response<proto::GetServerCapacityResponse>, Status> {
+        let req = req.into_inner();
+        self.observe("GetServerCapacity", || {
+            if let Some(m) = self.redirect() {
+                return Ok(proto::GetServerCapacityResponse { response: vec![], mastership: Some(m) });
+            }
+            let asks = server_requests(&req)?;
+            let response = asks
+                .iter()
+                .map(|a| {
+                    let g = self.node.store.get_capacity(&req.server_id, a);
+                    proto::ServerCapacityResourceResponse {
+                        resource_id: a.resource_id.clone(),
+                        gets: wire_lease(&g),
+                        algorithm: Some(wire_algorithm(&g.template.algorithm)),
+                        safe_capacity: Some(g.safe_capacity),
+                    }
+                })
+                .collect();
+            Ok(proto::GetServerCapacityResponse { response, mastership: None })
+        })
+    }
+
+    async fn release_capacity(
+        &self,
+        req: Request<proto::ReleaseCapacityRequest>,
+    ) -> Result<Response<proto::ReleaseCapacityResponse>, Status> {
+        let req = req.into_inner();
+        self.observe("ReleaseCapacity", || {
+            if let Some(m) = self.redirect() {
+                return Ok(proto::ReleaseCapacityResponse { mastership: Some(m) });
+            }
+            check_id("client_id", &req.client_id)?;
+            for id in &req.resource_id {
+                self.node.store.release(&req.client_id, id);
+            }
+            Ok(proto::ReleaseCapacityResponse { mastership: None })
+        })
+    }
+}

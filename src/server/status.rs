@@ -1,0 +1,142 @@
+//! The capacity server's admin pages: metrics, health, readiness, and the
+//! `/debug/status` and `/debug/resources` views (HTML, or JSON with `?format=json`).
+
+use std::fmt::Write;
+use std::sync::Arc;
+
+use http::StatusCode;
+use serde::Serialize;
+
+use super::Node;
+use super::store::{LeaseStatus, ResourceStatus};
+use crate::admin::{self, Handler, escape};
+
+#[derive(Serialize)]
+struct Status {
+    server_id: String,
+    role: &'static str,
+    is_master: bool,
+    master_address: Option<String>,
+    ready: bool,
+    config_source: String,
+    config_loaded_at: Option<i64>,
+    config_error: Option<String>,
+    resources: Vec<ResourceStatus>,
+}
+
+#[derive(Serialize)]
+struct ResourceLeases {
+    resource: String,
+    leases: Vec<LeaseStatus>,
+}
+
+fn status(node: &Node) -> Status {
+    let m = node.mastership();
+    let cs = node.config_state();
+    Status {
+        server_id: node.server_id.clone(),
+        role: "root",
+        is_master: m.is_master,
+        master_address: m.master_address.clone(),
+        ready: node.is_ready(),
+        config_source: node.config_source.clone(),
+        config_loaded_at: cs.loaded_at.map(|t| t.as_secs()),
+        config_error: cs.last_error,
+        resources: node.store.status(),
+    }
+}
+
+pub fn handler(node: Arc<Node>) -> Handler {
+    Arc::new(move |req| {
+        let json = admin::query_param(&req.uri, "format").as_deref() == Some("json");
+        match req.uri.path() {
+            "/metrics" => {
+                let m = node.mastership();
+                node.metrics.set_resources(&node.store.status(), &node.server_id, m.is_master);
+                admin::metrics(&node.metrics.registry)
+            }
+            "/healthz" => admin::text(StatusCode::OK, "ok\n"),
+            "/readyz" if node.is_ready() => admin::text(StatusCode::OK, "ready\n"),
+            "/readyz" => admin::text(StatusCode::SERVICE_UNAVAILABLE, "not ready: no master known\n"),
+            "/debug/status" | "/" => {
+                let s = status(&node);
+                if json { admin::json(&s) } else { admin::html(status_html(&s)) }
+            }
+            "/debug/resources" => {
+                let Some(id) = admin::query_param(&req.uri, "resource") else {
+                    return admin::text(StatusCode::BAD_REQUEST, "missing ?resource=ID\n");
+                };
+                match node.store.leases(&id) {
+                    None => admin::text(StatusCode::NOT_FOUND, format!("no resource `{id}` (no client has asked for it, or every lease expired)\n")),
+                    Some(leases) => {
+                        let r = ResourceLeases { resource: id, leases };
+                        if json { admin::json(&r) } else { admin::html(leases_html(&r)) }
+                    }
+                }
+            }
+            other => admin::not_found(other),
+        }
+    })
+}
+
+fn status_html(s: &Status) -> String {
+    let mut b = String::new();
+    let _ = write!(
+        b,
+        "<p>Server <b>{}</b>, role {}, {}. Master: {}.</p><p>Config <code>{}</code>{}</p>",
+        escape(&s.server_id),
+        s.role,
+        if s.is_master { "<b>master</b>" } else { "not master" },
+        escape(s.master_address.as_deref().unwrap_or("unknown")),
+        escape(&s.config_source),
+        match &s.config_error {
+            Some(e) => format!(" <span class=err>last reload rejected: <pre>{}</pre></span>", escape(e)),
+            None => String::new(),
+        }
+    );
+    b.push_str("<table id=resources><tr><th>resource</th><th>template</th><th>algorithm</th><th>capacity</th><th>sum has</th><th>sum wants</th><th>clients</th><th>learning</th></tr>");
+    for r in &s.resources {
+        let _ = write!(
+            b,
+            "<tr><td><a href=\"/debug/resources?resource={id_q}\">{id}</a></td><td>{}</td><td>{}</td><td>{:.3}</td><td>{:.3}</td><td>{:.3}</td><td>{}</td><td>{}</td></tr>",
+            escape(&r.template),
+            r.algorithm,
+            r.capacity,
+            r.sum_has,
+            r.sum_wants,
+            r.clients,
+            if r.learning_mode { format!("{:.0}s left", r.learning_left_s) } else { "no".into() },
+            id = escape(&r.id),
+            id_q = escape(&percent_encode(&r.id)),
+        );
+    }
+    b.push_str("</table>");
+    admin::page("usher server", &b)
+}
+
+fn leases_html(r: &ResourceLeases) -> String {
+    let mut b = String::from("<p><a href=\"/debug/status\">back</a></p><table id=leases><tr><th>client</th><th>kind</th><th>has</th><th>wants</th><th>subclients</th><th>expires in</th></tr>");
+    for l in &r.leases {
+        let _ = write!(
+            b,
+            "<tr><td>{}</td><td>{}</td><td>{:.3}</td><td>{:.3}</td><td>{}</td><td>{:.1}s</td></tr>",
+            escape(&l.client_id),
+            l.kind,
+            l.has,
+            l.wants,
+            l.subclients,
+            l.expires_in_s
+        );
+    }
+    b.push_str("</table>");
+    admin::page(&format!("usher server: {}", r.resource), &b)
+}
+
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}

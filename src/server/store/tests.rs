@@ -1,0 +1,175 @@
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::config::resources::{Algorithm, ResourcesConfig, Template};
+
+fn template(kind: Kind, capacity: f64, lease: u64, refresh: u64, learning: u64) -> Arc<Template> {
+    Arc::new(Template {
+        identifier_glob: "*".into(),
+        capacity,
+        safe_capacity: None,
+        description: None,
+        algorithm: Algorithm {
+            kind,
+            lease_length: Duration::from_secs(lease),
+            refresh_interval: Duration::from_secs(refresh),
+            learning_mode_duration: Duration::from_secs(learning),
+            parameters: vec![],
+        },
+    })
+}
+
+fn store(kind: Kind, capacity: f64, learning: u64, min_interval: Duration) -> (Store, Arc<crate::clock::ManualClock>) {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(kind, capacity, 10, 5, learning)] };
+    (Store::new(clock, cfg, min_interval), handle)
+}
+
+fn req(resource: &str, wants: f64, has: Option<f64>) -> LeaseRequest {
+    LeaseRequest {
+        resource_id: resource.into(),
+        wants,
+        subclients: 1,
+        reported_has: has,
+        requester: Requester::Client { priority: 0 },
+    }
+}
+
+#[test]
+fn lease_store_sums_cleanup_and_release() {
+    // Doorman's lease-store facts, driven through learning mode so that each
+    // client is granted exactly the has it reports.
+    let mut r = Resource::new(template(Kind::FairShare, 100.0, 10, 5, 0));
+    let now = Time::from_secs(500);
+    r.decide("a", &req("x", 12.0, Some(10.0)), now, true, Duration::ZERO);
+    r.decide("b", &req("x", 12.0, Some(10.0)), now, true, Duration::ZERO);
+    r.template = template(Kind::FairShare, 100.0, 20, 5, 0);
+    r.decide("c", &req("x", 20.0, Some(15.0)), now, true, Duration::ZERO);
+    assert_eq!((r.index.total_has(), r.index.total_wants(), r.index.total_subclients()), (35.0, 44.0, 3));
+    r.expire(now.saturating_add(Duration::from_secs(10)));
+    assert_eq!((r.index.total_has(), r.index.total_wants(), r.clients.len()), (15.0, 20.0, 1));
+    r.remove("c");
+    assert_eq!((r.index.total_has(), r.index.total_wants(), r.index.total_subclients()), (0.0, 0.0, 0));
+}
+
+#[test]
+fn learning_mode_hands_back_has_then_ends() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 5, Duration::ZERO);
+    let g = s.get_capacity("a", &req("r", 80.0, Some(30.0)));
+    assert_eq!(g.capacity, 30.0, "learning mode grants the reported has");
+    let g = s.get_capacity("b", &req("r", 80.0, None));
+    assert_eq!(g.capacity, 0.0, "no has reported: 0");
+    assert!(s.status()[0].learning_mode);
+    clock.advance(Duration::from_secs(5));
+    let g = s.get_capacity("b", &req("r", 80.0, None));
+    assert_eq!(g.capacity, 70.0, "a still holds 30 of 100");
+    assert!(!s.status()[0].learning_mode);
+}
+
+#[test]
+fn too_early_request_gets_its_lease_back_and_records_wants() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::from_secs(1));
+    let first = s.get_capacity("a", &req("r", 40.0, None));
+    assert_eq!(first.capacity, 40.0);
+    clock.advance(Duration::from_millis(300));
+    let again = s.get_capacity("a", &req("r", 90.0, None));
+    assert_eq!(again.capacity, 40.0);
+    assert_eq!(again.expiry, first.expiry, "the lease is returned unchanged");
+    assert_eq!(s.status()[0].sum_wants, 90.0, "the new wants is recorded");
+    clock.advance(Duration::from_millis(800));
+    assert_eq!(s.get_capacity("a", &req("r", 90.0, None)).capacity, 90.0);
+}
+
+#[test]
+fn dynamic_safe_capacity_counts_the_requester() {
+    let (s, _clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    assert_eq!(s.get_capacity("a", &req("r", 10.0, None)).safe_capacity, 100.0);
+    assert_eq!(s.get_capacity("b", &req("r", 10.0, None)).safe_capacity, 50.0);
+}
+
+#[test]
+fn sweep_drops_expired_leases_and_empty_resources() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    s.get_capacity("a", &req("r", 10.0, None));
+    clock.advance(Duration::from_secs(9));
+    s.sweep();
+    assert_eq!(s.status().len(), 1);
+    clock.advance(Duration::from_secs(1));
+    s.sweep();
+    assert!(s.status().is_empty());
+}
+
+#[test]
+fn reload_applies_the_new_capacity_to_the_next_decision() {
+    let (s, _clock) = store(Kind::Static, 100.0, 0, Duration::ZERO);
+    assert_eq!(s.get_capacity("a", &req("r", 500.0, None)).capacity, 100.0);
+    s.reload(ResourcesConfig { templates: vec![template(Kind::Static, 7.0, 10, 5, 0)] });
+    assert_eq!(s.get_capacity("a", &req("r", 500.0, None)).capacity, 7.0);
+    assert_eq!(s.status()[0].capacity, 7.0);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Ask { client: u8, wants: f64, subclients: u64 },
+    Release { client: u8 },
+    Advance { millis: u64 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0u8..12, 0.0f64..300.0, 1u64..4).prop_map(|(client, wants, subclients)| Op::Ask { client, wants, subclients }),
+        1 => (0u8..12).prop_map(|client| Op::Release { client }),
+        3 => (0u64..6000).prop_map(|millis| Op::Advance { millis }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Random request sequences with time advancing and leases expiring: the
+    /// sum of unexpired grants never exceeds capacity for the share
+    /// algorithms, no grant is negative, no grant exceeds wants.
+    #[test]
+    fn grants_stay_within_capacity(
+        kind in prop_oneof![Just(Kind::FairShare), Just(Kind::ProportionalShare), Just(Kind::Static), Just(Kind::NoAlgorithm)],
+        capacity in 0.0f64..500.0,
+        ops in prop::collection::vec(op(), 1..120),
+    ) {
+        let (s, clock) = store(kind, capacity, 0, Duration::ZERO);
+        // The model: client -> (grant, expiry).
+        let mut model: HashMap<u8, (f64, Time)> = HashMap::new();
+        for op in ops {
+            match op {
+                Op::Ask { client, wants, subclients } => {
+                    let mut r = req("res", wants, None);
+                    r.subclients = subclients;
+                    let g = s.get_capacity(&format!("c{client}"), &r);
+                    prop_assert!(g.capacity >= 0.0 && !g.capacity.is_nan());
+                    if kind != Kind::NoAlgorithm {
+                        prop_assert!(g.capacity <= wants + 1e-9);
+                    }
+                    if kind == Kind::Static {
+                        prop_assert!(g.capacity <= capacity + 1e-9);
+                    }
+                    model.insert(client, (g.capacity, g.expiry));
+                }
+                Op::Release { client } => {
+                    s.release(&format!("c{client}"), "res");
+                    model.remove(&client);
+                }
+                Op::Advance { millis } => clock.advance(Duration::from_millis(millis)),
+            }
+            let now = clock.now();
+            model.retain(|_, (_, exp)| *exp > now);
+            let outstanding: f64 = model.values().map(|(g, _)| g).sum();
+            if is_shared(kind) {
+                prop_assert!(outstanding <= capacity + 1e-6, "{outstanding} > {capacity}");
+            }
+            let st = s.status();
+            let has = st.first().map_or(0.0, |r| r.sum_has);
+            prop_assert!((has - outstanding).abs() < 1e-6, "store says {has}, model {outstanding}");
+        }
+    }
+}
