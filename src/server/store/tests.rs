@@ -57,14 +57,14 @@ fn lease_store_sums_cleanup_and_release() {
 #[test]
 fn learning_mode_hands_back_has_then_ends() {
     let (s, clock) = store(Kind::FairShare, 100.0, 5, Duration::ZERO);
-    let g = s.get_capacity("a", &req("r", 80.0, Some(30.0)));
-    assert_eq!(g.capacity, 30.0, "learning mode grants the reported has");
+    let g = s.get_capacity("a", &req("r", 80.0, Some(70.0)));
+    assert_eq!(g.capacity, 70.0, "learning mode grants the reported has");
     let g = s.get_capacity("b", &req("r", 80.0, None));
     assert_eq!(g.capacity, 0.0, "no has reported: 0");
     assert!(s.status()[0].learning_mode);
     clock.advance(Duration::from_secs(5));
     let g = s.get_capacity("b", &req("r", 80.0, None));
-    assert_eq!(g.capacity, 70.0, "a still holds 30 of 100");
+    assert_eq!(g.capacity, 30.0, "fair share is 50, but a still holds 70 of 100");
     assert!(!s.status()[0].learning_mode);
 }
 
