@@ -1,0 +1,217 @@
+//! Test harness shared by the integration tests: real `usher` processes on
+//! `127.0.0.1:0`, log scraping for their bound addresses, eventual assertions
+//! and a tiny HTTP client for admin endpoints.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+/// Path to the built `usher` binary.
+pub fn usher_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_usher"))
+}
+
+/// A running `usher` process; killed when dropped.
+pub struct Usher {
+    pub child: Child,
+    /// `key=value` fields of the first log line containing the ready marker.
+    pub fields: HashMap<String, String>,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Usher {
+    /// Starts `usher ARGS...` and waits (up to 20 s) for a stderr line containing `ready_marker`.
+    pub fn start(args: &[&str], env: &[(&str, &str)], ready_marker: &str) -> Usher {
+        let mut cmd = Command::new(usher_bin());
+        cmd.args(args)
+            .env("USHER_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn usher");
+        let stderr = child.stderr.take().expect("stderr piped");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::channel();
+        {
+            let log = log.clone();
+            let marker = ready_marker.to_string();
+            std::thread::spawn(move || {
+                let mut sent = false;
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    let line = strip_ansi(&line);
+                    if !sent && line.contains(&marker) {
+                        let _ = tx.send(line.clone());
+                        sent = true;
+                    }
+                    log.lock().unwrap().push(line);
+                }
+            });
+        }
+        let line = match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(l) => l,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("usher {args:?} did not log {ready_marker:?}; log:\n{}", log.lock().unwrap().join("\n"));
+            }
+        };
+        Usher { child, fields: log_fields(&line), log }
+    }
+
+    pub fn addr(&self, field: &str) -> SocketAddr {
+        self.fields
+            .get(field)
+            .unwrap_or_else(|| panic!("no {field} in {:?}", self.fields))
+            .parse()
+            .expect("socket address")
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    /// Waits until the log contains `needle`.
+    pub fn wait_for_log(&self, needle: &str, patience: Duration) {
+        let deadline = Instant::now() + patience;
+        while Instant::now() < deadline {
+            if self.log.lock().unwrap().iter().any(|l| l.contains(needle)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("log never contained {needle:?}:\n{}", self.log());
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill").args([&format!("-{sig}"), &self.child.id().to_string()]).status().unwrap();
+        assert!(ok.success());
+    }
+
+    /// Waits for the process to exit and returns its code.
+    pub fn wait_exit(&mut self, patience: Duration) -> Option<i32> {
+        let deadline = Instant::now() + patience;
+        while Instant::now() < deadline {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("usher did not exit within {patience:?}:\n{}", self.log());
+    }
+}
+
+impl Drop for Usher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for n in chars.by_ref() {
+                if n.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Parses `key=value` pairs from a tracing log line.
+pub fn log_fields(line: &str) -> HashMap<String, String> {
+    line.split_whitespace()
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.trim_matches('"').to_string()))
+        .collect()
+}
+
+/// Runs `usher ARGS...` to completion: (exit code, stdout, stderr).
+pub fn run_usher(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(usher_bin()).args(args).env("NO_COLOR", "1").output().expect("run usher");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Polls `cond` every 20 ms until it holds or `patience` runs out.
+#[macro_export]
+macro_rules! assert_eventually {
+    ($cond:expr, $patience:expr, $($msg:tt)+) => {{
+        let deadline = std::time::Instant::now() + $patience;
+        loop {
+            if $cond {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                panic!($($msg)+);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }};
+}
+
+/// A blocking HTTP/1.1 GET: (status, body).
+pub fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read response");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(body) } else { body.to_string() };
+    (status, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+/// Reads one sample from a Prometheus text exposition, e.g.
+/// `metric(&text, "usher_server_resource_has", &[("resource", "r")])`.
+pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        let (n, rest) = series.split_once('{').unwrap_or((series, ""));
+        if n != name {
+            return None;
+        }
+        let all = labels.iter().all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")));
+        if all { value.parse().ok() } else { None }
+    })
+}
+
+/// Writes `text` to `dir/name` and returns the path.
+pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
