@@ -43,10 +43,7 @@ pub async fn serve(listener: TcpListener, handler: Handler, shutdown: Cancellati
                 async move { Ok::<_, Infallible>(resp) }
             });
             let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(std::time::Duration::from_secs(10));
+            builder.http1().timer(TokioTimer::new()).header_read_timeout(std::time::Duration::from_secs(10));
             let conn = builder.serve_connection(TokioIo::new(stream), svc);
             tokio::pin!(conn);
             tokio::select! {

@@ -108,13 +108,8 @@ pub struct SystemSource {
 
 impl SystemSource {
     fn new() -> Self {
-        let wall = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
-        SystemSource {
-            wall: Time(duration_nanos(wall)),
-            anchor: Instant::now(),
-        }
+        let wall = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        SystemSource { wall: Time(duration_nanos(wall)), anchor: Instant::now() }
     }
 
     fn now(&self) -> Time {
@@ -130,9 +125,7 @@ pub struct ManualClock {
 
 impl ManualClock {
     fn new(start: Time) -> Self {
-        ManualClock {
-            nanos: AtomicU64::new(start.0),
-        }
+        ManualClock { nanos: AtomicU64::new(start.0) }
     }
 
     pub fn now(&self) -> Time {

@@ -12,11 +12,7 @@ pub enum RunError {
     #[error("invalid configuration:\n{0}")]
     Config(#[from] ConfigError),
     #[error("cannot listen on {addr} ({what}): {source}")]
-    Bind {
-        what: &'static str,
-        addr: std::net::SocketAddr,
-        source: std::io::Error,
-    },
+    Bind { what: &'static str, addr: std::net::SocketAddr, source: std::io::Error },
     #[error("{0}")]
     Other(String),
 }
@@ -33,7 +29,5 @@ impl RunError {
 
 /// Binds a TCP listener, naming what it is for in the error.
 pub async fn bind(what: &'static str, addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener, RunError> {
-    tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| RunError::Bind { what, addr, source })
+    tokio::net::TcpListener::bind(addr).await.map_err(|source| RunError::Bind { what, addr, source })
 }

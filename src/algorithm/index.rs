@@ -87,9 +87,7 @@ impl DemandIndex {
             return f64::INFINITY;
         }
         let mut by_level: Vec<&Entry> = self.entries.iter().collect();
-        by_level.sort_by(|a, b| {
-            (a.wants / a.subclients as f64).total_cmp(&(b.wants / b.subclients as f64))
-        });
+        by_level.sort_by(|a, b| (a.wants / a.subclients as f64).total_cmp(&(b.wants / b.subclients as f64)));
         let mut left = capacity.max(0.0);
         let mut subs_left = self.total_subclients as f64;
         for e in by_level {

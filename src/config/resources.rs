@@ -43,10 +43,7 @@ pub struct Algorithm {
 
 impl Algorithm {
     pub fn parameter(&self, name: &str) -> Option<&str> {
-        self.parameters
-            .iter()
-            .find(|(n, _)| n == name)
-            .and_then(|(_, v)| v.as_deref())
+        self.parameters.iter().find(|(n, _)| n == name).and_then(|(_, v)| v.as_deref())
     }
 }
 
@@ -79,7 +76,9 @@ impl ResourcesConfig {
 
 fn read_root(ck: &mut Checker, root: &Node) -> Vec<Arc<Template>> {
     let Some(top) = ck.map(root, "", &["resources"]) else { return Vec::new() };
-    let Some(list) = ck.required(&top, "resources", Some("list resource templates, ending with an `identifier_glob: \"*\"` entry")) else {
+    let Some(list) =
+        ck.required(&top, "resources", Some("list resource templates, ending with an `identifier_glob: \"*\"` entry"))
+    else {
         return Vec::new();
     };
     let Some(items) = ck.seq(list, "resources") else { return Vec::new() };
@@ -89,7 +88,12 @@ fn read_root(ck: &mut Checker, root: &Node) -> Vec<Arc<Template>> {
         let path = format!("resources[{i}]");
         if let Some(t) = read_template(ck, item, &path) {
             if globs.contains(&t.identifier_glob.as_str()) {
-                ck.error(item.loc, &format!("{path}.identifier_glob"), format!("`{}` is listed twice; the later entry would never match", t.identifier_glob), None);
+                ck.error(
+                    item.loc,
+                    &format!("{path}.identifier_glob"),
+                    format!("`{}` is listed twice; the later entry would never match", t.identifier_glob),
+                    None,
+                );
             }
             out.push(Arc::new(t));
         }
@@ -98,7 +102,12 @@ fn read_root(ck: &mut Checker, root: &Node) -> Vec<Arc<Template>> {
         }
     }
     match globs.iter().position(|g| *g == CATCH_ALL) {
-        None => ck.error(list.loc, "resources", "no catch-all entry", Some("add `- identifier_glob: \"*\"` as the last entry".into())),
+        None => ck.error(
+            list.loc,
+            "resources",
+            "no catch-all entry",
+            Some("add `- identifier_glob: \"*\"` as the last entry".into()),
+        ),
         Some(pos) if pos + 1 != items.len() => ck.error(
             items[pos].loc,
             &format!("resources[{pos}].identifier_glob"),
@@ -112,10 +121,9 @@ fn read_root(ck: &mut Checker, root: &Node) -> Vec<Arc<Template>> {
 
 fn item_glob(item: &Node) -> Option<&str> {
     match &item.value {
-        super::yaml::Value::Map(entries) => entries
-            .iter()
-            .find(|(k, _)| k.as_str() == Some("identifier_glob"))
-            .and_then(|(_, v)| v.as_str()),
+        super::yaml::Value::Map(entries) => {
+            entries.iter().find(|(k, _)| k.as_str() == Some("identifier_glob")).and_then(|(_, v)| v.as_str())
+        }
         _ => None,
     }
 }
@@ -139,16 +147,30 @@ fn read_template(ck: &mut Checker, node: &Node, path: &str) -> Option<Template> 
         if v == -1.0 || (v.is_finite() && v >= 0.0) {
             Some(v)
         } else {
-            ck.error(n.loc, &m.child("safe_capacity"), format!("must be -1 (unlimited), 0 (stop) or a positive capacity, not {v}"), None);
+            ck.error(
+                n.loc,
+                &m.child("safe_capacity"),
+                format!("must be -1 (unlimited), 0 (stop) or a positive capacity, not {v}"),
+                None,
+            );
             None
         }
     });
     if m.get("capacity").is_none() && m.get("safe_capacity").is_none() {
-        ck.error(m.loc(), &m.child("capacity"), "missing required field", Some("a template needs `capacity` (or at least `safe_capacity`)".into()));
+        ck.error(
+            m.loc(),
+            &m.child("capacity"),
+            "missing required field",
+            Some("a template needs `capacity` (or at least `safe_capacity`)".into()),
+        );
     }
     let description = m.get("description").and_then(|n| ck.string(n, &m.child("description")));
     let algorithm = ck
-        .required(&m, "algorithm", Some("e.g. `algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15 }`"))
+        .required(
+            &m,
+            "algorithm",
+            Some("e.g. `algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15 }`"),
+        )
         .and_then(|n| read_algorithm(ck, n, &m.child("algorithm")));
     Some(Template {
         identifier_glob: glob?,
@@ -176,7 +198,9 @@ fn read_algorithm(ck: &mut Checker, node: &Node, path: &str) -> Option<Algorithm
         let names = ["NO_ALGORITHM", "STATIC", "PROPORTIONAL_SHARE", "FAIR_SHARE"];
         let k = Kind::from_name(&s);
         if k.is_none() {
-            let hint = super::yaml::closest(&s, &names).map(|c| format!("did you mean `{c}`?")).unwrap_or_else(|| format!("one of {}", names.join(", ")));
+            let hint = super::yaml::closest(&s, &names)
+                .map(|c| format!("did you mean `{c}`?"))
+                .unwrap_or_else(|| format!("one of {}", names.join(", ")));
             ck.error(n.loc, &m.child("kind"), format!("unknown algorithm `{s}`"), Some(hint));
         }
         k
@@ -187,7 +211,12 @@ fn read_algorithm(ck: &mut Checker, node: &Node, path: &str) -> Option<Algorithm
         && l < r
     {
         let n = m.get("lease_length").expect("present when parsed");
-        ck.error(n.loc, &m.child("lease_length"), format!("lease_length ({l}) must be at least refresh_interval ({r})"), Some("a client must be able to refresh before its lease expires".into()));
+        ck.error(
+            n.loc,
+            &m.child("lease_length"),
+            format!("lease_length ({l}) must be at least refresh_interval ({r})"),
+            Some("a client must be able to refresh before its lease expires".into()),
+        );
     }
     let learning = match m.get("learning_mode_duration") {
         None => lease,
@@ -258,12 +287,10 @@ pub fn glob_match(pattern: &str, text: &str) -> bool {
                         continue;
                     }
                 }
-                '\\' if pi + 1 < p.len() => {
-                    if p[pi + 1] == t[ti] {
-                        pi += 2;
-                        ti += 1;
-                        continue;
-                    }
+                '\\' if pi + 1 < p.len() && p[pi + 1] == t[ti] => {
+                    pi += 2;
+                    ti += 1;
+                    continue;
                 }
                 c if c == t[ti] => {
                     pi += 1;

@@ -125,21 +125,12 @@ pub fn parse(file: &str, text: &str) -> Result<Node, ConfigError> {
     let mut root: Option<Node> = None;
     let mut docs = 0;
     let err = |loc: Loc, msg: String| ConfigError {
-        diagnostics: vec![Diagnostic {
-            file: file.to_string(),
-            loc,
-            field: String::new(),
-            message: msg,
-            hint: None,
-        }],
+        diagnostics: vec![Diagnostic { file: file.to_string(), loc, field: String::new(), message: msg, hint: None }],
     };
     for ev in Parser::new_from_str(text) {
         let (ev, span) = ev.map_err(|e| {
             let m = e.marker();
-            err(
-                Loc { line: m.line(), col: m.col() + 1 },
-                format!("YAML syntax error: {}", e.info()),
-            )
+            err(Loc { line: m.line(), col: m.col() + 1 }, format!("YAML syntax error: {}", e.info()))
         })?;
         let loc = Loc { line: span.start.line(), col: span.start.col() + 1 };
         let finished: Option<(Node, usize)> = match ev {
@@ -209,11 +200,7 @@ impl<'a> MapView<'a> {
     }
 
     pub fn get(&self, key: &str) -> Option<&'a Node> {
-        self.entries
-            .iter()
-            .find(|(k, _)| k.as_str() == Some(key))
-            .map(|(_, v)| v)
-            .filter(|v| !v.is_null())
+        self.entries.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v).filter(|v| !v.is_null())
     }
 
     /// The path of a child field, for diagnostics.

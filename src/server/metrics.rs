@@ -27,27 +27,79 @@ fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> 
 impl Metrics {
     pub fn new(registry: Registry) -> Self {
         let r = &registry;
-        let res = |name: &str, help: &str| reg(r, GaugeVec::new(Opts::new(name, help), &["resource"]).expect("valid metric"));
+        let res =
+            |name: &str, help: &str| reg(r, GaugeVec::new(Opts::new(name, help), &["resource"]).expect("valid metric"));
         Metrics {
-            rpc_requests: reg(r, IntCounterVec::new(Opts::new("usher_server_rpc_requests_total", "Capacity RPCs received, by method."), &["method"]).expect("valid metric")),
-            rpc_errors: reg(r, IntCounterVec::new(Opts::new("usher_server_rpc_errors_total", "Capacity RPCs answered with an error, by method and gRPC code."), &["method", "code"]).expect("valid metric")),
-            rpc_duration: reg(
+            rpc_requests: reg(
                 r,
-                HistogramVec::new(
-                    HistogramOpts::new("usher_server_rpc_duration_seconds", "Time to answer a capacity RPC, by method.")
-                        .buckets(vec![0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.1]),
+                IntCounterVec::new(
+                    Opts::new("usher_server_rpc_requests_total", "Capacity RPCs received, by method."),
                     &["method"],
                 )
                 .expect("valid metric"),
             ),
-            config_reloads: reg(r, IntCounter::new("usher_config_reloads_total", "Configuration reloads applied.").expect("valid metric")),
-            config_reload_errors: reg(r, IntCounter::new("usher_config_reload_errors_total", "Configuration reloads rejected; the previous configuration stays in force.").expect("valid metric")),
+            rpc_errors: reg(
+                r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "usher_server_rpc_errors_total",
+                        "Capacity RPCs answered with an error, by method and gRPC code.",
+                    ),
+                    &["method", "code"],
+                )
+                .expect("valid metric"),
+            ),
+            rpc_duration: reg(
+                r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "usher_server_rpc_duration_seconds",
+                        "Time to answer a capacity RPC, by method.",
+                    )
+                    .buckets(vec![0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.1]),
+                    &["method"],
+                )
+                .expect("valid metric"),
+            ),
+            config_reloads: reg(
+                r,
+                IntCounter::new("usher_config_reloads_total", "Configuration reloads applied.").expect("valid metric"),
+            ),
+            config_reload_errors: reg(
+                r,
+                IntCounter::new(
+                    "usher_config_reload_errors_total",
+                    "Configuration reloads rejected; the previous configuration stays in force.",
+                )
+                .expect("valid metric"),
+            ),
             resource_capacity: res("usher_server_resource_capacity", "Configured capacity of a resource."),
             resource_has: res("usher_server_resource_has", "Sum of unexpired leases granted on a resource."),
             resource_wants: res("usher_server_resource_wants", "Sum of what the clients of a resource want."),
-            resource_clients: reg(r, IntGaugeVec::new(Opts::new("usher_server_resource_clients", "Clients holding an unexpired lease on a resource."), &["resource"]).expect("valid metric")),
-            resource_learning: reg(r, IntGaugeVec::new(Opts::new("usher_server_resource_learning_mode", "1 while a resource is in learning mode."), &["resource"]).expect("valid metric")),
-            is_master: reg(r, IntGaugeVec::new(Opts::new("usher_server_is_master", "1 when this server is the master of its node."), &["server_id"]).expect("valid metric")),
+            resource_clients: reg(
+                r,
+                IntGaugeVec::new(
+                    Opts::new("usher_server_resource_clients", "Clients holding an unexpired lease on a resource."),
+                    &["resource"],
+                )
+                .expect("valid metric"),
+            ),
+            resource_learning: reg(
+                r,
+                IntGaugeVec::new(
+                    Opts::new("usher_server_resource_learning_mode", "1 while a resource is in learning mode."),
+                    &["resource"],
+                )
+                .expect("valid metric"),
+            ),
+            is_master: reg(
+                r,
+                IntGaugeVec::new(
+                    Opts::new("usher_server_is_master", "1 when this server is the master of its node."),
+                    &["server_id"],
+                )
+                .expect("valid metric"),
+            ),
             registry,
         }
     }

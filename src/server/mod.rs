@@ -34,6 +34,9 @@ pub const DEFAULT_MIN_REQUEST_INTERVAL: &str = "1s";
 /// How often expired leases are swept when nobody asks.
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
+/// How long in-flight RPCs may take to finish once shutdown starts.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
 /// `usher server` flags; each can also be set as `USHER_<FLAG>`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServerArgs {
@@ -83,7 +86,14 @@ pub struct Node {
 }
 
 impl Node {
-    pub fn new(server_id: String, config_source: String, config: ResourcesConfig, clock: Clock, min_request_interval: Duration, registry: prometheus::Registry) -> Self {
+    pub fn new(
+        server_id: String,
+        config_source: String,
+        config: ResourcesConfig,
+        clock: Clock,
+        min_request_interval: Duration,
+        registry: prometheus::Registry,
+    ) -> Self {
         let now = clock.now();
         Node {
             mastership: ArcSwap::from_pointee(Mastership { is_master: true, master_address: Some(server_id.clone()) }),
@@ -149,7 +159,14 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     let admin_addr = admin.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
     let server_id = args.advertise_addr.clone().unwrap_or_else(|| format!("{}:{}", hostname(), grpc_addr.port()));
 
-    let node = Arc::new(Node::new(server_id.clone(), source.clone(), config, Clock::system(), args.min_request_interval, prometheus::Registry::new()));
+    let node = Arc::new(Node::new(
+        server_id.clone(),
+        source.clone(),
+        config,
+        Clock::system(),
+        args.min_request_interval,
+        prometheus::Registry::new(),
+    ));
     tracing::info!(grpc = %grpc_addr, admin = %admin_addr, server_id = %server_id, config = %source, "usher server listening");
 
     // Expired leases are dropped even when no request touches their resource.
@@ -188,10 +205,21 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(node.clone()), shutdown.clone()));
 
     let svc = CapacityService::new(node.clone()).into_server();
-    let served = tonic::transport::Server::builder()
-        .add_service(svc)
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), shutdown.clone().cancelled_owned())
-        .await;
+    let serve = tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(
+        tokio_stream::wrappers::TcpListenerStream::new(grpc),
+        shutdown.clone().cancelled_owned(),
+    );
+    // Capacity RPCs are short; idle client connections must not hold shutdown up.
+    let grace = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+        tracing::info!("closing connections still open after the shutdown grace period");
+        Ok(())
+    };
+    let served = tokio::select! {
+        r = serve => r,
+        r = grace => r,
+    };
     shutdown.cancel();
     let _ = tokio::join!(sweeper, reloader, admin_task);
     served.map_err(|e| RunError::Other(format!("gRPC server failed: {e}")))?;

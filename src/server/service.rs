@@ -187,7 +187,10 @@ pub fn server_requests(req: &proto::GetServerCapacityRequest) -> Result<Vec<Leas
 
 #[tonic::async_trait]
 impl Capacity for CapacityService {
-    async fn discovery(&self, _req: Request<proto::DiscoveryRequest>) -> Result<Response<proto::DiscoveryResponse>, Status> {
+    async fn discovery(
+        &self,
+        _req: Request<proto::DiscoveryRequest>,
+    ) -> Result<Response<proto::DiscoveryResponse>, Status> {
         self.observe("Discovery", || {
             let m = self.node.mastership();
             Ok(proto::DiscoveryResponse {
@@ -197,7 +200,10 @@ impl Capacity for CapacityService {
         })
     }
 
-    async fn get_capacity(&self, req: Request<proto::GetCapacityRequest>) -> Result<Response<proto::GetCapacityResponse>, Status> {
+    async fn get_capacity(
+        &self,
+        req: Request<proto::GetCapacityRequest>,
+    ) -> Result<Response<proto::GetCapacityResponse>, Status> {
         let req = req.into_inner();
         self.observe("GetCapacity", || {
             if let Some(m) = self.redirect() {

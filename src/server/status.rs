@@ -67,7 +67,10 @@ pub fn handler(node: Arc<Node>) -> Handler {
                     return admin::text(StatusCode::BAD_REQUEST, "missing ?resource=ID\n");
                 };
                 match node.store.leases(&id) {
-                    None => admin::text(StatusCode::NOT_FOUND, format!("no resource `{id}` (no client has asked for it, or every lease expired)\n")),
+                    None => admin::text(
+                        StatusCode::NOT_FOUND,
+                        format!("no resource `{id}` (no client has asked for it, or every lease expired)\n"),
+                    ),
                     Some(leases) => {
                         let r = ResourceLeases { resource: id, leases };
                         if json { admin::json(&r) } else { admin::html(leases_html(&r)) }
@@ -115,7 +118,9 @@ fn status_html(s: &Status) -> String {
 }
 
 fn leases_html(r: &ResourceLeases) -> String {
-    let mut b = String::from("<p><a href=\"/debug/status\">back</a></p><table id=leases><tr><th>client</th><th>kind</th><th>has</th><th>wants</th><th>subclients</th><th>expires in</th></tr>");
+    let mut b = String::from(
+        "<p><a href=\"/debug/status\">back</a></p><table id=leases><tr><th>client</th><th>kind</th><th>has</th><th>wants</th><th>subclients</th><th>expires in</th></tr>",
+    );
     for l in &r.leases {
         let _ = write!(
             b,

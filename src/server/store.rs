@@ -154,7 +154,8 @@ impl Store {
     }
 
     fn learning_until(&self, template: &Template) -> Time {
-        Time::from_nanos(self.master_since.load(Ordering::Acquire)).saturating_add(template.algorithm.learning_mode_duration)
+        Time::from_nanos(self.master_since.load(Ordering::Acquire))
+            .saturating_add(template.algorithm.learning_mode_duration)
     }
 
     /// Decides one resource of a request from `client`.
@@ -175,8 +176,7 @@ impl Store {
             let cfg = self.config.load();
             let template = cfg.find(&req.resource_id).expect("validated config has a catch-all").clone();
             let mut map = self.resources.write().expect("store lock poisoned");
-            map.entry(req.resource_id.clone())
-                .or_insert_with(|| Arc::new(Mutex::new(Resource::new(template))));
+            map.entry(req.resource_id.clone()).or_insert_with(|| Arc::new(Mutex::new(Resource::new(template))));
         }
     }
 
@@ -317,7 +317,13 @@ impl Resource {
             l.requester = req.requester.clone();
             let (slot, has, expiry, refresh) = (l.slot, l.has, l.expiry, l.refresh_interval);
             self.index.upsert(slot, req.wants, req.subclients, has);
-            return Grant { capacity: has, expiry, refresh_interval: refresh, safe_capacity: self.safe_capacity(), template: self.template.clone() };
+            return Grant {
+                capacity: has,
+                expiry,
+                refresh_interval: refresh,
+                safe_capacity: self.safe_capacity(),
+                template: self.template.clone(),
+            };
         }
         let slot = match self.clients.get(client) {
             Some(l) => {

@@ -58,12 +58,17 @@ resources:
 
 #[test]
 fn catch_all_is_required_and_last() {
-    let missing = errors("resources:\n  - identifier_glob: a\n    capacity: 1\n    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }\n");
+    let missing = errors(
+        "resources:\n  - identifier_glob: a\n    capacity: 1\n    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }\n",
+    );
     assert!(missing.contains("r.yaml:2:3: resources: no catch-all entry"), "{missing}");
     let not_last = errors(
         "resources:\n  - identifier_glob: '*'\n    capacity: 1\n    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }\n  - identifier_glob: a\n    capacity: 1\n    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }\n",
     );
-    assert!(not_last.contains("r.yaml:2:5: resources[0].identifier_glob: the catch-all `*` entry must be the last entry"), "{not_last}");
+    assert!(
+        not_last.contains("r.yaml:2:5: resources[0].identifier_glob: the catch-all `*` entry must be the last entry"),
+        "{not_last}"
+    );
 }
 
 #[test]
@@ -100,7 +105,8 @@ fn safe_capacity_alone_is_accepted_and_neither_is_an_error_not_a_crash() {
     let only_safe = "resources:\n  - identifier_glob: '*'\n    safe_capacity: 3\n    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }\n";
     let c = ResourcesConfig::parse("r.yaml", only_safe).unwrap();
     assert_eq!(c.templates[0].capacity, 0.0);
-    let neither = "resources:\n  - identifier_glob: '*'\n    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }\n";
+    let neither =
+        "resources:\n  - identifier_glob: '*'\n    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }\n";
     assert!(errors(neither).contains("capacity: missing required field"));
 }
 
