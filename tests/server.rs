@@ -396,3 +396,39 @@ async fn metrics_and_status_reflect_state_and_sigterm_exits_cleanly() {
     assert_eq!(s.usher.wait_exit(Duration::from_secs(10)), Some(0));
     assert!(s.usher.log().contains("usher server stopped"));
 }
+
+#[tokio::test]
+async fn without_config_the_builtin_default_serves() {
+    let u = Usher::start(
+        &["server", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--min-request-interval", "0s"],
+        &[],
+        "usher server listening",
+    );
+    assert!(u.log().contains("no --config given"), "{}", u.log());
+    let mut c = CapacityClient::connect(format!("http://{}", u.addr("grpc"))).await.unwrap();
+    assert_eq!(grant(&mut c, "a", "anything", 80.0).await, 80.0);
+    assert_eq!(grant(&mut c, "b", "anything", 80.0).await, 20.0, "capacity 100, a holds 80");
+}
+
+#[tokio::test]
+async fn flags_can_come_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_file(dir.path(), "r.yaml", CONFIG);
+    let u = Usher::start(
+        &["server"],
+        &[
+            ("USHER_CONFIG", cfg.to_str().unwrap()),
+            ("USHER_LISTEN", "127.0.0.1:0"),
+            ("USHER_ADMIN_LISTEN", "127.0.0.1:0"),
+            ("USHER_ADVERTISE_ADDR", "capacity-0.example:15100"),
+            ("USHER_MIN_REQUEST_INTERVAL", "0s"),
+        ],
+        "usher server listening",
+    );
+    assert_eq!(u.fields["server_id"], "capacity-0.example:15100");
+    let mut c = CapacityClient::connect(format!("http://{}", u.addr("grpc"))).await.unwrap();
+    let d = c.discovery(proto::DiscoveryRequest {}).await.unwrap().into_inner();
+    assert_eq!(d.mastership.master_address.as_deref(), Some("capacity-0.example:15100"));
+    assert_eq!(grant(&mut c, "a", "fair", 10.0).await, 10.0);
+    assert_eq!(grant(&mut c, "a", "fair", 20.0).await, 20.0, "min request interval 0s from the environment");
+}

@@ -12,6 +12,9 @@ use crate::algorithm::Kind;
 /// The catch-all glob that must end every resources file.
 pub const CATCH_ALL: &str = "*";
 
+/// The text of [`ResourcesConfig::builtin_default`].
+pub const DEFAULT_RESOURCES: &str = include_str!("default_resources.yaml");
+
 /// A validated resources file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResourcesConfig {
@@ -54,6 +57,11 @@ impl ResourcesConfig {
         let mut ck = Checker::new(file);
         let templates = read_root(&mut ck, &root);
         ck.finish(ResourcesConfig { templates })
+    }
+
+    /// The built-in resources of a server started without `--config`.
+    pub fn builtin_default() -> Self {
+        Self::parse("<built-in default>", DEFAULT_RESOURCES).expect("the built-in default resources are valid")
     }
 
     /// Reads and parses a resources file from disk.

@@ -41,8 +41,9 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServerArgs {
     /// Doorman resources file (YAML). Reloaded on SIGHUP and whenever it changes.
+    /// Without it, the built-in default applies: every resource id gets 100/s, FAIR_SHARE.
     #[arg(long, env = "USHER_CONFIG", value_name = "FILE")]
-    pub config: PathBuf,
+    pub config: Option<PathBuf>,
     /// Address for the gRPC `doorman.Capacity` service.
     #[arg(long, env = "USHER_LISTEN", value_name = "ADDR", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
@@ -151,8 +152,13 @@ fn hostname() -> String {
 
 /// Runs the server until `shutdown` is cancelled.
 pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), RunError> {
-    let source = args.config.display().to_string();
-    let config = ResourcesConfig::load(&args.config)?;
+    let (source, config) = match &args.config {
+        Some(path) => (path.display().to_string(), ResourcesConfig::load(path)?),
+        None => {
+            tracing::warn!("no --config given: using the built-in default resources (every id gets 100/s, FAIR_SHARE)");
+            ("<built-in default>".to_string(), ResourcesConfig::builtin_default())
+        }
+    };
     let grpc = bind("gRPC", args.listen).await?;
     let admin = bind("admin", args.admin_listen).await?;
     let grpc_addr = grpc.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
@@ -184,10 +190,9 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         })
     };
 
-    let reloader = {
+    let reloader = args.config.clone().map(|path| {
         let node = node.clone();
-        let path = args.config.clone();
-        let mut causes = watch::watch(&args.config, shutdown.clone());
+        let mut causes = watch::watch(&path, shutdown.clone());
         tokio::spawn(async move {
             let mut last = std::fs::read(&path).ok();
             while let Some(cause) = causes.recv().await {
@@ -200,7 +205,7 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
                 node.apply_config(ResourcesConfig::load(&path));
             }
         })
-    };
+    });
 
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(node.clone()), shutdown.clone()));
 
@@ -221,7 +226,10 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         r = grace => r,
     };
     shutdown.cancel();
-    let _ = tokio::join!(sweeper, reloader, admin_task);
+    let _ = tokio::join!(sweeper, admin_task);
+    if let Some(r) = reloader {
+        let _ = r.await;
+    }
     served.map_err(|e| RunError::Other(format!("gRPC server failed: {e}")))?;
     tracing::info!("usher server stopped");
     Ok(())

@@ -140,3 +140,12 @@ fn globs() {
     assert!(glob_match(r"lit\*", "lit*"));
     assert!(!glob_match(r"lit\*", "litx"));
 }
+
+#[test]
+fn shipped_examples_and_builtin_default_are_valid() {
+    let example = include_str!("../../../deploy/examples/resources.yaml");
+    let c = ResourcesConfig::parse("deploy/examples/resources.yaml", example).unwrap();
+    assert_eq!(c.find("tenant/acme").unwrap().capacity, 20.0);
+    let d = ResourcesConfig::builtin_default();
+    assert_eq!(d.find("x").unwrap().algorithm.kind, Kind::FairShare);
+}
