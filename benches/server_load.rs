@@ -27,9 +27,14 @@ struct Opts {
 
 fn opts() -> Opts {
     let args: Vec<String> = std::env::args().collect();
-    let smoke = args.iter().any(|a| a == "--test");
+    // `cargo bench` passes `--bench`; `cargo test --benches` and `-- --test` ask for a smoke run.
+    let smoke = args.iter().any(|a| a == "--test") || !args.iter().any(|a| a == "--bench");
     let get = |name: &str, default: u64| {
-        args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
     };
     Opts {
         clients: get("--clients", if smoke { 200 } else { 10_000 }),
@@ -69,7 +74,8 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
     let (count, elapsed, mut lat) = result;
     lat.sort_unstable();
-    let pct = |p: f64| lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0);
+    let pct =
+        |p: f64| lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0);
     println!(
         "server_load: clients={} connections={} concurrency={} seconds={:.1} requests={} rate={:.0}/s p50={}us p99={}us p99.9={}us max={}us",
         o.clients,

@@ -86,6 +86,11 @@ fn fair_share(capacity: f64, demand: &DemandIndex, req: &Request) -> f64 {
         return req.wants;
     }
     let level = demand.water_level(capacity);
+    if level.is_infinite() {
+        // Only clients without subclients are short: nobody's share is
+        // limited (and `inf * 0` would be NaN).
+        return req.wants;
+    }
     req.wants.min(level * req.subclients as f64)
 }
 
