@@ -11,5 +11,6 @@ pub mod algorithm;
 pub mod clock;
 pub mod config;
 pub mod error;
+pub mod lease;
 pub mod proto;
 pub mod server;

@@ -110,6 +110,16 @@ impl Node {
         self.mastership.load_full()
     }
 
+    /// Changes who this server believes the master is. Becoming master starts
+    /// learning mode with empty state.
+    pub fn set_mastership(&self, m: Mastership) {
+        let was = self.mastership.load().is_master;
+        if m.is_master && !was {
+            self.store.become_master();
+        }
+        self.mastership.store(Arc::new(m));
+    }
+
     pub fn config_state(&self) -> ConfigState {
         self.config_state.lock().expect("config state lock poisoned").clone()
     }

@@ -1,0 +1,541 @@
+//! The lease client's state machine, free of I/O and of real time.
+//!
+//! The driver (or `usher sim`) feeds it demand and RPC results and asks it
+//! what to do next; the core decides whom to call, with what, and when, and
+//! what capacity each key may use right now. Keeping it sans-I/O is what lets
+//! tests and the simulator run the exact production logic in virtual time.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use serde::Serialize;
+
+use super::backoff::{Backoff, BackoffConfig, jitter};
+use crate::clock::Time;
+use crate::proto;
+
+/// What a key may use once its lease has expired (or before the first one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnExpiry {
+    /// As if granted what is wanted.
+    Optimistic,
+    /// Nothing.
+    Pessimistic,
+    /// The server's safe capacity, else the configured one (-1 = unlimited).
+    Safe,
+}
+
+impl OnExpiry {
+    pub fn name(self) -> &'static str {
+        match self {
+            OnExpiry::Optimistic => "optimistic",
+            OnExpiry::Pessimistic => "pessimistic",
+            OnExpiry::Safe => "safe",
+        }
+    }
+}
+
+/// The capacity a key may use now.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub enum Capacity {
+    Limited(f64),
+    Unlimited,
+}
+
+/// Where a key's capacity currently comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// An unexpired lease.
+    Leased,
+    /// No lease has arrived yet: `on_expiry` applies.
+    Pending,
+    /// The lease expired: `on_expiry` applies.
+    Expired,
+}
+
+/// What the enforcement side reports for one key at each refresh.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyDemand {
+    pub resource_id: String,
+    pub priority: i64,
+    pub wants: f64,
+    pub on_expiry: OnExpiry,
+    /// Used in safe mode when the server sent none.
+    pub safe_capacity: Option<f64>,
+    /// Refusals or queued requests show demand above the lease: refresh early.
+    pub pressure: bool,
+}
+
+/// A lease as received.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Lease {
+    pub capacity: f64,
+    #[serde(serialize_with = "ser_time")]
+    pub expiry: Time,
+    pub refresh_interval: Duration,
+}
+
+fn ser_time<S: serde::Serializer>(t: &Time, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_i64(t.as_secs())
+}
+
+#[derive(Debug, Clone)]
+struct KeyState {
+    demand: KeyDemand,
+    lease: Option<Lease>,
+    server_safe: Option<f64>,
+    mode: Mode,
+    last_error: Option<String>,
+}
+
+impl KeyState {
+    fn capacity(&self) -> Capacity {
+        match (self.mode, self.lease) {
+            (Mode::Leased, Some(l)) => Capacity::Limited(l.capacity),
+            _ => match self.demand.on_expiry {
+                OnExpiry::Optimistic => Capacity::Limited(self.demand.wants),
+                OnExpiry::Pessimistic => Capacity::Limited(0.0),
+                OnExpiry::Safe => match self.server_safe.or(self.demand.safe_capacity) {
+                    Some(s) if s < 0.0 => Capacity::Unlimited,
+                    Some(s) => Capacity::Limited(s),
+                    None => Capacity::Limited(0.0),
+                },
+            },
+        }
+    }
+}
+
+/// Tunables of the lease client; defaults are documented in the README.
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    pub client_id: String,
+    /// Capacity server addresses of one node; any of them, Discovery finds the master.
+    pub servers: Vec<String>,
+    /// Refresh times are drawn from `interval × (1 ± jitter)`.
+    pub jitter: f64,
+    /// Never ask more often than this (the server's minimum request interval).
+    pub min_interval: Duration,
+    pub backoff: BackoffConfig,
+    pub seed: u64,
+}
+
+impl CoreConfig {
+    pub fn new(client_id: impl Into<String>, servers: Vec<String>) -> Self {
+        CoreConfig {
+            client_id: client_id.into(),
+            servers,
+            jitter: 1.0 / 6.0,
+            min_interval: Duration::from_secs(1),
+            backoff: BackoffConfig::default(),
+            seed: rand::random(),
+        }
+    }
+}
+
+/// What the driver must do next.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Ask `target` who the master is.
+    Discover { target: String },
+    /// Send this bulk request to `target`.
+    Refresh { target: String, request: proto::GetCapacityRequest },
+    /// Give these leases back.
+    Release { target: String, request: proto::ReleaseCapacityRequest },
+    /// Nothing to do before this time (or before new demand arrives).
+    Wait { until: Time },
+}
+
+/// A failed call, classified.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CallError {
+    /// The server rejected the request itself: retrying it unchanged will fail again.
+    Permanent(String),
+    /// Unreachable, timed out, overloaded: try again, perhaps elsewhere.
+    Transient(String),
+}
+
+impl CallError {
+    pub fn from_status(s: &tonic::Status) -> Self {
+        let msg = format!("{:?}: {}", s.code(), s.message());
+        match s.code() {
+            tonic::Code::InvalidArgument
+            | tonic::Code::Unimplemented
+            | tonic::Code::PermissionDenied
+            | tonic::Code::Unauthenticated => CallError::Permanent(msg),
+            _ => CallError::Transient(msg),
+        }
+    }
+
+    fn message(&self) -> &str {
+        match self {
+            CallError::Permanent(m) | CallError::Transient(m) => m,
+        }
+    }
+}
+
+/// A change of a key's mode, for logs and metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transition {
+    pub resource_id: String,
+    pub from: Mode,
+    pub to: Mode,
+    pub capacity: Capacity,
+}
+
+/// The lease client's state.
+pub struct Core {
+    cfg: CoreConfig,
+    keys: BTreeMap<String, KeyState>,
+    to_release: Vec<String>,
+    master: Option<String>,
+    rotation: usize,
+    redirects: u32,
+    backoff: Backoff,
+    rng: SmallRng,
+    next_refresh: Time,
+    last_request: Option<Time>,
+    in_flight: bool,
+    early: bool,
+    last_error: Option<String>,
+    transitions: Vec<Transition>,
+    refreshes: u64,
+}
+
+/// One key as status pages show it.
+#[derive(Debug, Clone, Serialize)]
+pub struct KeyStatus {
+    pub resource_id: String,
+    pub mode: Mode,
+    pub on_expiry: OnExpiry,
+    pub capacity: Capacity,
+    pub wants: f64,
+    pub has: Option<f64>,
+    pub expiry: Option<i64>,
+    pub refresh_interval_s: Option<u64>,
+    pub safe_capacity: Option<f64>,
+    pub last_error: Option<String>,
+}
+
+impl Core {
+    pub fn new(cfg: CoreConfig, now: Time) -> Self {
+        Core {
+            rng: SmallRng::seed_from_u64(cfg.seed),
+            backoff: Backoff::new(cfg.backoff),
+            cfg,
+            keys: BTreeMap::new(),
+            to_release: Vec::new(),
+            master: None,
+            rotation: 0,
+            redirects: 0,
+            next_refresh: now,
+            last_request: None,
+            in_flight: false,
+            early: false,
+            last_error: None,
+            transitions: Vec::new(),
+            refreshes: 0,
+        }
+    }
+
+    pub fn client_id(&self) -> &str {
+        &self.cfg.client_id
+    }
+
+    pub fn master(&self) -> Option<&str> {
+        self.master.as_deref()
+    }
+
+    pub fn last_error(&self) -> Option<&str> {
+        self.last_error.as_deref()
+    }
+
+    pub fn next_refresh(&self) -> Time {
+        self.next_refresh
+    }
+
+    /// Successful bulk refreshes so far.
+    pub fn refreshes(&self) -> u64 {
+        self.refreshes
+    }
+
+    /// Installs a lease known from elsewhere (the on-disk cache): enforced at
+    /// once if unexpired, and reported as `has` so a learning server hands it back.
+    pub fn preload(&mut self, demand: KeyDemand, lease: Lease, now: Time) {
+        if lease.expiry <= now {
+            return;
+        }
+        let id = demand.resource_id.clone();
+        self.keys.insert(
+            id,
+            KeyState { demand, lease: Some(lease), server_safe: None, mode: Mode::Leased, last_error: None },
+        );
+    }
+
+    /// Spreads the first refresh uniformly over `window` (a fleet restarting
+    /// together must not refresh together).
+    pub fn delay_first_refresh(&mut self, now: Time, window: Duration) {
+        let d = window.mul_f64(rand::Rng::random_range(&mut self.rng, 0.0..1.0));
+        self.next_refresh = now.saturating_add(d);
+    }
+
+    /// Replaces the demand. New keys (and pressure) ask for an early refresh;
+    /// keys that disappeared are released.
+    pub fn set_demand(&mut self, demand: Vec<KeyDemand>) {
+        let mut fresh: BTreeMap<String, KeyDemand> = demand.into_iter().map(|d| (d.resource_id.clone(), d)).collect();
+        let gone: Vec<String> = self.keys.keys().filter(|k| !fresh.contains_key(*k)).cloned().collect();
+        for k in gone {
+            self.keys.remove(&k);
+            self.to_release.push(k);
+        }
+        for (id, d) in std::mem::take(&mut fresh) {
+            if d.pressure {
+                self.early = true;
+            }
+            match self.keys.get_mut(&id) {
+                Some(k) => k.demand = d,
+                None => {
+                    self.early = true;
+                    self.to_release.retain(|r| *r != id);
+                    self.keys.insert(
+                        id,
+                        KeyState { demand: d, lease: None, server_safe: None, mode: Mode::Pending, last_error: None },
+                    );
+                }
+            }
+        }
+    }
+
+    /// The capacity each key may use now, after applying expiries at `now`.
+    pub fn capacities(&mut self, now: Time) -> Vec<(String, Capacity)> {
+        self.expire(now);
+        self.keys.iter().map(|(id, k)| (id.clone(), k.capacity())).collect()
+    }
+
+    /// Mode changes since the last call.
+    pub fn take_transitions(&mut self) -> Vec<Transition> {
+        std::mem::take(&mut self.transitions)
+    }
+
+    fn expire(&mut self, now: Time) {
+        for (id, k) in self.keys.iter_mut() {
+            if k.mode == Mode::Leased && k.lease.is_some_and(|l| l.expiry <= now) {
+                k.mode = Mode::Expired;
+                self.transitions.push(Transition {
+                    resource_id: id.clone(),
+                    from: Mode::Leased,
+                    to: Mode::Expired,
+                    capacity: k.capacity(),
+                });
+            }
+        }
+    }
+
+    fn target(&self) -> Option<String> {
+        self.master.clone().or_else(|| self.cfg.servers.get(self.rotation % self.cfg.servers.len().max(1)).cloned())
+    }
+
+    /// What to do now. Call again after every result and whenever demand changes.
+    pub fn next_action(&mut self, now: Time) -> Action {
+        self.expire(now);
+        if self.in_flight {
+            return Action::Wait { until: self.next_refresh.max(now.saturating_add(Duration::from_millis(100))) };
+        }
+        let Some(target) = self.target() else {
+            return Action::Wait { until: now.saturating_add(Duration::from_secs(3600)) };
+        };
+        if self.master.is_none() {
+            if now < self.next_refresh {
+                return Action::Wait { until: self.next_refresh };
+            }
+            self.in_flight = true;
+            return Action::Discover { target };
+        }
+        if !self.to_release.is_empty() {
+            let ids = std::mem::take(&mut self.to_release);
+            return Action::Release {
+                target,
+                request: proto::ReleaseCapacityRequest { client_id: self.cfg.client_id.clone(), resource_id: ids },
+            };
+        }
+        let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(self.cfg.min_interval));
+        let due = if self.early { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
+        if self.keys.is_empty() || now < due {
+            return Action::Wait {
+                until: if self.keys.is_empty() { now.saturating_add(Duration::from_secs(3600)) } else { due },
+            };
+        }
+        self.in_flight = true;
+        self.early = false;
+        self.last_request = Some(now);
+        Action::Refresh { target, request: self.request(now) }
+    }
+
+    fn request(&self, now: Time) -> proto::GetCapacityRequest {
+        let resource = self
+            .keys
+            .iter()
+            .map(|(id, k)| proto::ResourceRequest {
+                resource_id: id.clone(),
+                priority: k.demand.priority,
+                has: k.lease.filter(|l| k.mode == Mode::Leased && l.expiry > now).map(|l| proto::Lease {
+                    expiry_time: l.expiry.as_secs(),
+                    refresh_interval: l.refresh_interval.as_secs() as i64,
+                    capacity: l.capacity,
+                }),
+                wants: if k.demand.wants.is_finite() { k.demand.wants.max(0.0) } else { 0.0 },
+            })
+            .collect();
+        proto::GetCapacityRequest { client_id: self.cfg.client_id.clone(), resource }
+    }
+
+    fn fail(&mut self, now: Time, err: CallError, rotate: bool) {
+        self.in_flight = false;
+        let msg = err.message().to_string();
+        if rotate {
+            self.master = None;
+            self.rotation = self.rotation.wrapping_add(1);
+        }
+        // A permanent error is not retried in a tight loop: wait at least a full backoff step.
+        let delay = self.backoff.on_failure(&mut self.rng);
+        let delay = match err {
+            CallError::Permanent(_) => delay.max(self.cfg.backoff.max / 2),
+            CallError::Transient(_) => delay,
+        };
+        self.next_refresh = now.saturating_add(delay);
+        self.last_error = Some(msg);
+    }
+
+    pub fn on_discovery(&mut self, now: Time, target: &str, result: Result<proto::DiscoveryResponse, CallError>) {
+        match result {
+            Ok(d) if d.is_master => self.found_master(now, target.to_string()),
+            Ok(d) => match d.mastership.master_address.filter(|a| !a.is_empty()) {
+                Some(addr) => self.found_master(now, addr),
+                None => self.fail(now, CallError::Transient(format!("{target} knows no master")), true),
+            },
+            Err(e) => self.fail(now, e, true),
+        }
+    }
+
+    fn found_master(&mut self, now: Time, addr: String) {
+        self.in_flight = false;
+        self.master = Some(addr);
+        self.next_refresh = self.next_refresh.min(now);
+        self.early = true;
+    }
+
+    pub fn on_release(&mut self, _now: Time, result: Result<proto::ReleaseCapacityResponse, CallError>) {
+        if let Err(e) = result {
+            // Unreleased leases simply expire on the server.
+            self.last_error = Some(format!("release failed: {}", e.message()));
+        }
+    }
+
+    pub fn on_refresh(&mut self, now: Time, result: Result<proto::GetCapacityResponse, CallError>) {
+        let resp = match result {
+            Err(e) => {
+                let rotate = matches!(e, CallError::Transient(_));
+                for k in self.keys.values_mut() {
+                    k.last_error = Some(e.message().to_string());
+                }
+                return self.fail(now, e, rotate);
+            }
+            Ok(r) => r,
+        };
+        if let Some(m) = resp.mastership.filter(|_| resp.response.is_empty()) {
+            self.in_flight = false;
+            self.redirects += 1;
+            match m.master_address.filter(|a| !a.is_empty()) {
+                Some(addr) if self.redirects <= self.cfg.servers.len() as u32 + 2 => {
+                    self.master = Some(addr);
+                    self.next_refresh = now;
+                    self.early = true;
+                    self.last_request = None;
+                }
+                _ => self.fail(now, CallError::Transient("no master known; retrying".into()), true),
+            }
+            return;
+        }
+        self.in_flight = false;
+        self.redirects = 0;
+        self.refreshes += 1;
+        self.backoff.on_success();
+        self.last_error = None;
+        let mut interval: Option<Duration> = None;
+        let mut earliest_expiry: Option<Time> = None;
+        for r in resp.response {
+            let Some(k) = self.keys.get_mut(&r.resource_id) else { continue };
+            let lease = Lease {
+                capacity: if r.gets.capacity.is_finite() { r.gets.capacity.max(0.0) } else { 0.0 },
+                expiry: Time::from_secs(r.gets.expiry_time.max(0) as u64),
+                refresh_interval: Duration::from_secs(r.gets.refresh_interval.max(1) as u64),
+            };
+            k.server_safe = r.safe_capacity.filter(|s| s.is_finite());
+            k.lease = Some(lease);
+            k.last_error = None;
+            let from = k.mode;
+            k.mode = if lease.expiry > now { Mode::Leased } else { Mode::Expired };
+            if from != k.mode {
+                self.transitions.push(Transition {
+                    resource_id: r.resource_id.clone(),
+                    from,
+                    to: k.mode,
+                    capacity: k.capacity(),
+                });
+            }
+            interval = Some(interval.map_or(lease.refresh_interval, |i| i.min(lease.refresh_interval)));
+            earliest_expiry = Some(earliest_expiry.map_or(lease.expiry, |e| e.min(lease.expiry)));
+        }
+        let interval = interval.unwrap_or(Duration::from_secs(5));
+        let mut next = now.saturating_add(jitter(interval, self.cfg.jitter, &mut self.rng));
+        if let Some(exp) = earliest_expiry {
+            // Always refresh before the lease runs out, leaving room for one retry.
+            let margin = (exp.since(now) / 10).max(Duration::from_millis(500));
+            next = next.min(exp.saturating_sub(margin));
+        }
+        self.next_refresh = next.max(now.saturating_add(self.cfg.min_interval));
+    }
+
+    /// Everything, for status pages.
+    pub fn status(&self) -> Vec<KeyStatus> {
+        self.keys
+            .iter()
+            .map(|(id, k)| KeyStatus {
+                resource_id: id.clone(),
+                mode: k.mode,
+                on_expiry: k.demand.on_expiry,
+                capacity: k.capacity(),
+                wants: k.demand.wants,
+                has: k.lease.map(|l| l.capacity),
+                expiry: k.lease.map(|l| l.expiry.as_secs()),
+                refresh_interval_s: k.lease.map(|l| l.refresh_interval.as_secs()),
+                safe_capacity: k.server_safe.or(k.demand.safe_capacity),
+                last_error: k.last_error.clone(),
+            })
+            .collect()
+    }
+
+    /// Every unexpired lease, for the on-disk cache.
+    pub fn leases(&self, now: Time) -> Vec<(String, Lease)> {
+        self.keys
+            .iter()
+            .filter_map(|(id, k)| k.lease.filter(|l| k.mode == Mode::Leased && l.expiry > now).map(|l| (id.clone(), l)))
+            .collect()
+    }
+
+    /// The release of every key, for shutdown (None when nothing is held or no master is known).
+    pub fn release_all(&mut self) -> Option<(String, proto::ReleaseCapacityRequest)> {
+        let target = self.master.clone()?;
+        let mut ids: Vec<String> = self.keys.keys().cloned().collect();
+        ids.append(&mut self.to_release);
+        (!ids.is_empty()).then(|| {
+            (target, proto::ReleaseCapacityRequest { client_id: self.cfg.client_id.clone(), resource_id: ids })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

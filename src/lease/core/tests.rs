@@ -1,0 +1,256 @@
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::*;
+use crate::clock::{Clock, ManualClock};
+use crate::config::resources::ResourcesConfig;
+use crate::lease::transport::{LocalTransport, Transport};
+use crate::server::{Mastership, Node};
+
+const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    safe_capacity: 4\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 12, learning_mode_duration: 0 }\n";
+
+/// Real capacity servers in-process, a manual clock, and a stepper that
+/// carries out a core's actions the way the driver does.
+struct World {
+    clock: Clock,
+    time: Arc<ManualClock>,
+    net: LocalTransport,
+    nodes: HashMap<String, Arc<Node>>,
+    rt: tokio::runtime::Runtime,
+}
+
+impl World {
+    fn new(servers: &[&str]) -> World {
+        let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
+        let net = LocalTransport::new();
+        let mut nodes = HashMap::new();
+        for s in servers {
+            let cfg = ResourcesConfig::parse("test", CONFIG).unwrap();
+            let node = Arc::new(Node::new(
+                s.to_string(),
+                "test".into(),
+                cfg,
+                clock.clone(),
+                Duration::ZERO,
+                prometheus::Registry::new(),
+            ));
+            net.add(*s, node.clone());
+            nodes.insert(s.to_string(), node);
+        }
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        World { clock, time, net, nodes, rt }
+    }
+
+    fn core(&self, id: &str, servers: &[&str]) -> Core {
+        let mut cfg = CoreConfig::new(id, servers.iter().map(|s| s.to_string()).collect());
+        cfg.seed = id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        Core::new(cfg, self.clock.now())
+    }
+
+    /// Runs actions until the core waits; returns how many calls it made.
+    fn step(&self, core: &mut Core) -> usize {
+        let mut calls = 0;
+        loop {
+            let now = self.clock.now();
+            match core.next_action(now) {
+                Action::Wait { .. } => return calls,
+                Action::Discover { target } => {
+                    let r = self.rt.block_on(self.net.discovery(&target));
+                    core.on_discovery(self.clock.now(), &target, r);
+                }
+                Action::Refresh { target, request } => {
+                    let r = self.rt.block_on(self.net.get_capacity(&target, request));
+                    core.on_refresh(self.clock.now(), r);
+                }
+                Action::Release { target, request } => {
+                    let r = self.rt.block_on(self.net.release_capacity(&target, request));
+                    core.on_release(self.clock.now(), r);
+                }
+            }
+            calls += 1;
+            assert!(calls < 50, "the core keeps calling without waiting");
+        }
+    }
+
+    fn advance(&self, d: Duration) {
+        self.time.advance(d);
+    }
+}
+
+fn demand(id: &str, wants: f64, on_expiry: OnExpiry) -> KeyDemand {
+    KeyDemand { resource_id: id.into(), priority: 0, wants, on_expiry, safe_capacity: Some(2.0), pressure: false }
+}
+
+fn cap(core: &mut Core, now: Time, id: &str) -> Capacity {
+    core.capacities(now).into_iter().find(|(k, _)| k == id).unwrap().1
+}
+
+#[test]
+fn first_refresh_leases_and_schedules_the_next_before_expiry() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("r", 60.0, OnExpiry::Pessimistic)]);
+    assert_eq!(cap(&mut c, w.clock.now(), "r"), Capacity::Limited(0.0), "pending: on_expiry applies");
+    w.step(&mut c);
+    assert_eq!(c.master(), Some("s1"));
+    assert_eq!(cap(&mut c, w.clock.now(), "r"), Capacity::Limited(60.0));
+    let wait = c.next_refresh().since(w.clock.now());
+    assert!(wait >= Duration::from_secs(10) && wait <= Duration::from_secs(14), "12 s ± 1/6: {wait:?}");
+    assert_eq!(c.take_transitions().len(), 1);
+}
+
+#[test]
+fn fails_over_to_the_next_server_when_one_is_unreachable() {
+    let w = World::new(&["s1", "s2"]);
+    w.net.set_up("s1", false);
+    let mut c = w.core("a", &["s1", "s2"]);
+    c.set_demand(vec![demand("r", 10.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    assert!(c.last_error().unwrap().contains("unreachable"));
+    w.advance(Duration::from_secs(1));
+    w.step(&mut c);
+    assert_eq!(c.master(), Some("s2"));
+    assert_eq!(cap(&mut c, w.clock.now(), "r"), Capacity::Limited(10.0));
+}
+
+#[test]
+fn follows_a_mastership_redirect_at_once() {
+    let w = World::new(&["s1", "s2"]);
+    w.nodes["s1"].set_mastership(Mastership { is_master: false, master_address: Some("s2".into()) });
+    let mut c = w.core("a", &["s1", "s2"]);
+    c.set_demand(vec![demand("r", 10.0, OnExpiry::Safe)]);
+    let calls = w.step(&mut c);
+    assert_eq!(c.master(), Some("s2"));
+    assert_eq!(calls, 2, "discovery at s1 names s2, then one refresh there");
+    assert_eq!(cap(&mut c, w.clock.now(), "r"), Capacity::Limited(10.0));
+    // s2 loses mastership to s1: the next refresh is redirected and followed.
+    w.nodes["s2"].set_mastership(Mastership { is_master: false, master_address: Some("s1".into()) });
+    w.nodes["s1"].set_mastership(Mastership { is_master: true, master_address: Some("s1".into()) });
+    w.advance(Duration::from_secs(15));
+    w.step(&mut c);
+    assert_eq!(c.master(), Some("s1"));
+    assert_eq!(c.status()[0].mode, Mode::Leased);
+}
+
+#[test]
+fn expiry_follows_on_expiry_per_key() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![
+        demand("opt", 50.0, OnExpiry::Optimistic),
+        demand("pes", 50.0, OnExpiry::Pessimistic),
+        demand("safe", 50.0, OnExpiry::Safe),
+    ]);
+    w.step(&mut c);
+    w.net.set_up("s1", false);
+    // Refreshes now fail; the leases hold until they expire 30 s after grant.
+    for _ in 0..28 {
+        w.advance(Duration::from_secs(1));
+        w.step(&mut c);
+    }
+    assert_eq!(cap(&mut c, w.clock.now(), "pes"), Capacity::Limited(50.0), "still within the lease");
+    w.advance(Duration::from_secs(3));
+    w.step(&mut c);
+    let now = w.clock.now();
+    assert_eq!(cap(&mut c, now, "opt"), Capacity::Limited(50.0));
+    assert_eq!(cap(&mut c, now, "pes"), Capacity::Limited(0.0));
+    assert_eq!(cap(&mut c, now, "safe"), Capacity::Limited(4.0), "the server's safe capacity beats the configured 2");
+    let tr = c.take_transitions();
+    assert_eq!(tr.iter().filter(|t| t.to == Mode::Expired).count(), 3);
+    // The server comes back: leases return.
+    w.net.set_up("s1", true);
+    for _ in 0..40 {
+        w.advance(Duration::from_secs(1));
+        w.step(&mut c);
+    }
+    assert!(c.status().iter().all(|k| k.mode == Mode::Leased), "{:?}", c.status());
+}
+
+#[test]
+fn refreshes_of_a_fleet_started_together_spread_out() {
+    let w = World::new(&["s1"]);
+    let mut cores: Vec<Core> = (0..50).map(|i| w.core(&format!("client-{i}"), &["s1"])).collect();
+    for c in &mut cores {
+        c.set_demand(vec![demand("r", 1.0, OnExpiry::Safe)]);
+        w.step(c);
+    }
+    let start = w.clock.now();
+    // Run 30 s in 100 ms steps, recording when each client makes its second refresh.
+    let mut second: Vec<Option<f64>> = vec![None; cores.len()];
+    for _ in 0..300 {
+        w.advance(Duration::from_millis(100));
+        for (i, c) in cores.iter_mut().enumerate() {
+            if w.step(c) > 0 && c.refreshes() == 3 {
+                second[i] = Some(w.clock.now().since(start).as_secs_f64());
+            }
+        }
+    }
+    let times: Vec<f64> = second.into_iter().map(|t| t.expect("every client refreshed twice")).collect();
+    let spread = times.iter().cloned().fold(f64::MIN, f64::max) - times.iter().cloned().fold(f64::MAX, f64::min);
+    assert!(spread >= 12.0 / 3.0, "second refreshes spread over {spread:.2}s of a 12 s interval");
+    assert!(times.iter().all(|t| (20.0..=28.0).contains(t)), "two intervals of 12 s ± 1/6: {times:?}");
+}
+
+#[test]
+fn new_keys_refresh_early_but_not_faster_than_the_minimum_interval() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("r1", 5.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    w.advance(Duration::from_millis(300));
+    c.set_demand(vec![demand("r1", 5.0, OnExpiry::Safe), demand("r2", 5.0, OnExpiry::Safe)]);
+    assert_eq!(w.step(&mut c), 0, "within the minimum interval of the last request");
+    w.advance(Duration::from_millis(700));
+    assert_eq!(w.step(&mut c), 1, "one early refresh once the interval has passed");
+    assert_eq!(c.status().iter().filter(|k| k.mode == Mode::Leased).count(), 2);
+    // Pressure alone also triggers one.
+    w.advance(Duration::from_secs(1));
+    let mut d = demand("r1", 50.0, OnExpiry::Safe);
+    d.pressure = true;
+    c.set_demand(vec![d, demand("r2", 5.0, OnExpiry::Safe)]);
+    assert_eq!(w.step(&mut c), 1);
+    assert_eq!(cap(&mut c, w.clock.now(), "r1"), Capacity::Limited(50.0));
+}
+
+#[test]
+fn dropped_keys_are_released_and_permanent_errors_back_off() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("r1", 70.0, OnExpiry::Safe), demand("r2", 5.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    c.set_demand(vec![demand("r2", 5.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    let leases = w.nodes["s1"].store.leases("r1").unwrap_or_default();
+    assert!(leases.is_empty(), "r1 was released: {leases:?}");
+
+    let mut bad = w.core("", &["s1"]);
+    bad.set_demand(vec![demand("r", 1.0, OnExpiry::Safe)]);
+    w.step(&mut bad);
+    assert!(bad.last_error().unwrap().contains("InvalidArgument"), "{:?}", bad.last_error());
+    assert!(bad.next_refresh().since(w.clock.now()) >= Duration::from_secs(15), "no tight retry loop");
+}
+
+#[test]
+fn cached_leases_are_enforced_and_reported_as_has() {
+    let w = World::new(&["s1"]);
+    // A fresh master in learning mode hands back what a restarted client reports.
+    let cfg = ResourcesConfig::parse("t", &CONFIG.replace("learning_mode_duration: 0", "learning_mode_duration: 30"))
+        .unwrap();
+    w.nodes["s1"].store.reload(cfg);
+    w.nodes["s1"].store.become_master();
+    let mut c = w.core("a", &["s1"]);
+    let now = w.clock.now();
+    let lease = Lease {
+        capacity: 33.0,
+        expiry: now.saturating_add(Duration::from_secs(20)),
+        refresh_interval: Duration::from_secs(12),
+    };
+    c.preload(demand("r", 80.0, OnExpiry::Pessimistic), lease, now);
+    c.delay_first_refresh(now, Duration::from_secs(12));
+    assert_eq!(cap(&mut c, now, "r"), Capacity::Limited(33.0), "enforced at once");
+    assert!(c.next_refresh() > now, "the first refresh is spread, not immediate");
+    w.advance(Duration::from_secs(12));
+    w.step(&mut c);
+    assert_eq!(cap(&mut c, w.clock.now(), "r"), Capacity::Limited(33.0), "learning mode handed has back");
+    assert_eq!(w.nodes["s1"].store.leases("r").unwrap()[0].has, 33.0);
+}

@@ -1,0 +1,182 @@
+//! Runs the lease [`Core`] in real time: performs its calls over a
+//! [`Transport`], applies the resulting capacities to the enforcement side,
+//! logs every mode change, keeps the lease cache, and releases every lease
+//! on shutdown.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::cache;
+use super::core::{Action, Capacity, Core, CoreConfig, KeyDemand, KeyStatus};
+use super::transport::Transport;
+use crate::clock::Clock;
+
+/// The enforcement side, as the lease client sees it.
+pub trait Enforcer: Send + Sync + 'static {
+    /// Every key that needs a lease now, with what it wants.
+    fn demand(&self) -> Vec<KeyDemand>;
+    /// The capacity each key may use now.
+    fn apply(&self, capacities: &[(String, Capacity)]);
+}
+
+/// How often demand is re-read while nothing else is due.
+pub const DEMAND_POLL: Duration = Duration::from_millis(100);
+/// How long shutdown waits for ReleaseCapacity.
+pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A running lease client.
+#[derive(Clone)]
+pub struct LeaseClient {
+    core: Arc<Mutex<Core>>,
+    wake: Arc<Notify>,
+}
+
+/// What status pages show of the lease client.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ClientStatus {
+    pub client_id: String,
+    pub master: Option<String>,
+    pub last_error: Option<String>,
+    pub next_refresh: i64,
+    pub refreshes: u64,
+    pub keys: Vec<KeyStatus>,
+}
+
+impl LeaseClient {
+    /// Starts the client; it runs until `shutdown` is cancelled, then releases
+    /// its leases. The returned handle reports status and takes wake-ups.
+    pub fn start(
+        cfg: CoreConfig,
+        clock: Clock,
+        transport: Arc<dyn Transport>,
+        enforcer: Arc<dyn Enforcer>,
+        cache_file: Option<PathBuf>,
+        shutdown: CancellationToken,
+    ) -> (LeaseClient, tokio::task::JoinHandle<()>) {
+        let now = clock.now();
+        let mut core = Core::new(cfg, now);
+        if let Some(path) = &cache_file {
+            let cached = cache::read(path, core.client_id(), now);
+            if !cached.is_empty() {
+                let demand = enforcer.demand();
+                let mut first = Duration::from_secs(3600);
+                let mut n = 0;
+                for (id, lease) in cached {
+                    if let Some(d) = demand.iter().find(|d| d.resource_id == id) {
+                        first = first.min(lease.refresh_interval);
+                        core.preload(d.clone(), lease, now);
+                        n += 1;
+                    }
+                }
+                if n > 0 {
+                    tracing::info!(leases = n, path = %path.display(), "enforcing cached leases; first refresh spread over one refresh interval");
+                    core.delay_first_refresh(now, first);
+                }
+            }
+        }
+        let client = LeaseClient { core: Arc::new(Mutex::new(core)), wake: Arc::new(Notify::new()) };
+        let task = tokio::spawn(run(client.clone(), clock, transport, enforcer, cache_file, shutdown));
+        (client, task)
+    }
+
+    /// Re-reads demand now instead of at the next poll (a new key appeared).
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    pub fn status(&self) -> ClientStatus {
+        let c = self.core.lock().expect("lease core poisoned");
+        ClientStatus {
+            client_id: c.client_id().to_string(),
+            master: c.master().map(str::to_string),
+            last_error: c.last_error().map(str::to_string),
+            next_refresh: c.next_refresh().as_secs(),
+            refreshes: c.refreshes(),
+            keys: c.status(),
+        }
+    }
+}
+
+async fn run(
+    client: LeaseClient,
+    clock: Clock,
+    transport: Arc<dyn Transport>,
+    enforcer: Arc<dyn Enforcer>,
+    cache_file: Option<PathBuf>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let now = clock.now();
+        let demand = enforcer.demand();
+        let (action, capacities, transitions) = {
+            let mut core = client.core.lock().expect("lease core poisoned");
+            core.set_demand(demand);
+            let caps = core.capacities(now);
+            let tr = core.take_transitions();
+            (core.next_action(now), caps, tr)
+        };
+        enforcer.apply(&capacities);
+        for t in transitions {
+            tracing::info!(resource = %t.resource_id, from = ?t.from, to = ?t.to, capacity = ?t.capacity, "lease mode changed");
+        }
+        match action {
+            Action::Wait { until } => {
+                let d = until.since(clock.now()).min(DEMAND_POLL);
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = client.wake.notified() => {}
+                    _ = tokio::time::sleep(d) => {}
+                }
+            }
+            Action::Discover { target } => {
+                let r = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    r = transport.discovery(&target) => r,
+                };
+                if let Err(e) = &r {
+                    tracing::warn!(server = %target, error = ?e, "discovery failed; trying the next server");
+                }
+                client.core.lock().expect("lease core poisoned").on_discovery(clock.now(), &target, r);
+            }
+            Action::Refresh { target, request } => {
+                let r = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    r = transport.get_capacity(&target, request) => r,
+                };
+                if let Err(e) = &r {
+                    tracing::warn!(server = %target, error = ?e, "lease refresh failed");
+                }
+                let ok = r.is_ok();
+                let mut core = client.core.lock().expect("lease core poisoned");
+                core.on_refresh(clock.now(), r);
+                if ok && let Some(path) = &cache_file {
+                    let leases = core.leases(clock.now());
+                    let id = core.client_id().to_string();
+                    drop(core);
+                    if let Err(e) = cache::write(path, &id, &leases) {
+                        tracing::warn!(path = %path.display(), error = %e, "cannot write the lease cache");
+                    }
+                }
+            }
+            Action::Release { target, request } => {
+                let r = transport.release_capacity(&target, request).await;
+                client.core.lock().expect("lease core poisoned").on_release(clock.now(), r);
+            }
+        }
+    }
+    let release = client.core.lock().expect("lease core poisoned").release_all();
+    if let Some((target, req)) = release {
+        let n = req.resource_id.len();
+        match tokio::time::timeout(RELEASE_TIMEOUT, transport.release_capacity(&target, req)).await {
+            Ok(Ok(_)) => tracing::info!(server = %target, resources = n, "released every lease"),
+            Ok(Err(e)) => {
+                tracing::warn!(server = %target, error = ?e, "releasing leases failed; they will expire on the server")
+            }
+            Err(_) => tracing::warn!(server = %target, "releasing leases timed out; they will expire on the server"),
+        }
+    }
+}

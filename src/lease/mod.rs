@@ -1,0 +1,16 @@
+//! The lease client, the sidecar's "bottom half": it turns local demand into
+//! `wants`, leases capacity from a Doorman tree, and tells the enforcement
+//! side what each resource key may use.
+//!
+//! [`core`] is the sans-I/O state machine (refresh schedule with jitter,
+//! discovery and failover, backoff, expiry modes); [`driver`] runs it against
+//! a [`transport`] in real time; [`cache`] keeps leases across restarts.
+
+pub mod backoff;
+pub mod cache;
+pub mod core;
+pub mod driver;
+pub mod transport;
+
+pub use self::core::{Capacity, CoreConfig, KeyDemand, Mode, OnExpiry};
+pub use driver::{Enforcer, LeaseClient};

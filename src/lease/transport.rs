@@ -1,0 +1,176 @@
+//! How the lease client reaches capacity servers: real gRPC connections, or
+//! an in-process table of servers (embedded mode, tests and `usher sim`).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tonic::transport::{Channel, Endpoint};
+
+use super::core::CallError;
+use crate::proto;
+use crate::proto::capacity_client::CapacityClient;
+use crate::proto::capacity_server::Capacity;
+use crate::server::{CapacityService, Node};
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The three calls a lease client makes.
+pub trait Transport: Send + Sync + 'static {
+    fn discovery(&self, addr: &str) -> BoxFuture<'_, Result<proto::DiscoveryResponse, CallError>>;
+    fn get_capacity(
+        &self,
+        addr: &str,
+        req: proto::GetCapacityRequest,
+    ) -> BoxFuture<'_, Result<proto::GetCapacityResponse, CallError>>;
+    fn release_capacity(
+        &self,
+        addr: &str,
+        req: proto::ReleaseCapacityRequest,
+    ) -> BoxFuture<'_, Result<proto::ReleaseCapacityResponse, CallError>>;
+}
+
+/// Default time limit of one capacity RPC.
+pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default time limit to open a connection.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// gRPC over HTTP/2 with one lazily connected channel per address.
+pub struct GrpcTransport {
+    channels: Mutex<HashMap<String, CapacityClient<Channel>>>,
+    rpc_timeout: Duration,
+    connect_timeout: Duration,
+}
+
+impl GrpcTransport {
+    pub fn new(rpc_timeout: Duration, connect_timeout: Duration) -> Self {
+        GrpcTransport { channels: Mutex::new(HashMap::new()), rpc_timeout, connect_timeout }
+    }
+
+    fn client(&self, addr: &str) -> Result<CapacityClient<Channel>, CallError> {
+        let mut map = self.channels.lock().expect("channel map poisoned");
+        if let Some(c) = map.get(addr) {
+            return Ok(c.clone());
+        }
+        let uri = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
+        let ep = Endpoint::from_shared(uri)
+            .map_err(|e| CallError::Permanent(format!("bad server address `{addr}`: {e}")))?
+            .connect_timeout(self.connect_timeout)
+            .timeout(self.rpc_timeout)
+            .tcp_nodelay(true);
+        let c = CapacityClient::new(ep.connect_lazy());
+        map.insert(addr.to_string(), c.clone());
+        Ok(c)
+    }
+
+    /// A failed connection is dropped so the next call reconnects from scratch.
+    fn forget(&self, addr: &str) {
+        self.channels.lock().expect("channel map poisoned").remove(addr);
+    }
+
+    async fn call<T, F, Fut>(&self, addr: &str, f: F) -> Result<T, CallError>
+    where
+        F: FnOnce(CapacityClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let c = self.client(addr)?;
+        match f(c).await {
+            Ok(r) => Ok(r.into_inner()),
+            Err(s) => {
+                if s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown {
+                    self.forget(addr);
+                }
+                Err(CallError::from_status(&s))
+            }
+        }
+    }
+}
+
+impl Transport for GrpcTransport {
+    fn discovery(&self, addr: &str) -> BoxFuture<'_, Result<proto::DiscoveryResponse, CallError>> {
+        let addr = addr.to_string();
+        Box::pin(
+            async move { self.call(&addr, |mut c| async move { c.discovery(proto::DiscoveryRequest {}).await }).await },
+        )
+    }
+
+    fn get_capacity(
+        &self,
+        addr: &str,
+        req: proto::GetCapacityRequest,
+    ) -> BoxFuture<'_, Result<proto::GetCapacityResponse, CallError>> {
+        let addr = addr.to_string();
+        Box::pin(async move { self.call(&addr, |mut c| async move { c.get_capacity(req).await }).await })
+    }
+
+    fn release_capacity(
+        &self,
+        addr: &str,
+        req: proto::ReleaseCapacityRequest,
+    ) -> BoxFuture<'_, Result<proto::ReleaseCapacityResponse, CallError>> {
+        let addr = addr.to_string();
+        Box::pin(async move { self.call(&addr, |mut c| async move { c.release_capacity(req).await }).await })
+    }
+}
+
+/// Servers living in this process, addressed by name. An address with no
+/// server, or one marked down, behaves like an unreachable host.
+#[derive(Default)]
+pub struct LocalTransport {
+    servers: Mutex<HashMap<String, (CapacityService, bool)>>,
+}
+
+impl LocalTransport {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn add(&self, addr: impl Into<String>, node: Arc<Node>) {
+        self.servers.lock().expect("server map poisoned").insert(addr.into(), (CapacityService::new(node), true));
+    }
+
+    /// Makes `addr` unreachable (`false`) or reachable again.
+    pub fn set_up(&self, addr: &str, up: bool) {
+        if let Some(s) = self.servers.lock().expect("server map poisoned").get_mut(addr) {
+            s.1 = up;
+        }
+    }
+
+    fn service(&self, addr: &str) -> Result<CapacityService, CallError> {
+        match self.servers.lock().expect("server map poisoned").get(addr) {
+            Some((svc, true)) => Ok(svc.clone()),
+            _ => Err(CallError::Transient(format!("Unavailable: {addr} is unreachable"))),
+        }
+    }
+}
+
+fn local<T>(r: Result<tonic::Response<T>, tonic::Status>) -> Result<T, CallError> {
+    r.map(tonic::Response::into_inner).map_err(|s| CallError::from_status(&s))
+}
+
+impl Transport for LocalTransport {
+    fn discovery(&self, addr: &str) -> BoxFuture<'_, Result<proto::DiscoveryResponse, CallError>> {
+        let svc = self.service(addr);
+        Box::pin(async move { local(svc?.discovery(tonic::Request::new(proto::DiscoveryRequest {})).await) })
+    }
+
+    fn get_capacity(
+        &self,
+        addr: &str,
+        req: proto::GetCapacityRequest,
+    ) -> BoxFuture<'_, Result<proto::GetCapacityResponse, CallError>> {
+        let svc = self.service(addr);
+        Box::pin(async move { local(svc?.get_capacity(tonic::Request::new(req)).await) })
+    }
+
+    fn release_capacity(
+        &self,
+        addr: &str,
+        req: proto::ReleaseCapacityRequest,
+    ) -> BoxFuture<'_, Result<proto::ReleaseCapacityResponse, CallError>> {
+        let svc = self.service(addr);
+        Box::pin(async move { local(svc?.release_capacity(tonic::Request::new(req)).await) })
+    }
+}
