@@ -279,12 +279,11 @@ async fn reload_on_file_change_and_sighup_keeps_old_config_when_invalid() {
     // An invalid file is rejected; the old config stays in force.
     std::fs::write(&path, "resources:\n  - identifier_glob: x\n    capacity: oops\n").unwrap();
     s.usher.signal("HUP");
-    s.usher.wait_for_log("configuration rejected", Duration::from_secs(10));
-    assert!(
-        s.usher.log().contains("resources.yaml:3:15: resources[0].capacity: expected a number, found `oops`"),
-        "{}",
-        s.usher.log()
+    s.usher.wait_for_log(
+        "resources.yaml:3:15: resources[0].capacity: expected a number, found `oops`",
+        Duration::from_secs(10),
     );
+    assert!(s.usher.log().contains("configuration rejected, keeping the previous one"), "{}", s.usher.log());
     assert_eq!(grant(&mut c, "a", "other", 5000.0).await, 300.0);
     let (_, text) = s.admin("/metrics");
     assert!(metric(&text, "usher_config_reload_errors_total", &[]).unwrap() >= 1.0);

@@ -20,6 +20,9 @@ pub enum Cause {
     FileEvent,
 }
 
+/// How long the directory must stay quiet before a changed file is read.
+pub const DEBOUNCE: Duration = Duration::from_millis(200);
+
 /// How often the file is re-read when no event arrives.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -32,11 +35,14 @@ pub fn watch(path: &Path, shutdown: CancellationToken) -> mpsc::Receiver<Cause> 
         _ => PathBuf::from("."),
     };
 
-    let event_tx = tx.clone();
+    // Editors and `kubectl` write in several steps: wait for a quiet moment
+    // before reading, so a half-written file is not reported as invalid.
+    let (raw_tx, mut raw_rx) = mpsc::channel::<()>(1);
+    let event_tx = raw_tx;
     let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         if res.is_ok() {
             // A full channel already holds a pending reload.
-            let _ = event_tx.try_send(Cause::FileEvent);
+            let _ = event_tx.try_send(());
         }
     })
     .and_then(|mut w| w.watch(&dir, RecursiveMode::NonRecursive).map(|()| w));
@@ -64,6 +70,11 @@ pub fn watch(path: &Path, shutdown: CancellationToken) -> mpsc::Receiver<Cause> 
                 _ = shutdown.cancelled() => return,
                 Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => Cause::Signal,
                 _ = poll.tick() => Cause::FileEvent,
+                Some(()) = raw_rx.recv() => {
+                    tokio::time::sleep(DEBOUNCE).await;
+                    while raw_rx.try_recv().is_ok() {}
+                    Cause::FileEvent
+                }
             };
             if cause == Cause::Signal {
                 // A signal must not be lost to coalescing.
