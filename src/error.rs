@@ -14,13 +14,15 @@ pub enum RunError {
     #[error("cannot listen on {addr} ({what}): {source}")]
     Bind { what: &'static str, addr: std::net::SocketAddr, source: std::io::Error },
     #[error("{0}")]
+    Usage(String),
+    #[error("{0}")]
     Other(String),
 }
 
 impl RunError {
     pub fn exit_code(&self) -> u8 {
         match self {
-            RunError::Config(_) => EXIT_USAGE,
+            RunError::Config(_) | RunError::Usage(_) => EXIT_USAGE,
             RunError::Bind { .. } => EXIT_UNAVAILABLE,
             RunError::Other(_) => 1,
         }

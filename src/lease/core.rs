@@ -518,6 +518,11 @@ impl Core {
             .collect()
     }
 
+    /// The last lease received for `resource_id`, expired or not.
+    pub fn lease_of(&self, resource_id: &str) -> Option<Lease> {
+        self.keys.get(resource_id).and_then(|k| k.lease)
+    }
+
     /// Every unexpired lease, for the on-disk cache.
     pub fn leases(&self, now: Time) -> Vec<(String, Lease)> {
         self.keys

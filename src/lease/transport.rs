@@ -30,6 +30,12 @@ pub trait Transport: Send + Sync + 'static {
         addr: &str,
         req: proto::ReleaseCapacityRequest,
     ) -> BoxFuture<'_, Result<proto::ReleaseCapacityResponse, CallError>>;
+    /// What an intermediate server asks its parent.
+    fn get_server_capacity(
+        &self,
+        addr: &str,
+        req: proto::GetServerCapacityRequest,
+    ) -> BoxFuture<'_, Result<proto::GetServerCapacityResponse, CallError>>;
 }
 
 /// Default time limit of one capacity RPC.
@@ -113,6 +119,15 @@ impl Transport for GrpcTransport {
         let addr = addr.to_string();
         Box::pin(async move { self.call(&addr, |mut c| async move { c.release_capacity(req).await }).await })
     }
+
+    fn get_server_capacity(
+        &self,
+        addr: &str,
+        req: proto::GetServerCapacityRequest,
+    ) -> BoxFuture<'_, Result<proto::GetServerCapacityResponse, CallError>> {
+        let addr = addr.to_string();
+        Box::pin(async move { self.call(&addr, |mut c| async move { c.get_server_capacity(req).await }).await })
+    }
 }
 
 /// Servers living in this process, addressed by name. An address with no
@@ -172,5 +187,14 @@ impl Transport for LocalTransport {
     ) -> BoxFuture<'_, Result<proto::ReleaseCapacityResponse, CallError>> {
         let svc = self.service(addr);
         Box::pin(async move { local(svc?.release_capacity(tonic::Request::new(req)).await) })
+    }
+
+    fn get_server_capacity(
+        &self,
+        addr: &str,
+        req: proto::GetServerCapacityRequest,
+    ) -> BoxFuture<'_, Result<proto::GetServerCapacityResponse, CallError>> {
+        let svc = self.service(addr);
+        Box::pin(async move { local(svc?.get_server_capacity(tonic::Request::new(req)).await) })
     }
 }

@@ -5,6 +5,7 @@
 //! together and runs them until shutdown.
 
 pub mod metrics;
+pub mod parent;
 pub mod service;
 mod status;
 pub mod store;
@@ -56,7 +57,17 @@ pub struct ServerArgs {
     /// A client asking again for a resource sooner than this gets its current lease back unchanged.
     #[arg(long, env = "USHER_MIN_REQUEST_INTERVAL", value_name = "DURATION", default_value = DEFAULT_MIN_REQUEST_INTERVAL, value_parser = parse_duration)]
     pub min_request_interval: Duration,
+    /// Run as an intermediate server leasing from these parent servers (any servers of the
+    /// parent node; Discovery finds its master). Without it, this is a root server.
+    #[arg(long, env = "USHER_PARENT", value_name = "ADDR[,ADDR...]", value_delimiter = ',')]
+    pub parent: Vec<String>,
+    /// Leases handed down refresh this many times the parent's refresh interval (never below 1 s).
+    #[arg(long, env = "USHER_DECAY_FACTOR", value_name = "FACTOR", default_value_t = DEFAULT_DECAY_FACTOR)]
+    pub decay_factor: f64,
 }
+
+/// Default `--decay-factor`: each level down the tree refreshes twice as often as its parent.
+pub const DEFAULT_DECAY_FACTOR: f64 = 0.5;
 
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     crate::config::yaml::parse_duration(s).ok_or_else(|| format!("`{s}` is not a duration (write e.g. 500ms, 1s, 2m)"))
@@ -79,6 +90,8 @@ pub struct ConfigState {
 /// Everything one capacity server shares between its tasks.
 pub struct Node {
     pub server_id: String,
+    /// Set on an intermediate server.
+    pub parent: Option<Arc<parent::ParentLink>>,
     pub store: Store,
     pub metrics: Metrics,
     pub config_source: String,
@@ -99,6 +112,7 @@ impl Node {
         Node {
             mastership: ArcSwap::from_pointee(Mastership { is_master: true, master_address: Some(server_id.clone()) }),
             server_id,
+            parent: None,
             store: Store::new(clock, config, min_request_interval),
             metrics: Metrics::new(registry),
             config_source,
@@ -175,15 +189,40 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     let admin_addr = admin.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
     let server_id = args.advertise_addr.clone().unwrap_or_else(|| format!("{}:{}", hostname(), grpc_addr.port()));
 
-    let node = Arc::new(Node::new(
+    let mut node = Node::new(
         server_id.clone(),
         source.clone(),
         config,
         Clock::system(),
         args.min_request_interval,
         prometheus::Registry::new(),
-    ));
-    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, server_id = %server_id, config = %source, "usher server listening");
+    );
+    if !args.parent.is_empty() {
+        if !(args.decay_factor > 0.0 && args.decay_factor <= 1.0) {
+            return Err(RunError::Usage(format!("--decay-factor must be in (0, 1], not {}", args.decay_factor)));
+        }
+        node.store.set_role(store::Role::Intermediate { decay_factor: args.decay_factor });
+        node.parent = Some(Arc::new(parent::ParentLink::default()));
+    }
+    let node = Arc::new(node);
+    let role = if args.parent.is_empty() { "root" } else { "intermediate" };
+    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, server_id = %server_id, config = %source, role, parent = %args.parent.join(","), "usher server listening");
+
+    let parent_task = node.parent.clone().map(|link| {
+        let transport: Arc<dyn crate::lease::transport::Transport> =
+            Arc::new(crate::lease::transport::GrpcTransport::new(
+                crate::lease::transport::DEFAULT_RPC_TIMEOUT,
+                crate::lease::transport::DEFAULT_CONNECT_TIMEOUT,
+            ));
+        tokio::spawn(parent::run(
+            node.clone(),
+            link,
+            args.parent.clone(),
+            transport,
+            node.store.clock().clone(),
+            shutdown.clone(),
+        ))
+    });
 
     // Expired leases are dropped even when no request touches their resource.
     let sweeper = {
@@ -237,6 +276,9 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     };
     shutdown.cancel();
     let _ = tokio::join!(sweeper, admin_task);
+    if let Some(p) = parent_task {
+        let _ = p.await;
+    }
     if let Some(r) = reloader {
         let _ = r.await;
     }

@@ -242,7 +242,7 @@ impl Capacity for CapacityService {
                     proto::ServerCapacityResourceResponse {
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),
-                        algorithm: Some(wire_algorithm(&g.template.algorithm)),
+                        algorithm: Some(wire_algorithm(&g.algorithm)),
                         safe_capacity: Some(g.safe_capacity),
                     }
                 })

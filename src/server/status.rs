@@ -15,6 +15,7 @@ use crate::admin::{self, Handler, escape};
 struct Status {
     server_id: String,
     role: &'static str,
+    parent: Option<super::parent::ParentStatus>,
     is_master: bool,
     master_address: Option<String>,
     ready: bool,
@@ -35,7 +36,8 @@ fn status(node: &Node) -> Status {
     let cs = node.config_state();
     Status {
         server_id: node.server_id.clone(),
-        role: "root",
+        role: if node.parent.is_some() { "intermediate" } else { "root" },
+        parent: node.parent.as_ref().map(|p| p.status()),
         is_master: m.is_master,
         master_address: m.master_address.clone(),
         ready: node.is_ready(),
@@ -97,6 +99,19 @@ fn status_html(s: &Status) -> String {
             None => String::new(),
         }
     );
+    if let Some(p) = &s.parent {
+        let _ = write!(
+            b,
+            "<p>Parent: {} (master {}), {} refreshes{}</p>",
+            escape(&p.servers.join(", ")),
+            escape(p.master.as_deref().unwrap_or("unknown")),
+            p.refreshes,
+            p.last_error
+                .as_deref()
+                .map(|e| format!(", <span class=err>last error: {}</span>", escape(e)))
+                .unwrap_or_default()
+        );
+    }
     b.push_str("<table id=resources><tr><th>resource</th><th>template</th><th>algorithm</th><th>capacity</th><th>sum has</th><th>sum wants</th><th>clients</th><th>learning</th></tr>");
     for r in &s.resources {
         let _ = write!(

@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use crate::algorithm::{self, ClientSlot, DemandIndex, Kind};
 use crate::clock::{Clock, Time};
-use crate::config::resources::{ResourcesConfig, Template};
+use crate::config::resources::{Algorithm, CATCH_ALL, ResourcesConfig, Template};
 
 /// One priority band of a lower server's demand.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -50,13 +50,51 @@ pub struct Grant {
     pub expiry: Time,
     pub refresh_interval: Duration,
     pub safe_capacity: f64,
-    pub template: Arc<Template>,
+    /// The algorithm in force, to hand down to a lower server.
+    pub algorithm: Algorithm,
+}
+
+/// Where a server sits in the tree.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Role {
+    /// Holds the configured capacity.
+    Root,
+    /// Leases its capacity from a parent; leases it hands down refresh
+    /// `decay_factor` times as often as its own (never faster than every second).
+    Intermediate { decay_factor: f64 },
+}
+
+/// What an intermediate server holds from its parent for one resource.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParentLease {
+    pub capacity: f64,
+    pub expiry: Time,
+    pub refresh_interval: Duration,
+    pub algorithm: Option<Algorithm>,
+    pub safe_capacity: Option<f64>,
+}
+
+/// One resource's demand, as an intermediate server reports it to its parent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParentDemand {
+    pub resource_id: String,
+    pub wants: f64,
+    pub bands: Vec<Band>,
+    /// What this server's clients hold now, in unexpired leases.
+    pub handed_out: f64,
 }
 
 #[derive(Debug, Clone)]
 struct ClientLease {
     slot: ClientSlot,
+    /// What the last answer granted.
+    granted: f64,
+    /// What counts as outstanding: the grant, or for a lower server the
+    /// larger of the grant and what it reports having handed out, until it
+    /// reports less (this is what keeps a rebalancing tree from overshooting).
     has: f64,
+    /// The priority bands this client's demand is filed under.
+    bands: Vec<(i64, f64, u64)>,
     wants: f64,
     subclients: u64,
     requester: Requester,
@@ -67,6 +105,9 @@ struct ClientLease {
 
 struct Resource {
     template: Arc<Template>,
+    parent: Option<ParentLease>,
+    /// Demand per priority, for `priority_mode=strict`.
+    by_priority: std::collections::BTreeMap<i64, DemandIndex>,
     clients: HashMap<Arc<str>, ClientLease>,
     slot_owner: Vec<Option<Arc<str>>>,
     free_slots: Vec<ClientSlot>,
@@ -81,6 +122,7 @@ pub struct Store {
     resources: RwLock<HashMap<String, Arc<Mutex<Resource>>>>,
     master_since: AtomicU64,
     min_request_interval: Duration,
+    role: Role,
 }
 
 /// What status pages and metrics show of a resource.
@@ -97,6 +139,9 @@ pub struct ResourceStatus {
     pub learning_mode: bool,
     /// Seconds left in learning mode.
     pub learning_left_s: f64,
+    /// An intermediate server's lease from its parent.
+    pub parent_capacity: Option<f64>,
+    pub parent_expires_in_s: Option<f64>,
 }
 
 /// One client's lease, for `/debug/resources`.
@@ -122,7 +167,59 @@ impl Store {
             resources: RwLock::new(HashMap::new()),
             master_since: AtomicU64::new(now.as_nanos()),
             min_request_interval,
+            role: Role::Root,
         }
+    }
+
+    /// Makes this store an intermediate server's (or a root's).
+    pub fn set_role(&mut self, role: Role) {
+        self.role = role;
+    }
+
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// Records what the parent granted for a resource (`None`: nothing held).
+    pub fn set_parent_lease(&self, resource_id: &str, lease: Option<ParentLease>) {
+        let map = self.resources.read().expect("store lock poisoned");
+        if let Some(res) = map.get(resource_id) {
+            res.lock().expect("resource lock poisoned").parent = lease;
+        }
+    }
+
+    /// Every resource with demand, aggregated into priority bands, for the parent.
+    pub fn parent_demand(&self) -> Vec<ParentDemand> {
+        let now = self.clock.now();
+        let map = self.resources.read().expect("store lock poisoned");
+        let mut out: Vec<ParentDemand> = map
+            .iter()
+            .filter_map(|(id, res)| {
+                let mut r = res.lock().expect("resource lock poisoned");
+                r.expire(now);
+                if r.clients.is_empty() {
+                    return None;
+                }
+                let bands = r
+                    .by_priority
+                    .iter()
+                    .filter(|(_, idx)| !idx.is_empty())
+                    .map(|(p, idx)| Band {
+                        priority: *p,
+                        num_clients: idx.total_subclients().min(i64::MAX as u64) as i64,
+                        wants: idx.total_wants(),
+                    })
+                    .collect();
+                Some(ParentDemand {
+                    resource_id: id.clone(),
+                    wants: r.index.total_wants(),
+                    bands,
+                    handed_out: r.clients.values().map(|l| l.granted).sum(),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.resource_id.cmp(&b.resource_id));
+        out
     }
 
     pub fn clock(&self) -> &Clock {
@@ -170,7 +267,7 @@ impl Store {
                     let mut r = res.lock().expect("resource lock poisoned");
                     r.expire(now);
                     let learning = now < self.learning_until(&r.template);
-                    return r.decide(client, req, now, learning, self.min_request_interval);
+                    return r.decide(client, req, now, learning, self.min_request_interval, self.role);
                 }
             }
             let cfg = self.config.load();
@@ -213,13 +310,15 @@ impl Store {
                     id: id.clone(),
                     template: r.template.identifier_glob.clone(),
                     algorithm: r.template.algorithm.kind.name(),
-                    capacity: r.template.capacity,
+                    capacity: r.capacity(now, self.role).unwrap_or(0.0),
                     sum_has: r.index.total_has(),
                     sum_wants: r.index.total_wants(),
                     clients: r.clients.len(),
                     subclients: r.index.total_subclients(),
                     learning_mode: now < until,
                     learning_left_s: until.since(now).as_secs_f64(),
+                    parent_capacity: r.parent.as_ref().map(|p| p.capacity),
+                    parent_expires_in_s: r.parent.as_ref().map(|p| p.expiry.since(now).as_secs_f64()),
                 }
             })
             .collect();
@@ -250,7 +349,7 @@ impl Store {
                     Requester::Server { bands } => bands.clone(),
                     Requester::Client { .. } => Vec::new(),
                 },
-                has: l.has,
+                has: l.granted,
                 wants: l.wants,
                 subclients: l.subclients,
                 expires_in_s: l.expiry.since(now).as_secs_f64(),
@@ -268,6 +367,8 @@ impl Resource {
     fn new(template: Arc<Template>) -> Self {
         Resource {
             template,
+            parent: None,
+            by_priority: std::collections::BTreeMap::new(),
             clients: HashMap::new(),
             slot_owner: Vec::new(),
             free_slots: Vec::new(),
@@ -290,40 +391,102 @@ impl Resource {
         if let Some(l) = self.clients.remove(client) {
             self.expiries.remove(&(l.expiry, l.slot));
             self.index.remove(l.slot);
+            self.unfile_bands(l.slot, &l.bands);
             self.slot_owner[l.slot as usize] = None;
             self.free_slots.push(l.slot);
         }
     }
 
-    fn safe_capacity(&self) -> f64 {
-        match self.template.safe_capacity {
-            Some(s) => s,
-            None => {
-                let n = self.index.total_subclients();
-                if n == 0 { self.template.capacity } else { self.template.capacity / n as f64 }
+    fn unfile_bands(&mut self, slot: ClientSlot, bands: &[(i64, f64, u64)]) {
+        for (p, _, _) in bands {
+            if let Some(idx) = self.by_priority.get_mut(p) {
+                idx.remove(slot);
+                if idx.is_empty() {
+                    self.by_priority.remove(p);
+                }
             }
         }
     }
 
-    fn decide(&mut self, client: &str, req: &LeaseRequest, now: Time, learning: bool, min_interval: Duration) -> Grant {
-        let template = self.template.clone();
-        let alg = &template.algorithm;
-        // A too-early request gets its lease back unchanged; only its demand is recorded.
-        if let Some(l) = self.clients.get_mut(client)
-            && now.since(l.last_request) < min_interval
-        {
+    fn file_bands(&mut self, slot: ClientSlot, bands: &[(i64, f64, u64)], has: f64) {
+        for (p, wants, subs) in bands {
+            self.by_priority.entry(*p).or_default().upsert(slot, *wants, *subs, has);
+        }
+    }
+
+    /// True when the resource's template names it (not the catch-all), so a
+    /// local algorithm beats one adopted from the parent.
+    fn has_local_template(&self) -> bool {
+        self.template.identifier_glob != CATCH_ALL
+    }
+
+    /// The algorithm in force.
+    fn algorithm(&self) -> &Algorithm {
+        match &self.parent {
+            Some(ParentLease { algorithm: Some(a), .. }) if !self.has_local_template() => a,
+            _ => &self.template.algorithm,
+        }
+    }
+
+    /// The capacity to share now: the template's at a root; at an
+    /// intermediate, the parent's unexpired grant, or `None`.
+    fn capacity(&self, now: Time, role: Role) -> Option<f64> {
+        match (role, &self.parent) {
+            (Role::Root, _) => Some(self.template.capacity),
+            (Role::Intermediate { .. }, Some(p)) if p.expiry > now => Some(p.capacity),
+            _ => None,
+        }
+    }
+
+    fn safe_capacity(&self, capacity: f64) -> f64 {
+        let configured = match &self.parent {
+            Some(p) if !self.has_local_template() => p.safe_capacity.or(self.template.safe_capacity),
+            _ => self.template.safe_capacity,
+        };
+        match configured {
+            Some(s) => s,
+            None => {
+                let n = self.index.total_subclients();
+                if n == 0 { capacity } else { capacity / n as f64 }
+            }
+        }
+    }
+
+    fn decide(
+        &mut self,
+        client: &str,
+        req: &LeaseRequest,
+        now: Time,
+        learning: bool,
+        min_interval: Duration,
+        role: Role,
+    ) -> Grant {
+        let alg = self.algorithm().clone();
+        let capacity = self.capacity(now, role);
+        let bands: Vec<(i64, f64, u64)> = match &req.requester {
+            Requester::Client { priority } => vec![(*priority, req.wants, req.subclients)],
+            Requester::Server { bands } => {
+                bands.iter().map(|b| (b.priority, b.wants, b.num_clients.max(1) as u64)).collect()
+            }
+        };
+        // A too-early request gets its lease back unchanged; only its demand
+        // is recorded. So does every request while an intermediate server's
+        // own lease has lapsed: granted leases run to their expiry, and no new
+        // capacity is handed out until the parent renews.
+        let too_early = self.clients.get(client).is_some_and(|l| now.since(l.last_request) < min_interval);
+        let lapsed = capacity.is_none() && self.clients.contains_key(client);
+        if too_early || lapsed {
+            let l = self.clients.get_mut(client).expect("checked above");
             l.wants = req.wants;
             l.subclients = req.subclients;
             l.requester = req.requester.clone();
-            let (slot, has, expiry, refresh) = (l.slot, l.has, l.expiry, l.refresh_interval);
+            let old_bands = std::mem::replace(&mut l.bands, bands.clone());
+            let (slot, granted, has, expiry, refresh) = (l.slot, l.granted, l.has, l.expiry, l.refresh_interval);
             self.index.upsert(slot, req.wants, req.subclients, has);
-            return Grant {
-                capacity: has,
-                expiry,
-                refresh_interval: refresh,
-                safe_capacity: self.safe_capacity(),
-                template: self.template.clone(),
-            };
+            self.unfile_bands(slot, &old_bands);
+            self.file_bands(slot, &bands, has);
+            let safe = self.safe_capacity(capacity.unwrap_or(0.0));
+            return Grant { capacity: granted, expiry, refresh_interval: refresh, safe_capacity: safe, algorithm: alg };
         }
         let slot = match self.clients.get(client) {
             Some(l) => {
@@ -332,35 +495,71 @@ impl Resource {
             }
             None => self.new_slot(client),
         };
-        let old_has = self.clients.get(client).map_or(0.0, |l| l.has);
-        let capacity = if learning {
-            req.reported_has.unwrap_or(0.0)
-        } else {
-            self.index.upsert(slot, req.wants, req.subclients, old_has);
-            let r = algorithm::Request { wants: req.wants, subclients: req.subclients, has: old_has };
-            algorithm::decide(alg.kind, self.template.capacity, &self.index, &r)
+        let (old_has, old_bands) = self.clients.get(client).map_or((0.0, Vec::new()), |l| (l.has, l.bands.clone()));
+        self.index.upsert(slot, req.wants, req.subclients, old_has);
+        self.unfile_bands(slot, &old_bands);
+        self.file_bands(slot, &bands, old_has);
+        let granted = match capacity {
+            _ if learning => req.reported_has.unwrap_or(0.0),
+            None => 0.0,
+            Some(cap) => {
+                let r = algorithm::Request { wants: req.wants, subclients: req.subclients, has: old_has };
+                if alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind) {
+                    self.strict_priority(cap, &bands, &r)
+                } else {
+                    algorithm::decide(alg.kind, cap, &self.index, &r)
+                }
+            }
         };
-        let expiry = now.saturating_add(alg.lease_length);
+        let has = match req.requester {
+            Requester::Server { .. } => granted.max(req.reported_has.unwrap_or(0.0)),
+            Requester::Client { .. } => granted,
+        };
+        let (mut expiry, mut refresh) = (now.saturating_add(alg.lease_length), alg.refresh_interval);
+        if let (Role::Intermediate { decay_factor }, Some(p)) = (role, &self.parent) {
+            // Never promise beyond what this server itself holds.
+            expiry = expiry.min(p.expiry);
+            refresh = p.refresh_interval.mul_f64(decay_factor).max(Duration::from_secs(1));
+        }
+        if capacity.is_none() {
+            // Nothing to hand out yet (no lease from the parent): come back soon.
+            refresh = Duration::from_secs(1);
+            expiry = now.saturating_add(Duration::from_secs(2));
+        }
         let lease = ClientLease {
             slot,
-            has: capacity,
+            granted,
+            has,
+            bands: bands.clone(),
             wants: req.wants,
             subclients: req.subclients,
             requester: req.requester.clone(),
             expiry,
-            refresh_interval: alg.refresh_interval,
+            refresh_interval: refresh,
             last_request: now,
         };
-        self.index.upsert(slot, req.wants, req.subclients, capacity);
+        self.index.upsert(slot, req.wants, req.subclients, has);
+        self.file_bands(slot, &bands, has);
         self.expiries.insert((expiry, slot));
         self.clients.insert(Arc::from(client), lease);
-        Grant {
-            capacity,
-            expiry,
-            refresh_interval: alg.refresh_interval,
-            safe_capacity: self.safe_capacity(),
-            template: self.template.clone(),
+        let safe = self.safe_capacity(capacity.unwrap_or(0.0));
+        Grant { capacity: granted, expiry, refresh_interval: refresh, safe_capacity: safe, algorithm: alg }
+    }
+
+    /// Strict priorities: higher bands are satisfied first, up to their wants;
+    /// each band is shared max-min fairly within what the bands above leave.
+    fn strict_priority(&self, capacity: f64, bands: &[(i64, f64, u64)], r: &algorithm::Request) -> f64 {
+        let mut left = capacity;
+        let mut grant = 0.0;
+        for (p, idx) in self.by_priority.iter().rev() {
+            if let Some((_, wants, subs)) = bands.iter().find(|(bp, _, _)| bp == p) {
+                let level = idx.water_level(left.max(0.0));
+                grant += wants.min(level * *subs as f64);
+            }
+            left = (left - idx.total_wants()).max(0.0);
         }
+        let unused = capacity - (self.index.total_has() - r.has);
+        grant.min(r.wants).min(unused).max(0.0)
     }
 
     fn new_slot(&mut self, client: &str) -> ClientSlot {

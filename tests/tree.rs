@@ -1,0 +1,162 @@
+//! A tree of real `usher server` processes: a root and intermediates that
+//! lease from it, driven by tonic clients standing in for sidecars.
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use support::{Usher, http_get, write_file};
+use usher::proto::capacity_client::CapacityClient;
+use usher::proto::{self, GetCapacityRequest, ResourceRequest};
+
+const ROOT: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 20, refresh_interval: 4, learning_mode_duration: 0 }\n";
+
+fn start_server(dir: &std::path::Path, name: &str, config: Option<&str>, parent: Option<&str>) -> Usher {
+    let mut args: Vec<String> =
+        vec!["server".into(), "--listen".into(), "127.0.0.1:0".into(), "--admin-listen".into(), "127.0.0.1:0".into()];
+    args.extend(["--min-request-interval".into(), "0s".into()]);
+    if let Some(c) = config {
+        let p = write_file(dir, &format!("{name}.yaml"), c);
+        args.extend(["--config".into(), p.to_str().unwrap().to_string()]);
+    }
+    if let Some(p) = parent {
+        args.extend(["--parent".into(), p.to_string()]);
+    }
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    Usher::start(&refs, &[], "usher server listening")
+}
+
+fn now_secs() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_is_shared_fairly_across_the_tree_without_overshoot() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = start_server(dir.path(), "root", Some(ROOT), None);
+    let root_addr = root.addr("grpc").to_string();
+    let i1 = start_server(dir.path(), "i1", None, Some(&root_addr));
+    let i2 = start_server(dir.path(), "i2", None, Some(&root_addr));
+    let mut leaves = Vec::new();
+    for (name, server) in [("c1", &i1), ("c2", &i1), ("c3", &i2), ("c4", &i2)] {
+        let c = CapacityClient::connect(format!("http://{}", server.addr("grpc"))).await.unwrap();
+        leaves.push((name, c));
+    }
+    // Each leaf keeps asking for 100; remember every leaf's latest grant.
+    let mut held: HashMap<&str, (f64, i64)> = HashMap::new();
+    let mut max_total: f64 = 0.0;
+    let start = Instant::now();
+    let mut settled_since: Option<Instant> = None;
+    while start.elapsed() < Duration::from_secs(40) {
+        for (name, c) in leaves.iter_mut() {
+            let r = c
+                .get_capacity(GetCapacityRequest {
+                    client_id: name.to_string(),
+                    resource: vec![ResourceRequest { resource_id: "api".into(), priority: 0, has: None, wants: 100.0 }],
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            let lease = &r.response[0].gets;
+            assert!(lease.expiry_time <= now_secs() + 21, "no lease outlives the root's 20 s lease");
+            held.insert(name, (lease.capacity, lease.expiry_time));
+        }
+        let now = now_secs();
+        let total: f64 = held.values().filter(|(_, exp)| *exp >= now).map(|(c, _)| c).sum();
+        max_total = max_total.max(total);
+        assert!(total <= 100.0 + 1e-6, "the tree handed out {total} of 100: {held:?}");
+        let fair = held.values().all(|(c, _)| (*c - 25.0).abs() <= 25.0 * 0.05);
+        match (fair, settled_since) {
+            (true, None) => settled_since = Some(Instant::now()),
+            (false, _) => settled_since = None,
+            _ => {}
+        }
+        if settled_since.is_some_and(|t| t.elapsed() > Duration::from_secs(5)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(
+        settled_since.is_some_and(|t| t.elapsed() > Duration::from_secs(5)),
+        "every leaf should hold 25 ± 5% for 5 s: {held:?}\nroot:\n{}\ni1:\n{}",
+        root.log(),
+        i1.log()
+    );
+    // The intermediate's status shows its role, its parent and its lease from it.
+    let (_, body) = http_get(i1.addr("admin"), "/debug/status?format=json");
+    let st: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(st["role"], "intermediate");
+    assert_eq!(st["parent"]["master"], root_addr.as_str());
+    assert_eq!(st["resources"][0]["parent_capacity"], 50.0);
+    // Leases handed down refresh at the root's interval × 0.5.
+    let mut c = CapacityClient::connect(format!("http://{}", i1.addr("grpc"))).await.unwrap();
+    let r = c
+        .get_capacity(GetCapacityRequest {
+            client_id: "c1".into(),
+            resource: vec![ResourceRequest { resource_id: "api".into(), priority: 0, has: None, wants: 100.0 }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.response[0].gets.refresh_interval, 2);
+    // The root sees two server clients, each speaking for two subclients.
+    let (_, body) = http_get(root.addr("admin"), "/debug/resources?resource=api&format=json");
+    let leases: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let kinds: Vec<(&str, u64)> = leases["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["kind"].as_str().unwrap(), l["subclients"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(kinds, vec![("server", 2), ("server", 2)]);
+}
+
+#[tokio::test]
+async fn strict_priorities_serve_higher_bands_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm:\n      kind: FAIR_SHARE\n      lease_length: 60\n      refresh_interval: 5\n      learning_mode_duration: 0\n      parameters: [{name: priority_mode, value: strict}]\n";
+    let root = start_server(dir.path(), "root", Some(cfg), None);
+    let mut c = CapacityClient::connect(format!("http://{}", root.addr("grpc"))).await.unwrap();
+    let mut last = HashMap::new();
+    for _round in 0..3 {
+        for (name, priority) in [("low-a", 1), ("low-b", 1), ("high", 2)] {
+            let r = c
+                .get_capacity(GetCapacityRequest {
+                    client_id: name.into(),
+                    resource: vec![ResourceRequest { resource_id: "db".into(), priority, has: None, wants: 60.0 }],
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            last.insert(name, r.response[0].gets.capacity);
+        }
+    }
+    assert_eq!(last["high"], 60.0, "priority 2 gets its full demand: {last:?}");
+    assert_eq!(last["low-a"], 20.0, "priority 1 shares the rest: {last:?}");
+    assert_eq!(last["low-b"], 20.0);
+    // Without the parameter the same demand is shared max-min fairly (Doorman-compatible).
+    let plain = start_server(
+        dir.path(),
+        "plain",
+        Some(&cfg.replace("      parameters: [{name: priority_mode, value: strict}]\n", "")),
+        None,
+    );
+    let mut c = CapacityClient::connect(format!("http://{}", plain.addr("grpc"))).await.unwrap();
+    for _round in 0..3 {
+        for (name, priority) in [("low-a", 1), ("low-b", 1), ("high", 2)] {
+            let r = c
+                .get_capacity(GetCapacityRequest {
+                    client_id: name.into(),
+                    resource: vec![ResourceRequest { resource_id: "db".into(), priority, has: None, wants: 60.0 }],
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            last.insert(name, r.response[0].gets.capacity);
+        }
+    }
+    let third = 100.0 / 3.0;
+    assert!(last.values().all(|v| (v - third).abs() < 1e-9), "{last:?}");
+    let _ = proto::DiscoveryRequest {};
+}
