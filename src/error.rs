@@ -16,6 +16,8 @@ pub enum RunError {
     #[error("{0}")]
     Usage(String),
     #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
     Other(String),
 }
 
@@ -23,7 +25,7 @@ impl RunError {
     pub fn exit_code(&self) -> u8 {
         match self {
             RunError::Config(_) | RunError::Usage(_) => EXIT_USAGE,
-            RunError::Bind { .. } => EXIT_UNAVAILABLE,
+            RunError::Bind { .. } | RunError::Unavailable(_) => EXIT_UNAVAILABLE,
             RunError::Other(_) => 1,
         }
     }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use support::{Usher, http_get, write_file};
 use usher::proto::capacity_client::CapacityClient;
-use usher::proto::{self, GetCapacityRequest, ResourceRequest};
+use usher::proto::{GetCapacityRequest, ResourceRequest};
 
 const ROOT: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 20, refresh_interval: 4, learning_mode_duration: 0 }\n";
 
@@ -158,5 +158,4 @@ async fn strict_priorities_serve_higher_bands_first() {
     }
     let third = 100.0 / 3.0;
     assert!(last.values().all(|v| (v - third).abs() < 1e-9), "{last:?}");
-    let _ = proto::DiscoveryRequest {};
 }

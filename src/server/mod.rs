@@ -4,6 +4,8 @@
 //! the background tasks (lease sweep, config reload). This module wires them
 //! together and runs them until shutdown.
 
+pub mod election;
+pub mod etcd;
 pub mod metrics;
 pub mod parent;
 pub mod service;
@@ -64,6 +66,16 @@ pub struct ServerArgs {
     /// Leases handed down refresh this many times the parent's refresh interval (never below 1 s).
     #[arg(long, env = "USHER_DECAY_FACTOR", value_name = "FACTOR", default_value_t = DEFAULT_DECAY_FACTOR)]
     pub decay_factor: f64,
+    /// etcd v3 endpoints (e.g. http://etcd:2379) for master election and `--config etcd:KEY`.
+    /// Without them this server is always the master of its node.
+    #[arg(long, env = "USHER_ETCD_ENDPOINTS", value_name = "URL[,URL...]", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+    /// The etcd key the servers of one node campaign for; it holds the master's address.
+    #[arg(long, env = "USHER_ELECTION_KEY", value_name = "KEY", default_value = election::DEFAULT_KEY)]
+    pub election_key: String,
+    /// Lease TTL of the election key: a dead master is replaced within about this long.
+    #[arg(long, env = "USHER_ELECTION_TTL", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub election_ttl: Duration,
 }
 
 /// Default `--decay-factor`: each level down the tree refreshes twice as often as its parent.
@@ -92,6 +104,8 @@ pub struct Node {
     pub server_id: String,
     /// Set on an intermediate server.
     pub parent: Option<Arc<parent::ParentLink>>,
+    /// Set when masters are elected on etcd.
+    pub election: Option<Arc<election::Election>>,
     pub store: Store,
     pub metrics: Metrics,
     pub config_source: String,
@@ -113,6 +127,7 @@ impl Node {
             mastership: ArcSwap::from_pointee(Mastership { is_master: true, master_address: Some(server_id.clone()) }),
             server_id,
             parent: None,
+            election: None,
             store: Store::new(clock, config, min_request_interval),
             metrics: Metrics::new(registry),
             config_source,
@@ -165,6 +180,123 @@ impl Node {
     }
 }
 
+/// Where the resources configuration comes from.
+#[derive(Clone)]
+enum ConfigSource {
+    Builtin,
+    File(PathBuf),
+    Etcd(Box<etcd::Etcd>, String),
+}
+
+/// How often an etcd config key is re-read.
+pub const ETCD_CONFIG_POLL: Duration = Duration::from_secs(2);
+
+impl ConfigSource {
+    fn from_arg(arg: Option<&std::path::Path>, etcd: Option<&etcd::Etcd>) -> Result<Self, RunError> {
+        let Some(arg) = arg else { return Ok(ConfigSource::Builtin) };
+        match arg.to_str().and_then(|s| s.strip_prefix("etcd:")) {
+            None => Ok(ConfigSource::File(arg.to_path_buf())),
+            Some(key) => match etcd {
+                Some(e) => Ok(ConfigSource::Etcd(Box::new(e.clone()), key.to_string())),
+                None => Err(RunError::Usage(format!("--config etcd:{key} needs --etcd-endpoints"))),
+            },
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            ConfigSource::Builtin => "<built-in default>".into(),
+            ConfigSource::File(p) => p.display().to_string(),
+            ConfigSource::Etcd(_, key) => format!("etcd:{key}"),
+        }
+    }
+
+    async fn load_initial(&self) -> Result<ResourcesConfig, RunError> {
+        match self {
+            ConfigSource::Builtin => {
+                tracing::warn!(
+                    "no --config given: using the built-in default resources (every id gets 100/s, FAIR_SHARE)"
+                );
+                Ok(ResourcesConfig::builtin_default())
+            }
+            ConfigSource::File(p) => Ok(ResourcesConfig::load(p)?),
+            ConfigSource::Etcd(etcd, key) => {
+                let mut tries = 0;
+                let text = loop {
+                    match etcd.get(key).await {
+                        Ok(Some(t)) => break t,
+                        Ok(None) => {
+                            return Err(RunError::Usage(format!(
+                                "etcd key `{key}` does not exist; store the resources YAML there first"
+                            )));
+                        }
+                        Err(e) if tries < 5 => {
+                            tries += 1;
+                            tracing::warn!(error = %e, "cannot read the configuration from etcd yet; retrying");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                        Err(e) => return Err(RunError::Unavailable(format!("cannot read the configuration: {e}"))),
+                    }
+                };
+                Ok(ResourcesConfig::parse(&self.name(), &text)?)
+            }
+        }
+    }
+
+    /// Applies every later change to `node`, keeping the last good config on errors.
+    fn watch(self, node: Arc<Node>, shutdown: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
+        match self {
+            ConfigSource::Builtin => None,
+            ConfigSource::File(path) => {
+                let mut causes = watch::watch(&path, shutdown);
+                Some(tokio::spawn(async move {
+                    let mut last = std::fs::read(&path).ok();
+                    while let Some(cause) = causes.recv().await {
+                        let text = std::fs::read(&path).ok();
+                        if cause == watch::Cause::FileEvent && text == last {
+                            continue;
+                        }
+                        last = text;
+                        tracing::info!(?cause, "reloading configuration");
+                        node.apply_config(ResourcesConfig::load(&path));
+                    }
+                }))
+            }
+            ConfigSource::Etcd(etcd, key) => Some(tokio::spawn(async move {
+                let name = format!("etcd:{key}");
+                let mut last: Option<String> = None;
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(ETCD_CONFIG_POLL) => {}
+                    }
+                    match etcd.get(&key).await {
+                        Ok(Some(text)) if last.as_ref() != Some(&text) => {
+                            let first = last.is_none();
+                            last = Some(text.clone());
+                            if first && node.config_state().last_error.is_none() {
+                                // The text loaded at start-up; nothing changed yet.
+                                if ResourcesConfig::parse(&name, &text).ok().as_ref() == Some(&*node.store.config()) {
+                                    continue;
+                                }
+                            }
+                            tracing::info!(source = %name, "configuration changed in etcd; reloading");
+                            node.apply_config(ResourcesConfig::parse(&name, &text));
+                        }
+                        Ok(Some(_)) => {}
+                        Ok(None) => {
+                            tracing::warn!(source = %name, "the configuration key is gone; keeping the current configuration")
+                        }
+                        Err(e) => {
+                            tracing::warn!(source = %name, error = %e, "cannot read the configuration from etcd; keeping the current one")
+                        }
+                    }
+                }
+            })),
+        }
+    }
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
@@ -176,13 +308,10 @@ fn hostname() -> String {
 
 /// Runs the server until `shutdown` is cancelled.
 pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), RunError> {
-    let (source, config) = match &args.config {
-        Some(path) => (path.display().to_string(), ResourcesConfig::load(path)?),
-        None => {
-            tracing::warn!("no --config given: using the built-in default resources (every id gets 100/s, FAIR_SHARE)");
-            ("<built-in default>".to_string(), ResourcesConfig::builtin_default())
-        }
-    };
+    let etcd = (!args.etcd_endpoints.is_empty()).then(|| etcd::Etcd::new(&args.etcd_endpoints, Duration::from_secs(3)));
+    let source = ConfigSource::from_arg(args.config.as_deref(), etcd.as_ref())?;
+    let config = source.load_initial().await?;
+    let source_name = source.name();
     let grpc = bind("gRPC", args.listen).await?;
     let admin = bind("admin", args.admin_listen).await?;
     let grpc_addr = grpc.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
@@ -191,7 +320,7 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
 
     let mut node = Node::new(
         server_id.clone(),
-        source.clone(),
+        source_name.clone(),
         config,
         Clock::system(),
         args.min_request_interval,
@@ -204,9 +333,14 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         node.store.set_role(store::Role::Intermediate { decay_factor: args.decay_factor });
         node.parent = Some(Arc::new(parent::ParentLink::default()));
     }
+    if etcd.is_some() {
+        // Elected: nobody is master until the election says so.
+        node.mastership.store(Arc::new(Mastership { is_master: false, master_address: None }));
+        node.election = Some(Arc::new(election::Election::default()));
+    }
     let node = Arc::new(node);
     let role = if args.parent.is_empty() { "root" } else { "intermediate" };
-    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, server_id = %server_id, config = %source, role, parent = %args.parent.join(","), "usher server listening");
+    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, server_id = %server_id, config = %source_name, role, parent = %args.parent.join(","), "usher server listening");
 
     let parent_task = node.parent.clone().map(|link| {
         let transport: Arc<dyn crate::lease::transport::Transport> =
@@ -239,22 +373,19 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         })
     };
 
-    let reloader = args.config.clone().map(|path| {
-        let node = node.clone();
-        let mut causes = watch::watch(&path, shutdown.clone());
-        tokio::spawn(async move {
-            let mut last = std::fs::read(&path).ok();
-            while let Some(cause) = causes.recv().await {
-                let text = std::fs::read(&path).ok();
-                if cause == watch::Cause::FileEvent && text == last {
-                    continue;
-                }
-                last = text;
-                tracing::info!(?cause, "reloading configuration");
-                node.apply_config(ResourcesConfig::load(&path));
-            }
-        })
-    });
+    let reloader = source.clone().watch(node.clone(), shutdown.clone());
+    let election_task = match (&etcd, &node.election) {
+        (Some(etcd), Some(e)) => Some(tokio::spawn(election::run(
+            node.clone(),
+            e.clone(),
+            etcd.clone(),
+            args.election_key.clone(),
+            args.election_ttl,
+            node.store.clock().clone(),
+            shutdown.clone(),
+        ))),
+        _ => None,
+    };
 
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(node.clone()), shutdown.clone()));
 
@@ -279,8 +410,8 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     if let Some(p) = parent_task {
         let _ = p.await;
     }
-    if let Some(r) = reloader {
-        let _ = r.await;
+    for t in [reloader, election_task].into_iter().flatten() {
+        let _ = t.await;
     }
     served.map_err(|e| RunError::Other(format!("gRPC server failed: {e}")))?;
     tracing::info!("usher server stopped");

@@ -16,6 +16,7 @@ struct Status {
     server_id: String,
     role: &'static str,
     parent: Option<super::parent::ParentStatus>,
+    election: Option<super::election::ElectionStatus>,
     is_master: bool,
     master_address: Option<String>,
     ready: bool,
@@ -38,6 +39,7 @@ fn status(node: &Node) -> Status {
         server_id: node.server_id.clone(),
         role: if node.parent.is_some() { "intermediate" } else { "root" },
         parent: node.parent.as_ref().map(|p| p.status()),
+        election: node.election.as_ref().map(|e| e.status()),
         is_master: m.is_master,
         master_address: m.master_address.clone(),
         ready: node.is_ready(),
@@ -99,6 +101,16 @@ fn status_html(s: &Status) -> String {
             None => String::new(),
         }
     );
+    if let Some(e) = &s.election {
+        let _ = write!(
+            b,
+            "<p>Election on <code>{}</code> (TTL {} s): <b>{}</b>{}</p>",
+            escape(&e.key),
+            e.ttl_s,
+            e.state,
+            e.last_error.as_deref().map(|x| format!(", <span class=err>{}</span>", escape(x))).unwrap_or_default()
+        );
+    }
     if let Some(p) = &s.parent {
         let _ = write!(
             b,

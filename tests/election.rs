@@ -1,0 +1,213 @@
+//! Master election on a real etcd (Debian's etcd-server) with real `usher
+//! server` processes, and configuration stored in etcd.
+
+mod support;
+
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use support::etcd::EtcdServer;
+use support::{Usher, http_get, metric};
+use usher::clock::Clock;
+use usher::lease::core::CoreConfig;
+use usher::lease::transport::{GrpcTransport, Transport};
+use usher::lease::{Capacity, Enforcer, KeyDemand, LeaseClient, OnExpiry};
+use usher::proto::capacity_client::CapacityClient;
+use usher::proto::{self, GetCapacityRequest, ResourceRequest};
+use usher::server::etcd::Etcd;
+
+const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 8, refresh_interval: 2, learning_mode_duration: 8 }\n";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn start_member(etcd: &str, config: &str, key: &str) -> (Usher, String) {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let u = Usher::start(
+        &[
+            "server",
+            "--config",
+            config,
+            "--listen",
+            &addr,
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--advertise-addr",
+            &addr,
+            "--etcd-endpoints",
+            etcd,
+            "--election-key",
+            key,
+            "--election-ttl",
+            "3s",
+            "--min-request-interval",
+            "0s",
+        ],
+        &[],
+        "usher server listening",
+    );
+    (u, addr)
+}
+
+fn is_master(u: &Usher) -> bool {
+    let (code, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+    code == 200 && serde_json::from_str::<serde_json::Value>(&body).unwrap()["is_master"] == true
+}
+
+/// Records what the lease client lets the sidecar use.
+struct Recorder {
+    seen: Mutex<Vec<(Instant, Capacity)>>,
+}
+
+impl Enforcer for Recorder {
+    fn demand(&self) -> Vec<KeyDemand> {
+        vec![KeyDemand {
+            resource_id: "api".into(),
+            priority: 0,
+            wants: 40.0,
+            on_expiry: OnExpiry::Pessimistic,
+            safe_capacity: None,
+            pressure: false,
+        }]
+    }
+
+    fn apply(&self, capacities: &[(String, Capacity)]) {
+        self.seen.lock().unwrap().push((Instant::now(), capacities[0].1));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_servers_elect_one_master_and_fail_over() {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::write_file(dir.path(), "r.yaml", CONFIG);
+    let mut members: Vec<(Usher, String)> =
+        (0..3).map(|_| start_member(&etcd.endpoint, cfg.to_str().unwrap(), "/test/master")).collect();
+    let addrs: Vec<String> = members.iter().map(|(_, a)| a.clone()).collect();
+    assert_eventually!(
+        members.iter().filter(|(u, _)| is_master(u)).count() == 1,
+        Duration::from_secs(15),
+        "exactly one master is elected"
+    );
+    let master = members.iter().position(|(u, _)| is_master(u)).unwrap();
+
+    // Any member answers Discovery with the master; a follower redirects capacity requests.
+    let follower = (master + 1) % 3;
+    let mut c = CapacityClient::connect(format!("http://{}", addrs[follower])).await.unwrap();
+    let d = c.discovery(proto::DiscoveryRequest {}).await.unwrap().into_inner();
+    assert!(!d.is_master);
+    assert_eq!(d.mastership.master_address.as_deref(), Some(addrs[master].as_str()));
+    let r = c
+        .get_capacity(GetCapacityRequest {
+            client_id: "x".into(),
+            resource: vec![ResourceRequest { resource_id: "api".into(), priority: 0, has: None, wants: 1.0 }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.response.is_empty());
+    assert_eq!(r.mastership.unwrap().master_address.as_deref(), Some(addrs[master].as_str()));
+
+    // A sidecar's lease client, knowing every member, holds a lease.
+    let transport: Arc<dyn Transport> = Arc::new(GrpcTransport::new(Duration::from_secs(2), Duration::from_secs(1)));
+    let recorder = Arc::new(Recorder { seen: Mutex::new(Vec::new()) });
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let mut cfg = CoreConfig::new("sidecar-1", addrs.clone());
+    cfg.min_interval = Duration::from_millis(200);
+    let (client, task) = LeaseClient::start(cfg, Clock::system(), transport, recorder.clone(), None, shutdown.clone());
+    assert_eventually!(
+        client.status().keys.first().is_some_and(|k| k.has == Some(40.0)),
+        Duration::from_secs(10),
+        "the sidecar gets its lease: {:?}",
+        client.status()
+    );
+    let leased_at = Instant::now();
+
+    // Kill the master: another member takes over within TTL + 2 s.
+    let killed_at = Instant::now();
+    members[master].0.child.kill().unwrap();
+    let rest: Vec<usize> = (0..3).filter(|i| *i != master).collect();
+    assert_eventually!(
+        rest.iter().filter(|i| is_master(&members[**i].0)).count() == 1,
+        Duration::from_secs(5),
+        "a new master within TTL + 2 s"
+    );
+    let took = killed_at.elapsed();
+    let new_master = *rest.iter().find(|i| is_master(&members[**i].0)).unwrap();
+    assert!(took <= Duration::from_secs(5), "failover took {took:?}");
+
+    // The sidecar follows; the new master, in learning mode, hands its `has` back.
+    assert_eventually!(
+        client.status().master.as_deref() == Some(addrs[new_master].as_str()),
+        Duration::from_secs(10),
+        "the sidecar follows the new master: {:?}",
+        client.status()
+    );
+    let (_, body) = http_get(members[new_master].0.addr("admin"), "/debug/resources?resource=api&format=json");
+    let leases: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(leases["leases"][0]["has"], 40.0, "learning mode handed has back: {body}");
+    let seen = recorder.seen.lock().unwrap().clone();
+    let dropped: Vec<_> = seen.iter().filter(|(t, c)| *t > leased_at && *c != Capacity::Limited(40.0)).collect();
+    assert!(dropped.is_empty(), "the sidecar kept enforcing its lease throughout: {dropped:?}");
+    shutdown.cancel();
+    task.await.unwrap();
+}
+
+#[tokio::test]
+async fn configuration_is_read_from_etcd_and_kept_when_invalid() {
+    let etcd = EtcdServer::start();
+    let client = Etcd::new(&[etcd.endpoint.clone()], Duration::from_secs(3));
+    client.put("/test/config", CONFIG).await.unwrap();
+    let u = Usher::start(
+        &[
+            "server",
+            "--config",
+            "etcd:/test/config",
+            "--etcd-endpoints",
+            &etcd.endpoint,
+            "--election-key",
+            "/test/cfg-master",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--advertise-addr",
+            "127.0.0.1:1",
+            "--min-request-interval",
+            "0s",
+        ],
+        &[],
+        "usher server listening",
+    );
+    assert_eventually!(is_master(&u), Duration::from_secs(10), "the only member becomes master");
+    let mut c = CapacityClient::connect(format!("http://{}", u.addr("grpc"))).await.unwrap();
+    let ask = |wants| GetCapacityRequest {
+        client_id: "a".into(),
+        resource: vec![ResourceRequest {
+            resource_id: "r".into(),
+            priority: 0,
+            has: Some(proto::Lease { expiry_time: 0, refresh_interval: 1, capacity: 0.0 }),
+            wants,
+        }],
+    };
+    let no_learning = CONFIG.replace("learning_mode_duration: 8", "learning_mode_duration: 0");
+    client.put("/test/config", &no_learning.replace("capacity: 100", "capacity: 70")).await.unwrap();
+    let mut got = 0.0;
+    for _ in 0..60 {
+        got = c.get_capacity(ask(500.0)).await.unwrap().into_inner().response[0].gets.capacity;
+        if got == 70.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(got, 70.0, "a change stored in etcd takes effect");
+    client.put("/test/config", "resources: [{identifier_glob: x}]\n").await.unwrap();
+    u.wait_for_log("configuration rejected", Duration::from_secs(10));
+    assert!(u.log().contains("etcd:/test/config:1:13: resources[0].capacity: missing required field"), "{}", u.log());
+    assert_eq!(c.get_capacity(ask(500.0)).await.unwrap().into_inner().response[0].gets.capacity, 70.0);
+    let (_, text) = http_get(u.addr("admin"), "/metrics");
+    assert!(metric(&text, "usher_config_reload_errors_total", &[]).unwrap() >= 1.0);
+}
