@@ -159,7 +159,7 @@ async fn three_servers_elect_one_master_and_fail_over() {
 #[tokio::test]
 async fn configuration_is_read_from_etcd_and_kept_when_invalid() {
     let etcd = EtcdServer::start();
-    let client = Etcd::new(&[etcd.endpoint.clone()], Duration::from_secs(3));
+    let client = Etcd::new(std::slice::from_ref(&etcd.endpoint), Duration::from_secs(3));
     client.put("/test/config", CONFIG).await.unwrap();
     let u = Usher::start(
         &[
