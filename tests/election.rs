@@ -211,3 +211,59 @@ async fn configuration_is_read_from_etcd_and_kept_when_invalid() {
     let (_, text) = http_get(u.addr("admin"), "/metrics");
     assert!(metric(&text, "usher_config_reload_errors_total", &[]).unwrap() >= 1.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_root_failover_no_intermediate_hands_out_zero() {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::write_file(dir.path(), "root.yaml", CONFIG);
+    let mut roots: Vec<(Usher, String)> =
+        (0..2).map(|_| start_member(&etcd.endpoint, cfg.to_str().unwrap(), "/test/root")).collect();
+    let parents = format!("{},{}", roots[0].1, roots[1].1);
+    let mid = Usher::start(
+        &[
+            "server",
+            "--parent",
+            &parents,
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--min-request-interval",
+            "0s",
+        ],
+        &[],
+        "usher server listening",
+    );
+    let mut c = CapacityClient::connect(format!("http://{}", mid.addr("grpc"))).await.unwrap();
+    let ask = || GetCapacityRequest {
+        client_id: "leaf".into(),
+        resource: vec![ResourceRequest { resource_id: "api".into(), priority: 0, has: None, wants: 30.0 }],
+    };
+    let mut got = 0.0;
+    for _ in 0..100 {
+        got = c.get_capacity(ask()).await.unwrap().into_inner().response[0].gets.capacity;
+        if got == 30.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(got, 30.0, "the leaf gets its demand through the intermediate");
+    let master = roots.iter().position(|(u, _)| is_master(u)).unwrap();
+    roots[master].0.child.kill().unwrap();
+    let other = 1 - master;
+    // Through the failover and the new root's learning period, the leaf keeps its 30.
+    let deadline = Instant::now() + Duration::from_secs(14);
+    let mut saw_new_master = false;
+    while Instant::now() < deadline {
+        let g = c.get_capacity(ask()).await.unwrap().into_inner().response[0].gets.capacity;
+        assert_eq!(g, 30.0, "the intermediate never hands out less during the root failover");
+        saw_new_master |= is_master(&roots[other].0);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(saw_new_master);
+    let (_, body) = http_get(roots[other].0.addr("admin"), "/debug/resources?resource=api&format=json");
+    let leases: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(leases["leases"][0]["kind"], "server");
+    assert_eq!(leases["leases"][0]["has"], 30.0, "learning mode handed the intermediate's has back: {body}");
+}

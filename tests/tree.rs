@@ -110,6 +110,10 @@ async fn capacity_is_shared_fairly_across_the_tree_without_overshoot() {
         .map(|l| (l["kind"].as_str().unwrap(), l["subclients"].as_u64().unwrap()))
         .collect();
     assert_eq!(kinds, vec![("server", 2), ("server", 2)]);
+    let (_, body) = http_get(root.addr("admin"), "/debug/status?format=json");
+    let st: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(st["role"], "root");
+    assert_eq!(st["resources"][0]["server_clients"], 2, "children are listed as servers");
 }
 
 #[tokio::test]

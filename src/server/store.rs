@@ -135,6 +135,8 @@ pub struct ResourceStatus {
     pub sum_has: f64,
     pub sum_wants: f64,
     pub clients: usize,
+    /// Of `clients`, how many are lower servers speaking for their own clients.
+    pub server_clients: usize,
     pub subclients: u64,
     pub learning_mode: bool,
     /// Seconds left in learning mode.
@@ -314,6 +316,11 @@ impl Store {
                     sum_has: r.index.total_has(),
                     sum_wants: r.index.total_wants(),
                     clients: r.clients.len(),
+                    server_clients: r
+                        .clients
+                        .values()
+                        .filter(|l| matches!(l.requester, Requester::Server { .. }))
+                        .count(),
                     subclients: r.index.total_subclients(),
                     learning_mode: now < until,
                     learning_left_s: until.since(now).as_secs_f64(),
