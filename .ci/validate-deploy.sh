@@ -25,11 +25,15 @@
 #   5. that bad values are refused (values.schema.json, fail guards);
 #   6. an app chart that depends on charts/usher and uses the usher.sidecar
 #      template, rendered and validated (native sidecar and plain container);
-#   7. if a built usher binary has a `check` subcommand, `usher check` on the
-#      example routes and resources files.
+#   7. if a built usher binary is there (target/{debug,release}/usher or
+#      $USHER_BIN): every usher flag used exists in its --help; every resources
+#      file shipped (example, ConfigMaps, chart renderings) loads in a real
+#      `usher server` on loopback ephemeral ports; and, once `usher check`
+#      exists, it accepts the example and embedded routes files.
 # Exits non-zero on the first failing step. Environment:
 #   USHER_CI_CACHE   where tools go (default ~/.cache/usher-ci)
-#   USHER_BIN        usher binary for step 7 (default target/{debug,release}/usher)
+#   USHER_BIN        usher binary for step 7 (default: target/debug/usher, then
+#                    target/release/usher; step 7 is skipped when there is none)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -109,16 +113,23 @@ import yaml
 
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
 SERVER_FLAGS = {"--config", "--listen", "--admin-listen", "--advertise-addr", "--min-request-interval",
-                # planned (issue 5):
-                "--parent", "--etcd-endpoints", "--election-key", "--election-ttl"}
+                "--parent", "--decay-factor", "--etcd-endpoints", "--election-key", "--election-ttl"}
 PROXY_FLAGS = {"--routes", "--listen", "--admin-listen"}
 ALGORITHMS = {"NO_ALGORITHM", "STATIC", "PROPORTIONAL_SHARE", "FAIR_SHARE"}
 
 errors = []
 external_configmaps = set()
+flags_out = dump_dir = None
 args = sys.argv[1:]
-while args and args[0].startswith("--external-configmap="):
-    external_configmaps.add(args.pop(0).split("=", 1)[1])
+while args and args[0].startswith("--"):
+    opt, _, val = args.pop(0).partition("=")
+    if opt == "--external-configmap":
+        external_configmaps.add(val)
+    elif opt == "--flags-out":      # append "ROLE FLAG" per usher flag used, for the binary check
+        flags_out = val
+    elif opt == "--dump-dir":       # write embedded resources/routes files there, for the binary check
+        dump_dir = val
+used_flags = set()
 docs = []
 for path in args:
     with open(path) as f:
@@ -241,6 +252,7 @@ for path, d, pod, labels in workloads:
             continue
         role = c["args"][0]
         f = flags(c)
+        used_flags.update((role, k) for k in f)
         unknown = set(f) - (SERVER_FLAGS if role == "server" else PROXY_FLAGS)
         if unknown:
             err(path, d, f"{where}: unknown usher {role} flags {sorted(unknown)}")
@@ -286,8 +298,11 @@ for path, d, pod, labels in workloads:
             adv = f.get("--advertise-addr", "")
             if d["kind"] == "StatefulSet" and not adv.startswith(f"$(POD_NAME).{d['spec']['serviceName']}."):
                 err(path, d, f"{where}: --advertise-addr should be $(POD_NAME).{d['spec']['serviceName']}...: the pod's stable name")
-            if "--config" in f:
+            if "--config" in f and not f["--config"].startswith("etcd:"):
                 text = file_in_configmap(f["--config"])
+                if text and dump_dir:
+                    with open(f"{dump_dir}/{d['metadata']['name']}.resources.yaml", "w") as out:
+                        out.write(text)
                 if text:
                     try:
                         entries = yaml.safe_load(text)["resources"]
@@ -322,6 +337,9 @@ for path, d, pod, labels in workloads:
                 continue
             if text == "":
                 continue
+            if dump_dir:
+                with open(f"{dump_dir}/{d['metadata']['name']}.routes.yaml", "w") as out:
+                    out.write(text)
             try:
                 routes = yaml.safe_load(text)
             except yaml.YAMLError as e:
@@ -398,6 +416,9 @@ for path, d in by_kind.get("NetworkPolicy", []):
             if "podSelector" in peer and "namespaceSelector" not in peer and not selected(ns(d), peer["podSelector"]):
                 err(path, d, f"ingress peer {peer['podSelector']} selects no pods in this namespace")
 
+if flags_out:
+    with open(flags_out, "a") as out:
+        out.writelines(f"{role} {flag}\n" for role, flag in sorted(used_flags))
 kinds = sorted({d["kind"] for _, d in docs})
 if errors:
     print("\n".join("  " + e for e in errors))
@@ -478,7 +499,8 @@ mapfile -t manifests < <(find deploy -name '*.yaml' -not -path 'deploy/examples/
 [ "${#manifests[@]}" -gt 0 ] || fail "no manifests in deploy/"
 printf '  %s\n' "${manifests[@]}"
 k8s_validate "${manifests[@]}"
-"$PY" "$WORK/xref.py" "${manifests[@]}"
+mkdir -p "$WORK/embedded/deploy"
+"$PY" "$WORK/xref.py" --flags-out="$WORK/flags.txt" --dump-dir="$WORK/embedded/deploy" "${manifests[@]}"
 "$PY" - <<'EOF'
 # The ConfigMap in the tree carries deploy/examples/resources.yaml verbatim.
 import sys, yaml
@@ -497,9 +519,10 @@ for values in charts/usher/ci/*-values.yaml; do
     out="$WORK/$(basename "$values" .yaml).rendered.yaml"
     "$HELM" template usher charts/usher --namespace usher --kube-version "$K8S_VERSION" -f "$values" > "$out"
     k8s_validate "$out"
-    external=()
+    external=("--flags-out=$WORK/flags.txt" "--dump-dir=$WORK/embedded/$(basename "$values" .yaml)")
+    mkdir -p "$WORK/embedded/$(basename "$values" .yaml)"
     cm="$("$PY" -c 'import sys,yaml; print((yaml.safe_load(open(sys.argv[1])) or {}).get("config",{}).get("existingConfigMap",""))' "$values")"
-    [ -n "$cm" ] && external=("--external-configmap=$cm")
+    [ -n "$cm" ] && external+=("--external-configmap=$cm")
     "$PY" "$WORK/xref.py" "${external[@]}" "$out"
 done
 
@@ -596,7 +619,7 @@ for native in true false; do
     "$HELM" template my-app "$app" --kube-version "$K8S_VERSION" --set "native=$native" > "$out"
     echo "-- native sidecar: $native"
     k8s_validate "$out"
-    "$PY" "$WORK/xref.py" "$out"
+    "$PY" "$WORK/xref.py" --flags-out="$WORK/flags.txt" "$out"
     "$PY" - "$out" "$native" <<'EOF'
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
@@ -611,18 +634,64 @@ print(f"  the usher container is in {'initContainers' if native else 'containers
 EOF
 done
 
-# ---- 7. usher check ------------------------------------------------------------------
-step "7. usher check on deploy/examples (when a built usher has it)"
+# ---- 7. against a built usher ----------------------------------------------------------
+step "7. against a built usher binary: flags, resources files, usher check"
 bin="${USHER_BIN:-}"
 if [ -z "$bin" ]; then
     for b in target/debug/usher target/release/usher; do [ -x "$b" ] && bin="$b" && break; done
 fi
-if [ -n "$bin" ] && "$bin" check --help >/dev/null 2>&1; then
-    POD_NAME=example-pod "$bin" check deploy/examples/resources.yaml deploy/examples/routes.yaml \
-        || fail "usher check rejects deploy/examples: they follow issues 3, 4 (routes) and the README (resources); the parser or the examples must change"
-    echo "  $bin check: deploy/examples/*.yaml valid"
+if [ -z "$bin" ] || ! "$bin" --version >/dev/null 2>&1; then
+    echo "  skipped: no built usher (target/debug/usher, target/release/usher or \$USHER_BIN)"
 else
-    echo "  skipped: no usher binary with a \`check\` subcommand (issue 9 item 2) at ${bin:-target/*/usher}"
+    echo "  binary: $bin ($("$bin" --version))"
+    # 7a. Every flag the manifests and the chart pass exists in the binary's --help.
+    sort -u "$WORK/flags.txt" > "$WORK/flags.sorted"
+    for role in server proxy; do
+        grep -q "^$role " "$WORK/flags.sorted" || continue
+        if ! "$bin" "$role" --help > "$WORK/help-$role.txt" 2>&1; then
+            echo "  skipped: this usher has no \`$role\` subcommand yet; its flags are unchecked"
+            continue
+        fi
+        missing=()
+        while read -r _ flag; do
+            grep -qE -- "(^|[ ,])$flag([ =<,]|\$)" "$WORK/help-$role.txt" || missing+=("$flag")
+        done < <(grep "^$role " "$WORK/flags.sorted")
+        [ "${#missing[@]}" -eq 0 ] || fail "usher $role has no flag(s) ${missing[*]}, which deploy/ or the chart use"
+        echo "  usher $role --help: all $(grep -c "^$role " "$WORK/flags.sorted") flags used in deploy/ and the chart exist"
+    done
+    # 7b. usher's own parser accepts every resources file the manifests ship: start a
+    # server on loopback ephemeral ports with it, wait until it listens, stop it.
+    start_server() {
+        local f="$1" log="$WORK/server.log" pid rc=0
+        "$bin" server --config "$f" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 2>"$log" &
+        pid=$!
+        for _ in $(seq 100); do
+            if grep -q 'usher server listening' "$log"; then
+                kill -TERM "$pid"; wait "$pid" || true
+                echo "  usher server --config ${f#"$WORK/embedded/"}: loads and listens"
+                return 0
+            fi
+            if ! kill -0 "$pid" 2>/dev/null; then
+                wait "$pid" || rc=$?
+                cat "$log" >&2
+                fail "usher server refused $f (exit $rc)"
+            fi
+            sleep 0.1
+        done
+        kill -TERM "$pid"; wait "$pid" || true
+        fail "usher server --config $f did not start listening within 10 s"
+    }
+    start_server deploy/examples/resources.yaml
+    while IFS= read -r f; do start_server "$f"; done < <(find "$WORK/embedded" -name '*.resources.yaml' | sort)
+    # 7c. usher check, once it exists (issue 9 item 2), on the example and embedded routes files too.
+    if "$bin" check --help >/dev/null 2>&1; then
+        mapfile -t routes_files < <(find "$WORK/embedded" -name '*.routes.yaml' | sort)
+        POD_NAME=example-pod "$bin" check deploy/examples/resources.yaml deploy/examples/routes.yaml "${routes_files[@]}" \
+            || fail "usher check rejects these files: they follow issues 3, 4 (routes) and the README (resources); the parser or the files must change"
+        echo "  usher check: deploy/examples and the ${#routes_files[@]} embedded routes file(s) are valid"
+    else
+        echo "  skipped: this usher has no \`check\` subcommand yet (issue 9 item 2)"
+    fi
 fi
 
 step "deploy validation passed"

@@ -91,11 +91,11 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
     - --advertise-addr=$(POD_NAME).{{ .headless }}.{{ include "usher.svcSuffix" $ctx }}:15100
     - --min-request-interval={{ $ctx.Values.server.minRequestInterval }}
     {{- if .parent }}
-    # requires issue 5 (intermediate mode)
+    # intermediate mode: any servers of the parent node
     - --parent={{ .parent }}
     {{- end }}
     {{- if $ctx.Values.election.enabled }}
-    # requires issue 5 (etcd election)
+    # master election on etcd, one key per node
     - --etcd-endpoints={{ include "usher.etcdEndpoints" $ctx }}
     - --election-key={{ $ctx.Values.election.keyPrefix }}/{{ .node }}
     - --election-ttl={{ $ctx.Values.election.ttl }}
