@@ -14,3 +14,4 @@ pub mod error;
 pub mod lease;
 pub mod proto;
 pub mod server;
+pub mod sim;

@@ -19,11 +19,24 @@ struct Cli {
 enum Command {
     /// Run a Doorman-compatible capacity server (gRPC `doorman.Capacity`).
     Server(usher::server::ServerArgs),
+    /// Simulate a capacity server tree in virtual time and report utilisation, overshoot,
+    /// convergence and fairness.
+    Sim(usher::sim::SimArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging();
+    if let Command::Sim(args) = cli.command {
+        // Virtual time: no runtime, no signals.
+        return match usher::sim::run(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("usher: {e}");
+                ExitCode::from(e.exit_code())
+            }
+        };
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -36,6 +49,7 @@ fn main() -> ExitCode {
         tokio::spawn(shutdown_on_signal(shutdown.clone()));
         match cli.command {
             Command::Server(args) => usher::server::run(args, shutdown).await,
+            Command::Sim(_) => unreachable!("handled before the runtime starts"),
         }
     });
     match result {

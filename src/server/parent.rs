@@ -19,7 +19,7 @@ use super::Node;
 use super::store::{Band, ParentLease};
 use crate::clock::{Clock, Time};
 use crate::config::resources::Algorithm;
-use crate::lease::core::{Action, Core, CoreConfig, KeyDemand, OnExpiry};
+use crate::lease::core::{Action, CallError, Core, CoreConfig, KeyDemand, OnExpiry};
 use crate::lease::transport::Transport;
 use crate::proto;
 
@@ -63,25 +63,37 @@ fn algorithm_from_wire(a: &proto::Algorithm) -> Option<Algorithm> {
     })
 }
 
-/// Polls the parent until `shutdown`, then releases what this server holds.
-pub async fn run(
-    node: Arc<Node>,
-    link: Arc<ParentLink>,
-    parents: Vec<String>,
-    transport: Arc<dyn Transport>,
-    clock: Clock,
-    shutdown: CancellationToken,
-) {
-    let mut cfg = CoreConfig::new(node.server_id.clone(), parents.clone());
-    cfg.min_interval = Duration::from_secs(1);
-    let mut core = Core::new(cfg, clock.now());
-    let mut extras: HashMap<String, (Option<Algorithm>, Option<f64>)> = HashMap::new();
-    loop {
-        let now = clock.now();
+/// The parent link's logic without I/O: what to send and what to do with
+/// the answers. `run` drives it in real time; `usher sim` in virtual time.
+pub struct ParentSync {
+    core: Core,
+    extras: HashMap<String, (Option<Algorithm>, Option<f64>)>,
+    demand: HashMap<String, (Vec<Band>, f64)>,
+}
+
+/// What the parent link must do next.
+pub enum ParentAction {
+    Wait(Time),
+    Discover(String),
+    Release(String, proto::ReleaseCapacityRequest),
+    Refresh(String, proto::GetServerCapacityRequest),
+}
+
+impl ParentSync {
+    pub fn new(server_id: &str, parents: Vec<String>, now: Time, seed: Option<u64>) -> Self {
+        let mut cfg = CoreConfig::new(server_id, parents);
+        cfg.min_interval = Duration::from_secs(1);
+        if let Some(s) = seed {
+            cfg.seed = s;
+        }
+        ParentSync { core: Core::new(cfg, now), extras: HashMap::new(), demand: HashMap::new() }
+    }
+
+    /// Reads the store's demand, hands the current leases to it, and says what to do.
+    pub fn next_action(&mut self, node: &Node, now: Time) -> ParentAction {
         let demand = node.store.parent_demand();
-        let by_id: HashMap<String, (Vec<Band>, f64)> =
-            demand.iter().map(|d| (d.resource_id.clone(), (d.bands.clone(), d.handed_out))).collect();
-        core.set_demand(
+        self.demand = demand.iter().map(|d| (d.resource_id.clone(), (d.bands.clone(), d.handed_out))).collect();
+        self.core.set_demand(
             demand
                 .iter()
                 .map(|d| KeyDemand {
@@ -94,26 +106,97 @@ pub async fn run(
                 })
                 .collect(),
         );
-        for t in core.take_transitions() {
-            tracing::info!(resource = %t.resource_id, from = ?t.from, to = ?t.to, "lease from parent changed");
+        for t in self.core.take_transitions() {
+            tracing::debug!(resource = %t.resource_id, from = ?t.from, to = ?t.to, "lease from parent changed");
         }
-        publish(&node, &core, &extras);
-        *link.status.lock().expect("parent status poisoned") = ParentStatus {
-            servers: parents.clone(),
-            master: core.master().map(str::to_string),
-            last_error: core.last_error().map(str::to_string),
-            refreshes: core.refreshes(),
-            next_refresh: core.next_refresh().as_secs(),
-        };
-        match core.next_action(now) {
-            Action::Wait { until } => {
+        self.publish(node);
+        match self.core.next_action(now) {
+            Action::Wait { until } => ParentAction::Wait(until),
+            Action::Discover { target } => ParentAction::Discover(target),
+            Action::Release { target, request } => ParentAction::Release(target, request),
+            Action::Refresh { target, request } => {
+                let req = server_request(&request, &self.demand, now);
+                ParentAction::Refresh(target, req)
+            }
+        }
+    }
+
+    pub fn on_discovery(&mut self, now: Time, target: &str, r: Result<proto::DiscoveryResponse, CallError>) {
+        self.core.on_discovery(now, target, r);
+    }
+
+    pub fn on_release(&mut self, now: Time, r: Result<proto::ReleaseCapacityResponse, CallError>) {
+        self.core.on_release(now, r);
+    }
+
+    pub fn on_refresh(&mut self, node: &Node, now: Time, r: Result<proto::GetServerCapacityResponse, CallError>) {
+        let r = r.map(|resp| {
+            for rr in &resp.response {
+                self.extras.insert(
+                    rr.resource_id.clone(),
+                    (rr.algorithm.as_ref().and_then(algorithm_from_wire), rr.safe_capacity),
+                );
+            }
+            client_response(resp)
+        });
+        self.core.on_refresh(now, r);
+        self.publish(node);
+    }
+
+    pub fn status(&self, servers: &[String]) -> ParentStatus {
+        ParentStatus {
+            servers: servers.to_vec(),
+            master: self.core.master().map(str::to_string),
+            last_error: self.core.last_error().map(str::to_string),
+            refreshes: self.core.refreshes(),
+            next_refresh: self.core.next_refresh().as_secs(),
+        }
+    }
+
+    pub fn release_all(&mut self) -> Option<(String, proto::ReleaseCapacityRequest)> {
+        self.core.release_all()
+    }
+
+    /// Hands every lease from the parent to the store.
+    fn publish(&self, node: &Node) {
+        for d in node.store.parent_demand() {
+            let lease = self.core.lease_of(&d.resource_id).map(|l| {
+                let (algorithm, safe_capacity) = self.extras.get(&d.resource_id).cloned().unwrap_or((None, None));
+                ParentLease {
+                    capacity: l.capacity,
+                    expiry: l.expiry,
+                    refresh_interval: l.refresh_interval,
+                    algorithm,
+                    safe_capacity,
+                }
+            });
+            node.store.set_parent_lease(&d.resource_id, lease);
+        }
+    }
+}
+
+/// Polls the parent until `shutdown`, then releases what this server holds.
+pub async fn run(
+    node: Arc<Node>,
+    link: Arc<ParentLink>,
+    parents: Vec<String>,
+    transport: Arc<dyn Transport>,
+    clock: Clock,
+    shutdown: CancellationToken,
+) {
+    let mut sync = ParentSync::new(&node.server_id, parents.clone(), clock.now(), None);
+    loop {
+        let action = sync.next_action(&node, clock.now());
+        *link.status.lock().expect("parent status poisoned") = sync.status(&parents);
+        match action {
+            ParentAction::Wait(until) => {
                 let d = until.since(clock.now()).min(Duration::from_millis(100));
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep(d) => {}
                 }
             }
-            Action::Discover { target } => {
+            ParentAction::Discover(target) => {
                 let r = tokio::select! {
                     _ = shutdown.cancelled() => break,
                     r = transport.discovery(&target) => r,
@@ -121,14 +204,13 @@ pub async fn run(
                 if let Err(e) = &r {
                     tracing::warn!(parent = %target, error = ?e, "parent discovery failed");
                 }
-                core.on_discovery(clock.now(), &target, r);
+                sync.on_discovery(clock.now(), &target, r);
             }
-            Action::Release { target, request } => {
+            ParentAction::Release(target, request) => {
                 let r = transport.release_capacity(&target, request).await;
-                core.on_release(clock.now(), r);
+                sync.on_release(clock.now(), r);
             }
-            Action::Refresh { target, request } => {
-                let req = server_request(&request, &by_id, now);
+            ParentAction::Refresh(target, req) => {
                 let r = tokio::select! {
                     _ = shutdown.cancelled() => break,
                     r = transport.get_server_capacity(&target, req) => r,
@@ -136,39 +218,12 @@ pub async fn run(
                 if let Err(e) = &r {
                     tracing::warn!(parent = %target, error = ?e, "refresh from parent failed");
                 }
-                let r = r.map(|resp| {
-                    for rr in &resp.response {
-                        extras.insert(
-                            rr.resource_id.clone(),
-                            (rr.algorithm.as_ref().and_then(algorithm_from_wire), rr.safe_capacity),
-                        );
-                    }
-                    client_response(resp)
-                });
-                core.on_refresh(clock.now(), r);
-                publish(&node, &core, &extras);
+                sync.on_refresh(&node, clock.now(), r);
             }
         }
     }
-    if let Some((target, req)) = core.release_all() {
+    if let Some((target, req)) = sync.release_all() {
         let _ = tokio::time::timeout(Duration::from_secs(2), transport.release_capacity(&target, req)).await;
-    }
-}
-
-/// Hands every lease from the parent to the store.
-fn publish(node: &Node, core: &Core, extras: &HashMap<String, (Option<Algorithm>, Option<f64>)>) {
-    for d in node.store.parent_demand() {
-        let lease = core.lease_of(&d.resource_id).map(|l| {
-            let (algorithm, safe_capacity) = extras.get(&d.resource_id).cloned().unwrap_or((None, None));
-            ParentLease {
-                capacity: l.capacity,
-                expiry: l.expiry,
-                refresh_interval: l.refresh_interval,
-                algorithm,
-                safe_capacity,
-            }
-        });
-        node.store.set_parent_lease(&d.resource_id, lease);
     }
 }
 

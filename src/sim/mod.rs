@@ -1,0 +1,552 @@
+//! `usher sim`: the real capacity servers, algorithms, parent links and lease
+//! clients, wired through an in-memory transport and driven by a manual
+//! clock, to measure utilisation, overshoot, convergence and fairness of a
+//! tree in virtual time. Deterministic for a seed.
+
+pub mod scenario;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::clock::{Clock, ManualClock, Time};
+use crate::config::resources::{Algorithm, ResourcesConfig, Template};
+use crate::lease::core::{Action, Capacity, Core, CoreConfig, KeyDemand, OnExpiry};
+use crate::lease::transport::{LocalTransport, Transport};
+use crate::server::parent::{ParentAction, ParentSync};
+use crate::server::store::Role;
+use crate::server::{Mastership, Node};
+pub use scenario::Scenario;
+use scenario::{DemandModel, EventKind, Target};
+
+/// The simulation's time step.
+pub const STEP: Duration = Duration::from_millis(250);
+/// How often the report samples the tree.
+pub const SAMPLE: Duration = Duration::from_secs(5);
+const RESOURCE: &str = "resource";
+
+/// The figures `usher sim` reports (the keys of `--json`).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Report {
+    /// Mean over samples after the first learning period of handed_out / min(demand, capacity).
+    pub utilisation: f64,
+    /// Maximum of handed_out / capacity.
+    pub max_overshoot: f64,
+    /// Mean of handed_out / capacity over the samples where it exceeds 1.
+    pub mean_overshoot_when_over: f64,
+    /// Number of distinct periods during which handed_out exceeded capacity.
+    pub shortfall_events: u64,
+    /// Worst time after a demand shift until handed_out ≥ 95% of min(demand, capacity).
+    pub convergence_s: f64,
+    /// Mean Jain's index of has/wants over clients whose demand exceeds their equal share.
+    pub fairness: f64,
+}
+
+/// One point of the time series.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    pub t: f64,
+    pub capacity: f64,
+    pub wants: f64,
+    pub has: f64,
+}
+
+struct SimNode {
+    addr: String,
+    node: Arc<Node>,
+    parent: Option<(String, ParentSync)>,
+    down_until: Option<Time>,
+    generation: u32,
+}
+
+struct SimClient {
+    core: Core,
+    base: f64,
+    wants: f64,
+}
+
+/// A running simulation.
+pub struct Sim {
+    sc: Scenario,
+    clock: Clock,
+    time: Arc<ManualClock>,
+    start: Time,
+    net: LocalTransport,
+    nodes: Vec<SimNode>,
+    clients: Vec<SimClient>,
+    rng: SmallRng,
+    rt: tokio::runtime::Runtime,
+    pub samples: Vec<Sample>,
+    shifts: Vec<f64>,
+    fairness: Vec<f64>,
+    /// Print every event to stderr.
+    pub trace: bool,
+}
+
+fn template(sc: &Scenario) -> ResourcesConfig {
+    ResourcesConfig {
+        templates: vec![Arc::new(Template {
+            identifier_glob: "*".into(),
+            capacity: sc.capacity,
+            safe_capacity: Some(sc.safe_capacity),
+            description: None,
+            algorithm: Algorithm {
+                kind: sc.algorithm,
+                lease_length: sc.lease_length,
+                refresh_interval: sc.refresh_interval,
+                learning_mode_duration: sc.learning_mode_duration,
+                parameters: vec![],
+            },
+        })],
+    }
+}
+
+impl Sim {
+    pub fn new(sc: Scenario, seed: u64) -> Sim {
+        let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
+        let start = clock.now();
+        let net = LocalTransport::new();
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let mut nodes = Vec::new();
+        // Breadth-first: node 0 is the root; each level's nodes lease from the level above.
+        let mut level: Vec<usize> = vec![0];
+        let root = Arc::new(Node::new(
+            "n0".into(),
+            "sim".into(),
+            template(&sc),
+            clock.clone(),
+            Duration::from_secs(1),
+            prometheus::Registry::new(),
+        ));
+        net.add("n0", root.clone());
+        nodes.push(SimNode { addr: "n0".into(), node: root, parent: None, down_until: None, generation: 0 });
+        for fanout in &sc.tree {
+            let mut next = Vec::new();
+            for &p in &level {
+                for _ in 0..*fanout {
+                    let addr = format!("n{}", nodes.len());
+                    let mut node = Node::new(
+                        addr.clone(),
+                        "sim".into(),
+                        template(&sc),
+                        clock.clone(),
+                        Duration::from_secs(1),
+                        prometheus::Registry::new(),
+                    );
+                    node.store.set_role(Role::Intermediate { decay_factor: 0.5 });
+                    let node = Arc::new(node);
+                    net.add(addr.clone(), node.clone());
+                    let parent_addr = nodes[p].addr.clone();
+                    let sync = ParentSync::new(&addr, vec![parent_addr.clone()], start, Some(rng.random()));
+                    next.push(nodes.len());
+                    nodes.push(SimNode {
+                        addr,
+                        node,
+                        parent: Some((parent_addr, sync)),
+                        down_until: None,
+                        generation: 0,
+                    });
+                }
+            }
+            level = next;
+        }
+        let mut clients = Vec::new();
+        for &leaf in &level {
+            for i in 0..sc.clients_per_leaf {
+                let mut cfg = CoreConfig::new(format!("{}-c{i}", nodes[leaf].addr), vec![nodes[leaf].addr.clone()]);
+                cfg.seed = rng.random();
+                let base = sc.demand.initial();
+                clients.push(SimClient { core: Core::new(cfg, start), base, wants: base });
+            }
+        }
+        let rt = tokio::runtime::Builder::new_current_thread().build().expect("a current-thread runtime");
+        // The tree starts empty, in learning mode: the first "shift" is its end.
+        let learning_end = sc.learning_mode_duration.as_secs_f64();
+        Sim {
+            sc,
+            clock,
+            time,
+            start,
+            net,
+            nodes,
+            clients,
+            rng,
+            rt,
+            samples: Vec::new(),
+            shifts: vec![learning_end],
+            fairness: Vec::new(),
+            trace: false,
+        }
+    }
+
+    fn elapsed(&self) -> f64 {
+        self.clock.now().since(self.start).as_secs_f64()
+    }
+
+    /// Runs the whole scenario; `progress` is called with the fraction done.
+    pub fn run(&mut self, mut progress: impl FnMut(f64)) -> Report {
+        let total = self.sc.duration;
+        let steps = (total.as_secs_f64() / STEP.as_secs_f64()).round() as u64;
+        let mut events = self.sc.events.clone();
+        events.sort_by_key(|e| e.at);
+        let mut next_event = 0;
+        let walk_every = match self.sc.demand {
+            DemandModel::RandomWalk { every, .. } => Some(every),
+            DemandModel::Constant { .. } => None,
+        };
+        let mut last_walk = Duration::ZERO;
+        let mut last_mishap = Duration::ZERO;
+        let mut last_sample: Option<Duration> = None;
+        for step in 0..=steps {
+            let t = STEP * step as u32;
+            while next_event < events.len() && events[next_event].at <= t {
+                let kind = events[next_event].kind.clone();
+                self.apply(&kind);
+                next_event += 1;
+            }
+            if let Some(m) = self.sc.mishaps.clone()
+                && t >= last_mishap + m.every
+            {
+                last_mishap = t;
+                let total_w = m.client_spike + m.election + m.master_loss;
+                if total_w > 0.0 {
+                    let x = self.rng.random_range(0.0..total_w);
+                    let kind = if x < m.client_spike {
+                        EventKind::ClientSpike { clients: 1, wants: None, by: Some(m.spike_by) }
+                    } else if x < m.client_spike + m.election {
+                        EventKind::Election { node: Target::Random }
+                    } else {
+                        let d = m.max_loss.mul_f64(self.rng.random_range(0.0..1.0));
+                        EventKind::MasterLoss { node: Target::Random, duration: d }
+                    };
+                    self.apply(&kind);
+                }
+            }
+            if let (Some(every), DemandModel::RandomWalk { change_pct, .. }) = (walk_every, &self.sc.demand)
+                && t >= last_walk + every
+            {
+                last_walk = t;
+                let pct = *change_pct / 100.0;
+                for c in &mut self.clients {
+                    let f = 1.0 + self.rng.random_range(-pct..=pct);
+                    c.base = (c.base * f).max(0.0);
+                    c.wants = (c.wants * f).max(0.0);
+                }
+            }
+            self.heal();
+            self.tick();
+            if last_sample.is_none_or(|s| t >= s + SAMPLE) {
+                last_sample = Some(t);
+                self.sample();
+            }
+            if step % (steps / 20).max(1) == 0 {
+                progress(step as f64 / steps.max(1) as f64);
+            }
+            self.time.advance(STEP);
+        }
+        self.report()
+    }
+
+    fn pick_node(&mut self, target: &Target) -> usize {
+        let i = match target {
+            Target::Root => 0,
+            Target::Index(i) => (*i).min(self.nodes.len() - 1),
+            Target::Random => self.rng.random_range(0..self.nodes.len()),
+        };
+        if self.trace {
+            eprintln!("  strikes node {i} ({})", self.nodes[i].addr);
+        }
+        i
+    }
+
+    fn apply(&mut self, kind: &EventKind) {
+        if self.trace {
+            eprintln!("t={:.1}s {kind:?}", self.elapsed());
+        }
+        match kind {
+            EventKind::MasterLoss { node, duration } => {
+                let i = self.pick_node(node);
+                let until = self.clock.now().saturating_add(*duration);
+                self.net.set_up(&self.nodes[i].addr, false);
+                self.nodes[i].down_until = Some(until);
+            }
+            EventKind::Election { node } => {
+                let i = self.pick_node(node);
+                self.reelect(i);
+            }
+            EventKind::ClientSpike { clients, wants, by } => {
+                for _ in 0..*clients {
+                    let c = self.rng.random_range(0..self.clients.len());
+                    let cl = &mut self.clients[c];
+                    cl.wants = match (wants, by) {
+                        (Some(w), _) => *w,
+                        (None, Some(b)) => cl.wants + b,
+                        (None, None) => cl.wants * 2.0,
+                    };
+                }
+                self.shifts.push(self.elapsed());
+            }
+        }
+    }
+
+    /// A new master takes over node `i`: empty state, learning mode, and a
+    /// fresh link to its parent.
+    fn reelect(&mut self, i: usize) {
+        let now = self.clock.now();
+        let seed = self.rng.random();
+        // A new master is another process: it speaks to its parent under
+        // its own server id, while the old master's lease runs out there.
+        self.nodes[i].generation += 1;
+        let id = format!("{}~{}", self.nodes[i].addr, self.nodes[i].generation);
+        if let Some((parent, sync)) = self.nodes[i].parent.as_mut() {
+            *sync = ParentSync::new(&id, vec![parent.clone()], now, Some(seed));
+        }
+        let n = &self.nodes[i].node;
+        n.set_mastership(Mastership { is_master: false, master_address: None });
+        n.set_mastership(Mastership { is_master: true, master_address: Some(self.nodes[i].addr.clone()) });
+    }
+
+    fn heal(&mut self) {
+        let now = self.clock.now();
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].down_until.is_some_and(|u| u <= now) {
+                self.nodes[i].down_until = None;
+                self.net.set_up(&self.nodes[i].addr, true);
+                self.reelect(i);
+            }
+        }
+    }
+
+    /// One time step: every parent link and every client does what is due.
+    fn tick(&mut self) {
+        for i in 0..self.nodes.len() {
+            let node = self.nodes[i].node.clone();
+            let Some((_, sync)) = self.nodes[i].parent.as_mut() else { continue };
+            for _ in 0..8 {
+                let now = self.clock.now();
+                match sync.next_action(&node, now) {
+                    ParentAction::Wait(_) => break,
+                    ParentAction::Discover(target) => {
+                        let r = self.rt.block_on(self.net.discovery(&target));
+                        sync.on_discovery(now, &target, r);
+                    }
+                    ParentAction::Release(target, req) => {
+                        let r = self.rt.block_on(self.net.release_capacity(&target, req));
+                        sync.on_release(now, r);
+                    }
+                    ParentAction::Refresh(target, req) => {
+                        let r = self.rt.block_on(self.net.get_server_capacity(&target, req));
+                        sync.on_refresh(&node, now, r);
+                    }
+                }
+            }
+        }
+        for c in &mut self.clients {
+            c.core.set_demand(vec![KeyDemand {
+                resource_id: RESOURCE.into(),
+                priority: 0,
+                wants: c.wants,
+                on_expiry: OnExpiry::Safe,
+                safe_capacity: Some(self.sc.safe_capacity),
+                pressure: false,
+            }]);
+            for _ in 0..8 {
+                let now = self.clock.now();
+                match c.core.next_action(now) {
+                    Action::Wait { .. } => break,
+                    Action::Discover { target } => {
+                        let r = self.rt.block_on(self.net.discovery(&target));
+                        c.core.on_discovery(now, &target, r);
+                    }
+                    Action::Refresh { target, request } => {
+                        let r = self.rt.block_on(self.net.get_capacity(&target, request));
+                        c.core.on_refresh(now, r);
+                    }
+                    Action::Release { target, request } => {
+                        let r = self.rt.block_on(self.net.release_capacity(&target, request));
+                        c.core.on_release(now, r);
+                    }
+                }
+            }
+        }
+    }
+
+    fn sample(&mut self) {
+        let now = self.clock.now();
+        let mut has = 0.0;
+        let mut wants = 0.0;
+        for c in &mut self.clients {
+            wants += c.wants;
+            has += match c.core.capacities(now).first().map(|(_, cap)| *cap) {
+                Some(Capacity::Limited(v)) => v,
+                Some(Capacity::Unlimited) => c.wants,
+                None => 0.0,
+            };
+        }
+        let t = self.elapsed();
+        self.samples.push(Sample { t, capacity: self.sc.capacity, wants, has });
+        if t >= self.sc.learning_mode_duration.as_secs_f64()
+            && let Some(f) = self.fairness_now()
+        {
+            self.fairness.push(f);
+        }
+    }
+
+    fn fairness_now(&mut self) -> Option<f64> {
+        let now = self.clock.now();
+        let share = self.sc.capacity / self.clients.len().max(1) as f64;
+        let ratios: Vec<f64> = self
+            .clients
+            .iter_mut()
+            .filter(|c| c.wants > share)
+            .map(|c| {
+                let has = match c.core.capacities(now).first().map(|(_, cap)| *cap) {
+                    Some(Capacity::Limited(v)) => v,
+                    _ => c.wants,
+                };
+                has / c.wants
+            })
+            .collect();
+        if ratios.len() < 2 {
+            return None;
+        }
+        let sum: f64 = ratios.iter().sum();
+        let sq: f64 = ratios.iter().map(|r| r * r).sum();
+        (sq > 0.0).then(|| sum * sum / (ratios.len() as f64 * sq))
+    }
+
+    fn report(&mut self) -> Report {
+        let learn = self.sc.learning_mode_duration.as_secs_f64();
+        let cap = self.sc.capacity;
+        let util: Vec<f64> = self
+            .samples
+            .iter()
+            .filter(|s| s.t >= learn)
+            .map(|s| {
+                let target = s.wants.min(cap);
+                if target <= 0.0 { 1.0 } else { s.has / target }
+            })
+            .collect();
+        let over: Vec<f64> = self.samples.iter().map(|s| s.has / cap).filter(|r| *r > 1.0 + 1e-9).collect();
+        let mut events = 0;
+        let mut was_over = false;
+        for s in &self.samples {
+            let is_over = s.has > cap * (1.0 + 1e-9);
+            if is_over && !was_over {
+                events += 1;
+            }
+            was_over = is_over;
+        }
+        let mut convergence: f64 = 0.0;
+        for &shift in &self.shifts {
+            let reached = self
+                .samples
+                .iter()
+                .filter(|s| s.t >= shift)
+                .find(|s| s.has >= 0.95 * s.wants.min(cap))
+                .map(|s| s.t - shift)
+                .unwrap_or(self.sc.duration.as_secs_f64() - shift);
+            convergence = convergence.max(reached);
+        }
+        Report {
+            utilisation: mean(&util),
+            max_overshoot: self.samples.iter().map(|s| s.has / cap).fold(0.0, f64::max),
+            mean_overshoot_when_over: mean(&over),
+            shortfall_events: events,
+            convergence_s: convergence,
+            fairness: if self.fairness.is_empty() { 1.0 } else { mean(&self.fairness) },
+        }
+    }
+}
+
+fn mean(xs: &[f64]) -> f64 {
+    if xs.is_empty() { 0.0 } else { xs.iter().sum::<f64>() / xs.len() as f64 }
+}
+
+/// The time series as CSV.
+pub fn csv(samples: &[Sample]) -> String {
+    let mut out = String::from("t_s,capacity,total_wants,total_has\n");
+    for s in samples {
+        out.push_str(&format!("{:.2},{:.3},{:.3},{:.3}\n", s.t, s.capacity, s.wants, s.has));
+    }
+    out
+}
+
+/// `usher sim` arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimArgs {
+    /// Scenario file (YAML); see deploy/examples/sim/.
+    #[arg(value_name = "SCENARIO.yaml", required_unless_present = "scenario")]
+    pub file: Option<std::path::PathBuf>,
+    /// A built-in scenario instead of a file: one, two, three, four, five, six or seven.
+    #[arg(long, value_name = "NAME", conflicts_with = "file")]
+    pub scenario: Option<String>,
+    /// Random seed; the same seed gives the same run [default: the scenario's, else 1].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Override the scenario's duration, e.g. 300s (CI runs short forms).
+    #[arg(long, value_name = "DURATION", value_parser = crate::server::parse_duration)]
+    pub duration: Option<Duration>,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the time series (t, capacity, total wants, total has) to this CSV file.
+    #[arg(long, value_name = "FILE")]
+    pub csv: Option<std::path::PathBuf>,
+    /// Print every event and mishap, and the node it strikes, to stderr.
+    #[arg(long)]
+    pub trace: bool,
+}
+
+/// Runs `usher sim`.
+pub fn run(args: SimArgs) -> Result<(), crate::error::RunError> {
+    use crate::error::RunError;
+    let mut sc = match (&args.file, &args.scenario) {
+        (_, Some(name)) => Scenario::builtin(name).ok_or_else(|| {
+            let names: Vec<&str> = scenario::BUILTIN.iter().map(|(n, _)| *n).collect();
+            RunError::Usage(format!("no built-in scenario `{name}`; choose one of {}", names.join(", ")))
+        })?,
+        (Some(path), None) => Scenario::load(path)?,
+        (None, None) => return Err(RunError::Usage("give a scenario file or --scenario NAME".into())),
+    };
+    if let Some(d) = args.duration {
+        sc.duration = d;
+    }
+    let seed = args.seed.unwrap_or(sc.seed);
+    let name = sc.name.clone();
+    let sim_secs = sc.duration.as_secs();
+    let started = std::time::Instant::now();
+    let mut sim = Sim::new(sc, seed);
+    sim.trace = args.trace;
+    let long = sim_secs > 600;
+    let report = sim.run(|f| {
+        if long {
+            eprint!("\rsim {name}: {:>3.0}% of {sim_secs} s simulated", f * 100.0);
+        }
+    });
+    if long {
+        eprintln!();
+    }
+    if let Some(path) = &args.csv {
+        std::fs::write(path, csv(&sim.samples))
+            .map_err(|e| RunError::Other(format!("cannot write {}: {e}", path.display())))?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report).expect("report serialises"));
+    } else {
+        println!("scenario {name} (seed {seed}, {sim_secs} s simulated in {:.1} s)", started.elapsed().as_secs_f64());
+        println!("  utilisation               {:>8.2}%", report.utilisation * 100.0);
+        println!("  max overshoot             {:>8.2}%", report.max_overshoot * 100.0);
+        println!("  mean overshoot when over  {:>8.2}%", report.mean_overshoot_when_over * 100.0);
+        println!("  shortfall events          {:>8}", report.shortfall_events);
+        println!("  convergence               {:>8.1} s", report.convergence_s);
+        println!("  fairness (Jain)           {:>8.3}", report.fairness);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;
