@@ -66,6 +66,12 @@ pub struct ServerArgs {
     /// Leases handed down refresh this many times the parent's refresh interval (never below 1 s).
     #[arg(long, env = "USHER_DECAY_FACTOR", value_name = "FACTOR", default_value_t = DEFAULT_DECAY_FACTOR)]
     pub decay_factor: f64,
+    /// New clients of a resource beyond this many get ResourceExhausted.
+    #[arg(long, env = "USHER_MAX_CLIENTS_PER_RESOURCE", value_name = "N", default_value_t = store::DEFAULT_MAX_CLIENTS_PER_RESOURCE)]
+    pub max_clients_per_resource: usize,
+    /// New resource ids beyond this many get ResourceExhausted.
+    #[arg(long, env = "USHER_MAX_RESOURCES", value_name = "N", default_value_t = store::DEFAULT_MAX_RESOURCES)]
+    pub max_resources: usize,
     /// etcd v3 endpoints (e.g. http://etcd:2379) for master election and `--config etcd:KEY`.
     /// Without them this server is always the master of its node.
     #[arg(long, env = "USHER_ETCD_ENDPOINTS", value_name = "URL[,URL...]", value_delimiter = ',')]
@@ -326,6 +332,10 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         args.min_request_interval,
         prometheus::Registry::new(),
     );
+    node.store.set_limits(store::Limits {
+        max_clients_per_resource: args.max_clients_per_resource.max(1),
+        max_resources: args.max_resources.max(1),
+    });
     if !args.parent.is_empty() {
         if !(args.decay_factor > 0.0 && args.decay_factor <= 1.0) {
             return Err(RunError::Usage(format!("--decay-factor must be in (0, 1], not {}", args.decay_factor)));

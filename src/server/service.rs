@@ -25,7 +25,7 @@ impl CapacityService {
     }
 
     pub fn into_server(self) -> proto::capacity_server::CapacityServer<Self> {
-        proto::capacity_server::CapacityServer::new(self)
+        proto::capacity_server::CapacityServer::new(self).max_decoding_message_size(MAX_MESSAGE_BYTES)
     }
 
     /// Runs `f`, recording the RPC's count, errors and duration.
@@ -40,6 +40,13 @@ impl CapacityService {
             tracing::debug!(method, code = ?s.code(), message = s.message(), "rejected request");
         }
         out.map(Response::new)
+    }
+
+    fn within_limits(&self, client: &str, asks: &[LeaseRequest]) -> Result<(), Status> {
+        self.node
+            .store
+            .check_limits(client, asks.iter().map(|a| a.resource_id.as_str()))
+            .map_err(|e| Status::resource_exhausted(e.to_string()))
     }
 
     /// `Some(mastership)` when this server must redirect instead of answering.
@@ -92,9 +99,28 @@ fn invalid(msg: String) -> Status {
     Status::invalid_argument(msg)
 }
 
+/// Longest accepted client, server or resource id, in bytes.
+pub const MAX_ID_BYTES: usize = 1024;
+/// Most resources accepted in one request.
+pub const MAX_RESOURCES_PER_REQUEST: usize = 10_000;
+/// Most priority bands accepted for one resource.
+pub const MAX_BANDS: usize = 1000;
+/// Largest accepted request message.
+pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
+
 fn check_id(field: &str, id: &str) -> Result<(), Status> {
     if id.is_empty() {
         return Err(invalid(format!("{field} must not be empty")));
+    }
+    if id.len() > MAX_ID_BYTES {
+        return Err(invalid(format!("{field} is {} bytes long; at most {MAX_ID_BYTES} are accepted", id.len())));
+    }
+    Ok(())
+}
+
+fn check_count(what: &str, n: usize, max: usize) -> Result<(), Status> {
+    if n > max {
+        return Err(invalid(format!("{n} {what} in one request; at most {max} are accepted")));
     }
     Ok(())
 }
@@ -126,6 +152,7 @@ fn check_unique<'a>(seen: &mut HashSet<&'a str>, field: &str, id: &'a str) -> Re
 /// Validates a whole GetCapacity request before anything is stored.
 pub fn client_requests(req: &proto::GetCapacityRequest) -> Result<Vec<LeaseRequest>, Status> {
     check_id("client_id", &req.client_id)?;
+    check_count("resources", req.resource.len(), MAX_RESOURCES_PER_REQUEST)?;
     let mut seen = HashSet::new();
     req.resource
         .iter()
@@ -150,6 +177,7 @@ pub fn client_requests(req: &proto::GetCapacityRequest) -> Result<Vec<LeaseReque
 /// Validates a whole GetServerCapacity request before anything is stored.
 pub fn server_requests(req: &proto::GetServerCapacityRequest) -> Result<Vec<LeaseRequest>, Status> {
     check_id("server_id", &req.server_id)?;
+    check_count("resources", req.resource.len(), MAX_RESOURCES_PER_REQUEST)?;
     let mut seen = HashSet::new();
     req.resource
         .iter()
@@ -159,6 +187,7 @@ pub fn server_requests(req: &proto::GetServerCapacityRequest) -> Result<Vec<Leas
             check_id(&format!("{f}.resource_id"), &r.resource_id)?;
             check_unique(&mut seen, &f, &r.resource_id)?;
             let reported_has = check_has(&format!("{f}.has"), &r.has)?;
+            check_count(&format!("priority bands for {f}"), r.wants.len(), MAX_BANDS)?;
             let mut wants = 0.0;
             let mut subclients: u64 = 0;
             let mut bands = Vec::with_capacity(r.wants.len());
@@ -210,6 +239,7 @@ impl Capacity for CapacityService {
                 return Ok(proto::GetCapacityResponse { response: vec![], mastership: Some(m) });
             }
             let asks = client_requests(&req)?;
+            self.within_limits(&req.client_id, &asks)?;
             let response = asks
                 .iter()
                 .map(|a| {
@@ -235,6 +265,7 @@ impl Capacity for CapacityService {
                 return Ok(proto::GetServerCapacityResponse { response: vec![], mastership: Some(m) });
             }
             let asks = server_requests(&req)?;
+            self.within_limits(&req.server_id, &asks)?;
             let response = asks
                 .iter()
                 .map(|a| {

@@ -54,6 +54,33 @@ pub struct Grant {
     pub algorithm: Algorithm,
 }
 
+/// Bounds that keep one server's memory finite whatever its clients send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_clients_per_resource: usize,
+    pub max_resources: usize,
+}
+
+/// Default `--max-clients-per-resource`.
+pub const DEFAULT_MAX_CLIENTS_PER_RESOURCE: usize = 100_000;
+/// Default `--max-resources`.
+pub const DEFAULT_MAX_RESOURCES: usize = 100_000;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_clients_per_resource: DEFAULT_MAX_CLIENTS_PER_RESOURCE, max_resources: DEFAULT_MAX_RESOURCES }
+    }
+}
+
+/// A request that would grow the store past its [`Limits`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LimitError {
+    #[error("resource `{resource}` already has {limit} clients (the server's --max-clients-per-resource)")]
+    TooManyClients { resource: String, limit: usize },
+    #[error("the server already tracks {limit} resources (its --max-resources)")]
+    TooManyResources { limit: usize },
+}
+
 /// Where a server sits in the tree.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Role {
@@ -123,6 +150,7 @@ pub struct Store {
     master_since: AtomicU64,
     min_request_interval: Duration,
     role: Role,
+    limits: Limits,
 }
 
 /// What status pages and metrics show of a resource.
@@ -170,7 +198,41 @@ impl Store {
             master_since: AtomicU64::new(now.as_nanos()),
             min_request_interval,
             role: Role::Root,
+            limits: Limits::default(),
         }
+    }
+
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+    }
+
+    /// Checks that serving `client` on `resource_ids` stays within the limits.
+    /// Checked before anything is stored, so a refused request changes nothing.
+    pub fn check_limits<'a>(
+        &self,
+        client: &str,
+        resource_ids: impl Iterator<Item = &'a str>,
+    ) -> Result<(), LimitError> {
+        let map = self.resources.read().expect("store lock poisoned");
+        let mut new_resources = 0;
+        for id in resource_ids {
+            match map.get(id) {
+                None => new_resources += 1,
+                Some(res) => {
+                    let r = res.lock().expect("resource lock poisoned");
+                    if r.clients.len() >= self.limits.max_clients_per_resource && !r.clients.contains_key(client) {
+                        return Err(LimitError::TooManyClients {
+                            resource: id.to_string(),
+                            limit: self.limits.max_clients_per_resource,
+                        });
+                    }
+                }
+            }
+        }
+        if new_resources > 0 && map.len() + new_resources > self.limits.max_resources {
+            return Err(LimitError::TooManyResources { limit: self.limits.max_resources });
+        }
+        Ok(())
     }
 
     /// Makes this store an intermediate server's (or a root's).
