@@ -12,5 +12,6 @@ pub mod clock;
 pub mod config;
 pub mod error;
 pub mod lease;
+pub mod limit;
 pub mod proto;
 pub mod server;
