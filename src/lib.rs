@@ -14,4 +14,5 @@ pub mod error;
 pub mod lease;
 pub mod limit;
 pub mod proto;
+pub mod proxy;
 pub mod server;

@@ -19,6 +19,8 @@ struct Cli {
 enum Command {
     /// Run a Doorman-compatible capacity server (gRPC `doorman.Capacity`).
     Server(usher::server::ServerArgs),
+    /// Run the sidecar: route, pace and admit outbound HTTP within capacity.
+    Proxy(usher::proxy::ProxyArgs),
 }
 
 fn main() -> ExitCode {
@@ -36,6 +38,7 @@ fn main() -> ExitCode {
         tokio::spawn(shutdown_on_signal(shutdown.clone()));
         match cli.command {
             Command::Server(args) => usher::server::run(args, shutdown).await,
+            Command::Proxy(args) => usher::proxy::run(args, shutdown).await,
         }
     });
     match result {

@@ -150,7 +150,11 @@ impl IdTemplate {
                     }
                     Segment::Header(name.to_ascii_lowercase())
                 }
-                v => return Err(format!("unknown variable `{{{v}}}`; use {{host}}, {{method}}, {{path.N}} or {{header.NAME}}")),
+                v => {
+                    return Err(format!(
+                        "unknown variable `{{{v}}}`; use {{host}}, {{method}}, {{path.N}} or {{header.NAME}}"
+                    ));
+                }
             });
             rest = &rest[open + close + 1..];
         }
@@ -236,7 +240,8 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
             None => None,
         },
     };
-    let drain_timeout = top.get("drain_timeout").map_or(Some(DEFAULT_DRAIN_TIMEOUT), |n| ck.duration(n, "drain_timeout"));
+    let drain_timeout =
+        top.get("drain_timeout").map_or(Some(DEFAULT_DRAIN_TIMEOUT), |n| ck.duration(n, "drain_timeout"));
 
     // Names count as defined even when their entry has errors, so one mistake is reported once.
     let mut up_names: Vec<String> = Vec::new();
@@ -278,7 +283,12 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
             let path = format!("routes[{i}]");
             if let Some(r) = read_route(ck, item, &path, &up_names, &res_names, &resources) {
                 if seen.contains(&r.name) {
-                    ck.error(item.loc, &format!("{path}.name"), format!("route name `{}` is used twice", r.name), Some("route names label metrics; make them unique".into()));
+                    ck.error(
+                        item.loc,
+                        &format!("{path}.name"),
+                        format!("route name `{}` is used twice", r.name),
+                        Some("route names label metrics; make them unique".into()),
+                    );
                 }
                 seen.push(r.name.clone());
                 routes.push(r);
@@ -315,9 +325,20 @@ fn read_upstream(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
     let url = ck.required(&m, "url", Some("e.g. https://api.github.com")).and_then(|n| {
         let s = ck.string(n, &m.child("url"))?;
         match s.parse::<http::Uri>() {
-            Ok(u) if matches!(u.scheme_str(), Some("http" | "https")) && u.authority().is_some() && u.query().is_none() => Some(u),
+            Ok(u)
+                if matches!(u.scheme_str(), Some("http" | "https"))
+                    && u.authority().is_some()
+                    && u.query().is_none() =>
+            {
+                Some(u)
+            }
             _ => {
-                ck.error(n.loc, &m.child("url"), format!("`{s}` is not an http:// or https:// URL"), Some("write scheme://host[:port][/base-path], without a query".into()));
+                ck.error(
+                    n.loc,
+                    &m.child("url"),
+                    format!("`{s}` is not an http:// or https:// URL"),
+                    Some("write scheme://host[:port][/base-path], without a query".into()),
+                );
                 None
             }
         }
@@ -328,7 +349,12 @@ fn read_upstream(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         let s = ck.string(n, &m.child("ca_file"))?;
         let p = PathBuf::from(&s);
         if !p.is_file() {
-            ck.error(n.loc, &m.child("ca_file"), format!("`{s}` is not a readable file"), Some("a PEM file of CA certificates".into()));
+            ck.error(
+                n.loc,
+                &m.child("ca_file"),
+                format!("`{s}` is not a readable file"),
+                Some("a PEM file of CA certificates".into()),
+            );
         }
         Some(p)
     });
@@ -336,7 +362,12 @@ fn read_upstream(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
     if let (Some(u), Some(true)) = (&url, h2c)
         && u.scheme_str() == Some("https")
     {
-        ck.error(m.loc(), &m.child("h2c"), "h2c applies to http:// upstreams only", Some("https upstreams negotiate HTTP/2 with ALPN".into()));
+        ck.error(
+            m.loc(),
+            &m.child("h2c"),
+            "h2c applies to http:// upstreams only",
+            Some("https upstreams negotiate HTTP/2 with ALPN".into()),
+        );
     }
     Some(UpstreamConfig {
         name: name.to_string(),
@@ -383,7 +414,8 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
             "rate" => Some(ResourceKind::Rate),
             "gauge" => Some(ResourceKind::Gauge),
             other => {
-                let hint = closest(other, &["rate", "gauge"]).map_or("rate or gauge".to_string(), |c| format!("did you mean `{c}`?"));
+                let hint = closest(other, &["rate", "gauge"])
+                    .map_or("rate or gauge".to_string(), |c| format!("did you mean `{c}`?"));
                 ck.error(n.loc, &m.child("kind"), format!("unknown kind `{other}`"), Some(hint));
                 None
             }
@@ -414,7 +446,12 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         match parse_capacity(&text) {
             Ok(c) => {
                 if kind == Some(ResourceKind::Gauge) && text.contains('/') {
-                    ck.error(n.loc, &m.child("capacity"), "a gauge's capacity is a number of requests in flight, not a rate", Some(format!("write `{}`", c.per_window)));
+                    ck.error(
+                        n.loc,
+                        &m.child("capacity"),
+                        "a gauge's capacity is a number of requests in flight, not a rate",
+                        Some(format!("write `{}`", c.per_window)),
+                    );
                     return None;
                 }
                 Some(c)
@@ -480,7 +517,8 @@ fn read_route(
     resources: &BTreeMap<String, ResourceConfig>,
 ) -> Option<RouteConfig> {
     let m = ck.map(node, path, ROUTE_FIELDS)?;
-    let name = ck.required(&m, "name", Some("a short name; it labels metrics")).and_then(|n| ck.string(n, &m.child("name")));
+    let name =
+        ck.required(&m, "name", Some("a short name; it labels metrics")).and_then(|n| ck.string(n, &m.child("name")));
     let matcher = match m.get("match") {
         None => Some(Match::default()),
         Some(n) => read_match(ck, n, &m.child("match")),
@@ -489,7 +527,13 @@ fn read_route(
         let s = ck.string(n, &m.child("upstream"))?;
         if !upstreams.contains(&s.as_str()) {
             let hint = closest(&s, upstreams).map_or_else(
-                || if upstreams.is_empty() { "define it under `upstreams:`".to_string() } else { format!("known upstreams: {}", upstreams.join(", ")) },
+                || {
+                    if upstreams.is_empty() {
+                        "define it under `upstreams:`".to_string()
+                    } else {
+                        format!("known upstreams: {}", upstreams.join(", "))
+                    }
+                },
                 |c| format!("did you mean `{c}`?"),
             );
             ck.error(n.loc, &m.child("upstream"), format!("unknown upstream `{s}`"), Some(hint));
@@ -506,7 +550,9 @@ fn read_route(
                 Value::Scalar(..) => ck.string(item, &p).map(|s| (s, 1.0, item)),
                 _ => {
                     let Some(rm) = ck.map(item, &p, &["resource", "cost"]) else { continue };
-                    let r = ck.required(&rm, "resource", None).and_then(|n| ck.string(n, &rm.child("resource")).map(|s| (s, n)));
+                    let r = ck
+                        .required(&rm, "resource", None)
+                        .and_then(|n| ck.string(n, &rm.child("resource")).map(|s| (s, n)));
                     let cost = match rm.get("cost") {
                         None => Some(1.0),
                         Some(n) => match ck.f64(n, &rm.child("cost")) {
@@ -526,19 +572,30 @@ fn read_route(
             };
             let Some((res, cost, at)) = entry else { continue };
             if !resource_names.contains(&res.as_str()) {
-                let hint = closest(&res, resource_names).map_or_else(|| "define it under `resources:`".to_string(), |c| format!("did you mean `{c}`?"));
+                let hint = closest(&res, resource_names)
+                    .map_or_else(|| "define it under `resources:`".to_string(), |c| format!("did you mean `{c}`?"));
                 ck.error(at.loc, &p, format!("unknown resource `{res}`"), Some(hint));
                 continue;
             }
             if list.iter().any(|(r, _)| *r == res) {
-                ck.error(at.loc, &p, format!("resource `{res}` is listed twice"), Some("raise its cost instead".into()));
+                ck.error(
+                    at.loc,
+                    &p,
+                    format!("resource `{res}` is listed twice"),
+                    Some("raise its cost instead".into()),
+                );
                 continue;
             }
             if let Some(rc) = resources.get(&res)
                 && rc.kind == ResourceKind::Gauge
                 && cost.fract() != 0.0
             {
-                ck.error(at.loc, &p, format!("a gauge's cost is a whole number of requests in flight, not {cost}"), None);
+                ck.error(
+                    at.loc,
+                    &p,
+                    format!("a gauge's cost is a whole number of requests in flight, not {cost}"),
+                    None,
+                );
                 continue;
             }
             list.push((res, cost));

@@ -73,7 +73,11 @@ impl fmt::Display for Refused {
             Reason::QueueFull => "too many requests waiting",
             Reason::ZeroCapacity => "capacity is 0",
         };
-        write!(f, "resource `{}` (id `{}`): {why}; waited {:?}, retry after {:?}", self.resource, self.id, self.waited, self.retry_after)
+        write!(
+            f,
+            "resource `{}` (id `{}`): {why}; waited {:?}, retry after {:?}",
+            self.resource, self.id, self.waited, self.retry_after
+        )
     }
 }
 
@@ -156,7 +160,7 @@ fn refused(l: &Limiter, reason: Reason, retry_after: Duration, waited: Duration)
 }
 
 enum Blocked {
-    Refuse(Refused),
+    Refuse(Box<Refused>),
     /// A rate key at capacity 0 that may still be raised before `max_wait`.
     Zero(Arc<Limiter>),
 }
@@ -174,16 +178,21 @@ fn reserve_rates(plan: &Plan, arrival: Time, now: Time) -> Result<(Reserved, Dur
             Reservation::Slot { wait, cost } => {
                 if !wait.is_zero() && l.demand().waiters() >= spec.max_queue as i64 {
                     rate.release(cost);
-                    return Err(Blocked::Refuse(refused(l, Reason::QueueFull, wait, waited)));
+                    return Err(Blocked::Refuse(Box::new(refused(l, Reason::QueueFull, wait, waited))));
                 }
                 held.0.push((l.clone(), cost));
                 longest = longest.max(wait);
             }
             Reservation::TooLate { wait: Some(wait) } => {
-                return Err(Blocked::Refuse(refused(l, Reason::Exhausted, wait, waited)));
+                return Err(Blocked::Refuse(Box::new(refused(l, Reason::Exhausted, wait, waited))));
             }
             Reservation::TooLate { wait: None } if budget.is_zero() => {
-                return Err(Blocked::Refuse(refused(l, Reason::ZeroCapacity, Duration::from_secs(1), waited)));
+                return Err(Blocked::Refuse(Box::new(refused(
+                    l,
+                    Reason::ZeroCapacity,
+                    Duration::from_secs(1),
+                    waited,
+                ))));
             }
             Reservation::TooLate { wait: None } => return Err(Blocked::Zero(l.clone())),
         }
@@ -203,7 +212,7 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
     let (reserved, longest) = loop {
         match reserve_rates(plan, arrival, clock.now()) {
             Ok(r) => break r,
-            Err(Blocked::Refuse(r)) => return Err(r),
+            Err(Blocked::Refuse(r)) => return Err(*r),
             Err(Blocked::Zero(l)) => {
                 let rate = l.rate().expect("a rate key");
                 let deadline = arrival.saturating_add(l.spec().max_wait);
@@ -213,7 +222,9 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
                 if rate.capacity() > 0.0 {
                     continue;
                 }
-                let _w = Waiting::begin(std::slice::from_ref(plan.items.iter().find(|(k, _)| Arc::ptr_eq(k, &l)).expect("in plan")));
+                let _w = Waiting::begin(std::slice::from_ref(
+                    plan.items.iter().find(|(k, _)| Arc::ptr_eq(k, &l)).expect("in plan"),
+                ));
                 tokio::select! {
                     _ = changed => continue,
                     _ = super::sleep_until(clock, deadline) => {
@@ -242,7 +253,9 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
             Some(p) => Some(p),
             None => {
                 let deadline = arrival.saturating_add(l.spec().max_wait);
-                let _w = Waiting::begin(std::slice::from_ref(plan.items.iter().find(|(k, _)| Arc::ptr_eq(k, l)).expect("in plan")));
+                let _w = Waiting::begin(std::slice::from_ref(
+                    plan.items.iter().find(|(k, _)| Arc::ptr_eq(k, l)).expect("in plan"),
+                ));
                 g.acquire(units, clock, deadline).await
             }
         };

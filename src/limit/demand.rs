@@ -35,7 +35,7 @@ pub struct DemandMeter {
 struct Smooth {
     last: Option<(Time, u64)>,
     rate: f64,
-    /// Peak in flight since the previous sample.
+    /// Peak in flight in the current window.
     peak: i64,
 }
 
@@ -44,7 +44,7 @@ struct Smooth {
 pub struct DemandSample {
     /// Smoothed arrivals per second (cost units), counting admitted, paced and refused.
     pub rate: f64,
-    /// Highest number in flight since the previous sample.
+    /// Highest number in flight since the last [`DemandMeter::take_peak`].
     pub peak_in_flight: i64,
     pub in_flight: i64,
     pub waiters: i64,
@@ -105,12 +105,20 @@ impl DemandMeter {
         self.arrivals.load(Ordering::Relaxed) as f64 / MILLI
     }
 
-    /// Updates the smoothed rate at `now` and returns a reading; resets the peak.
+    /// Returns the peak in flight since the previous call and starts a new
+    /// window: the lease client calls it once per refresh.
+    pub fn take_peak(&self) -> i64 {
+        let in_flight = self.in_flight.load(Ordering::Relaxed);
+        self.peak_in_flight.swap(in_flight, Ordering::Relaxed).max(in_flight)
+    }
+
+    /// Updates the smoothed rate at `now` and returns a reading. Any number
+    /// of readers may sample: the smoothing is weighted by elapsed time.
     pub fn sample(&self, now: Time) -> DemandSample {
         let count = self.arrivals.load(Ordering::Relaxed);
         let in_flight = self.in_flight.load(Ordering::Relaxed);
         let mut s = self.smooth.lock().expect("demand lock");
-        let window_peak = self.peak_in_flight.swap(in_flight, Ordering::Relaxed);
+        let window_peak = self.peak_in_flight.load(Ordering::Relaxed);
         match s.last {
             None => s.last = Some((now, count)),
             Some((t0, c0)) => {
@@ -158,6 +166,7 @@ mod tests {
         m.enter();
         m.leave();
         assert_eq!(m.sample(t).peak_in_flight, 2);
+        assert_eq!(m.take_peak(), 2);
         assert_eq!(m.sample(t).peak_in_flight, 1);
     }
 }

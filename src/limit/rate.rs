@@ -53,7 +53,12 @@ impl Rate {
     pub fn new(capacity: f64, burst: f64, now: Time) -> Self {
         Rate {
             // An idle start: the whole burst is available.
-            state: Mutex::new(State { tat: now.as_nanos() as f64, interval: interval_of(capacity), burst: burst.max(1.0), capacity }),
+            state: Mutex::new(State {
+                tat: now.as_nanos() as f64,
+                interval: interval_of(capacity),
+                burst: burst.max(1.0),
+                capacity,
+            }),
             changed: Notify::new(),
         }
     }
@@ -145,7 +150,10 @@ mod tests {
         for _ in 0..3 {
             assert_eq!(r.reserve(at(0), 1.0, Duration::ZERO), Reservation::Slot { wait: Duration::ZERO, cost: 1.0 });
         }
-        assert_eq!(r.reserve(at(0), 1.0, Duration::ZERO), Reservation::TooLate { wait: Some(Duration::from_millis(100)) });
+        assert_eq!(
+            r.reserve(at(0), 1.0, Duration::ZERO),
+            Reservation::TooLate { wait: Some(Duration::from_millis(100)) }
+        );
         assert!(matches!(r.reserve(at(100), 1.0, Duration::ZERO), Reservation::Slot { .. }));
         assert!(matches!(r.reserve(at(150), 1.0, Duration::ZERO), Reservation::TooLate { .. }));
     }
@@ -161,7 +169,10 @@ mod tests {
             .collect();
         assert_eq!(waits, vec![Some(0), Some(100), Some(200), None]);
         r.release(1.0);
-        assert_eq!(r.reserve(at(0), 1.0, Duration::from_millis(250)), Reservation::Slot { wait: Duration::from_millis(200), cost: 1.0 });
+        assert_eq!(
+            r.reserve(at(0), 1.0, Duration::from_millis(250)),
+            Reservation::Slot { wait: Duration::from_millis(200), cost: 1.0 }
+        );
     }
 
     #[test]
@@ -173,7 +184,10 @@ mod tests {
         // Bucket full at 10/s; raising to 100/s must not refill it.
         r.set(at(0), 100.0, 5.0);
         assert_eq!(r.remaining(at(0)), 0);
-        assert_eq!(r.reserve(at(0), 1.0, Duration::ZERO), Reservation::TooLate { wait: Some(Duration::from_millis(10)) });
+        assert_eq!(
+            r.reserve(at(0), 1.0, Duration::ZERO),
+            Reservation::TooLate { wait: Some(Duration::from_millis(10)) }
+        );
         // Lowering to 1/s: the full bucket drains at the new rate.
         r.set(at(0), 1.0, 5.0);
         assert_eq!(r.reserve(at(0), 1.0, Duration::ZERO), Reservation::TooLate { wait: Some(Duration::from_secs(1)) });

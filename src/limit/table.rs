@@ -55,7 +55,11 @@ pub struct Limiter {
 
 impl std::fmt::Debug for Limiter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Limiter").field("id", &self.id).field("kind", &self.kind).field("capacity", &self.capacity()).finish()
+        f.debug_struct("Limiter")
+            .field("id", &self.id)
+            .field("kind", &self.kind)
+            .field("capacity", &self.capacity())
+            .finish()
     }
 }
 
@@ -150,7 +154,12 @@ pub fn overflow_id(resource: &str) -> String {
 
 impl ResourceLimits {
     fn new(spec: ResourceSpec, clock: Clock) -> Self {
-        ResourceLimits { spec: Arc::new(ArcSwap::from_pointee(spec)), keys: ArcSwap::default(), grow: Mutex::new(()), clock }
+        ResourceLimits {
+            spec: Arc::new(ArcSwap::from_pointee(spec)),
+            keys: ArcSwap::default(),
+            grow: Mutex::new(()),
+            clock,
+        }
     }
 
     pub fn spec(&self) -> Arc<ResourceSpec> {
@@ -257,7 +266,16 @@ mod tests {
     use crate::clock::Time;
 
     fn spec(name: &str, kind: Kind, capacity: f64) -> ResourceSpec {
-        ResourceSpec { name: name.into(), kind, capacity, burst: 2.0, max_wait: Duration::ZERO, max_queue: 10, max_keys: 3, window: Duration::from_secs(1) }
+        ResourceSpec {
+            name: name.into(),
+            kind,
+            capacity,
+            burst: 2.0,
+            max_wait: Duration::ZERO,
+            max_queue: 10,
+            max_keys: 3,
+            window: Duration::from_secs(1),
+        }
     }
 
     #[test]

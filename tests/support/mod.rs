@@ -216,3 +216,4 @@ pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
     std::fs::write(&p, text).unwrap();
     p
 }
+pub mod upstream;

@@ -53,7 +53,15 @@ fn the_issue_example_parses() {
 
 #[test]
 fn capacity_forms() {
-    for (s, per_s) in [("50", 50.0), ("50/s", 50.0), ("3000/min", 50.0), ("18000/h", 5.0), ("86400/day", 1.0), ("0.5", 0.5), ("0", 0.0)] {
+    for (s, per_s) in [
+        ("50", 50.0),
+        ("50/s", 50.0),
+        ("3000/min", 50.0),
+        ("18000/h", 5.0),
+        ("86400/day", 1.0),
+        ("0.5", 0.5),
+        ("0", 0.0),
+    ] {
         assert_eq!(parse_capacity(s).unwrap().per_second(), per_s, "{s}");
     }
     assert!(parse_capacity("5/week").is_err());
