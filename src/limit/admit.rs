@@ -209,11 +209,13 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
 
     // Rates: reserve all or none. A key at capacity 0 is waited on until it
     // is raised or its max_wait runs out.
+    let mut zero_waited = false;
     let (reserved, longest) = loop {
         match reserve_rates(plan, arrival, clock.now()) {
             Ok(r) => break r,
             Err(Blocked::Refuse(r)) => return Err(*r),
             Err(Blocked::Zero(l)) => {
+                zero_waited = true;
                 let rate = l.rate().expect("a rate key");
                 let deadline = arrival.saturating_add(l.spec().max_wait);
                 let changed = rate.changed.notified();
@@ -246,12 +248,14 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
 
     // Gauges, FIFO, in plan order.
     let mut permits = Vec::new();
+    let mut gauge_waited = false;
     for (l, cost) in &plan.items {
         let Some(g) = l.gauge() else { continue };
         let units = cost.round().max(1.0) as u32;
         let permit = match g.try_acquire(units) {
             Some(p) => Some(p),
             None => {
+                gauge_waited = true;
                 let deadline = arrival.saturating_add(l.spec().max_wait);
                 let _w = Waiting::begin(std::slice::from_ref(
                     plan.items.iter().find(|(k, _)| Arc::ptr_eq(k, l)).expect("in plan"),
@@ -272,8 +276,9 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
     // Admitted: keep the reservations, count the request in flight.
     let mut reserved = reserved;
     reserved.0.clear();
-    let waited = clock.now().since(arrival);
-    let paced = !waited.is_zero();
+    // Paced means the request had to wait for capacity, not that time passed while deciding.
+    let paced = !longest.is_zero() || gauge_waited || zero_waited;
+    let waited = if paced { clock.now().since(arrival) } else { Duration::ZERO };
     let mut in_flight = Vec::with_capacity(plan.items.len());
     for (l, _) in &plan.items {
         l.demand().record(if paced { Outcome::Paced } else { Outcome::Admitted });
