@@ -45,8 +45,16 @@ pub enum Reservation {
     TooLate { wait: Option<Duration> },
 }
 
+/// Nanoseconds per unit: infinite at capacity 0 (nothing passes), zero when
+/// the capacity is infinite (unlimited: everything passes).
 fn interval_of(capacity: f64) -> f64 {
-    if capacity > 0.0 { 1e9 / capacity } else { f64::INFINITY }
+    if capacity.is_infinite() {
+        0.0
+    } else if capacity > 0.0 {
+        1e9 / capacity
+    } else {
+        f64::INFINITY
+    }
 }
 
 impl Rate {
@@ -78,6 +86,9 @@ impl Rate {
         if !s.interval.is_finite() {
             return Reservation::TooLate { wait: None };
         }
+        if s.interval == 0.0 {
+            return Reservation::Slot { wait: Duration::ZERO, cost: 0.0 };
+        }
         let new_tat = s.tat.max(now) + cost * s.interval;
         let wait_ns = (new_tat - now - s.burst * s.interval).max(0.0);
         let wait = Duration::from_nanos(wait_ns.ceil() as u64);
@@ -103,6 +114,9 @@ impl Rate {
         if !s.interval.is_finite() {
             return 0;
         }
+        if s.interval == 0.0 {
+            return u64::MAX;
+        }
         let used = (s.tat - now).max(0.0) / s.interval;
         (s.burst - used).max(0.0).floor() as u64
     }
@@ -116,7 +130,10 @@ impl Rate {
         if s.capacity == capacity && s.burst == burst {
             return;
         }
-        let backlog_units = if s.interval.is_finite() {
+        let backlog_units = if s.interval == 0.0 {
+            // From unlimited: nothing was tracked, so nothing is owed.
+            0.0
+        } else if s.interval.is_finite() {
             (s.tat - now_ns).max(0.0) / s.interval
         } else {
             // From capacity 0: treat the bucket as full, so the new capacity starts paced, not with a burst.
@@ -203,6 +220,17 @@ mod tests {
         r.set(at(0), 10.0, 5.0);
         assert_eq!(r.remaining(at(0)), 0);
         assert!(matches!(r.reserve(at(100), 1.0, Duration::ZERO), Reservation::Slot { .. }));
+    }
+
+    #[test]
+    fn infinite_capacity_is_unlimited() {
+        let r = Rate::new(f64::INFINITY, 1.0, at(0));
+        for _ in 0..1000 {
+            assert!(matches!(r.reserve(at(0), 1.0, Duration::ZERO), Reservation::Slot { .. }));
+        }
+        r.set(at(0), 10.0, 1.0);
+        assert!(matches!(r.reserve(at(0), 1.0, Duration::ZERO), Reservation::Slot { .. }));
+        assert!(matches!(r.reserve(at(0), 1.0, Duration::ZERO), Reservation::TooLate { .. }));
     }
 
     #[test]

@@ -113,9 +113,10 @@ impl Limiter {
 
     /// Applies a capacity live: no fresh burst, waiters kept, nothing in
     /// flight cancelled. Setting the current capacity again changes nothing.
-    /// Gauges round a fractional capacity down.
+    /// `f64::INFINITY` means unlimited; NaN and negatives mean 0. Gauges
+    /// round a fractional capacity down.
     pub fn set_capacity(&self, capacity: f64) {
-        let capacity = if capacity.is_finite() { capacity.max(0.0) } else { 0.0 };
+        let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
         if let Some(r) = &self.rate {
             r.set(self.clock.now(), capacity, self.spec.load().burst);
         }
@@ -134,8 +135,11 @@ impl Limiter {
     }
 }
 
+/// What an unlimited gauge holds: more than any process can have in flight.
+pub const UNLIMITED_GAUGE: u64 = 1 << 30;
+
 fn gauge_units(capacity: f64) -> u64 {
-    if capacity.is_finite() && capacity > 0.0 { capacity.floor() as u64 } else { 0 }
+    if capacity.is_nan() || capacity <= 0.0 { 0 } else { (capacity.floor() as u64).min(UNLIMITED_GAUGE) }
 }
 
 /// One configured resource and its keys.
