@@ -378,3 +378,37 @@ async fn sigterm_drains_in_flight_requests() {
     assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
     assert_eq!(u.wait_exit(Duration::from_secs(10)), Some(0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_upgrades_pass_through_and_passthrough_default_forwards_unrouted_requests() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "default: passthrough\nupstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             routes:\n  - {{ name: app, match: {{ host: app.test }}, upstream: up }}\n",
+            up.addr
+        ),
+    );
+    let u = start_proxy(&routes);
+    let mut s = tokio::net::TcpStream::connect(u.addr("listen")).await.unwrap();
+    s.write_all(b"GET /upgrade HTTP/1.1\r\nHost: app.test\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_head(&mut s).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert!(head.to_ascii_lowercase().contains("upgrade: echo"), "{head}");
+    s.write_all(b"ping\n").await.unwrap();
+    let mut echoed = [0u8; 5];
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut echoed)).await.expect("echo").unwrap();
+    assert_eq!(&echoed, b"ping\n");
+
+    // No route for this host, default passthrough: forwarded to the origin it names.
+    let mut c = h1(u.addr("listen")).await;
+    let req = Request::get(format!("http://{}/direct", up.addr)).body(upstream::empty()).unwrap();
+    let r = send1(&mut c, req).await;
+    assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
+    assert_eq!(up.stats.requests(), 2);
+}

@@ -412,3 +412,37 @@ async fn grpc_requests_are_refused_with_resource_exhausted() {
     assert_eq!(r.header("content-type"), "application/grpc");
     assert_eq!(up.stats.requests(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn templated_ids_give_each_key_its_own_budget_up_to_max_keys() {
+    let up = Upstream::start().await;
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  per-tenant: {{ kind: rate, id: \"t/{{header.x-tenant}}\", capacity: 1/s, burst: 2, max_keys: 2 }}\n\
+         routes:\n  - {{ name: api, upstream: up, resources: [per-tenant] }}\n",
+        up.addr
+    );
+    let h = start(&yaml).await;
+    let mut c = h1(h.addr).await;
+    let mut status = async |tenant: &str| {
+        let req =
+            Request::get("/x").header("host", "api.test").header("x-tenant", tenant).body(upstream::empty()).unwrap();
+        send1(&mut c, req).await
+    };
+    for tenant in ["a", "b"] {
+        assert_eq!(status(tenant).await.status, StatusCode::OK);
+        assert_eq!(status(tenant).await.status, StatusCode::OK);
+        let r = status(tenant).await;
+        assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.json()["resource_id"], format!("t/{tenant}"));
+    }
+    // Beyond max_keys, new ids share one overflow key.
+    assert_eq!(status("c").await.status, StatusCode::OK);
+    assert_eq!(status("d").await.status, StatusCode::OK);
+    let r = status("e").await;
+    assert_eq!(r.json()["resource_id"], "per-tenant/_overflow");
+    let ids: Vec<String> =
+        h.proxy.table.resource("per-tenant").unwrap().limiters().iter().map(|l| l.id().to_string()).collect();
+    assert_eq!(ids, ["per-tenant/_overflow", "t/a", "t/b"]);
+    assert!(h.proxy.table.set_capacity("t/a", 1000.0), "the lease client addresses keys by resource id");
+}

@@ -149,7 +149,12 @@ impl Upstream {
     }
 }
 
-async fn handle(req: Request<Incoming>, stats: Arc<Stats>, gate: Arc<Semaphore>, gated: bool) -> Response<TestBody> {
+async fn handle(
+    mut req: Request<Incoming>,
+    stats: Arc<Stats>,
+    gate: Arc<Semaphore>,
+    gated: bool,
+) -> Response<TestBody> {
     stats.requests.fetch_add(1, Ordering::SeqCst);
     let now = stats.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
     stats.max_in_flight.fetch_max(now, Ordering::SeqCst);
@@ -168,6 +173,22 @@ async fn handle(req: Request<Incoming>, stats: Arc<Stats>, gate: Arc<Semaphore>,
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
     let resp = match path.as_str() {
+        // Upgrades to a line-echo protocol, as a WebSocket server would switch protocols.
+        "/upgrade" if req.headers().get("upgrade").is_some_and(|v| v == "echo") => {
+            let on = hyper::upgrade::on(&mut req);
+            tokio::spawn(async move {
+                if let Ok(up) = on.await {
+                    let (mut r, mut w) = tokio::io::split(TokioIo::new(up));
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                }
+            });
+            Response::builder()
+                .status(StatusCode::SWITCHING_PROTOCOLS)
+                .header("connection", "upgrade")
+                .header("upgrade", "echo")
+                .body(empty())
+                .unwrap()
+        }
         "/stream" => {
             let n: u64 = query.strip_prefix("bytes=").and_then(|v| v.parse().ok()).unwrap_or(0);
             Response::new(Generated::new(n).boxed_unsync())
