@@ -412,3 +412,32 @@ async fn protocol_upgrades_pass_through_and_passthrough_default_forwards_unroute
     assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
     assert_eq!(up.stats.requests(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_upstreams_get_http2_and_oversized_heads_are_refused() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!("upstreams:\n  grpc: {{ url: \"http://{}\", h2c: true }}\nroutes:\n  - {{ name: grpc, upstream: grpc }}\n", up.addr),
+    );
+    let u = start_proxy(&routes);
+    let mut c = h1(u.addr("listen")).await;
+    let req = Request::post("/pkg.Svc/Call")
+        .header("host", "app")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(upstream::full(vec![0u8, 0, 0, 0, 0]))
+        .unwrap();
+    assert_eq!(send1(&mut c, req).await.status, StatusCode::OK);
+    assert_eq!(up.stats.versions.lock().unwrap().as_slice(), [http::Version::HTTP_2]);
+
+    // A request head beyond the 64 KiB limit is refused before it reaches routing.
+    let mut s = tokio::net::TcpStream::connect(u.addr("listen")).await.unwrap();
+    let big = "a".repeat(100 * 1024);
+    s.write_all(format!("GET / HTTP/1.1\r\nHost: app\r\nX-Big: {big}\r\n\r\n").as_bytes()).await.unwrap();
+    let head = read_head(&mut s).await;
+    assert!(head.starts_with("HTTP/1.1 431"), "{head}");
+    assert_eq!(up.stats.requests(), 1);
+}
