@@ -12,6 +12,8 @@ pub mod clock;
 pub mod config;
 pub mod error;
 pub mod lease;
+pub mod limit;
 pub mod proto;
+pub mod proxy;
 pub mod server;
 pub mod sim;

@@ -22,6 +22,8 @@ enum Command {
     /// Simulate a capacity server tree in virtual time and report utilisation, overshoot,
     /// convergence and fairness.
     Sim(usher::sim::SimArgs),
+    /// Run the sidecar: route, pace and admit outbound HTTP within capacity.
+    Proxy(usher::proxy::ProxyArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +52,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Server(args) => usher::server::run(args, shutdown).await,
             Command::Sim(_) => unreachable!("handled before the runtime starts"),
+            Command::Proxy(args) => usher::proxy::run(args, shutdown).await,
         }
     });
     match result {

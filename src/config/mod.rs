@@ -3,6 +3,7 @@
 //! with its `file:line:column`.
 
 pub mod resources;
+pub mod routes;
 pub mod watch;
 pub mod yaml;
 

@@ -218,3 +218,4 @@ pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
 }
 
 pub mod etcd;
+pub mod upstream;

@@ -1,0 +1,650 @@
+//! The sidecar's routes file: listeners, upstreams, resources (rate or
+//! gauge, with capacities such as `50/s` or `1000/day`) and the routes that
+//! map requests to an upstream and to the resources they consume.
+//!
+//! Parsed once into typed structs through the position-keeping reader in
+//! [`super::yaml`], so every error is reported with its `file:line:column`.
+//! Defaults are the `DEFAULT_*` constants below, documented in docs/routes.md.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::yaml::{Checker, ConfigError, MapView, Node, Value, closest, parse};
+
+/// Proxy listener when neither the file nor `--listen` sets one.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:15001";
+/// Admin listener when neither the file nor `--admin-listen` sets one.
+pub const DEFAULT_ADMIN: &str = "127.0.0.1:15000";
+/// Upstream TCP (and TLS) connect timeout.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Upstream timeout until response headers arrive.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a request may wait for capacity before it is refused.
+pub const DEFAULT_MAX_WAIT: Duration = Duration::ZERO;
+/// Bound on the number of distinct ids a templated resource tracks.
+pub const DEFAULT_MAX_KEYS: usize = 1000;
+/// Bound on the number of requests waiting for one resource key.
+pub const DEFAULT_MAX_QUEUE: usize = 1024;
+/// How long in-flight requests may take to finish after SIGTERM.
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A validated routes file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutesConfig {
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    pub default: DefaultAction,
+    pub drain_timeout: Duration,
+    pub upstreams: BTreeMap<String, UpstreamConfig>,
+    pub resources: BTreeMap<String, ResourceConfig>,
+    pub routes: Vec<RouteConfig>,
+}
+
+/// What happens to a request that no route matches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefaultAction {
+    /// 403 problem+json.
+    Deny,
+    /// Forwarded to the origin the request names, with no limits.
+    Passthrough,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct UpstreamConfig {
+    pub name: String,
+    /// `http://` or `https://` authority, with an optional base path.
+    pub url: http::Uri,
+    pub connect_timeout: Duration,
+    pub timeout: Duration,
+    /// Extra PEM roots, added to the system's.
+    pub ca_file: Option<PathBuf>,
+    /// Speak HTTP/2 with prior knowledge to an `http://` upstream (h2c, e.g. gRPC).
+    pub h2c: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResourceKind {
+    /// Requests (or cost units) per unit of time: GCRA.
+    Rate,
+    /// Requests in flight: a semaphore.
+    Gauge,
+}
+
+/// A capacity as written: `per_window` units per `window`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Capacity {
+    pub per_window: f64,
+    pub window: Duration,
+}
+
+impl Capacity {
+    /// Units per second.
+    pub fn per_second(&self) -> f64 {
+        self.per_window / self.window.as_secs_f64()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResourceConfig {
+    pub name: String,
+    pub kind: ResourceKind,
+    /// The Doorman resource id, possibly templated.
+    pub id: IdTemplate,
+    pub capacity: Capacity,
+    pub max_wait: Duration,
+    /// Rate only: units that may pass at once from an idle start.
+    pub burst: f64,
+    pub max_keys: usize,
+    pub max_queue: usize,
+}
+
+/// One piece of a templated id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Segment {
+    Literal(String),
+    Host,
+    Method,
+    /// The Nth (1-based) segment of the path.
+    Path(usize),
+    /// A request header (lower-case name).
+    Header(String),
+}
+
+/// A resource id such as `github/{header.x-tenant}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdTemplate {
+    pub text: String,
+    pub segments: Vec<Segment>,
+}
+
+impl IdTemplate {
+    pub fn is_fixed(&self) -> bool {
+        self.segments.iter().all(|s| matches!(s, Segment::Literal(_)))
+    }
+
+    /// Parses a template; `Err` says what is wrong.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut segments = Vec::new();
+        let mut rest = text;
+        while let Some(open) = rest.find('{') {
+            if open > 0 {
+                segments.push(Segment::Literal(rest[..open].to_string()));
+            }
+            let Some(close) = rest[open..].find('}') else {
+                return Err("unclosed `{`".into());
+            };
+            let var = &rest[open + 1..open + close];
+            segments.push(match var {
+                "host" => Segment::Host,
+                "method" => Segment::Method,
+                v if v.starts_with("path.") => match v["path.".len()..].parse::<usize>() {
+                    Ok(n) if n >= 1 => Segment::Path(n),
+                    _ => return Err(format!("`{{{v}}}`: path segments are numbered from 1, e.g. {{path.1}}")),
+                },
+                v if v.starts_with("header.") && v.len() > "header.".len() => {
+                    let name = &v["header.".len()..];
+                    if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                        return Err(format!("`{name}` is not a valid header name"));
+                    }
+                    Segment::Header(name.to_ascii_lowercase())
+                }
+                v => {
+                    return Err(format!(
+                        "unknown variable `{{{v}}}`; use {{host}}, {{method}}, {{path.N}} or {{header.NAME}}"
+                    ));
+                }
+            });
+            rest = &rest[open + close + 1..];
+        }
+        if rest.contains('}') {
+            return Err("unmatched `}`".into());
+        }
+        if !rest.is_empty() {
+            segments.push(Segment::Literal(rest.to_string()));
+        }
+        Ok(IdTemplate { text: text.to_string(), segments })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteConfig {
+    pub name: String,
+    pub matcher: Match,
+    /// `None`: forward to the origin the request names.
+    pub upstream: Option<String>,
+    /// (resource name, cost), in file order.
+    pub resources: Vec<(String, f64)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Match {
+    /// Lower-case host without port; `*.example.com` matches subdomains.
+    pub host: Option<String>,
+    pub path_prefix: Option<String>,
+    /// Empty: any method.
+    pub methods: Vec<http::Method>,
+    /// Header name (lower-case) and required value (`None`: present).
+    pub headers: Vec<(http::HeaderName, Option<String>)>,
+}
+
+impl RoutesConfig {
+    /// Parses and validates a routes file's text; `file` names it in errors.
+    pub fn parse(file: &str, text: &str) -> Result<Self, ConfigError> {
+        let root = parse(file, text)?;
+        let mut ck = Checker::new(file);
+        let cfg = read_root(&mut ck, &root);
+        match cfg {
+            Some(cfg) => ck.finish(cfg),
+            None => {
+                if ck.diagnostics.is_empty() {
+                    ck.error(root.loc, "", "the routes file is empty", None);
+                }
+                Err(ck.finish(()).expect_err("diagnostics were reported"))
+            }
+        }
+    }
+
+    /// Reads and parses a routes file from disk.
+    pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::whole_file(&name, format!("cannot read routes file: {e}")))?;
+        Self::parse(&name, &text)
+    }
+}
+
+const ROOT_FIELDS: &[&str] = &["listen", "admin", "default", "drain_timeout", "upstreams", "resources", "routes"];
+const UPSTREAM_FIELDS: &[&str] = &["url", "connect_timeout", "timeout", "ca_file", "h2c"];
+const RESOURCE_FIELDS: &[&str] = &["kind", "id", "capacity", "max_wait", "burst", "max_keys", "max_queue"];
+const ROUTE_FIELDS: &[&str] = &["name", "match", "upstream", "resources"];
+const MATCH_FIELDS: &[&str] = &["host", "path_prefix", "methods", "headers"];
+
+fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
+    if root.is_null() {
+        return None;
+    }
+    let top = ck.map(root, "", ROOT_FIELDS)?;
+    let listen = addr(ck, &top, "listen", DEFAULT_LISTEN);
+    let admin = addr(ck, &top, "admin", DEFAULT_ADMIN);
+    let default = match top.get("default") {
+        None => Some(DefaultAction::Deny),
+        Some(n) => match ck.string(n, "default").as_deref() {
+            Some("deny") => Some(DefaultAction::Deny),
+            Some("passthrough") => Some(DefaultAction::Passthrough),
+            Some(other) => {
+                ck.error(n.loc, "default", format!("unknown action `{other}`"), Some("deny or passthrough".into()));
+                None
+            }
+            None => None,
+        },
+    };
+    let drain_timeout =
+        top.get("drain_timeout").map_or(Some(DEFAULT_DRAIN_TIMEOUT), |n| ck.duration(n, "drain_timeout"));
+
+    // Names count as defined even when their entry has errors, so one mistake is reported once.
+    let mut up_names: Vec<String> = Vec::new();
+    let mut res_names: Vec<String> = Vec::new();
+    let mut upstreams = BTreeMap::new();
+    if let Some(n) = top.get("upstreams")
+        && let Some(m) = ck.map(n, "upstreams", &[])
+    {
+        for (k, v) in m.entries() {
+            let Some(name) = k.as_str() else { continue };
+            up_names.push(name.to_string());
+            if let Some(u) = read_upstream(ck, name, v, &m.child(name)) {
+                upstreams.insert(name.to_string(), u);
+            }
+        }
+    }
+
+    let mut resources = BTreeMap::new();
+    if let Some(n) = top.get("resources")
+        && let Some(m) = ck.map(n, "resources", &[])
+    {
+        for (k, v) in m.entries() {
+            let Some(name) = k.as_str() else { continue };
+            res_names.push(name.to_string());
+            if let Some(r) = read_resource(ck, name, v, &m.child(name)) {
+                resources.insert(name.to_string(), r);
+            }
+        }
+    }
+
+    let mut routes = Vec::new();
+    if let Some(n) = top.get("routes")
+        && let Some(items) = ck.seq(n, "routes")
+    {
+        let up_names: Vec<&str> = up_names.iter().map(String::as_str).collect();
+        let res_names: Vec<&str> = res_names.iter().map(String::as_str).collect();
+        let mut seen: Vec<String> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let path = format!("routes[{i}]");
+            if let Some(r) = read_route(ck, item, &path, &up_names, &res_names, &resources) {
+                if seen.contains(&r.name) {
+                    ck.error(
+                        item.loc,
+                        &format!("{path}.name"),
+                        format!("route name `{}` is used twice", r.name),
+                        Some("route names label metrics; make them unique".into()),
+                    );
+                }
+                seen.push(r.name.clone());
+                routes.push(r);
+            }
+        }
+    }
+    Some(RoutesConfig {
+        listen: listen?,
+        admin: admin?,
+        default: default?,
+        drain_timeout: drain_timeout?,
+        upstreams,
+        resources,
+        routes,
+    })
+}
+
+fn addr(ck: &mut Checker, m: &MapView<'_>, key: &str, default: &str) -> Option<SocketAddr> {
+    let Some(n) = m.get(key) else {
+        return Some(default.parse().expect("default address parses"));
+    };
+    let s = ck.string(n, &m.child(key))?;
+    match s.parse() {
+        Ok(a) => Some(a),
+        Err(_) => {
+            ck.error(n.loc, &m.child(key), format!("`{s}` is not an IP:port address"), Some(format!("e.g. {default}")));
+            None
+        }
+    }
+}
+
+fn read_upstream(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Option<UpstreamConfig> {
+    let m = ck.map(node, path, UPSTREAM_FIELDS)?;
+    let url = ck.required(&m, "url", Some("e.g. https://api.github.com")).and_then(|n| {
+        let s = ck.string(n, &m.child("url"))?;
+        match s.parse::<http::Uri>() {
+            Ok(u)
+                if matches!(u.scheme_str(), Some("http" | "https"))
+                    && u.authority().is_some()
+                    && u.query().is_none() =>
+            {
+                Some(u)
+            }
+            _ => {
+                ck.error(
+                    n.loc,
+                    &m.child("url"),
+                    format!("`{s}` is not an http:// or https:// URL"),
+                    Some("write scheme://host[:port][/base-path], without a query".into()),
+                );
+                None
+            }
+        }
+    });
+    let connect_timeout = positive_duration(ck, &m, "connect_timeout", DEFAULT_CONNECT_TIMEOUT);
+    let timeout = positive_duration(ck, &m, "timeout", DEFAULT_TIMEOUT);
+    let ca_file = m.get("ca_file").and_then(|n| {
+        let s = ck.string(n, &m.child("ca_file"))?;
+        let p = PathBuf::from(&s);
+        if !p.is_file() {
+            ck.error(
+                n.loc,
+                &m.child("ca_file"),
+                format!("`{s}` is not a readable file"),
+                Some("a PEM file of CA certificates".into()),
+            );
+        }
+        Some(p)
+    });
+    let h2c = m.get("h2c").map_or(Some(false), |n| ck.bool(n, &m.child("h2c")));
+    if let (Some(u), Some(true)) = (&url, h2c)
+        && u.scheme_str() == Some("https")
+    {
+        ck.error(
+            m.loc(),
+            &m.child("h2c"),
+            "h2c applies to http:// upstreams only",
+            Some("https upstreams negotiate HTTP/2 with ALPN".into()),
+        );
+    }
+    Some(UpstreamConfig {
+        name: name.to_string(),
+        url: url?,
+        connect_timeout: connect_timeout?,
+        timeout: timeout?,
+        ca_file,
+        h2c: h2c?,
+    })
+}
+
+fn positive_duration(ck: &mut Checker, m: &MapView<'_>, key: &str, default: Duration) -> Option<Duration> {
+    let Some(n) = m.get(key) else { return Some(default) };
+    let d = ck.duration(n, &m.child(key))?;
+    if d.is_zero() {
+        ck.error(n.loc, &m.child(key), "must be longer than zero", None);
+        return None;
+    }
+    Some(d)
+}
+
+/// Parses `50`, `50/s`, `3000/min`, `20000/h` or `1000/day`.
+pub fn parse_capacity(s: &str) -> Result<Capacity, String> {
+    let (num, unit) = s.split_once('/').map_or((s, "s"), |(n, u)| (n.trim(), u.trim()));
+    let window = match unit {
+        "s" | "sec" | "second" => Duration::from_secs(1),
+        "m" | "min" | "minute" => Duration::from_secs(60),
+        "h" | "hour" => Duration::from_secs(3600),
+        "d" | "day" => Duration::from_secs(86400),
+        other => return Err(format!("unknown unit `/{other}`; use /s, /min, /h or /day")),
+    };
+    let per_window: f64 = num.trim().parse().map_err(|_| format!("`{num}` is not a number"))?;
+    if !per_window.is_finite() || per_window < 0.0 {
+        return Err(format!("must be a finite number >= 0, not {per_window}"));
+    }
+    Ok(Capacity { per_window, window })
+}
+
+fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Option<ResourceConfig> {
+    let m = ck.map(node, path, RESOURCE_FIELDS)?;
+    let kind = ck.required(&m, "kind", Some("rate or gauge")).and_then(|n| {
+        let s = ck.string(n, &m.child("kind"))?;
+        match s.as_str() {
+            "rate" => Some(ResourceKind::Rate),
+            "gauge" => Some(ResourceKind::Gauge),
+            other => {
+                let hint = closest(other, &["rate", "gauge"])
+                    .map_or("rate or gauge".to_string(), |c| format!("did you mean `{c}`?"));
+                ck.error(n.loc, &m.child("kind"), format!("unknown kind `{other}`"), Some(hint));
+                None
+            }
+        }
+    });
+    let id = match m.get("id") {
+        None => Some(IdTemplate { text: name.to_string(), segments: vec![Segment::Literal(name.to_string())] }),
+        Some(n) => ck.string(n, &m.child("id")).and_then(|s| match IdTemplate::parse(&s) {
+            Ok(t) if !t.text.is_empty() => Some(t),
+            Ok(_) => {
+                ck.error(n.loc, &m.child("id"), "must not be empty", None);
+                None
+            }
+            Err(e) => {
+                ck.error(n.loc, &m.child("id"), e, None);
+                None
+            }
+        }),
+    };
+    let capacity = ck.required(&m, "capacity", Some("e.g. 50, 50/s, 3000/min, 20000/h or 1000/day")).and_then(|n| {
+        let text = match &n.value {
+            Value::Scalar(s, _) => s.clone(),
+            _ => {
+                ck.error(n.loc, &m.child("capacity"), "expected a capacity such as 50/s", None);
+                return None;
+            }
+        };
+        match parse_capacity(&text) {
+            Ok(c) => {
+                if kind == Some(ResourceKind::Gauge) && text.contains('/') {
+                    ck.error(
+                        n.loc,
+                        &m.child("capacity"),
+                        "a gauge's capacity is a number of requests in flight, not a rate",
+                        Some(format!("write `{}`", c.per_window)),
+                    );
+                    return None;
+                }
+                Some(c)
+            }
+            Err(e) => {
+                ck.error(n.loc, &m.child("capacity"), e, Some("e.g. 50, 50/s, 3000/min, 20000/h or 1000/day".into()));
+                None
+            }
+        }
+    });
+    let max_wait = m.get("max_wait").map_or(Some(DEFAULT_MAX_WAIT), |n| ck.duration(n, &m.child("max_wait")));
+    let burst = match m.get("burst") {
+        Some(n) => {
+            let b = ck.f64(n, &m.child("burst"));
+            if kind == Some(ResourceKind::Gauge) {
+                ck.error(n.loc, &m.child("burst"), "burst applies to rate resources only", None);
+            }
+            match b {
+                Some(b) if b.is_finite() && b >= 1.0 => Some(b),
+                Some(b) => {
+                    ck.error(n.loc, &m.child("burst"), format!("must be at least 1, not {b}"), None);
+                    None
+                }
+                None => None,
+            }
+        }
+        // A daily quota may be spent at any time of the day.
+        None => Some(match capacity {
+            Some(c) if c.window >= Duration::from_secs(86400) => c.per_window.max(1.0),
+            _ => 1.0,
+        }),
+    };
+    let max_keys = count(ck, &m, "max_keys", DEFAULT_MAX_KEYS);
+    let max_queue = count(ck, &m, "max_queue", DEFAULT_MAX_QUEUE);
+    Some(ResourceConfig {
+        name: name.to_string(),
+        kind: kind?,
+        id: id?,
+        capacity: capacity?,
+        max_wait: max_wait?,
+        burst: burst?,
+        max_keys: max_keys?,
+        max_queue: max_queue?,
+    })
+}
+
+fn count(ck: &mut Checker, m: &MapView<'_>, key: &str, default: usize) -> Option<usize> {
+    let Some(n) = m.get(key) else { return Some(default) };
+    let v = ck.i64(n, &m.child(key))?;
+    if v < 1 {
+        ck.error(n.loc, &m.child(key), format!("must be at least 1, not {v}"), None);
+        return None;
+    }
+    Some(v as usize)
+}
+
+fn read_route(
+    ck: &mut Checker,
+    node: &Node,
+    path: &str,
+    upstreams: &[&str],
+    resource_names: &[&str],
+    resources: &BTreeMap<String, ResourceConfig>,
+) -> Option<RouteConfig> {
+    let m = ck.map(node, path, ROUTE_FIELDS)?;
+    let name =
+        ck.required(&m, "name", Some("a short name; it labels metrics")).and_then(|n| ck.string(n, &m.child("name")));
+    let matcher = match m.get("match") {
+        None => Some(Match::default()),
+        Some(n) => read_match(ck, n, &m.child("match")),
+    };
+    let upstream = m.get("upstream").and_then(|n| {
+        let s = ck.string(n, &m.child("upstream"))?;
+        if !upstreams.contains(&s.as_str()) {
+            let hint = closest(&s, upstreams).map_or_else(
+                || {
+                    if upstreams.is_empty() {
+                        "define it under `upstreams:`".to_string()
+                    } else {
+                        format!("known upstreams: {}", upstreams.join(", "))
+                    }
+                },
+                |c| format!("did you mean `{c}`?"),
+            );
+            ck.error(n.loc, &m.child("upstream"), format!("unknown upstream `{s}`"), Some(hint));
+        }
+        Some(s)
+    });
+    let mut list = Vec::new();
+    if let Some(n) = m.get("resources")
+        && let Some(items) = ck.seq(n, &m.child("resources"))
+    {
+        for (i, item) in items.iter().enumerate() {
+            let p = format!("{}[{i}]", m.child("resources"));
+            let entry = match &item.value {
+                Value::Scalar(..) => ck.string(item, &p).map(|s| (s, 1.0, item)),
+                _ => {
+                    let Some(rm) = ck.map(item, &p, &["resource", "cost"]) else { continue };
+                    let r = ck
+                        .required(&rm, "resource", None)
+                        .and_then(|n| ck.string(n, &rm.child("resource")).map(|s| (s, n)));
+                    let cost = match rm.get("cost") {
+                        None => Some(1.0),
+                        Some(n) => match ck.f64(n, &rm.child("cost")) {
+                            Some(c) if c.is_finite() && c > 0.0 => Some(c),
+                            Some(c) => {
+                                ck.error(n.loc, &rm.child("cost"), format!("must be greater than 0, not {c}"), None);
+                                None
+                            }
+                            None => None,
+                        },
+                    };
+                    match (r, cost) {
+                        (Some((s, n)), Some(c)) => Some((s, c, n)),
+                        _ => None,
+                    }
+                }
+            };
+            let Some((res, cost, at)) = entry else { continue };
+            if !resource_names.contains(&res.as_str()) {
+                let hint = closest(&res, resource_names)
+                    .map_or_else(|| "define it under `resources:`".to_string(), |c| format!("did you mean `{c}`?"));
+                ck.error(at.loc, &p, format!("unknown resource `{res}`"), Some(hint));
+                continue;
+            }
+            if list.iter().any(|(r, _)| *r == res) {
+                ck.error(
+                    at.loc,
+                    &p,
+                    format!("resource `{res}` is listed twice"),
+                    Some("raise its cost instead".into()),
+                );
+                continue;
+            }
+            if let Some(rc) = resources.get(&res)
+                && rc.kind == ResourceKind::Gauge
+                && cost.fract() != 0.0
+            {
+                ck.error(
+                    at.loc,
+                    &p,
+                    format!("a gauge's cost is a whole number of requests in flight, not {cost}"),
+                    None,
+                );
+                continue;
+            }
+            list.push((res, cost));
+        }
+    }
+    Some(RouteConfig { name: name?, matcher: matcher?, upstream, resources: list })
+}
+
+fn read_match(ck: &mut Checker, node: &Node, path: &str) -> Option<Match> {
+    let m = ck.map(node, path, MATCH_FIELDS)?;
+    let host = m.get("host").and_then(|n| ck.string(n, &m.child("host"))).map(|h| h.to_ascii_lowercase());
+    let path_prefix = m.get("path_prefix").and_then(|n| {
+        let s = ck.string(n, &m.child("path_prefix"))?;
+        if !s.starts_with('/') {
+            ck.error(n.loc, &m.child("path_prefix"), format!("`{s}` must start with /"), None);
+        }
+        Some(s)
+    });
+    let mut methods = Vec::new();
+    if let Some(n) = m.get("methods")
+        && let Some(items) = ck.seq(n, &m.child("methods"))
+    {
+        for (i, item) in items.iter().enumerate() {
+            let p = format!("{}[{i}]", m.child("methods"));
+            if let Some(s) = ck.string(item, &p) {
+                match http::Method::from_bytes(s.to_ascii_uppercase().as_bytes()) {
+                    Ok(meth) => methods.push(meth),
+                    Err(_) => ck.error(item.loc, &p, format!("`{s}` is not an HTTP method"), None),
+                }
+            }
+        }
+    }
+    let mut headers = Vec::new();
+    if let Some(n) = m.get("headers")
+        && let Some(hm) = ck.map(n, &m.child("headers"), &[])
+    {
+        for (k, v) in hm.entries() {
+            let Some(name) = k.as_str() else { continue };
+            let p = hm.child(name);
+            let Ok(hn) = http::HeaderName::from_bytes(name.as_bytes()) else {
+                ck.error(k.loc, &p, format!("`{name}` is not a valid header name"), None);
+                continue;
+            };
+            let value = if v.is_null() { None } else { ck.string(v, &p) };
+            headers.push((hn, value));
+        }
+    }
+    Some(Match { host, path_prefix, methods, headers })
+}
+
+#[cfg(test)]
+mod tests;

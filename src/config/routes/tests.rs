@@ -1,0 +1,118 @@
+use super::*;
+
+const GOOD: &str = r#"
+listen: 127.0.0.1:15001
+admin: 127.0.0.1:15000
+default: deny
+upstreams:
+  github:
+    url: https://api.github.com
+    connect_timeout: 2s
+    timeout: 30s
+resources:
+  github-core:
+    kind: rate
+    id: "github/{header.x-tenant}"
+    capacity: 3000/min
+    max_wait: 500ms
+    burst: 5
+    max_keys: 1000
+  github-inflight:
+    kind: gauge
+    capacity: 10
+    max_wait: 2s
+  daily:
+    kind: rate
+    capacity: 1000/day
+routes:
+  - name: github
+    match: { host: api.github.com, path_prefix: /, methods: [GET, POST] }
+    upstream: github
+    resources: [github-core, { resource: github-inflight, cost: 1 }]
+"#;
+
+#[test]
+fn the_issue_example_parses() {
+    let c = RoutesConfig::parse("r.yaml", GOOD).unwrap();
+    assert_eq!(c.listen.to_string(), "127.0.0.1:15001");
+    assert_eq!(c.default, DefaultAction::Deny);
+    let core = &c.resources["github-core"];
+    assert_eq!(core.kind, ResourceKind::Rate);
+    assert_eq!(core.capacity.per_second(), 50.0);
+    assert_eq!(core.max_wait, Duration::from_millis(500));
+    assert_eq!(core.id.segments, vec![Segment::Literal("github/".into()), Segment::Header("x-tenant".into())]);
+    assert_eq!(c.resources["github-inflight"].kind, ResourceKind::Gauge);
+    assert_eq!(c.resources["daily"].burst, 1000.0, "a daily quota's burst defaults to the whole quota");
+    assert_eq!(c.resources["daily"].id.text, "daily", "id defaults to the key");
+    let r = &c.routes[0];
+    assert_eq!(r.upstream.as_deref(), Some("github"));
+    assert_eq!(r.resources, vec![("github-core".to_string(), 1.0), ("github-inflight".to_string(), 1.0)]);
+    assert_eq!(r.matcher.methods, vec![http::Method::GET, http::Method::POST]);
+    assert_eq!(c.upstreams["github"].timeout, DEFAULT_TIMEOUT);
+}
+
+#[test]
+fn capacity_forms() {
+    for (s, per_s) in [
+        ("50", 50.0),
+        ("50/s", 50.0),
+        ("3000/min", 50.0),
+        ("18000/h", 5.0),
+        ("86400/day", 1.0),
+        ("0.5", 0.5),
+        ("0", 0.0),
+    ] {
+        assert_eq!(parse_capacity(s).unwrap().per_second(), per_s, "{s}");
+    }
+    assert!(parse_capacity("5/week").is_err());
+    assert!(parse_capacity("-1").is_err());
+    assert!(parse_capacity("x/s").is_err());
+}
+
+#[test]
+fn every_error_is_reported_with_its_position() {
+    let text = "\
+listen: nowhere
+upstreams:
+  api:
+    url: ftp://x
+    timeout: soon
+resources:
+  r1:
+    kind: rat
+    capacity: 5/week
+  g1:
+    kind: gauge
+    capacity: 5/s
+routes:
+  - name: a
+    upstream: apii
+    resources: [r2, { resource: g1, cost: 1.5 }]
+    match: { methods: [GET], colour: red }
+";
+    let e = RoutesConfig::parse("bad.yaml", text).unwrap_err();
+    let lines: Vec<String> = e.diagnostics.iter().map(|d| d.to_string()).collect();
+    let want = [
+        "bad.yaml:1:9: listen:",
+        "bad.yaml:4:10: upstreams.api.url:",
+        "bad.yaml:5:14: upstreams.api.timeout:",
+        "bad.yaml:8:11: resources.r1.kind: unknown kind `rat` (hint: did you mean `rate`?)",
+        "bad.yaml:9:15: resources.r1.capacity: unknown unit `/week`",
+        "bad.yaml:12:15: resources.g1.capacity: a gauge's capacity is a number of requests in flight",
+        "bad.yaml:15:15: routes[0].upstream: unknown upstream `apii` (hint: did you mean `api`?)",
+        "bad.yaml:16:17: routes[0].resources[0]: unknown resource `r2`",
+        "bad.yaml:17:30: routes[0].match.colour: unknown field",
+    ];
+    for w in want {
+        assert!(lines.iter().any(|l| l.starts_with(w)), "missing {w:?} in:\n{}", lines.join("\n"));
+    }
+}
+
+#[test]
+fn templates() {
+    assert!(IdTemplate::parse("a/{host}/{method}/{path.2}").is_ok());
+    assert!(IdTemplate::parse("a/{path.0}").is_err());
+    assert!(IdTemplate::parse("a/{nope}").is_err());
+    assert!(IdTemplate::parse("a/{host").is_err());
+    assert!(IdTemplate::parse("plain").unwrap().is_fixed());
+}

@@ -1,0 +1,315 @@
+//! The LeaseTable: per resource, per key, the limiter state that enforces a
+//! capacity. It is the interface the lease client writes to
+//! ([`LeaseTable::set_capacity`], [`Limiter::set_capacity`]) and reads demand
+//! from ([`LeaseTable::limiters`], [`Limiter::demand`]).
+//!
+//! Readers on the request path load arc-swap snapshots: no lock is shared
+//! across resources or keys. A templated resource creates a key on its first
+//! request, copy-on-write, up to `max_keys`; later ids share one overflow key.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use serde::Serialize;
+
+use super::demand::DemandMeter;
+use super::gauge::Gauge;
+use super::rate::Rate;
+use crate::clock::Clock;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    Rate,
+    Gauge,
+}
+
+/// How one resource is limited; built from the routes file, or a lease.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResourceSpec {
+    pub name: String,
+    pub kind: Kind,
+    /// Units per second (rate) or in flight (gauge).
+    pub capacity: f64,
+    /// Rate only: units that may pass at once from idle.
+    pub burst: f64,
+    pub max_wait: Duration,
+    pub max_queue: usize,
+    pub max_keys: usize,
+    /// The window the capacity was written over (`/min` → 60 s), for `RateLimit-Policy`.
+    pub window: Duration,
+}
+
+/// The limiter of one resource key (one Doorman resource id).
+pub struct Limiter {
+    id: String,
+    kind: Kind,
+    rate: Option<Rate>,
+    gauge: Option<Arc<Gauge>>,
+    demand: DemandMeter,
+    spec: Arc<ArcSwap<ResourceSpec>>,
+    clock: Clock,
+}
+
+impl std::fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter")
+            .field("id", &self.id)
+            .field("kind", &self.kind)
+            .field("capacity", &self.capacity())
+            .finish()
+    }
+}
+
+impl Limiter {
+    fn new(id: String, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock) -> Self {
+        let s = spec.load();
+        let (rate, gauge) = match s.kind {
+            Kind::Rate => (Some(Rate::new(s.capacity, s.burst, clock.now())), None),
+            Kind::Gauge => (None, Some(Gauge::new(gauge_units(s.capacity)))),
+        };
+        Limiter { id, kind: s.kind, rate, gauge, demand: DemandMeter::default(), spec: spec.clone(), clock }
+    }
+
+    /// The Doorman resource id this key enforces.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    pub fn spec(&self) -> Arc<ResourceSpec> {
+        self.spec.load_full()
+    }
+
+    pub fn demand(&self) -> &DemandMeter {
+        &self.demand
+    }
+
+    pub fn rate(&self) -> Option<&Rate> {
+        self.rate.as_ref()
+    }
+
+    pub fn gauge(&self) -> Option<&Arc<Gauge>> {
+        self.gauge.as_ref()
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Current capacity: units per second (rate) or in flight (gauge).
+    pub fn capacity(&self) -> f64 {
+        match (&self.rate, &self.gauge) {
+            (Some(r), _) => r.capacity(),
+            (_, Some(g)) => g.capacity() as f64,
+            _ => 0.0,
+        }
+    }
+
+    /// Applies a capacity live: no fresh burst, waiters kept, nothing in
+    /// flight cancelled. Setting the current capacity again changes nothing.
+    /// `f64::INFINITY` means unlimited; NaN and negatives mean 0. Gauges
+    /// round a fractional capacity down.
+    pub fn set_capacity(&self, capacity: f64) {
+        let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
+        if let Some(r) = &self.rate {
+            r.set(self.clock.now(), capacity, self.spec.load().burst);
+        }
+        if let Some(g) = &self.gauge {
+            g.set_capacity(gauge_units(capacity));
+        }
+    }
+
+    /// Units that could be admitted now without waiting.
+    pub fn remaining(&self) -> u64 {
+        match (&self.rate, &self.gauge) {
+            (Some(r), _) => r.remaining(self.clock.now()),
+            (_, Some(g)) => g.remaining(),
+            _ => 0,
+        }
+    }
+}
+
+/// What an unlimited gauge holds: more than any process can have in flight.
+pub const UNLIMITED_GAUGE: u64 = 1 << 30;
+
+fn gauge_units(capacity: f64) -> u64 {
+    if capacity.is_nan() || capacity <= 0.0 { 0 } else { (capacity.floor() as u64).min(UNLIMITED_GAUGE) }
+}
+
+/// One configured resource and its keys.
+pub struct ResourceLimits {
+    spec: Arc<ArcSwap<ResourceSpec>>,
+    keys: ArcSwap<HashMap<String, Arc<Limiter>>>,
+    /// Serialises key creation (rare); readers never take it.
+    grow: Mutex<()>,
+    clock: Clock,
+}
+
+/// The id shared by a templated resource's keys beyond `max_keys`.
+pub fn overflow_id(resource: &str) -> String {
+    format!("{resource}/_overflow")
+}
+
+impl ResourceLimits {
+    fn new(spec: ResourceSpec, clock: Clock) -> Self {
+        ResourceLimits {
+            spec: Arc::new(ArcSwap::from_pointee(spec)),
+            keys: ArcSwap::default(),
+            grow: Mutex::new(()),
+            clock,
+        }
+    }
+
+    pub fn spec(&self) -> Arc<ResourceSpec> {
+        self.spec.load_full()
+    }
+
+    /// The limiter for `id`, created on first use.
+    pub fn limiter(&self, id: &str) -> Arc<Limiter> {
+        if let Some(l) = self.keys.load().get(id) {
+            return l.clone();
+        }
+        let _g = self.grow.lock().expect("key lock");
+        let keys = self.keys.load();
+        if let Some(l) = keys.get(id) {
+            return l.clone();
+        }
+        let spec = self.spec.load();
+        let own = keys.keys().filter(|k| **k != overflow_id(&spec.name)).count();
+        let id = if own >= spec.max_keys { overflow_id(&spec.name) } else { id.to_string() };
+        if let Some(l) = keys.get(&id) {
+            return l.clone();
+        }
+        let l = Arc::new(Limiter::new(id.clone(), self.spec.clone(), self.clock.clone()));
+        let mut next = HashMap::clone(&keys);
+        next.insert(id, l.clone());
+        self.keys.store(Arc::new(next));
+        l
+    }
+
+    pub fn limiters(&self) -> Vec<Arc<Limiter>> {
+        let mut v: Vec<_> = self.keys.load().values().cloned().collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+}
+
+/// Every resource the sidecar enforces.
+pub struct LeaseTable {
+    clock: Clock,
+    resources: ArcSwap<HashMap<String, Arc<ResourceLimits>>>,
+}
+
+impl LeaseTable {
+    pub fn new(clock: Clock) -> Self {
+        LeaseTable { clock, resources: ArcSwap::default() }
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Installs a set of resources (startup or reload). A resource whose name
+    /// and kind are unchanged keeps its keys and their limiter state; if its
+    /// configured capacity or burst changed, the change is applied live.
+    pub fn configure(&self, specs: Vec<ResourceSpec>) {
+        let old = self.resources.load();
+        let mut next = HashMap::new();
+        for spec in specs {
+            let entry = match old.get(&spec.name) {
+                Some(r) if r.spec.load().kind == spec.kind => {
+                    let prev = r.spec.swap(Arc::new(spec.clone()));
+                    if prev.capacity != spec.capacity || prev.burst != spec.burst {
+                        for l in r.keys.load().values() {
+                            l.set_capacity(spec.capacity);
+                        }
+                    }
+                    r.clone()
+                }
+                _ => Arc::new(ResourceLimits::new(spec.clone(), self.clock.clone())),
+            };
+            next.insert(spec.name, entry);
+        }
+        self.resources.store(Arc::new(next));
+    }
+
+    pub fn resource(&self, name: &str) -> Option<Arc<ResourceLimits>> {
+        self.resources.load().get(name).cloned()
+    }
+
+    /// Every key of every resource, by resource name then id.
+    pub fn limiters(&self) -> Vec<(String, Arc<Limiter>)> {
+        let res = self.resources.load();
+        let mut names: Vec<_> = res.keys().cloned().collect();
+        names.sort();
+        names.into_iter().flat_map(|n| res[&n].limiters().into_iter().map(move |l| (n.clone(), l))).collect()
+    }
+
+    /// Sets the capacity of every key whose id is `id`; false if there is none.
+    pub fn set_capacity(&self, id: &str, capacity: f64) -> bool {
+        let mut found = false;
+        for r in self.resources.load().values() {
+            if let Some(l) = r.keys.load().get(id) {
+                l.set_capacity(capacity);
+                found = true;
+            }
+        }
+        found
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::Time;
+
+    fn spec(name: &str, kind: Kind, capacity: f64) -> ResourceSpec {
+        ResourceSpec {
+            name: name.into(),
+            kind,
+            capacity,
+            burst: 2.0,
+            max_wait: Duration::ZERO,
+            max_queue: 10,
+            max_keys: 3,
+            window: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn reload_keeps_state_of_unchanged_resources() {
+        let (clock, _h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![spec("a", Kind::Rate, 1.0), spec("g", Kind::Gauge, 1.0)]);
+        let a = t.resource("a").unwrap().limiter("a");
+        assert_eq!(a.remaining(), 2);
+        assert!(super::super::rate::try_admit(a.rate().unwrap(), a.clock(), 1.0));
+        t.configure(vec![spec("a", Kind::Rate, 1.0), spec("g", Kind::Rate, 1.0)]);
+        let a2 = t.resource("a").unwrap().limiter("a");
+        assert!(Arc::ptr_eq(&a, &a2));
+        assert_eq!(a2.remaining(), 1, "state kept");
+        assert_eq!(t.resource("g").unwrap().limiter("g").kind(), Kind::Rate, "kind change rebuilds");
+        assert!(t.set_capacity("a", 5.0));
+        assert_eq!(a.capacity(), 5.0);
+        assert!(!t.set_capacity("nope", 5.0));
+    }
+
+    #[test]
+    fn templated_keys_are_bounded() {
+        let (clock, _h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![spec("r", Kind::Rate, 1.0)]);
+        let r = t.resource("r").unwrap();
+        let ids: Vec<String> = (0..10).map(|i| r.limiter(&format!("r/{i}")).id().to_string()).collect();
+        assert_eq!(ids[..3], ["r/0", "r/1", "r/2"]);
+        assert!(ids[3..].iter().all(|i| i == "r/_overflow"), "{ids:?}");
+        assert_eq!(r.limiters().len(), 4);
+        assert_eq!(r.limiter("r/1").id(), "r/1");
+    }
+}

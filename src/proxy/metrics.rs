@@ -1,0 +1,132 @@
+//! The sidecar's Prometheus metrics, registered in an injected registry.
+//! Labels are bounded: route and resource names from the routes file, and
+//! upstream names (or, for passthrough, the origin authority).
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+use crate::limit::LeaseTable;
+
+pub struct Metrics {
+    pub registry: Registry,
+    /// By route and outcome: admitted, paced, refused, upstream_error, no_route.
+    pub requests: IntCounterVec,
+    /// By resource and outcome: admitted, paced, refused.
+    pub resource_requests: IntCounterVec,
+    pub wait_seconds: HistogramVec,
+    pub in_flight: IntGaugeVec,
+    pub upstream_seconds: HistogramVec,
+    pub config_reloads: IntCounter,
+    pub config_reload_errors: IntCounter,
+    capacity: prometheus::GaugeVec,
+    demand: prometheus::GaugeVec,
+    resource_in_flight: IntGaugeVec,
+    waiters: IntGaugeVec,
+    keys: IntGaugeVec,
+}
+
+impl Metrics {
+    pub fn new(registry: Registry) -> Self {
+        let requests = IntCounterVec::new(
+            Opts::new("usher_proxy_requests_total", "Requests by route and outcome"),
+            &["route", "outcome"],
+        )
+        .expect("metric");
+        let resource_requests = IntCounterVec::new(
+            Opts::new("usher_proxy_resource_requests_total", "Admission decisions by resource and outcome"),
+            &["resource", "outcome"],
+        )
+        .expect("metric");
+        let wait_seconds = HistogramVec::new(
+            HistogramOpts::new("usher_proxy_wait_seconds", "Time admitted requests waited for capacity")
+                .buckets(vec![0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
+            &["resource"],
+        )
+        .expect("metric");
+        let in_flight = IntGaugeVec::new(Opts::new("usher_proxy_in_flight", "Requests in flight by route"), &["route"])
+            .expect("metric");
+        let upstream_seconds = HistogramVec::new(
+            HistogramOpts::new("usher_proxy_upstream_seconds", "Time until upstream response headers"),
+            &["upstream"],
+        )
+        .expect("metric");
+        let config_reloads =
+            IntCounter::new("usher_proxy_config_reloads_total", "Routes files applied").expect("metric");
+        let config_reload_errors =
+            IntCounter::new("usher_proxy_config_reload_errors_total", "Routes files rejected").expect("metric");
+        let capacity = prometheus::GaugeVec::new(
+            Opts::new("usher_proxy_capacity", "Current capacity per resource, summed over its keys"),
+            &["resource"],
+        )
+        .expect("metric");
+        let demand = prometheus::GaugeVec::new(
+            Opts::new("usher_proxy_demand", "Smoothed arrivals per second per resource (admitted, paced and refused)"),
+            &["resource"],
+        )
+        .expect("metric");
+        let resource_in_flight = IntGaugeVec::new(
+            Opts::new("usher_proxy_resource_in_flight", "Requests in flight per resource"),
+            &["resource"],
+        )
+        .expect("metric");
+        let waiters = IntGaugeVec::new(
+            Opts::new("usher_proxy_waiters", "Requests waiting for capacity per resource"),
+            &["resource"],
+        )
+        .expect("metric");
+        let keys = IntGaugeVec::new(
+            Opts::new("usher_proxy_resource_keys", "Distinct ids tracked per resource"),
+            &["resource"],
+        )
+        .expect("metric");
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(resource_requests.clone()),
+            Box::new(wait_seconds.clone()),
+            Box::new(in_flight.clone()),
+            Box::new(upstream_seconds.clone()),
+            Box::new(config_reloads.clone()),
+            Box::new(config_reload_errors.clone()),
+            Box::new(capacity.clone()),
+            Box::new(demand.clone()),
+            Box::new(resource_in_flight.clone()),
+            Box::new(waiters.clone()),
+            Box::new(keys.clone()),
+        ] {
+            registry.register(c).expect("metric names are unique");
+        }
+        Metrics {
+            registry,
+            requests,
+            resource_requests,
+            wait_seconds,
+            in_flight,
+            upstream_seconds,
+            config_reloads,
+            config_reload_errors,
+            capacity,
+            demand,
+            resource_in_flight,
+            waiters,
+            keys,
+        }
+    }
+
+    /// Refreshes the per-resource gauges from the LeaseTable (at scrape time).
+    pub fn observe_table(&self, table: &LeaseTable) {
+        let now = table.clock().now();
+        for g in [&self.capacity, &self.demand] {
+            g.reset();
+        }
+        for g in [&self.resource_in_flight, &self.waiters, &self.keys] {
+            g.reset();
+        }
+        for (name, l) in table.limiters() {
+            let s = l.demand().sample(now);
+            self.capacity.with_label_values(&[&name]).add(l.capacity());
+            self.demand.with_label_values(&[&name]).add(s.rate);
+            self.resource_in_flight.with_label_values(&[&name]).add(s.in_flight);
+            self.waiters.with_label_values(&[&name]).add(s.waiters);
+            self.keys.with_label_values(&[&name]).inc();
+        }
+    }
+}

@@ -1,0 +1,434 @@
+//! `usher proxy`: the sidecar's data path.
+//!
+//! One listener speaks HTTP/1.1 and h2c. Each request is routed
+//! ([`route`]), admitted by the [`crate::limit`] layer, and forwarded
+//! ([`upstream`]); every error becomes a response in [`respond`]. CONNECT
+//! tunnels are admitted once and hold their gauge permits for their
+//! lifetime. On shutdown the listener stops accepting and in-flight
+//! requests drain until a deadline.
+
+pub mod metrics;
+pub mod respond;
+pub mod route;
+mod status;
+pub mod upstream;
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::BodyExt;
+use http_body_util::combinators::UnsyncBoxBody;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use pin_project_lite::pin_project;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tower::{Layer, ServiceExt};
+
+use crate::clock::{Clock, Time};
+use crate::config::ConfigError;
+use crate::config::routes::{RoutesConfig, UpstreamConfig};
+use crate::config::watch;
+use crate::error::{RunError, bind};
+use crate::limit::layer::{Admission, BoxError};
+use crate::limit::{LeaseTable, Limit, LimitLayer};
+pub use metrics::Metrics;
+use respond::{ProxyError, error_response, is_grpc};
+use route::Routing;
+use upstream::{Forward, Upstream};
+
+/// The body of every response the proxy sends.
+pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// A client must send a request's headers within this long.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+/// Concurrent HTTP/2 streams per connection.
+pub const MAX_CONCURRENT_STREAMS: u32 = 256;
+
+/// `usher proxy` flags; each can also be set as `USHER_<FLAG>`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProxyArgs {
+    /// Routes file (YAML). Reloaded on SIGHUP and whenever it changes.
+    #[arg(long, env = "USHER_ROUTES", value_name = "FILE")]
+    pub routes: PathBuf,
+    /// Proxy listener (HTTP/1.1 and h2c) [default: the file's `listen`, else 127.0.0.1:15001].
+    #[arg(long, env = "USHER_LISTEN", value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// Address for /metrics, /healthz, /readyz and /debug/status [default: the file's `admin`, else 127.0.0.1:15000].
+    #[arg(long, env = "USHER_ADMIN_LISTEN", value_name = "ADDR")]
+    pub admin_listen: Option<SocketAddr>,
+}
+
+/// The outcome of the latest routes file load.
+#[derive(Debug, Clone, Default)]
+pub struct ConfigState {
+    pub loaded_at: Option<Time>,
+    pub last_error: Option<String>,
+}
+
+/// Everything one sidecar shares between connections and tasks.
+pub struct Proxy {
+    pub table: LeaseTable,
+    pub metrics: Arc<Metrics>,
+    pub config_source: String,
+    routing: ArcSwap<Routing>,
+    stack: Limit<Forward>,
+    roots: rustls::RootCertStore,
+    /// Built upstreams, reused across reloads while their configuration is unchanged.
+    upstreams: Mutex<HashMap<String, Arc<Upstream>>>,
+    direct: Arc<Upstream>,
+    config_state: Mutex<ConfigState>,
+    config: ArcSwap<RoutesConfig>,
+}
+
+impl Proxy {
+    /// Builds a proxy for `cfg`. `clock` drives every limiter (tests pass a manual one).
+    pub fn new(
+        cfg: RoutesConfig,
+        source: String,
+        clock: Clock,
+        registry: prometheus::Registry,
+    ) -> Result<Arc<Self>, ConfigError> {
+        let roots = upstream::system_roots();
+        let direct = Arc::new(Upstream::direct(&roots).map_err(|e| ConfigError::whole_file(&source, e))?);
+        let upstreams = build_upstreams(&cfg, &HashMap::new(), &roots, &source)?;
+        let table = LeaseTable::new(clock.clone());
+        table.configure(route::specs(&cfg));
+        let routing = Routing::new(&cfg, &upstreams, direct.clone());
+        let metrics = Arc::new(Metrics::new(registry));
+        let stack = LimitLayer::new(clock.clone()).layer(Forward::new(metrics.clone()));
+        Ok(Arc::new(Proxy {
+            table,
+            metrics,
+            config_source: source,
+            routing: ArcSwap::from_pointee(routing),
+            stack,
+            roots,
+            upstreams: Mutex::new(upstreams),
+            direct,
+            config_state: Mutex::new(ConfigState { loaded_at: Some(clock.now()), last_error: None }),
+            config: ArcSwap::from_pointee(cfg),
+        }))
+    }
+
+    pub fn config(&self) -> Arc<RoutesConfig> {
+        self.config.load_full()
+    }
+
+    pub fn config_state(&self) -> ConfigState {
+        self.config_state.lock().expect("config state lock").clone()
+    }
+
+    /// Applies a freshly read routes file, or keeps the old one and says why.
+    /// Open connections are untouched; unchanged resources keep their limiter state.
+    pub fn apply_config(&self, result: Result<RoutesConfig, ConfigError>) {
+        let applied = result.and_then(|cfg| {
+            let mut ups = self.upstreams.lock().expect("upstreams lock");
+            let built = build_upstreams(&cfg, &ups, &self.roots, &self.config_source)?;
+            *ups = built.clone();
+            Ok((cfg, built))
+        });
+        let mut state = self.config_state.lock().expect("config state lock");
+        match applied {
+            Ok((cfg, ups)) => {
+                let old = self.config.load();
+                if old.listen != cfg.listen || old.admin != cfg.admin {
+                    tracing::warn!("listen and admin addresses change only on restart");
+                }
+                self.table.configure(route::specs(&cfg));
+                self.routing.store(Arc::new(Routing::new(&cfg, &ups, self.direct.clone())));
+                tracing::info!(source = %self.config_source, routes = cfg.routes.len(), resources = cfg.resources.len(), "routes reloaded");
+                self.config.store(Arc::new(cfg));
+                self.metrics.config_reloads.inc();
+                state.loaded_at = Some(self.table.clock().now());
+                state.last_error = None;
+            }
+            Err(e) => {
+                self.metrics.config_reload_errors.inc();
+                tracing::error!(source = %self.config_source, "routes file rejected, keeping the previous one:\n{e}");
+                state.last_error = Some(e.to_string());
+            }
+        }
+    }
+
+    /// Handles one request from the app.
+    pub async fn handle(self: Arc<Self>, mut req: Request<Incoming>) -> Response<ProxyBody> {
+        let grpc = is_grpc(req.headers());
+        if req.headers().get_all(header::VIA).iter().any(|v| v.to_str().is_ok_and(|v| v.contains(upstream::VIA))) {
+            return respond::proxy_error(&ProxyError::Loop, grpc);
+        }
+        let resolved = match self.routing.load().resolve(&req, &self.table) {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics.requests.with_label_values(&["_none", "no_route"]).inc();
+                return respond::proxy_error(&e, grpc);
+            }
+        };
+        let route = resolved.route_name().to_string();
+        let resources = resolved.resources.clone();
+        let in_flight = InFlight::new(&self.metrics, &route);
+        if req.method() == Method::CONNECT {
+            return self.connect(req, resolved, &route, in_flight).await;
+        }
+        req.extensions_mut().insert(resolved.plan);
+        req.extensions_mut().insert(resolved.target);
+        match self.stack.clone().oneshot(req).await {
+            Ok(resp) => {
+                let admission = resp.extensions().get::<Admission>().copied();
+                self.record_admission(&route, &resources, admission);
+                resp.map(|b| {
+                    Tracked { inner: b, _guard: in_flight }.map_err(|e| Box::new(e) as BoxError).boxed_unsync()
+                })
+            }
+            Err(err) => {
+                if let Some(r) = err.downcast_ref::<crate::limit::Refused>() {
+                    self.metrics.requests.with_label_values(&[&route, "refused"]).inc();
+                    self.metrics.resource_requests.with_label_values(&[&r.resource, "refused"]).inc();
+                } else {
+                    self.metrics.requests.with_label_values(&[&route, "upstream_error"]).inc();
+                    tracing::debug!(route = %route, error = %err, "upstream error");
+                }
+                error_response(err, grpc)
+            }
+        }
+    }
+
+    fn record_admission(&self, route: &str, resources: &[String], admission: Option<Admission>) {
+        let outcome = match admission {
+            Some(a) if a.paced => "paced",
+            _ => "admitted",
+        };
+        self.metrics.requests.with_label_values(&[route, outcome]).inc();
+        for r in resources {
+            self.metrics.resource_requests.with_label_values(&[r, outcome]).inc();
+            self.metrics
+                .wait_seconds
+                .with_label_values(&[r])
+                .observe(admission.map_or(0.0, |a| a.waited.as_secs_f64()));
+        }
+    }
+
+    /// A CONNECT tunnel: admitted once, holding its gauge permits until it closes.
+    async fn connect(
+        &self,
+        req: Request<Incoming>,
+        resolved: route::Resolved,
+        route: &str,
+        in_flight: InFlight,
+    ) -> Response<ProxyBody> {
+        let Some(authority) = req.uri().authority().map(|a| a.to_string()) else {
+            return respond::proxy_error(&ProxyError::BadRequest("CONNECT needs host:port".into()), false);
+        };
+        let admitted = match crate::limit::admit::admit(&resolved.plan, self.table.clock()).await {
+            Ok(a) => a,
+            Err(r) => {
+                self.metrics.requests.with_label_values(&[route, "refused"]).inc();
+                self.metrics.resource_requests.with_label_values(&[&r.resource, "refused"]).inc();
+                return respond::refused(&r, false);
+            }
+        };
+        let admission = Admission { waited: admitted.waited, paced: admitted.paced };
+        self.record_admission(route, &resolved.resources, Some(admission));
+        let stream =
+            match tokio::time::timeout(upstream::DIRECT_CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&authority))
+                .await
+            {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    return respond::proxy_error(
+                        &ProxyError::UpstreamConnect { upstream: authority, reason: e.to_string() },
+                        false,
+                    );
+                }
+                Err(_) => {
+                    return respond::proxy_error(
+                        &ProxyError::UpstreamTimeout { upstream: authority, after: upstream::DIRECT_CONNECT_TIMEOUT },
+                        false,
+                    );
+                }
+            };
+        tokio::spawn(async move {
+            let _held = (admitted, in_flight);
+            match hyper::upgrade::on(req).await {
+                Ok(upgraded) => {
+                    let mut stream = stream;
+                    let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(upgraded), &mut stream).await;
+                }
+                Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
+            }
+        });
+        Response::new(respond::full(Vec::new()))
+    }
+}
+
+fn build_upstreams(
+    cfg: &RoutesConfig,
+    existing: &HashMap<String, Arc<Upstream>>,
+    roots: &rustls::RootCertStore,
+    source: &str,
+) -> Result<HashMap<String, Arc<Upstream>>, ConfigError> {
+    let mut out = HashMap::new();
+    let mut errors = Vec::new();
+    for (name, uc) in &cfg.upstreams {
+        match existing.get(name) {
+            // Same configuration (and CA file unchanged on disk is assumed): keep the pool.
+            Some(u) if same_upstream(&u.config, uc) => {
+                out.insert(name.clone(), u.clone());
+            }
+            _ => match Upstream::new(uc.clone(), roots) {
+                Ok(u) => {
+                    out.insert(name.clone(), Arc::new(u));
+                }
+                Err(e) => errors.push(format!("upstreams.{name}: {e}")),
+            },
+        }
+    }
+    if errors.is_empty() { Ok(out) } else { Err(ConfigError::whole_file(source, errors.join("; "))) }
+}
+
+fn same_upstream(a: &UpstreamConfig, b: &UpstreamConfig) -> bool {
+    a == b
+}
+
+/// Counts a request in flight for its route until its response body ends.
+struct InFlight(prometheus::IntGauge);
+
+impl InFlight {
+    fn new(metrics: &Metrics, route: &str) -> Self {
+        let g = metrics.in_flight.with_label_values(&[route]);
+        g.inc();
+        InFlight(g)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+pin_project! {
+    struct Tracked<B> {
+        #[pin]
+        inner: B,
+        _guard: InFlight,
+    }
+}
+
+impl<B: Body> Body for Tracked<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        Poll::Ready(ready!(self.project().inner.poll_frame(cx)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Serves the proxy on `listener` until `shutdown`, then drains in-flight
+/// requests for at most `drain`.
+pub async fn serve(proxy: Arc<Proxy>, listener: TcpListener, shutdown: CancellationToken, drain: Duration) {
+    let graceful = GracefulShutdown::new();
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT).max_buf_size(MAX_HEADER_BYTES);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        .max_header_list_size(MAX_HEADER_BYTES as u32);
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let proxy = proxy.clone();
+        let svc = hyper::service::service_fn(move |req| {
+            let proxy = proxy.clone();
+            async move { Ok::<_, Infallible>(proxy.handle(req).await) }
+        });
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc).into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => tracing::info!("all connections drained"),
+        _ = tokio::time::sleep(drain) => tracing::warn!(?drain, "drain deadline passed; closing remaining connections"),
+    }
+}
+
+/// Runs `usher proxy` until `shutdown` is cancelled.
+pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), RunError> {
+    let source = args.routes.display().to_string();
+    let cfg = RoutesConfig::load(&args.routes)?;
+    let listen_addr = args.listen.unwrap_or(cfg.listen);
+    let admin_addr = args.admin_listen.unwrap_or(cfg.admin);
+    let drain = cfg.drain_timeout;
+    let (routes, resources) = (cfg.routes.len(), cfg.resources.len());
+    let proxy = Proxy::new(cfg, source.clone(), Clock::system(), prometheus::Registry::new())?;
+    let listener = bind("proxy", listen_addr).await?;
+    let admin = bind("admin", admin_addr).await?;
+    let listen_addr = listener.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
+    let admin_addr = admin.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
+    tracing::info!(listen = %listen_addr, admin = %admin_addr, routes_file = %source, routes, resources, "usher proxy listening");
+
+    let reloader = {
+        let proxy = proxy.clone();
+        let path = args.routes.clone();
+        let mut causes = watch::watch(&args.routes, shutdown.clone());
+        tokio::spawn(async move {
+            let mut last = std::fs::read(&path).ok();
+            while let Some(cause) = causes.recv().await {
+                let text = std::fs::read(&path).ok();
+                if cause == watch::Cause::FileEvent && text == last {
+                    continue;
+                }
+                last = text;
+                tracing::info!(?cause, "reloading routes");
+                proxy.apply_config(RoutesConfig::load(&path));
+            }
+        })
+    };
+    let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(proxy.clone()), shutdown.clone()));
+    serve(proxy, listener, shutdown.clone(), drain).await;
+    shutdown.cancel();
+    let _ = tokio::join!(reloader, admin_task);
+    tracing::info!("usher proxy stopped");
+    Ok(())
+}
+
+/// A status code for readiness: the proxy is ready once its routes are loaded.
+pub fn readiness(proxy: &Proxy) -> StatusCode {
+    if proxy.config_state().loaded_at.is_some() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }
+}

@@ -1,0 +1,224 @@
+//! Routing: which route a request takes, the upstream it goes to, and the
+//! admission [`Plan`] (limiter keys and costs) it must pass. Built from a
+//! routes file; swapped whole on reload.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use http::{Method, Request, header};
+
+use super::respond::ProxyError;
+use super::upstream::{Target, Upstream};
+use crate::config::routes::{DefaultAction, IdTemplate, Match, ResourceKind, RoutesConfig, Segment};
+use crate::limit::{Kind, LeaseTable, Plan, ResourceSpec};
+
+/// One compiled route.
+#[derive(Debug)]
+pub struct Route {
+    pub name: String,
+    matcher: Match,
+    upstream: Option<Arc<Upstream>>,
+    /// (resource name, id template, cost).
+    resources: Vec<(String, IdTemplate, f64)>,
+}
+
+/// Where a request goes and what it must be admitted by.
+#[derive(Debug)]
+pub struct Resolved {
+    /// `None`: no route matched and the default is passthrough.
+    pub route: Option<Arc<Route>>,
+    pub plan: Plan,
+    pub target: Target,
+    /// The resource names of the plan, in plan order, for metrics.
+    pub resources: Vec<String>,
+}
+
+impl Resolved {
+    pub fn route_name(&self) -> &str {
+        self.route.as_ref().map_or("_passthrough", |r| r.name.as_str())
+    }
+}
+
+/// The routes of one routes file.
+pub struct Routing {
+    routes: Vec<Arc<Route>>,
+    default: DefaultAction,
+    direct: Arc<Upstream>,
+}
+
+/// The resource specs of a routes file, for [`LeaseTable::configure`].
+pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
+    cfg.resources
+        .values()
+        .map(|r| ResourceSpec {
+            name: r.name.clone(),
+            kind: match r.kind {
+                ResourceKind::Rate => Kind::Rate,
+                ResourceKind::Gauge => Kind::Gauge,
+            },
+            capacity: match r.kind {
+                ResourceKind::Rate => r.capacity.per_second(),
+                ResourceKind::Gauge => r.capacity.per_window,
+            },
+            burst: r.burst,
+            max_wait: r.max_wait,
+            max_queue: r.max_queue,
+            max_keys: r.max_keys,
+            window: r.capacity.window,
+        })
+        .collect()
+}
+
+impl Routing {
+    /// Compiles `cfg`; `upstreams` are the built clients by name.
+    pub fn new(cfg: &RoutesConfig, upstreams: &HashMap<String, Arc<Upstream>>, direct: Arc<Upstream>) -> Self {
+        let routes = cfg
+            .routes
+            .iter()
+            .map(|r| {
+                Arc::new(Route {
+                    name: r.name.clone(),
+                    matcher: r.matcher.clone(),
+                    upstream: r.upstream.as_ref().and_then(|u| upstreams.get(u).cloned()),
+                    resources: r
+                        .resources
+                        .iter()
+                        .map(|(name, cost)| (name.clone(), cfg.resources[name].id.clone(), *cost))
+                        .collect(),
+                })
+            })
+            .collect();
+        Routing { routes, default: cfg.default, direct }
+    }
+
+    /// Resolves a request to its route, target and plan.
+    pub fn resolve<B>(&self, req: &Request<B>, table: &LeaseTable) -> Result<Resolved, ProxyError> {
+        let host = request_host(req);
+        if req.method() == Method::CONNECT {
+            let authority = req.uri().authority().map(|a| a.to_string()).unwrap_or_default();
+            // CONNECT goes only to hosts a route names, whatever the default.
+            let route = self
+                .routes
+                .iter()
+                .find(|r| r.matcher.host.as_deref().is_some_and(|h| host_matches(h, &host)))
+                .ok_or_else(|| ProxyError::ConnectDenied { authority, host: host.clone() })?;
+            return Ok(self.resolved(route.clone(), req, &host, table, Target::Direct(self.direct.clone())));
+        }
+        let path = req.uri().path();
+        match self.routes.iter().find(|r| matches(&r.matcher, req, &host, path)) {
+            Some(route) => {
+                let target = match &route.upstream {
+                    Some(u) => Target::Upstream(u.clone()),
+                    None => Target::Direct(self.direct.clone()),
+                };
+                Ok(self.resolved(route.clone(), req, &host, table, target))
+            }
+            None if self.default == DefaultAction::Passthrough => Ok(Resolved {
+                route: None,
+                plan: Plan::default(),
+                target: Target::Direct(self.direct.clone()),
+                resources: Vec::new(),
+            }),
+            None => Err(ProxyError::NoRoute { method: req.method().to_string(), host, path: path.to_string() }),
+        }
+    }
+
+    fn resolved<B>(
+        &self,
+        route: Arc<Route>,
+        req: &Request<B>,
+        host: &str,
+        table: &LeaseTable,
+        target: Target,
+    ) -> Resolved {
+        let mut items = Vec::with_capacity(route.resources.len());
+        for (name, template, cost) in &route.resources {
+            // Validated at load: every named resource exists in the table.
+            let Some(res) = table.resource(name) else { continue };
+            let id = render(template, req, host);
+            items.push((res.limiter(&id), *cost));
+        }
+        let plan = Plan::new(items);
+        let resources = plan.items.iter().map(|(l, _)| l.spec().name.clone()).collect();
+        Resolved { route: Some(route), plan, target, resources }
+    }
+}
+
+/// The request's host, lower-case, without port: from the URI, else the Host header.
+pub fn request_host<B>(req: &Request<B>) -> String {
+    let raw = req
+        .uri()
+        .host()
+        .map(str::to_string)
+        .or_else(|| req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string))
+        .unwrap_or_default();
+    let host = match raw.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or_default().to_string(),
+        None => raw.rsplit_once(':').map_or(raw.as_str(), |(h, _)| h).to_string(),
+    };
+    host.to_ascii_lowercase()
+}
+
+fn host_matches(pattern: &str, host: &str) -> bool {
+    match pattern.strip_prefix("*.") {
+        Some(suffix) => {
+            host.len() > suffix.len() + 1 && host.ends_with(suffix) && host[..host.len() - suffix.len()].ends_with('.')
+        }
+        None => pattern == host,
+    }
+}
+
+fn matches<B>(m: &Match, req: &Request<B>, host: &str, path: &str) -> bool {
+    m.host.as_deref().is_none_or(|h| host_matches(h, host))
+        && m.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
+        && (m.methods.is_empty() || m.methods.contains(req.method()))
+        && m.headers.iter().all(|(name, value)| match (req.headers().get(name), value) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some(got), Some(want)) => got.as_bytes() == want.as_bytes(),
+        })
+}
+
+/// Renders a templated resource id for one request.
+fn render<B>(t: &IdTemplate, req: &Request<B>, host: &str) -> String {
+    if t.is_fixed() {
+        return t.text.clone();
+    }
+    let mut out = String::new();
+    for s in &t.segments {
+        match s {
+            Segment::Literal(l) => out.push_str(l),
+            Segment::Host => out.push_str(host),
+            Segment::Method => out.push_str(req.method().as_str()),
+            Segment::Path(n) => {
+                out.push_str(req.uri().path().split('/').filter(|p| !p.is_empty()).nth(n - 1).unwrap_or(""))
+            }
+            Segment::Header(h) => {
+                out.push_str(&String::from_utf8_lossy(req.headers().get(h.as_str()).map_or(&b""[..], |v| v.as_bytes())))
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_and_templates() {
+        assert!(host_matches("*.example.com", "api.example.com"));
+        assert!(!host_matches("*.example.com", "example.com"));
+        assert!(!host_matches("*.example.com", "badexample.com"));
+        let req = Request::builder()
+            .method("POST")
+            .uri("http://API.example.com:8080/v1/repos/x")
+            .header("x-tenant", "acme")
+            .body(())
+            .unwrap();
+        let host = request_host(&req);
+        assert_eq!(host, "api.example.com");
+        let t = IdTemplate::parse("gh/{header.x-tenant}/{method}/{path.2}/{host}").unwrap();
+        assert_eq!(render(&t, &req, &host), "gh/acme/POST/repos/api.example.com");
+    }
+}

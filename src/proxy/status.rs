@@ -1,0 +1,119 @@
+//! The sidecar's admin pages: metrics, health, readiness and
+//! `/debug/status` (HTML, or JSON with `?format=json`).
+
+use std::fmt::Write;
+use std::sync::Arc;
+
+use http::StatusCode;
+use serde::Serialize;
+
+use super::Proxy;
+use crate::admin::{self, Handler, escape};
+use crate::limit::{DemandSample, Kind};
+
+#[derive(Serialize)]
+struct Status {
+    ready: bool,
+    routes_file: String,
+    config_loaded_at: Option<i64>,
+    config_error: Option<String>,
+    routes: Vec<String>,
+    keys: Vec<KeyStatus>,
+}
+
+#[derive(Serialize)]
+struct KeyStatus {
+    resource: String,
+    id: String,
+    kind: Kind,
+    capacity: f64,
+    remaining: u64,
+    max_wait_ms: u64,
+    demand: DemandSample,
+}
+
+fn status(p: &Proxy) -> Status {
+    let cs = p.config_state();
+    let now = p.table.clock().now();
+    Status {
+        ready: super::readiness(p) == StatusCode::OK,
+        routes_file: p.config_source.clone(),
+        config_loaded_at: cs.loaded_at.map(|t| t.as_secs()),
+        config_error: cs.last_error,
+        routes: p.config().routes.iter().map(|r| r.name.clone()).collect(),
+        keys: p
+            .table
+            .limiters()
+            .into_iter()
+            .map(|(resource, l)| KeyStatus {
+                resource,
+                id: l.id().to_string(),
+                kind: l.kind(),
+                capacity: l.capacity(),
+                remaining: l.remaining(),
+                max_wait_ms: l.spec().max_wait.as_millis() as u64,
+                demand: l.demand().sample(now),
+            })
+            .collect(),
+    }
+}
+
+pub fn handler(proxy: Arc<Proxy>) -> Handler {
+    Arc::new(move |req| {
+        let json = admin::query_param(&req.uri, "format").as_deref() == Some("json");
+        match req.uri.path() {
+            "/metrics" => {
+                proxy.metrics.observe_table(&proxy.table);
+                admin::metrics(&proxy.metrics.registry)
+            }
+            "/healthz" => admin::text(StatusCode::OK, "ok\n"),
+            "/readyz" => match super::readiness(&proxy) {
+                StatusCode::OK => admin::text(StatusCode::OK, "ready\n"),
+                s => admin::text(s, "not ready: no routes loaded\n"),
+            },
+            "/debug/status" | "/" => {
+                let s = status(&proxy);
+                if json { admin::json(&s) } else { admin::html(status_html(&s)) }
+            }
+            other => admin::not_found(other),
+        }
+    })
+}
+
+fn status_html(s: &Status) -> String {
+    let mut b = String::new();
+    let _ = write!(
+        b,
+        "<p>Routes file <code>{}</code>{}</p><p>Routes: {}</p>",
+        escape(&s.routes_file),
+        match &s.config_error {
+            Some(e) => format!(" <span class=err>last reload rejected: <pre>{}</pre></span>", escape(e)),
+            None => String::new(),
+        },
+        escape(&s.routes.join(", "))
+    );
+    b.push_str(
+        "<table id=keys><tr><th>resource</th><th>id</th><th>kind</th><th>capacity</th><th>remaining</th>\
+         <th>demand/s</th><th>in flight</th><th>peak</th><th>waiting</th><th>admitted</th><th>paced</th><th>refused</th></tr>",
+    );
+    for k in &s.keys {
+        let _ = write!(
+            b,
+            "<tr><td>{}</td><td>{}</td><td>{:?}</td><td>{:.3}</td><td>{}</td><td>{:.2}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            escape(&k.resource),
+            escape(&k.id),
+            k.kind,
+            k.capacity,
+            k.remaining,
+            k.demand.rate,
+            k.demand.in_flight,
+            k.demand.peak_in_flight,
+            k.demand.waiters,
+            k.demand.admitted,
+            k.demand.paced,
+            k.demand.refused,
+        );
+    }
+    b.push_str("</table>");
+    admin::page("usher proxy", &b)
+}

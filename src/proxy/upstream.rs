@@ -1,0 +1,321 @@
+//! Upstream clients and the forwarding service: a pooled hyper-util client
+//! per upstream (HTTP/1.1, HTTP/2 by ALPN over rustls, or h2c), hop-by-hop
+//! header removal (RFC 9110 §7.6.1), protocol upgrades, connect and
+//! response-header timeouts. Bodies stream both ways.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode, Uri, Version};
+use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use rustls::RootCertStore;
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
+
+use super::metrics::Metrics;
+use super::respond::ProxyError;
+use crate::config::routes::UpstreamConfig;
+use crate::limit::layer::{Admission, BoxError};
+
+/// Idle pooled connections are closed after this long.
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// Connect timeout for origins reached without an upstream (passthrough, CONNECT).
+pub const DIRECT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Response-header timeout for origins reached without an upstream.
+pub const DIRECT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Marks requests usher forwarded, so a route pointing back at usher is caught.
+pub const VIA: &str = "1.1 usher";
+
+type HttpsClient = Client<HttpsConnector<HttpConnector>, Incoming>;
+
+/// One upstream: its configuration and its connection pool.
+pub struct Upstream {
+    pub config: UpstreamConfig,
+    client: HttpsClient,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream").field("config", &self.config).finish()
+    }
+}
+
+/// The system's trust roots, loaded once.
+pub fn system_roots() -> RootCertStore {
+    let mut roots = RootCertStore::empty();
+    let found = rustls_native_certs::load_native_certs();
+    for e in &found.errors {
+        tracing::debug!(error = %e, "skipping a system certificate");
+    }
+    let (added, ignored) = roots.add_parsable_certificates(found.certs);
+    tracing::debug!(added, ignored, "system trust roots loaded");
+    roots
+}
+
+impl Upstream {
+    /// Builds the client for `config`; `roots` are the system's, extended by `ca_file`.
+    pub fn new(config: UpstreamConfig, roots: &RootCertStore) -> Result<Self, String> {
+        let mut roots = roots.clone();
+        if let Some(ca) = &config.ca_file {
+            let certs = CertificateDer::pem_file_iter(ca)
+                .map_err(|e| format!("cannot read ca_file {}: {e}", ca.display()))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("bad PEM in ca_file {}: {e}", ca.display()))?;
+            if certs.is_empty() {
+                return Err(format!("ca_file {} holds no certificates", ca.display()));
+            }
+            for c in certs {
+                roots.add(c).map_err(|e| format!("bad certificate in ca_file {}: {e}", ca.display()))?;
+            }
+        }
+        let client = client(roots, config.connect_timeout, config.h2c)?;
+        Ok(Upstream { config, client })
+    }
+
+    /// A client for origins named by the request itself (passthrough).
+    pub fn direct(roots: &RootCertStore) -> Result<Self, String> {
+        let config = UpstreamConfig {
+            name: "direct".into(),
+            url: Uri::from_static("http://direct.invalid"),
+            connect_timeout: DIRECT_CONNECT_TIMEOUT,
+            timeout: DIRECT_TIMEOUT,
+            ca_file: None,
+            h2c: false,
+        };
+        let client = client(roots.clone(), config.connect_timeout, false)?;
+        Ok(Upstream { config, client })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+}
+
+fn client(roots: RootCertStore, connect_timeout: Duration, h2c: bool) -> Result<HttpsClient, String> {
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS setup: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .http2_only(h2c)
+        .build(https))
+}
+
+/// Where a request goes; set by routing in the request's extensions.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// A configured upstream: its URL replaces the request's scheme and authority.
+    Upstream(Arc<Upstream>),
+    /// The origin the request names (absolute-form URI, or Host header).
+    Direct(Arc<Upstream>),
+}
+
+/// The innermost service: sends a request to its [`Target`].
+#[derive(Clone)]
+pub struct Forward {
+    metrics: Arc<Metrics>,
+}
+
+impl Forward {
+    pub fn new(metrics: Arc<Metrics>) -> Self {
+        Forward { metrics }
+    }
+}
+
+impl tower::Service<Request<Incoming>> for Forward {
+    type Response = Response<Incoming>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Incoming>, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let metrics = self.metrics.clone();
+        Box::pin(async move { forward(req, &metrics).await.map_err(|e| Box::new(e) as BoxError) })
+    }
+}
+
+/// Hop-by-hop fields (RFC 9110 §7.6.1) plus those the Connection field names.
+fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        if !(keep_upgrade && n == header::UPGRADE) {
+            headers.remove(n);
+        }
+    }
+    for n in
+        ["keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "trailer", "transfer-encoding"]
+    {
+        headers.remove(n);
+    }
+    // `TE: trailers` is what gRPC needs end to end; any other TE is hop-by-hop.
+    if headers.get(header::TE).is_some_and(|v| v != "trailers") {
+        headers.remove(header::TE);
+    }
+    if keep_upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    } else {
+        headers.remove(header::CONNECTION);
+        headers.remove(header::UPGRADE);
+    }
+}
+
+fn wants_upgrade(req: &Request<Incoming>) -> bool {
+    req.version() == Version::HTTP_11
+        && req.headers().contains_key(header::UPGRADE)
+        && req
+            .headers()
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("upgrade")))
+}
+
+/// The URI to send: the upstream's scheme, authority and base path, then the request's path and query.
+fn upstream_uri(base: &Uri, req: &Uri) -> Result<Uri, ProxyError> {
+    let pq = req.path_and_query().map_or("/", |p| p.as_str());
+    let prefix = base.path().trim_end_matches('/');
+    let scheme = base.scheme_str().unwrap_or("http");
+    let authority = base.authority().map_or("", |a| a.as_str());
+    format!("{scheme}://{authority}{prefix}{pq}")
+        .parse()
+        .map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))
+}
+
+/// The URI of a request forwarded to the origin it names.
+fn direct_uri(req: &Request<Incoming>) -> Result<Uri, ProxyError> {
+    let uri = req.uri();
+    if uri.scheme().is_some() && uri.authority().is_some() {
+        return Ok(uri.clone());
+    }
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .ok_or_else(|| ProxyError::BadRequest("no Host header and no absolute URI".into()))?;
+    let pq = uri.path_and_query().map_or("/", |p| p.as_str());
+    format!("http://{host}{pq}").parse().map_err(|e| ProxyError::BadRequest(format!("bad Host header: {e}")))
+}
+
+async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Response<Incoming>, ProxyError> {
+    let target = req.extensions_mut().remove::<Target>().ok_or_else(|| ProxyError::BadRequest("no target".into()))?;
+    let admission = req.extensions().get::<Admission>().copied();
+    let (up, uri) = match &target {
+        Target::Upstream(u) => (u.clone(), upstream_uri(&u.config.url, req.uri())?),
+        Target::Direct(u) => (u.clone(), direct_uri(&req)?),
+    };
+    let name = match &target {
+        Target::Upstream(u) => u.name().to_string(),
+        Target::Direct(_) => uri.authority().map_or_else(String::new, |a| a.to_string()),
+    };
+    let upgrade = wants_upgrade(&req);
+    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    strip_hop_by_hop(req.headers_mut(), upgrade);
+    if matches!(target, Target::Upstream(_)) {
+        // The client sets Host (HTTP/1.1) or :authority (HTTP/2) from the URI.
+        req.headers_mut().remove(header::HOST);
+    }
+    req.headers_mut().append(header::VIA, HeaderValue::from_static(VIA));
+    *req.uri_mut() = uri;
+    *req.version_mut() = if up.config.h2c { Version::HTTP_2 } else { Version::HTTP_11 };
+
+    let started = tokio::time::Instant::now();
+    let sent = tokio::time::timeout(up.config.timeout, up.client.request(req)).await;
+    metrics.upstream_seconds.with_label_values(&[up.name()]).observe(started.elapsed().as_secs_f64());
+    let mut resp = match sent {
+        Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name, after: up.config.timeout }),
+        Ok(Err(e)) if e.is_connect() => {
+            return Err(ProxyError::UpstreamConnect { upstream: name, reason: error_chain(&e) });
+        }
+        Ok(Err(e)) => return Err(ProxyError::Upstream { upstream: name, reason: error_chain(&e) }),
+        Ok(Ok(r)) => r,
+    };
+    let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+    if let (true, Some(client_side)) = (switching, client_upgrade) {
+        let upstream_side = hyper::upgrade::on(&mut resp);
+        tokio::spawn(async move {
+            match tokio::try_join!(client_side, upstream_side) {
+                Ok((a, b)) => {
+                    let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(a), &mut TokioIo::new(b)).await;
+                }
+                Err(e) => tracing::debug!(error = %e, "upgrade failed"),
+            }
+        });
+    }
+    strip_hop_by_hop(resp.headers_mut(), switching);
+    if let Some(a) = admission {
+        resp.extensions_mut().insert(a);
+    }
+    Ok(resp)
+}
+
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_are_removed() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("close, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h, false);
+        let mut names: Vec<_> = h.keys().map(|k| k.as_str().to_string()).collect();
+        names.sort();
+        assert_eq!(names, ["te", "x-kept"]);
+    }
+
+    #[test]
+    fn upstream_uri_keeps_the_base_path() {
+        let base: Uri = "https://api.example.com/v2/".parse().unwrap();
+        let req: Uri = "/repos/x?page=2".parse().unwrap();
+        assert_eq!(upstream_uri(&base, &req).unwrap(), "https://api.example.com/v2/repos/x?page=2");
+        let abs: Uri = "http://other/a".parse().unwrap();
+        assert_eq!(upstream_uri(&"http://127.0.0.1:9".parse().unwrap(), &abs).unwrap(), "http://127.0.0.1:9/a");
+    }
+}

@@ -1,0 +1,443 @@
+//! The real `usher proxy` binary against real upstreams on 127.0.0.1:0:
+//! configuration errors, refusals of unrouted requests, upstream failures,
+//! forward-proxy style and CONNECT, TLS origination, streaming with bounded
+//! memory, and reloads.
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use http::{Request, StatusCode};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use support::upstream::{self, Generated, TestPki, Upstream, get, h1, h2, send1, send2};
+use support::{Usher, http_get, metric, run_usher, write_file};
+
+const READY: &str = "usher proxy listening";
+
+fn start_proxy(routes: &Path) -> Usher {
+    let routes = routes.to_str().unwrap();
+    Usher::start(&["proxy", "--routes", routes, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"], &[], READY)
+}
+
+#[test]
+fn a_bad_routes_file_reports_every_error_with_its_position_and_exits_64() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write_file(
+        dir.path(),
+        "routes.yaml",
+        "\
+upstreams:
+  api: { url: \"ftp://nowhere\" }
+resources:
+  core:
+    kind: rate
+    capacity: 50/fortnight
+    max_wiat: 1s
+routes:
+  - name: a
+    upstream: apj
+    resources: [core, missing]
+",
+    );
+    let (code, _out, err) = run_usher(&["proxy", "--routes", bad.to_str().unwrap()]);
+    assert_eq!(code, 64, "stderr:\n{err}");
+    let f = bad.display().to_string();
+    for want in [
+        format!("{f}:2:15: upstreams.api.url:"),
+        format!("{f}:6:15: resources.core.capacity: unknown unit `/fortnight`"),
+        format!("{f}:7:5: resources.core.max_wiat: unknown field (hint: did you mean `max_wait`?)"),
+        format!("{f}:10:15: routes[0].upstream: unknown upstream `apj` (hint: did you mean `api`?)"),
+        format!("{f}:11:23: routes[0].resources[1]: unknown resource `missing`"),
+    ] {
+        assert!(err.contains(&want), "missing {want:?} in:\n{err}");
+    }
+
+    let (code, _out, err) = run_usher(&["proxy", "--routes", dir.path().join("absent.yaml").to_str().unwrap()]);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("absent.yaml:1:1: cannot read routes file"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unrouted_requests_get_403_and_the_admin_pages_answer() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  api-rate: {{ kind: rate, capacity: 100/s, burst: 10 }}\n\
+             routes:\n  - {{ name: api, match: {{ host: api.test }}, upstream: up, resources: [api-rate] }}\n",
+            up.addr
+        ),
+    );
+    let u = start_proxy(&routes);
+    let mut c = h1(u.addr("listen")).await;
+    let r = send1(&mut c, get("elsewhere.test", "/secret")).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    assert_eq!(r.header("content-type"), "application/problem+json");
+    assert_eq!(
+        r.json(),
+        serde_json::json!({
+            "type": "urn:usher:problem:no-route",
+            "title": "Forbidden",
+            "status": 403,
+            "detail": "no route for GET elsewhere.test/secret",
+        })
+    );
+    assert_eq!(up.stats.requests(), 0);
+    let r = send1(&mut c, get("api.test", "/ok")).await;
+    assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
+    assert_eq!(up.stats.hosts.lock().unwrap().as_slice(), [up.addr.to_string()], "Host is the upstream's");
+
+    let admin = u.addr("admin");
+    let (s, body) = tokio::task::spawn_blocking(move || http_get(admin, "/metrics")).await.unwrap();
+    assert_eq!(s, 200);
+    let counts: Vec<&str> = body.lines().filter(|l| l.starts_with("usher_proxy_requests_total")).collect();
+    assert_eq!(
+        metric(&body, "usher_proxy_requests_total", &[("route", "_none"), ("outcome", "no_route")]),
+        Some(1.0),
+        "{counts:?}"
+    );
+    assert_eq!(metric(&body, "usher_proxy_requests_total", &[("route", "api"), ("outcome", "admitted")]), Some(1.0));
+    assert_eq!(metric(&body, "usher_proxy_capacity", &[("resource", "api-rate")]), Some(100.0));
+    let (s, body) = tokio::task::spawn_blocking(move || http_get(admin, "/debug/status?format=json")).await.unwrap();
+    assert_eq!(s, 200);
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status["keys"][0]["id"], "api-rate");
+    assert_eq!(status["keys"][0]["demand"]["admitted"], 1);
+    for path in ["/healthz", "/readyz", "/debug/status"] {
+        assert_eq!(tokio::task::spawn_blocking(move || http_get(admin, path)).await.unwrap().0, 200, "{path}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_failures_are_502_and_504_naming_the_upstream() {
+    let slow = Upstream::gated().await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap(); // bound, then dropped
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "upstreams:\n  slow: {{ url: \"http://{}\", timeout: 300ms }}\n  gone: {{ url: \"http://{closed}\" }}\n\
+             routes:\n  - {{ name: slow, match: {{ path_prefix: /slow }}, upstream: slow }}\n  \
+             - {{ name: gone, match: {{ path_prefix: /gone }}, upstream: gone }}\n",
+            slow.addr
+        ),
+    );
+    let u = start_proxy(&routes);
+    let mut c = h1(u.addr("listen")).await;
+    let r = send1(&mut c, get("x", "/slow")).await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(r.json()["upstream"], "slow");
+    assert_eq!(r.json()["type"], "urn:usher:problem:upstream-timeout");
+    let r = send1(&mut c, get("x", "/gone")).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(r.json()["upstream"], "gone");
+    assert_eq!(r.header("content-type"), "application/problem+json");
+    slow.gate.add_permits(1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forward_proxy_style_and_connect_tunnels() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        "resources:\n  tunnels: { kind: gauge, capacity: 1 }\n\
+         routes:\n  - { name: local, match: { host: 127.0.0.1 }, resources: [tunnels] }\n",
+    );
+    let u = start_proxy(&routes);
+    let proxy = u.addr("listen");
+
+    // Absolute-form, as an app with HTTP_PROXY set sends it.
+    let mut c = h1(proxy).await;
+    let req = Request::get(format!("http://{}/fwd", up.addr)).body(upstream::empty()).unwrap();
+    let r = send1(&mut c, req).await;
+    assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
+
+    // CONNECT to a host a route names: a tunnel that holds the gauge while open.
+    let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    s.write_all(format!("CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n\r\n", a = up.addr).as_bytes()).await.unwrap();
+    let head = read_head(&mut s).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    s.write_all(b"GET /through HTTP/1.1\r\nHost: tunnel\r\nConnection: close\r\n\r\n").await.unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).await.unwrap();
+    assert!(resp.starts_with("HTTP/1.1 200") && resp.ends_with("ok"), "{resp}");
+    let admin = u.addr("admin");
+    let tunnels_in_flight = move || {
+        let (_, body) = http_get(admin, "/metrics");
+        metric(&body, "usher_proxy_resource_in_flight", &[("resource", "tunnels")])
+    };
+    assert_eq!(
+        tokio::task::spawn_blocking(tunnels_in_flight).await.unwrap(),
+        Some(1.0),
+        "the open tunnel holds the gauge"
+    );
+    drop(s);
+    let gone = tokio::task::spawn_blocking(move || {
+        assert_eventually!(
+            tunnels_in_flight() == Some(0.0),
+            Duration::from_secs(10),
+            "the closed tunnel kept its permit"
+        );
+    });
+    gone.await.unwrap();
+
+    // A second tunnel while one is open is refused by the gauge.
+    let mut held = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    held.write_all(format!("CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n\r\n", a = up.addr).as_bytes()).await.unwrap();
+    assert!(read_head(&mut held).await.starts_with("HTTP/1.1 200"));
+    let mut second = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    second.write_all(format!("CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n\r\n", a = up.addr).as_bytes()).await.unwrap();
+    let head = read_head(&mut second).await;
+    assert!(head.starts_with("HTTP/1.1 429"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("ratelimit-policy: \"tunnels\";q=1;qu=\"concurrent-requests\""),
+        "{head}"
+    );
+    drop(held);
+
+    // CONNECT to a host no route names is refused.
+    let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    s.write_all(
+        format!("CONNECT localhost:{p} HTTP/1.1\r\nHost: localhost:{p}\r\n\r\n", p = up.addr.port()).as_bytes(),
+    )
+    .await
+    .unwrap();
+    assert!(read_head(&mut s).await.starts_with("HTTP/1.1 403"));
+}
+
+async fn read_head(s: &mut tokio::net::TcpStream) -> String {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut byte)).await.expect("response head").unwrap();
+        assert!(n == 1, "connection closed after {:?}", String::from_utf8_lossy(&buf));
+        buf.push(byte[0]);
+        assert!(buf.len() < 64 * 1024);
+    }
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_is_originated_with_system_roots_plus_the_ca_file() {
+    let pki = TestPki::new();
+    let up = Upstream::tls(&pki).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = write_file(dir.path(), "ca.pem", &pki.ca_pem);
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "upstreams:\n  \
+               trusted: {{ url: \"https://localhost:{p}\", ca_file: \"{ca}\" }}\n  \
+               untrusted: {{ url: \"https://localhost:{p}\" }}\n\
+             routes:\n  - {{ name: trusted, match: {{ path_prefix: /t }}, upstream: trusted }}\n  \
+               - {{ name: untrusted, match: {{ path_prefix: /u }}, upstream: untrusted }}\n",
+            p = up.addr.port(),
+            ca = ca.display()
+        ),
+    );
+    let u = start_proxy(&routes);
+    let mut c = h2(u.addr("listen")).await;
+    let r = send2(&mut c, Request::get("http://app/t").body(upstream::empty()).unwrap()).await;
+    assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
+    assert_eq!(up.stats.versions.lock().unwrap().as_slice(), [http::Version::HTTP_2], "h2 by ALPN");
+    let r = send2(&mut c, Request::get("http://app/u").body(upstream::empty()).unwrap()).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.text());
+    assert_eq!(r.json()["upstream"], "untrusted");
+    assert!(r.json()["detail"].as_str().unwrap().contains("certificate"), "{}", r.text());
+}
+
+fn vm_hwm_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/PID/status")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_200_mb_body_streams_both_ways_in_bounded_memory() {
+    const SIZE: u64 = 200 * 1024 * 1024;
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  inflight: {{ kind: gauge, capacity: 4 }}\n\
+             routes:\n  - {{ name: bulk, upstream: up, resources: [inflight] }}\n",
+            up.addr
+        ),
+    );
+    let u = start_proxy(&routes);
+    let mut c = h1(u.addr("listen")).await;
+
+    c.ready().await.unwrap();
+    let mut resp = c.send_request(get("x", &format!("/stream?bytes={SIZE}"))).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    use http_body_util::BodyExt;
+    let mut got = 0u64;
+    while let Some(frame) = resp.body_mut().frame().await {
+        if let Some(d) = frame.unwrap().data_ref() {
+            got += d.len() as u64;
+        }
+    }
+    assert_eq!(got, SIZE);
+
+    let req = Request::post("/sink").header("host", "x").body(Generated::new(SIZE).boxed_unsync()).unwrap();
+    let r = send1(&mut c, req).await;
+    assert_eq!(r.text(), SIZE.to_string());
+
+    let peak_mib = vm_hwm_kib(u.child.id()) / 1024;
+    assert!(peak_mib < 100, "usher's peak RSS was {peak_mib} MiB while streaming 2 × 200 MiB");
+}
+
+/// Replaces a file atomically, as editors and ConfigMap updates do, so no reload sees half a file.
+fn replace(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_keeps_connections_and_limiter_state() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let base = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  api: {{ kind: rate, capacity: 1/day, burst: 2 }}\n\
+         routes:\n  - {{ name: api, match: {{ path_prefix: /api }}, upstream: up, resources: [api] }}\n",
+        up.addr
+    );
+    let routes = write_file(dir.path(), "routes.yaml", &base);
+    let u = start_proxy(&routes);
+    let mut c = h1(u.addr("listen")).await;
+    for _ in 0..2 {
+        assert_eq!(send1(&mut c, get("x", "/api")).await.status, StatusCode::OK);
+    }
+    assert_eq!(send1(&mut c, get("x", "/api")).await.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(send1(&mut c, get("x", "/other")).await.status, StatusCode::FORBIDDEN);
+
+    // A new route; `api` unchanged.
+    replace(&routes, &format!("{base}  - {{ name: other, match: {{ path_prefix: /other }}, upstream: up }}\n"));
+    u.wait_for_log("routes reloaded", Duration::from_secs(20));
+    assert_eq!(send1(&mut c, get("x", "/other")).await.status, StatusCode::OK, "same connection, new route");
+    assert_eq!(
+        send1(&mut c, get("x", "/api")).await.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "the spent budget survived the reload"
+    );
+
+    // A broken file is rejected; the previous routes stay.
+    replace(&routes, "routes: [ { name: x, upstream: nope } ]\n");
+    u.wait_for_log("routes[0].upstream: unknown upstream `nope`", Duration::from_secs(20));
+    assert_eq!(send1(&mut c, get("x", "/other")).await.status, StatusCode::OK);
+    let admin = u.addr("admin");
+    let (_, body) = tokio::task::spawn_blocking(move || http_get(admin, "/metrics")).await.unwrap();
+    assert_eq!(metric(&body, "usher_proxy_config_reload_errors_total", &[]), Some(1.0));
+    assert_eq!(metric(&body, "usher_proxy_config_reloads_total", &[]), Some(1.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_requests() {
+    let up = Upstream::gated().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!("upstreams:\n  up: {{ url: \"http://{}\" }}\nroutes:\n  - {{ name: all, upstream: up }}\n", up.addr),
+    );
+    let mut u = start_proxy(&routes);
+    let addr = u.addr("listen");
+    let inflight = tokio::spawn(async move { send1(&mut h1(addr).await, get("x", "/slow")).await });
+    let s = up.stats.clone();
+    assert_eventually!(s.in_flight() == 1, Duration::from_secs(10), "request never reached the upstream");
+    u.signal("TERM");
+    u.wait_for_log("shutting down", Duration::from_secs(10));
+    let mut closed = false;
+    for _ in 0..500 {
+        if tokio::net::TcpStream::connect(addr).await.is_err() {
+            closed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(closed, "the listener stays closed while draining");
+    up.gate.add_permits(1);
+    let r = inflight.await.unwrap();
+    assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
+    assert_eq!(u.wait_exit(Duration::from_secs(10)), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_upgrades_pass_through_and_passthrough_default_forwards_unrouted_requests() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "default: passthrough\nupstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             routes:\n  - {{ name: app, match: {{ host: app.test }}, upstream: up }}\n",
+            up.addr
+        ),
+    );
+    let u = start_proxy(&routes);
+    let mut s = tokio::net::TcpStream::connect(u.addr("listen")).await.unwrap();
+    s.write_all(b"GET /upgrade HTTP/1.1\r\nHost: app.test\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_head(&mut s).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert!(head.to_ascii_lowercase().contains("upgrade: echo"), "{head}");
+    s.write_all(b"ping\n").await.unwrap();
+    let mut echoed = [0u8; 5];
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut echoed)).await.expect("echo").unwrap();
+    assert_eq!(&echoed, b"ping\n");
+
+    // No route for this host, default passthrough: forwarded to the origin it names.
+    let mut c = h1(u.addr("listen")).await;
+    let req = Request::get(format!("http://{}/direct", up.addr)).body(upstream::empty()).unwrap();
+    let r = send1(&mut c, req).await;
+    assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
+    assert_eq!(up.stats.requests(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_upstreams_get_http2_and_oversized_heads_are_refused() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!("upstreams:\n  grpc: {{ url: \"http://{}\", h2c: true }}\nroutes:\n  - {{ name: grpc, upstream: grpc }}\n", up.addr),
+    );
+    let u = start_proxy(&routes);
+    let mut c = h1(u.addr("listen")).await;
+    let req = Request::post("/pkg.Svc/Call")
+        .header("host", "app")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(upstream::full(vec![0u8, 0, 0, 0, 0]))
+        .unwrap();
+    assert_eq!(send1(&mut c, req).await.status, StatusCode::OK);
+    assert_eq!(up.stats.versions.lock().unwrap().as_slice(), [http::Version::HTTP_2]);
+
+    // A request head beyond the 64 KiB limit is refused before it reaches routing.
+    let mut s = tokio::net::TcpStream::connect(u.addr("listen")).await.unwrap();
+    let big = "a".repeat(100 * 1024);
+    s.write_all(format!("GET / HTTP/1.1\r\nHost: app\r\nX-Big: {big}\r\n\r\n").as_bytes()).await.unwrap();
+    let head = read_head(&mut s).await;
+    assert!(head.starts_with("HTTP/1.1 431"), "{head}");
+    assert_eq!(up.stats.requests(), 1);
+}
