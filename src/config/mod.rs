@@ -2,6 +2,7 @@
 //! shared by both, a position-keeping YAML reader that reports every error
 //! with its `file:line:column`.
 
+pub mod doorman;
 pub mod resources;
 pub mod routes;
 pub mod watch;

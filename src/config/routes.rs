@@ -37,6 +37,8 @@ pub struct RoutesConfig {
     pub admin: SocketAddr,
     pub default: DefaultAction,
     pub drain_timeout: Duration,
+    /// Where to lease capacity from; `None` = an embedded capacity server.
+    pub doorman: Option<super::doorman::DoormanConfig>,
     pub upstreams: BTreeMap<String, UpstreamConfig>,
     pub resources: BTreeMap<String, ResourceConfig>,
     pub routes: Vec<RouteConfig>,
@@ -98,6 +100,7 @@ pub struct ResourceConfig {
     pub burst: f64,
     pub max_keys: usize,
     pub max_queue: usize,
+    pub lease: super::doorman::LeaseSettings,
 }
 
 /// One piece of a templated id.
@@ -215,9 +218,24 @@ impl RoutesConfig {
     }
 }
 
-const ROOT_FIELDS: &[&str] = &["listen", "admin", "default", "drain_timeout", "upstreams", "resources", "routes"];
+const ROOT_FIELDS: &[&str] = &["listen", "admin", "default", "drain_timeout", "doorman", "upstreams", "resources", "routes"];
 const UPSTREAM_FIELDS: &[&str] = &["url", "connect_timeout", "timeout", "ca_file", "h2c"];
-const RESOURCE_FIELDS: &[&str] = &["kind", "id", "capacity", "max_wait", "burst", "max_keys", "max_queue"];
+const RESOURCE_FIELDS: &[&str] = &[
+    "kind",
+    "id",
+    "capacity",
+    "max_wait",
+    "burst",
+    "max_keys",
+    "max_queue",
+    "wants",
+    "priority",
+    "on_expiry",
+    "safe_capacity",
+    "min_wants",
+    "max_wants",
+    "headroom",
+];
 const ROUTE_FIELDS: &[&str] = &["name", "match", "upstream", "resources"];
 const MATCH_FIELDS: &[&str] = &["host", "path_prefix", "methods", "headers"];
 
@@ -242,6 +260,10 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
     };
     let drain_timeout =
         top.get("drain_timeout").map_or(Some(DEFAULT_DRAIN_TIMEOUT), |n| ck.duration(n, "drain_timeout"));
+    let doorman = match top.get("doorman") {
+        None => Some(None),
+        Some(n) => super::doorman::read_doorman(ck, n).map(Some),
+    };
 
     // Names count as defined even when their entry has errors, so one mistake is reported once.
     let mut up_names: Vec<String> = Vec::new();
@@ -300,6 +322,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
         admin: admin?,
         default: default?,
         drain_timeout: drain_timeout?,
+        doorman: doorman?,
         upstreams,
         resources,
         routes,
@@ -486,6 +509,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
     };
     let max_keys = count(ck, &m, "max_keys", DEFAULT_MAX_KEYS);
     let max_queue = count(ck, &m, "max_queue", DEFAULT_MAX_QUEUE);
+    let lease = super::doorman::read_lease_settings(ck, &m);
     Some(ResourceConfig {
         name: name.to_string(),
         kind: kind?,
@@ -495,6 +519,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         burst: burst?,
         max_keys: max_keys?,
         max_queue: max_queue?,
+        lease: lease?,
     })
 }
 

@@ -7,6 +7,7 @@
 //! lifetime. On shutdown the listener stops accepting and in-flight
 //! requests drain until a deadline.
 
+pub mod lease;
 pub mod metrics;
 pub mod respond;
 pub mod route;
@@ -81,6 +82,8 @@ pub struct ConfigState {
 /// Everything one sidecar shares between connections and tasks.
 pub struct Proxy {
     pub table: LeaseTable,
+    /// The lease client, once started.
+    pub lease: std::sync::OnceLock<crate::lease::LeaseClient>,
     pub metrics: Arc<Metrics>,
     pub config_source: String,
     routing: ArcSwap<Routing>,
@@ -111,6 +114,7 @@ impl Proxy {
         let stack = LimitLayer::new(clock.clone()).layer(Forward::new(metrics.clone()));
         Ok(Arc::new(Proxy {
             table,
+            lease: std::sync::OnceLock::new(),
             metrics,
             config_source: source,
             routing: ArcSwap::from_pointee(routing),
@@ -420,10 +424,16 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
             }
         })
     };
+    // The lease client outlives the listener: it releases the leases only
+    // after in-flight requests have drained.
+    let lease_shutdown = CancellationToken::new();
+    let (client, lease_task) = lease::start(proxy.clone(), lease_shutdown.clone());
+    let _ = proxy.lease.set(client);
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(proxy.clone()), shutdown.clone()));
     serve(proxy, listener, shutdown.clone(), drain).await;
     shutdown.cancel();
-    let _ = tokio::join!(reloader, admin_task);
+    lease_shutdown.cancel();
+    let _ = tokio::join!(reloader, admin_task, lease_task);
     tracing::info!("usher proxy stopped");
     Ok(())
 }

@@ -19,6 +19,8 @@ struct Status {
     config_error: Option<String>,
     routes: Vec<String>,
     keys: Vec<KeyStatus>,
+    /// The lease client: master, last error, and per key has, wants, expiry, mode.
+    lease: Option<crate::lease::driver::ClientStatus>,
 }
 
 #[derive(Serialize)]
@@ -55,6 +57,7 @@ fn status(p: &Proxy) -> Status {
                 demand: l.demand().sample(now),
             })
             .collect(),
+        lease: p.lease.get().map(|c| c.status()),
     }
 }
 
@@ -115,5 +118,31 @@ fn status_html(s: &Status) -> String {
         );
     }
     b.push_str("</table>");
+    if let Some(l) = &s.lease {
+        let _ = write!(
+            b,
+            "<h2>Leases</h2><p>Client <code>{}</code>, master {}, {} refreshes{}</p>\
+             <table id=leases><tr><th>resource id</th><th>mode</th><th>has</th><th>wants</th><th>expiry</th><th>safe</th><th>on expiry</th><th>error</th></tr>",
+            escape(&l.client_id),
+            escape(l.master.as_deref().unwrap_or("unknown")),
+            l.refreshes,
+            l.last_error.as_deref().map(|e| format!(", <span class=err>last error: {}</span>", escape(e))).unwrap_or_default()
+        );
+        for k in &l.keys {
+            let _ = write!(
+                b,
+                "<tr><td>{}</td><td>{:?}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                escape(&k.resource_id),
+                k.mode,
+                k.has.map(|h| format!("{h:.3}")).unwrap_or_else(|| "-".into()),
+                k.wants,
+                k.expiry.map(|e| e.to_string()).unwrap_or_else(|| "-".into()),
+                k.safe_capacity.map(|s| format!("{s}")).unwrap_or_else(|| "-".into()),
+                k.on_expiry.name(),
+                escape(k.last_error.as_deref().unwrap_or("")),
+            );
+        }
+        b.push_str("</table>");
+    }
     admin::page("usher proxy", &b)
 }

@@ -1,0 +1,234 @@
+//! The lease client's part of the routes file: the top-level `doorman:`
+//! section (which servers, who we are, how to refresh) and the per-resource
+//! lease settings (`wants`, `priority`, `on_expiry`, `safe_capacity`, ...).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::yaml::{Checker, MapView, Node};
+use crate::lease::OnExpiry;
+use crate::lease::backoff::BackoffConfig;
+
+/// Default refresh jitter: refreshes are spread uniformly over ±1/6 of the interval.
+pub const DEFAULT_JITTER: f64 = 1.0 / 6.0;
+/// Default minimum interval between two refreshes (the server's minimum request interval).
+pub const DEFAULT_MIN_INTERVAL: Duration = Duration::from_secs(1);
+/// Default headroom on a measured rate.
+pub const DEFAULT_HEADROOM: f64 = 1.1;
+
+/// The `doorman:` section: where to lease from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DoormanConfig {
+    pub servers: Vec<String>,
+    pub client_id: String,
+    pub cache_file: Option<PathBuf>,
+    pub jitter: f64,
+    pub min_interval: Duration,
+    pub backoff: BackoffConfig,
+}
+
+/// What a resource asks for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Wants {
+    /// From the demand meter (see the README for the formula).
+    Auto,
+    Fixed(f64),
+}
+
+/// One resource's lease settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseSettings {
+    /// `None`: not written; `auto` in Doorman mode, the capacity in embedded mode.
+    pub wants: Option<Wants>,
+    pub priority: i64,
+    pub on_expiry: OnExpiry,
+    pub safe_capacity: Option<f64>,
+    pub min_wants: f64,
+    pub max_wants: Option<f64>,
+    pub headroom: f64,
+}
+
+impl Default for LeaseSettings {
+    fn default() -> Self {
+        LeaseSettings {
+            wants: None,
+            priority: 0,
+            on_expiry: OnExpiry::Safe,
+            safe_capacity: None,
+            min_wants: 0.0,
+            max_wants: None,
+            headroom: DEFAULT_HEADROOM,
+        }
+    }
+}
+
+/// The per-resource keys this module reads.
+pub const LEASE_FIELDS: &[&str] = &["wants", "priority", "on_expiry", "safe_capacity", "min_wants", "max_wants", "headroom"];
+
+const DOORMAN_FIELDS: &[&str] = &["servers", "client_id", "tls", "cache_file", "jitter", "min_interval", "backoff"];
+const BACKOFF_FIELDS: &[&str] = &["initial", "max", "multiplier", "randomization"];
+
+/// `hostname:pid`, the default client id.
+pub fn default_client_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into());
+    format!("{host}:{}", std::process::id())
+}
+
+/// Expands `${VAR}` from the environment; an unset variable is an error.
+pub fn expand_env(s: &str) -> Result<String, String> {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after.find('}').ok_or_else(|| format!("unterminated `${{` in `{s}`"))?;
+        let name = &after[..end];
+        let value = std::env::var(name).map_err(|_| format!("environment variable `{name}` is not set"))?;
+        out.push_str(&value);
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+fn number(ck: &mut Checker, m: &MapView<'_>, key: &str, ok: impl Fn(f64) -> bool, rule: &str) -> Option<Option<f64>> {
+    let Some(n) = m.get(key) else { return Some(None) };
+    let v = ck.f64(n, &m.child(key))?;
+    if !(v.is_finite() && ok(v)) {
+        ck.error(n.loc, &m.child(key), format!("must be {rule}, not {v}"), None);
+        return None;
+    }
+    Some(Some(v))
+}
+
+/// Reads the `doorman:` section.
+pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
+    let m = ck.map(node, "doorman", DOORMAN_FIELDS)?;
+    let servers = ck.required(&m, "servers", Some("capacity server addresses, e.g. [doorman-0:15100]")).and_then(|n| {
+        let items = ck.seq(n, "doorman.servers")?;
+        let list: Vec<String> = items
+            .iter()
+            .enumerate()
+            .filter_map(|(i, it)| ck.string(it, &format!("doorman.servers[{i}]")))
+            .collect();
+        if list.is_empty() {
+            ck.error(n.loc, "doorman.servers", "needs at least one server", Some("or remove `doorman:` for embedded mode".into()));
+            return None;
+        }
+        Some(list)
+    });
+    let client_id = match m.get("client_id") {
+        None => Some(default_client_id()),
+        Some(n) => ck.string(n, "doorman.client_id").and_then(|s| match expand_env(&s) {
+            Ok(v) if !v.is_empty() => Some(v),
+            Ok(_) => {
+                ck.error(n.loc, "doorman.client_id", "expands to an empty string", None);
+                None
+            }
+            Err(e) => {
+                ck.error(n.loc, "doorman.client_id", e, Some("set it in the pod spec, e.g. from metadata.name".into()));
+                None
+            }
+        }),
+    };
+    if let Some(n) = m.get("tls") {
+        ck.error(
+            n.loc,
+            "doorman.tls",
+            "TLS to capacity servers is not supported yet",
+            Some("reach the servers over a trusted network or a mesh for now".into()),
+        );
+    }
+    let cache_file = m.get("cache_file").and_then(|n| ck.string(n, "doorman.cache_file")).map(PathBuf::from);
+    let jitter = number(ck, &m, "jitter", |v| (0.0..=1.0).contains(&v), "between 0 and 1")?.unwrap_or(DEFAULT_JITTER);
+    let min_interval = m.get("min_interval").map_or(Some(DEFAULT_MIN_INTERVAL), |n| ck.duration(n, "doorman.min_interval"));
+    let backoff = match m.get("backoff") {
+        None => Some(BackoffConfig::default()),
+        Some(n) => read_backoff(ck, n),
+    };
+    Some(DoormanConfig {
+        servers: servers?,
+        client_id: client_id?,
+        cache_file,
+        jitter,
+        min_interval: min_interval?,
+        backoff: backoff?,
+    })
+}
+
+fn read_backoff(ck: &mut Checker, node: &Node) -> Option<BackoffConfig> {
+    let m = ck.map(node, "doorman.backoff", BACKOFF_FIELDS)?;
+    let d = BackoffConfig::default();
+    let initial = m.get("initial").map_or(Some(d.initial), |n| ck.duration(n, "doorman.backoff.initial"));
+    let max = m.get("max").map_or(Some(d.max), |n| ck.duration(n, "doorman.backoff.max"));
+    let multiplier = number(ck, &m, "multiplier", |v| v >= 1.0, "at least 1")?.unwrap_or(d.multiplier);
+    let randomization = number(ck, &m, "randomization", |v| (0.0..=1.0).contains(&v), "between 0 and 1")?.unwrap_or(d.randomization);
+    Some(BackoffConfig { initial: initial?, max: max?, multiplier, randomization, ..d })
+}
+
+/// Reads the lease settings of one resource from its mapping.
+pub fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSettings> {
+    let d = LeaseSettings::default();
+    let wants = match m.get("wants") {
+        None => Some(None),
+        Some(n) if n.as_str() == Some("auto") => Some(Some(Wants::Auto)),
+        Some(n) => {
+            let v = ck.f64(n, &m.child("wants"));
+            match v {
+                Some(v) if v.is_finite() && v >= 0.0 => Some(Some(Wants::Fixed(v))),
+                Some(v) => {
+                    ck.error(n.loc, &m.child("wants"), format!("must be `auto` or a number >= 0, not {v}"), None);
+                    None
+                }
+                None => None,
+            }
+        }
+    };
+    let priority = m.get("priority").map_or(Some(0), |n| ck.i64(n, &m.child("priority")));
+    let on_expiry = match m.get("on_expiry") {
+        None => Some(d.on_expiry),
+        Some(n) => match ck.string(n, &m.child("on_expiry")).as_deref() {
+            Some("optimistic") => Some(OnExpiry::Optimistic),
+            Some("pessimistic") => Some(OnExpiry::Pessimistic),
+            Some("safe") => Some(OnExpiry::Safe),
+            Some(other) => {
+                ck.error(n.loc, &m.child("on_expiry"), format!("unknown behaviour `{other}`"), Some("optimistic, pessimistic or safe".into()));
+                None
+            }
+            None => None,
+        },
+    };
+    let safe_capacity = number(ck, m, "safe_capacity", |v| v == -1.0 || v >= 0.0, "-1 (unlimited), 0 or a positive capacity")?;
+    let min_wants = number(ck, m, "min_wants", |v| v >= 0.0, "a number >= 0")?.unwrap_or(0.0);
+    let max_wants = number(ck, m, "max_wants", |v| v >= 0.0, "a number >= 0")?;
+    let headroom = number(ck, m, "headroom", |v| v >= 1.0, "at least 1")?.unwrap_or(DEFAULT_HEADROOM);
+    Some(LeaseSettings {
+        wants: wants?,
+        priority: priority?,
+        on_expiry: on_expiry?,
+        safe_capacity,
+        min_wants,
+        max_wants,
+        headroom,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_expansion() {
+        // SAFETY-free: HOME is set in every test environment we run in.
+        let home = std::env::var("HOME").unwrap();
+        assert_eq!(expand_env("a-${HOME}-b").unwrap(), format!("a-{home}-b"));
+        assert!(expand_env("${USHER_SURELY_UNSET_VARIABLE}").unwrap_err().contains("USHER_SURELY_UNSET_VARIABLE"));
+        assert!(expand_env("${OPEN").is_err());
+        assert_eq!(expand_env("plain").unwrap(), "plain");
+    }
+}

@@ -1,0 +1,226 @@
+//! Connects the sidecar's LeaseTable to the lease client: demand meters
+//! become `wants`, leases become limiter capacities. Without a `doorman:`
+//! section the sidecar starts an embedded capacity server (the same code as
+//! `usher server`) configured from the resources' capacities, and leases from
+//! it through the same refresher, so the single-machine default runs the
+//! production path.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::Proxy;
+use crate::clock::Time;
+use crate::config::doorman::{LeaseSettings, Wants};
+use crate::config::resources::{Algorithm, ResourcesConfig, Template};
+use crate::config::routes::{ResourceKind, RoutesConfig, Segment};
+use crate::lease::core::{Capacity, CoreConfig, KeyDemand};
+use crate::lease::driver::{Enforcer, LeaseClient};
+use crate::lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, LocalTransport, Transport};
+use crate::server::Node;
+
+/// The embedded server's address in the in-process transport.
+pub const EMBEDDED: &str = "embedded";
+/// How far back a rise in demand is looked for (the smoothed rate lags it).
+const RECENT: Duration = Duration::from_secs(1);
+/// How long the peak in flight of a gauge is remembered.
+const PEAK_WINDOW: Duration = Duration::from_secs(10);
+
+#[derive(Default)]
+struct KeyMemory {
+    /// (time, total arrivals) readings over the last second.
+    arrivals: VecDeque<(Time, f64)>,
+    /// (time, peak in flight + waiters) over the peak window.
+    peaks: VecDeque<(Time, f64)>,
+    refused: u64,
+}
+
+/// The sidecar as the lease client sees it.
+pub struct TableEnforcer {
+    proxy: Arc<Proxy>,
+    embedded: Option<Arc<Node>>,
+    memory: Mutex<HashMap<String, KeyMemory>>,
+    seen_config: Mutex<Option<Arc<RoutesConfig>>>,
+}
+
+impl TableEnforcer {
+    fn settings<'a>(cfg: &'a RoutesConfig, resource: &str) -> Option<(&'a LeaseSettings, ResourceKind, f64)> {
+        cfg.resources.get(resource).map(|r| {
+            let cap = match r.kind {
+                ResourceKind::Rate => r.capacity.per_second(),
+                ResourceKind::Gauge => r.capacity.per_window,
+            };
+            (&r.lease, r.kind, cap)
+        })
+    }
+
+    /// The wants of one key: fixed, or measured (README: "wants: auto").
+    fn wants(&self, id: &str, l: &crate::limit::Limiter, kind: ResourceKind, settings: &LeaseSettings, capacity: f64, now: Time) -> (f64, bool) {
+        let sample = l.demand().sample(now);
+        let mut mem = self.memory.lock().expect("enforcer memory");
+        let m = mem.entry(id.to_string()).or_default();
+        let refused_now = sample.refused > m.refused;
+        m.refused = sample.refused;
+        let pressure_signal = refused_now || sample.waiters > 0;
+        let embedded_default = if self.embedded.is_some() { Wants::Fixed(capacity) } else { Wants::Auto };
+        let wants = match settings.wants.unwrap_or(embedded_default) {
+            Wants::Fixed(w) => w,
+            Wants::Auto => {
+                let measured = match kind {
+                    ResourceKind::Rate => {
+                        let total = l.demand().arrivals();
+                        m.arrivals.push_back((now, total));
+                        while m.arrivals.len() > 2 && m.arrivals.front().is_some_and(|(t, _)| now.since(*t) > RECENT) {
+                            m.arrivals.pop_front();
+                        }
+                        let recent = match (m.arrivals.front(), m.arrivals.back()) {
+                            (Some((t0, a0)), Some((t1, a1))) if t1 > t0 => (a1 - a0) / t1.since(*t0).as_secs_f64(),
+                            _ => 0.0,
+                        };
+                        (total > 0.0).then(|| sample.rate.max(recent) * settings.headroom)
+                    }
+                    ResourceKind::Gauge => {
+                        let peak = (l.demand().take_peak() + sample.waiters.max(0)) as f64;
+                        m.peaks.push_back((now, peak));
+                        while m.peaks.front().is_some_and(|(t, _)| now.since(*t) > PEAK_WINDOW) {
+                            m.peaks.pop_front();
+                        }
+                        let seen = sample.admitted + sample.paced + sample.refused > 0;
+                        seen.then(|| m.peaks.iter().map(|(_, p)| *p).fold(0.0, f64::max))
+                    }
+                };
+                // Cold start: before any demand was measured, ask for the configured capacity.
+                let w = measured.unwrap_or(capacity).max(settings.min_wants);
+                settings.max_wants.map_or(w, |mx| w.min(mx))
+            }
+        };
+        (wants, pressure_signal && wants > l.capacity() + 1e-9)
+    }
+}
+
+impl Enforcer for TableEnforcer {
+    fn demand(&self) -> Vec<KeyDemand> {
+        let cfg = self.proxy.config();
+        if let Some(node) = &self.embedded {
+            let mut seen = self.seen_config.lock().expect("enforcer config");
+            if !seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &cfg)) {
+                node.store.reload(embedded_resources(&cfg));
+                *seen = Some(cfg.clone());
+            }
+        }
+        let now = self.proxy.table.clock().now();
+        self.proxy
+            .table
+            .limiters()
+            .into_iter()
+            .filter_map(|(resource, l)| {
+                let (settings, kind, capacity) = Self::settings(&cfg, &resource)?;
+                let (wants, pressure) = self.wants(l.id(), &l, kind, settings, capacity, now);
+                Some(KeyDemand {
+                    resource_id: l.id().to_string(),
+                    priority: settings.priority,
+                    wants,
+                    on_expiry: settings.on_expiry,
+                    safe_capacity: settings.safe_capacity,
+                    pressure,
+                })
+            })
+            .collect()
+    }
+
+    fn apply(&self, capacities: &[(String, Capacity)]) {
+        for (id, cap) in capacities {
+            let c = match cap {
+                Capacity::Limited(c) => *c,
+                Capacity::Unlimited => f64::INFINITY,
+            };
+            self.proxy.table.set_capacity(id, c);
+        }
+    }
+}
+
+/// The embedded server's resources: one template per routes-file resource,
+/// its capacity the resource's total, shared FAIR_SHARE; templated ids become
+/// globs (`github/{header.x-tenant}` → `github/*`).
+pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
+    let algorithm = Algorithm {
+        kind: crate::algorithm::Kind::FairShare,
+        lease_length: Duration::from_secs(60),
+        refresh_interval: Duration::from_secs(10),
+        learning_mode_duration: Duration::ZERO,
+        parameters: vec![],
+    };
+    let mut templates: Vec<Arc<Template>> = Vec::new();
+    let mut fixed: Vec<_> = cfg.resources.values().filter(|r| r.id.is_fixed()).collect();
+    fixed.extend(cfg.resources.values().filter(|r| !r.id.is_fixed()));
+    for r in fixed {
+        let glob: String = r
+            .id
+            .segments
+            .iter()
+            .map(|s| match s {
+                Segment::Literal(t) => t.replace(['*', '?', '['], "?"),
+                _ => "*".to_string(),
+            })
+            .collect();
+        if templates.iter().any(|t| t.identifier_glob == glob) || glob == "*" {
+            continue;
+        }
+        let capacity = match r.kind {
+            ResourceKind::Rate => r.capacity.per_second(),
+            ResourceKind::Gauge => r.capacity.per_window,
+        };
+        templates.push(Arc::new(Template {
+            identifier_glob: glob,
+            capacity,
+            safe_capacity: r.lease.safe_capacity,
+            description: Some(format!("routes-file resource `{}`", r.name)),
+            algorithm: algorithm.clone(),
+        }));
+    }
+    // Keys that match no resource's glob (there should be none) get nothing.
+    templates.push(Arc::new(Template {
+        identifier_glob: "*".into(),
+        capacity: 0.0,
+        safe_capacity: Some(0.0),
+        description: Some("catch-all".into()),
+        algorithm,
+    }));
+    ResourcesConfig { templates }
+}
+
+/// Starts the lease client for `proxy`; it runs until `shutdown`, then releases its leases.
+pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, tokio::task::JoinHandle<()>) {
+    let cfg = proxy.config();
+    let clock = proxy.table.clock().clone();
+    let (core_cfg, transport, embedded, cache): (CoreConfig, Arc<dyn Transport>, Option<Arc<Node>>, _) = match &cfg.doorman {
+        Some(d) => {
+            let mut c = CoreConfig::new(d.client_id.clone(), d.servers.clone());
+            c.jitter = d.jitter;
+            c.min_interval = d.min_interval;
+            c.backoff = d.backoff;
+            tracing::info!(servers = %d.servers.join(","), client_id = %d.client_id, "leasing capacity from Doorman servers");
+            (c, Arc::new(GrpcTransport::new(DEFAULT_RPC_TIMEOUT, DEFAULT_CONNECT_TIMEOUT)), None, d.cache_file.clone())
+        }
+        None => {
+            let node = Arc::new(Node::new(
+                EMBEDDED.into(),
+                "<embedded: the routes file's capacities>".into(),
+                embedded_resources(&cfg),
+                clock.clone(),
+                Duration::ZERO,
+                prometheus::Registry::new(),
+            ));
+            let local = LocalTransport::new();
+            local.add(EMBEDDED, node.clone());
+            let mut c = CoreConfig::new(crate::config::doorman::default_client_id(), vec![EMBEDDED.into()]);
+            c.min_interval = Duration::from_millis(100);
+            tracing::info!("no `doorman:` section: leasing from an embedded capacity server");
+            (c, Arc::new(local), Some(node), None)
+        }
+    };
+    let enforcer = Arc::new(TableEnforcer { proxy, embedded, memory: Mutex::new(HashMap::new()), seen_config: Mutex::new(None) });
+    LeaseClient::start(core_cfg, clock, transport, enforcer, cache, shutdown)
+}
