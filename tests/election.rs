@@ -75,7 +75,9 @@ impl Enforcer for Recorder {
     }
 
     fn apply(&self, capacities: &[(String, Capacity)]) {
-        self.seen.lock().unwrap().push((Instant::now(), capacities[0].1));
+        if let Some((_, c)) = capacities.first() {
+            self.seen.lock().unwrap().push((Instant::now(), *c));
+        }
     }
 }
 

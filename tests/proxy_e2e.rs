@@ -420,7 +420,10 @@ async fn h2c_upstreams_get_http2_and_oversized_heads_are_refused() {
     let routes = write_file(
         dir.path(),
         "routes.yaml",
-        &format!("upstreams:\n  grpc: {{ url: \"http://{}\", h2c: true }}\nroutes:\n  - {{ name: grpc, upstream: grpc }}\n", up.addr),
+        &format!(
+            "upstreams:\n  grpc: {{ url: \"http://{}\", h2c: true }}\nroutes:\n  - {{ name: grpc, upstream: grpc }}\n",
+            up.addr
+        ),
     );
     let u = start_proxy(&routes);
     let mut c = h1(u.addr("listen")).await;

@@ -63,7 +63,8 @@ impl Default for LeaseSettings {
 }
 
 /// The per-resource keys this module reads.
-pub const LEASE_FIELDS: &[&str] = &["wants", "priority", "on_expiry", "safe_capacity", "min_wants", "max_wants", "headroom"];
+pub const LEASE_FIELDS: &[&str] =
+    &["wants", "priority", "on_expiry", "safe_capacity", "min_wants", "max_wants", "headroom"];
 
 const DOORMAN_FIELDS: &[&str] = &["servers", "client_id", "tls", "cache_file", "jitter", "min_interval", "backoff"];
 const BACKOFF_FIELDS: &[&str] = &["initial", "max", "multiplier", "randomization"];
@@ -111,13 +112,15 @@ pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
     let m = ck.map(node, "doorman", DOORMAN_FIELDS)?;
     let servers = ck.required(&m, "servers", Some("capacity server addresses, e.g. [doorman-0:15100]")).and_then(|n| {
         let items = ck.seq(n, "doorman.servers")?;
-        let list: Vec<String> = items
-            .iter()
-            .enumerate()
-            .filter_map(|(i, it)| ck.string(it, &format!("doorman.servers[{i}]")))
-            .collect();
+        let list: Vec<String> =
+            items.iter().enumerate().filter_map(|(i, it)| ck.string(it, &format!("doorman.servers[{i}]"))).collect();
         if list.is_empty() {
-            ck.error(n.loc, "doorman.servers", "needs at least one server", Some("or remove `doorman:` for embedded mode".into()));
+            ck.error(
+                n.loc,
+                "doorman.servers",
+                "needs at least one server",
+                Some("or remove `doorman:` for embedded mode".into()),
+            );
             return None;
         }
         Some(list)
@@ -146,7 +149,8 @@ pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
     }
     let cache_file = m.get("cache_file").and_then(|n| ck.string(n, "doorman.cache_file")).map(PathBuf::from);
     let jitter = number(ck, &m, "jitter", |v| (0.0..=1.0).contains(&v), "between 0 and 1")?.unwrap_or(DEFAULT_JITTER);
-    let min_interval = m.get("min_interval").map_or(Some(DEFAULT_MIN_INTERVAL), |n| ck.duration(n, "doorman.min_interval"));
+    let min_interval =
+        m.get("min_interval").map_or(Some(DEFAULT_MIN_INTERVAL), |n| ck.duration(n, "doorman.min_interval"));
     let backoff = match m.get("backoff") {
         None => Some(BackoffConfig::default()),
         Some(n) => read_backoff(ck, n),
@@ -167,7 +171,8 @@ fn read_backoff(ck: &mut Checker, node: &Node) -> Option<BackoffConfig> {
     let initial = m.get("initial").map_or(Some(d.initial), |n| ck.duration(n, "doorman.backoff.initial"));
     let max = m.get("max").map_or(Some(d.max), |n| ck.duration(n, "doorman.backoff.max"));
     let multiplier = number(ck, &m, "multiplier", |v| v >= 1.0, "at least 1")?.unwrap_or(d.multiplier);
-    let randomization = number(ck, &m, "randomization", |v| (0.0..=1.0).contains(&v), "between 0 and 1")?.unwrap_or(d.randomization);
+    let randomization =
+        number(ck, &m, "randomization", |v| (0.0..=1.0).contains(&v), "between 0 and 1")?.unwrap_or(d.randomization);
     Some(BackoffConfig { initial: initial?, max: max?, multiplier, randomization, ..d })
 }
 
@@ -197,13 +202,19 @@ pub fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSet
             Some("pessimistic") => Some(OnExpiry::Pessimistic),
             Some("safe") => Some(OnExpiry::Safe),
             Some(other) => {
-                ck.error(n.loc, &m.child("on_expiry"), format!("unknown behaviour `{other}`"), Some("optimistic, pessimistic or safe".into()));
+                ck.error(
+                    n.loc,
+                    &m.child("on_expiry"),
+                    format!("unknown behaviour `{other}`"),
+                    Some("optimistic, pessimistic or safe".into()),
+                );
                 None
             }
             None => None,
         },
     };
-    let safe_capacity = number(ck, m, "safe_capacity", |v| v == -1.0 || v >= 0.0, "-1 (unlimited), 0 or a positive capacity")?;
+    let safe_capacity =
+        number(ck, m, "safe_capacity", |v| v == -1.0 || v >= 0.0, "-1 (unlimited), 0 or a positive capacity")?;
     let min_wants = number(ck, m, "min_wants", |v| v >= 0.0, "a number >= 0")?.unwrap_or(0.0);
     let max_wants = number(ck, m, "max_wants", |v| v >= 0.0, "a number >= 0")?;
     let headroom = number(ck, m, "headroom", |v| v >= 1.0, "at least 1")?.unwrap_or(DEFAULT_HEADROOM);

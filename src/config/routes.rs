@@ -218,7 +218,8 @@ impl RoutesConfig {
     }
 }
 
-const ROOT_FIELDS: &[&str] = &["listen", "admin", "default", "drain_timeout", "doorman", "upstreams", "resources", "routes"];
+const ROOT_FIELDS: &[&str] =
+    &["listen", "admin", "default", "drain_timeout", "doorman", "upstreams", "resources", "routes"];
 const UPSTREAM_FIELDS: &[&str] = &["url", "connect_timeout", "timeout", "ca_file", "h2c"];
 const RESOURCE_FIELDS: &[&str] = &[
     "kind",

@@ -83,6 +83,22 @@ impl LeaseClient {
         (client, task)
     }
 
+    /// Waits until the first refresh has been answered (or failed), at most `limit`.
+    /// Returns whether leases arrived.
+    pub async fn first_refresh(&self, limit: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let (done, failed) = {
+                let c = self.core.lock().expect("lease core poisoned");
+                (c.refreshes() > 0, c.last_error().is_some())
+            };
+            if done || failed || tokio::time::Instant::now() >= deadline {
+                return done;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
     /// Re-reads demand now instead of at the next poll (a new key appeared).
     pub fn wake(&self) {
         self.wake.notify_one();
@@ -115,11 +131,16 @@ async fn run(
         let (action, capacities, transitions) = {
             let mut core = client.core.lock().expect("lease core poisoned");
             core.set_demand(demand);
-            let caps = core.capacities(now);
+            // Until the first answer (or failure), keys keep their configured
+            // capacity rather than dropping to `on_expiry` for a few milliseconds.
+            let known = core.refreshes() > 0 || core.last_error().is_some();
+            let caps = if known { core.capacities(now) } else { Vec::new() };
             let tr = core.take_transitions();
             (core.next_action(now), caps, tr)
         };
-        enforcer.apply(&capacities);
+        if !capacities.is_empty() {
+            enforcer.apply(&capacities);
+        }
         for t in transitions {
             tracing::info!(resource = %t.resource_id, from = ?t.from, to = ?t.to, capacity = ?t.capacity, "lease mode changed");
         }
@@ -153,6 +174,9 @@ async fn run(
                 let ok = r.is_ok();
                 let mut core = client.core.lock().expect("lease core poisoned");
                 core.on_refresh(clock.now(), r);
+                // New leases apply at once, not at the next turn of the loop.
+                let caps = core.capacities(clock.now());
+                enforcer.apply(&caps);
                 if ok && let Some(path) = &cache_file {
                     let leases = core.leases(clock.now());
                     let id = core.client_id().to_string();

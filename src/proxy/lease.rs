@@ -23,8 +23,9 @@ use crate::server::Node;
 
 /// The embedded server's address in the in-process transport.
 pub const EMBEDDED: &str = "embedded";
-/// How far back a rise in demand is looked for (the smoothed rate lags it).
-const RECENT: Duration = Duration::from_secs(1);
+/// The window over which a rate resource's demand is measured: short, so
+/// that wants follow demand up and down within a refresh or two.
+pub const DEMAND_WINDOW: Duration = Duration::from_secs(2);
 /// How long the peak in flight of a gauge is remembered.
 const PEAK_WINDOW: Duration = Duration::from_secs(10);
 
@@ -57,7 +58,15 @@ impl TableEnforcer {
     }
 
     /// The wants of one key: fixed, or measured (README: "wants: auto").
-    fn wants(&self, id: &str, l: &crate::limit::Limiter, kind: ResourceKind, settings: &LeaseSettings, capacity: f64, now: Time) -> (f64, bool) {
+    fn wants(
+        &self,
+        id: &str,
+        l: &crate::limit::Limiter,
+        kind: ResourceKind,
+        settings: &LeaseSettings,
+        capacity: f64,
+        now: Time,
+    ) -> (f64, bool) {
         let sample = l.demand().sample(now);
         let mut mem = self.memory.lock().expect("enforcer memory");
         let m = mem.entry(id.to_string()).or_default();
@@ -72,14 +81,20 @@ impl TableEnforcer {
                     ResourceKind::Rate => {
                         let total = l.demand().arrivals();
                         m.arrivals.push_back((now, total));
-                        while m.arrivals.len() > 2 && m.arrivals.front().is_some_and(|(t, _)| now.since(*t) > RECENT) {
+                        while m.arrivals.len() > 2
+                            && m.arrivals.front().is_some_and(|(t, _)| now.since(*t) > DEMAND_WINDOW)
+                        {
                             m.arrivals.pop_front();
                         }
-                        let recent = match (m.arrivals.front(), m.arrivals.back()) {
-                            (Some((t0, a0)), Some((t1, a1))) if t1 > t0 => (a1 - a0) / t1.since(*t0).as_secs_f64(),
-                            _ => 0.0,
-                        };
-                        (total > 0.0).then(|| sample.rate.max(recent) * settings.headroom)
+                        // Measured once traffic has been seen over at least half a second.
+                        match (m.arrivals.front(), m.arrivals.back()) {
+                            (Some((t0, a0)), Some((t1, a1)))
+                                if total > 0.0 && t1.since(*t0) >= Duration::from_millis(500) =>
+                            {
+                                Some((a1 - a0) / t1.since(*t0).as_secs_f64() * settings.headroom)
+                            }
+                            _ => None,
+                        }
                     }
                     ResourceKind::Gauge => {
                         let peak = (l.demand().take_peak() + sample.waiters.max(0)) as f64;
@@ -108,6 +123,13 @@ impl Enforcer for TableEnforcer {
             if !seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &cfg)) {
                 node.store.reload(embedded_resources(&cfg));
                 *seen = Some(cfg.clone());
+            }
+        }
+        // Fixed ids need a lease before their first request; templated keys
+        // appear as requests name them.
+        for r in cfg.resources.values().filter(|r| r.id.is_fixed()) {
+            if let Some(limits) = self.proxy.table.resource(&r.name) {
+                limits.limiter(&r.id.text);
             }
         }
         let now = self.proxy.table.clock().now();
@@ -156,15 +178,14 @@ pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
     let mut fixed: Vec<_> = cfg.resources.values().filter(|r| r.id.is_fixed()).collect();
     fixed.extend(cfg.resources.values().filter(|r| !r.id.is_fixed()));
     for r in fixed {
-        let glob: String = r
-            .id
-            .segments
-            .iter()
-            .map(|s| match s {
-                Segment::Literal(t) => t.replace(['*', '?', '['], "?"),
-                _ => "*".to_string(),
-            })
-            .collect();
+        let glob: String =
+            r.id.segments
+                .iter()
+                .map(|s| match s {
+                    Segment::Literal(t) => t.replace(['*', '?', '['], "?"),
+                    _ => "*".to_string(),
+                })
+                .collect();
         if templates.iter().any(|t| t.identifier_glob == glob) || glob == "*" {
             continue;
         }
@@ -195,7 +216,9 @@ pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
 pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, tokio::task::JoinHandle<()>) {
     let cfg = proxy.config();
     let clock = proxy.table.clock().clone();
-    let (core_cfg, transport, embedded, cache): (CoreConfig, Arc<dyn Transport>, Option<Arc<Node>>, _) = match &cfg.doorman {
+    let (core_cfg, transport, embedded, cache): (CoreConfig, Arc<dyn Transport>, Option<Arc<Node>>, _) = match &cfg
+        .doorman
+    {
         Some(d) => {
             let mut c = CoreConfig::new(d.client_id.clone(), d.servers.clone());
             c.jitter = d.jitter;
@@ -221,6 +244,7 @@ pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, to
             (c, Arc::new(local), Some(node), None)
         }
     };
-    let enforcer = Arc::new(TableEnforcer { proxy, embedded, memory: Mutex::new(HashMap::new()), seen_config: Mutex::new(None) });
+    let enforcer =
+        Arc::new(TableEnforcer { proxy, embedded, memory: Mutex::new(HashMap::new()), seen_config: Mutex::new(None) });
     LeaseClient::start(core_cfg, clock, transport, enforcer, cache, shutdown)
 }

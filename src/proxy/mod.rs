@@ -405,7 +405,6 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     let admin = bind("admin", admin_addr).await?;
     let listen_addr = listener.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
     let admin_addr = admin.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
-    tracing::info!(listen = %listen_addr, admin = %admin_addr, routes_file = %source, routes, resources, "usher proxy listening");
 
     let reloader = {
         let proxy = proxy.clone();
@@ -428,7 +427,13 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     // after in-flight requests have drained.
     let lease_shutdown = CancellationToken::new();
     let (client, lease_task) = lease::start(proxy.clone(), lease_shutdown.clone());
+    // Requests are accepted once the first leases are in (or after a short
+    // wait): the first requests of a fresh sidecar are admitted, not refused.
+    if !client.first_refresh(FIRST_LEASE_WAIT).await {
+        tracing::warn!(wait = ?FIRST_LEASE_WAIT, "no lease yet; resources follow on_expiry until one arrives");
+    }
     let _ = proxy.lease.set(client);
+    tracing::info!(listen = %listen_addr, admin = %admin_addr, routes_file = %source, routes, resources, "usher proxy listening");
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(proxy.clone()), shutdown.clone()));
     serve(proxy, listener, shutdown.clone(), drain).await;
     shutdown.cancel();
@@ -437,6 +442,9 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     tracing::info!("usher proxy stopped");
     Ok(())
 }
+
+/// How long start-up waits for the first leases before accepting requests.
+pub const FIRST_LEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A status code for readiness: the proxy is ready once its routes are loaded.
 pub fn readiness(proxy: &Proxy) -> StatusCode {

@@ -126,7 +126,10 @@ fn status_html(s: &Status) -> String {
             escape(&l.client_id),
             escape(l.master.as_deref().unwrap_or("unknown")),
             l.refreshes,
-            l.last_error.as_deref().map(|e| format!(", <span class=err>last error: {}</span>", escape(e))).unwrap_or_default()
+            l.last_error
+                .as_deref()
+                .map(|e| format!(", <span class=err>last error: {}</span>", escape(e)))
+                .unwrap_or_default()
         );
         for k in &l.keys {
             let _ = write!(

@@ -1,0 +1,315 @@
+//! The sidecar leasing from real capacity servers: `usher server` and
+//! `usher proxy` processes, counting upstreams on 127.0.0.1:0, load from
+//! this test.
+
+mod support;
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use support::upstream::{Upstream, get, h1, send1};
+use support::{Usher, http_get, write_file};
+
+const PROXY_READY: &str = "usher proxy listening";
+const SERVER_READY: &str = "usher server listening";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn start_server(dir: &Path, name: &str, config: &str, port: u16) -> Usher {
+    let cfg = write_file(dir, &format!("{name}.yaml"), config);
+    let listen = format!("127.0.0.1:{port}");
+    Usher::start(
+        &[
+            "server",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--listen",
+            &listen,
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--min-request-interval",
+            "0s",
+        ],
+        &[],
+        SERVER_READY,
+    )
+}
+
+fn start_proxy(dir: &Path, name: &str, routes: &str) -> Usher {
+    let p = write_file(dir, &format!("{name}.yaml"), routes);
+    Usher::start(
+        &["proxy", "--routes", p.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+        &[],
+        PROXY_READY,
+    )
+}
+
+fn routes(upstream: &Upstream, doorman: &str, resource: &str) -> String {
+    format!(
+        "{doorman}upstreams:\n  up: {{ url: \"http://{}\" }}\nresources:\n  api:\n{resource}routes:\n  - name: all\n    match: {{ path_prefix: / }}\n    upstream: up\n    resources: [api]\n",
+        upstream.addr
+    )
+}
+
+fn status(u: &Usher) -> serde_json::Value {
+    let (code, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+#[derive(Default)]
+struct Tally {
+    ok: AtomicU64,
+    refused: AtomicU64,
+    other: AtomicU64,
+}
+
+/// Offers `rate` requests per second to the proxy at `addr` for `dur`, over 4 connections.
+async fn drive(addr: std::net::SocketAddr, rate: f64, dur: Duration, tally: Arc<Tally>) {
+    let conns = 4;
+    let every = Duration::from_secs_f64(conns as f64 / rate);
+    let deadline = Instant::now() + dur;
+    let mut tasks = Vec::new();
+    for i in 0..conns {
+        let tally = tally.clone();
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(every.mul_f64(i as f64 / conns as f64)).await;
+            let mut c = h1(addr).await;
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            while Instant::now() < deadline {
+                tick.tick().await;
+                if c.ready().await.is_err() {
+                    // The proxy closed the connection (it is shutting down): not an answer.
+                    return;
+                }
+                let status = match c.send_request(get("app.local", "/x")).await {
+                    Ok(r) => r.status().as_u16(),
+                    Err(e) if e.is_incomplete_message() || e.is_closed() => return,
+                    Err(e) => panic!("request failed: {e}"),
+                };
+                let counter = match status {
+                    200 => &tally.ok,
+                    429 => &tally.refused,
+                    _ => &tally.other,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+const FAIR: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 10, refresh_interval: 2, learning_mode_duration: 0 }\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sidecars_split_a_fair_share_and_follow_a_demand_shift() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = start_server(dir.path(), "server", FAIR, port);
+    let (ua, ub) = (Upstream::start().await, Upstream::start().await);
+    let res = "    kind: rate\n    capacity: 100\n    burst: 5\n    wants: auto\n";
+    let doorman =
+        |id: &str| format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: {id}\n  min_interval: 500ms\n");
+    let pa = start_proxy(dir.path(), "a", &routes(&ua, &doorman("sidecar-a"), res));
+    let pb = start_proxy(dir.path(), "b", &routes(&ub, &doorman("sidecar-b"), res));
+    let (ta, tb) = (Arc::new(Tally::default()), Arc::new(Tally::default()));
+    let load_a = tokio::spawn(drive(pa.addr("listen"), 200.0, Duration::from_secs(22), ta.clone()));
+    let load_b = tokio::spawn(drive(pb.addr("listen"), 200.0, Duration::from_secs(12), tb.clone()));
+    // Let the leases settle, then measure 5 s at the upstreams.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let (a0, b0) = (ua.stats.requests(), ub.stats.requests());
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let secs = t0.elapsed().as_secs_f64();
+    let (ra, rb) = ((ua.stats.requests() - a0) as f64 / secs, (ub.stats.requests() - b0) as f64 / secs);
+    assert!(
+        (ra - 50.0).abs() <= 2.5 && (rb - 50.0).abs() <= 2.5,
+        "each sidecar admits 50/s ± 5%: a {ra:.1}/s, b {rb:.1}/s\n{}",
+        status(&pa)
+    );
+    assert!(ra + rb <= 100.0 + 10.0 / secs + 1e-9, "the total stays within capacity + burst: {:.1}/s", ra + rb);
+    load_b.await.unwrap();
+    // b goes idle: within two refresh intervals (4 s) a reaches ≥ 95/s.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let a1 = ua.stats.requests();
+    let t1 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let ra = (ua.stats.requests() - a1) as f64 / t1.elapsed().as_secs_f64();
+    assert!(ra >= 95.0, "a takes over the idle share: {ra:.1}/s\n{}", status(&pa));
+    load_a.await.unwrap();
+    for t in [&ta, &tb] {
+        assert_eq!(t.other.load(Ordering::Relaxed), 0, "the app sees only 200 and 429");
+    }
+    drop(server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_mode_admits_the_first_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start().await;
+    let p = start_proxy(dir.path(), "p", &routes(&up, "", "    kind: rate\n    capacity: 20\n    burst: 5\n"));
+    let mut c = h1(p.addr("listen")).await;
+    for i in 0..5 {
+        let got = send1(&mut c, get("app.local", "/x")).await;
+        assert_eq!(got.status, 200, "request {i} of a fresh sidecar is admitted: {}", got.text());
+    }
+    let mut leased = false;
+    for _ in 0..50 {
+        let st = status(&p);
+        if st["lease"]["master"] == "embedded" && st["lease"]["keys"][0]["mode"] == "leased" {
+            assert_eq!(st["lease"]["keys"][0]["has"], 20.0);
+            leased = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(leased, "the embedded server leased the capacity: {}", status(&p));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fails_over_to_the_second_server_and_releases_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = start_server(dir.path(), "server", FAIR, port);
+    let up = Upstream::start().await;
+    let dead = free_port();
+    let doorman =
+        format!("doorman:\n  servers: [\"127.0.0.1:{dead}\", \"127.0.0.1:{port}\"]\n  client_id: sidecar-f\n");
+    let mut p =
+        start_proxy(dir.path(), "p", &routes(&up, &doorman, "    kind: rate\n    capacity: 30\n    wants: 30\n"));
+    let mut ok = false;
+    for _ in 0..100 {
+        let st = status(&p);
+        if st["lease"]["master"] == format!("127.0.0.1:{port}") && st["lease"]["keys"][0]["has"] == 30.0 {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ok, "the second server is used: {}", status(&p));
+    let (_, body) = http_get(server.addr("admin"), "/debug/resources?resource=api&format=json");
+    assert!(body.contains("sidecar-f"), "{body}");
+
+    // SIGTERM under load: in-flight requests finish, then the lease is released.
+    let tally = Arc::new(Tally::default());
+    let load = tokio::spawn(drive(p.addr("listen"), 100.0, Duration::from_secs(2), tally.clone()));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    p.signal("TERM");
+    assert_eq!(p.wait_exit(Duration::from_secs(20)), Some(0), "{}", p.log());
+    let _ = load.await;
+    assert_eq!(tally.other.load(Ordering::Relaxed), 0, "no request that was answered failed");
+    assert!(p.log().contains("released every lease"), "{}", p.log());
+    let (code, body) = http_get(server.addr("admin"), "/debug/resources?resource=api&format=json");
+    assert!(code == 404 || !body.contains("sidecar-f"), "the server no longer holds the lease: {body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_loss_falls_back_to_safe_capacity_and_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let config = "resources:\n  - identifier_glob: '*'\n    capacity: 40\n    safe_capacity: 5\n    algorithm: { kind: FAIR_SHARE, lease_length: 4, refresh_interval: 1, learning_mode_duration: 4 }\n";
+    let mut server = start_server(
+        dir.path(),
+        "server",
+        &config.replace("learning_mode_duration: 4", "learning_mode_duration: 0"),
+        port,
+    );
+    let up = Upstream::start().await;
+    let doorman = format!(
+        "doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: sidecar-s\n  min_interval: 200ms\n  backoff: {{ initial: 200ms, max: 1s }}\n"
+    );
+    let p = start_proxy(
+        dir.path(),
+        "p",
+        &routes(&up, &doorman, "    kind: rate\n    capacity: 40\n    burst: 2\n    wants: 40\n    on_expiry: safe\n"),
+    );
+    let tally = Arc::new(Tally::default());
+    let load = tokio::spawn(drive(p.addr("listen"), 100.0, Duration::from_secs(24), tally.clone()));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Lease: ~40/s at the upstream.
+    let r = rate_over(&up, Duration::from_secs(2)).await;
+    assert!((r - 40.0).abs() <= 4.0, "leased rate {r:.1}/s");
+    server.child.kill().unwrap();
+    let killed = Instant::now();
+    // The lease is honoured until it expires (4 s), then safe mode: 5/s.
+    let r = rate_over(&up, Duration::from_secs(2)).await;
+    assert!(r >= 36.0, "still the lease while it is valid: {r:.1}/s");
+    tokio::time::sleep(Duration::from_secs(5).saturating_sub(killed.elapsed())).await;
+    let r = rate_over(&up, Duration::from_secs(3)).await;
+    assert!((r - 5.0).abs() <= 1.5, "safe capacity after expiry: {r:.1}/s\n{}", status(&p));
+    assert_eq!(status(&p)["lease"]["keys"][0]["mode"], "expired");
+    // The server comes back (learning mode): the lease returns.
+    let _server2 = start_server(dir.path(), "server2", config, port);
+    let mut back = false;
+    for _ in 0..60 {
+        if status(&p)["lease"]["keys"][0]["mode"] == "leased" {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(back, "the lease comes back: {}", status(&p));
+    load.await.unwrap();
+    assert_eq!(tally.other.load(Ordering::Relaxed), 0, "the app saw no 5xx at any point");
+}
+
+async fn rate_over(up: &Upstream, d: Duration) -> f64 {
+    let n0 = up.stats.requests();
+    let t0 = Instant::now();
+    tokio::time::sleep(d).await;
+    (up.stats.requests() - n0) as f64 / t0.elapsed().as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_sidecar_enforces_its_cached_lease_and_reports_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let learning = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 5, learning_mode_duration: 30 }\n";
+    let mut server = start_server(
+        dir.path(),
+        "server",
+        &learning.replace("learning_mode_duration: 30", "learning_mode_duration: 0"),
+        port,
+    );
+    let up = Upstream::start().await;
+    let cache = dir.path().join("leases.json");
+    let doorman = format!(
+        "doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: sidecar-c\n  cache_file: {}\n",
+        cache.display()
+    );
+    let text = routes(&up, &doorman, "    kind: rate\n    capacity: 10\n    wants: 40\n    on_expiry: pessimistic\n");
+    let mut p = start_proxy(dir.path(), "p", &text);
+    assert_eventually!(
+        std::fs::read_to_string(&cache).is_ok_and(|c| c.contains("\"capacity\": 40.0")),
+        Duration::from_secs(10),
+        "the lease is cached"
+    );
+    // The sidecar and the server both die; a fresh server starts in learning mode.
+    p.child.kill().unwrap();
+    let _ = p.wait_exit(Duration::from_secs(5));
+    server.child.kill().unwrap();
+    let _ = server.wait_exit(Duration::from_secs(5));
+    let server = start_server(dir.path(), "server2", learning, port);
+    let p = start_proxy(dir.path(), "p2", &text);
+    let st = status(&p);
+    assert_eq!(st["lease"]["keys"][0]["mode"], "leased", "the cached lease is enforced at once: {st}");
+    assert_eq!(st["lease"]["keys"][0]["has"], 40.0);
+    assert!(p.log().contains("enforcing cached leases"), "{}", p.log());
+    // Its first refresh presents the cached lease as `has`; learning mode hands it back.
+    assert_eventually!(
+        {
+            let (_, body) = http_get(server.addr("admin"), "/debug/resources?resource=api&format=json");
+            body.contains("sidecar-c") && body.contains("\"has\": 40.0")
+        },
+        Duration::from_secs(10),
+        "the server sees the cached has"
+    );
+}
