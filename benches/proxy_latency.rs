@@ -30,7 +30,11 @@ fn opts() -> Opts {
     let args: Vec<String> = std::env::args().collect();
     let smoke = args.iter().any(|a| a == "--test") || !args.iter().any(|a| a == "--bench");
     let get = |name: &str, default: u64| {
-        args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
     };
     Opts {
         rate: get("--rate", if smoke { 1_000 } else { 10_000 }),
@@ -143,6 +147,7 @@ fn main() {
         let direct = load(up, &o).await;
         let via = load(proxy, &o).await;
         let _ = child.kill();
+        let _ = child.wait();
         println!(
             "proxy_latency: {} req/s for {} s over {} connections ({:.1} s wall)",
             o.rate,
