@@ -14,6 +14,10 @@ use support::upstream::{Upstream, get, h1, send1};
 use support::{Usher, http_get, write_file};
 
 const PROXY_READY: &str = "usher proxy listening";
+
+/// These tests measure rates in real time: run them one at a time so they
+/// do not starve each other of the machine's two cores.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const SERVER_READY: &str = "usher server listening";
 
 fn free_port() -> u16 {
@@ -111,6 +115,7 @@ const FAIR: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n   
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_sidecars_split_a_fair_share_and_follow_a_demand_shift() {
+    let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let server = start_server(dir.path(), "server", FAIR, port);
@@ -153,6 +158,7 @@ async fn two_sidecars_split_a_fair_share_and_follow_a_demand_shift() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_mode_admits_the_first_requests() {
+    let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let up = Upstream::start().await;
     let p = start_proxy(dir.path(), "p", &routes(&up, "", "    kind: rate\n    capacity: 20\n    burst: 5\n"));
@@ -176,6 +182,7 @@ async fn embedded_mode_admits_the_first_requests() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fails_over_to_the_second_server_and_releases_on_sigterm() {
+    let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let server = start_server(dir.path(), "server", FAIR, port);
@@ -213,6 +220,7 @@ async fn fails_over_to_the_second_server_and_releases_on_sigterm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_loss_falls_back_to_safe_capacity_and_recovers() {
+    let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let config = "resources:\n  - identifier_glob: '*'\n    capacity: 40\n    safe_capacity: 5\n    algorithm: { kind: FAIR_SHARE, lease_length: 4, refresh_interval: 1, learning_mode_duration: 4 }\n";
@@ -270,6 +278,7 @@ async fn rate_over(up: &Upstream, d: Duration) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_sidecar_enforces_its_cached_lease_and_reports_it() {
+    let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let learning = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 5, learning_mode_duration: 30 }\n";
@@ -312,4 +321,116 @@ async fn a_restarted_sidecar_enforces_its_cached_lease_and_reports_it() {
         Duration::from_secs(10),
         "the server sees the cached has"
     );
+}
+
+/// An upstream that can be told to push back with 429 and `Retry-After: 2`.
+struct PushyUpstream {
+    addr: std::net::SocketAddr,
+    ok: Arc<AtomicU64>,
+    push: Arc<std::sync::atomic::AtomicBool>,
+}
+
+async fn pushy_upstream() -> PushyUpstream {
+    use hyper::service::service_fn;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ok = Arc::new(AtomicU64::new(0));
+    let push = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (ok2, push2) = (ok.clone(), push.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { return };
+            let (ok, push) = (ok2.clone(), push2.clone());
+            tokio::spawn(async move {
+                let svc = service_fn(move |_req: http::Request<hyper::body::Incoming>| {
+                    let pushing = push.load(Ordering::SeqCst);
+                    if !pushing {
+                        ok.fetch_add(1, Ordering::SeqCst);
+                    }
+                    async move {
+                        let mut r = http::Response::new(http_body_util::Full::new(bytes::Bytes::from_static(b"x")));
+                        if pushing {
+                            *r.status_mut() = http::StatusCode::TOO_MANY_REQUESTS;
+                            r.headers_mut().insert("retry-after", http::HeaderValue::from_static("2"));
+                        }
+                        Ok::<_, std::convert::Infallible>(r)
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    PushyUpstream { addr, ok, push }
+}
+
+async fn ok_rate(u: &PushyUpstream, d: Duration) -> f64 {
+    let n0 = u.ok.load(Ordering::SeqCst);
+    let t0 = Instant::now();
+    tokio::time::sleep(d).await;
+    (u.ok.load(Ordering::SeqCst) - n0) as f64 / t0.elapsed().as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_pushback_frees_the_lease_for_the_other_sidecar() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let _server = start_server(dir.path(), "server", FAIR, port);
+    let (ua, ub) = (pushy_upstream().await, pushy_upstream().await);
+    let text = |u: &PushyUpstream, id: &str| {
+        format!(
+            "doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: {id}\n  min_interval: 500ms\n\
+             upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  api: {{ kind: rate, capacity: 100, burst: 5, wants: auto }}\n\
+             routes:\n  - {{ name: all, upstream: up, resources: [api], pushback: {{ recover_after: 5 }} }}\n",
+            u.addr
+        )
+    };
+    let pa = start_proxy(dir.path(), "a", &text(&ua, "sidecar-a"));
+    let pb = start_proxy(dir.path(), "b", &text(&ub, "sidecar-b"));
+    let (ta, tb) = (Arc::new(Tally::default()), Arc::new(Tally::default()));
+    let load_a = tokio::spawn(drive(pa.addr("listen"), 200.0, Duration::from_secs(26), ta.clone()));
+    let load_b = tokio::spawn(drive(pb.addr("listen"), 200.0, Duration::from_secs(26), tb.clone()));
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let (ra, rb) = (ok_rate(&ua, Duration::from_secs(2)).await, ok_rate(&ub, Duration::from_secs(2)).await);
+    assert!((ra - 50.0).abs() <= 7.5 && (rb - 50.0).abs() <= 7.5, "fair before: a {ra:.1}/s, b {rb:.1}/s");
+
+    // a's upstream pushes back for 5 s.
+    ua.push.store(true, Ordering::SeqCst);
+    let pushed_at = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let st = status(&pa);
+    assert!(!st["pushback"].as_array().unwrap().is_empty(), "a shows its pushback: {st}");
+    let wants_a = st["lease"]["keys"][0]["wants"].as_f64().unwrap();
+    assert!(wants_a < 50.0, "a asks for less while pushed back: {wants_a}");
+    // b's lease grows to what a freed, within the pushback period.
+    let mut b_has = 0.0;
+    while pushed_at.elapsed() < Duration::from_millis(3500) {
+        b_has = status(&pb)["lease"]["keys"][0]["has"].as_f64().unwrap();
+        if b_has >= 90.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(b_has >= 90.0, "b picks up the capacity a freed: has {b_has}\n{}", status(&pb));
+    let rb = ok_rate(&ub, Duration::from_millis(1400)).await;
+    assert!(rb >= 80.0, "b admits what it was given: {rb:.1}/s");
+    tokio::time::sleep(Duration::from_secs(5).saturating_sub(pushed_at.elapsed())).await;
+    ua.push.store(false, Ordering::SeqCst);
+
+    // Both recover.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let (ra, rb) = (ok_rate(&ua, Duration::from_secs(3)).await, ok_rate(&ub, Duration::from_secs(3)).await);
+    assert!(
+        (ra - 50.0).abs() <= 7.5 && (rb - 50.0).abs() <= 7.5,
+        "fair again after: a {ra:.1}/s, b {rb:.1}/s\n{}",
+        status(&pa)
+    );
+    let (_, metrics) = http_get(pa.addr("admin"), "/metrics");
+    assert!(support::metric(&metrics, "usher_proxy_pushback_total", &[("resource_id", "api")]).unwrap_or(0.0) >= 1.0);
+    load_a.await.unwrap();
+    load_b.await.unwrap();
 }

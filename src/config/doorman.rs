@@ -62,6 +62,44 @@ impl Default for LeaseSettings {
     }
 }
 
+/// How a route reacts to its upstream's 429 and 503 answers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PushbackConfig {
+    pub enabled: bool,
+    /// Each pushback multiplies the route's admission rate by this.
+    pub multiplier: f64,
+    /// After this many successes in a row the rate recovers one step.
+    pub recover_after: u32,
+    /// One recovery step multiplies the rate by this (with ±10% jitter), up to the lease.
+    pub recover_step: f64,
+}
+
+impl Default for PushbackConfig {
+    fn default() -> Self {
+        PushbackConfig { enabled: true, multiplier: 0.5, recover_after: 10, recover_step: 1.5 }
+    }
+}
+
+/// Reads a route's `pushback:`: `false`, `true`, or a mapping of the fields.
+pub fn read_pushback(ck: &mut Checker, node: &Node, path: &str) -> Option<PushbackConfig> {
+    let d = PushbackConfig::default();
+    if let Some(s) = node.as_str()
+        && (s == "true" || s == "false")
+    {
+        return Some(PushbackConfig { enabled: s == "true", ..d });
+    }
+    let m = ck.map(node, path, &["enabled", "multiplier", "recover_after", "recover_step"])?;
+    let enabled = m.get("enabled").map_or(Some(true), |n| ck.bool(n, &m.child("enabled")))?;
+    let multiplier =
+        number(ck, &m, "multiplier", |v| v > 0.0 && v < 1.0, "between 0 and 1 (exclusive)")?.unwrap_or(d.multiplier);
+    let recover_after = match m.get("recover_after") {
+        None => d.recover_after,
+        Some(n) => ck.i64(n, &m.child("recover_after"))?.clamp(1, 1_000_000) as u32,
+    };
+    let recover_step = number(ck, &m, "recover_step", |v| v > 1.0, "greater than 1")?.unwrap_or(d.recover_step);
+    Some(PushbackConfig { enabled, multiplier, recover_after, recover_step })
+}
+
 /// The per-resource keys this module reads.
 pub const LEASE_FIELDS: &[&str] =
     &["wants", "priority", "on_expiry", "safe_capacity", "min_wants", "max_wants", "headroom"];

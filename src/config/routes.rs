@@ -179,6 +179,8 @@ pub struct RouteConfig {
     pub upstream: Option<String>,
     /// (resource name, cost), in file order.
     pub resources: Vec<(String, f64)>,
+    /// How the route backs off when its upstream answers 429 or 503.
+    pub pushback: super::doorman::PushbackConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -237,7 +239,7 @@ const RESOURCE_FIELDS: &[&str] = &[
     "max_wants",
     "headroom",
 ];
-const ROUTE_FIELDS: &[&str] = &["name", "match", "upstream", "resources"];
+const ROUTE_FIELDS: &[&str] = &["name", "match", "upstream", "resources", "pushback"];
 const MATCH_FIELDS: &[&str] = &["host", "path_prefix", "methods", "headers"];
 
 fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
@@ -627,7 +629,11 @@ fn read_route(
             list.push((res, cost));
         }
     }
-    Some(RouteConfig { name: name?, matcher: matcher?, upstream, resources: list })
+    let pushback = match m.get("pushback") {
+        None => Some(super::doorman::PushbackConfig::default()),
+        Some(n) => super::doorman::read_pushback(ck, n, &m.child("pushback")),
+    };
+    Some(RouteConfig { name: name?, matcher: matcher?, upstream, resources: list, pushback: pushback? })
 }
 
 fn read_match(ck: &mut Checker, node: &Node, path: &str) -> Option<Match> {

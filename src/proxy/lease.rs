@@ -111,6 +111,8 @@ impl TableEnforcer {
                 settings.max_wants.map_or(w, |mx| w.min(mx))
             }
         };
+        // A key its upstream pushes back on asks for less, so the lease flows elsewhere.
+        let wants = wants * self.proxy.pushback.factor(id, now);
         (wants, pressure_signal && wants > l.capacity() + 1e-9)
     }
 }
@@ -153,12 +155,13 @@ impl Enforcer for TableEnforcer {
     }
 
     fn apply(&self, capacities: &[(String, Capacity)]) {
+        let now = self.proxy.table.clock().now();
         for (id, cap) in capacities {
             let c = match cap {
                 Capacity::Limited(c) => *c,
                 Capacity::Unlimited => f64::INFINITY,
             };
-            self.proxy.table.set_capacity(id, c);
+            self.proxy.table.set_capacity(id, self.proxy.pushback.effective(id, c, now));
         }
     }
 }

@@ -9,6 +9,7 @@
 
 pub mod lease;
 pub mod metrics;
+pub mod pushback;
 pub mod respond;
 pub mod route;
 mod status;
@@ -84,6 +85,8 @@ pub struct Proxy {
     pub table: LeaseTable,
     /// The lease client, once started.
     pub lease: std::sync::OnceLock<crate::lease::LeaseClient>,
+    /// Backing off from upstreams that answer 429 or 503.
+    pub pushback: pushback::Pushback,
     pub metrics: Arc<Metrics>,
     pub config_source: String,
     routing: ArcSwap<Routing>,
@@ -110,11 +113,13 @@ impl Proxy {
         let table = LeaseTable::new(clock.clone());
         table.configure(route::specs(&cfg));
         let routing = Routing::new(&cfg, &upstreams, direct.clone());
+        let pushback = pushback::Pushback::new(&registry);
         let metrics = Arc::new(Metrics::new(registry));
         let stack = LimitLayer::new(clock.clone()).layer(Forward::new(metrics.clone()));
         Ok(Arc::new(Proxy {
             table,
             lease: std::sync::OnceLock::new(),
+            pushback,
             metrics,
             config_source: source,
             routing: ArcSwap::from_pointee(routing),
@@ -186,12 +191,14 @@ impl Proxy {
         if req.method() == Method::CONNECT {
             return self.connect(req, resolved, &route, in_flight).await;
         }
+        let keys: Vec<Arc<crate::limit::Limiter>> = resolved.plan.items.iter().map(|(l, _)| l.clone()).collect();
         req.extensions_mut().insert(resolved.plan);
         req.extensions_mut().insert(resolved.target);
         match self.stack.clone().oneshot(req).await {
             Ok(resp) => {
                 let admission = resp.extensions().get::<Admission>().copied();
                 self.record_admission(&route, &resources, admission);
+                self.observe_pushback(&route, &keys, &resp);
                 resp.map(|b| {
                     Tracked { inner: b, _guard: in_flight }.map_err(|e| Box::new(e) as BoxError).boxed_unsync()
                 })
@@ -206,6 +213,22 @@ impl Proxy {
                 }
                 error_response(err, grpc)
             }
+        }
+    }
+
+    /// Feeds an upstream answer to the route's pushback state.
+    fn observe_pushback<B>(&self, route: &str, keys: &[Arc<crate::limit::Limiter>], resp: &Response<B>) {
+        if keys.is_empty() {
+            return;
+        }
+        let cfg = self.config();
+        let Some(rc) = cfg.routes.iter().find(|r| r.name == route) else { return };
+        let ids: Vec<(String, f64)> = keys.iter().map(|l| (l.id().to_string(), l.capacity())).collect();
+        let now = self.table.clock().now();
+        let retry = pushback::retry_after(resp.headers());
+        for (id, capacity) in self.pushback.on_response(&ids, resp.status(), retry, now, &rc.pushback) {
+            tracing::debug!(route, resource_id = %id, capacity, status = %resp.status(), "upstream pushback");
+            self.table.set_capacity(&id, capacity);
         }
     }
 

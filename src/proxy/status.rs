@@ -21,6 +21,8 @@ struct Status {
     keys: Vec<KeyStatus>,
     /// The lease client: master, last error, and per key has, wants, expiry, mode.
     lease: Option<crate::lease::driver::ClientStatus>,
+    /// Keys backing off because their upstream answered 429 or 503.
+    pushback: Vec<super::pushback::KeyPushback>,
 }
 
 #[derive(Serialize)]
@@ -58,6 +60,7 @@ fn status(p: &Proxy) -> Status {
             })
             .collect(),
         lease: p.lease.get().map(|c| c.status()),
+        pushback: p.pushback.status(now),
     }
 }
 
