@@ -30,7 +30,11 @@ fn opts() -> Opts {
     let args: Vec<String> = std::env::args().collect();
     let smoke = args.iter().any(|a| a == "--test") || !args.iter().any(|a| a == "--bench");
     let get = |name: &str, default: u64| {
-        args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
     };
     Opts {
         rate: get("--rate", if smoke { 1_000 } else { 10_000 }),
@@ -130,19 +134,25 @@ fn main() {
             .spawn()
             .unwrap();
         let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-        let mut proxy: Option<SocketAddr> = None;
-        for line in stderr.lines().map_while(Result::ok) {
-            if line.contains("usher proxy listening") {
-                proxy = line.split_whitespace().find_map(|w| w.strip_prefix("listen=")).and_then(|a| a.parse().ok());
-                break;
+        let (tx, rx) = std::sync::mpsc::channel();
+        // Keeps draining stderr so usher never blocks on a full pipe.
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                if line.contains("usher proxy listening") {
+                    let addr: Option<SocketAddr> =
+                        line.split_whitespace().find_map(|w| w.strip_prefix("listen=")).and_then(|a| a.parse().ok());
+                    let _ = tx.send(addr);
+                }
             }
-        }
+        });
+        let proxy = rx.recv_timeout(Duration::from_secs(20)).ok().flatten();
         let proxy = proxy.expect("usher proxy did not start");
 
         let started = Instant::now();
         let direct = load(up, &o).await;
         let via = load(proxy, &o).await;
         let _ = child.kill();
+        let _ = child.wait();
         println!(
             "proxy_latency: {} req/s for {} s over {} connections ({:.1} s wall)",
             o.rate,

@@ -14,6 +14,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use support::upstream::{self, Generated, TestPki, Upstream, get, h1, h2, send1, send2};
 use support::{Usher, http_get, metric, run_usher, write_file};
 
+/// Awaits a spawned task for at most 20 s of wall time.
+async fn within<T>(task: tokio::task::JoinHandle<T>) -> T {
+    tokio::time::timeout(Duration::from_secs(20), task).await.expect("task finished in time").unwrap()
+}
+
 const READY: &str = "usher proxy listening";
 
 fn start_proxy(routes: &Path) -> Usher {
@@ -187,7 +192,7 @@ async fn forward_proxy_style_and_connect_tunnels() {
             "the closed tunnel kept its permit"
         );
     });
-    gone.await.unwrap();
+    within(gone).await;
 
     // A second tunnel while one is open is refused by the gauge.
     let mut held = tokio::net::TcpStream::connect(proxy).await.unwrap();
@@ -374,7 +379,7 @@ async fn sigterm_drains_in_flight_requests() {
     }
     assert!(closed, "the listener stays closed while draining");
     up.gate.add_permits(1);
-    let r = inflight.await.unwrap();
+    let r = within(inflight).await;
     assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
     assert_eq!(u.wait_exit(Duration::from_secs(10)), Some(0));
 }

@@ -19,6 +19,11 @@ use usher::proxy::{Proxy, serve};
 
 use support::upstream::{self, Upstream, get, get_abs, h1, h2, read, send1, send2};
 
+/// Awaits a spawned task for at most 20 s of wall time.
+async fn within<T>(task: tokio::task::JoinHandle<T>) -> T {
+    tokio::time::timeout(Duration::from_secs(20), task).await.expect("task finished in time").unwrap()
+}
+
 struct Harness {
     proxy: Arc<Proxy>,
     addr: SocketAddr,
@@ -131,7 +136,7 @@ async fn rate_accuracy(proto: Proto) {
     eventually("every connection refused at the end", || p.load(Ordering::SeqCst) >= (STEPS + 1) * CONNS as u64).await;
     drop(gen_tx);
     for t in tasks {
-        tokio::time::timeout(Duration::from_secs(30), t).await.expect("client finished").unwrap();
+        within(t).await;
     }
     let expected = 5 + 20 * STEPS * 50 / 1000;
     let got = up.stats.requests();
@@ -198,7 +203,7 @@ async fn pacing_is_fifo_and_the_refusal_is_exact() {
         eventually("the next paced request reaches the upstream", || s.requests() == n).await;
     }
     for t in waiting {
-        assert_eq!(t.await.unwrap().status, StatusCode::OK);
+        assert_eq!(within(t).await.status, StatusCode::OK);
     }
     assert_eq!(up.stats.seq(), ["0", "1", "2", "3"]);
 }
@@ -232,7 +237,7 @@ async fn a_client_that_gives_up_returns_its_slot() {
     let p = h.proxy.clone();
     eventually("the newcomer is queued", || waiters(&p, "api") == 1).await;
     h.clock.advance(Duration::from_millis(100));
-    assert_eq!(next.await.unwrap().status, StatusCode::OK);
+    assert_eq!(within(next).await.status, StatusCode::OK);
     assert_eq!(up.stats.seq(), ["0", "1"]);
 }
 
@@ -281,7 +286,7 @@ async fn zero_capacity_refuses_after_max_wait_unless_raised() {
     let p = h.proxy.clone();
     eventually("queued on capacity 0", || waiters(&p, "api") == 1).await;
     h.clock.advance(Duration::from_millis(1000));
-    let r = refused.await.unwrap();
+    let r = within(refused).await;
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(r.json()["waited_ms"], 1000);
 
@@ -290,7 +295,7 @@ async fn zero_capacity_refuses_after_max_wait_unless_raised() {
     eventually("queued on capacity 0", || waiters(&p, "api") == 1).await;
     h.proxy.table.set_capacity("api", 10.0);
     h.clock.advance(Duration::from_millis(100));
-    assert_eq!(admitted.await.unwrap().status, StatusCode::OK, "a raise within max_wait admits the waiter");
+    assert_eq!(within(admitted).await.status, StatusCode::OK, "a raise within max_wait admits the waiter");
     assert_eq!(up.stats.requests(), 1);
 }
 
@@ -323,7 +328,7 @@ async fn gauge_never_exceeds_capacity_at_the_upstream() {
         eventually("one more completes", || s.requests() >= (released + 3).min(20)).await;
     }
     for t in tasks {
-        assert_eq!(t.await.unwrap(), StatusCode::OK);
+        assert_eq!(within(t).await, StatusCode::OK);
     }
     assert_eq!(up.stats.requests(), 20);
     assert_eq!(up.stats.max_in_flight(), 3, "never more than the capacity at the upstream");
@@ -354,7 +359,7 @@ async fn gauge_permit_is_held_until_the_body_ends() {
     up.gate.add_permits(1);
     let rest = read(resp).await;
     assert_eq!(rest.text(), "last");
-    assert_eq!(second.await.unwrap().status, StatusCode::OK);
+    assert_eq!(within(second).await.status, StatusCode::OK);
     assert_eq!(up.stats.requests(), 2);
 }
 
@@ -383,7 +388,7 @@ async fn several_resources_are_all_or_nothing() {
     assert_eq!(r.json()["resource"], "g");
     assert_eq!(r.header("ratelimit-policy"), "\"g\";q=1;qu=\"concurrent-requests\"");
     up.gate.add_permits(2);
-    assert_eq!(holder.await.unwrap().status, StatusCode::OK);
+    assert_eq!(within(holder).await.status, StatusCode::OK);
     let r = send1(&mut c, get("api.test", "/both")).await;
     assert_eq!(r.status, StatusCode::OK, "the rate's only token was not consumed by the refusal");
 
