@@ -451,3 +451,46 @@ async fn templated_ids_give_each_key_its_own_budget_up_to_max_keys() {
     assert_eq!(ids, ["per-tenant/_overflow", "t/a", "t/b"]);
     assert!(h.proxy.table.set_capacity("t/a", 1000.0), "the lease client addresses keys by resource id");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wait_queue_is_bounded() {
+    let up = Upstream::gated().await;
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  g: {{ kind: gauge, capacity: 1, max_wait: 1h, max_queue: 1 }}\n  \
+         r: {{ kind: rate, capacity: 1/s, burst: 1, max_wait: 1h, max_queue: 1 }}\n\
+         routes:\n  - {{ name: g, match: {{ path_prefix: /g }}, upstream: up, resources: [g] }}\n  \
+         - {{ name: r, match: {{ path_prefix: /r }}, upstream: up, resources: [r] }}\n",
+        up.addr
+    );
+    let h = start(&yaml).await;
+    let spawn = |path: &'static str| {
+        let addr = h.addr;
+        tokio::spawn(async move { send1(&mut h1(addr).await, get("api.test", path)).await })
+    };
+    // Gauge: one in flight, one waiting, the third is refused at once.
+    let holder = spawn("/g");
+    let s = up.stats.clone();
+    eventually("the holder is in flight", || s.in_flight() == 1).await;
+    let waiter = spawn("/g");
+    let p = h.proxy.clone();
+    eventually("one request waits", || waiters(&p, "g") == 1).await;
+    let r = send1(&mut h1(h.addr).await, get("api.test", "/g")).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(r.json()["detail"].as_str().unwrap().contains("too many requests waiting"), "{}", r.text());
+    up.gate.add_permits(2);
+    assert_eq!(within(holder).await.status, StatusCode::OK);
+    assert_eq!(within(waiter).await.status, StatusCode::OK);
+
+    // Rate: the burst passes, one is paced, the next is refused at once.
+    up.gate.add_permits(3);
+    assert_eq!(send1(&mut h1(h.addr).await, get("api.test", "/r")).await.status, StatusCode::OK);
+    let paced = spawn("/r");
+    let p = h.proxy.clone();
+    eventually("one request is paced", || waiters(&p, "r") == 1).await;
+    let r = send1(&mut h1(h.addr).await, get("api.test", "/r")).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.header("retry-after"), "2", "two slots ahead: 2 s");
+    h.clock.advance(Duration::from_secs(1));
+    assert_eq!(within(paced).await.status, StatusCode::OK);
+}
