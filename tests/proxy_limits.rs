@@ -494,3 +494,69 @@ async fn the_wait_queue_is_bounded() {
     h.clock.advance(Duration::from_secs(1));
     assert_eq!(within(paced).await.status, StatusCode::OK);
 }
+
+/// As `rate_accuracy`, but every request is paced instead of refused: 50
+/// connections each keep one request waiting in the pacer while the clock
+/// moves in 50 ms steps. Whenever all 50 are parked in the pacer again, the
+/// upstream must have seen exactly burst + 20/s × elapsed.
+async fn paced_rate_accuracy(proto: Proto) {
+    const CONNS: i64 = 50;
+    const STEPS: u64 = 40; // 2 s of virtual time
+    let up = Upstream::start().await;
+    let h = start(&one_rate(up.addr, "20/s", 5, "1h")).await;
+    let stop = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for _ in 0..CONNS {
+        let (addr, stop) = (h.addr, stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut c1, mut c2) = (None, None);
+            match proto {
+                Proto::H1 => c1 = Some(h1(addr).await),
+                Proto::H2 => c2 = Some(h2(addr).await),
+            }
+            // Bounded: at most this many requests per connection.
+            for _ in 0..1_000 {
+                let send = async {
+                    match (&mut c1, &mut c2) {
+                        (Some(c), _) => send1(c, get("api.test", "/x")).await,
+                        (_, Some(c)) => send2(c, get_abs("api.test", "/x")).await,
+                        _ => unreachable!(),
+                    }
+                };
+                tokio::select! {
+                    r = send => assert_eq!(r.status, StatusCode::OK),
+                    _ = stop.cancelled() => return,
+                }
+            }
+            panic!("request bound reached");
+        }));
+    }
+    let settled = |h: &Harness| waiters(&h.proxy, "api") == CONNS;
+    for step in 0..=STEPS {
+        if step > 0 {
+            h.clock.advance(Duration::from_millis(50));
+        }
+        // Exactly one more slot per step: an overshoot never equals `expected` again and times out.
+        let expected = 5 + step;
+        eventually(&format!("{proto:?}: {expected} admitted after {} ms, the rest paced", step * 50), || {
+            up.stats.requests() == expected && settled(&h)
+        })
+        .await;
+    }
+    // Stable: every connection is parked in the pacer, so nothing more can arrive.
+    assert_eq!(up.stats.requests(), 5 + STEPS);
+    stop.cancel();
+    for t in tasks {
+        within(t).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paced_rate_accuracy_http1_50_connections() {
+    paced_rate_accuracy(Proto::H1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paced_rate_accuracy_h2c_50_connections() {
+    paced_rate_accuracy(Proto::H2).await;
+}
