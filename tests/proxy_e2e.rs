@@ -393,7 +393,8 @@ async fn protocol_upgrades_pass_through_and_passthrough_default_forwards_unroute
         "routes.yaml",
         &format!(
             "default: passthrough\nupstreams:\n  up: {{ url: \"http://{}\" }}\n\
-             routes:\n  - {{ name: app, match: {{ host: app.test }}, upstream: up }}\n",
+             resources:\n  sockets: {{ kind: gauge, capacity: 1 }}\n\
+             routes:\n  - {{ name: app, match: {{ host: app.test }}, upstream: up, resources: [sockets] }}\n",
             up.addr
         ),
     );
@@ -409,6 +410,26 @@ async fn protocol_upgrades_pass_through_and_passthrough_default_forwards_unroute
     let mut echoed = [0u8; 5];
     tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut echoed)).await.expect("echo").unwrap();
     assert_eq!(&echoed, b"ping\n");
+
+    // The upgraded connection holds its gauge permit while open.
+    let mut second = tokio::net::TcpStream::connect(u.addr("listen")).await.unwrap();
+    second
+        .write_all(b"GET /upgrade HTTP/1.1\r\nHost: app.test\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_head(&mut second).await;
+    assert!(head.starts_with("HTTP/1.1 429"), "{head}");
+    drop(s);
+    let admin = u.addr("admin");
+    let released = tokio::task::spawn_blocking(move || {
+        assert_eventually!(
+            metric(&http_get(admin, "/metrics").1, "usher_proxy_resource_in_flight", &[("resource", "sockets")])
+                == Some(0.0),
+            Duration::from_secs(10),
+            "the closed upgrade kept its permit"
+        );
+    });
+    within(released).await;
 
     // No route for this host, default passthrough: forwarded to the origin it names.
     let mut c = h1(u.addr("listen")).await;
