@@ -437,6 +437,12 @@ async fn protocol_upgrades_pass_through_and_passthrough_default_forwards_unroute
     let r = send1(&mut c, req).await;
     assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
     assert_eq!(up.stats.requests(), 2);
+
+    // A request that would come back through usher is stopped at the second pass.
+    let req = Request::get(format!("http://{}/again", u.addr("listen"))).body(upstream::empty()).unwrap();
+    let r = send1(&mut c, req).await;
+    assert_eq!(r.status, StatusCode::LOOP_DETECTED, "{}", r.text());
+    assert_eq!(r.json()["type"], "urn:usher:problem:loop");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
