@@ -134,13 +134,18 @@ fn main() {
             .spawn()
             .unwrap();
         let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-        let mut proxy: Option<SocketAddr> = None;
-        for line in stderr.lines().map_while(Result::ok) {
-            if line.contains("usher proxy listening") {
-                proxy = line.split_whitespace().find_map(|w| w.strip_prefix("listen=")).and_then(|a| a.parse().ok());
-                break;
+        let (tx, rx) = std::sync::mpsc::channel();
+        // Keeps draining stderr so usher never blocks on a full pipe.
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                if line.contains("usher proxy listening") {
+                    let addr: Option<SocketAddr> =
+                        line.split_whitespace().find_map(|w| w.strip_prefix("listen=")).and_then(|a| a.parse().ok());
+                    let _ = tx.send(addr);
+                }
             }
-        }
+        });
+        let proxy = rx.recv_timeout(Duration::from_secs(20)).ok().flatten();
         let proxy = proxy.expect("usher proxy did not start");
 
         let started = Instant::now();

@@ -14,6 +14,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use support::upstream::{self, Generated, TestPki, Upstream, get, h1, h2, send1, send2};
 use support::{Usher, http_get, metric, run_usher, write_file};
 
+/// Awaits a spawned task for at most 20 s of wall time.
+async fn within<T>(task: tokio::task::JoinHandle<T>) -> T {
+    tokio::time::timeout(Duration::from_secs(20), task).await.expect("task finished in time").unwrap()
+}
+
 const READY: &str = "usher proxy listening";
 
 fn start_proxy(routes: &Path) -> Usher {
@@ -187,7 +192,7 @@ async fn forward_proxy_style_and_connect_tunnels() {
             "the closed tunnel kept its permit"
         );
     });
-    gone.await.unwrap();
+    within(gone).await;
 
     // A second tunnel while one is open is refused by the gauge.
     let mut held = tokio::net::TcpStream::connect(proxy).await.unwrap();
@@ -374,7 +379,7 @@ async fn sigterm_drains_in_flight_requests() {
     }
     assert!(closed, "the listener stays closed while draining");
     up.gate.add_permits(1);
-    let r = inflight.await.unwrap();
+    let r = within(inflight).await;
     assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
     assert_eq!(u.wait_exit(Duration::from_secs(10)), Some(0));
 }
@@ -388,7 +393,8 @@ async fn protocol_upgrades_pass_through_and_passthrough_default_forwards_unroute
         "routes.yaml",
         &format!(
             "default: passthrough\nupstreams:\n  up: {{ url: \"http://{}\" }}\n\
-             routes:\n  - {{ name: app, match: {{ host: app.test }}, upstream: up }}\n",
+             resources:\n  sockets: {{ kind: gauge, capacity: 1 }}\n\
+             routes:\n  - {{ name: app, match: {{ host: app.test }}, upstream: up, resources: [sockets] }}\n",
             up.addr
         ),
     );
@@ -405,12 +411,38 @@ async fn protocol_upgrades_pass_through_and_passthrough_default_forwards_unroute
     tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut echoed)).await.expect("echo").unwrap();
     assert_eq!(&echoed, b"ping\n");
 
+    // The upgraded connection holds its gauge permit while open.
+    let mut second = tokio::net::TcpStream::connect(u.addr("listen")).await.unwrap();
+    second
+        .write_all(b"GET /upgrade HTTP/1.1\r\nHost: app.test\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+        .await
+        .unwrap();
+    let head = read_head(&mut second).await;
+    assert!(head.starts_with("HTTP/1.1 429"), "{head}");
+    drop(s);
+    let admin = u.addr("admin");
+    let released = tokio::task::spawn_blocking(move || {
+        assert_eventually!(
+            metric(&http_get(admin, "/metrics").1, "usher_proxy_resource_in_flight", &[("resource", "sockets")])
+                == Some(0.0),
+            Duration::from_secs(10),
+            "the closed upgrade kept its permit"
+        );
+    });
+    within(released).await;
+
     // No route for this host, default passthrough: forwarded to the origin it names.
     let mut c = h1(u.addr("listen")).await;
     let req = Request::get(format!("http://{}/direct", up.addr)).body(upstream::empty()).unwrap();
     let r = send1(&mut c, req).await;
     assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"));
     assert_eq!(up.stats.requests(), 2);
+
+    // A request that would come back through usher is stopped at the second pass.
+    let req = Request::get(format!("http://{}/again", u.addr("listen"))).body(upstream::empty()).unwrap();
+    let r = send1(&mut c, req).await;
+    assert_eq!(r.status, StatusCode::LOOP_DETECTED, "{}", r.text());
+    assert_eq!(r.json()["type"], "urn:usher:problem:loop");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

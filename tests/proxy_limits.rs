@@ -19,6 +19,11 @@ use usher::proxy::{Proxy, serve};
 
 use support::upstream::{self, Upstream, get, get_abs, h1, h2, read, send1, send2};
 
+/// Awaits a spawned task for at most 20 s of wall time.
+async fn within<T>(task: tokio::task::JoinHandle<T>) -> T {
+    tokio::time::timeout(Duration::from_secs(20), task).await.expect("task finished in time").unwrap()
+}
+
 struct Harness {
     proxy: Arc<Proxy>,
     addr: SocketAddr,
@@ -131,7 +136,7 @@ async fn rate_accuracy(proto: Proto) {
     eventually("every connection refused at the end", || p.load(Ordering::SeqCst) >= (STEPS + 1) * CONNS as u64).await;
     drop(gen_tx);
     for t in tasks {
-        tokio::time::timeout(Duration::from_secs(30), t).await.expect("client finished").unwrap();
+        within(t).await;
     }
     let expected = 5 + 20 * STEPS * 50 / 1000;
     let got = up.stats.requests();
@@ -198,7 +203,7 @@ async fn pacing_is_fifo_and_the_refusal_is_exact() {
         eventually("the next paced request reaches the upstream", || s.requests() == n).await;
     }
     for t in waiting {
-        assert_eq!(t.await.unwrap().status, StatusCode::OK);
+        assert_eq!(within(t).await.status, StatusCode::OK);
     }
     assert_eq!(up.stats.seq(), ["0", "1", "2", "3"]);
 }
@@ -232,7 +237,7 @@ async fn a_client_that_gives_up_returns_its_slot() {
     let p = h.proxy.clone();
     eventually("the newcomer is queued", || waiters(&p, "api") == 1).await;
     h.clock.advance(Duration::from_millis(100));
-    assert_eq!(next.await.unwrap().status, StatusCode::OK);
+    assert_eq!(within(next).await.status, StatusCode::OK);
     assert_eq!(up.stats.seq(), ["0", "1"]);
 }
 
@@ -281,7 +286,7 @@ async fn zero_capacity_refuses_after_max_wait_unless_raised() {
     let p = h.proxy.clone();
     eventually("queued on capacity 0", || waiters(&p, "api") == 1).await;
     h.clock.advance(Duration::from_millis(1000));
-    let r = refused.await.unwrap();
+    let r = within(refused).await;
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(r.json()["waited_ms"], 1000);
 
@@ -290,7 +295,7 @@ async fn zero_capacity_refuses_after_max_wait_unless_raised() {
     eventually("queued on capacity 0", || waiters(&p, "api") == 1).await;
     h.proxy.table.set_capacity("api", 10.0);
     h.clock.advance(Duration::from_millis(100));
-    assert_eq!(admitted.await.unwrap().status, StatusCode::OK, "a raise within max_wait admits the waiter");
+    assert_eq!(within(admitted).await.status, StatusCode::OK, "a raise within max_wait admits the waiter");
     assert_eq!(up.stats.requests(), 1);
 }
 
@@ -323,7 +328,7 @@ async fn gauge_never_exceeds_capacity_at_the_upstream() {
         eventually("one more completes", || s.requests() >= (released + 3).min(20)).await;
     }
     for t in tasks {
-        assert_eq!(t.await.unwrap(), StatusCode::OK);
+        assert_eq!(within(t).await, StatusCode::OK);
     }
     assert_eq!(up.stats.requests(), 20);
     assert_eq!(up.stats.max_in_flight(), 3, "never more than the capacity at the upstream");
@@ -354,7 +359,7 @@ async fn gauge_permit_is_held_until_the_body_ends() {
     up.gate.add_permits(1);
     let rest = read(resp).await;
     assert_eq!(rest.text(), "last");
-    assert_eq!(second.await.unwrap().status, StatusCode::OK);
+    assert_eq!(within(second).await.status, StatusCode::OK);
     assert_eq!(up.stats.requests(), 2);
 }
 
@@ -383,7 +388,7 @@ async fn several_resources_are_all_or_nothing() {
     assert_eq!(r.json()["resource"], "g");
     assert_eq!(r.header("ratelimit-policy"), "\"g\";q=1;qu=\"concurrent-requests\"");
     up.gate.add_permits(2);
-    assert_eq!(holder.await.unwrap().status, StatusCode::OK);
+    assert_eq!(within(holder).await.status, StatusCode::OK);
     let r = send1(&mut c, get("api.test", "/both")).await;
     assert_eq!(r.status, StatusCode::OK, "the rate's only token was not consumed by the refusal");
 
@@ -445,4 +450,113 @@ async fn templated_ids_give_each_key_its_own_budget_up_to_max_keys() {
         h.proxy.table.resource("per-tenant").unwrap().limiters().iter().map(|l| l.id().to_string()).collect();
     assert_eq!(ids, ["per-tenant/_overflow", "t/a", "t/b"]);
     assert!(h.proxy.table.set_capacity("t/a", 1000.0), "the lease client addresses keys by resource id");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wait_queue_is_bounded() {
+    let up = Upstream::gated().await;
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  g: {{ kind: gauge, capacity: 1, max_wait: 1h, max_queue: 1 }}\n  \
+         r: {{ kind: rate, capacity: 1/s, burst: 1, max_wait: 1h, max_queue: 1 }}\n\
+         routes:\n  - {{ name: g, match: {{ path_prefix: /g }}, upstream: up, resources: [g] }}\n  \
+         - {{ name: r, match: {{ path_prefix: /r }}, upstream: up, resources: [r] }}\n",
+        up.addr
+    );
+    let h = start(&yaml).await;
+    let spawn = |path: &'static str| {
+        let addr = h.addr;
+        tokio::spawn(async move { send1(&mut h1(addr).await, get("api.test", path)).await })
+    };
+    // Gauge: one in flight, one waiting, the third is refused at once.
+    let holder = spawn("/g");
+    let s = up.stats.clone();
+    eventually("the holder is in flight", || s.in_flight() == 1).await;
+    let waiter = spawn("/g");
+    let p = h.proxy.clone();
+    eventually("one request waits", || waiters(&p, "g") == 1).await;
+    let r = send1(&mut h1(h.addr).await, get("api.test", "/g")).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(r.json()["detail"].as_str().unwrap().contains("too many requests waiting"), "{}", r.text());
+    up.gate.add_permits(2);
+    assert_eq!(within(holder).await.status, StatusCode::OK);
+    assert_eq!(within(waiter).await.status, StatusCode::OK);
+
+    // Rate: the burst passes, one is paced, the next is refused at once.
+    up.gate.add_permits(3);
+    assert_eq!(send1(&mut h1(h.addr).await, get("api.test", "/r")).await.status, StatusCode::OK);
+    let paced = spawn("/r");
+    let p = h.proxy.clone();
+    eventually("one request is paced", || waiters(&p, "r") == 1).await;
+    let r = send1(&mut h1(h.addr).await, get("api.test", "/r")).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.header("retry-after"), "2", "two slots ahead: 2 s");
+    h.clock.advance(Duration::from_secs(1));
+    assert_eq!(within(paced).await.status, StatusCode::OK);
+}
+
+/// As `rate_accuracy`, but every request is paced instead of refused: 50
+/// connections each keep one request waiting in the pacer while the clock
+/// moves in 50 ms steps. Whenever all 50 are parked in the pacer again, the
+/// upstream must have seen exactly burst + 20/s × elapsed.
+async fn paced_rate_accuracy(proto: Proto) {
+    const CONNS: i64 = 50;
+    const STEPS: u64 = 40; // 2 s of virtual time
+    let up = Upstream::start().await;
+    let h = start(&one_rate(up.addr, "20/s", 5, "1h")).await;
+    let stop = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for _ in 0..CONNS {
+        let (addr, stop) = (h.addr, stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut c1, mut c2) = (None, None);
+            match proto {
+                Proto::H1 => c1 = Some(h1(addr).await),
+                Proto::H2 => c2 = Some(h2(addr).await),
+            }
+            // Bounded: at most this many requests per connection.
+            for _ in 0..1_000 {
+                let send = async {
+                    match (&mut c1, &mut c2) {
+                        (Some(c), _) => send1(c, get("api.test", "/x")).await,
+                        (_, Some(c)) => send2(c, get_abs("api.test", "/x")).await,
+                        _ => unreachable!(),
+                    }
+                };
+                tokio::select! {
+                    r = send => assert_eq!(r.status, StatusCode::OK),
+                    _ = stop.cancelled() => return,
+                }
+            }
+            panic!("request bound reached");
+        }));
+    }
+    let settled = |h: &Harness| waiters(&h.proxy, "api") == CONNS;
+    for step in 0..=STEPS {
+        if step > 0 {
+            h.clock.advance(Duration::from_millis(50));
+        }
+        // Exactly one more slot per step: an overshoot never equals `expected` again and times out.
+        let expected = 5 + step;
+        eventually(&format!("{proto:?}: {expected} admitted after {} ms, the rest paced", step * 50), || {
+            up.stats.requests() == expected && settled(&h)
+        })
+        .await;
+    }
+    // Stable: every connection is parked in the pacer, so nothing more can arrive.
+    assert_eq!(up.stats.requests(), 5 + STEPS);
+    stop.cancel();
+    for t in tasks {
+        within(t).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paced_rate_accuracy_http1_50_connections() {
+    paced_rate_accuracy(Proto::H1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paced_rate_accuracy_h2c_50_connections() {
+    paced_rate_accuracy(Proto::H2).await;
 }

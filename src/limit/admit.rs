@@ -254,6 +254,9 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
         let units = cost.round().max(1.0) as u32;
         let permit = match g.try_acquire(units) {
             Some(p) => Some(p),
+            None if l.demand().waiters() >= l.spec().max_queue as i64 => {
+                return Err(refused(l, Reason::QueueFull, Duration::from_secs(1), clock.now().since(arrival)));
+            }
             None => {
                 gauge_waited = true;
                 let deadline = arrival.saturating_add(l.spec().max_wait);

@@ -9,6 +9,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 
 use bytes::Buf;
@@ -58,6 +59,19 @@ pub struct Admission {
 }
 
 type Admitting = Pin<Box<dyn Future<Output = Result<Admitted, Refused>> + Send>>;
+
+/// Put in a response's extensions by an inner service whose exchange
+/// outlives the response body (a protocol upgrade): the admission moves
+/// into it and is released when the last clone is dropped, e.g. by the task
+/// that copies the upgraded connection.
+#[derive(Clone, Default)]
+pub struct Hold(Arc<Mutex<Option<Admitted>>>);
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hold")
+    }
+}
 
 impl<S, B, RB> Service<Request<B>> for Limit<S>
 where
@@ -117,7 +131,10 @@ where
         loop {
             if let Some(fut) = this.call.as_mut().as_pin_mut() {
                 let resp = ready!(fut.poll(cx)).map_err(Into::into)?;
-                let admitted = this.admitted.take();
+                let mut admitted = this.admitted.take();
+                if let Some(hold) = resp.extensions().get::<Hold>() {
+                    *hold.0.lock().expect("hold lock") = admitted.take();
+                }
                 return Poll::Ready(Ok(resp.map(|body| PermitBody { inner: body, admitted })));
             }
             let adm = this.admission.as_mut().expect("ResponseFuture polled after completion");

@@ -217,7 +217,9 @@ impl LeaseTable {
 
     /// Installs a set of resources (startup or reload). A resource whose name
     /// and kind are unchanged keeps its keys and their limiter state; if its
-    /// configured capacity or burst changed, the change is applied live.
+    /// configured capacity or burst changed, the change is applied live, to
+    /// the keys still at the configured capacity: a key whose capacity a
+    /// lease set keeps it (the file's capacity is what applies without one).
     pub fn configure(&self, specs: Vec<ResourceSpec>) {
         let old = self.resources.load();
         let mut next = HashMap::new();
@@ -227,7 +229,13 @@ impl LeaseTable {
                     let prev = r.spec.swap(Arc::new(spec.clone()));
                     if prev.capacity != spec.capacity || prev.burst != spec.burst {
                         for l in r.keys.load().values() {
-                            l.set_capacity(spec.capacity);
+                            let configured = match spec.kind {
+                                Kind::Rate => prev.capacity,
+                                Kind::Gauge => gauge_units(prev.capacity) as f64,
+                            };
+                            // Re-applying a leased capacity picks up a new burst.
+                            let c = if l.capacity() == configured { spec.capacity } else { l.capacity() };
+                            l.set_capacity(c);
                         }
                     }
                     r.clone()
@@ -298,6 +306,21 @@ mod tests {
         assert!(t.set_capacity("a", 5.0));
         assert_eq!(a.capacity(), 5.0);
         assert!(!t.set_capacity("nope", 5.0));
+    }
+
+    #[test]
+    fn a_reload_moves_keys_at_the_file_capacity_but_not_leased_ones() {
+        let (clock, _h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![spec("r", Kind::Rate, 1.0), spec("g", Kind::Gauge, 3.0)]);
+        let r = t.resource("r").unwrap();
+        let (leased, plain) = (r.limiter("r/leased"), r.limiter("r/plain"));
+        let g = t.resource("g").unwrap().limiter("g");
+        assert!(t.set_capacity("r/leased", 5.0));
+        t.configure(vec![spec("r", Kind::Rate, 2.0), spec("g", Kind::Gauge, 4.0)]);
+        assert_eq!(leased.capacity(), 5.0, "a leased capacity survives a reload");
+        assert_eq!(plain.capacity(), 2.0);
+        assert_eq!(g.capacity(), 4.0);
     }
 
     #[test]

@@ -23,7 +23,7 @@ use rustls::pki_types::pem::PemObject;
 use super::metrics::Metrics;
 use super::respond::ProxyError;
 use crate::config::routes::UpstreamConfig;
-use crate::limit::layer::{Admission, BoxError};
+use crate::limit::layer::{Admission, BoxError, Hold};
 
 /// Idle pooled connections are closed after this long.
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -264,7 +264,11 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
     let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
     if let (true, Some(client_side)) = (switching, client_upgrade) {
         let upstream_side = hyper::upgrade::on(&mut resp);
+        // The admission (gauge permits) lasts as long as the upgraded connection.
+        let hold = Hold::default();
+        resp.extensions_mut().insert(hold.clone());
         tokio::spawn(async move {
+            let _hold = hold;
             match tokio::try_join!(client_side, upstream_side) {
                 Ok((a, b)) => {
                     let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(a), &mut TokioIo::new(b)).await;
