@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
+use usher::error::RunError;
 
 /// usher shares one service's capacity fairly among many clients, with
 /// Doorman-compatible capacity leases.
@@ -22,6 +23,9 @@ enum Command {
     /// Simulate a capacity server tree in virtual time and report utilisation, overshoot,
     /// convergence and fairness.
     Sim(usher::sim::SimArgs),
+    /// Validate routes files, resources files and sim scenarios; print every error with
+    /// file:line:column. Exits 0 when all are valid, 64 when not.
+    Check(usher::check::CheckArgs),
     /// Run the sidecar: route, pace and admit outbound HTTP within capacity.
     Proxy(usher::proxy::ProxyArgs),
 }
@@ -29,32 +33,13 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging();
-    if let Command::Sim(args) = cli.command {
-        // Virtual time: no runtime, no signals.
-        return match usher::sim::run(args) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("usher: {e}");
-                ExitCode::from(e.exit_code())
-            }
-        };
-    }
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("usher: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+    let result = match cli.command {
+        // Virtual time and plain validation need no runtime and no signals.
+        Command::Sim(args) => usher::sim::run(args),
+        Command::Check(args) => usher::check::run(args),
+        Command::Server(args) => serve(|shutdown| usher::server::run(args, shutdown)),
+        Command::Proxy(args) => serve(|shutdown| usher::proxy::run(args, shutdown)),
     };
-    let result = runtime.block_on(async move {
-        let shutdown = CancellationToken::new();
-        tokio::spawn(shutdown_on_signal(shutdown.clone()));
-        match cli.command {
-            Command::Server(args) => usher::server::run(args, shutdown).await,
-            Command::Sim(_) => unreachable!("handled before the runtime starts"),
-            Command::Proxy(args) => usher::proxy::run(args, shutdown).await,
-        }
-    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -62,6 +47,23 @@ fn main() -> ExitCode {
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// Runs a long-lived role on a multi-threaded runtime until SIGTERM or SIGINT.
+fn serve<F, Fut>(role: F) -> Result<(), RunError>
+where
+    F: FnOnce(CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = Result<(), RunError>>,
+{
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| RunError::Other(format!("cannot start the runtime: {e}")))?;
+    runtime.block_on(async move {
+        let shutdown = CancellationToken::new();
+        tokio::spawn(shutdown_on_signal(shutdown.clone()));
+        role(shutdown).await
+    })
 }
 
 /// Logs go to stderr; `USHER_LOG` (or `RUST_LOG`) sets the filter, default `info`.

@@ -1,0 +1,56 @@
+//! `usher check` through the real binary: it tells files apart by content,
+//! validates every shipped example, and reports every error with a position.
+
+mod support;
+
+use std::process::Command;
+
+use support::{run_usher, usher_bin, write_file};
+
+#[test]
+fn shipped_examples_are_valid() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut files =
+        vec![format!("{root}/deploy/examples/routes.yaml"), format!("{root}/deploy/examples/resources.yaml")];
+    for s in ["one", "two", "three", "four", "five", "six", "seven"] {
+        files.push(format!("{root}/deploy/examples/sim/{s}.yaml"));
+    }
+    let out = Command::new(usher_bin()).arg("check").args(&files).env("POD_NAME", "app-0").output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("routes.yaml: ok (routes file)"), "{stdout}");
+    assert!(stdout.contains("resources.yaml: ok (resources file)"), "{stdout}");
+    assert!(stdout.contains("seven.yaml: ok (sim scenario)"), "{stdout}");
+}
+
+#[test]
+fn every_error_of_every_file_is_reported_and_the_exit_code_is_64() {
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        "resources:\n  api: { kind: rate, capacity: 5, on_expiry: sometimes }\nroutes:\n  - { name: a, resources: [apx] }\n",
+    );
+    let resources = write_file(
+        dir.path(),
+        "resources.yaml",
+        "resources:\n  - identifier_glob: x\n    capacity: 1\n    algorithm: { kind: FAIR, lease_length: 5, refresh_interval: 5 }\n",
+    );
+    let unknown = write_file(dir.path(), "other.yaml", "hello: world\n");
+    let (code, out, err) =
+        run_usher(&["check", routes.to_str().unwrap(), resources.to_str().unwrap(), unknown.to_str().unwrap()]);
+    assert_eq!(code, 64, "{out}{err}");
+    let (r, s, u) = (routes.display(), resources.display(), unknown.display());
+    for want in [
+        format!(
+            "{r}:2:46: resources.api.on_expiry: unknown behaviour `sometimes` (hint: optimistic, pessimistic or safe)"
+        ),
+        format!("{r}:4:28: routes[0].resources[0]: unknown resource `apx` (hint: did you mean `api`?)"),
+        format!("{s}:4:24: resources[0].algorithm.kind: unknown algorithm `FAIR`"),
+        format!("{s}:2:3: resources: no catch-all entry"),
+        format!("{u}:1:1: cannot tell what kind of file this is"),
+        "usher: 3 of 3 file(s) invalid".to_string(),
+    ] {
+        assert!(err.contains(&want), "missing {want:?} in:\n{err}");
+    }
+}
