@@ -392,8 +392,8 @@ async fn upstream_pushback_frees_the_lease_for_the_other_sidecar() {
     let pa = start_proxy(dir.path(), "a", &text(&ua, "sidecar-a"));
     let pb = start_proxy(dir.path(), "b", &text(&ub, "sidecar-b"));
     let (ta, tb) = (Arc::new(Tally::default()), Arc::new(Tally::default()));
-    let load_a = tokio::spawn(drive(pa.addr("listen"), 200.0, Duration::from_secs(26), ta.clone()));
-    let load_b = tokio::spawn(drive(pb.addr("listen"), 200.0, Duration::from_secs(26), tb.clone()));
+    let load_a = tokio::spawn(drive(pa.addr("listen"), 200.0, Duration::from_secs(32), ta.clone()));
+    let load_b = tokio::spawn(drive(pb.addr("listen"), 200.0, Duration::from_secs(32), tb.clone()));
     tokio::time::sleep(Duration::from_secs(6)).await;
     let (ra, rb) = (ok_rate(&ua, Duration::from_secs(2)).await, ok_rate(&ub, Duration::from_secs(2)).await);
     assert!((ra - 50.0).abs() <= 7.5 && (rb - 50.0).abs() <= 7.5, "fair before: a {ra:.1}/s, b {rb:.1}/s");
