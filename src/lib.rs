@@ -11,6 +11,7 @@ pub mod algorithm;
 pub mod check;
 pub mod clock;
 pub mod config;
+pub mod demo;
 pub mod error;
 pub mod lease;
 pub mod limit;

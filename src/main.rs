@@ -18,6 +18,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// A tour on loopback: a capacity server and three sidecars sharing one resource, live.
+    Demo(usher::demo::DemoArgs),
     /// Run a Doorman-compatible capacity server (gRPC `doorman.Capacity`).
     Server(usher::server::ServerArgs),
     /// Simulate a capacity server tree in virtual time and report utilisation, overshoot,
@@ -32,13 +34,15 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    // The demo's sidecars would drown its live table in their info logs.
+    init_logging(if matches!(cli.command, Command::Demo(_)) { "warn" } else { "info" });
     let result = match cli.command {
         // Virtual time and plain validation need no runtime and no signals.
         Command::Sim(args) => usher::sim::run(args),
         Command::Check(args) => usher::check::run(args),
         Command::Server(args) => serve(|shutdown| usher::server::run(args, shutdown)),
         Command::Proxy(args) => serve(|shutdown| usher::proxy::run(args, shutdown)),
+        Command::Demo(args) => serve(|shutdown| usher::demo::run(args, shutdown)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -66,14 +70,14 @@ where
     })
 }
 
-/// Logs go to stderr; `USHER_LOG` (or `RUST_LOG`) sets the filter, default `info`.
-fn init_logging() {
+/// Logs go to stderr; `USHER_LOG` (or `RUST_LOG`) sets the filter, else `default`.
+fn init_logging(default: &str) {
     use tracing_subscriber::EnvFilter;
     let filter = std::env::var("USHER_LOG")
         .ok()
         .and_then(|s| EnvFilter::try_new(s).ok())
         .or_else(|| EnvFilter::try_from_default_env().ok())
-        .unwrap_or_else(|| EnvFilter::new("info"));
+        .unwrap_or_else(|| EnvFilter::new(default));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
 }
 

@@ -1,0 +1,24 @@
+//! `usher demo`, the README's first command, through the real binary.
+
+mod support;
+
+#[test]
+fn the_demo_shares_one_capacity_among_three_sidecars() {
+    let (code, out, err) = support::run_usher(&["demo", "--duration", "6s", "--quiet"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let rows: Vec<Vec<f64>> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with("sidecar-"))
+        .map(|l| l.split_whitespace().skip(1).map(|x| x.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(rows.len(), 3, "{out}");
+    let leases: Vec<f64> = rows.iter().map(|r| r[3]).collect();
+    let total_lease: f64 = leases.iter().sum();
+    assert!(total_lease <= 100.0 + 1e-6 && total_lease >= 95.0, "the leases share the capacity: {leases:?}\n{out}");
+    for l in &leases {
+        assert!(*l >= 25.0 && *l <= 40.0, "max-min fair shares of 33, 88 and 176 wanted: {leases:?}\n{out}");
+    }
+    let admitted: f64 = rows.iter().map(|r| r[1]).sum();
+    assert!(admitted <= 100.0 + 3.0 * 5.0 / 6.0 + 1.0, "admitted {admitted}/s over a 100/s capacity\n{out}");
+    assert!(out.contains("summary over 6s"), "{out}");
+}
