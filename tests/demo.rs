@@ -14,9 +14,9 @@ fn the_demo_shares_one_capacity_among_three_sidecars() {
     assert_eq!(rows.len(), 3, "{out}");
     let leases: Vec<f64> = rows.iter().map(|r| r[3]).collect();
     let total_lease: f64 = leases.iter().sum();
-    assert!(total_lease <= 100.0 + 1e-6 && total_lease >= 95.0, "the leases share the capacity: {leases:?}\n{out}");
+    assert!((95.0..=100.0 + 1e-6).contains(&total_lease), "the leases share the capacity: {leases:?}\n{out}");
     for l in &leases {
-        assert!(*l >= 25.0 && *l <= 40.0, "max-min fair shares of 33, 88 and 176 wanted: {leases:?}\n{out}");
+        assert!((25.0..=40.0).contains(l), "max-min fair shares of 33, 88 and 176 wanted: {leases:?}\n{out}");
     }
     let admitted: f64 = rows.iter().map(|r| r[1]).sum();
     assert!(admitted <= 100.0 + 3.0 * 5.0 / 6.0 + 1.0, "admitted {admitted}/s over a 100/s capacity\n{out}");
