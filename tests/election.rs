@@ -269,3 +269,75 @@ async fn after_a_root_failover_no_intermediate_hands_out_zero() {
     assert_eq!(leases["leases"][0]["kind"], "server");
     assert_eq!(leases["leases"][0]["has"], 30.0, "learning mode handed the intermediate's has back: {body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_keeps_enforcing_through_a_master_failover() {
+    use std::sync::atomic::Ordering;
+    use support::load::{Tally, drive};
+    use support::upstream::Upstream;
+
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::write_file(dir.path(), "r.yaml", CONFIG);
+    let mut members: Vec<(Usher, String)> =
+        (0..3).map(|_| start_member(&etcd.endpoint, cfg.to_str().unwrap(), "/test/sidecar-master")).collect();
+    let servers: Vec<String> = members.iter().map(|(_, a)| format!("\"{a}\"")).collect();
+    let up = Upstream::start().await;
+    let routes = support::write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "doorman:\n  servers: [{}]\n  client_id: app-0\n  min_interval: 200ms\n  backoff: {{ initial: 200ms, max: 1s }}\n\
+             upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  api: {{ kind: rate, capacity: 40, burst: 4, wants: 40, on_expiry: pessimistic }}\n\
+             routes:\n  - {{ name: all, upstream: up, resources: [api] }}\n",
+            servers.join(", "),
+            up.addr
+        ),
+    );
+    assert_eventually!(
+        members.iter().filter(|(u, _)| is_master(u)).count() == 1,
+        Duration::from_secs(15),
+        "one master"
+    );
+    let proxy = Usher::start(
+        &["proxy", "--routes", routes.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+        &[],
+        "usher proxy listening",
+    );
+    let lease = |u: &Usher| -> (String, f64) {
+        let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        (
+            v["lease"]["keys"][0]["mode"].as_str().unwrap_or("").to_string(),
+            v["lease"]["keys"][0]["has"].as_f64().unwrap_or(0.0),
+        )
+    };
+    assert_eventually!(
+        lease(&proxy) == ("leased".to_string(), 40.0),
+        Duration::from_secs(10),
+        "the sidecar holds its lease"
+    );
+    let tally = Arc::new(Tally::default());
+    let load = tokio::spawn(drive(proxy.addr("listen"), 80.0, Duration::from_secs(12), tally.clone()));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let master = members.iter().position(|(u, _)| is_master(u)).unwrap();
+    members[master].0.child.kill().unwrap();
+    let n0 = up.stats.requests();
+    let t0 = Instant::now();
+    // Throughout the failover the sidecar keeps its lease and keeps admitting 40/s.
+    while t0.elapsed() < Duration::from_secs(8) {
+        assert_eq!(lease(&proxy), ("leased".to_string(), 40.0), "the lease is enforced throughout");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let rate = (up.stats.requests() - n0) as f64 / t0.elapsed().as_secs_f64();
+    assert!((rate - 40.0).abs() <= 4.0, "admitted {rate:.1}/s through the failover");
+    load.await.unwrap();
+    assert_eq!(tally.other.load(Ordering::Relaxed), 0, "the app saw no 5xx");
+    let new_master = (0..3).find(|i| *i != master && is_master(&members[*i].0)).expect("a new master");
+    let (_, body) = http_get(members[new_master].0.addr("admin"), "/debug/resources?resource=api&format=json");
+    assert!(
+        body.contains("app-0") && body.contains("\"has\": 40.0"),
+        "the new master learned the sidecar's lease: {body}"
+    );
+}

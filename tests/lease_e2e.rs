@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use support::load::{Tally, drive};
 use support::upstream::{Upstream, get, h1, send1};
 use support::{Usher, http_get, write_file};
 
@@ -64,51 +65,6 @@ fn status(u: &Usher) -> serde_json::Value {
     let (code, body) = http_get(u.addr("admin"), "/debug/status?format=json");
     assert_eq!(code, 200, "{body}");
     serde_json::from_str(&body).unwrap()
-}
-
-#[derive(Default)]
-struct Tally {
-    ok: AtomicU64,
-    refused: AtomicU64,
-    other: AtomicU64,
-}
-
-/// Offers `rate` requests per second to the proxy at `addr` for `dur`, over 4 connections.
-async fn drive(addr: std::net::SocketAddr, rate: f64, dur: Duration, tally: Arc<Tally>) {
-    let conns = 4;
-    let every = Duration::from_secs_f64(conns as f64 / rate);
-    let deadline = Instant::now() + dur;
-    let mut tasks = Vec::new();
-    for i in 0..conns {
-        let tally = tally.clone();
-        tasks.push(tokio::spawn(async move {
-            tokio::time::sleep(every.mul_f64(i as f64 / conns as f64)).await;
-            let mut c = h1(addr).await;
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            while Instant::now() < deadline {
-                tick.tick().await;
-                if c.ready().await.is_err() {
-                    // The proxy closed the connection (it is shutting down): not an answer.
-                    return;
-                }
-                let status = match c.send_request(get("app.local", "/x")).await {
-                    Ok(r) => r.status().as_u16(),
-                    Err(e) if e.is_incomplete_message() || e.is_closed() => return,
-                    Err(e) => panic!("request failed: {e}"),
-                };
-                let counter = match status {
-                    200 => &tally.ok,
-                    429 => &tally.refused,
-                    _ => &tally.other,
-                };
-                counter.fetch_add(1, Ordering::Relaxed);
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
 }
 
 const FAIR: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 10, refresh_interval: 2, learning_mode_duration: 0 }\n";

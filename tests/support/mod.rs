@@ -218,4 +218,5 @@ pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
 }
 
 pub mod etcd;
+pub mod load;
 pub mod upstream;
