@@ -390,3 +390,33 @@ async fn upstream_pushback_frees_the_lease_for_the_other_sidecar() {
     load_a.await.unwrap();
     load_b.await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_templated_keys_are_released_and_forgotten() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = start_server(dir.path(), "server", FAIR, port);
+    let up = Upstream::start().await;
+    let doorman =
+        format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: sidecar-t\n  min_interval: 200ms\n");
+    let res = "    kind: rate\n    id: \"tenant/{header.x-tenant}\"\n    capacity: 10\n    wants: 10\n    key_idle_timeout: 1s\n";
+    let p = start_proxy(dir.path(), "p", &routes(&up, &doorman, res));
+    let mut c = h1(p.addr("listen")).await;
+    let req = http::Request::get("/x")
+        .header("host", "app.local")
+        .header("x-tenant", "acme")
+        .body(support::upstream::empty())
+        .unwrap();
+    assert_eq!(send1(&mut c, req).await.status, 200);
+    let held = || {
+        let (code, body) = http_get(server.addr("admin"), "/debug/resources?resource=tenant/acme&format=json");
+        code == 200 && body.contains("sidecar-t")
+    };
+    assert_eventually!(held(), Duration::from_secs(5), "the new key is leased");
+    // No more requests for that tenant: after the idle timeout the key is released and forgotten.
+    assert_eventually!(!held(), Duration::from_secs(6), "the idle key's lease is released");
+    let keys = status(&p)["keys"].as_array().unwrap().len();
+    assert_eq!(keys, 0, "the key is forgotten: {}", status(&p));
+    assert!(p.log().contains("forgot an idle key"), "{}", p.log());
+}

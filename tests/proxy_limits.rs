@@ -441,14 +441,21 @@ async fn templated_ids_give_each_key_its_own_budget_up_to_max_keys() {
         assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(r.json()["resource_id"], format!("t/{tenant}"));
     }
-    // Beyond max_keys, new ids share one overflow key.
-    assert_eq!(status("c").await.status, StatusCode::OK);
-    assert_eq!(status("d").await.status, StatusCode::OK);
-    let r = status("e").await;
-    assert_eq!(r.json()["resource_id"], "per-tenant/_overflow");
+    // Beyond max_keys, a new id is refused with a 429 naming the bound; known ids still pass.
+    let r = status("c").await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.json()["type"], "urn:usher:problem:too-many-keys");
+    assert!(
+        r.json()["detail"]
+            .as_str()
+            .unwrap()
+            .contains("resource `per-tenant` already tracks 2 distinct ids (its max_keys)"),
+        "{}",
+        r.text()
+    );
     let ids: Vec<String> =
         h.proxy.table.resource("per-tenant").unwrap().limiters().iter().map(|l| l.id().to_string()).collect();
-    assert_eq!(ids, ["per-tenant/_overflow", "t/a", "t/b"]);
+    assert_eq!(ids, ["t/a", "t/b"]);
     assert!(h.proxy.table.set_capacity("t/a", 1000.0), "the lease client addresses keys by resource id");
 }
 

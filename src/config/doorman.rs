@@ -46,7 +46,12 @@ pub struct LeaseSettings {
     pub min_wants: f64,
     pub max_wants: Option<f64>,
     pub headroom: f64,
+    /// A templated key with no request for this long is released and forgotten.
+    pub key_idle_timeout: Duration,
 }
+
+/// Default `key_idle_timeout`.
+pub const DEFAULT_KEY_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 
 impl Default for LeaseSettings {
     fn default() -> Self {
@@ -58,6 +63,7 @@ impl Default for LeaseSettings {
             min_wants: 0.0,
             max_wants: None,
             headroom: DEFAULT_HEADROOM,
+            key_idle_timeout: DEFAULT_KEY_IDLE_TIMEOUT,
         }
     }
 }
@@ -256,6 +262,9 @@ pub fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSet
     let min_wants = number(ck, m, "min_wants", |v| v >= 0.0, "a number >= 0")?.unwrap_or(0.0);
     let max_wants = number(ck, m, "max_wants", |v| v >= 0.0, "a number >= 0")?;
     let headroom = number(ck, m, "headroom", |v| v >= 1.0, "at least 1")?.unwrap_or(DEFAULT_HEADROOM);
+    let key_idle_timeout = m
+        .get("key_idle_timeout")
+        .map_or(Some(DEFAULT_KEY_IDLE_TIMEOUT), |n| ck.duration(n, &m.child("key_idle_timeout")))?;
     Some(LeaseSettings {
         wants: wants?,
         priority: priority?,
@@ -264,6 +273,7 @@ pub fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSet
         min_wants,
         max_wants,
         headroom,
+        key_idle_timeout,
     })
 }
 

@@ -238,6 +238,7 @@ const RESOURCE_FIELDS: &[&str] = &[
     "min_wants",
     "max_wants",
     "headroom",
+    "key_idle_timeout",
 ];
 const ROUTE_FIELDS: &[&str] = &["name", "match", "upstream", "resources", "pushback"];
 const MATCH_FIELDS: &[&str] = &["host", "path_prefix", "methods", "headers"];

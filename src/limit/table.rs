@@ -5,7 +5,7 @@
 //!
 //! Readers on the request path load arc-swap snapshots: no lock is shared
 //! across resources or keys. A templated resource creates a key on its first
-//! request, copy-on-write, up to `max_keys`; later ids share one overflow key.
+//! request, copy-on-write, up to `max_keys`; a request for one more is refused.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -151,9 +151,12 @@ pub struct ResourceLimits {
     clock: Clock,
 }
 
-/// The id shared by a templated resource's keys beyond `max_keys`.
-pub fn overflow_id(resource: &str) -> String {
-    format!("{resource}/_overflow")
+/// A templated resource already has `max_keys` distinct ids.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("resource `{resource}` already tracks {max_keys} distinct ids (its max_keys)")]
+pub struct KeysFull {
+    pub resource: String,
+    pub max_keys: usize,
 }
 
 impl ResourceLimits {
@@ -170,27 +173,46 @@ impl ResourceLimits {
         self.spec.load_full()
     }
 
-    /// The limiter for `id`, created on first use.
+    /// The limiter for `id`, created on first use (fixed ids: no bound applies).
     pub fn limiter(&self, id: &str) -> Arc<Limiter> {
+        self.get_or_create(id, usize::MAX).expect("an unbounded key set is never full")
+    }
+
+    /// The limiter for a templated `id`, created on first use unless the
+    /// resource already has `max_keys` keys.
+    pub fn try_limiter(&self, id: &str) -> Result<Arc<Limiter>, KeysFull> {
+        self.get_or_create(id, self.spec.load().max_keys)
+    }
+
+    fn get_or_create(&self, id: &str, bound: usize) -> Result<Arc<Limiter>, KeysFull> {
         if let Some(l) = self.keys.load().get(id) {
-            return l.clone();
+            return Ok(l.clone());
         }
         let _g = self.grow.lock().expect("key lock");
         let keys = self.keys.load();
         if let Some(l) = keys.get(id) {
-            return l.clone();
+            return Ok(l.clone());
         }
-        let spec = self.spec.load();
-        let own = keys.keys().filter(|k| **k != overflow_id(&spec.name)).count();
-        let id = if own >= spec.max_keys { overflow_id(&spec.name) } else { id.to_string() };
-        if let Some(l) = keys.get(&id) {
-            return l.clone();
+        if keys.len() >= bound {
+            let spec = self.spec.load();
+            return Err(KeysFull { resource: spec.name.clone(), max_keys: spec.max_keys });
         }
-        let l = Arc::new(Limiter::new(id.clone(), self.spec.clone(), self.clock.clone()));
+        let l = Arc::new(Limiter::new(id.to_string(), self.spec.clone(), self.clock.clone()));
         let mut next = HashMap::clone(&keys);
-        next.insert(id, l.clone());
+        next.insert(id.to_string(), l.clone());
         self.keys.store(Arc::new(next));
-        l
+        Ok(l)
+    }
+
+    /// Forgets a key (an idle templated id); requests holding it finish normally.
+    pub fn remove(&self, id: &str) {
+        let _g = self.grow.lock().expect("key lock");
+        let keys = self.keys.load();
+        if keys.contains_key(id) {
+            let mut next = HashMap::clone(&keys);
+            next.remove(id);
+            self.keys.store(Arc::new(next));
+        }
     }
 
     pub fn limiters(&self) -> Vec<Arc<Limiter>> {
@@ -324,15 +346,20 @@ mod tests {
     }
 
     #[test]
-    fn templated_keys_are_bounded() {
+    fn templated_keys_are_bounded_and_can_be_forgotten() {
         let (clock, _h) = Clock::manual(Time::from_secs(10));
         let t = LeaseTable::new(clock);
         t.configure(vec![spec("r", Kind::Rate, 1.0)]);
         let r = t.resource("r").unwrap();
-        let ids: Vec<String> = (0..10).map(|i| r.limiter(&format!("r/{i}")).id().to_string()).collect();
-        assert_eq!(ids[..3], ["r/0", "r/1", "r/2"]);
-        assert!(ids[3..].iter().all(|i| i == "r/_overflow"), "{ids:?}");
-        assert_eq!(r.limiters().len(), 4);
-        assert_eq!(r.limiter("r/1").id(), "r/1");
+        for i in 0..3 {
+            assert_eq!(r.try_limiter(&format!("r/{i}")).unwrap().id(), format!("r/{i}"));
+        }
+        let full = r.try_limiter("r/3").unwrap_err();
+        assert_eq!(full, KeysFull { resource: "r".into(), max_keys: 3 });
+        assert_eq!(full.to_string(), "resource `r` already tracks 3 distinct ids (its max_keys)");
+        assert_eq!(r.try_limiter("r/1").unwrap().id(), "r/1", "known ids are still served");
+        assert_eq!(r.limiters().len(), 3);
+        r.remove("r/0");
+        assert_eq!(r.try_limiter("r/3").unwrap().id(), "r/3", "a forgotten key frees a place");
     }
 }

@@ -36,6 +36,8 @@ struct KeyMemory {
     /// (time, peak in flight + waiters) over the peak window.
     peaks: VecDeque<(Time, f64)>,
     refused: u64,
+    /// Last time the key saw an arrival or had a request in flight.
+    active: Option<(Time, f64)>,
 }
 
 /// The sidecar as the lease client sees it.
@@ -117,6 +119,40 @@ impl TableEnforcer {
     }
 }
 
+impl TableEnforcer {
+    /// Forgets a templated key nobody has used for its idle timeout; the
+    /// lease client then releases its lease. Returns whether it was forgotten.
+    fn idle(
+        &self,
+        cfg: &RoutesConfig,
+        resource: &str,
+        l: &crate::limit::Limiter,
+        s: &LeaseSettings,
+        now: Time,
+    ) -> bool {
+        let fixed = cfg.resources.get(resource).is_some_and(|r| r.id.is_fixed());
+        let arrivals = l.demand().arrivals();
+        let mut mem = self.memory.lock().expect("enforcer memory");
+        let m = mem.entry(l.id().to_string()).or_default();
+        let busy = l.demand().in_flight() > 0 || l.demand().waiters() > 0;
+        match m.active {
+            Some((_, seen)) if seen == arrivals && !busy => {}
+            _ => m.active = Some((now, arrivals)),
+        }
+        let since = m.active.map_or(now, |(t, _)| t);
+        if fixed || now.since(since) < s.key_idle_timeout {
+            return false;
+        }
+        mem.remove(l.id());
+        drop(mem);
+        if let Some(limits) = self.proxy.table.resource(resource) {
+            limits.remove(l.id());
+        }
+        tracing::info!(resource, id = %l.id(), idle = ?s.key_idle_timeout, "forgot an idle key; releasing its lease");
+        true
+    }
+}
+
 impl Enforcer for TableEnforcer {
     fn demand(&self) -> Vec<KeyDemand> {
         let cfg = self.proxy.config();
@@ -141,6 +177,9 @@ impl Enforcer for TableEnforcer {
             .into_iter()
             .filter_map(|(resource, l)| {
                 let (settings, kind, capacity) = Self::settings(&cfg, &resource)?;
+                if self.idle(&cfg, &resource, &l, settings, now) {
+                    return None;
+                }
                 let (wants, pressure) = self.wants(l.id(), &l, kind, settings, capacity, now);
                 Some(KeyDemand {
                     resource_id: l.id().to_string(),

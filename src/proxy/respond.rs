@@ -33,6 +33,10 @@ pub enum ProxyError {
     Loop,
     #[error("bad request: {0}")]
     BadRequest(String),
+    #[error(
+        "resource `{resource}` already tracks {max_keys} distinct ids (its max_keys); this request would add another"
+    )]
+    TooManyKeys { resource: String, max_keys: usize },
 }
 
 impl ProxyError {
@@ -43,6 +47,7 @@ impl ProxyError {
             ProxyError::UpstreamConnect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Loop => StatusCode::LOOP_DETECTED,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::TooManyKeys { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -55,6 +60,7 @@ impl ProxyError {
             ProxyError::Upstream { .. } => "upstream-error",
             ProxyError::Loop => "loop",
             ProxyError::BadRequest(_) => "bad-request",
+            ProxyError::TooManyKeys { .. } => "too-many-keys",
         }
     }
 
@@ -63,6 +69,7 @@ impl ProxyError {
             ProxyError::NoRoute { .. } | ProxyError::ConnectDenied { .. } => 7, // PERMISSION_DENIED
             ProxyError::UpstreamTimeout { .. } => 4,                            // DEADLINE_EXCEEDED
             ProxyError::BadRequest(_) => 3,                                     // INVALID_ARGUMENT
+            ProxyError::TooManyKeys { .. } => 8,                                // RESOURCE_EXHAUSTED
             _ => 14,                                                            // UNAVAILABLE
         }
     }

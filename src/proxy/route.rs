@@ -102,7 +102,7 @@ impl Routing {
                 .iter()
                 .find(|r| r.matcher.host.as_deref().is_some_and(|h| host_matches(h, &host)))
                 .ok_or_else(|| ProxyError::ConnectDenied { authority, host: host.clone() })?;
-            return Ok(self.resolved(route.clone(), req, &host, table, Target::Direct(self.direct.clone())));
+            return self.resolved(route.clone(), req, &host, table, Target::Direct(self.direct.clone()));
         }
         let path = req.uri().path();
         match self.routes.iter().find(|r| matches(&r.matcher, req, &host, path)) {
@@ -111,7 +111,7 @@ impl Routing {
                     Some(u) => Target::Upstream(u.clone()),
                     None => Target::Direct(self.direct.clone()),
                 };
-                Ok(self.resolved(route.clone(), req, &host, table, target))
+                self.resolved(route.clone(), req, &host, table, target)
             }
             None if self.default == DefaultAction::Passthrough => Ok(Resolved {
                 route: None,
@@ -130,17 +130,23 @@ impl Routing {
         host: &str,
         table: &LeaseTable,
         target: Target,
-    ) -> Resolved {
+    ) -> Result<Resolved, ProxyError> {
         let mut items = Vec::with_capacity(route.resources.len());
         for (name, template, cost) in &route.resources {
             // Validated at load: every named resource exists in the table.
             let Some(res) = table.resource(name) else { continue };
             let id = render(template, req, host);
-            items.push((res.limiter(&id), *cost));
+            let limiter = if template.is_fixed() {
+                res.limiter(&id)
+            } else {
+                res.try_limiter(&id)
+                    .map_err(|e| ProxyError::TooManyKeys { resource: e.resource, max_keys: e.max_keys })?
+            };
+            items.push((limiter, *cost));
         }
         let plan = Plan::new(items);
         let resources = plan.items.iter().map(|(l, _)| l.spec().name.clone()).collect();
-        Resolved { route: Some(route), plan, target, resources }
+        Ok(Resolved { route: Some(route), plan, target, resources })
     }
 }
 
