@@ -420,3 +420,38 @@ async fn idle_templated_keys_are_released_and_forgotten() {
     assert_eq!(keys, 0, "the key is forgotten: {}", status(&p));
     assert!(p.log().contains("forgot an idle key"), "{}", p.log());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_that_wakes_up_reaches_its_share_within_two_seconds() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let _server = start_server(dir.path(), "server", FAIR, port);
+    let (ua, ub) = (Upstream::start().await, Upstream::start().await);
+    let res = "    kind: rate\n    capacity: 100\n    burst: 5\n    wants: auto\n";
+    let doorman =
+        |id: &str| format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: {id}\n  min_interval: 500ms\n");
+    let pa = start_proxy(dir.path(), "a", &routes(&ua, &doorman("wake-a"), res));
+    let pb = start_proxy(dir.path(), "b", &routes(&ub, &doorman("wake-b"), res));
+    let (ta, tb) = (Arc::new(Tally::default()), Arc::new(Tally::default()));
+    let load_a = tokio::spawn(drive(pa.addr("listen"), 200.0, Duration::from_secs(16), ta.clone()));
+    drive(pb.addr("listen"), 200.0, Duration::from_secs(3), tb.clone()).await;
+    // b goes idle: its wants fall to 0 and a takes nearly everything.
+    let has = |p: &Usher| status(p)["lease"]["keys"][0]["has"].as_f64().unwrap_or(0.0);
+    assert_eventually!(has(&pb) < 10.0 && has(&pa) > 90.0, Duration::from_secs(8), "idle b gives its share to a");
+    // b wakes up with 200/s: refusals trigger an early refresh, and it reaches its share within 2 s.
+    let woke = Instant::now();
+    let load_b = tokio::spawn(drive(pb.addr("listen"), 200.0, Duration::from_secs(4), tb.clone()));
+    let mut reached = None;
+    while woke.elapsed() < Duration::from_secs(3) {
+        if has(&pb) >= 45.0 {
+            reached = Some(woke.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = reached.unwrap_or_else(|| panic!("b never reached its share: {}", status(&pb)));
+    assert!(took <= Duration::from_secs(2), "b reached its share after {took:?}");
+    load_b.await.unwrap();
+    load_a.await.unwrap();
+}
