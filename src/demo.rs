@@ -37,6 +37,9 @@ pub struct DemoArgs {
     /// Print the summary only (no live table): for scripts and logs.
     #[arg(long)]
     pub quiet: bool,
+    /// Draw each sidecar's lease and admitted rate over time to this PNG file.
+    #[arg(long, value_name = "FILE.png")]
+    pub plot: Option<std::path::PathBuf>,
 }
 
 /// One sidecar's figures over the run.
@@ -144,9 +147,14 @@ async fn lease_of(admin: SocketAddr) -> (f64, f64) {
     (k["wants"].as_f64().unwrap_or(0.0), k["has"].as_f64().unwrap_or(0.0))
 }
 
-/// Runs the demo and returns the per-sidecar summary.
-pub async fn run_demo(args: &DemoArgs) -> Result<Vec<SidecarSummary>, RunError> {
+/// Per second: (t, per sidecar (lease, admitted/s)).
+type History = Vec<(f64, Vec<(f64, f64)>)>;
+
+/// Runs the demo and returns the per-sidecar summary and history.
+pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History), RunError> {
+    // The sidecars stop first, so they can release their leases to a server still running.
     let shutdown = CancellationToken::new();
+    let sidecars_stop = CancellationToken::new();
     let up = upstream(shutdown.clone()).await?;
     let server = capacity_server(shutdown.clone()).await?;
     let dir = std::env::temp_dir().join(format!("usher-demo-{}", std::process::id()));
@@ -163,8 +171,7 @@ pub async fn run_demo(args: &DemoArgs) -> Result<Vec<SidecarSummary>, RunError> 
         let path = dir.join(format!("sidecar-{i}.yaml"));
         std::fs::write(&path, routes).map_err(|e| RunError::Other(format!("cannot write {}: {e}", path.display())))?;
         let args = ProxyArgs { routes: path, listen: Some(listen), admin_listen: Some(admin) };
-        let token = shutdown.child_token();
-        let task = tokio::spawn(crate::proxy::run(args, token));
+        let task = tokio::spawn(crate::proxy::run(args, sidecars_stop.clone()));
         sidecars.push((format!("sidecar-{i}"), *offered, listen, admin, task));
     }
     // Wait until every sidecar answers.
@@ -192,18 +199,22 @@ pub async fn run_demo(args: &DemoArgs) -> Result<Vec<SidecarSummary>, RunError> 
     }
     let mut last: Vec<(u64, u64)> = vec![(0, 0); sidecars.len()];
     let mut summary = Vec::new();
+    let mut history: History = Vec::new();
     while Instant::now() < until {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let mut lines = Vec::new();
         let mut total_has = 0.0;
+        let mut point = Vec::new();
         for (i, (name, offered, _, admin, _)) in sidecars.iter().enumerate() {
             let (wants, has) = lease_of(*admin).await;
             let (ok, refused) = (counts[i].ok.load(Ordering::Relaxed), counts[i].refused.load(Ordering::Relaxed));
             let (d_ok, d_ref) = (ok - last[i].0, refused - last[i].1);
             last[i] = (ok, refused);
             total_has += has;
+            point.push((has, d_ok as f64));
             lines.push(format!("  {name:<10} {offered:>8.0} {wants:>8.1} {has:>8.1} {d_ok:>12} {d_ref:>11}"));
         }
+        history.push((start.elapsed().as_secs_f64(), point));
         if !args.quiet {
             println!(
                 "t={:>3.0}s      offered    wants      has   admitted/s   refused/s",
@@ -226,20 +237,39 @@ pub async fn run_demo(args: &DemoArgs) -> Result<Vec<SidecarSummary>, RunError> 
             has,
         });
     }
-    shutdown.cancel();
+    sidecars_stop.cancel();
     for (_, _, _, _, task) in sidecars {
         let _ = tokio::time::timeout(Duration::from_secs(20), task).await;
     }
+    shutdown.cancel();
     let _ = std::fs::remove_dir_all(&dir);
-    Ok(summary)
+    Ok((summary, history))
 }
 
 /// `usher demo`.
 pub async fn run(args: DemoArgs, shutdown: CancellationToken) -> Result<(), RunError> {
-    let summary = tokio::select! {
+    let (summary, history) = tokio::select! {
         s = run_demo(&args) => s?,
         _ = shutdown.cancelled() => return Ok(()),
     };
+    if let Some(path) = &args.plot {
+        let colors = [[30, 150, 60], [40, 90, 200], [200, 120, 20]];
+        let mut series = vec![crate::plot::Series {
+            name: "capacity".into(),
+            rgb: [200, 40, 40],
+            points: history.iter().map(|(t, _)| (*t, CAPACITY)).collect(),
+        }];
+        for (i, rgb) in colors.iter().enumerate() {
+            series.push(crate::plot::Series {
+                name: format!("lease {i}"),
+                rgb: *rgb,
+                points: history.iter().map(|(t, p)| (*t, p[i].0)).collect(),
+            });
+        }
+        crate::plot::line_chart(path, "usher demo: each sidecar's lease", &series)
+            .map_err(|e| RunError::Other(format!("cannot write {}: {e}", path.display())))?;
+        println!("plot written to {}", path.display());
+    }
     println!("summary over {:?} (capacity {CAPACITY}/s, FAIR_SHARE):", args.duration);
     println!("  {:<10} {:>10} {:>12} {:>11} {:>10}", "sidecar", "offered/s", "admitted/s", "refused/s", "lease");
     let mut total = 0.0;

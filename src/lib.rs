@@ -15,6 +15,7 @@ pub mod demo;
 pub mod error;
 pub mod lease;
 pub mod limit;
+pub mod plot;
 pub mod proto;
 pub mod proxy;
 pub mod server;

@@ -4,7 +4,10 @@ mod support;
 
 #[test]
 fn the_demo_shares_one_capacity_among_three_sidecars() {
-    let (code, out, err) = support::run_usher(&["demo", "--duration", "6s", "--quiet"]);
+    let dir = tempfile::tempdir().unwrap();
+    let png = dir.path().join("demo.png");
+    let (code, out, err) =
+        support::run_usher(&["demo", "--duration", "6s", "--quiet", "--plot", png.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}\n{err}");
     let rows: Vec<Vec<f64>> = out
         .lines()
@@ -21,4 +24,5 @@ fn the_demo_shares_one_capacity_among_three_sidecars() {
     let admitted: f64 = rows.iter().map(|r| r[1]).sum();
     assert!(admitted <= 100.0 + 3.0 * 5.0 / 6.0 + 1.0, "admitted {admitted}/s over a 100/s capacity\n{out}");
     assert!(out.contains("summary over 6s"), "{out}");
+    assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG", "the plot is a PNG");
 }

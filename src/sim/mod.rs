@@ -499,6 +499,9 @@ pub struct SimArgs {
     /// Print every event and mishap, and the node it strikes, to stderr.
     #[arg(long)]
     pub trace: bool,
+    /// Draw capacity, total wants and total has over time to this PNG file.
+    #[arg(long, value_name = "FILE.png")]
+    pub plot: Option<std::path::PathBuf>,
 }
 
 /// Runs `usher sim`.
@@ -533,6 +536,23 @@ pub fn run(args: SimArgs) -> Result<(), crate::error::RunError> {
     if let Some(path) = &args.csv {
         std::fs::write(path, csv(&sim.samples))
             .map_err(|e| RunError::Other(format!("cannot write {}: {e}", path.display())))?;
+    }
+    if let Some(path) = &args.plot {
+        let series = |name: &str, rgb: [u8; 3], f: fn(&Sample) -> f64| crate::plot::Series {
+            name: name.into(),
+            rgb,
+            points: sim.samples.iter().map(|s| (s.t, f(s))).collect(),
+        };
+        crate::plot::line_chart(
+            path,
+            &format!("scenario {name}"),
+            &[
+                series("capacity", [200, 40, 40], |s| s.capacity),
+                series("wants", [40, 90, 200], |s| s.wants),
+                series("has", [30, 150, 60], |s| s.has),
+            ],
+        )
+        .map_err(|e| RunError::Other(format!("cannot write {}: {e}", path.display())))?;
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report).expect("report serialises"));

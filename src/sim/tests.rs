@@ -68,3 +68,24 @@ fn scenario_errors_have_positions() {
     assert!(e.contains("s.yaml:2:11: duration: expected a duration, found `forever`"), "{e}");
     assert!(e.contains("s.yaml:4:12: algorithm: unknown algorithm `FAIR`"), "{e}");
 }
+
+#[test]
+fn the_cli_writes_json_csv_and_a_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let (csv_path, png) = (dir.path().join("s.csv"), dir.path().join("s.png"));
+    let args = SimArgs {
+        file: None,
+        scenario: Some("four".into()),
+        seed: Some(3),
+        duration: Some(Duration::from_secs(120)),
+        json: true,
+        csv: Some(csv_path.clone()),
+        trace: false,
+        plot: Some(png.clone()),
+    };
+    run(args).unwrap();
+    let text = std::fs::read_to_string(&csv_path).unwrap();
+    assert!(text.starts_with("t_s,capacity,total_wants,total_has\n"));
+    assert_eq!(text.lines().count(), 1 + 25, "one sample every 5 s over 120 s, and t = 0");
+    assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+}
