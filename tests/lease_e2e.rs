@@ -373,7 +373,13 @@ async fn upstream_pushback_frees_the_lease_for_the_other_sidecar() {
     }
     assert!(b_has >= 90.0, "b picks up the capacity a freed: has {b_has}\n{}", status(&pb));
     let rb = ok_rate(&ub, Duration::from_millis(1400)).await;
-    assert!(rb >= 80.0, "b admits what it was given: {rb:.1}/s");
+    assert!(
+        rb >= 80.0,
+        "b admits what it was given: {rb:.1}/s\n{}\nb tally: ok {} refused {}",
+        status(&pb),
+        tb.ok.load(Ordering::Relaxed),
+        tb.refused.load(Ordering::Relaxed)
+    );
     tokio::time::sleep(Duration::from_secs(5).saturating_sub(pushed_at.elapsed())).await;
     ua.push.store(false, Ordering::SeqCst);
 

@@ -113,8 +113,15 @@ impl TableEnforcer {
                 settings.max_wants.map_or(w, |mx| w.min(mx))
             }
         };
-        // A key its upstream pushes back on asks for less, so the lease flows elsewhere.
-        let wants = wants * self.proxy.pushback.factor(id, now);
+        // A key its upstream pushes back on asks for less, and gives its lease
+        // back early, so the capacity flows to sidecars that can use it.
+        let factor = self.proxy.pushback.factor(id, now);
+        if factor < 1.0 {
+            // While pushed back it can use at most its share of the lease.
+            let lease = self.proxy.pushback.base(id).unwrap_or(wants);
+            let wants = wants.min(lease) * factor;
+            return (wants, wants < lease * 0.5);
+        }
         (wants, pressure_signal && wants > l.capacity() + 1e-9)
     }
 }

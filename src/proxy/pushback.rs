@@ -21,6 +21,9 @@ use crate::config::doorman::PushbackConfig;
 
 /// The smallest factor a key backs off to.
 pub const MIN_FACTOR: f64 = 0.01;
+/// A key with no pushback for this long (and no hold) is fully recovered,
+/// even if too little traffic passed to count `recover_after` successes.
+pub const QUIET_RECOVERY: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, Default)]
 struct KeyState {
@@ -29,6 +32,23 @@ struct KeyState {
     hold_until: Option<Time>,
     /// The capacity the lease (or the routes file) grants this key.
     base: Option<f64>,
+    last_pushback: Time,
+}
+
+impl KeyState {
+    fn recovered(&self, now: Time) -> bool {
+        !self.hold_until.is_some_and(|t| t > now) && now.since(self.last_pushback) >= QUIET_RECOVERY
+    }
+
+    fn share(&self, now: Time) -> f64 {
+        if self.hold_until.is_some_and(|t| t > now) {
+            0.0
+        } else if self.recovered(now) {
+            1.0
+        } else {
+            self.factor
+        }
+    }
 }
 
 /// One key's pushback, for status pages.
@@ -70,21 +90,29 @@ impl Pushback {
 
     /// What share of its capacity `id` may use at `now` (1 when not pushed back).
     pub fn factor(&self, id: &str, now: Time) -> f64 {
-        match self.keys.lock().expect("pushback lock").get(id) {
-            None => 1.0,
-            Some(k) if k.hold_until.is_some_and(|t| t > now) => 0.0,
-            Some(k) => k.factor,
-        }
+        self.keys.lock().expect("pushback lock").get(id).map_or(1.0, |k| k.share(now))
+    }
+
+    /// The capacity last granted to `id` while it is pushed back.
+    pub fn base(&self, id: &str) -> Option<f64> {
+        self.keys.lock().expect("pushback lock").get(id).and_then(|k| k.base)
     }
 
     /// Records the capacity granted to `id` and returns what it may use now.
     pub fn effective(&self, id: &str, base: f64, now: Time) -> f64 {
+        use std::sync::atomic::Ordering;
         let mut keys = self.keys.lock().expect("pushback lock");
         match keys.get_mut(id) {
             None => base,
+            Some(k) if k.recovered(now) => {
+                keys.remove(id);
+                self.active.store(keys.len(), Ordering::Relaxed);
+                self.factor_gauge.with_label_values(&[id]).set(1.0);
+                base
+            }
             Some(k) => {
                 k.base = Some(base);
-                if k.hold_until.is_some_and(|t| t > now) { 0.0 } else { base * k.factor }
+                base * k.share(now)
             }
         }
     }
@@ -113,6 +141,7 @@ impl Pushback {
             if pushed {
                 let k = keys.entry(id.clone()).or_insert_with(|| KeyState { factor: 1.0, ..Default::default() });
                 k.base.get_or_insert(*current);
+                k.last_pushback = now;
                 k.factor = (k.factor * cfg.multiplier).max(MIN_FACTOR);
                 k.successes = 0;
                 if let Some(d) = retry_after {
@@ -199,6 +228,19 @@ mod tests {
         assert!(p.status(t3).is_empty());
         let off = PushbackConfig { enabled: false, ..cfg };
         assert!(p.on_response(&ids, StatusCode::TOO_MANY_REQUESTS, None, t3, &off).is_empty());
+    }
+
+    #[test]
+    fn a_quiet_key_recovers_without_traffic() {
+        let p = Pushback::new(&prometheus::Registry::new());
+        let cfg = PushbackConfig::default();
+        let t0 = Time::from_secs(100);
+        p.on_response(&[("k".to_string(), 40.0)], StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg);
+        assert_eq!(p.effective("k", 40.0, t0.saturating_add(Duration::from_secs(1))), 20.0);
+        let later = t0.saturating_add(QUIET_RECOVERY);
+        assert_eq!(p.factor("k", later), 1.0);
+        assert_eq!(p.effective("k", 40.0, later), 40.0);
+        assert!(p.status(later).is_empty(), "the key is forgotten once recovered");
     }
 
     #[test]
