@@ -37,7 +37,7 @@ struct KeyState {
 
 impl KeyState {
     fn recovered(&self, now: Time) -> bool {
-        !self.hold_until.is_some_and(|t| t > now) && now.since(self.last_pushback) >= QUIET_RECOVERY
+        self.hold_until.is_none_or(|t| t <= now) && now.since(self.last_pushback) >= QUIET_RECOVERY
     }
 
     fn share(&self, now: Time) -> f64 {
