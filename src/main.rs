@@ -25,6 +25,13 @@ enum Command {
     /// Simulate a capacity server tree in virtual time and report utilisation, overshoot,
     /// convergence and fairness.
     Sim(usher::sim::SimArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) or, with `man`,
+    /// the man page, generated from these very definitions.
+    Completions {
+        /// bash, zsh, fish, elvish, powershell, or man.
+        #[arg(value_name = "SHELL")]
+        shell: String,
+    },
     /// Validate routes files, resources files and sim scenarios; print every error with
     /// file:line:column. Exits 0 when all are valid, 64 when not.
     Check(usher::check::CheckArgs),
@@ -40,6 +47,7 @@ fn main() -> ExitCode {
         // Virtual time and plain validation need no runtime and no signals.
         Command::Sim(args) => usher::sim::run(args),
         Command::Check(args) => usher::check::run(args),
+        Command::Completions { shell } => completions(&shell),
         Command::Server(args) => serve(|shutdown| usher::server::run(args, shutdown)),
         Command::Proxy(args) => serve(|shutdown| usher::proxy::run(args, shutdown)),
         Command::Demo(args) => serve(|shutdown| usher::demo::run(args, shutdown)),
@@ -50,6 +58,29 @@ fn main() -> ExitCode {
             eprintln!("usher: {e}");
             ExitCode::from(e.exit_code())
         }
+    }
+}
+
+/// Writes a completion script or the man page to stdout.
+fn completions(shell: &str) -> Result<(), RunError> {
+    use clap::CommandFactory;
+    use std::io::Write;
+    let mut cmd = Cli::command();
+    let mut buf = Vec::new();
+    if shell == "man" {
+        clap_mangen::Man::new(cmd)
+            .render(&mut buf)
+            .map_err(|e| RunError::Other(format!("cannot render the man page: {e}")))?;
+    } else {
+        let sh: clap_complete::Shell = shell.parse().map_err(|_| {
+            RunError::Usage(format!("unknown shell `{shell}`: use bash, zsh, fish, elvish, powershell or man"))
+        })?;
+        clap_complete::generate(sh, &mut cmd, "usher", &mut buf);
+    }
+    // A reader that stops early (`| head`) is not an error.
+    match std::io::stdout().write_all(&buf) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(RunError::Other(format!("cannot write: {e}"))),
+        _ => Ok(()),
     }
 }
 

@@ -1,5 +1,5 @@
-//! `usher check` through the real binary: it tells files apart by content,
-//! validates every shipped example, and reports every error with a position.
+//! The command line through the real binary: `usher check` tells files apart by content,
+//! validates every shipped example and reports every error with a position; help and completions.
 
 mod support;
 
@@ -52,5 +52,31 @@ fn every_error_of_every_file_is_reported_and_the_exit_code_is_64() {
         "usher: 3 of 3 file(s) invalid".to_string(),
     ] {
         assert!(err.contains(&want), "missing {want:?} in:\n{err}");
+    }
+}
+
+#[test]
+fn completions_and_man_page_come_from_the_cli_definitions() {
+    for shell in ["bash", "zsh", "fish"] {
+        let (code, out, err) = run_usher(&["completions", shell]);
+        assert_eq!(code, 0, "{err}");
+        for sub in ["server", "proxy", "sim", "check", "demo"] {
+            assert!(out.contains(sub), "{shell} completion lacks `{sub}`");
+        }
+    }
+    let (code, man, _) = run_usher(&["completions", "man"]);
+    assert_eq!(code, 0);
+    assert!(man.starts_with(".ie") && man.contains(".TH usher 1"), "{man}");
+    let (code, _, err) = run_usher(&["completions", "tcsh"]);
+    assert_eq!(code, 64);
+    assert!(err.contains("unknown shell `tcsh`"), "{err}");
+}
+
+#[test]
+fn help_lists_only_working_subcommands() {
+    let (code, out, _) = run_usher(&["--help"]);
+    assert_eq!(code, 0);
+    for sub in ["demo", "server", "proxy", "sim", "check", "completions"] {
+        assert!(out.contains(&format!("  {sub}")), "--help lacks {sub}:\n{out}");
     }
 }
