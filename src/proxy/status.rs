@@ -23,6 +23,8 @@ struct Status {
     lease: Option<crate::lease::driver::ClientStatus>,
     /// Keys backing off because their upstream answered 429 or 503.
     pushback: Vec<super::pushback::KeyPushback>,
+    /// Seconds since the epoch when this status was taken.
+    now_s: i64,
 }
 
 #[derive(Serialize)]
@@ -61,6 +63,7 @@ fn status(p: &Proxy) -> Status {
             .collect(),
         lease: p.lease.get().map(|c| c.status()),
         pushback: p.pushback.status(now),
+        now_s: now.as_secs(),
     }
 }
 
@@ -142,7 +145,7 @@ fn status_html(s: &Status) -> String {
                 k.mode,
                 k.has.map(|h| format!("{h:.3}")).unwrap_or_else(|| "-".into()),
                 k.wants,
-                k.expiry.map(|e| e.to_string()).unwrap_or_else(|| "-".into()),
+                k.expiry.map(|e| format!("in {}s", e - s.now_s)).unwrap_or_else(|| "-".into()),
                 k.safe_capacity.map(|s| format!("{s}")).unwrap_or_else(|| "-".into()),
                 k.on_expiry.name(),
                 escape(k.last_error.as_deref().unwrap_or("")),
