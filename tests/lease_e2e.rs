@@ -210,6 +210,16 @@ async fn server_loss_falls_back_to_safe_capacity_and_recovers() {
     let r = rate_over(&up, Duration::from_secs(3)).await;
     assert!((r - 5.0).abs() <= 1.5, "safe capacity after expiry: {r:.1}/s\n{}", status(&p));
     assert_eq!(status(&p)["lease"]["keys"][0]["mode"], "expired");
+    let (_, metrics) = http_get(p.addr("admin"), "/metrics");
+    assert_eq!(
+        support::metric(
+            &metrics,
+            "usher_lease_transitions_total",
+            &[("resource_id", "api"), ("from", "leased"), ("to", "expired")]
+        ),
+        Some(1.0),
+        "the transition is counted"
+    );
     // The server comes back (learning mode): the lease returns.
     let _server2 = start_server(dir.path(), "server2", config, port);
     let mut back = false;

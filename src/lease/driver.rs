@@ -21,6 +21,8 @@ pub trait Enforcer: Send + Sync + 'static {
     fn demand(&self) -> Vec<KeyDemand>;
     /// The capacity each key may use now.
     fn apply(&self, capacities: &[(String, Capacity)]);
+    /// A key changed mode (leased, pending, expired); already logged.
+    fn on_transition(&self, _t: &super::core::Transition) {}
 }
 
 /// How often demand is re-read while nothing else is due.
@@ -143,6 +145,7 @@ async fn run(
         }
         for t in transitions {
             tracing::info!(resource = %t.resource_id, from = ?t.from, to = ?t.to, capacity = ?t.capacity, "lease mode changed");
+            enforcer.on_transition(&t);
         }
         match action {
             Action::Wait { until } => {

@@ -43,6 +43,7 @@ struct KeyMemory {
 /// The sidecar as the lease client sees it.
 pub struct TableEnforcer {
     proxy: Arc<Proxy>,
+    transitions: prometheus::IntCounterVec,
     embedded: Option<Arc<Node>>,
     memory: Mutex<HashMap<String, KeyMemory>>,
     seen_config: Mutex<Option<Arc<RoutesConfig>>>,
@@ -200,6 +201,15 @@ impl Enforcer for TableEnforcer {
             .collect()
     }
 
+    fn on_transition(&self, t: &crate::lease::core::Transition) {
+        let mode = |m: crate::lease::Mode| match m {
+            crate::lease::Mode::Leased => "leased",
+            crate::lease::Mode::Pending => "pending",
+            crate::lease::Mode::Expired => "expired",
+        };
+        self.transitions.with_label_values(&[&t.resource_id, mode(t.from), mode(t.to)]).inc();
+    }
+
     fn apply(&self, capacities: &[(String, Capacity)]) {
         let now = self.proxy.table.clock().now();
         for (id, cap) in capacities {
@@ -293,7 +303,21 @@ pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, to
             (c, Arc::new(local), Some(node), None)
         }
     };
-    let enforcer =
-        Arc::new(TableEnforcer { proxy, embedded, memory: Mutex::new(HashMap::new()), seen_config: Mutex::new(None) });
+    let transitions = prometheus::IntCounterVec::new(
+        prometheus::Opts::new(
+            "usher_lease_transitions_total",
+            "Lease mode changes of a resource key (leased, pending, expired).",
+        ),
+        &["resource_id", "from", "to"],
+    )
+    .expect("valid metric");
+    let _ = proxy.metrics.registry.register(Box::new(transitions.clone()));
+    let enforcer = Arc::new(TableEnforcer {
+        proxy,
+        transitions,
+        embedded,
+        memory: Mutex::new(HashMap::new()),
+        seen_config: Mutex::new(None),
+    });
     LeaseClient::start(core_cfg, clock, transport, enforcer, cache, shutdown)
 }
