@@ -163,3 +163,69 @@ async fn strict_priorities_serve_higher_bands_first() {
     let third = 100.0 / 3.0;
     assert!(last.values().all(|v| (v - third).abs() < 1e-9), "{last:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_sidecars_under_two_intermediates_split_the_root_fairly() {
+    use std::sync::Arc;
+    use support::load::{Tally, drive};
+    use support::upstream::Upstream;
+
+    let dir = tempfile::tempdir().unwrap();
+    let root = start_server(dir.path(), "root", Some(ROOT), None);
+    let root_addr = root.addr("grpc").to_string();
+    let mids = [
+        start_server(dir.path(), "i1", None, Some(&root_addr)),
+        start_server(dir.path(), "i2", None, Some(&root_addr)),
+    ];
+    let mut proxies = Vec::new();
+    let mut upstreams = Vec::new();
+    for i in 0..4 {
+        let up = Upstream::start().await;
+        let routes = write_file(
+            dir.path(),
+            &format!("p{i}.yaml"),
+            &format!(
+                "doorman:\n  servers: [\"{}\"]\n  client_id: sidecar-{i}\n  min_interval: 500ms\n\
+                 upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+                 resources:\n  api: {{ kind: rate, capacity: 100, burst: 5, wants: auto }}\n\
+                 routes:\n  - {{ name: all, upstream: up, resources: [api] }}\n",
+                mids[i / 2].addr("grpc"),
+                up.addr
+            ),
+        );
+        proxies.push(Usher::start(
+            &[
+                "proxy",
+                "--routes",
+                routes.to_str().unwrap(),
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ],
+            &[],
+            "usher proxy listening",
+        ));
+        upstreams.push(up);
+    }
+    let tally = Arc::new(Tally::default());
+    let loads: Vec<_> = proxies
+        .iter()
+        .map(|p| tokio::spawn(drive(p.addr("listen"), 100.0, Duration::from_secs(26), tally.clone())))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(14)).await;
+    let before: Vec<u64> = upstreams.iter().map(|u| u.stats.requests()).collect();
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let secs = t0.elapsed().as_secs_f64();
+    let rates: Vec<f64> = upstreams.iter().zip(&before).map(|(u, b)| (u.stats.requests() - b) as f64 / secs).collect();
+    let total: f64 = rates.iter().sum();
+    assert!(total <= 100.0 * 1.02, "admitted {total:.1}/s across the tree, over 102% of 100: {rates:?}");
+    for r in &rates {
+        assert!((r - 25.0).abs() <= 25.0 * 0.05, "each sidecar admits 25/s ± 5%: {rates:?}");
+    }
+    for l in loads {
+        l.await.unwrap();
+    }
+    assert_eq!(tally.other.load(std::sync::atomic::Ordering::Relaxed), 0, "the apps saw only 200 and 429");
+}
