@@ -9,3 +9,11 @@ pub mod watch;
 pub mod yaml;
 
 pub use yaml::{ConfigError, Diagnostic};
+
+/// The outcome of the latest load of a configuration that is reloaded live:
+/// when the one in force was applied, and why the last attempt was rejected.
+#[derive(Debug, Clone, Default)]
+pub struct ConfigState {
+    pub loaded_at: Option<crate::clock::Time>,
+    pub last_error: Option<String>,
+}

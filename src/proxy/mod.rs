@@ -37,7 +37,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tower::{Layer, ServiceExt};
 
-use crate::clock::{Clock, Time};
+use crate::clock::Clock;
 use crate::config::ConfigError;
 use crate::config::routes::{RoutesConfig, UpstreamConfig};
 use crate::config::watch;
@@ -73,12 +73,7 @@ pub struct ProxyArgs {
     pub admin_listen: Option<SocketAddr>,
 }
 
-/// The outcome of the latest routes file load.
-#[derive(Debug, Clone, Default)]
-pub struct ConfigState {
-    pub loaded_at: Option<Time>,
-    pub last_error: Option<String>,
-}
+pub use crate::config::ConfigState;
 
 /// Everything one sidecar shares between connections and tasks.
 pub struct Proxy {

@@ -20,7 +20,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 
-use crate::clock::{Clock, Time};
+use crate::clock::Clock;
 use crate::config::resources::ResourcesConfig;
 use crate::config::watch;
 use crate::error::{RunError, bind};
@@ -98,12 +98,7 @@ pub struct Mastership {
     pub master_address: Option<String>,
 }
 
-/// The outcome of the latest configuration load.
-#[derive(Debug, Clone, Default)]
-pub struct ConfigState {
-    pub loaded_at: Option<Time>,
-    pub last_error: Option<String>,
-}
+pub use crate::config::ConfigState;
 
 /// Everything one capacity server shares between its tasks.
 pub struct Node {
