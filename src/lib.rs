@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod algorithm;
+pub mod audit;
 pub mod check;
 pub mod clock;
 pub mod config;

@@ -25,6 +25,8 @@ enum Command {
     /// Simulate a capacity server tree in virtual time and report utilisation, overshoot,
     /// convergence and fairness.
     Sim(usher::sim::SimArgs),
+    /// Report what access logs show was admitted against the capacity in force, per resource id.
+    Audit(usher::audit::AuditArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell) or, with `man`,
     /// the man page, generated from these very definitions.
     Completions {
@@ -47,6 +49,7 @@ fn main() -> ExitCode {
         // Virtual time and plain validation need no runtime and no signals.
         Command::Sim(args) => usher::sim::run(args),
         Command::Check(args) => usher::check::run(args),
+        Command::Audit(args) => usher::audit::run(args),
         Command::Completions { shell } => completions(&shell),
         Command::Server(args) => serve(|shutdown| usher::server::run(args, shutdown)),
         Command::Proxy(args) => serve(|shutdown| usher::proxy::run(args, shutdown)),

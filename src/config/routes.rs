@@ -39,6 +39,8 @@ pub struct RoutesConfig {
     pub drain_timeout: Duration,
     /// Where to lease capacity from; `None` = an embedded capacity server.
     pub doorman: Option<super::doorman::DoormanConfig>,
+    /// One JSON line per request is appended here (off when `None`).
+    pub access_log: Option<PathBuf>,
     pub upstreams: BTreeMap<String, UpstreamConfig>,
     pub resources: BTreeMap<String, ResourceConfig>,
     pub routes: Vec<RouteConfig>,
@@ -221,7 +223,7 @@ impl RoutesConfig {
 }
 
 const ROOT_FIELDS: &[&str] =
-    &["listen", "admin", "default", "drain_timeout", "doorman", "upstreams", "resources", "routes"];
+    &["listen", "admin", "default", "drain_timeout", "access_log", "doorman", "upstreams", "resources", "routes"];
 const UPSTREAM_FIELDS: &[&str] = &["url", "connect_timeout", "timeout", "ca_file", "h2c"];
 const RESOURCE_FIELDS: &[&str] = &[
     "kind",
@@ -264,6 +266,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
     };
     let drain_timeout =
         top.get("drain_timeout").map_or(Some(DEFAULT_DRAIN_TIMEOUT), |n| ck.duration(n, "drain_timeout"));
+    let access_log = top.get("access_log").and_then(|n| ck.string(n, "access_log")).map(PathBuf::from);
     let doorman = match top.get("doorman") {
         None => Some(None),
         Some(n) => super::doorman::read_doorman(ck, n).map(Some),
@@ -327,6 +330,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
         default: default?,
         drain_timeout: drain_timeout?,
         doorman: doorman?,
+        access_log,
         upstreams,
         resources,
         routes,

@@ -7,6 +7,7 @@
 //! lifetime. On shutdown the listener stops accepting and in-flight
 //! requests drain until a deadline.
 
+pub mod access_log;
 pub mod lease;
 pub mod metrics;
 pub mod pushback;
@@ -37,7 +38,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tower::{Layer, ServiceExt};
 
-use crate::clock::Clock;
+use crate::clock::{Clock, Time};
 use crate::config::ConfigError;
 use crate::config::routes::{RoutesConfig, UpstreamConfig};
 use crate::config::watch;
@@ -82,6 +83,10 @@ pub struct Proxy {
     pub lease: std::sync::OnceLock<crate::lease::LeaseClient>,
     /// Backing off from upstreams that answer 429 or 503.
     pub pushback: pushback::Pushback,
+    /// One JSON line per request, when the routes file names a file.
+    access_log: Option<access_log::AccessLog>,
+    /// This sidecar's client id, for the access log.
+    client_id: String,
     pub metrics: Arc<Metrics>,
     pub config_source: String,
     routing: ArcSwap<Routing>,
@@ -109,12 +114,22 @@ impl Proxy {
         table.configure(route::specs(&cfg));
         let routing = Routing::new(&cfg, &upstreams, direct.clone());
         let pushback = pushback::Pushback::new(&registry);
+        let access_log = match &cfg.access_log {
+            None => None,
+            Some(p) => Some(access_log::AccessLog::open(p, &registry).map_err(|e| {
+                ConfigError::whole_file(&source, format!("access_log: cannot open {}: {e}", p.display()))
+            })?),
+        };
+        let client_id =
+            cfg.doorman.as_ref().map_or_else(crate::config::doorman::default_client_id, |d| d.client_id.clone());
         let metrics = Arc::new(Metrics::new(registry));
         let stack = LimitLayer::new(clock.clone()).layer(Forward::new(metrics.clone()));
         Ok(Arc::new(Proxy {
             table,
             lease: std::sync::OnceLock::new(),
             pushback,
+            access_log,
+            client_id,
             metrics,
             config_source: source,
             routing: ArcSwap::from_pointee(routing),
@@ -170,6 +185,7 @@ impl Proxy {
     /// Handles one request from the app.
     pub async fn handle(self: Arc<Self>, mut req: Request<Incoming>) -> Response<ProxyBody> {
         let grpc = is_grpc(req.headers());
+        let arrived = self.table.clock().now();
         if req.headers().get_all(header::VIA).iter().any(|v| v.to_str().is_ok_and(|v| v.contains(upstream::VIA))) {
             return respond::proxy_error(&ProxyError::Loop, grpc);
         }
@@ -177,7 +193,9 @@ impl Proxy {
             Ok(r) => r,
             Err(e) => {
                 self.metrics.requests.with_label_values(&["_none", "no_route"]).inc();
-                return respond::proxy_error(&e, grpc);
+                let resp = respond::proxy_error(&e, grpc);
+                self.log("_none", &[], "no_route", Duration::ZERO, resp.status(), arrived);
+                return resp;
             }
         };
         let route = resolved.route_name().to_string();
@@ -194,21 +212,69 @@ impl Proxy {
                 let admission = resp.extensions().get::<Admission>().copied();
                 self.record_admission(&route, &resources, admission);
                 self.observe_pushback(&route, &keys, &resp);
+                let (outcome, waited) = match admission {
+                    Some(a) if a.paced => ("paced", a.waited),
+                    Some(a) => ("admitted", a.waited),
+                    None => ("admitted", Duration::ZERO),
+                };
+                self.log(&route, &keys, outcome, waited, resp.status(), arrived);
                 resp.map(|b| {
                     Tracked { inner: b, _guard: in_flight }.map_err(|e| Box::new(e) as BoxError).boxed_unsync()
                 })
             }
             Err(err) => {
-                if let Some(r) = err.downcast_ref::<crate::limit::Refused>() {
+                let (outcome, waited) = if let Some(r) = err.downcast_ref::<crate::limit::Refused>() {
                     self.metrics.requests.with_label_values(&[&route, "refused"]).inc();
                     self.metrics.resource_requests.with_label_values(&[&r.resource, "refused"]).inc();
+                    ("refused", r.waited)
                 } else {
                     self.metrics.requests.with_label_values(&[&route, "upstream_error"]).inc();
                     tracing::debug!(route = %route, error = %err, "upstream error");
-                }
-                error_response(err, grpc)
+                    ("upstream_error", Duration::ZERO)
+                };
+                let resp = error_response(err, grpc);
+                self.log(&route, &keys, outcome, waited, resp.status(), arrived);
+                resp
             }
         }
+    }
+
+    /// Appends one line to the access log, if there is one.
+    fn log(
+        &self,
+        route: &str,
+        keys: &[Arc<crate::limit::Limiter>],
+        outcome: &str,
+        waited: Duration,
+        status: StatusCode,
+        arrived: Time,
+    ) {
+        let Some(log) = &self.access_log else { return };
+        let now = self.table.clock().now();
+        let total = now.since(arrived);
+        let upstream = matches!(outcome, "admitted" | "paced" | "upstream_error").then(|| total.saturating_sub(waited));
+        log.record(&access_log::Entry {
+            time: now.as_secs_f64(),
+            client: self.client_id.clone(),
+            route: route.to_string(),
+            resources: keys
+                .iter()
+                .map(|l| access_log::KeyEntry {
+                    resource: l.spec().name.clone(),
+                    id: l.id().to_string(),
+                    kind: match l.kind() {
+                        crate::limit::Kind::Rate => "rate".into(),
+                        crate::limit::Kind::Gauge => "gauge".into(),
+                    },
+                    capacity: l.capacity(),
+                })
+                .collect(),
+            outcome: outcome.to_string(),
+            wait_ms: waited.as_secs_f64() * 1e3,
+            status: status.as_u16(),
+            upstream_ms: upstream.map(|d| d.as_secs_f64() * 1e3),
+            total_ms: total.as_secs_f64() * 1e3,
+        });
     }
 
     /// Feeds an upstream answer to the route's pushback state.
