@@ -80,3 +80,45 @@ fn help_lists_only_working_subcommands() {
         assert!(out.contains(&format!("  {sub}")), "--help lacks {sub}:\n{out}");
     }
 }
+
+#[test]
+fn the_readme_sim_commands_work() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("series.csv");
+    let five = format!("{root}/deploy/examples/sim/five.yaml");
+    let (code, out, err) =
+        run_usher(&["sim", &five, "--seed", "7", "--json", "--csv", csv.to_str().unwrap(), "--duration", "120s"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        ["convergence_s", "fairness", "max_overshoot", "mean_overshoot_when_over", "shortfall_events", "utilisation"],
+        "exactly the report's keys"
+    );
+    assert!(std::fs::read_to_string(&csv).unwrap().starts_with("t_s,capacity,total_wants,total_has"));
+    let (code, out, _) = run_usher(&["sim", "--scenario", "seven", "--duration", "300s"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("scenario seven") && out.contains("utilisation"), "{out}");
+    let (code, _, err) = run_usher(&["sim", "--scenario", "eight"]);
+    assert_eq!(code, 64);
+    assert!(err.contains("no built-in scenario `eight`"), "{err}");
+}
+
+#[test]
+fn the_readme_quickstart_routes_file_runs() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let quick = format!("{root}/deploy/examples/quickstart.yaml");
+    let p = support::Usher::start(
+        &["proxy", "--routes", &quick, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+        &[],
+        "usher proxy listening",
+    );
+    let (code, body) = support::http_get(p.addr("admin"), "/debug/status?format=json");
+    assert_eq!(code, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["lease"]["master"], "embedded", "{body}");
+    assert_eq!(support::http_get(p.addr("admin"), "/readyz").0, 200);
+}
