@@ -88,3 +88,24 @@ pub fn watch(path: &Path, shutdown: CancellationToken) -> mpsc::Receiver<Cause> 
     });
     rx
 }
+
+/// Watches `path` and calls `reload` with each trigger whose file content
+/// changed (or with every SIGHUP), until `shutdown`. The caller parses,
+/// applies, or keeps its last good configuration.
+pub fn spawn_reloader<F>(path: PathBuf, shutdown: CancellationToken, reload: F) -> tokio::task::JoinHandle<()>
+where
+    F: Fn(Cause) + Send + 'static,
+{
+    let mut causes = watch(&path, shutdown);
+    tokio::spawn(async move {
+        let mut last = std::fs::read(&path).ok();
+        while let Some(cause) = causes.recv().await {
+            let text = std::fs::read(&path).ok();
+            if cause == Cause::FileEvent && text == last {
+                continue;
+            }
+            last = text;
+            reload(cause);
+        }
+    })
+}

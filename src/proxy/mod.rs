@@ -493,18 +493,9 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     let reloader = {
         let proxy = proxy.clone();
         let path = args.routes.clone();
-        let mut causes = watch::watch(&args.routes, shutdown.clone());
-        tokio::spawn(async move {
-            let mut last = std::fs::read(&path).ok();
-            while let Some(cause) = causes.recv().await {
-                let text = std::fs::read(&path).ok();
-                if cause == watch::Cause::FileEvent && text == last {
-                    continue;
-                }
-                last = text;
-                tracing::info!(?cause, "reloading routes");
-                proxy.apply_config(RoutesConfig::load(&path));
-            }
+        watch::spawn_reloader(args.routes.clone(), shutdown.clone(), move |cause| {
+            tracing::info!(?cause, "reloading routes");
+            proxy.apply_config(RoutesConfig::load(&path));
         })
     };
     // The lease client outlives the listener: it releases the leases only

@@ -248,21 +248,10 @@ impl ConfigSource {
     fn watch(self, node: Arc<Node>, shutdown: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
         match self {
             ConfigSource::Builtin => None,
-            ConfigSource::File(path) => {
-                let mut causes = watch::watch(&path, shutdown);
-                Some(tokio::spawn(async move {
-                    let mut last = std::fs::read(&path).ok();
-                    while let Some(cause) = causes.recv().await {
-                        let text = std::fs::read(&path).ok();
-                        if cause == watch::Cause::FileEvent && text == last {
-                            continue;
-                        }
-                        last = text;
-                        tracing::info!(?cause, "reloading configuration");
-                        node.apply_config(ResourcesConfig::load(&path));
-                    }
-                }))
-            }
+            ConfigSource::File(path) => Some(watch::spawn_reloader(path.clone(), shutdown, move |cause| {
+                tracing::info!(?cause, "reloading configuration");
+                node.apply_config(ResourcesConfig::load(&path));
+            })),
             ConfigSource::Etcd(etcd, key) => Some(tokio::spawn(async move {
                 let name = format!("etcd:{key}");
                 let mut last: Option<String> = None;
