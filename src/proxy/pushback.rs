@@ -88,6 +88,13 @@ impl Pushback {
         Pushback { keys: Mutex::new(HashMap::new()), active: Default::default(), events, factor_gauge }
     }
 
+    /// True when `status` changes nothing: not a pushback, and no key is backed off.
+    pub fn is_quiet(&self, status: StatusCode) -> bool {
+        status != StatusCode::TOO_MANY_REQUESTS
+            && status != StatusCode::SERVICE_UNAVAILABLE
+            && self.active.load(std::sync::atomic::Ordering::Relaxed) == 0
+    }
+
     /// What share of its capacity `id` may use at `now` (1 when not pushed back).
     pub fn factor(&self, id: &str, now: Time) -> f64 {
         self.keys.lock().expect("pushback lock").get(id).map_or(1.0, |k| k.share(now))
