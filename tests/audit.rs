@@ -82,11 +82,7 @@ async fn a_sidecars_access_log_audits_within_its_capacity() {
             up.addr
         ),
     );
-    let p = Usher::start(
-        &["proxy", "--routes", routes.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
-        &[],
-        "usher proxy listening",
-    );
+    let p = Usher::proxy(&routes);
     let tally = Arc::new(Tally::default());
     drive(p.addr("listen"), 40.0, Duration::from_secs(4), tally.clone()).await;
     tokio::time::sleep(Duration::from_millis(500)).await; // the writer flushes within 200 ms

@@ -163,27 +163,18 @@ async fn configuration_is_read_from_etcd_and_kept_when_invalid() {
     let etcd = EtcdServer::start();
     let client = Etcd::new(std::slice::from_ref(&etcd.endpoint), Duration::from_secs(3));
     client.put("/test/config", CONFIG).await.unwrap();
-    let u = Usher::start(
-        &[
-            "server",
-            "--config",
-            "etcd:/test/config",
-            "--etcd-endpoints",
-            &etcd.endpoint,
-            "--election-key",
-            "/test/cfg-master",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--advertise-addr",
-            "127.0.0.1:1",
-            "--min-request-interval",
-            "0s",
-        ],
-        &[],
-        "usher server listening",
-    );
+    let u = Usher::server(&[
+        "--config",
+        "etcd:/test/config",
+        "--etcd-endpoints",
+        &etcd.endpoint,
+        "--election-key",
+        "/test/cfg-master",
+        "--advertise-addr",
+        "127.0.0.1:1",
+        "--min-request-interval",
+        "0s",
+    ]);
     assert_eventually!(is_master(&u), Duration::from_secs(10), "the only member becomes master");
     let mut c = CapacityClient::connect(format!("http://{}", u.addr("grpc"))).await.unwrap();
     let ask = |wants| GetCapacityRequest {
@@ -222,21 +213,7 @@ async fn after_a_root_failover_no_intermediate_hands_out_zero() {
     let mut roots: Vec<(Usher, String)> =
         (0..2).map(|_| start_member(&etcd.endpoint, cfg.to_str().unwrap(), "/test/root")).collect();
     let parents = format!("{},{}", roots[0].1, roots[1].1);
-    let mid = Usher::start(
-        &[
-            "server",
-            "--parent",
-            &parents,
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--min-request-interval",
-            "0s",
-        ],
-        &[],
-        "usher server listening",
-    );
+    let mid = Usher::server(&["--parent", &parents, "--min-request-interval", "0s"]);
     let mut c = CapacityClient::connect(format!("http://{}", mid.addr("grpc"))).await.unwrap();
     let ask = || GetCapacityRequest {
         client_id: "leaf".into(),
@@ -300,11 +277,7 @@ async fn a_sidecar_keeps_enforcing_through_a_master_failover() {
         Duration::from_secs(15),
         "one master"
     );
-    let proxy = Usher::start(
-        &["proxy", "--routes", routes.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
-        &[],
-        "usher proxy listening",
-    );
+    let proxy = Usher::proxy(&routes);
     let lease = |u: &Usher| -> (String, f64) {
         let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();

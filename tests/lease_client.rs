@@ -35,21 +35,7 @@ async fn fifty_clients_started_together_spread_their_refreshes() {
         "r.yaml",
         "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 10, refresh_interval: 3, learning_mode_duration: 0 }\n",
     );
-    let server = Usher::start(
-        &[
-            "server",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--min-request-interval",
-            "0s",
-        ],
-        &[],
-        "usher server listening",
-    );
+    let server = Usher::server(&["--config", cfg.to_str().unwrap(), "--min-request-interval", "0s"]);
     let addr = server.addr("grpc").to_string();
     let transport: Arc<dyn Transport> = Arc::new(GrpcTransport::new(Duration::from_secs(2), Duration::from_secs(1)));
     let shutdown = tokio_util::sync::CancellationToken::new();

@@ -14,8 +14,6 @@ use support::load::{Tally, drive};
 use support::upstream::{Upstream, get, h1, send1};
 use support::{Usher, http_get, write_file};
 
-const PROXY_READY: &str = "usher proxy listening";
-
 /// These tests measure rates in real time: run them one at a time so they
 /// do not starve each other of the machine's two cores.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -47,11 +45,7 @@ fn start_server(dir: &Path, name: &str, config: &str, port: u16) -> Usher {
 
 fn start_proxy(dir: &Path, name: &str, routes: &str) -> Usher {
     let p = write_file(dir, &format!("{name}.yaml"), routes);
-    Usher::start(
-        &["proxy", "--routes", p.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
-        &[],
-        PROXY_READY,
-    )
+    Usher::proxy(&p)
 }
 
 fn routes(upstream: &Upstream, doorman: &str, resource: &str) -> String {

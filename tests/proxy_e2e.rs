@@ -19,11 +19,8 @@ async fn within<T>(task: tokio::task::JoinHandle<T>) -> T {
     tokio::time::timeout(Duration::from_secs(20), task).await.expect("task finished in time").unwrap()
 }
 
-const READY: &str = "usher proxy listening";
-
 fn start_proxy(routes: &Path) -> Usher {
-    let routes = routes.to_str().unwrap();
-    Usher::start(&["proxy", "--routes", routes, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"], &[], READY)
+    Usher::proxy(routes)
 }
 
 #[test]

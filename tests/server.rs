@@ -318,21 +318,7 @@ async fn configmap_symlink_swap_is_picked_up() {
     std::os::unix::fs::symlink("..v1", d.join("..data")).unwrap();
     std::os::unix::fs::symlink("..data/resources.yaml", d.join("resources.yaml")).unwrap();
     let cfg = d.join("resources.yaml");
-    let usher = Usher::start(
-        &[
-            "server",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--min-request-interval",
-            "0s",
-        ],
-        &[],
-        "usher server listening",
-    );
+    let usher = Usher::server(&["--config", cfg.to_str().unwrap(), "--min-request-interval", "0s"]);
     let mut c = CapacityClient::connect(format!("http://{}", usher.addr("grpc"))).await.unwrap();
     assert_eq!(grant(&mut c, "a", "other", 5000.0).await, 1000.0);
     std::fs::create_dir(d.join("..v2")).unwrap();
@@ -398,11 +384,7 @@ async fn metrics_and_status_reflect_state_and_sigterm_exits_cleanly() {
 
 #[tokio::test]
 async fn without_config_the_builtin_default_serves() {
-    let u = Usher::start(
-        &["server", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--min-request-interval", "0s"],
-        &[],
-        "usher server listening",
-    );
+    let u = Usher::server(&["--min-request-interval", "0s"]);
     assert!(u.log().contains("no --config given"), "{}", u.log());
     let mut c = CapacityClient::connect(format!("http://{}", u.addr("grpc"))).await.unwrap();
     assert_eq!(grant(&mut c, "a", "anything", 80.0).await, 80.0);

@@ -31,11 +31,7 @@ fn chromium(args: &[&str], profile: &Path) -> std::process::Output {
 #[test]
 fn the_sidecar_and_server_pages_render_live_values() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Usher::start(
-        &["server", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--min-request-interval", "0s"],
-        &[],
-        "usher server listening",
-    );
+    let server = Usher::server(&["--min-request-interval", "0s"]);
     let routes = write_file(
         dir.path(),
         "routes.yaml",
@@ -47,11 +43,7 @@ fn the_sidecar_and_server_pages_render_live_values() {
             server.addr("grpc")
         ),
     );
-    let proxy = Usher::start(
-        &["proxy", "--routes", routes.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
-        &[],
-        "usher proxy listening",
-    );
+    let proxy = Usher::proxy(&routes);
     assert_eventually!(
         http_get(proxy.addr("admin"), "/debug/status?format=json").1.contains("\"has\": 37.5"),
         Duration::from_secs(10),

@@ -116,12 +116,10 @@ async fn capacity_is_shared_fairly_across_the_tree_without_overshoot() {
     assert_eq!(st["resources"][0]["server_clients"], 2, "children are listed as servers");
 }
 
-#[tokio::test]
-async fn strict_priorities_serve_higher_bands_first() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm:\n      kind: FAIR_SHARE\n      lease_length: 60\n      refresh_interval: 5\n      learning_mode_duration: 0\n      parameters: [{name: priority_mode, value: strict}]\n";
-    let root = start_server(dir.path(), "root", Some(cfg), None);
-    let mut c = CapacityClient::connect(format!("http://{}", root.addr("grpc"))).await.unwrap();
+/// Two priority-1 clients and one priority-2 client each want 60 of the `db`
+/// resource, three rounds; returns each client's last grant.
+async fn three_rounds(server: std::net::SocketAddr) -> HashMap<&'static str, f64> {
+    let mut c = CapacityClient::connect(format!("http://{server}")).await.unwrap();
     let mut last = HashMap::new();
     for _round in 0..3 {
         for (name, priority) in [("low-a", 1), ("low-b", 1), ("high", 2)] {
@@ -136,6 +134,15 @@ async fn strict_priorities_serve_higher_bands_first() {
             last.insert(name, r.response[0].gets.capacity);
         }
     }
+    last
+}
+
+#[tokio::test]
+async fn strict_priorities_serve_higher_bands_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm:\n      kind: FAIR_SHARE\n      lease_length: 60\n      refresh_interval: 5\n      learning_mode_duration: 0\n      parameters: [{name: priority_mode, value: strict}]\n";
+    let root = start_server(dir.path(), "root", Some(cfg), None);
+    let last = three_rounds(root.addr("grpc")).await;
     assert_eq!(last["high"], 60.0, "priority 2 gets its full demand: {last:?}");
     assert_eq!(last["low-a"], 20.0, "priority 1 shares the rest: {last:?}");
     assert_eq!(last["low-b"], 20.0);
@@ -146,20 +153,7 @@ async fn strict_priorities_serve_higher_bands_first() {
         Some(&cfg.replace("      parameters: [{name: priority_mode, value: strict}]\n", "")),
         None,
     );
-    let mut c = CapacityClient::connect(format!("http://{}", plain.addr("grpc"))).await.unwrap();
-    for _round in 0..3 {
-        for (name, priority) in [("low-a", 1), ("low-b", 1), ("high", 2)] {
-            let r = c
-                .get_capacity(GetCapacityRequest {
-                    client_id: name.into(),
-                    resource: vec![ResourceRequest { resource_id: "db".into(), priority, has: None, wants: 60.0 }],
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            last.insert(name, r.response[0].gets.capacity);
-        }
-    }
+    let last = three_rounds(plain.addr("grpc")).await;
     let third = 100.0 / 3.0;
     assert!(last.values().all(|v| (v - third).abs() < 1e-9), "{last:?}");
 }
@@ -193,19 +187,7 @@ async fn four_sidecars_under_two_intermediates_split_the_root_fairly() {
                 up.addr
             ),
         );
-        proxies.push(Usher::start(
-            &[
-                "proxy",
-                "--routes",
-                routes.to_str().unwrap(),
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ],
-            &[],
-            "usher proxy listening",
-        ));
+        proxies.push(Usher::proxy(&routes));
         upstreams.push(up);
     }
     let tally = Arc::new(Tally::default());

@@ -83,11 +83,7 @@ async fn responses_encode_required_fields_even_when_zero() {
         "r.yaml",
         "resources:\n  - identifier_glob: '*'\n    capacity: 0\n    safe_capacity: 0\n    algorithm: { kind: FAIR_SHARE, lease_length: 5, refresh_interval: 5, learning_mode_duration: 0 }\n",
     );
-    let u = Usher::start(
-        &["server", "--config", cfg.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
-        &[],
-        "usher server listening",
-    );
+    let u = Usher::server(&["--config", cfg.to_str().unwrap()]);
     let addr = u.addr("grpc");
 
     // wants 0 on a resource of capacity 0: the grant is 0.

@@ -67,6 +67,23 @@ impl Usher {
         Usher { child, fields: log_fields(&line), log }
     }
 
+    /// `usher server ARGS...` with gRPC and admin on 127.0.0.1:0, once it listens.
+    pub fn server(args: &[&str]) -> Usher {
+        let mut all = vec!["server", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
+        all.extend_from_slice(args);
+        Usher::start(&all, &[], "usher server listening")
+    }
+
+    /// `usher proxy --routes ROUTES` with proxy and admin on 127.0.0.1:0, once it listens.
+    pub fn proxy(routes: &Path) -> Usher {
+        let routes = routes.to_str().expect("a UTF-8 path");
+        Usher::start(
+            &["proxy", "--routes", routes, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+            &[],
+            "usher proxy listening",
+        )
+    }
+
     pub fn addr(&self, field: &str) -> SocketAddr {
         self.fields
             .get(field)
