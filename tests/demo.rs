@@ -17,7 +17,8 @@ fn the_demo_shares_one_capacity_among_three_sidecars() {
     assert_eq!(rows.len(), 3, "{out}");
     let leases: Vec<f64> = rows.iter().map(|r| r[3]).collect();
     let total_lease: f64 = leases.iter().sum();
-    assert!((95.0..=100.0 + 1e-6).contains(&total_lease), "the leases share the capacity: {leases:?}\n{out}");
+    // Each lease is printed to one decimal, so the printed sum may exceed the capacity by 3 × 0.05.
+    assert!((95.0..=100.0 + 0.15 + 1e-6).contains(&total_lease), "the leases share the capacity: {leases:?}\n{out}");
     for l in &leases {
         assert!((25.0..=40.0).contains(l), "max-min fair shares of 33, 88 and 176 wanted: {leases:?}\n{out}");
     }
