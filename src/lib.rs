@@ -21,3 +21,4 @@ pub mod proto;
 pub mod proxy;
 pub mod server;
 pub mod sim;
+pub mod tls;

@@ -21,7 +21,7 @@ enum Command {
     /// A tour on loopback: a capacity server and three sidecars sharing one resource, live.
     Demo(usher::demo::DemoArgs),
     /// Run a Doorman-compatible capacity server (gRPC `doorman.Capacity`).
-    Server(usher::server::ServerArgs),
+    Server(Box<usher::server::ServerArgs>),
     /// Simulate a capacity server tree in virtual time and report utilisation, overshoot,
     /// convergence and fairness.
     Sim(usher::sim::SimArgs),
@@ -51,7 +51,7 @@ fn main() -> ExitCode {
         Command::Check(args) => usher::check::run(args),
         Command::Audit(args) => usher::audit::run(args),
         Command::Completions { shell } => completions(&shell),
-        Command::Server(args) => serve(|shutdown| usher::server::run(args, shutdown)),
+        Command::Server(args) => serve(|shutdown| usher::server::run(*args, shutdown)),
         Command::Proxy(args) => serve(|shutdown| usher::proxy::run(args, shutdown)),
         Command::Demo(args) => serve(|shutdown| usher::demo::run(args, shutdown)),
     };

@@ -21,6 +21,8 @@ pub const DEFAULT_HEADROOM: f64 = 1.1;
 pub struct DoormanConfig {
     pub servers: Vec<String>,
     pub client_id: String,
+    /// `doorman.tls`: reach every server (and every master they name) over TLS.
+    pub tls: Option<crate::tls::ClientFiles>,
     pub cache_file: Option<PathBuf>,
     pub jitter: f64,
     pub min_interval: Duration,
@@ -183,14 +185,10 @@ pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
             }
         }),
     };
-    if let Some(n) = m.get("tls") {
-        ck.error(
-            n.loc,
-            "doorman.tls",
-            "TLS to capacity servers is not supported yet",
-            Some("reach the servers over a trusted network or a mesh for now".into()),
-        );
-    }
+    let tls = match m.get("tls") {
+        None => Some(None),
+        Some(n) => read_tls(ck, n).map(Some),
+    };
     let cache_file = m.get("cache_file").and_then(|n| ck.string(n, "doorman.cache_file")).map(PathBuf::from);
     let jitter = number(ck, &m, "jitter", |v| (0.0..=1.0).contains(&v), "between 0 and 1")?.unwrap_or(DEFAULT_JITTER);
     let min_interval =
@@ -202,11 +200,51 @@ pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
     Some(DoormanConfig {
         servers: servers?,
         client_id: client_id?,
+        tls: tls?,
         cache_file,
         jitter,
         min_interval: min_interval?,
         backoff: backoff?,
     })
+}
+
+const TLS_FIELDS: &[&str] = &["ca_file", "cert_file", "key_file", "server_name"];
+
+/// Reads `doorman.tls` and loads every file it names, so a missing file, bad
+/// PEM or a key that does not match its certificate is reported at its line.
+fn read_tls(ck: &mut Checker, node: &Node) -> Option<crate::tls::ClientFiles> {
+    use crate::tls::{ClientFiles, ClientTls, Which};
+    let m = ck.map(node, "doorman.tls", TLS_FIELDS)?;
+    let ca = ck
+        .required(&m, "ca_file", Some("the PEM file of the CA that signs the capacity servers' certificates"))
+        .and_then(|n| ck.string(n, "doorman.tls.ca_file"));
+    let cert = m.get("cert_file").and_then(|n| ck.string(n, "doorman.tls.cert_file"));
+    let key = m.get("key_file").and_then(|n| ck.string(n, "doorman.tls.key_file"));
+    let server_name = m.get("server_name").and_then(|n| ck.string(n, "doorman.tls.server_name"));
+    let files =
+        ClientFiles { ca: PathBuf::from(ca?), cert: cert.map(PathBuf::from), key: key.map(PathBuf::from), server_name };
+    if let Err(e) = ClientTls::load(&files) {
+        // A missing half of the pair is reported at the half that is there.
+        let field = match e.which {
+            Which::Ca => "ca_file",
+            Which::Cert if files.cert.is_none() => "key_file",
+            Which::Key if files.key.is_none() => "cert_file",
+            Which::Cert => "cert_file",
+            Which::Key => "key_file",
+            Which::ServerName => "server_name",
+        };
+        let loc = m.get(field).map_or(node.loc, |n| n.loc);
+        let hint = match field {
+            "cert_file" | "key_file" if files.cert.is_none() || files.key.is_none() => {
+                Some("give both cert_file and key_file for mTLS, or neither".to_string())
+            }
+            _ => None,
+        };
+        let reason = if e.which == Which::ServerName { e.reason } else { format!("{}: {}", e.path, e.reason) };
+        ck.error(loc, &m.child(field), reason, hint);
+        return None;
+    }
+    Some(files)
 }
 
 fn read_backoff(ck: &mut Checker, node: &Node) -> Option<BackoffConfig> {

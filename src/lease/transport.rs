@@ -14,6 +14,7 @@ use crate::proto;
 use crate::proto::capacity_client::CapacityClient;
 use crate::proto::capacity_server::Capacity;
 use crate::server::{CapacityService, Node};
+use crate::tls::{ClientTls, Connector};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -43,19 +44,31 @@ pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default time limit to open a connection.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// gRPC over HTTP/2 with one lazily connected channel per address.
+/// One server's channel, and its TLS connector (which remembers why a connection ended).
+type Conn = (CapacityClient<Channel>, Option<Connector>);
+
+/// gRPC over HTTP/2 with one lazily connected channel per address, in
+/// cleartext or over TLS. With TLS every address is dialled the same way,
+/// including masters named by redirects and Discovery.
 pub struct GrpcTransport {
-    channels: Mutex<HashMap<String, CapacityClient<Channel>>>,
+    channels: Mutex<HashMap<String, Conn>>,
     rpc_timeout: Duration,
     connect_timeout: Duration,
+    tls: Option<Result<ClientTls, String>>,
 }
 
 impl GrpcTransport {
     pub fn new(rpc_timeout: Duration, connect_timeout: Duration) -> Self {
-        GrpcTransport { channels: Mutex::new(HashMap::new()), rpc_timeout, connect_timeout }
+        GrpcTransport { channels: Mutex::new(HashMap::new()), rpc_timeout, connect_timeout, tls: None }
     }
 
-    fn client(&self, addr: &str) -> Result<CapacityClient<Channel>, CallError> {
+    /// Every connection speaks TLS with `tls`; a TLS setup that failed fails every call.
+    pub fn with_tls(mut self, tls: Option<Result<ClientTls, String>>) -> Self {
+        self.tls = tls;
+        self
+    }
+
+    fn client(&self, addr: &str) -> Result<Conn, CallError> {
         let mut map = self.channels.lock().expect("channel map poisoned");
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
@@ -66,7 +79,15 @@ impl GrpcTransport {
             .connect_timeout(self.connect_timeout)
             .timeout(self.rpc_timeout)
             .tcp_nodelay(true);
-        let c = CapacityClient::new(ep.connect_lazy());
+        let (channel, connector) = match &self.tls {
+            None => (ep.connect_lazy(), None),
+            Some(Ok(tls)) => {
+                let connector = tls.connector();
+                (ep.connect_with_connector_lazy(connector.clone()), Some(connector))
+            }
+            Some(Err(e)) => return Err(CallError::Permanent(e.clone())),
+        };
+        let c = (CapacityClient::new(channel), connector);
         map.insert(addr.to_string(), c.clone());
         Ok(c)
     }
@@ -81,12 +102,36 @@ impl GrpcTransport {
         F: FnOnce(CapacityClient<Channel>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        let c = self.client(addr)?;
+        let (c, connector) = self.client(addr)?;
         match f(c).await {
             Ok(r) => Ok(r.into_inner()),
             Err(s) => {
-                if s.code() == tonic::Code::Unavailable || s.code() == tonic::Code::Unknown {
+                let code = s.code();
+                if matches!(code, tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled) {
                     self.forget(addr);
+                    // "transport error" alone hides the cause (refused, TLS, ...): add the chain,
+                    // and what ended the connection (a TLS alert after the handshake).
+                    let mut why = String::new();
+                    let mut src = std::error::Error::source(&s);
+                    while let Some(e) = src {
+                        let m = e.to_string();
+                        if !why.contains(&m) && !s.message().contains(&m) {
+                            why.push_str(": ");
+                            why.push_str(&m);
+                        }
+                        src = e.source();
+                    }
+                    if let Some(e) = connector.and_then(|c| c.take_error())
+                        && !why.contains(&e)
+                    {
+                        why.push_str(&format!(" (connection closed: {e})"));
+                    }
+                    if !why.is_empty() {
+                        return Err(CallError::from_status(&tonic::Status::new(
+                            s.code(),
+                            format!("{}{why}", s.message()),
+                        )));
+                    }
                 }
                 Err(CallError::from_status(&s))
             }

@@ -284,7 +284,16 @@ pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, to
             c.min_interval = d.min_interval;
             c.backoff = d.backoff;
             tracing::info!(servers = %d.servers.join(","), client_id = %d.client_id, "leasing capacity from Doorman servers");
-            (c, Arc::new(GrpcTransport::new(DEFAULT_RPC_TIMEOUT, DEFAULT_CONNECT_TIMEOUT)), None, d.cache_file.clone())
+            let tls = d.tls.as_ref().map(|files| {
+                // Checked when the routes file was read; a file that went bad since is
+                // reported on every call, in the log and on the status page.
+                crate::tls::ClientTls::load(files).map_err(|e| format!("doorman.tls: {}: {}", e.path, e.reason))
+            });
+            if let Some(files) = &d.tls {
+                tracing::info!(ca = %files.ca.display(), client_cert = files.cert.is_some(), "capacity servers over TLS");
+            }
+            let transport = GrpcTransport::new(DEFAULT_RPC_TIMEOUT, DEFAULT_CONNECT_TIMEOUT).with_tls(tls);
+            (c, Arc::new(transport), None, d.cache_file.clone())
         }
         None => {
             let node = Arc::new(Node::new(

@@ -11,6 +11,7 @@ pub struct Metrics {
     pub rpc_duration: HistogramVec,
     pub config_reloads: IntCounter,
     pub config_reload_errors: IntCounter,
+    pub tls_handshake_failures: IntCounter,
     resource_capacity: GaugeVec,
     resource_has: GaugeVec,
     resource_wants: GaugeVec,
@@ -70,6 +71,14 @@ impl Metrics {
                 IntCounter::new(
                     "usher_config_reload_errors_total",
                     "Configuration reloads rejected; the previous configuration stays in force.",
+                )
+                .expect("valid metric"),
+            ),
+            tls_handshake_failures: reg(
+                r,
+                IntCounter::new(
+                    "usher_server_tls_handshake_failures_total",
+                    "gRPC connections refused because their TLS handshake failed (reason in the log and /debug/status).",
                 )
                 .expect("valid metric"),
             ),

@@ -82,6 +82,101 @@ pub struct ServerArgs {
     /// Lease TTL of the election key: a dead master is replaced within about this long.
     #[arg(long, env = "USHER_ELECTION_TTL", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub election_ttl: Duration,
+    /// Serve gRPC over TLS with this certificate chain (PEM); needs --tls-key.
+    /// Reloaded on SIGHUP and whenever it changes.
+    #[arg(long, env = "USHER_TLS_CERT", value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "USHER_TLS_KEY", value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates signed by these CAs (PEM): mutual TLS. Needs --tls-cert.
+    #[arg(long, env = "USHER_TLS_CLIENT_CA", value_name = "FILE")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// Lease from the parent over TLS, trusting these CAs (PEM) for its certificate.
+    #[arg(long, env = "USHER_PARENT_TLS_CA", value_name = "FILE")]
+    pub parent_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) to present to a parent that requires mTLS; needs --parent-tls-key.
+    #[arg(long, env = "USHER_PARENT_TLS_CERT", value_name = "FILE")]
+    pub parent_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --parent-tls-cert.
+    #[arg(long, env = "USHER_PARENT_TLS_KEY", value_name = "FILE")]
+    pub parent_tls_key: Option<PathBuf>,
+    /// Name to verify in the parent's certificate [default: the host of each parent address].
+    #[arg(long, env = "USHER_PARENT_TLS_SERVER_NAME", value_name = "NAME")]
+    pub parent_tls_server_name: Option<String>,
+}
+
+/// The server's own TLS from its flags: `None` without `--tls-cert`.
+fn server_tls(args: &ServerArgs) -> Result<Option<crate::tls::ServerTls>, RunError> {
+    use crate::tls::{ServerFiles, ServerTls, Which};
+    let (cert, key) = match (&args.tls_cert, &args.tls_key) {
+        (None, None) if args.tls_client_ca.is_some() => {
+            return Err(RunError::Usage(
+                "--tls-client-ca needs --tls-cert and --tls-key: client certificates are only checked over TLS".into(),
+            ));
+        }
+        (None, None) => return Ok(None),
+        (Some(c), Some(k)) => (c.clone(), k.clone()),
+        (Some(c), None) => {
+            return Err(RunError::Usage(format!(
+                "--tls-cert {} needs --tls-key: the certificate's private key",
+                c.display()
+            )));
+        }
+        (None, Some(k)) => {
+            return Err(RunError::Usage(format!(
+                "--tls-key {} needs --tls-cert: the certificate it belongs to",
+                k.display()
+            )));
+        }
+    };
+    ServerTls::load(ServerFiles { cert, key, client_ca: args.tls_client_ca.clone() }).map(Some).map_err(|e| {
+        let flag = match e.which {
+            Which::Cert => "--tls-cert",
+            Which::Key => "--tls-key",
+            Which::Ca | Which::ServerName => "--tls-client-ca",
+        };
+        RunError::Usage(format!("{flag} {}: {}", e.path, e.reason))
+    })
+}
+
+/// TLS to the parent from the `--parent-tls-*` flags: `None` without `--parent-tls-ca`.
+fn parent_tls(args: &ServerArgs) -> Result<Option<crate::tls::ClientTls>, RunError> {
+    use crate::tls::{ClientFiles, ClientTls, Which};
+    let Some(ca) = &args.parent_tls_ca else {
+        let set = [
+            ("--parent-tls-cert", args.parent_tls_cert.is_some()),
+            ("--parent-tls-key", args.parent_tls_key.is_some()),
+            ("--parent-tls-server-name", args.parent_tls_server_name.is_some()),
+        ];
+        if let Some((flag, _)) = set.iter().find(|(_, on)| *on) {
+            return Err(RunError::Usage(format!(
+                "{flag} needs --parent-tls-ca: the CA that signs the parent's certificate"
+            )));
+        }
+        return Ok(None);
+    };
+    if args.parent.is_empty() {
+        return Err(RunError::Usage("--parent-tls-ca needs --parent: a root server has no parent".into()));
+    }
+    let files = ClientFiles {
+        ca: ca.clone(),
+        cert: args.parent_tls_cert.clone(),
+        key: args.parent_tls_key.clone(),
+        server_name: args.parent_tls_server_name.clone(),
+    };
+    ClientTls::load(&files).map(Some).map_err(|e| {
+        let (flag, path) = match e.which {
+            Which::Ca => ("--parent-tls-ca", e.path),
+            // A missing half of the pair names the half that is there.
+            Which::Cert if args.parent_tls_cert.is_none() => ("--parent-tls-key", e.path),
+            Which::Key if args.parent_tls_key.is_none() => ("--parent-tls-cert", e.path),
+            Which::Cert => ("--parent-tls-cert", e.path),
+            Which::Key => ("--parent-tls-key", e.path),
+            Which::ServerName => ("--parent-tls-server-name", e.path),
+        };
+        RunError::Usage(format!("{flag} {path}: {}", e.reason))
+    })
 }
 
 /// Default `--decay-factor`: each level down the tree refreshes twice as often as its parent.
@@ -107,6 +202,8 @@ pub struct Node {
     pub parent: Option<Arc<parent::ParentLink>>,
     /// Set when masters are elected on etcd.
     pub election: Option<Arc<election::Election>>,
+    /// Set when gRPC is served over TLS.
+    pub tls: Option<Arc<crate::tls::ServerTls>>,
     pub store: Store,
     pub metrics: Metrics,
     pub config_source: String,
@@ -129,6 +226,7 @@ impl Node {
             server_id,
             parent: None,
             election: None,
+            tls: None,
             store: Store::new(clock, config, min_request_interval),
             metrics: Metrics::new(registry),
             config_source,
@@ -300,6 +398,8 @@ fn hostname() -> String {
 pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), RunError> {
     let etcd = (!args.etcd_endpoints.is_empty()).then(|| etcd::Etcd::new(&args.etcd_endpoints, Duration::from_secs(3)));
     let source = ConfigSource::from_arg(args.config.as_deref(), etcd.as_ref())?;
+    let tls = server_tls(&args)?.map(Arc::new);
+    let parent_tls = parent_tls(&args)?;
     let config = source.load_initial().await?;
     let source_name = source.name();
     let grpc = bind("gRPC", args.listen).await?;
@@ -332,16 +432,24 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         node.mastership.store(Arc::new(Mastership { is_master: false, master_address: None }));
         node.election = Some(Arc::new(election::Election::default()));
     }
+    node.tls = tls.clone();
     let node = Arc::new(node);
     let role = if args.parent.is_empty() { "root" } else { "intermediate" };
-    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, server_id = %server_id, config = %source_name, role, parent = %args.parent.join(","), "usher server listening");
+    let tls_mode = match &tls {
+        None => "off",
+        Some(t) if t.files().client_ca.is_some() => "mtls",
+        Some(_) => "tls",
+    };
+    tracing::info!(grpc = %grpc_addr, admin = %admin_addr, server_id = %server_id, config = %source_name, role, parent = %args.parent.join(","), tls = tls_mode, parent_tls = parent_tls.is_some(), "usher server listening");
 
     let parent_task = node.parent.clone().map(|link| {
-        let transport: Arc<dyn crate::lease::transport::Transport> =
-            Arc::new(crate::lease::transport::GrpcTransport::new(
+        let transport: Arc<dyn crate::lease::transport::Transport> = Arc::new(
+            crate::lease::transport::GrpcTransport::new(
                 crate::lease::transport::DEFAULT_RPC_TIMEOUT,
                 crate::lease::transport::DEFAULT_CONNECT_TIMEOUT,
-            ));
+            )
+            .with_tls(parent_tls.clone().map(Ok)),
+        );
         tokio::spawn(parent::run(
             node.clone(),
             link,
@@ -384,10 +492,31 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(node.clone()), shutdown.clone()));
 
     let svc = CapacityService::new(node.clone()).into_server();
-    let serve = tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(
-        tokio_stream::wrappers::TcpListenerStream::new(grpc),
-        shutdown.clone().cancelled_owned(),
-    );
+    let builder = tonic::transport::Server::builder().add_service(svc);
+    let cert_reloader = tls.as_ref().map(|t| {
+        let t = t.clone();
+        watch::spawn_reloader(t.files().cert.clone(), shutdown.clone(), move |cause| match t.reload() {
+            Ok(true) => tracing::info!(?cause, cert = %t.files().cert.display(), "TLS certificate reloaded"),
+            Ok(false) => tracing::debug!(?cause, "TLS certificate unchanged"),
+            Err(e) => {
+                tracing::error!(file = %e.path, "TLS certificate rejected, keeping the previous one: {}", e.reason)
+            }
+        })
+    });
+    let serve: std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), tonic::transport::Error>> + Send>> =
+        match &tls {
+            None => Box::pin(builder.serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(grpc),
+                shutdown.clone().cancelled_owned(),
+            )),
+            Some(t) => {
+                let failures = node.metrics.tls_handshake_failures.clone();
+                Box::pin(builder.serve_with_incoming_shutdown(
+                    t.clone().incoming(grpc, move || failures.inc(), shutdown.clone()),
+                    shutdown.clone().cancelled_owned(),
+                ))
+            }
+        };
     // Capacity RPCs are short; idle client connections must not hold shutdown up.
     let grace = async {
         shutdown.cancelled().await;
@@ -404,7 +533,7 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     if let Some(p) = parent_task {
         let _ = p.await;
     }
-    for t in [reloader, election_task].into_iter().flatten() {
+    for t in [reloader, election_task, cert_reloader].into_iter().flatten() {
         let _ = t.await;
     }
     served.map_err(|e| RunError::Other(format!("gRPC server failed: {e}")))?;

@@ -23,6 +23,7 @@ struct Status {
     config_source: String,
     config_loaded_at: Option<i64>,
     config_error: Option<String>,
+    tls: Option<crate::tls::ServerTlsStatus>,
     resources: Vec<ResourceStatus>,
 }
 
@@ -46,6 +47,7 @@ fn status(node: &Node) -> Status {
         config_source: node.config_source.clone(),
         config_loaded_at: cs.loaded_at.map(|t| t.as_secs()),
         config_error: cs.last_error,
+        tls: node.tls.as_ref().map(|t| t.status()),
         resources: node.store.status(),
     }
 }
@@ -109,6 +111,24 @@ fn status_html(s: &Status) -> String {
             e.ttl_s,
             e.state,
             e.last_error.as_deref().map(|x| format!(", <span class=err>{}</span>", escape(x))).unwrap_or_default()
+        );
+    }
+    if let Some(t) = &s.tls {
+        let _ = write!(
+            b,
+            "<p>gRPC over {} with <code>{}</code> ({} reloads){}; {} handshakes refused{}</p>",
+            if t.client_auth { "mutual TLS" } else { "TLS" },
+            escape(&t.cert_file),
+            t.reloads,
+            t.last_reload_error
+                .as_deref()
+                .map(|e| format!(", <span class=err>last reload rejected: {}</span>", escape(e)))
+                .unwrap_or_default(),
+            t.handshake_failures,
+            t.last_handshake_error
+                .as_deref()
+                .map(|e| format!(", <span class=err>last: {}</span>", escape(e)))
+                .unwrap_or_default()
         );
     }
     if let Some(p) = &s.parent {
