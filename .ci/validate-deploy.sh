@@ -113,7 +113,9 @@ import yaml
 
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
 SERVER_FLAGS = {"--config", "--listen", "--admin-listen", "--advertise-addr", "--min-request-interval",
-                "--parent", "--decay-factor", "--etcd-endpoints", "--election-key", "--election-ttl"}
+                "--parent", "--decay-factor", "--etcd-endpoints", "--election-key", "--election-ttl",
+                "--tls-cert", "--tls-key", "--tls-client-ca", "--parent-tls-ca", "--parent-tls-cert",
+                "--parent-tls-key", "--parent-tls-server-name"}
 PROXY_FLAGS = {"--routes", "--listen", "--admin-listen"}
 ALGORITHMS = {"NO_ALGORITHM", "STATIC", "PROPORTIONAL_SHARE", "FAIR_SHARE"}
 
@@ -328,6 +330,14 @@ for path, d, pod, labels in workloads:
                         err(path, d, f"{where}: {flag} names {host}, which is not a replica of {m.group(1)}")
             if "--election-key" in f and "--etcd-endpoints" not in f:
                 err(path, d, f"{where}: --election-key without --etcd-endpoints")
+            # TLS files come in pairs and live on a volume mounted in the container.
+            for a, b in (("--tls-cert", "--tls-key"), ("--parent-tls-cert", "--parent-tls-key")):
+                if (a in f) != (b in f):
+                    err(path, d, f"{where}: {a} and {b} go together")
+            mounts = [m["mountPath"].rstrip("/") + "/" for m in c.get("volumeMounts", [])]
+            for flag in ("--tls-cert", "--tls-key", "--tls-client-ca", "--parent-tls-ca", "--parent-tls-cert", "--parent-tls-key"):
+                if flag in f and not any(f[flag].startswith(m) for m in mounts):
+                    err(path, d, f"{where}: {flag}={f[flag]} is on no mounted volume")
             replicas = d["spec"].get("replicas", 1)
             if replicas > 1 and "--election-key" not in f:
                 err(path, d, f"{replicas} replicas without an election would be {replicas} masters")
@@ -686,6 +696,19 @@ else
     # 7c. usher check, once it exists (issue 9 item 2), on the example and embedded routes files too.
     if "$bin" check --help >/dev/null 2>&1; then
         mapfile -t routes_files < <(find "$WORK/embedded" -name '*.routes.yaml' | sort)
+        # doorman.tls files come from a Secret mounted at /etc/usher-tls in the pod: stand in
+        # a throwaway self-signed pair there, so the rest of the TLS section is checked too.
+        if grep -lq /etc/usher-tls/ "${routes_files[@]}" && ! command -v openssl >/dev/null; then
+            echo "  note: no openssl here; routes files naming /etc/usher-tls/ are not checked"
+            mapfile -t routes_files < <(grep -L /etc/usher-tls/ "${routes_files[@]}")
+        elif grep -lq /etc/usher-tls/ "${routes_files[@]}"; then
+            tlsdir="$WORK/usher-tls"
+            mkdir -p "$tlsdir"
+            openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj /CN=usher \
+                -keyout "$tlsdir/tls.key" -out "$tlsdir/tls.crt" 2>/dev/null || fail "openssl cannot make a test certificate"
+            cp "$tlsdir/tls.crt" "$tlsdir/ca.crt"
+            sed -i "s#/etc/usher-tls/#$tlsdir/#g" "${routes_files[@]}"
+        fi
         POD_NAME=example-pod "$bin" check deploy/examples/resources.yaml deploy/examples/routes.yaml "${routes_files[@]}" \
             || fail "usher check rejects these files: they follow issues 3, 4 (routes) and the README (resources); the parser or the files must change"
         echo "  usher check: deploy/examples and the ${#routes_files[@]} embedded routes file(s) are valid"

@@ -94,6 +94,21 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
     # intermediate mode: any servers of the parent node
     - --parent={{ .parent }}
     {{- end }}
+    {{- if $ctx.Values.tls.secretName }}
+    # gRPC over TLS; the certificate reloads live when the Secret changes
+    - --tls-cert=/etc/usher-tls/tls.crt
+    - --tls-key=/etc/usher-tls/tls.key
+    {{- if $ctx.Values.tls.clientAuth }}
+    - --tls-client-ca=/etc/usher-tls/ca.crt
+    {{- end }}
+    {{- if .parent }}
+    - --parent-tls-ca=/etc/usher-tls/ca.crt
+    {{- if $ctx.Values.tls.clientAuth }}
+    - --parent-tls-cert=/etc/usher-tls/tls.crt
+    - --parent-tls-key=/etc/usher-tls/tls.key
+    {{- end }}
+    {{- end }}
+    {{- end }}
     {{- if $ctx.Values.election.enabled }}
     # master election on etcd, one key per node
     - --etcd-endpoints={{ include "usher.etcdEndpoints" $ctx }}
@@ -119,11 +134,25 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
     {{- toYaml .resources | nindent 4 }}
   securityContext:
     {{- toYaml $ctx.Values.server.securityContext | nindent 4 }}
-  {{- if .config }}
+  {{- if or .config $ctx.Values.tls.secretName }}
   volumeMounts:
+    {{- if .config }}
     # A directory mount, never subPath: ConfigMap updates must reach the pod.
     - { name: config, mountPath: /etc/usher, readOnly: true }
+    {{- end }}
+    {{- if $ctx.Values.tls.secretName }}
+    - { name: tls, mountPath: /etc/usher-tls, readOnly: true }
+    {{- end }}
   {{- end }}
+{{- end }}
+
+{{/* The servers' TLS Secret volume, when tls.secretName is set. */}}
+{{- define "usher.tlsVolume" -}}
+{{- if .Values.tls.secretName }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -141,6 +170,10 @@ container list item. Arguments, as a dict:
   image            optional  default: this chart's image (values image.*)
   resources        optional  default: values sidecar.resources
   adminPort        optional  default: values sidecar.adminPort (15000)
+  tlsSecret        optional  a Secret mounted at /etc/usher-tls, for the
+                             routes file's doorman.tls (e.g. ca_file:
+                             /etc/usher-tls/ca.crt); pass it to
+                             usher.sidecarVolumes too
 
 It works both inside this chart and from an app chart that lists usher as a
 dependency (it then reads the defaults from .Values.usher). Use it with
@@ -216,6 +249,9 @@ plus the routes file's drain_timeout plus a few seconds for ReleaseCapacity.
   volumeMounts:
     - { name: usher-routes, mountPath: /etc/usher, readOnly: true }
     - { name: usher-state, mountPath: /var/run/usher }
+    {{- if .tlsSecret }}
+    - { name: usher-tls, mountPath: /etc/usher-tls, readOnly: true }
+    {{- end }}
 {{- end }}
 
 {{/* The sidecar's volumes: include "usher.sidecarVolumes" (dict "context" $ "routesConfigMap" NAME) */}}
@@ -226,6 +262,11 @@ plus the routes file's drain_timeout plus a few seconds for ReleaseCapacity.
     name: {{ $routes }}
 - name: usher-state
   emptyDir: { sizeLimit: 1Mi }
+{{- if .tlsSecret }}
+- name: usher-tls
+  secret:
+    secretName: {{ .tlsSecret }}
+{{- end }}
 {{- end }}
 
 {{/* Labels that let a pod through the servers' NetworkPolicy. */}}
