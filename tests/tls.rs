@@ -79,7 +79,7 @@ fn tls_server(dir: &Path, server: &(PathBuf, PathBuf), client_ca: Option<&Path>)
 }
 
 /// A sidecar leasing `api` (wants 30) from `server` with the given `doorman.tls` fields.
-fn sidecar(dir: &Path, name: &str, server: std::net::SocketAddr, tls: &str) -> Usher {
+fn sidecar(dir: &Path, name: &str, server: impl std::fmt::Display, tls: &str) -> Usher {
     let routes = write_file(
         dir,
         &format!("{name}.yaml"),
@@ -445,4 +445,74 @@ fn bad_doorman_tls_is_reported_with_file_line_and_column_by_usher_check() {
     );
     let (code, out, err) = run_usher(&["check", s(&good)]);
     assert_eq!(code, 0, "{out}{err}");
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn a_sidecar_follows_a_mastership_redirect_over_tls() {
+    let etcd = support::etcd::EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new(dir.path(), "main");
+    let (cert, key) = ca.leaf("server", &["localhost"]);
+    let config = write_file(dir.path(), "resources.yaml", FAIR);
+    // Two servers of one node, elected on etcd, announcing themselves as localhost:PORT.
+    let members: Vec<(Usher, String)> = (0..2)
+        .map(|_| {
+            let port = free_port();
+            let listen = format!("127.0.0.1:{port}");
+            let advertise = format!("localhost:{port}");
+            let u = Usher::start(
+                &[
+                    "server",
+                    "--config",
+                    s(&config),
+                    "--listen",
+                    &listen,
+                    "--admin-listen",
+                    "127.0.0.1:0",
+                    "--advertise-addr",
+                    &advertise,
+                    "--etcd-endpoints",
+                    &etcd.endpoint,
+                    "--election-key",
+                    "/tls-test/master",
+                    "--election-ttl",
+                    "3s",
+                    "--min-request-interval",
+                    "0s",
+                    "--tls-cert",
+                    s(&cert),
+                    "--tls-key",
+                    s(&key),
+                ],
+                &[],
+                "usher server listening",
+            );
+            (u, advertise)
+        })
+        .collect();
+    let is_master = |u: &Usher| status(u.addr("admin"))["is_master"] == true;
+    assert_eventually!(members.iter().any(|(u, _)| is_master(u)), PATIENCE, "no master elected");
+    let master = members.iter().position(|(u, _)| is_master(u)).unwrap();
+    let (follower, master_addr) = (&members[1 - master].0, &members[master].1);
+    assert_eventually!(
+        status(follower.addr("admin"))["master_address"] == master_addr.as_str(),
+        PATIENCE,
+        "the follower should know the master: {}",
+        status(follower.addr("admin"))
+    );
+    // The sidecar knows only the follower; the lease must come from the master, over TLS.
+    let follower_addr = &members[1 - master].1;
+    let p = sidecar(dir.path(), "redirected", follower_addr, &format!("ca_file: {}", s(&ca.pem)));
+    assert_eventually!(
+        leased(&p) && status(p.addr("admin"))["lease"]["master"] == master_addr.as_str(),
+        PATIENCE,
+        "the sidecar should lease from the master {master_addr}: {}\n{}",
+        status(p.addr("admin")),
+        p.log()
+    );
+    assert!(server_clients(&members[master].0).contains("\"redirected\""));
 }
