@@ -166,7 +166,12 @@ impl ClientTls {
             (None, None) => builder.with_no_client_auth(),
             (Some(cert), Some(key)) => {
                 let ck = certified_key(cert, key)?;
-                builder.with_client_cert_resolver(Arc::new(FixedClientCert(Arc::new(ck))))
+                builder.with_client_cert_resolver(Arc::new(ClientCert {
+                    stamp: Mutex::new(stamps(cert, key)),
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    current: ArcSwap::from_pointee(ck),
+                }))
             }
             (Some(cert), None) => {
                 return Err(FileError::new(Which::Key, cert, "a client certificate needs its private key too"));
@@ -185,12 +190,40 @@ impl ClientTls {
     }
 }
 
+/// The client certificate, read again when its files change (cert-manager
+/// rotates them in place). A connection presents it only in its handshake, so
+/// the check costs two `stat`s per new connection and nothing per RPC.
 #[derive(Debug)]
-struct FixedClientCert(Arc<CertifiedKey>);
+struct ClientCert {
+    cert: PathBuf,
+    key: PathBuf,
+    current: ArcSwap<CertifiedKey>,
+    stamp: Mutex<[Option<std::time::SystemTime>; 2]>,
+}
 
-impl rustls::client::ResolvesClientCert for FixedClientCert {
+fn stamps(cert: &Path, key: &Path) -> [Option<std::time::SystemTime>; 2] {
+    [cert, key].map(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+}
+
+impl rustls::client::ResolvesClientCert for ClientCert {
     fn resolve(&self, _: &[&[u8]], _: &[rustls::SignatureScheme]) -> Option<Arc<CertifiedKey>> {
-        Some(self.0.clone())
+        let now = stamps(&self.cert, &self.key);
+        let mut stamp = self.stamp.lock().expect("client cert stamp poisoned");
+        if *stamp != now {
+            *stamp = now;
+            // Half-way through a rotation the pair may not match yet; the second
+            // file's change brings another try.
+            match certified_key(&self.cert, &self.key) {
+                Ok(ck) => {
+                    tracing::info!(cert = %self.cert.display(), "client certificate reloaded");
+                    self.current.store(Arc::new(ck));
+                }
+                Err(e) => {
+                    tracing::warn!(file = %e.path, "client certificate not reloaded, keeping the previous one: {}", e.reason)
+                }
+            }
+        }
+        Some(self.current.load_full())
     }
 
     fn has_certs(&self) -> bool {
@@ -350,13 +383,9 @@ impl ResolvesServerCert for Resolver {
     }
 }
 
-fn unix_now() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
-}
-
 impl ServerTls {
-    /// Reads and checks every file.
-    pub fn load(files: ServerFiles) -> Result<Self, FileError> {
+    /// Reads and checks every file; `now` (Unix seconds) is shown as the load time.
+    pub fn load(files: ServerFiles, now: i64) -> Result<Self, FileError> {
         let ck = certified_key(&files.cert, &files.key)?;
         let resolver = Arc::new(Resolver(ArcSwap::from_pointee(ck)));
         let builder = ServerConfig::builder_with_provider(provider())
@@ -377,7 +406,7 @@ impl ServerTls {
         let status = ServerTlsStatus {
             cert_file: files.cert.display().to_string(),
             client_auth: files.client_ca.is_some(),
-            cert_loaded_at: unix_now(),
+            cert_loaded_at: now,
             ..Default::default()
         };
         Ok(ServerTls {
@@ -398,7 +427,8 @@ impl ServerTls {
 
     /// Reads the certificate and key again; a good pair replaces the one in
     /// use for new connections, a bad one is reported and the old one kept.
-    pub fn reload(&self) -> Result<bool, FileError> {
+    /// `Ok(false)`: the files still hold the pair in use.
+    pub fn reload(&self, now: i64) -> Result<bool, FileError> {
         let result = certified_key(&self.files.cert, &self.files.key);
         let mut st = self.status.lock().expect("tls status poisoned");
         match result {
@@ -409,7 +439,7 @@ impl ServerTls {
                 }
                 self.resolver.0.store(Arc::new(ck));
                 st.reloads += 1;
-                st.cert_loaded_at = unix_now();
+                st.cert_loaded_at = now;
                 Ok(true)
             }
             Err(e) => {

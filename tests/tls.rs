@@ -327,13 +327,57 @@ fn the_server_certificate_is_reloaded_on_sighup_and_on_change_and_a_bad_one_is_r
     assert_eq!(status(server.addr("admin"))["tls"]["reloads"], 1);
 
     // A certificate whose key was not rotated with it is refused; the previous pair stays.
-    let (c3, _k3) = ca.leaf("half-rotated", &["localhost"]);
+    let (c3, k3) = ca.leaf("half-rotated", &["localhost"]);
     std::fs::copy(&c3, &cert).unwrap();
     server.wait_for_log("TLS certificate rejected, keeping the previous one", PATIENCE);
     assert!(server.log().contains("does not match the certificate"), "{}", server.log());
     let st = status(server.addr("admin"));
     assert!(st["tls"]["last_reload_error"].as_str().unwrap().contains("does not match"), "{st}");
     assert_eq!(rt.block_on(presented_cert(addr, &ca.pem)), second);
+
+    // The key follows (certificate first, then key, as some tools write them): the pair lands.
+    std::fs::copy(&k3, &key).unwrap();
+    let third = pem_der(&cert);
+    assert_eventually!(
+        rt.block_on(presented_cert(addr, &ca.pem)) == third,
+        PATIENCE,
+        "the certificate should be served once its key follows: {}",
+        server.log()
+    );
+    let st = status(server.addr("admin"));
+    assert_eq!(st["tls"]["reloads"], 2, "{st}");
+    assert!(st["tls"]["last_reload_error"].is_null(), "{st}");
+}
+
+#[test]
+fn a_sidecar_presents_its_rotated_client_certificate_on_its_next_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new(dir.path(), "main");
+    let clients = Ca::new(dir.path(), "clients");
+    let rogue = Ca::new(dir.path(), "rogue");
+    let server = tls_server(dir.path(), &ca.leaf("server", &["127.0.0.1"]), Some(&clients.pem));
+    // Starts with a certificate the server does not accept: refused, and retried with backoff.
+    let (cert, key) = rogue.leaf("sidecar", &["sidecar"]);
+    let p = sidecar(
+        dir.path(),
+        "rotating",
+        server.addr("grpc"),
+        &format!("ca_file: {}, cert_file: {}, key_file: {}", s(&ca.pem), s(&cert), s(&key)),
+    );
+    server.wait_for_log("invalid peer certificate: UnknownIssuer", PATIENCE);
+    assert!(!leased(&p));
+    // The files are replaced by a pair the server accepts; the next connection presents it.
+    let (good_cert, good_key) = clients.leaf("sidecar-new", &["sidecar"]);
+    std::fs::copy(&good_key, &key).unwrap();
+    std::fs::copy(&good_cert, &cert).unwrap();
+    assert_eventually!(
+        leased(&p),
+        PATIENCE,
+        "the sidecar should lease with its new certificate: {}\n{}",
+        status(p.addr("admin")),
+        p.log()
+    );
+    assert!(p.log().contains("client certificate reloaded"), "{}", p.log());
 }
 
 #[test]

@@ -107,7 +107,7 @@ pub struct ServerArgs {
 }
 
 /// The server's own TLS from its flags: `None` without `--tls-cert`.
-fn server_tls(args: &ServerArgs) -> Result<Option<crate::tls::ServerTls>, RunError> {
+fn server_tls(args: &ServerArgs, now: i64) -> Result<Option<crate::tls::ServerTls>, RunError> {
     use crate::tls::{ServerFiles, ServerTls, Which};
     let (cert, key) = match (&args.tls_cert, &args.tls_key) {
         (None, None) if args.tls_client_ca.is_some() => {
@@ -130,7 +130,7 @@ fn server_tls(args: &ServerArgs) -> Result<Option<crate::tls::ServerTls>, RunErr
             )));
         }
     };
-    ServerTls::load(ServerFiles { cert, key, client_ca: args.tls_client_ca.clone() }).map(Some).map_err(|e| {
+    ServerTls::load(ServerFiles { cert, key, client_ca: args.tls_client_ca.clone() }, now).map(Some).map_err(|e| {
         let flag = match e.which {
             Which::Cert => "--tls-cert",
             Which::Key => "--tls-key",
@@ -398,7 +398,7 @@ fn hostname() -> String {
 pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), RunError> {
     let etcd = (!args.etcd_endpoints.is_empty()).then(|| etcd::Etcd::new(&args.etcd_endpoints, Duration::from_secs(3)));
     let source = ConfigSource::from_arg(args.config.as_deref(), etcd.as_ref())?;
-    let tls = server_tls(&args)?.map(Arc::new);
+    let tls = server_tls(&args, Clock::system().now().as_secs())?.map(Arc::new);
     let parent_tls = parent_tls(&args)?;
     let config = source.load_initial().await?;
     let source_name = source.name();
@@ -493,13 +493,26 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
 
     let svc = CapacityService::new(node.clone()).into_server();
     let builder = tonic::transport::Server::builder().add_service(svc);
-    let cert_reloader = tls.as_ref().map(|t| {
-        let t = t.clone();
-        watch::spawn_reloader(t.files().cert.clone(), shutdown.clone(), move |cause| match t.reload() {
-            Ok(true) => tracing::info!(?cause, cert = %t.files().cert.display(), "TLS certificate reloaded"),
-            Ok(false) => tracing::debug!(?cause, "TLS certificate unchanged"),
-            Err(e) => {
-                tracing::error!(file = %e.path, "TLS certificate rejected, keeping the previous one: {}", e.reason)
+    let cert_reloader = tls.clone().map(|t| {
+        // Every trigger re-reads both files (the pair is compared, not one file's
+        // bytes), so a rotation that writes the certificate before the key
+        // still lands once the key follows. A lasting error is logged once.
+        let mut causes = watch::watch(&t.files().cert, shutdown.clone());
+        let clock = node.store.clock().clone();
+        tokio::spawn(async move {
+            let mut last_error = None;
+            while let Some(cause) = causes.recv().await {
+                match t.reload(clock.now().as_secs()) {
+                    Ok(true) => tracing::info!(?cause, cert = %t.files().cert.display(), "TLS certificate reloaded"),
+                    Ok(false) => tracing::debug!(?cause, "TLS certificate unchanged"),
+                    Err(e) if cause == watch::Cause::Signal || last_error.as_ref() != Some(&e) => {
+                        tracing::error!(file = %e.path, "TLS certificate rejected, keeping the previous one: {}", e.reason);
+                        last_error = Some(e);
+                        continue;
+                    }
+                    Err(_) => continue,
+                }
+                last_error = None;
             }
         })
     });
