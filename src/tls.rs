@@ -333,9 +333,19 @@ impl tower::Service<http::Uri> for Connector {
             let _ = tcp.set_nodelay(true);
             let stream =
                 tokio_rustls::TlsConnector::from(tls.config).connect(name.clone(), tcp).await.map_err(|e| {
+                    let cleartext = matches!(
+                        e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()),
+                        Some(rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType))
+                    );
+                    let hint = if cleartext {
+                        " (the server does not answer in TLS: it probably serves cleartext gRPC; \
+                     start it with --tls-cert and --tls-key, or drop TLS on this client)"
+                    } else {
+                        ""
+                    };
                     io::Error::new(
                         e.kind(),
-                        format!("TLS handshake with {host}:{port} (as {}) failed: {e}", name.to_str()),
+                        format!("TLS handshake with {host}:{port} (as {}) failed: {e}{hint}", name.to_str()),
                     )
                 })?;
             Ok(hyper_util::rt::TokioIo::new(ClientConn { inner: stream, last_error }))

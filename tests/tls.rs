@@ -144,6 +144,16 @@ fn sidecars_lease_over_tls_and_untrusting_or_cleartext_clients_are_refused_clear
         status(misnamed.addr("admin"))
     );
 
+    // The other way round: a TLS sidecar pointed at a cleartext server is told so.
+    let cleartext = Usher::server(&["--config", s(&write_file(dir.path(), "plain.yaml", FAIR))]);
+    let eager = sidecar(dir.path(), "eager", cleartext.addr("grpc"), &format!("ca_file: {}", s(&ca.pem)));
+    assert_eventually!(
+        lease_error(&eager).contains("it probably serves cleartext gRPC"),
+        PATIENCE,
+        "the sidecar should say the server does not speak TLS: {}",
+        status(eager.addr("admin"))
+    );
+
     // A Doorman-style cleartext client: refused, and the server log says what happened.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let refused = rt.block_on(async {
@@ -433,6 +443,16 @@ fn bad_tls_flags_and_files_exit_64_naming_the_flag_file_and_reason() {
         assert_eq!(code, 64, "{args:?}: {err}");
         assert!(err.contains(&want), "{args:?}: expected {want:?} in:\n{err}");
     }
+    // The same from the environment.
+    let out = std::process::Command::new(support::usher_bin())
+        .args(base)
+        .env("USHER_TLS_CERT", &cert)
+        .env("USHER_TLS_KEY", &other_key)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(err.contains(&format!("--tls-key {}: does not match", other_key.display())), "{err}");
 }
 
 #[test]

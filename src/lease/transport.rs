@@ -115,7 +115,7 @@ impl GrpcTransport {
                     let mut src = std::error::Error::source(&s);
                     while let Some(e) = src {
                         let m = e.to_string();
-                        if !why.contains(&m) && !s.message().contains(&m) {
+                        if m != "transport error" && !why.contains(&m) && !s.message().contains(&m) {
                             why.push_str(": ");
                             why.push_str(&m);
                         }
