@@ -436,6 +436,10 @@ fn bad_tls_flags_and_files_exit_64_naming_the_flag_file_and_reason() {
             "--parent-tls-cert needs --parent-tls-ca".into(),
         ),
         (vec!["--parent-tls-ca", s(&ca.pem)], "--parent-tls-ca needs --parent".into()),
+        (
+            vec!["--parent", "https://127.0.0.1:1"],
+            "--parent https://127.0.0.1:1: an https:// parent needs --parent-tls-ca".into(),
+        ),
     ];
     for (args, want) in cases {
         let all: Vec<&str> = base.iter().copied().chain(args.iter().copied()).collect();
@@ -495,6 +499,15 @@ fn bad_doorman_tls_is_reported_with_file_line_and_column_by_usher_check() {
             "5:18: doorman.tls.server_name: is not a valid DNS name or IP address".into(),
         ),
     ];
+    let https = write_file(
+        dir.path(),
+        "https.yaml",
+        &format!("doorman:\n  servers: [\"127.0.0.1:1\", \"https://127.0.0.1:2\"]\n{tail}"),
+    );
+    let cases: Vec<(PathBuf, String)> = cases
+        .into_iter()
+        .chain([(https, "2:28: doorman.servers[1]: an https:// server needs `doorman.tls`".to_string())])
+        .collect();
     for (file, want) in &cases {
         let (code, out, err) = run_usher(&["check", s(file)]);
         assert_eq!(code, 64, "{}: {out}{err}", file.display());

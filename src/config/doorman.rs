@@ -189,6 +189,22 @@ pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
         None => Some(None),
         Some(n) => read_tls(ck, n).map(Some),
     };
+    // TLS is switched on by `tls:`, not by the address: an `https://` server
+    // without it would be dialled in cleartext.
+    if m.get("tls").is_none()
+        && let Some(super::yaml::Node { value: super::yaml::Value::Seq(items), .. }) = m.get("servers")
+    {
+        for (i, it) in items.iter().enumerate() {
+            if it.as_str().is_some_and(|a| a.starts_with("https://")) {
+                ck.error(
+                    it.loc,
+                    &format!("doorman.servers[{i}]"),
+                    "an https:// server needs `doorman.tls`",
+                    Some("add `tls: { ca_file: ... }`, or write the address as host:port".into()),
+                );
+            }
+        }
+    }
     let cache_file = m.get("cache_file").and_then(|n| ck.string(n, "doorman.cache_file")).map(PathBuf::from);
     let jitter = number(ck, &m, "jitter", |v| (0.0..=1.0).contains(&v), "between 0 and 1")?.unwrap_or(DEFAULT_JITTER);
     let min_interval =

@@ -143,6 +143,13 @@ fn server_tls(args: &ServerArgs, now: i64) -> Result<Option<crate::tls::ServerTl
 /// TLS to the parent from the `--parent-tls-*` flags: `None` without `--parent-tls-ca`.
 fn parent_tls(args: &ServerArgs) -> Result<Option<crate::tls::ClientTls>, RunError> {
     use crate::tls::{ClientFiles, ClientTls, Which};
+    if args.parent_tls_ca.is_none()
+        && let Some(a) = args.parent.iter().find(|a| a.starts_with("https://"))
+    {
+        return Err(RunError::Usage(format!(
+            "--parent {a}: an https:// parent needs --parent-tls-ca (TLS is switched on by the flags, not the address)"
+        )));
+    }
     let Some(ca) = &args.parent_tls_ca else {
         let set = [
             ("--parent-tls-cert", args.parent_tls_cert.is_some()),
