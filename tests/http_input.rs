@@ -158,8 +158,9 @@ fn input() -> impl Strategy<Value = Vec<u8>> {
     ]
 }
 
-/// Serves `bytes` as one connection through in-memory I/O; returns what the
-/// sidecar wrote back.
+/// Serves `bytes` as one connection through in-memory I/O, then closes the
+/// client's side (an EOF cancels a request still in flight); returns what
+/// the sidecar wrote back.
 async fn serve_bytes(server: &ConnServer, proxy: &Arc<Proxy>, bytes: &[u8]) -> Result<Vec<u8>, String> {
     let (mut client, io) = tokio::io::duplex(64 * 1024);
     let conn = tokio::spawn({
@@ -235,7 +236,11 @@ fn a_valid_request_through_memory_is_answered() {
         let server = ConnServer::new(cfg.limits);
         let (clock, _h) = Clock::manual(Time::from_secs(1_000_000));
         let proxy = Proxy::new(cfg, "t.yaml".into(), clock, prometheus::Registry::new()).unwrap();
-        let out = serve_bytes(&server, &proxy, b"GET /x HTTP/1.1\r\nHost: api.test\r\n\r\n").await.unwrap();
+        let (mut client, io) = tokio::io::duplex(64 * 1024);
+        tokio::spawn(async move { server.serve(proxy, io, None).await });
+        client.write_all(b"GET /x HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut out)).await.unwrap().unwrap();
         let text = String::from_utf8_lossy(&out);
         assert!(text.starts_with("HTTP/1.1 200 OK") && text.ends_with("ok"), "{text}");
         assert_eq!(up.stats.requests(), 1);

@@ -42,8 +42,8 @@ impl ConnServer {
             .http1()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_timeout)
-            // A client that shuts down its write side after its request still gets the answer.
-            .half_close(true)
+            // No half-close: a client's EOF cancels its request, so a client that
+            // gives up while waiting for capacity frees its place at once.
             .max_buf_size(limits.max_header_bytes)
             .max_headers(limits.max_headers);
         builder
