@@ -141,6 +141,8 @@ async fn slowloris_connections_are_closed_and_legitimate_traffic_flows() {
         slow.push((how, tokio::spawn(drip(s, how, Duration::from_secs(40), open.clone()))));
     }
     // Legitimate traffic starts once the slow connections are all open.
+    let open_at_start = open.load(Ordering::SeqCst);
+    assert!(open_at_start > 0, "the slow connections were closed before legitimate traffic began");
     let mut legit = Vec::new();
     for _ in 0..4 {
         legit.push(tokio::spawn(async move {
@@ -160,6 +162,10 @@ async fn slowloris_connections_are_closed_and_legitimate_traffic_flows() {
         ok += statuses.len();
     }
     assert_eq!(ok, LEGIT);
+    eprintln!(
+        "{LEGIT} legitimate requests served while {open_at_start} -> {} slow connections were open",
+        open.load(Ordering::SeqCst)
+    );
     assert_eq!(up.stats.requests(), LEGIT as u64, "the upstream saw only the legitimate requests");
 
     let mut early = Vec::new();

@@ -138,3 +138,28 @@ async fn bodies_over_the_limit_answer_413() {
     assert_eq!(raw(addr, fine.as_bytes()).await.0, 200);
     assert_eq!(up.stats.bytes_received.load(Ordering::SeqCst) - before, 1000);
 }
+
+/// `usher check` validates the section with file:line:column and prints the
+/// limits in force.
+#[test]
+fn usher_check_shows_and_validates_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = support::write_file(
+        dir.path(),
+        "good.yaml",
+        "limits: { max_connections: 10, max_body_bytes: 1MiB }\nroutes: []\n",
+    );
+    let (code, out, err) = support::run_usher(&["check", good.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("listener limits: max_connections 10, header_timeout 10s"), "{out}");
+    assert!(out.contains("max_body_bytes 1048576"), "{out}");
+    let bad = support::write_file(
+        dir.path(),
+        "bad.yaml",
+        "limits:\n  max_header_bytes: 1KiB\n  header_timeout: soon\nroutes: []\n",
+    );
+    let (code, _, err) = support::run_usher(&["check", bad.to_str().unwrap()]);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("bad.yaml:2:21") && err.contains("limits.max_header_bytes"), "{err}");
+    assert!(err.contains("bad.yaml:3:19") && err.contains("limits.header_timeout"), "{err}");
+}
