@@ -84,7 +84,14 @@ pub fn run(args: CheckArgs) -> Result<(), RunError> {
     let mut bad = 0;
     for f in &args.files {
         match check_file(f) {
-            Ok(kind) => println!("{}: ok ({})", f.display(), kind.name()),
+            Ok(kind) => {
+                println!("{}: ok ({})", f.display(), kind.name());
+                if kind == Kind::Routes
+                    && let Ok(cfg) = RoutesConfig::load(f)
+                {
+                    println!("  listener limits: {}", cfg.limits);
+                }
+            }
             Err(e) => {
                 bad += 1;
                 eprintln!("{e}");

@@ -44,6 +44,8 @@ pub struct RoutesConfig {
     pub upstreams: BTreeMap<String, UpstreamConfig>,
     pub resources: BTreeMap<String, ResourceConfig>,
     pub routes: Vec<RouteConfig>,
+    /// What the listener accepts from clients (`limits:`).
+    pub limits: super::limits::ListenerLimits,
 }
 
 /// What happens to a request that no route matches.
@@ -222,8 +224,18 @@ impl RoutesConfig {
     }
 }
 
-const ROOT_FIELDS: &[&str] =
-    &["listen", "admin", "default", "drain_timeout", "access_log", "doorman", "upstreams", "resources", "routes"];
+const ROOT_FIELDS: &[&str] = &[
+    "listen",
+    "admin",
+    "default",
+    "drain_timeout",
+    "access_log",
+    "doorman",
+    "upstreams",
+    "resources",
+    "routes",
+    "limits",
+];
 const UPSTREAM_FIELDS: &[&str] = &["url", "connect_timeout", "timeout", "ca_file", "h2c"];
 const RESOURCE_FIELDS: &[&str] = &[
     "kind",
@@ -271,6 +283,8 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
         None => Some(None),
         Some(n) => super::doorman::read_doorman(ck, n).map(Some),
     };
+
+    let limits = top.get("limits").map_or(Some(Default::default()), |n| super::limits::read_limits(ck, n));
 
     // Names count as defined even when their entry has errors, so one mistake is reported once.
     let mut up_names: Vec<String> = Vec::new();
@@ -334,6 +348,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
         upstreams,
         resources,
         routes,
+        limits: limits?,
     })
 }
 

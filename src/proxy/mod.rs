@@ -9,6 +9,7 @@
 
 pub mod access_log;
 pub mod lease;
+pub mod listener;
 pub mod metrics;
 pub mod pushback;
 pub mod respond;
@@ -17,7 +18,6 @@ mod status;
 pub mod upstream;
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -31,7 +31,7 @@ use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use pin_project_lite::pin_project;
 use tokio::net::TcpListener;
@@ -45,6 +45,7 @@ use crate::config::watch;
 use crate::error::{RunError, bind};
 use crate::limit::layer::{Admission, BoxError};
 use crate::limit::{LeaseTable, Limit, LimitLayer};
+pub use listener::ConnServer;
 pub use metrics::Metrics;
 use respond::{ProxyError, error_response, is_grpc};
 use route::Routing;
@@ -52,13 +53,6 @@ use upstream::{Forward, Upstream};
 
 /// The body of every response the proxy sends.
 pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
-
-/// A client must send a request's headers within this long.
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// Largest request head (HTTP/1.1 buffer, HTTP/2 header list).
-pub const MAX_HEADER_BYTES: usize = 64 * 1024;
-/// Concurrent HTTP/2 streams per connection.
-pub const MAX_CONCURRENT_STREAMS: u32 = 256;
 
 /// `usher proxy` flags; each can also be set as `USHER_<FLAG>`.
 #[derive(Debug, Clone, clap::Args)]
@@ -166,6 +160,11 @@ impl Proxy {
                 if old.listen != cfg.listen || old.admin != cfg.admin {
                     tracing::warn!("listen and admin addresses change only on restart");
                 }
+                let same_body =
+                    crate::config::limits::ListenerLimits { max_body_bytes: cfg.limits.max_body_bytes, ..old.limits };
+                if same_body != cfg.limits {
+                    tracing::warn!("listener limits other than max_body_bytes change only on restart");
+                }
                 self.table.configure(route::specs(&cfg));
                 self.routing.store(Arc::new(Routing::new(&cfg, &ups, self.direct.clone())));
                 tracing::info!(source = %self.config_source, routes = cfg.routes.len(), resources = cfg.resources.len(), "routes reloaded");
@@ -188,6 +187,18 @@ impl Proxy {
         let arrived = self.table.clock().now();
         if req.headers().get_all(header::VIA).iter().any(|v| v.to_str().is_ok_and(|v| v.contains(upstream::VIA))) {
             return respond::proxy_error(&ProxyError::Loop, grpc);
+        }
+        // RFC 9110 §7.2: more than one Host is a 400, whatever routing would make of it.
+        if req.headers().get_all(header::HOST).iter().nth(1).is_some() {
+            return respond::proxy_error(&ProxyError::BadRequest("more than one Host header".into()), grpc);
+        }
+        if let Some(limit) = self.config.load().limits.max_body_bytes {
+            // A declared length over the limit is refused before anything is
+            // forwarded; a body without one is cut off where it passes the limit.
+            if req.body().size_hint().lower() > limit {
+                return respond::proxy_error(&ProxyError::BodyTooLarge { limit }, grpc);
+            }
+            req.extensions_mut().insert(upstream::BodyLimit(limit));
         }
         let resolved = match self.routing.load().resolve(&req, &self.table) {
             Ok(r) => r,
@@ -434,17 +445,17 @@ impl<B: Body> Body for Tracked<B> {
 }
 
 /// Serves the proxy on `listener` until `shutdown`, then drains in-flight
-/// requests for at most `drain`.
+/// requests for at most `drain`. At most `limits.max_connections` connections
+/// are served at once; further ones wait in the kernel's accept backlog.
 pub async fn serve(proxy: Arc<Proxy>, listener: TcpListener, shutdown: CancellationToken, drain: Duration) {
+    let server = ConnServer::new(proxy.config().limits);
+    let slots = Arc::new(tokio::sync::Semaphore::new(server.limits().max_connections));
     let graceful = GracefulShutdown::new();
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT).max_buf_size(MAX_HEADER_BYTES);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
-        .max_header_list_size(MAX_HEADER_BYTES as u32);
     loop {
+        let slot = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            s = slots.clone().acquire_owned() => s.expect("the semaphore is never closed"),
+        };
         let (stream, _) = tokio::select! {
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
@@ -457,15 +468,10 @@ pub async fn serve(proxy: Arc<Proxy>, listener: TcpListener, shutdown: Cancellat
             },
         };
         let _ = stream.set_nodelay(true);
-        let proxy = proxy.clone();
-        let svc = hyper::service::service_fn(move |req| {
-            let proxy = proxy.clone();
-            async move { Ok::<_, Infallible>(proxy.handle(req).await) }
-        });
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc).into_owned();
-        let conn = graceful.watch(conn);
+        let (server, proxy, watcher) = (server.clone(), proxy.clone(), graceful.watcher());
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            let _slot = slot;
+            if let Err(e) = server.serve(proxy, stream, Some(watcher)).await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });

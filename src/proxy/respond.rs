@@ -33,6 +33,8 @@ pub enum ProxyError {
     Loop,
     #[error("bad request: {0}")]
     BadRequest(String),
+    #[error("request body larger than {limit} bytes (limits.max_body_bytes)")]
+    BodyTooLarge { limit: u64 },
     #[error(
         "resource `{resource}` already tracks {max_keys} distinct ids (its max_keys); this request would add another"
     )]
@@ -47,6 +49,7 @@ impl ProxyError {
             ProxyError::UpstreamConnect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Loop => StatusCode::LOOP_DETECTED,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::TooManyKeys { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }
@@ -60,6 +63,7 @@ impl ProxyError {
             ProxyError::Upstream { .. } => "upstream-error",
             ProxyError::Loop => "loop",
             ProxyError::BadRequest(_) => "bad-request",
+            ProxyError::BodyTooLarge { .. } => "body-too-large",
             ProxyError::TooManyKeys { .. } => "too-many-keys",
         }
     }
@@ -69,7 +73,7 @@ impl ProxyError {
             ProxyError::NoRoute { .. } | ProxyError::ConnectDenied { .. } => 7, // PERMISSION_DENIED
             ProxyError::UpstreamTimeout { .. } => 4,                            // DEADLINE_EXCEEDED
             ProxyError::BadRequest(_) => 3,                                     // INVALID_ARGUMENT
-            ProxyError::TooManyKeys { .. } => 8,                                // RESOURCE_EXHAUSTED
+            ProxyError::TooManyKeys { .. } | ProxyError::BodyTooLarge { .. } => 8, // RESOURCE_EXHAUSTED
             _ => 14,                                                            // UNAVAILABLE
         }
     }

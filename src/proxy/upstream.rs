@@ -35,7 +35,63 @@ pub const DIRECT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Marks requests usher forwarded, so a route pointing back at usher is caught.
 pub const VIA: &str = "1.1 usher";
 
-type HttpsClient = Client<HttpsConnector<HttpConnector>, Incoming>;
+type HttpsClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
+
+/// `limits.max_body_bytes`, set in a request's extensions when configured.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub u64);
+
+/// The request body as forwarded: the client's, cut off with an error once
+/// it passes the body limit.
+pub struct RequestBody {
+    inner: Incoming,
+    limit: Option<u64>,
+    seen: u64,
+}
+
+/// A request body went past `limits.max_body_bytes` while streaming.
+#[derive(Debug, thiserror::Error)]
+#[error("request body larger than {limit} bytes")]
+pub struct BodyTooLarge {
+    pub limit: u64,
+}
+
+/// Reading the client's request body failed (bad chunked framing, a
+/// Content-Length the body does not match, a reset): the client's fault.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read the request body: {0}")]
+pub struct ClientBody(hyper::Error);
+
+impl hyper::body::Body for RequestBody {
+    type Data = bytes::Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let frame = match std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
+            None => return Poll::Ready(None),
+            Some(Err(e)) => return Poll::Ready(Some(Err(Box::new(ClientBody(e))))),
+            Some(Ok(f)) => f,
+        };
+        if let (Some(limit), Some(data)) = (self.limit, frame.data_ref()) {
+            self.seen = self.seen.saturating_add(data.len() as u64);
+            if self.seen > limit {
+                return Poll::Ready(Some(Err(Box::new(BodyTooLarge { limit }))));
+            }
+        }
+        Poll::Ready(Some(Ok(frame)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
 
 /// One upstream: its configuration and its connection pool.
 pub struct Upstream {
@@ -250,6 +306,9 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
     *req.uri_mut() = uri;
     *req.version_mut() = if up.config.h2c { Version::HTTP_2 } else { Version::HTTP_11 };
 
+    let limit = req.extensions().get::<BodyLimit>().map(|l| l.0);
+    let req = req.map(|inner| RequestBody { inner, limit, seen: 0 });
+
     let started = tokio::time::Instant::now();
     let sent = tokio::time::timeout(up.config.timeout, up.client.request(req)).await;
     metrics.upstream_seconds.with_label_values(&[up.name()]).observe(started.elapsed().as_secs_f64());
@@ -258,7 +317,15 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
         Ok(Err(e)) if e.is_connect() => {
             return Err(ProxyError::UpstreamConnect { upstream: name, reason: error_chain(&e) });
         }
-        Ok(Err(e)) => return Err(ProxyError::Upstream { upstream: name, reason: error_chain(&e) }),
+        Ok(Err(e)) => {
+            if let Some(limit) = too_large(&e) {
+                return Err(ProxyError::BodyTooLarge { limit });
+            }
+            if let Some(c) = source_of::<ClientBody>(&e) {
+                return Err(ProxyError::BadRequest(error_chain(c)));
+            }
+            return Err(ProxyError::Upstream { upstream: name, reason: error_chain(&e) });
+        }
         Ok(Ok(r)) => r,
     };
     let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
@@ -282,6 +349,23 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
         resp.extensions_mut().insert(a);
     }
     Ok(resp)
+}
+
+/// The body limit, if `e` was caused by a request body passing it.
+fn too_large(e: &(dyn std::error::Error + 'static)) -> Option<u64> {
+    source_of::<BodyTooLarge>(e).map(|t| t.limit)
+}
+
+/// The first error of type `T` in `e`'s chain.
+fn source_of<'a, T: std::error::Error + 'static>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a T> {
+    let mut src: Option<&'a (dyn std::error::Error + 'static)> = Some(e);
+    while let Some(inner) = src {
+        if let Some(t) = inner.downcast_ref::<T>() {
+            return Some(t);
+        }
+        src = inner.source();
+    }
+    None
 }
 
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
