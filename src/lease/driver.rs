@@ -119,6 +119,46 @@ impl LeaseClient {
     }
 }
 
+/// Applies the capacities of now (a lease that has just expired falls to its
+/// `on_expiry` capacity) and logs the mode changes.
+fn enforce(client: &LeaseClient, clock: &Clock, enforcer: &dyn Enforcer) {
+    let (capacities, transitions) = {
+        let mut core = client.core.lock().expect("lease core poisoned");
+        // Until the first answer (or failure), keys keep their configured
+        // capacity rather than dropping to `on_expiry` for a few milliseconds.
+        let known = core.refreshes() > 0 || core.last_error().is_some();
+        let caps = if known { core.capacities(clock.now()) } else { Vec::new() };
+        (caps, core.take_transitions())
+    };
+    if !capacities.is_empty() {
+        enforcer.apply(&capacities);
+    }
+    for t in transitions {
+        tracing::info!(resource = %t.resource_id, from = ?t.from, to = ?t.to, capacity = ?t.capacity, "lease mode changed");
+        enforcer.on_transition(&t);
+    }
+}
+
+/// Waits for one call to the server (None on shutdown). Leases keep expiring
+/// on time meanwhile: a call can hang for the whole RPC timeout against a
+/// blackholed server, longer than what is left of a lease.
+async fn call<T>(
+    fut: impl Future<Output = T>,
+    client: &LeaseClient,
+    clock: &Clock,
+    enforcer: &dyn Enforcer,
+    shutdown: &CancellationToken,
+) -> Option<T> {
+    tokio::pin!(fut);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            r = &mut fut => return Some(r),
+            _ = tokio::time::sleep(DEMAND_POLL) => enforce(client, clock, enforcer),
+        }
+    }
+}
+
 async fn run(
     client: LeaseClient,
     clock: Clock,
@@ -128,25 +168,13 @@ async fn run(
     shutdown: CancellationToken,
 ) {
     loop {
-        let now = clock.now();
         let demand = enforcer.demand();
-        let (action, capacities, transitions) = {
+        let action = {
             let mut core = client.core.lock().expect("lease core poisoned");
             core.set_demand(demand);
-            // Until the first answer (or failure), keys keep their configured
-            // capacity rather than dropping to `on_expiry` for a few milliseconds.
-            let known = core.refreshes() > 0 || core.last_error().is_some();
-            let caps = if known { core.capacities(now) } else { Vec::new() };
-            let tr = core.take_transitions();
-            (core.next_action(now), caps, tr)
+            core.next_action(clock.now())
         };
-        if !capacities.is_empty() {
-            enforcer.apply(&capacities);
-        }
-        for t in transitions {
-            tracing::info!(resource = %t.resource_id, from = ?t.from, to = ?t.to, capacity = ?t.capacity, "lease mode changed");
-            enforcer.on_transition(&t);
-        }
+        enforce(&client, &clock, &*enforcer);
         match action {
             Action::Wait { until } => {
                 let d = until.since(clock.now()).min(DEMAND_POLL);
@@ -157,9 +185,8 @@ async fn run(
                 }
             }
             Action::Discover { target } => {
-                let r = tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    r = transport.discovery(&target) => r,
+                let Some(r) = call(transport.discovery(&target), &client, &clock, &*enforcer, &shutdown).await else {
+                    break;
                 };
                 if let Err(e) = &r {
                     tracing::warn!(server = %target, error = ?e, "discovery failed; trying the next server");
@@ -167,9 +194,10 @@ async fn run(
                 client.core.lock().expect("lease core poisoned").on_discovery(clock.now(), &target, r);
             }
             Action::Refresh { target, request } => {
-                let r = tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    r = transport.get_capacity(&target, request) => r,
+                let Some(r) =
+                    call(transport.get_capacity(&target, request), &client, &clock, &*enforcer, &shutdown).await
+                else {
+                    break;
                 };
                 if let Err(e) = &r {
                     tracing::warn!(server = %target, error = ?e, "lease refresh failed");
