@@ -256,9 +256,9 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
     let mut resp = match sent {
         Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name, after: up.config.timeout }),
         Ok(Err(e)) if e.is_connect() => {
-            return Err(ProxyError::UpstreamConnect { upstream: name, reason: error_chain(&e) });
+            return Err(ProxyError::UpstreamConnect { upstream: name, reason: reason(&e) });
         }
-        Ok(Err(e)) => return Err(ProxyError::Upstream { upstream: name, reason: error_chain(&e) }),
+        Ok(Err(e)) => return Err(ProxyError::Upstream { upstream: name, reason: reason(&e) }),
         Ok(Ok(r)) => r,
     };
     let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
@@ -282,6 +282,22 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
         resp.extensions_mut().insert(a);
     }
     Ok(resp)
+}
+
+/// Why a request to an upstream failed, for the app and the operator: the
+/// causes under hyper-util's own `client error (Connect)` wrapper, which only
+/// names the stage, and what to do about an untrusted certificate.
+fn reason(e: &hyper_util::client::legacy::Error) -> String {
+    let mut s = match std::error::Error::source(e) {
+        Some(cause) => error_chain(cause),
+        None => error_chain(e),
+    };
+    if s.contains("invalid peer certificate") {
+        s.push_str(
+            " (the upstream's certificate is not trusted: name the CA that signed it in the upstream's ca_file)",
+        );
+    }
+    s
 }
 
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
