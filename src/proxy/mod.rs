@@ -444,6 +444,7 @@ pub async fn serve(proxy: Arc<Proxy>, listener: TcpListener, shutdown: Cancellat
         .timer(TokioTimer::new())
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
         .max_header_list_size(MAX_HEADER_BYTES as u32);
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let (stream, _) = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -458,22 +459,64 @@ pub async fn serve(proxy: Arc<Proxy>, listener: TcpListener, shutdown: Cancellat
         };
         let _ = stream.set_nodelay(true);
         let proxy = proxy.clone();
-        let svc = hyper::service::service_fn(move |req| {
+        let draining = shutdown.clone();
+        let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
             let proxy = proxy.clone();
-            async move { Ok::<_, Infallible>(proxy.handle(req).await) }
+            let draining = draining.clone();
+            async move {
+                let h1 = req.version() <= http::Version::HTTP_11 && req.method() != Method::CONNECT;
+                let mut resp = proxy.handle(req).await;
+                // While draining, an HTTP/1.1 answer tells its client not to reuse the connection.
+                if h1 && draining.is_cancelled() && resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+                    resp.headers_mut().insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+                }
+                Ok::<_, Infallible>(resp)
+            }
         });
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc).into_owned();
         let conn = graceful.watch(conn);
+        let open = OpenConnection::new(&open);
         tokio::spawn(async move {
+            let _open = open;
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });
     }
     drop(listener);
+    // Closing an idle keep-alive connection races with a request the client
+    // is writing into it at that moment, which would then go unanswered. So
+    // for a short grace, open connections stay open and each answer carries
+    // `connection: close`: a busy client learns of the shutdown from an answer.
+    let started = tokio::time::Instant::now();
+    let grace = DRAIN_GRACE.min(drain);
+    while open.load(std::sync::atomic::Ordering::SeqCst) > 0 && started.elapsed() < grace {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let left = drain.saturating_sub(started.elapsed());
     tokio::select! {
         _ = graceful.shutdown() => tracing::info!("all connections drained"),
-        _ = tokio::time::sleep(drain) => tracing::warn!(?drain, "drain deadline passed; closing remaining connections"),
+        _ = tokio::time::sleep(left) => tracing::warn!(?drain, "drain deadline passed; closing remaining connections"),
+    }
+}
+
+/// On shutdown, how long open connections may still bring requests (each
+/// answered with `connection: close`) before idle ones are closed.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(1);
+
+/// Counts an accepted connection as open until dropped.
+struct OpenConnection(Arc<std::sync::atomic::AtomicUsize>);
+
+impl OpenConnection {
+    fn new(open: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        OpenConnection(open.clone())
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
