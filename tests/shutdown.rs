@@ -5,8 +5,9 @@
 //! What clients see: every request the sidecar read before it stopped is
 //! answered normally (here: every request the upstream received got its 200
 //! at the client). The listener closes at once, so new connections are
-//! refused at the TCP level; an idle keep-alive connection is closed, and a
-//! request written into it at that very instant is never read (the client
+//! refused at the TCP level. Open HTTP/1.1 connections get answers with
+//! `connection: close` for a grace of 1 s, then idle ones are closed; a
+//! request written into one at that very instant is never read (the client
 //! sees the connection close without a response, and the upstream never
 //! sees the request, so retrying it is safe). Then the leases are released.
 
@@ -230,6 +231,9 @@ async fn sigterm_under_load_fails_no_accepted_request_and_releases_the_leases() 
         "every request that reached the upstream was answered with its 200 (none cut by the shutdown)"
     );
     assert_eq!(slow_ok, slow_received, "the slow requests in flight at SIGTERM completed");
+    // Busy keep-alive connections learn of the shutdown from an answer
+    // (`connection: close`) during the drain grace, so none is closed under a request.
+    assert_eq!(got(&clients.unread), 0, "no request was written into a connection the sidecar closed");
     assert!(drained >= SLOW / 8, "the sidecar waited for the slow requests: it exited after {drained:?}");
     assert!(p.log().contains("released every lease"), "{}", p.log());
     assert!(!holds(), "the server no longer holds the sidecar's lease");
