@@ -154,7 +154,11 @@ async fn pump(from: &mut OwnedReadHalf, to: &mut OwnedWriteHalf, mode: watch::Re
                     Mode::Delay(d) => {
                         tokio::select! {
                             _ = tokio::time::sleep_until(arrived + d) => break,
-                            _ = mode.changed() => continue,
+                            changed = mode.changed() => if changed.is_err() {
+                                // The FaultProxy is gone: the mode can no longer change.
+                                tokio::time::sleep_until(arrived + d).await;
+                                break;
+                            },
                         }
                     }
                     // Held until the mode changes; Reset and Close end the connection elsewhere.
