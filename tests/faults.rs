@@ -267,3 +267,100 @@ async fn master_failover_under_load_loses_nothing() {
     assert_eq!(tally.errors.load(Ordering::Relaxed), 0, "no request lost its connection: {}", tally.summary());
     assert!(tally.ok.load(Ordering::Relaxed) > 300, "the load ran: {}", tally.summary());
 }
+
+/// The same through a real master election on etcd: three servers, the
+/// master is killed mid-load, another wins and the sidecar follows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_master_failover_under_load_loses_nothing() {
+    let _serial = SERIAL.lock().await;
+    let etcd = support::etcd::EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_file(
+        dir.path(),
+        "resources.yaml",
+        &format!(
+            "resources:\n  - identifier_glob: '*'\n    capacity: {CAPACITY}\n    safe_capacity: {SAFE}\n    algorithm: {{ kind: FAIR_SHARE, lease_length: 6, refresh_interval: 1, learning_mode_duration: 6 }}\n"
+        ),
+    );
+    let mut members: Vec<(Usher, String)> = (0..3)
+        .map(|_| {
+            let addr = format!("127.0.0.1:{}", free_port());
+            let u = Usher::start(
+                &[
+                    "server",
+                    "--config",
+                    cfg.to_str().unwrap(),
+                    "--listen",
+                    &addr,
+                    "--admin-listen",
+                    "127.0.0.1:0",
+                    "--advertise-addr",
+                    &addr,
+                    "--etcd-endpoints",
+                    &etcd.endpoint,
+                    "--election-key",
+                    "/faults/master",
+                    "--election-ttl",
+                    "3s",
+                    "--min-request-interval",
+                    "0s",
+                ],
+                &[],
+                "usher server listening",
+            );
+            (u, addr)
+        })
+        .collect();
+    let is_master = |u: &Usher| {
+        let (code, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+        code == 200 && serde_json::from_str::<serde_json::Value>(&body).unwrap()["is_master"] == true
+    };
+    assert_eventually!(
+        members.iter().filter(|(u, _)| is_master(u)).count() == 1,
+        Duration::from_secs(15),
+        "one master"
+    );
+    let up = Upstream::start().await;
+    let servers: Vec<String> = members.iter().map(|(_, a)| a.clone()).collect();
+    let p = start_sidecar(dir.path(), &up, &servers, "sidecar-etcd");
+    let master = members.iter().position(|(u, _)| is_master(u)).unwrap();
+    assert_eventually!(
+        status(&p)["lease"]["master"] == members[master].1.as_str()
+            && key(&p)["mode"] == "leased"
+            && key(&p)["has"] == CAPACITY,
+        Duration::from_secs(15),
+        "the sidecar leases from the master (after its learning mode): {}",
+        status(&p)
+    );
+
+    let tally = Arc::new(Tally::default());
+    let load = tokio::spawn(drive_strict(p.addr("listen"), 100.0, Duration::from_secs(14), tally.clone()));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    members[master].0.child.kill().unwrap();
+    let killed = Instant::now();
+    let n0 = up.stats.requests();
+    // The lease (6 s) outlives the election (TTL 3 s), and the new master's
+    // learning mode hands the lease back: enforced throughout.
+    let mut moved = None;
+    while killed.elapsed() < Duration::from_secs(10) {
+        let st = status(&p);
+        let k = &st["lease"]["keys"][0];
+        assert!(k["mode"] == "leased" && k["has"] == CAPACITY, "the lease holds through the failover: {st}");
+        let now_master = st["lease"]["master"].as_str().unwrap_or("").to_string();
+        if moved.is_none() && !now_master.is_empty() && now_master != members[master].1 {
+            moved = Some((now_master, killed.elapsed()));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let r = (up.stats.requests() - n0) as f64 / killed.elapsed().as_secs_f64();
+    assert!((r - CAPACITY).abs() <= 6.0, "the leased rate holds through the failover: {r:.1}/s");
+    let (new_master, took) = moved.unwrap_or_else(|| panic!("the sidecar never left the dead master: {}", status(&p)));
+    eprintln!("the sidecar moved to the new master {new_master} after {took:?}");
+    let winner = members.iter().find(|(_, a)| *a == new_master).expect("the new master is a member");
+    assert!(is_master(&winner.0), "the sidecar follows the elected master");
+    let (_, body) = http_get(winner.0.addr("admin"), "/debug/resources?resource=api&format=json");
+    assert!(body.contains("sidecar-etcd"), "the new master holds the sidecar's lease: {body}");
+    load.await.unwrap();
+    assert_eq!(tally.other.load(Ordering::Relaxed), 0, "the app sees only 2xx and 429: {}", tally.summary());
+    assert_eq!(tally.errors.load(Ordering::Relaxed), 0, "no request lost its connection: {}", tally.summary());
+}
