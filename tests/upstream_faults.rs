@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use support::upstream::{TestPki, Upstream, get, h1, read};
+use support::upstream::{TestPki, Upstream, get, get_abs, h1, h2, read};
 use support::{Usher, http_get, metric, write_file};
 
 /// A hand-written HTTP/1.1 upstream that misbehaves as the request path says:
@@ -199,6 +199,19 @@ async fn each_upstream_fault_is_a_clear_problem() {
         assert_eq!(got.0, 200, "{path}: {got:?}");
         assert!(got.2.is_err(), "{path}: the truncated body ends in an error, not a clean end: {got:?}");
     }
+    // Over HTTP/2 the stream is reset and the connection stays usable.
+    let mut c2 = h2(addr).await;
+    for path in ["/midbody", "/midbody-chunked"] {
+        c2.ready().await.unwrap();
+        let resp = c2.send_request(get_abs("app.local", path)).await;
+        if let Ok(resp) = resp {
+            assert_eq!(resp.status(), 200, "{path} over h2");
+            assert!(resp.into_body().collect().await.is_err(), "{path} over h2: the body ends in an error");
+        }
+    }
+    c2.ready().await.unwrap();
+    let ok = read(c2.send_request(get_abs("app.local", "/ok")).await.unwrap()).await;
+    assert_eq!(ok.status, 200, "the h2 connection survives its reset streams: {}", ok.text());
     // Nothing is left in flight.
     assert_eventually!(
         {
