@@ -224,6 +224,12 @@ async fn each_upstream_fault_is_a_clear_problem() {
         "every request left flight"
     );
     assert!(faulty.requests.load(Ordering::SeqCst) >= 5);
+    let (_, m) = http_get(p.addr("admin"), "/metrics");
+    assert_eq!(
+        metric(&m, "usher_proxy_response_body_errors_total", &[("route", "faulty")]),
+        Some(4.0),
+        "every cut body is counted (2 over HTTP/1.1, 2 over HTTP/2)"
+    );
 }
 
 /// What one storm request asked the upstream to do.

@@ -218,8 +218,11 @@ impl Proxy {
                     None => ("admitted", Duration::ZERO),
                 };
                 self.log(&route, &keys, outcome, waited, resp.status(), arrived);
+                let body_errors = self.metrics.body_errors.with_label_values(&[&route]);
                 resp.map(|b| {
-                    Tracked { inner: b, _guard: in_flight }.map_err(|e| Box::new(e) as BoxError).boxed_unsync()
+                    Tracked { inner: b, _guard: in_flight, body_errors }
+                        .map_err(|e| Box::new(e) as BoxError)
+                        .boxed_unsync()
                 })
             }
             Err(err) => {
@@ -413,15 +416,26 @@ pin_project! {
         #[pin]
         inner: B,
         _guard: InFlight,
+        body_errors: prometheus::IntCounter,
     }
 }
 
-impl<B: Body> Body for Tracked<B> {
+impl<B: Body> Body for Tracked<B>
+where
+    B::Error: std::fmt::Display,
+{
     type Data = B::Data;
     type Error = B::Error;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
-        Poll::Ready(ready!(self.project().inner.poll_frame(cx)))
+        let this = self.project();
+        let frame = ready!(this.inner.poll_frame(cx));
+        if let Some(Err(e)) = &frame {
+            // The status is already sent: the client sees its body cut; count it.
+            this.body_errors.inc();
+            tracing::debug!(error = %e, "response body failed after the headers");
+        }
+        Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {
