@@ -119,6 +119,46 @@ impl LeaseClient {
     }
 }
 
+/// Applies the capacities of now (a lease that has just expired falls to its
+/// `on_expiry` capacity) and logs the mode changes.
+fn enforce(client: &LeaseClient, clock: &Clock, enforcer: &dyn Enforcer) {
+    let (capacities, transitions) = {
+        let mut core = client.core.lock().expect("lease core poisoned");
+        // Until the first answer (or failure), keys keep their configured
+        // capacity rather than dropping to `on_expiry` for a few milliseconds.
+        let known = core.refreshes() > 0 || core.last_error().is_some();
+        let caps = if known { core.capacities(clock.now()) } else { Vec::new() };
+        (caps, core.take_transitions())
+    };
+    if !capacities.is_empty() {
+        enforcer.apply(&capacities);
+    }
+    for t in transitions {
+        tracing::info!(resource = %t.resource_id, from = ?t.from, to = ?t.to, capacity = ?t.capacity, "lease mode changed");
+        enforcer.on_transition(&t);
+    }
+}
+
+/// Waits for one call to the server (None on shutdown). Leases keep expiring
+/// on time meanwhile: a call can hang for the whole RPC timeout against a
+/// blackholed server, longer than what is left of a lease.
+async fn call<T>(
+    fut: impl Future<Output = T>,
+    client: &LeaseClient,
+    clock: &Clock,
+    enforcer: &dyn Enforcer,
+    shutdown: &CancellationToken,
+) -> Option<T> {
+    tokio::pin!(fut);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            r = &mut fut => return Some(r),
+            _ = tokio::time::sleep(DEMAND_POLL) => enforce(client, clock, enforcer),
+        }
+    }
+}
+
 async fn run(
     client: LeaseClient,
     clock: Clock,
@@ -128,25 +168,13 @@ async fn run(
     shutdown: CancellationToken,
 ) {
     loop {
-        let now = clock.now();
         let demand = enforcer.demand();
-        let (action, capacities, transitions) = {
+        let action = {
             let mut core = client.core.lock().expect("lease core poisoned");
             core.set_demand(demand);
-            // Until the first answer (or failure), keys keep their configured
-            // capacity rather than dropping to `on_expiry` for a few milliseconds.
-            let known = core.refreshes() > 0 || core.last_error().is_some();
-            let caps = if known { core.capacities(now) } else { Vec::new() };
-            let tr = core.take_transitions();
-            (core.next_action(now), caps, tr)
+            core.next_action(clock.now())
         };
-        if !capacities.is_empty() {
-            enforcer.apply(&capacities);
-        }
-        for t in transitions {
-            tracing::info!(resource = %t.resource_id, from = ?t.from, to = ?t.to, capacity = ?t.capacity, "lease mode changed");
-            enforcer.on_transition(&t);
-        }
+        enforce(&client, &clock, &*enforcer);
         match action {
             Action::Wait { until } => {
                 let d = until.since(clock.now()).min(DEMAND_POLL);
@@ -157,9 +185,8 @@ async fn run(
                 }
             }
             Action::Discover { target } => {
-                let r = tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    r = transport.discovery(&target) => r,
+                let Some(r) = call(transport.discovery(&target), &client, &clock, &*enforcer, &shutdown).await else {
+                    break;
                 };
                 if let Err(e) = &r {
                     tracing::warn!(server = %target, error = ?e, "discovery failed; trying the next server");
@@ -167,9 +194,10 @@ async fn run(
                 client.core.lock().expect("lease core poisoned").on_discovery(clock.now(), &target, r);
             }
             Action::Refresh { target, request } => {
-                let r = tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    r = transport.get_capacity(&target, request) => r,
+                let Some(r) =
+                    call(transport.get_capacity(&target, request), &client, &clock, &*enforcer, &shutdown).await
+                else {
+                    break;
                 };
                 if let Err(e) = &r {
                     tracing::warn!(server = %target, error = ?e, "lease refresh failed");
@@ -205,5 +233,127 @@ async fn run(
             }
             Err(_) => tracing::warn!(server = %target, "releasing leases timed out; they will expire on the server"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+    use crate::clock::Time;
+    use crate::config::resources::ResourcesConfig;
+    use crate::lease::OnExpiry;
+    use crate::lease::core::{CallError, Mode};
+    use crate::lease::transport::{BoxFuture, LocalTransport};
+    use crate::proto;
+    use crate::server::Node;
+
+    /// A server whose calls hang forever once `hang` is set, as a blackholed one does.
+    struct Hanging {
+        net: LocalTransport,
+        hang: AtomicBool,
+    }
+
+    impl Hanging {
+        fn pass<'a, T: Send + 'a>(&'a self, f: BoxFuture<'a, T>) -> BoxFuture<'a, T> {
+            if self.hang.load(Ordering::SeqCst) { Box::pin(std::future::pending()) } else { f }
+        }
+    }
+
+    impl Transport for Hanging {
+        fn discovery(&self, addr: &str) -> BoxFuture<'_, Result<proto::DiscoveryResponse, CallError>> {
+            self.pass(self.net.discovery(addr))
+        }
+        fn get_capacity(
+            &self,
+            addr: &str,
+            req: proto::GetCapacityRequest,
+        ) -> BoxFuture<'_, Result<proto::GetCapacityResponse, CallError>> {
+            self.pass(self.net.get_capacity(addr, req))
+        }
+        fn release_capacity(
+            &self,
+            addr: &str,
+            req: proto::ReleaseCapacityRequest,
+        ) -> BoxFuture<'_, Result<proto::ReleaseCapacityResponse, CallError>> {
+            self.pass(self.net.release_capacity(addr, req))
+        }
+        fn get_server_capacity(
+            &self,
+            addr: &str,
+            req: proto::GetServerCapacityRequest,
+        ) -> BoxFuture<'_, Result<proto::GetServerCapacityResponse, CallError>> {
+            self.pass(self.net.get_server_capacity(addr, req))
+        }
+    }
+
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<Capacity>>);
+
+    impl Enforcer for Recorder {
+        fn demand(&self) -> Vec<KeyDemand> {
+            vec![KeyDemand {
+                resource_id: "api".into(),
+                priority: 0,
+                wants: 10.0,
+                on_expiry: OnExpiry::Safe,
+                safe_capacity: None,
+                pressure: false,
+            }]
+        }
+        fn apply(&self, capacities: &[(String, Capacity)]) {
+            if let Some((_, c)) = capacities.first() {
+                self.0.lock().unwrap().push(*c);
+            }
+        }
+    }
+
+    async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !cond() {
+            assert!(tokio::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lease_expires_on_time_while_a_renewal_hangs() {
+        let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
+        let cfg = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    safe_capacity: 4\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 10, learning_mode_duration: 0 }\n";
+        let node = Arc::new(Node::new(
+            "s1".into(),
+            "test".into(),
+            ResourcesConfig::parse("test", cfg).unwrap(),
+            clock.clone(),
+            Duration::ZERO,
+            prometheus::Registry::new(),
+        ));
+        let transport = Arc::new(Hanging { net: LocalTransport::new(), hang: AtomicBool::new(false) });
+        transport.net.add("s1", node);
+        let enforcer = Arc::new(Recorder::default());
+        let shutdown = CancellationToken::new();
+        let (client, task) = LeaseClient::start(
+            CoreConfig::new("c", vec!["s1".into()]),
+            clock,
+            transport.clone(),
+            enforcer.clone(),
+            None,
+            shutdown.clone(),
+        );
+        let mode = |c: &LeaseClient| c.status().keys.first().map(|k| k.mode);
+        eventually("leased", || mode(&client) == Some(Mode::Leased)).await;
+        // The server stops answering; the next renewal (due within 10 s) hangs.
+        transport.hang.store(true, Ordering::SeqCst);
+        time.advance(Duration::from_secs(12));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(mode(&client), Some(Mode::Leased), "the lease is still valid");
+        // Past the lease's expiry: the key falls to its safe capacity although the call still hangs.
+        time.advance(Duration::from_secs(20));
+        eventually("the lease expires while the renewal hangs", || mode(&client) == Some(Mode::Expired)).await;
+        eventually("the safe capacity applies", || enforcer.0.lock().unwrap().last() == Some(&Capacity::Limited(4.0)))
+            .await;
+        shutdown.cancel();
+        task.await.unwrap();
     }
 }

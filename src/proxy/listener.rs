@@ -14,6 +14,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::Watcher;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio_util::sync::CancellationToken;
 
 use super::Proxy;
 use crate::config::limits::ListenerLimits;
@@ -33,6 +34,8 @@ pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 256;
 pub struct ConnServer {
     builder: Arc<auto::Builder<TokioExecutor>>,
     limits: ListenerLimits,
+    /// Once cancelled, every HTTP/1.1 answer carries `connection: close`.
+    draining: CancellationToken,
 }
 
 impl ConnServer {
@@ -53,7 +56,15 @@ impl ConnServer {
             .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
             .max_pending_accept_reset_streams(MAX_PENDING_ACCEPT_RESET_STREAMS)
             .max_local_error_reset_streams(MAX_LOCAL_ERROR_RESET_STREAMS);
-        ConnServer { builder: Arc::new(builder), limits }
+        ConnServer { builder: Arc::new(builder), limits, draining: CancellationToken::new() }
+    }
+
+    /// Answers HTTP/1.1 requests with `connection: close` once `token` is
+    /// cancelled, so a busy keep-alive client learns of a shutdown from an
+    /// answer instead of writing into a connection that is being closed.
+    pub fn draining_on(mut self, token: CancellationToken) -> Self {
+        self.draining = token;
+        self
     }
 
     pub fn limits(&self) -> &ListenerLimits {
@@ -79,9 +90,18 @@ impl ConnServer {
             return Ok(());
         }
         let io = TokioIo::new(Prefixed { prefix, io });
-        let svc = hyper::service::service_fn(move |req| {
+        let draining = self.draining.clone();
+        let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
             let proxy = proxy.clone();
-            async move { Ok::<_, Infallible>(proxy.handle(req).await) }
+            let draining = draining.clone();
+            async move {
+                let h1 = req.version() <= http::Version::HTTP_11 && req.method() != http::Method::CONNECT;
+                let mut resp = proxy.handle(req).await;
+                if h1 && draining.is_cancelled() && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+                    resp.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
+                }
+                Ok::<_, Infallible>(resp)
+            }
         });
         let conn = self.builder.serve_connection_with_upgrades(io, svc);
         match watcher {

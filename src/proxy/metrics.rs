@@ -15,6 +15,8 @@ pub struct Metrics {
     pub wait_seconds: HistogramVec,
     pub in_flight: IntGaugeVec,
     pub upstream_seconds: HistogramVec,
+    /// Response bodies that failed after their headers were sent, by route.
+    pub body_errors: IntCounterVec,
     pub config_reloads: IntCounter,
     pub config_reload_errors: IntCounter,
     capacity: prometheus::GaugeVec,
@@ -47,6 +49,14 @@ impl Metrics {
         let upstream_seconds = HistogramVec::new(
             HistogramOpts::new("usher_proxy_upstream_seconds", "Time until upstream response headers"),
             &["upstream"],
+        )
+        .expect("metric");
+        let body_errors = IntCounterVec::new(
+            Opts::new(
+                "usher_proxy_response_body_errors_total",
+                "Responses whose body failed after the headers were sent (upstream reset mid-body)",
+            ),
+            &["route"],
         )
         .expect("metric");
         let config_reloads =
@@ -84,6 +94,7 @@ impl Metrics {
             Box::new(wait_seconds.clone()),
             Box::new(in_flight.clone()),
             Box::new(upstream_seconds.clone()),
+            Box::new(body_errors.clone()),
             Box::new(config_reloads.clone()),
             Box::new(config_reload_errors.clone()),
             Box::new(capacity.clone()),
@@ -101,6 +112,7 @@ impl Metrics {
             wait_seconds,
             in_flight,
             upstream_seconds,
+            body_errors,
             config_reloads,
             config_reload_errors,
             capacity,

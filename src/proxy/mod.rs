@@ -229,8 +229,11 @@ impl Proxy {
                     None => ("admitted", Duration::ZERO),
                 };
                 self.log(&route, &keys, outcome, waited, resp.status(), arrived);
+                let body_errors = self.metrics.body_errors.with_label_values(&[&route]);
                 resp.map(|b| {
-                    Tracked { inner: b, _guard: in_flight }.map_err(|e| Box::new(e) as BoxError).boxed_unsync()
+                    Tracked { inner: b, _guard: in_flight, body_errors }
+                        .map_err(|e| Box::new(e) as BoxError)
+                        .boxed_unsync()
                 })
             }
             Err(err) => {
@@ -424,15 +427,26 @@ pin_project! {
         #[pin]
         inner: B,
         _guard: InFlight,
+        body_errors: prometheus::IntCounter,
     }
 }
 
-impl<B: Body> Body for Tracked<B> {
+impl<B: Body> Body for Tracked<B>
+where
+    B::Error: std::fmt::Display,
+{
     type Data = B::Data;
     type Error = B::Error;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
-        Poll::Ready(ready!(self.project().inner.poll_frame(cx)))
+        let this = self.project();
+        let frame = ready!(this.inner.poll_frame(cx));
+        if let Some(Err(e)) = &frame {
+            // The status is already sent: the client sees its body cut; count it.
+            this.body_errors.inc();
+            tracing::debug!(error = %e, "response body failed after the headers");
+        }
+        Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {
@@ -448,9 +462,10 @@ impl<B: Body> Body for Tracked<B> {
 /// requests for at most `drain`. At most `limits.max_connections` connections
 /// are served at once; further ones wait in the kernel's accept backlog.
 pub async fn serve(proxy: Arc<Proxy>, listener: TcpListener, shutdown: CancellationToken, drain: Duration) {
-    let server = ConnServer::new(proxy.config().limits);
+    let server = ConnServer::new(proxy.config().limits).draining_on(shutdown.clone());
     let slots = Arc::new(tokio::sync::Semaphore::new(server.limits().max_connections));
     let graceful = GracefulShutdown::new();
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let slot = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -469,17 +484,48 @@ pub async fn serve(proxy: Arc<Proxy>, listener: TcpListener, shutdown: Cancellat
         };
         let _ = stream.set_nodelay(true);
         let (server, proxy, watcher) = (server.clone(), proxy.clone(), graceful.watcher());
+        let open = OpenConnection::new(&open);
         tokio::spawn(async move {
-            let _slot = slot;
+            let (_slot, _open) = (slot, open);
             if let Err(e) = server.serve(proxy, stream, Some(watcher)).await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });
     }
     drop(listener);
+    // Closing an idle keep-alive connection races with a request the client
+    // is writing into it at that moment, which would then go unanswered. So
+    // for a short grace, open connections stay open and each answer carries
+    // `connection: close`: a busy client learns of the shutdown from an answer.
+    let started = tokio::time::Instant::now();
+    let grace = DRAIN_GRACE.min(drain);
+    while open.load(std::sync::atomic::Ordering::SeqCst) > 0 && started.elapsed() < grace {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let left = drain.saturating_sub(started.elapsed());
     tokio::select! {
         _ = graceful.shutdown() => tracing::info!("all connections drained"),
-        _ = tokio::time::sleep(drain) => tracing::warn!(?drain, "drain deadline passed; closing remaining connections"),
+        _ = tokio::time::sleep(left) => tracing::warn!(?drain, "drain deadline passed; closing remaining connections"),
+    }
+}
+
+/// On shutdown, how long open connections may still bring requests (each
+/// answered with `connection: close`) before idle ones are closed.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(1);
+
+/// Counts an accepted connection as open until dropped.
+struct OpenConnection(Arc<std::sync::atomic::AtomicUsize>);
+
+impl OpenConnection {
+    fn new(open: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        OpenConnection(open.clone())
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 

@@ -27,7 +27,7 @@ pub enum ProxyError {
     UpstreamTimeout { upstream: String, after: Duration },
     #[error("cannot connect to upstream `{upstream}`: {reason}")]
     UpstreamConnect { upstream: String, reason: String },
-    #[error("upstream `{upstream}` failed: {reason}")]
+    #[error("upstream `{upstream}` failed before sending response headers: {reason}")]
     Upstream { upstream: String, reason: String },
     #[error("request loop: this request already passed through usher")]
     Loop,

@@ -315,7 +315,7 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
     let mut resp = match sent {
         Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name, after: up.config.timeout }),
         Ok(Err(e)) if e.is_connect() => {
-            return Err(ProxyError::UpstreamConnect { upstream: name, reason: error_chain(&e) });
+            return Err(ProxyError::UpstreamConnect { upstream: name, reason: reason(&e) });
         }
         Ok(Err(e)) => {
             if let Some(limit) = too_large(&e) {
@@ -324,7 +324,7 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
             if let Some(c) = source_of::<ClientBody>(&e) {
                 return Err(ProxyError::BadRequest(error_chain(c)));
             }
-            return Err(ProxyError::Upstream { upstream: name, reason: error_chain(&e) });
+            return Err(ProxyError::Upstream { upstream: name, reason: reason(&e) });
         }
         Ok(Ok(r)) => r,
     };
@@ -366,6 +366,22 @@ fn source_of<'a, T: std::error::Error + 'static>(e: &'a (dyn std::error::Error +
         src = inner.source();
     }
     None
+}
+
+/// Why a request to an upstream failed, for the app and the operator: the
+/// causes under hyper-util's own `client error (Connect)` wrapper, which only
+/// names the stage, and what to do about an untrusted certificate.
+fn reason(e: &hyper_util::client::legacy::Error) -> String {
+    let mut s = match std::error::Error::source(e) {
+        Some(cause) => error_chain(cause),
+        None => error_chain(e),
+    };
+    if s.contains("invalid peer certificate") {
+        s.push_str(
+            " (the upstream's certificate is not trusted: name the CA that signed it in the upstream's ca_file)",
+        );
+    }
+    s
 }
 
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {

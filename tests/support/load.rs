@@ -12,6 +12,25 @@ pub struct Tally {
     pub ok: AtomicU64,
     pub refused: AtomicU64,
     pub other: AtomicU64,
+    /// Requests that got no response at all (connection refused, reset or closed).
+    pub errors: AtomicU64,
+}
+
+impl Tally {
+    pub fn answered(&self) -> u64 {
+        self.ok.load(Ordering::Relaxed) + self.refused.load(Ordering::Relaxed) + self.other.load(Ordering::Relaxed)
+    }
+
+    /// `ok / refused / other / errors`, for messages.
+    pub fn summary(&self) -> String {
+        format!(
+            "ok {} refused {} other {} errors {}",
+            self.ok.load(Ordering::Relaxed),
+            self.refused.load(Ordering::Relaxed),
+            self.other.load(Ordering::Relaxed),
+            self.errors.load(Ordering::Relaxed)
+        )
+    }
 }
 
 /// Offers `rate` requests per second to the proxy at `addr` for `dur`. Each
@@ -52,4 +71,72 @@ pub async fn drive(addr: std::net::SocketAddr, rate: f64, dur: Duration, tally: 
     for t in tasks {
         t.await.unwrap();
     }
+}
+
+/// Like [`drive`], but nothing is forgiven: a request that gets no response
+/// (refused or broken connection) counts in `errors` and its connection is
+/// replaced, so the offered rate holds through the whole run.
+pub async fn drive_strict(addr: std::net::SocketAddr, rate: f64, dur: Duration, tally: Arc<Tally>) {
+    let conns = (rate / 12.5).ceil().clamp(4.0, 32.0) as usize;
+    let every = Duration::from_secs_f64(conns as f64 / rate);
+    let deadline = Instant::now() + dur;
+    let mut tasks = Vec::new();
+    for i in 0..conns {
+        let tally = tally.clone();
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(every.mul_f64(i as f64 / conns as f64)).await;
+            let mut conn: Option<super::upstream::H1> = None;
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            while Instant::now() < deadline {
+                tick.tick().await;
+                if let Some(c) = conn.as_mut()
+                    && c.ready().await.is_err()
+                {
+                    conn = None;
+                }
+                let c = match conn.as_mut() {
+                    Some(c) => c,
+                    None => match connect(addr).await {
+                        Some(c) => conn.insert(c),
+                        None => {
+                            tally.errors.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                    },
+                };
+                let sent = tokio::time::timeout(Duration::from_secs(30), c.send_request(get("app.local", "/x"))).await;
+                match sent {
+                    Ok(Ok(r)) => {
+                        let status = r.status().as_u16();
+                        if http_body_util::BodyExt::collect(r.into_body()).await.is_err() {
+                            tally.errors.fetch_add(1, Ordering::Relaxed);
+                            conn = None;
+                            continue;
+                        }
+                        let counter = match status {
+                            200..=299 => &tally.ok,
+                            429 => &tally.refused,
+                            _ => &tally.other,
+                        };
+                        counter.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {
+                        tally.errors.fetch_add(1, Ordering::Relaxed);
+                        conn = None;
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+async fn connect(addr: std::net::SocketAddr) -> Option<super::upstream::H1> {
+    let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let (send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.ok()?;
+    tokio::spawn(conn);
+    Some(send)
 }

@@ -235,5 +235,6 @@ pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
 }
 
 pub mod etcd;
+pub mod faultproxy;
 pub mod load;
 pub mod upstream;
