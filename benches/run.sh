@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every usher benchmark in one command; see benches/README.md.
 #
-#   benches/run.sh            full run (about 12 minutes)
+#   benches/run.sh            full run (about 12 minutes after the build)
 #   benches/run.sh --quick    short shake-out (about 2 minutes)
 #   benches/run.sh --soak     also the 10-minute soak (benches/soak.sh)
 #
@@ -77,7 +77,9 @@ machine() {
 cat "$OUT/machine.md"
 
 echo "building (release) ..."
-cargo build --release --locked --bin usher
+# cargo bench builds the usher binary the tools start (CARGO_BIN_EXE_usher) with the bench
+# profile; a separate `cargo build --release` would only compile the crate a second time (the
+# dev-dependencies unify other features).
 cargo bench --locked --no-run --bench e2e --bench server_load --bench limit --bench algorithm
 
 if [ "$QUICK" = 1 ]; then
@@ -93,7 +95,8 @@ else
 fi
 
 echo "== end-to-end: direct vs usher vs nginx, accuracy (proxies on cpu $PROXY_CPU, load + upstream on cpu $LOAD_CPU)"
-bounded "$E2E_LIMIT" "${PIN[@]}" cargo bench --locked --bench e2e -- "${E2E[@]}" "${PROXY_ARGS[@]}" --out "$OUT" \
+# E2E_ARGS adds e2e options, e.g. E2E_ARGS="--variant=before:bin=/tmp/usher-old" for a before/after run.
+bounded "$E2E_LIMIT" "${PIN[@]}" cargo bench --locked --bench e2e -- "${E2E[@]}" "${PROXY_ARGS[@]}" ${E2E_ARGS:-} --out "$OUT" \
   > "$OUT/e2e.md" 2> >(tee "$OUT/e2e.log" >&2)
 
 echo "== capacity server: GetCapacity/s with 10,000 clients"
@@ -112,21 +115,7 @@ echo "== micro-benchmarks (criterion)"
 
 # usher::plot writes stored (uncompressed) PNGs; recompress for the repository if python3 is here.
 if [ -f "$OUT/latency.png" ] && command -v python3 >/dev/null; then
-  python3 - "$OUT/latency.png" <<'PY'
-import struct, sys, zlib
-path = sys.argv[1]
-data = open(path, 'rb').read()
-pos, chunks, idat = 8, [], b''
-while pos < len(data):
-    n, = struct.unpack('>I', data[pos:pos+4]); kind = data[pos+4:pos+8]; body = data[pos+8:pos+8+n]; pos += 12 + n
-    if kind == b'IDAT': idat += body
-    else: chunks.append((kind, body))
-def chunk(kind, body):
-    return struct.pack('>I', len(body)) + kind + body + struct.pack('>I', zlib.crc32(kind + body) & 0xffffffff)
-out = data[:8] + chunk(*chunks[0]) + chunk(b'IDAT', zlib.compress(zlib.decompress(idat), 9))
-out += b''.join(chunk(k, b) for k, b in chunks[1:])
-open(path, 'wb').write(out)
-PY
+  python3 benches/pngz.py "$OUT/latency.png"
 fi
 
 { echo "## Machine (at the end)"; machine; } >> "$OUT/machine.md"
