@@ -3,7 +3,9 @@
 //!
 //! `cargo bench --bench server_load` runs the full measurement (10,000 clients,
 //! 10 s); `-- --test` runs a one-second smoke version (what CI does). Options:
-//! `--clients N --connections N --concurrency N --seconds N`.
+//! `--clients N --connections N --concurrency N --seconds N`, and
+//! `--server-cpu LIST` to pin the server with `taskset` (`benches/run.sh`
+//! pins it to one core and this generator to the other).
 //! The load generator shares the machine with the server, so on a 2-core box
 //! the figures are a lower bound.
 
@@ -23,6 +25,7 @@ struct Opts {
     connections: usize,
     concurrency: usize,
     seconds: u64,
+    server_cpu: Option<String>,
 }
 
 fn opts() -> Opts {
@@ -41,6 +44,7 @@ fn opts() -> Opts {
         connections: get("--connections", 4) as usize,
         concurrency: get("--concurrency", 64) as usize,
         seconds: get("--seconds", if smoke { 1 } else { 10 }),
+        server_cpu: args.iter().position(|a| a == "--server-cpu").and_then(|i| args.get(i + 1)).cloned(),
     }
 }
 
@@ -50,7 +54,15 @@ fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("resources.yaml");
     std::fs::write(&cfg, CONFIG).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_usher"))
+    let mut cmd = match &o.server_cpu {
+        Some(cpu) => {
+            let mut c = Command::new("taskset");
+            c.args(["-c", cpu, env!("CARGO_BIN_EXE_usher")]);
+            c
+        }
+        None => Command::new(env!("CARGO_BIN_EXE_usher")),
+    };
+    let mut child = cmd
         .args(["server", "--config", cfg.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .args(["--min-request-interval", "0s"])
         .env("USHER_LOG", "warn,usher::server=info")

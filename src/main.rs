@@ -87,16 +87,42 @@ fn completions(shell: &str) -> Result<(), RunError> {
     }
 }
 
-/// Runs a long-lived role on a multi-threaded runtime until SIGTERM or SIGINT.
+/// Runtime size for the long-lived roles; unset, tokio's default (one worker per CPU this
+/// process may use, affinity and cgroup quota included).
+const THREADS_ENV: &str = "USHER_THREADS";
+
+/// The runtime for a long-lived role: `USHER_THREADS=1` runs a current-thread runtime (every
+/// task on the thread that polls the sockets), `USHER_THREADS=N` a multi-threaded one with N
+/// workers. benches/RESULTS.md compares a current-thread runtime with a one-worker
+/// multi-threaded one on a pinned core: no difference beyond the noise, so the default stays.
+fn runtime() -> Result<tokio::runtime::Runtime, RunError> {
+    let threads = match std::env::var(THREADS_ENV) {
+        Ok(v) => Some(
+            v.trim()
+                .parse::<std::num::NonZeroUsize>()
+                .map_err(|_| RunError::Usage(format!("{THREADS_ENV} must be a whole number ≥ 1, not {v:?}")))?,
+        ),
+        Err(_) => None,
+    };
+    let mut builder = match threads.map(|n| n.get()) {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
+    builder.enable_all().build().map_err(|e| RunError::Other(format!("cannot start the runtime: {e}")))
+}
+
+/// Runs a long-lived role until SIGTERM or SIGINT.
 fn serve<F, Fut>(role: F) -> Result<(), RunError>
 where
     F: FnOnce(CancellationToken) -> Fut,
     Fut: std::future::Future<Output = Result<(), RunError>>,
 {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| RunError::Other(format!("cannot start the runtime: {e}")))?;
+    let runtime = runtime()?;
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         tokio::spawn(shutdown_on_signal(shutdown.clone()));

@@ -139,6 +139,11 @@ fn label(v: f64) -> String {
 
 /// Writes a line chart of `series` to `path` (x in seconds).
 pub fn line_chart(path: &std::path::Path, title: &str, series: &[Series]) -> std::io::Result<()> {
+    line_chart_with_x(path, title, "t (s)", series)
+}
+
+/// Writes a line chart of `series` to `path`, with `x_label` under the x axis.
+pub fn line_chart_with_x(path: &std::path::Path, title: &str, x_label: &str, series: &[Series]) -> std::io::Result<()> {
     let mut c = Canvas::new();
     let pts = series.iter().flat_map(|s| s.points.iter());
     let x_max = pts.clone().map(|p| p.0).fold(1.0, f64::max);
@@ -163,7 +168,7 @@ pub fn line_chart(path: &std::path::Path, title: &str, series: &[Series]) -> std
     }
     c.line((LEFT as i64, TOP as i64), (LEFT as i64, (H - BOTTOM) as i64), black, false);
     c.line((LEFT as i64, (H - BOTTOM) as i64), ((W - RIGHT) as i64, (H - BOTTOM) as i64), black, false);
-    c.text((W / 2) as i64 - 20, (H - BOTTOM) as i64 + 28, "t (s)", black);
+    c.text((W / 2) as i64 - 4 * x_label.len() as i64, (H - BOTTOM) as i64 + 28, x_label, black);
     c.text(LEFT as i64, 12, &title.to_lowercase(), black);
     let mut lx = LEFT as i64 + 10;
     for s in series {

@@ -1,0 +1,732 @@
+//! End-to-end comparison in one run: a minimal upstream called directly,
+//! through a real `usher proxy` and through nginx (`proxy_pass` +
+//! `limit_req`), alternating A/B/C in rounds, plus enforcement accuracy
+//! (usher's rate and gauge resources against nginx's `limit_req` and
+//! `limit_conn`) and a soak mode. `benches/run.sh` is the way to run it;
+//! see benches/README.md.
+//!
+//! The tool itself (load generator and upstream) runs on a current-thread
+//! runtime; `run.sh` pins it to one core and the proxies, through
+//! `--proxy-cpu`, to the other.
+//!
+//! `cargo test --benches` (no `--bench` argument) runs a few-second smoke
+//! version against usher only.
+
+#[path = "loadgen/mod.rs"]
+mod loadgen;
+
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use loadgen::{OpenLoop, procfs};
+
+// === options ===
+
+struct Opts {
+    smoke: bool,
+    rounds: usize,
+    seconds: f64,
+    rates: Vec<f64>,
+    sweep: Vec<f64>,
+    sweep_seconds: f64,
+    conns: usize,
+    acc_seconds: f64,
+    gauge_seconds: f64,
+    nginx: bool,
+    no_accuracy: bool,
+    proxy_cpu: Option<String>,
+    out: PathBuf,
+    soak: Option<f64>,
+    soak_rate: f64,
+    usher_env: Vec<(String, String)>,
+    /// Extra usher targets, each with its own environment (`--variant=NAME:ENV=VALUE`) or
+    /// binary (`--variant=NAME:bin=PATH`), for before/after comparisons in one run.
+    variants: Vec<(String, (String, String))>,
+}
+
+fn opts() -> Opts {
+    let args: Vec<String> = std::env::args().collect();
+    let smoke = args.iter().any(|a| a == "--test") || !args.iter().any(|a| a == "--bench");
+    let quick = args.iter().any(|a| a == "--quick");
+    let get = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let num = |name: &str, full: f64, quick_v: f64, smoke_v: f64| {
+        get(name).and_then(|v| v.parse().ok()).unwrap_or(if smoke {
+            smoke_v
+        } else if quick {
+            quick_v
+        } else {
+            full
+        })
+    };
+    let list = |name: &str, default: &str| -> Vec<f64> {
+        get(name).unwrap_or_else(|| default.to_string()).split(',').filter_map(|v| v.trim().parse().ok()).collect()
+    };
+    let (rates, sweep) = if smoke {
+        (list("--rates", "500"), list("--sweep", ""))
+    } else if quick {
+        (list("--rates", "2000,10000"), list("--sweep", "5000,15000,25000,40000"))
+    } else {
+        (list("--rates", "2000,10000"), list("--sweep", "2000,5000,10000,15000,20000,25000,30000,40000,50000,60000"))
+    };
+    Opts {
+        smoke,
+        rounds: num("--rounds", 4.0, 2.0, 1.0) as usize,
+        seconds: num("--seconds", 10.0, 2.0, 0.5),
+        rates,
+        sweep,
+        sweep_seconds: num("--sweep-seconds", 5.0, 2.0, 0.5),
+        conns: num("--connections", 64.0, 64.0, 8.0) as usize,
+        acc_seconds: num("--accuracy-seconds", 30.0, 5.0, 1.0),
+        gauge_seconds: num("--gauge-seconds", 10.0, 3.0, 0.5),
+        nginx: !smoke && !args.iter().any(|a| a == "--no-nginx"),
+        no_accuracy: args.iter().any(|a| a == "--no-accuracy"),
+        proxy_cpu: get("--proxy-cpu"),
+        out: PathBuf::from(
+            get("--out").unwrap_or_else(|| std::env::temp_dir().join("usher-e2e").display().to_string()),
+        ),
+        soak: get("--soak").and_then(|v| v.parse().ok()),
+        soak_rate: num("--soak-rate", 5000.0, 5000.0, 500.0),
+        usher_env: args
+            .iter()
+            .filter_map(|a| a.strip_prefix("--usher-env="))
+            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+            .collect(),
+        variants: args
+            .iter()
+            .filter_map(|a| a.strip_prefix("--variant="))
+            .filter_map(|v| {
+                let (name, kv) = v.split_once(':')?;
+                let (k, val) = kv.split_once('=')?;
+                Some((name.to_string(), (k.to_string(), val.to_string())))
+            })
+            .collect(),
+    }
+}
+
+// === processes ===
+
+/// A child process killed on drop (so a panic leaves nothing behind).
+struct Proc {
+    child: Child,
+    /// The process to measure (nginx's worker rather than its master).
+    pid: u32,
+    extra: Vec<u32>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        for pid in std::iter::once(self.child.id()).chain(self.extra.iter().copied()) {
+            let _ = Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for pid in &self.extra {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).stderr(Stdio::null()).status();
+        }
+    }
+}
+
+fn pinned(cpu: &Option<String>, program: &Path) -> Command {
+    match cpu {
+        Some(cpu) => {
+            let mut c = Command::new("taskset");
+            c.args(["-c", cpu]).arg(program);
+            c
+        }
+        None => Command::new(program),
+    }
+}
+
+fn record_pid(out: &Path, pid: u32) {
+    use std::io::Write;
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(out.join("pids")) {
+        let _ = writeln!(f, "{pid}");
+    }
+}
+
+/// usher's routes: a non-limiting route for the overhead runs, a rate of
+/// 1,000/s under `/rate` and a gauge of 50 under `/gauge` for accuracy.
+fn usher_routes(up: SocketAddr) -> String {
+    format!(
+        "upstreams:\n  up: {{ url: \"http://{up}\" }}\n\
+         resources:\n  \
+           open-rate: {{ kind: rate, capacity: 10000000/s, burst: 100000 }}\n  \
+           open-gauge: {{ kind: gauge, capacity: 100000 }}\n  \
+           acc-rate: {{ kind: rate, capacity: 1000/s, burst: {BURST} }}\n  \
+           acc-gauge: {{ kind: gauge, capacity: 50, max_wait: 1s }}\n\
+         routes:\n  \
+           - {{ name: rate, match: {{ path_prefix: /rate }}, upstream: up, resources: [acc-rate] }}\n  \
+           - {{ name: gauge, match: {{ path_prefix: /gauge }}, upstream: up, resources: [acc-gauge] }}\n  \
+           - {{ name: open, upstream: up, resources: [open-rate, open-gauge] }}\n"
+    )
+}
+
+const BURST: u64 = 50;
+
+fn start_usher(o: &Opts, dir: &Path, up: SocketAddr, extra_env: &[(String, String)]) -> (Proc, SocketAddr) {
+    let routes = dir.join("routes.yaml");
+    std::fs::write(&routes, usher_routes(up)).unwrap();
+    let bin = extra_env.iter().find(|(k, _)| k == "bin").map_or(env!("CARGO_BIN_EXE_usher"), |(_, v)| v.as_str());
+    let mut cmd = pinned(&o.proxy_cpu, Path::new(bin));
+    cmd.args([
+        "proxy",
+        "--routes",
+        routes.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ])
+    .env("USHER_LOG", "warn,usher=info")
+    .env("NO_COLOR", "1")
+    .stderr(Stdio::piped());
+    for (k, v) in o.usher_env.iter().chain(extra_env).filter(|(k, _)| k != "bin") {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("start usher proxy");
+    let pid = child.id();
+    record_pid(&o.out, pid);
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    // Keeps draining stderr so usher never blocks on a full pipe.
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            if line.contains("usher proxy listening") {
+                let addr: Option<SocketAddr> =
+                    line.split_whitespace().find_map(|w| w.strip_prefix("listen=")).and_then(|a| a.parse().ok());
+                let _ = tx.send(addr);
+            } else if line.contains("WARN") || line.contains("ERROR") {
+                eprintln!("usher: {line}");
+            }
+        }
+    });
+    let proc = Proc { child, pid, extra: vec![] };
+    let addr = rx.recv_timeout(Duration::from_secs(30)).ok().flatten().expect("usher proxy did not start");
+    (proc, addr)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn nginx_conf(dir: &Path, port: u16, up: SocketAddr) -> String {
+    let d = dir.display();
+    format!(
+        r#"worker_processes 1;
+daemon off;
+user root;
+pid {d}/nginx.pid;
+error_log {d}/nginx-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  keepalive_requests 100000000;
+  keepalive_timeout 300s;
+  client_body_temp_path {d}/body;
+  proxy_temp_path {d}/proxy;
+  fastcgi_temp_path {d}/fastcgi;
+  uwsgi_temp_path {d}/uwsgi;
+  scgi_temp_path {d}/scgi;
+  upstream up {{ server {up}; keepalive 128; keepalive_requests 100000000; }}
+  limit_req_zone $binary_remote_addr zone=open:1m rate=10000000r/s;
+  limit_req_zone $binary_remote_addr zone=acc:1m rate=1000r/s;
+  limit_conn_zone $binary_remote_addr zone=conc:1m;
+  limit_req_status 429;
+  limit_conn_status 429;
+  proxy_http_version 1.1;
+  proxy_set_header Connection "";
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{ limit_req zone=open burst=100000 nodelay; proxy_pass http://up; }}
+    location /rate {{ limit_req zone=acc burst={BURST} nodelay; proxy_pass http://up; }}
+    location /gauge {{ limit_conn conc 50; proxy_pass http://up; }}
+  }}
+}}
+"#
+    )
+}
+
+fn start_nginx(o: &Opts, dir: &Path, up: SocketAddr) -> Option<(Proc, SocketAddr)> {
+    let bin = ["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"]
+        .into_iter()
+        .map(Path::new)
+        .find(|p| p.exists())?;
+    let port = free_port();
+    let conf = dir.join("nginx.conf");
+    std::fs::write(&conf, nginx_conf(dir, port, up)).unwrap();
+    let child = pinned(&o.proxy_cpu, bin)
+        .args(["-c", conf.to_str().unwrap(), "-p", dir.to_str().unwrap(), "-e", "stderr"])
+        .stderr(Stdio::inherit())
+        .spawn()
+        .ok()?;
+    let master = child.id();
+    record_pid(&o.out, master);
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut proc = Proc { child, pid: master, extra: vec![] };
+    while Instant::now() < deadline {
+        if let Some(worker) = procfs::first_child(master)
+            && std::net::TcpStream::connect(addr).is_ok()
+        {
+            record_pid(&o.out, worker);
+            proc.pid = worker;
+            proc.extra.push(worker);
+            return Some((proc, addr));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("nginx did not start; see {}/nginx-error.log", dir.display());
+    None
+}
+
+// === statistics ===
+
+fn median(v: &mut [f64]) -> f64 {
+    let v: &mut Vec<f64> = &mut v.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let n = v.len();
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+}
+
+fn min_max(v: &[f64]) -> (f64, f64) {
+    v.iter().filter(|x| x.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)))
+}
+
+/// "median (min–max)" in µs.
+fn mmm(v: &[f64]) -> String {
+    let (lo, hi) = min_max(v);
+    let m = median(&mut v.to_vec());
+    if v.len() == 1 { format!("{m:.0}") } else { format!("{m:.0} ({lo:.0}–{hi:.0})") }
+}
+
+fn rate_label(r: f64) -> String {
+    if r >= 1000.0 { format!("{}k", r / 1000.0) } else { format!("{r}") }
+}
+
+// === targets ===
+
+struct Target {
+    name: String,
+    addr: SocketAddr,
+    proc: Option<Proc>,
+}
+
+#[derive(Clone)]
+struct Sample {
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    errors: u64,
+    cpu_per_k: f64,
+}
+
+async fn measure(t: &Target, rate: f64, secs: f64, conns: usize) -> Sample {
+    let pid = t.proc.as_ref().map(|p| p.pid);
+    let cpu0 = pid.and_then(procfs::cpu_ms);
+    let r: OpenLoop = loadgen::open_loop(t.addr, "/x", rate, Duration::from_secs_f64(secs), conns).await;
+    let cpu1 = pid.and_then(procfs::cpu_ms);
+    let cpu_per_k = match (cpu0, cpu1) {
+        (Some(a), Some(b)) if !r.lat_ns.is_empty() => (b - a) as f64 / (r.lat_ns.len() as f64 / 1000.0),
+        _ => f64::NAN,
+    };
+    Sample { p50: r.pct_us(0.5), p99: r.pct_us(0.99), p999: r.pct_us(0.999), errors: r.errors, cpu_per_k }
+}
+
+fn rotate<T>(v: &[T], by: usize) -> impl Iterator<Item = (usize, &T)> {
+    (0..v.len()).map(move |i| {
+        let j = (i + by) % v.len();
+        (j, &v[j])
+    })
+}
+
+// === the run ===
+
+/// Plots `sweep.csv` (series,rate,added_us) as added latency against offered rate,
+/// values clamped at `PLOT_CAP_US` so the p50 lines stay readable next to the p99 ones.
+fn plot(csv: &Path, png: &Path) {
+    let text = std::fs::read_to_string(csv).expect("sweep.csv");
+    let colours = [[0, 90, 200], [120, 170, 240], [0, 150, 60], [120, 210, 140]];
+    let names = ["usher added p50", "usher added p99", "nginx added p50", "nginx added p99"];
+    let series: Vec<usher::plot::Series> = names
+        .iter()
+        .zip(colours)
+        .map(|(name, rgb)| usher::plot::Series {
+            name: name.to_string(),
+            rgb,
+            points: text
+                .lines()
+                .skip(1)
+                .filter_map(|l| {
+                    let mut f = l.split(',');
+                    (f.next()? == *name).then_some(())?;
+                    let x: f64 = f.next()?.parse().ok()?;
+                    let y: f64 = f.next()?.parse().ok()?;
+                    Some((x / 1000.0, y.min(PLOT_CAP_US)))
+                })
+                .collect(),
+        })
+        .collect();
+    let title = format!("added latency (us, capped at {PLOT_CAP_US}) against offered rate");
+    usher::plot::line_chart_with_x(png, &title, "offered rate (k req/s)", &series).unwrap();
+}
+
+const PLOT_CAP_US: f64 = 5000.0;
+
+fn main() {
+    let o = opts();
+    if let Some(i) = std::env::args().position(|a| a == "--plot-only") {
+        // Redraws latency.png from a previous run's sweep.csv.
+        let dir = PathBuf::from(std::env::args().nth(i + 1).expect("--plot-only DIR"));
+        plot(&dir.join("sweep.csv"), &dir.join("latency.png"));
+        return;
+    }
+    std::fs::create_dir_all(&o.out).unwrap();
+    let _ = std::fs::remove_file(o.out.join("pids"));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        if let Some(secs) = o.soak {
+            soak(&o, secs).await;
+        } else {
+            compare(&o).await;
+        }
+    });
+}
+
+async fn compare(o: &Opts) {
+    let dir = tempfile::tempdir().unwrap();
+    let (up, seen) = loadgen::upstream().await;
+    let mut md = String::new();
+    let mut targets = vec![Target { name: "direct".into(), addr: up, proc: None }];
+    let (usher, usher_addr) = start_usher(o, dir.path(), up, &[]);
+    targets.push(Target { name: "usher".into(), addr: usher_addr, proc: Some(usher) });
+    if o.nginx {
+        match start_nginx(o, dir.path(), up) {
+            Some((p, addr)) => targets.push(Target { name: "nginx".into(), addr, proc: Some(p) }),
+            None => {
+                eprintln!("nginx not found or did not start: install Debian's `nginx` package (run.sh does, as root)")
+            }
+        }
+    }
+    for (name, env) in &o.variants {
+        let (p, addr) = start_usher(o, dir.path(), up, std::slice::from_ref(env));
+        targets.push(Target { name: format!("usher {name}"), addr, proc: Some(p) });
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pids: Vec<Option<u32>> = targets.iter().map(|t| t.proc.as_ref().map(|p| p.pid)).collect();
+    let rss_idle: Vec<Option<f64>> = pids.iter().map(|p| p.and_then(|p| procfs::status_mb(p, "VmRSS"))).collect();
+    let threads: Vec<Option<usize>> = pids.iter().map(|p| p.and_then(procfs::threads)).collect();
+
+    // Warm up every path (connections, pools, caches).
+    for t in &targets {
+        measure(t, 2000.0, if o.smoke { 0.2 } else { 1.0 }, o.conns).await;
+    }
+
+    // 1. Fixed rates, A/B/C rounds with the order rotated each round.
+    let nt = targets.len();
+    let mut fixed: Vec<Vec<Vec<Sample>>> = vec![vec![Vec::new(); nt]; o.rates.len()]; // [rate][target][round]
+    let mut rss_load: Vec<f64> = vec![0.0; nt];
+    for round in 0..o.rounds {
+        for (ri, &rate) in o.rates.iter().enumerate() {
+            for (ti, t) in rotate(&targets, round) {
+                let s = measure(t, rate, o.seconds, o.conns).await;
+                eprintln!(
+                    "round {} {:>6} req/s {:>6}: p50 {:>7.0} µs p99 {:>7.0} µs p99.9 {:>7.0} µs errors {} cpu/1k {:.1} ms",
+                    round + 1,
+                    rate,
+                    t.name,
+                    s.p50,
+                    s.p99,
+                    s.p999,
+                    s.errors,
+                    s.cpu_per_k
+                );
+                if let Some(pid) = pids[ti]
+                    && let Some(rss) = procfs::status_mb(pid, "VmRSS")
+                {
+                    rss_load[ti] = rss_load[ti].max(rss);
+                }
+                fixed[ri][ti].push(s);
+            }
+        }
+    }
+    let hwm: Vec<Option<f64>> = pids.iter().map(|p| p.and_then(|p| procfs::status_mb(p, "VmHWM"))).collect();
+
+    md.push_str(&format!(
+        "### Added latency over direct, open loop, {} rounds of {} s per rate and target (µs, median (min–max) across rounds)\n\n",
+        o.rounds, o.seconds
+    ));
+    md.push_str("| rate | target | p50 | p99 | p99.9 | added p50 | added p99 | added p99.9 | errors | CPU ms / 1k req |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    for (ri, &rate) in o.rates.iter().enumerate() {
+        for (ti, t) in targets.iter().enumerate() {
+            let col = |f: &dyn Fn(&Sample) -> f64| -> Vec<f64> { fixed[ri][ti].iter().map(f).collect() };
+            let added = |f: &dyn Fn(&Sample) -> f64| -> Vec<f64> {
+                fixed[ri][ti].iter().zip(&fixed[ri][0]).map(|(s, d)| f(s) - f(d)).collect()
+            };
+            let errors: u64 = fixed[ri][ti].iter().map(|s| s.errors).sum();
+            let (a50, a99, a999, cpu) = if ti == 0 {
+                ("–".to_string(), "–".to_string(), "–".to_string(), "–".to_string())
+            } else {
+                let cpu = col(&|s| s.cpu_per_k);
+                let (lo, hi) = min_max(&cpu);
+                (
+                    mmm(&added(&|s| s.p50)),
+                    mmm(&added(&|s| s.p99)),
+                    mmm(&added(&|s| s.p999)),
+                    format!("{:.1} ({lo:.1}–{hi:.1})", median(&mut cpu.clone())),
+                )
+            };
+            md.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {a50} | {a99} | {a999} | {errors} | {cpu} |\n",
+                rate_label(rate),
+                t.name,
+                mmm(&col(&|s| s.p50)),
+                mmm(&col(&|s| s.p99)),
+                mmm(&col(&|s| s.p999)),
+            ));
+        }
+    }
+    md.push_str("\n### Memory and threads\n\n| target | threads | RSS idle | RSS under load (max at end of a round) | VmHWM |\n|---|---|---|---|---|\n");
+    for (ti, t) in targets.iter().enumerate().skip(1) {
+        let f = |v: Option<f64>| v.map(|v| format!("{v:.1} MB")).unwrap_or("–".into());
+        md.push_str(&format!(
+            "| {} | {} | {} | {:.1} MB | {} |\n",
+            t.name,
+            threads[ti].map(|n| n.to_string()).unwrap_or("–".into()),
+            f(rss_idle[ti]),
+            rss_load[ti],
+            f(hwm[ti])
+        ));
+    }
+
+    // 2. The sweep for the knee: one interleaved pass, rates rising.
+    if !o.sweep.is_empty() {
+        let mut sweep: Vec<Vec<(f64, Sample)>> = vec![Vec::new(); nt];
+        let mut failed = vec![0usize; nt];
+        for (k, &rate) in o.sweep.iter().enumerate() {
+            for (ti, t) in rotate(&targets, k) {
+                if failed[ti] >= 2 {
+                    continue;
+                }
+                let s = measure(t, rate, o.sweep_seconds, o.conns.max((rate / 500.0) as usize)).await;
+                eprintln!(
+                    "sweep {:>6} req/s {:>6}: p50 {:>7.0} µs p99 {:>7.0} µs p99.9 {:>7.0} µs errors {} cpu/1k {:.1} ms",
+                    rate, t.name, s.p50, s.p99, s.p999, s.errors, s.cpu_per_k
+                );
+                // Past saturation (behind schedule, or queueing for tens of ms) twice running:
+                // higher rates say nothing new. Latency goals are judged afterwards.
+                if s.errors > 0 || s.p50 > 20_000.0 || s.p50.is_nan() {
+                    failed[ti] += 1;
+                } else {
+                    failed[ti] = 0;
+                }
+                sweep[ti].push((rate, s));
+            }
+        }
+        md.push_str(&format!(
+            "\n### Sweep: {} s per rate and target, interleaved (µs; added = target − direct at the same rate)\n\n",
+            o.sweep_seconds
+        ));
+        md.push_str("| rate |");
+        for t in &targets {
+            md.push_str(&format!(" {} p50 | {} p99 |", t.name, t.name));
+        }
+        md.push_str(" usher added p50 / p99 | nginx added p50 / p99 |\n|---|");
+        for _ in &targets {
+            md.push_str("---|---|");
+        }
+        md.push_str("---|---|\n");
+        let at = |ti: usize, rate: f64| sweep[ti].iter().find(|(r, _)| *r == rate).map(|(_, s)| s.clone());
+        let fmt = |s: &Option<Sample>, f: fn(&Sample) -> f64| match s {
+            Some(s) if s.errors > 0 => format!("{:.0} ({} err)", f(s), s.errors),
+            Some(s) => format!("{:.0}", f(s)),
+            None => "–".into(),
+        };
+        let nginx_i = targets.iter().position(|t| t.name == "nginx");
+        let mut usher_pts = (Vec::new(), Vec::new());
+        let mut nginx_pts = (Vec::new(), Vec::new());
+        for &rate in &o.sweep {
+            md.push_str(&format!("| {} |", rate_label(rate)));
+            for ti in 0..nt {
+                let s = at(ti, rate);
+                md.push_str(&format!(" {} | {} |", fmt(&s, |s| s.p50), fmt(&s, |s| s.p99)));
+            }
+            let d = at(0, rate);
+            for (ti, pts) in [(Some(1usize), &mut usher_pts), (nginx_i, &mut nginx_pts)] {
+                match ti.and_then(|ti| at(ti, rate)).zip(d.clone()) {
+                    Some((s, d)) => {
+                        md.push_str(&format!(" {:.0} / {:.0} |", s.p50 - d.p50, s.p99 - d.p99));
+                        if s.errors == 0 && d.errors == 0 {
+                            pts.0.push((rate / 1000.0, s.p50 - d.p50));
+                            pts.1.push((rate / 1000.0, s.p99 - d.p99));
+                        }
+                    }
+                    None => md.push_str(" – |"),
+                }
+            }
+            md.push('\n');
+        }
+        md.push_str(
+            "\n### Knee: the highest sweep rate passing, every lower rate passing too\n\n\
+             | target | p99 ≤ 1 ms, no errors | added p99 ≤ 1 ms over direct, no errors | keeping up: p50 ≤ 5 ms, no errors |\n|---|---|---|---|\n",
+        );
+        let top = o.sweep.last().copied().unwrap_or(0.0);
+        let knee_of = |ti: usize, pass: &dyn Fn(f64, &Sample) -> bool| -> f64 {
+            let mut knee = 0.0;
+            for (rate, s) in &sweep[ti] {
+                if pass(*rate, s) {
+                    knee = *rate;
+                } else {
+                    break;
+                }
+            }
+            knee
+        };
+        let show = |k: f64| if k == top { format!("{k} req/s or more") } else { format!("{k} req/s") };
+        let mut rel_knees = Vec::new();
+        for (ti, t) in targets.iter().enumerate() {
+            let abs = knee_of(ti, &|_, s| s.p99 <= 1000.0 && s.errors == 0);
+            let rel = knee_of(ti, &|rate, s| {
+                let d = at(0, rate);
+                s.errors == 0 && d.is_some_and(|d| s.p99 - d.p99 <= 1000.0)
+            });
+            let up = knee_of(ti, &|_, s| s.p50 <= 5000.0 && s.errors == 0);
+            md.push_str(&format!("| {} | {} | {} | {} |\n", t.name, show(abs), show(rel), show(up)));
+            rel_knees.push(rel);
+        }
+        if let Some(n) = nginx_i
+            && rel_knees[n] > 0.0
+        {
+            md.push_str(&format!(
+                "\nusher / nginx knee ratio (added p99 ≤ 1 ms): **{:.2}**\n",
+                rel_knees[1] / rel_knees[n]
+            ));
+        }
+        // The soak runs at half of this: the relative knee, else the rate usher keeps up with.
+        let soak_knee =
+            if rel_knees[1] > 0.0 { rel_knees[1] } else { knee_of(1, &|_, s| s.p50 <= 5000.0 && s.errors == 0) };
+        std::fs::write(o.out.join("knee.txt"), format!("{soak_knee}\n")).unwrap();
+        let mut csv = String::from("series,rate,added_us\n");
+        for (name, pts) in [
+            ("usher added p50", &usher_pts.0),
+            ("usher added p99", &usher_pts.1),
+            ("nginx added p50", &nginx_pts.0),
+            ("nginx added p99", &nginx_pts.1),
+        ] {
+            for (x, y) in pts.iter() {
+                csv.push_str(&format!("{name},{},{y:.0}\n", x * 1000.0));
+            }
+        }
+        std::fs::write(o.out.join("sweep.csv"), &csv).unwrap();
+        let png = o.out.join("latency.png");
+        plot(&o.out.join("sweep.csv"), &png);
+        md.push_str(&format!("\nPlot: {}\n", png.display()));
+    }
+
+    // 3. Accuracy: usher's rate and gauge, then nginx's limit_req and limit_conn.
+    if o.no_accuracy {
+        println!("{md}");
+        std::fs::write(o.out.join("results.md"), &md).unwrap();
+        return;
+    }
+    md.push_str(&format!(
+        "\n### Enforcement accuracy\n\nRate: capacity 1,000/s, burst {BURST}, 64 connections closed-loop for {} s; \
+         accuracy = upstream count / (1000 × seconds + burst). Gauge: 50, 500 connections closed-loop for {} s, \
+         upstream holds each request {} ms.\n\n\
+         | target | rate: upstream count | seconds | accuracy | refused | other errors | gauge: max in flight at upstream | gauge: passed | refused |\n|---|---|---|---|---|---|---|---|---|\n",
+        o.acc_seconds,
+        o.gauge_seconds,
+        loadgen::GAUGE_HOLD.as_millis()
+    ));
+    for t in targets.iter().filter(|t| t.name == "usher" || t.name == "nginx") {
+        tokio::time::sleep(Duration::from_secs(1)).await; // let the burst refill
+        seen.reset();
+        let r = loadgen::closed_loop(t.addr, "/rate", 64, Duration::from_secs_f64(o.acc_seconds)).await;
+        let count = seen.rate.load(Ordering::SeqCst);
+        let secs = r.wall.as_secs_f64();
+        let acc = count as f64 / (1000.0 * secs + BURST as f64);
+        eprintln!("accuracy {}: rate {count} in {secs:.2} s = {acc:.4}; {r:?}", t.name);
+        seen.reset();
+        let g = loadgen::closed_loop(t.addr, "/gauge", 500, Duration::from_secs_f64(o.gauge_seconds)).await;
+        let max = seen.gauge_max.load(Ordering::SeqCst);
+        eprintln!("accuracy {}: gauge max {max}; {g:?}", t.name);
+        md.push_str(&format!(
+            "| {} | {count} | {secs:.2} | {:.2}% | {} | {} | {max} | {} | {} |\n",
+            t.name,
+            acc * 100.0,
+            r.refused,
+            r.other + g.other,
+            g.ok,
+            g.refused
+        ));
+    }
+    println!("{md}");
+    std::fs::write(o.out.join("results.md"), &md).unwrap();
+}
+
+/// Soak: open-loop load through usher in 10 s chunks, sampling RSS, open fds
+/// and threads after each.
+async fn soak(o: &Opts, secs: f64) {
+    let dir = tempfile::tempdir().unwrap();
+    let (up, _seen) = loadgen::upstream().await;
+    let (usher, addr) = start_usher(o, dir.path(), up, &[]);
+    let pid = usher.pid;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sample = || {
+        (
+            procfs::status_mb(pid, "VmRSS").unwrap_or(f64::NAN),
+            procfs::fds(pid).unwrap_or(0),
+            procfs::threads(pid).unwrap_or(0),
+        )
+    };
+    let idle = sample();
+    let mut md = format!(
+        "### Soak: {} s at {} req/s through usher (10 s chunks)\n\nidle before load: RSS {:.1} MB, {} fds, {} threads\n\n\
+         | t (s) | p50 µs | p99 µs | errors | RSS MB | fds | threads |\n|---|---|---|---|---|---|---|\n",
+        secs, o.soak_rate, idle.0, idle.1, idle.2
+    );
+    let mut rows = Vec::new();
+    let started = Instant::now();
+    let target = Target { name: "usher".into(), addr, proc: Some(usher) };
+    // By wall time: a chunk that falls behind ends early, and the soak still lasts `secs`.
+    while started.elapsed().as_secs_f64() < secs - 1.0 {
+        let s = measure(&target, o.soak_rate, 10.0, o.conns).await;
+        let (rss, fds, thr) = sample();
+        let t = started.elapsed().as_secs_f64();
+        eprintln!(
+            "soak t={t:.0}s p50 {:.0} p99 {:.0} errors {} rss {rss:.1} fds {fds} threads {thr}",
+            s.p50, s.p99, s.errors
+        );
+        md.push_str(&format!("| {t:.0} | {:.0} | {:.0} | {} | {rss:.1} | {fds} | {thr} |\n", s.p50, s.p99, s.errors));
+        rows.push((rss, fds, s.errors));
+    }
+    if let (Some(first), Some(last)) = (rows.first(), rows.last()) {
+        let max_rss = rows.iter().map(|r| r.0).fold(0.0, f64::max);
+        let max_fds = rows.iter().map(|r| r.1).max().unwrap_or(0);
+        let errors: u64 = rows.iter().map(|r| r.2).sum();
+        md.push_str(&format!(
+            "\nRSS: first sample {:.1} MB, last {:.1} MB, max {max_rss:.1} MB (drift {:+.1} MB). fds: first {}, last {}, max {max_fds}. errors: {errors}.\n",
+            first.0,
+            last.0,
+            last.0 - first.0,
+            first.1,
+            last.1
+        ));
+    }
+    drop(target);
+    println!("{md}");
+    std::fs::write(o.out.join("soak.md"), &md).unwrap();
+}

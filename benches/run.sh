@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Every usher benchmark in one command; see benches/README.md.
+#
+#   benches/run.sh            full run (about 12 minutes after the build)
+#   benches/run.sh --quick    short shake-out (about 2 minutes)
+#   benches/run.sh --soak     also the 10-minute soak (benches/soak.sh)
+#
+# Results go to $OUT (default benches/out/<UTC time>): machine.md, e2e.md,
+# server.md, micro.txt, latency.png, and summary.md which gathers them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+QUICK=0
+SOAK=0
+for a in "$@"; do
+  case "$a" in
+    --quick) QUICK=1 ;;
+    --soak) SOAK=1 ;;
+    -h|--help) sed -n 2,9p "$0"; exit 0 ;;
+    *) echo "unknown option $a" >&2; exit 64 ;;
+  esac
+done
+
+OUT=${OUT:-benches/out/$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PROXY_CPU=${PROXY_CPU:-0}
+LOAD_CPU=${LOAD_CPU:-1}
+
+# Anything the tools started (they list their children's pids in $OUT/pids)
+# is stopped on exit, whatever way the script ends.
+cleanup() {
+  if [ -f "$OUT/pids" ]; then
+    while read -r pid; do kill "$pid" 2>/dev/null || true; done < "$OUT/pids"
+  fi
+  if [ -n "${TOOL_PID:-}" ]; then kill "$TOOL_PID" 2>/dev/null || true; fi
+}
+trap cleanup EXIT INT TERM
+
+# Runs a command with a time limit, in the background so the trap can stop it.
+bounded() {
+  local limit=$1; shift
+  timeout --kill-after=10 "$limit" "$@" &
+  TOOL_PID=$!
+  wait "$TOOL_PID"
+  TOOL_PID=
+}
+
+if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "installing nginx (Debian package) ..."
+    DEBIAN_FRONTEND=noninteractive apt-get install -y nginx >/dev/null \
+      || { apt-get update >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y nginx >/dev/null; }
+  else
+    echo "nginx is missing: run 'sudo apt-get install nginx' for the nginx comparison; continuing without it" >&2
+  fi
+fi
+if [ "$(nproc)" -lt 2 ] || ! command -v taskset >/dev/null; then
+  echo "warning: fewer than 2 cores or no taskset; running unpinned" >&2
+  PIN=()
+  PROXY_ARGS=()
+  SERVER_ARGS=()
+else
+  PIN=(taskset -c "$LOAD_CPU")
+  PROXY_ARGS=(--proxy-cpu "$PROXY_CPU")
+  SERVER_ARGS=(--server-cpu "$PROXY_CPU")
+fi
+
+machine() {
+  echo "- when: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "- nproc: $(nproc); CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')"
+  echo "- kernel: $(uname -sr); $(rustc --version)"
+  echo "- nginx: $( (nginx -v 2>&1 || /usr/sbin/nginx -v 2>&1) | head -1)"
+  echo "- load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+}
+{ echo "## Machine (at the start)"; machine; } > "$OUT/machine.md"
+cat "$OUT/machine.md"
+
+echo "building (release) ..."
+# cargo bench builds the usher binary the tools start (CARGO_BIN_EXE_usher) with the bench
+# profile; a separate `cargo build --release` would only compile the crate a second time (the
+# dev-dependencies unify other features).
+cargo bench --locked --no-run --bench e2e --bench server_load --bench limit --bench algorithm
+
+if [ "$QUICK" = 1 ]; then
+  E2E=(--quick)
+  SERVER_RUNS=("8 3")
+  CRIT=(--warm-up-time 0.5 --measurement-time 1)
+  E2E_LIMIT=300
+else
+  E2E=()
+  SERVER_RUNS=("8 10" "16 10" "64 10")
+  CRIT=(--warm-up-time 1 --measurement-time 3)
+  E2E_LIMIT=900
+fi
+
+echo "== end-to-end: direct vs usher vs nginx, accuracy (proxies on cpu $PROXY_CPU, load + upstream on cpu $LOAD_CPU)"
+# E2E_ARGS adds e2e options, e.g. E2E_ARGS="--variant=before:bin=/tmp/usher-old" for a before/after run.
+bounded "$E2E_LIMIT" "${PIN[@]}" cargo bench --locked --bench e2e -- "${E2E[@]}" "${PROXY_ARGS[@]}" ${E2E_ARGS:-} --out "$OUT" \
+  > "$OUT/e2e.md" 2> >(tee "$OUT/e2e.log" >&2)
+
+echo "== capacity server: GetCapacity/s with 10,000 clients"
+: > "$OUT/server.md"
+for run in "${SERVER_RUNS[@]}"; do
+  set -- $run
+  bounded 120 "${PIN[@]}" cargo bench --locked --bench server_load -- --concurrency "$1" --seconds "$2" "${SERVER_ARGS[@]}" \
+    | tee -a "$OUT/server.md"
+done
+
+echo "== micro-benchmarks (criterion)"
+{
+  bounded 300 cargo bench --locked --bench limit -- "${CRIT[@]}"
+  bounded 300 cargo bench --locked --bench algorithm -- "${CRIT[@]}"
+} 2>/dev/null | grep -E '^[a-zA-Z].*|time:' > "$OUT/micro.txt" || true
+
+# usher::plot writes stored (uncompressed) PNGs; recompress for the repository if python3 is here.
+if [ -f "$OUT/latency.png" ] && command -v python3 >/dev/null; then
+  python3 benches/pngz.py "$OUT/latency.png"
+fi
+
+{ echo "## Machine (at the end)"; machine; } >> "$OUT/machine.md"
+cat "$OUT/machine.md" "$OUT/e2e.md" > "$OUT/summary.md"
+{ echo; echo "### Capacity server"; echo; echo '```'; cat "$OUT/server.md"; echo '```'; echo; echo "### Micro-benchmarks"; echo; echo '```'; cat "$OUT/micro.txt"; echo '```'; } >> "$OUT/summary.md"
+echo "results: $OUT/summary.md"
+
+if [ "$SOAK" = 1 ]; then
+  OUT="$OUT" benches/soak.sh
+fi
