@@ -122,7 +122,8 @@ async fn three_servers_elect_one_master_and_fail_over() {
     let (client, task) = LeaseClient::start(cfg, Clock::system(), transport, recorder.clone(), None, shutdown.clone());
     assert_eventually!(
         client.status().keys.first().is_some_and(|k| k.has == Some(40.0)),
-        Duration::from_secs(10),
+        // The master's learning mode (8 s) plus a refresh interval (2 s) and a loaded machine.
+        Duration::from_secs(25),
         "the sidecar gets its lease: {:?}",
         client.status()
     );
