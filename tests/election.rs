@@ -3,11 +3,10 @@
 
 mod support;
 
-use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::etcd::EtcdServer;
+use support::etcd::{EtcdServer, elected_member};
 use support::{Usher, http_get, metric};
 use usher::clock::Clock;
 use usher::lease::core::CoreConfig;
@@ -18,44 +17,6 @@ use usher::proto::{self, GetCapacityRequest, ResourceRequest};
 use usher::server::etcd::Etcd;
 
 const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 8, refresh_interval: 2, learning_mode_duration: 8 }\n";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn start_member(etcd: &str, config: &str, key: &str) -> (Usher, String) {
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let u = Usher::start(
-        &[
-            "server",
-            "--config",
-            config,
-            "--listen",
-            &addr,
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--advertise-addr",
-            &addr,
-            "--etcd-endpoints",
-            etcd,
-            "--election-key",
-            key,
-            "--election-ttl",
-            "3s",
-            "--min-request-interval",
-            "0s",
-        ],
-        &[],
-        "usher server listening",
-    );
-    (u, addr)
-}
-
-fn is_master(u: &Usher) -> bool {
-    let (code, body) = http_get(u.addr("admin"), "/debug/status?format=json");
-    code == 200 && serde_json::from_str::<serde_json::Value>(&body).unwrap()["is_master"] == true
-}
 
 /// Records what the lease client lets the sidecar use.
 struct Recorder {
@@ -87,14 +48,14 @@ async fn three_servers_elect_one_master_and_fail_over() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = support::write_file(dir.path(), "r.yaml", CONFIG);
     let mut members: Vec<(Usher, String)> =
-        (0..3).map(|_| start_member(&etcd.endpoint, cfg.to_str().unwrap(), "/test/master")).collect();
+        (0..3).map(|_| elected_member(&etcd.endpoint, &cfg, "/test/master")).collect();
     let addrs: Vec<String> = members.iter().map(|(_, a)| a.clone()).collect();
     assert_eventually!(
-        members.iter().filter(|(u, _)| is_master(u)).count() == 1,
+        members.iter().filter(|(u, _)| u.is_master()).count() == 1,
         Duration::from_secs(15),
         "exactly one master is elected"
     );
-    let master = members.iter().position(|(u, _)| is_master(u)).unwrap();
+    let master = members.iter().position(|(u, _)| u.is_master()).unwrap();
 
     // Any member answers Discovery with the master; a follower redirects capacity requests.
     let follower = (master + 1) % 3;
@@ -134,12 +95,12 @@ async fn three_servers_elect_one_master_and_fail_over() {
     members[master].0.child.kill().unwrap();
     let rest: Vec<usize> = (0..3).filter(|i| *i != master).collect();
     assert_eventually!(
-        rest.iter().filter(|i| is_master(&members[**i].0)).count() == 1,
+        rest.iter().filter(|i| members[**i].0.is_master()).count() == 1,
         Duration::from_secs(5),
         "a new master within TTL + 2 s"
     );
     let took = killed_at.elapsed();
-    let new_master = *rest.iter().find(|i| is_master(&members[**i].0)).unwrap();
+    let new_master = *rest.iter().find(|i| members[**i].0.is_master()).unwrap();
     assert!(took <= Duration::from_secs(5), "failover took {took:?}");
 
     // The sidecar follows; the new master, in learning mode, hands its `has` back.
@@ -176,7 +137,7 @@ async fn configuration_is_read_from_etcd_and_kept_when_invalid() {
         "--min-request-interval",
         "0s",
     ]);
-    assert_eventually!(is_master(&u), Duration::from_secs(10), "the only member becomes master");
+    assert_eventually!(u.is_master(), Duration::from_secs(10), "the only member becomes master");
     let mut c = CapacityClient::connect(format!("http://{}", u.addr("grpc"))).await.unwrap();
     let ask = |wants| GetCapacityRequest {
         client_id: "a".into(),
@@ -211,8 +172,7 @@ async fn after_a_root_failover_no_intermediate_hands_out_zero() {
     let etcd = EtcdServer::start();
     let dir = tempfile::tempdir().unwrap();
     let cfg = support::write_file(dir.path(), "root.yaml", CONFIG);
-    let mut roots: Vec<(Usher, String)> =
-        (0..2).map(|_| start_member(&etcd.endpoint, cfg.to_str().unwrap(), "/test/root")).collect();
+    let mut roots: Vec<(Usher, String)> = (0..2).map(|_| elected_member(&etcd.endpoint, &cfg, "/test/root")).collect();
     let parents = format!("{},{}", roots[0].1, roots[1].1);
     let mid = Usher::server(&["--parent", &parents, "--min-request-interval", "0s"]);
     let mut c = CapacityClient::connect(format!("http://{}", mid.addr("grpc"))).await.unwrap();
@@ -229,7 +189,7 @@ async fn after_a_root_failover_no_intermediate_hands_out_zero() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(got, 30.0, "the leaf gets its demand through the intermediate");
-    let master = roots.iter().position(|(u, _)| is_master(u)).unwrap();
+    let master = roots.iter().position(|(u, _)| u.is_master()).unwrap();
     roots[master].0.child.kill().unwrap();
     let other = 1 - master;
     // Through the failover and the new root's learning period, the leaf keeps its 30.
@@ -238,7 +198,7 @@ async fn after_a_root_failover_no_intermediate_hands_out_zero() {
     while Instant::now() < deadline {
         let g = c.get_capacity(ask()).await.unwrap().into_inner().response[0].gets.capacity;
         assert_eq!(g, 30.0, "the intermediate never hands out less during the root failover");
-        saw_new_master |= is_master(&roots[other].0);
+        saw_new_master |= roots[other].0.is_master();
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     assert!(saw_new_master);
@@ -258,7 +218,7 @@ async fn a_sidecar_keeps_enforcing_through_a_master_failover() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = support::write_file(dir.path(), "r.yaml", CONFIG);
     let mut members: Vec<(Usher, String)> =
-        (0..3).map(|_| start_member(&etcd.endpoint, cfg.to_str().unwrap(), "/test/sidecar-master")).collect();
+        (0..3).map(|_| elected_member(&etcd.endpoint, &cfg, "/test/sidecar-master")).collect();
     let servers: Vec<String> = members.iter().map(|(_, a)| format!("\"{a}\"")).collect();
     let up = Upstream::start().await;
     let routes = support::write_file(
@@ -274,7 +234,7 @@ async fn a_sidecar_keeps_enforcing_through_a_master_failover() {
         ),
     );
     assert_eventually!(
-        members.iter().filter(|(u, _)| is_master(u)).count() == 1,
+        members.iter().filter(|(u, _)| u.is_master()).count() == 1,
         Duration::from_secs(15),
         "one master"
     );
@@ -295,7 +255,7 @@ async fn a_sidecar_keeps_enforcing_through_a_master_failover() {
     let tally = Arc::new(Tally::default());
     let load = tokio::spawn(drive(proxy.addr("listen"), 80.0, Duration::from_secs(12), tally.clone()));
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let master = members.iter().position(|(u, _)| is_master(u)).unwrap();
+    let master = members.iter().position(|(u, _)| u.is_master()).unwrap();
     members[master].0.child.kill().unwrap();
     let n0 = up.stats.requests();
     let t0 = Instant::now();
@@ -308,7 +268,7 @@ async fn a_sidecar_keeps_enforcing_through_a_master_failover() {
     assert!((rate - 40.0).abs() <= 4.0, "admitted {rate:.1}/s through the failover");
     load.await.unwrap();
     assert_eq!(tally.other.load(Ordering::Relaxed), 0, "the app saw no 5xx");
-    let new_master = (0..3).find(|i| *i != master && is_master(&members[*i].0)).expect("a new master");
+    let new_master = (0..3).find(|i| *i != master && members[*i].0.is_master()).expect("a new master");
     let (_, body) = http_get(members[new_master].0.addr("admin"), "/debug/resources?resource=api&format=json");
     assert!(
         body.contains("app-0") && body.contains("\"has\": 40.0"),

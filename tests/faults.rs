@@ -5,16 +5,17 @@
 
 mod support;
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use support::etcd::elected_member;
 use support::faultproxy::{FaultProxy, Mode};
 use support::load::{Tally, drive_strict};
 use support::upstream::Upstream;
-use support::{Usher, http_get, write_file};
+use support::{Usher, free_port, http_get, write_file};
 
 /// These tests measure rates in real time: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -27,10 +28,6 @@ const BACKOFF_MAX: Duration = Duration::from_secs(1);
 const CAPACITY: f64 = 40.0;
 const SAFE: f64 = 5.0;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 fn start_server(dir: &Path, name: &str, port: u16) -> Usher {
     let cfg = write_file(
         dir,
@@ -41,22 +38,7 @@ fn start_server(dir: &Path, name: &str, port: u16) -> Usher {
             REFRESH.as_secs()
         ),
     );
-    let listen = format!("127.0.0.1:{port}");
-    Usher::start(
-        &[
-            "server",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--listen",
-            &listen,
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--min-request-interval",
-            "0s",
-        ],
-        &[],
-        "usher server listening",
-    )
+    Usher::server_at(&cfg, port, &[])
 }
 
 fn start_sidecar(dir: &Path, up: &Upstream, servers: &[String], client_id: &str) -> Usher {
@@ -282,48 +264,17 @@ async fn etcd_master_failover_under_load_loses_nothing() {
             "resources:\n  - identifier_glob: '*'\n    capacity: {CAPACITY}\n    safe_capacity: {SAFE}\n    algorithm: {{ kind: FAIR_SHARE, lease_length: 10, refresh_interval: 1, learning_mode_duration: 10 }}\n"
         ),
     );
-    let mut members: Vec<(Usher, String)> = (0..3)
-        .map(|_| {
-            let addr = format!("127.0.0.1:{}", free_port());
-            let u = Usher::start(
-                &[
-                    "server",
-                    "--config",
-                    cfg.to_str().unwrap(),
-                    "--listen",
-                    &addr,
-                    "--admin-listen",
-                    "127.0.0.1:0",
-                    "--advertise-addr",
-                    &addr,
-                    "--etcd-endpoints",
-                    &etcd.endpoint,
-                    "--election-key",
-                    "/faults/master",
-                    "--election-ttl",
-                    "3s",
-                    "--min-request-interval",
-                    "0s",
-                ],
-                &[],
-                "usher server listening",
-            );
-            (u, addr)
-        })
-        .collect();
-    let is_master = |u: &Usher| {
-        let (code, body) = http_get(u.addr("admin"), "/debug/status?format=json");
-        code == 200 && serde_json::from_str::<serde_json::Value>(&body).unwrap()["is_master"] == true
-    };
+    let mut members: Vec<(Usher, String)> =
+        (0..3).map(|_| elected_member(&etcd.endpoint, &cfg, "/faults/master")).collect();
     assert_eventually!(
-        members.iter().filter(|(u, _)| is_master(u)).count() == 1,
+        members.iter().filter(|(u, _)| u.is_master()).count() == 1,
         Duration::from_secs(15),
         "one master"
     );
     let up = Upstream::start().await;
     let servers: Vec<String> = members.iter().map(|(_, a)| a.clone()).collect();
     let p = start_sidecar(dir.path(), &up, &servers, "sidecar-etcd");
-    let master = members.iter().position(|(u, _)| is_master(u)).unwrap();
+    let master = members.iter().position(|(u, _)| u.is_master()).unwrap();
     assert_eventually!(
         status(&p)["lease"]["master"] == members[master].1.as_str()
             && key(&p)["mode"] == "leased"
@@ -358,7 +309,7 @@ async fn etcd_master_failover_under_load_loses_nothing() {
     let (new_master, took) = moved.unwrap_or_else(|| panic!("the sidecar never left the dead master: {}", status(&p)));
     eprintln!("the sidecar moved to the new master {new_master} after {took:?}");
     let winner = members.iter().find(|(_, a)| *a == new_master).expect("the new master is a member");
-    assert!(is_master(&winner.0), "the sidecar follows the elected master");
+    assert!(winner.0.is_master(), "the sidecar follows the elected master");
     let (_, body) = http_get(winner.0.addr("admin"), "/debug/resources?resource=api&format=json");
     assert!(body.contains("sidecar-etcd"), "the new master holds the sidecar's lease: {body}");
     load.await.unwrap();

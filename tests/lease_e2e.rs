@@ -4,7 +4,6 @@
 
 mod support;
 
-use std::net::TcpListener;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,35 +11,14 @@ use std::time::{Duration, Instant};
 
 use support::load::{Tally, drive};
 use support::upstream::{Upstream, get, h1, send1};
-use support::{Usher, http_get, write_file};
+use support::{Usher, free_port, http_get, write_file};
 
 /// These tests measure rates in real time: run them one at a time so they
 /// do not starve each other of the machine's two cores.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-const SERVER_READY: &str = "usher server listening";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
 
 fn start_server(dir: &Path, name: &str, config: &str, port: u16) -> Usher {
-    let cfg = write_file(dir, &format!("{name}.yaml"), config);
-    let listen = format!("127.0.0.1:{port}");
-    Usher::start(
-        &[
-            "server",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--listen",
-            &listen,
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--min-request-interval",
-            "0s",
-        ],
-        &[],
-        SERVER_READY,
-    )
+    Usher::server_at(&write_file(dir, &format!("{name}.yaml"), config), port, &[])
 }
 
 fn start_proxy(dir: &Path, name: &str, routes: &str) -> Usher {

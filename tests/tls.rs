@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
-use support::{Usher, http_get, run_usher, write_file};
+use support::{Usher, free_port, http_get, run_usher, write_file};
 
 const FAIR: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 10, refresh_interval: 1, learning_mode_duration: 0 }\n";
 
@@ -522,10 +522,6 @@ fn bad_doorman_tls_is_reported_with_file_line_and_column_by_usher_check() {
     );
     let (code, out, err) = run_usher(&["check", s(&good)]);
     assert_eq!(code, 0, "{out}{err}");
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 #[test]

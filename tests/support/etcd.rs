@@ -1,8 +1,9 @@
 //! A real etcd (Debian's `etcd-server`) on loopback ports, for one test.
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use super::free_port;
 
 pub struct EtcdServer {
     child: Child,
@@ -10,8 +11,13 @@ pub struct EtcdServer {
     pub endpoint: String,
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// An `usher server` electing its master under `key` on `etcd` (TTL 3 s),
+/// listening on and advertising a fixed loopback address, which it returns.
+pub fn elected_member(etcd: &str, config: &std::path::Path, key: &str) -> (super::Usher, String) {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let extra = ["--advertise-addr", &addr, "--etcd-endpoints", etcd, "--election-key", key, "--election-ttl", "3s"];
+    (super::Usher::server_at(config, port, &extra), addr)
 }
 
 impl EtcdServer {

@@ -37,19 +37,11 @@ impl Tally {
 /// connection sends at most 12.5 requests/s, so the offered rate holds even
 /// when a busy machine slows responses down to tens of milliseconds.
 pub async fn drive(addr: std::net::SocketAddr, rate: f64, dur: Duration, tally: Arc<Tally>) {
-    let conns = (rate / 12.5).ceil().clamp(4.0, 32.0) as usize;
-    let every = Duration::from_secs_f64(conns as f64 / rate);
-    let deadline = Instant::now() + dur;
-    let mut tasks = Vec::new();
-    for i in 0..conns {
+    spread(rate, dur, move |mut ticks| {
         let tally = tally.clone();
-        tasks.push(tokio::spawn(async move {
-            tokio::time::sleep(every.mul_f64(i as f64 / conns as f64)).await;
+        async move {
             let mut c = h1(addr).await;
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            while Instant::now() < deadline {
-                tick.tick().await;
+            while ticks.next().await {
                 if c.ready().await.is_err() {
                     // The proxy closed the connection (it is shutting down): not an answer.
                     return;
@@ -66,30 +58,20 @@ pub async fn drive(addr: std::net::SocketAddr, rate: f64, dur: Duration, tally: 
                 };
                 counter.fetch_add(1, Ordering::Relaxed);
             }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
+        }
+    })
+    .await
 }
 
 /// Like [`drive`], but nothing is forgiven: a request that gets no response
 /// (refused or broken connection) counts in `errors` and its connection is
 /// replaced, so the offered rate holds through the whole run.
 pub async fn drive_strict(addr: std::net::SocketAddr, rate: f64, dur: Duration, tally: Arc<Tally>) {
-    let conns = (rate / 12.5).ceil().clamp(4.0, 32.0) as usize;
-    let every = Duration::from_secs_f64(conns as f64 / rate);
-    let deadline = Instant::now() + dur;
-    let mut tasks = Vec::new();
-    for i in 0..conns {
+    spread(rate, dur, move |mut ticks| {
         let tally = tally.clone();
-        tasks.push(tokio::spawn(async move {
-            tokio::time::sleep(every.mul_f64(i as f64 / conns as f64)).await;
+        async move {
             let mut conn: Option<super::upstream::H1> = None;
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            while Instant::now() < deadline {
-                tick.tick().await;
+            while ticks.next().await {
                 if let Some(c) = conn.as_mut()
                     && c.ready().await.is_err()
                 {
@@ -127,8 +109,47 @@ pub async fn drive_strict(addr: std::net::SocketAddr, rate: f64, dur: Duration, 
                     }
                 }
             }
-        }));
+        }
+    })
+    .await
+}
+
+/// When one connection of a [`spread`] load sends its next request.
+struct Ticks {
+    interval: tokio::time::Interval,
+    deadline: Instant,
+}
+
+impl Ticks {
+    /// Waits for the next send time; `false` once the run is over.
+    async fn next(&mut self) -> bool {
+        if Instant::now() >= self.deadline {
+            return false;
+        }
+        self.interval.tick().await;
+        true
     }
+}
+
+/// Offers `rate` requests per second for `dur`, spread over enough connections
+/// that each sends at most 12.5 requests/s, their send times staggered evenly:
+/// `conn` runs one connection's loop and returns when its [`Ticks`] run out.
+async fn spread<F, Fut>(rate: f64, dur: Duration, conn: F)
+where
+    F: Fn(Ticks) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let conns = (rate / 12.5).ceil().clamp(4.0, 32.0) as usize;
+    let every = Duration::from_secs_f64(conns as f64 / rate);
+    let start = tokio::time::Instant::now();
+    let deadline = Instant::now() + dur;
+    let tasks: Vec<_> = (0..conns)
+        .map(|i| {
+            let mut interval = tokio::time::interval_at(start + every.mul_f64(i as f64 / conns as f64), every);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tokio::spawn(conn(Ticks { interval, deadline }))
+        })
+        .collect();
     for t in tasks {
         t.await.unwrap();
     }

@@ -12,6 +12,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
+/// A port that was free a moment ago, for a process that must listen on a
+/// fixed address (an election member advertising it, a restarted server).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
 /// Path to the built `usher` binary.
 pub fn usher_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_usher"))
@@ -72,6 +78,33 @@ impl Usher {
         let mut all = vec!["server", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
         all.extend_from_slice(args);
         Usher::start(&all, &[], "usher server listening")
+    }
+
+    /// `usher server --config CONFIG` with gRPC on the fixed `127.0.0.1:PORT` (so
+    /// a test can stop it and start another on the same address), admin on
+    /// 127.0.0.1:0 and no minimum request interval, plus `extra` flags.
+    pub fn server_at(config: &Path, port: u16, extra: &[&str]) -> Usher {
+        let listen = format!("127.0.0.1:{port}");
+        let config = config.to_str().expect("a UTF-8 path");
+        let mut all = vec![
+            "server",
+            "--config",
+            config,
+            "--listen",
+            &listen,
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--min-request-interval",
+            "0s",
+        ];
+        all.extend_from_slice(extra);
+        Usher::start(&all, &[], "usher server listening")
+    }
+
+    /// Whether this `usher server` reports itself master on its status page.
+    pub fn is_master(&self) -> bool {
+        let (code, body) = http_get(self.addr("admin"), "/debug/status?format=json");
+        code == 200 && serde_json::from_str::<serde_json::Value>(&body).unwrap()["is_master"] == true
     }
 
     /// `usher proxy --routes ROUTES` with proxy and admin on 127.0.0.1:0, once it listens.
