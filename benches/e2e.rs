@@ -46,6 +46,8 @@ struct Opts {
     /// Extra usher targets, each with its own environment (`--variant=NAME:ENV=VALUE`) or
     /// binary (`--variant=NAME:bin=PATH`), for before/after comparisons in one run.
     variants: Vec<(String, (String, String))>,
+    /// `--callgrind S`: count instructions per request under valgrind for S seconds per target.
+    callgrind: Option<f64>,
 }
 
 fn opts() -> Opts {
@@ -89,6 +91,7 @@ fn opts() -> Opts {
             get("--out").unwrap_or_else(|| std::env::temp_dir().join("usher-e2e").display().to_string()),
         ),
         soak: get("--soak").and_then(|v| v.parse().ok()),
+        callgrind: get("--callgrind").and_then(|v| v.parse().ok()),
         soak_rate: num("--soak-rate", 5000.0, 5000.0, 500.0),
         usher_env: args
             .iter()
@@ -137,15 +140,25 @@ impl Drop for Proc {
     }
 }
 
-fn pinned(cpu: &Option<String>, program: &Path) -> Command {
-    match cpu {
+fn pinned(o: &Opts, program: &Path) -> Command {
+    let mut c = match &o.proxy_cpu {
         Some(cpu) => {
             let mut c = Command::new("taskset");
-            c.args(["-c", cpu]).arg(program);
+            c.args(["-c", cpu]);
             c
         }
-        None => Command::new(program),
+        None if o.callgrind.is_some() => Command::new("valgrind"),
+        None => return Command::new(program),
+    };
+    if o.callgrind.is_some() {
+        if o.proxy_cpu.is_some() {
+            c.arg("valgrind");
+        }
+        let out = o.out.join(format!("callgrind.{}.%p", program.file_name().unwrap().to_string_lossy()));
+        c.args(["--tool=callgrind", "--quiet"]).arg(format!("--callgrind-out-file={}", out.display()));
     }
+    c.arg(program);
+    c
 }
 
 fn record_pid(out: &Path, pid: u32) {
@@ -178,7 +191,7 @@ fn start_usher(o: &Opts, dir: &Path, up: SocketAddr, extra_env: &[(String, Strin
     let routes = dir.join("routes.yaml");
     std::fs::write(&routes, usher_routes(up)).unwrap();
     let bin = extra_env.iter().find(|(k, _)| k == "bin").map_or(env!("CARGO_BIN_EXE_usher"), |(_, v)| v.as_str());
-    let mut cmd = pinned(&o.proxy_cpu, Path::new(bin));
+    let mut cmd = pinned(o, Path::new(bin));
     cmd.args([
         "proxy",
         "--routes",
@@ -220,10 +233,13 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn nginx_conf(dir: &Path, port: u16, up: SocketAddr) -> String {
+fn nginx_conf(dir: &Path, port: u16, up: SocketAddr, single_process: bool) -> String {
     let d = dir.display();
+    // Under valgrind, the process that serves must be the one started.
+    let master = if single_process { "off" } else { "on" };
     format!(
         r#"worker_processes 1;
+master_process {master};
 daemon off;
 user root;
 pid {d}/nginx.pid;
@@ -264,8 +280,8 @@ fn start_nginx(o: &Opts, dir: &Path, up: SocketAddr) -> Option<(Proc, SocketAddr
         .find(|p| p.exists())?;
     let port = free_port();
     let conf = dir.join("nginx.conf");
-    std::fs::write(&conf, nginx_conf(dir, port, up)).unwrap();
-    let child = pinned(&o.proxy_cpu, bin)
+    std::fs::write(&conf, nginx_conf(dir, port, up, o.callgrind.is_some())).unwrap();
+    let child = pinned(o, bin)
         .args(["-c", conf.to_str().unwrap(), "-p", dir.to_str().unwrap(), "-e", "stderr"])
         .stderr(Stdio::inherit())
         .spawn()
@@ -273,9 +289,12 @@ fn start_nginx(o: &Opts, dir: &Path, up: SocketAddr) -> Option<(Proc, SocketAddr
     let master = child.id();
     record_pid(&o.out, master);
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
     let mut proc = Proc { child, pid: master, extra: vec![] };
     while Instant::now() < deadline {
+        if o.callgrind.is_some() && std::net::TcpStream::connect(addr).is_ok() {
+            return Some((proc, addr));
+        }
         if let Some(worker) = procfs::first_child(master)
             && std::net::TcpStream::connect(addr).is_ok()
         {
@@ -400,6 +419,8 @@ fn main() {
     rt.block_on(async {
         if let Some(secs) = o.soak {
             soak(&o, secs).await;
+        } else if let Some(secs) = o.callgrind {
+            instructions(&o, secs).await;
         } else {
             compare(&o).await;
         }
@@ -729,4 +750,83 @@ async fn soak(o: &Opts, secs: f64) {
     drop(target);
     println!("{md}");
     std::fs::write(o.out.join("soak.md"), &md).unwrap();
+}
+
+/// Instructions per proxied request, counted by callgrind (user space only,
+/// repeatable to a fraction of a percent, unlike times on a shared machine):
+/// each proxy runs under valgrind; after a warm-up its counters are zeroed,
+/// `secs` of closed-loop load go through it, and the dump's total is divided
+/// by the requests answered. The dumps stay in `--out` for `callgrind_annotate`.
+async fn instructions(o: &Opts, secs: f64) {
+    let dir = tempfile::tempdir().unwrap();
+    let (up, _seen) = loadgen::upstream().await;
+    let mut targets = Vec::new();
+    let (usher, addr) = start_usher(o, dir.path(), up, &[]);
+    targets.push(Target { name: "usher".into(), addr, proc: Some(usher) });
+    for (name, env) in &o.variants {
+        let (p, addr) = start_usher(o, dir.path(), up, std::slice::from_ref(env));
+        targets.push(Target { name: format!("usher {name}"), addr, proc: Some(p) });
+    }
+    if o.nginx
+        && let Some((p, addr)) = start_nginx(o, dir.path(), up)
+    {
+        targets.push(Target { name: "nginx".into(), addr, proc: Some(p) });
+    }
+    let mut md = format!(
+        "### Instructions per request (callgrind, user space, {secs} s of closed-loop load over 4 connections)\n\n\
+         | target | requests | instructions per request | ratio to usher |\n|---|---|---|---|\n"
+    );
+    let mut first = None;
+    for t in &targets {
+        let pid = t.proc.as_ref().unwrap().pid;
+        loadgen::closed_loop(t.addr, "/x", 4, Duration::from_secs(1)).await;
+        callgrind_control(&["--zero", &pid.to_string()]);
+        let r = loadgen::closed_loop(t.addr, "/x", 4, Duration::from_secs_f64(secs)).await;
+        let before: std::collections::HashSet<PathBuf> = dumps(&o.out).into_iter().collect();
+        callgrind_control(&["--dump", &pid.to_string()]);
+        let dump = dumps(&o.out)
+            .into_iter()
+            .find(|p| !before.contains(p) && p.to_string_lossy().contains(&format!(".{pid}.")));
+        let total = dump.as_deref().and_then(callgrind_total);
+        let per = total.map(|n| n as f64 / r.ok.max(1) as f64);
+        let ratio = match (first, per) {
+            (Some(f), Some(p)) => format!("{:.2}", p / f),
+            _ => "1.00".into(),
+        };
+        first = first.or(per);
+        eprintln!("{}: {} requests, {:?} instructions each ({dump:?})", t.name, r.ok, per);
+        md.push_str(&format!(
+            "| {} | {} | {} | {ratio} |\n",
+            t.name,
+            r.ok,
+            per.map_or("–".into(), |p| format!("{p:.0}"))
+        ));
+    }
+    drop(targets);
+    println!("{md}");
+    std::fs::write(o.out.join("instructions.md"), &md).unwrap();
+}
+
+fn callgrind_control(args: &[&str]) {
+    let ok = Command::new("callgrind_control").args(args).stdout(Stdio::null()).status().is_ok_and(|s| s.success());
+    assert!(ok, "callgrind_control {args:?} failed (is valgrind installed?)");
+}
+
+fn dumps(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("callgrind.")))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The `summary:` (or `totals:`) instruction count of a callgrind dump.
+fn callgrind_total(path: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("summary: ").or_else(|| l.strip_prefix("totals: ")))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
 }
