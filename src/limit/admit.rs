@@ -16,17 +16,20 @@ use super::rate::Reservation;
 use super::table::{Kind, Limiter};
 use crate::clock::{Clock, Time};
 
-/// What one request must be admitted by: limiter keys and costs.
+/// What one request must be admitted by: limiter keys and costs. Cloning
+/// it is one reference count: the admission keeps it to leave its keys.
 #[derive(Debug, Clone, Default)]
 pub struct Plan {
-    pub items: Vec<(Arc<Limiter>, f64)>,
+    pub items: Arc<[(Arc<Limiter>, f64)]>,
 }
 
 impl Plan {
     pub fn new(mut items: Vec<(Arc<Limiter>, f64)>) -> Self {
         // One global order, so two requests never wait on each other's gauges crosswise.
-        items.sort_by(|a, b| a.0.id().cmp(b.0.id()));
-        Plan { items }
+        if items.len() > 1 {
+            items.sort_by(|a, b| a.0.id().cmp(b.0.id()));
+        }
+        Plan { items: items.into() }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -88,7 +91,7 @@ pub struct Admitted {
     pub waited: Duration,
     pub paced: bool,
     _permits: Vec<GaugePermit>,
-    in_flight: Vec<Arc<Limiter>>,
+    in_flight: Plan,
 }
 
 impl fmt::Debug for Admitted {
@@ -99,7 +102,7 @@ impl fmt::Debug for Admitted {
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        for l in &self.in_flight {
+        for (l, _) in self.in_flight.items.iter() {
             l.demand().leave();
         }
     }
@@ -170,7 +173,7 @@ fn reserve_rates(plan: &Plan, arrival: Time, now: Time) -> Result<(Reserved, Dur
     let mut held = Reserved(Vec::new());
     let mut longest = Duration::ZERO;
     let waited = now.since(arrival);
-    for (l, cost) in &plan.items {
+    for (l, cost) in plan.items.iter() {
         let Some(rate) = l.rate() else { continue };
         let spec = l.spec();
         let budget = spec.max_wait.saturating_sub(waited);
@@ -203,7 +206,7 @@ fn reserve_rates(plan: &Plan, arrival: Time, now: Time) -> Result<(Reserved, Dur
 /// Admits a request by `plan`, waiting at most each resource's `max_wait`.
 pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
     let arrival = clock.now();
-    for (l, cost) in &plan.items {
+    for (l, cost) in plan.items.iter() {
         l.demand().arrive(*cost);
     }
 
@@ -249,7 +252,7 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
     // Gauges, FIFO, in plan order.
     let mut permits = Vec::new();
     let mut gauge_waited = false;
-    for (l, cost) in &plan.items {
+    for (l, cost) in plan.items.iter() {
         let Some(g) = l.gauge() else { continue };
         let units = cost.round().max(1.0) as u32;
         let permit = match g.try_acquire(units) {
@@ -282,11 +285,9 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
     // Paced means the request had to wait for capacity, not that time passed while deciding.
     let paced = !longest.is_zero() || gauge_waited || zero_waited;
     let waited = if paced { clock.now().since(arrival) } else { Duration::ZERO };
-    let mut in_flight = Vec::with_capacity(plan.items.len());
-    for (l, _) in &plan.items {
+    for (l, _) in plan.items.iter() {
         l.demand().record(if paced { Outcome::Paced } else { Outcome::Admitted });
         l.demand().enter();
-        in_flight.push(l.clone());
     }
-    Ok(Admitted { waited, paced, _permits: permits, in_flight })
+    Ok(Admitted { waited, paced, _permits: permits, in_flight: plan.clone() })
 }

@@ -50,8 +50,8 @@ pub struct Limit<S> {
     clock: Clock,
 }
 
-/// The admission under way, once it has an answer; request extensions get
-/// the [`Admission`] so later layers (metrics) can see how long it waited.
+/// How a request was admitted: put in its response's extensions so outer
+/// layers (metrics, the access log) can see how long it waited.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Admission {
     pub waited: std::time::Duration,
@@ -130,8 +130,11 @@ where
         let mut this = self.project();
         loop {
             if let Some(fut) = this.call.as_mut().as_pin_mut() {
-                let resp = ready!(fut.poll(cx)).map_err(Into::into)?;
+                let mut resp = ready!(fut.poll(cx)).map_err(Into::into)?;
                 let mut admitted = this.admitted.take();
+                if let Some(a) = &admitted {
+                    resp.extensions_mut().insert(Admission { waited: a.waited, paced: a.paced });
+                }
                 if let Some(hold) = resp.extensions().get::<Hold>() {
                     *hold.0.lock().expect("hold lock") = admitted.take();
                 }
@@ -141,8 +144,7 @@ where
             match ready!(adm.as_mut().poll(cx)) {
                 Ok(a) => {
                     *this.admission = None;
-                    let (mut svc, mut req) = this.pending.take().expect("request pending");
-                    req.extensions_mut().insert(Admission { waited: a.waited, paced: a.paced });
+                    let (mut svc, req) = this.pending.take().expect("request pending");
                     *this.admitted = Some(a);
                     this.call.set(Some(svc.call(req)));
                 }

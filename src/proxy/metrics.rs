@@ -2,7 +2,9 @@
 //! Labels are bounded: route and resource names from the routes file, and
 //! upstream names (or, for passthrough, the origin authority).
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 
 use crate::limit::LeaseTable;
 
@@ -123,6 +125,32 @@ impl Metrics {
         }
     }
 
+    /// One route's handles, looked up once per routes file rather than once
+    /// per request (a label lookup hashes the labels under a lock).
+    pub fn route(&self, route: &str) -> RouteMetrics {
+        let outcome = |o: &str| self.requests.with_label_values(&[route, o]);
+        RouteMetrics {
+            admitted: outcome("admitted"),
+            paced: outcome("paced"),
+            refused: outcome("refused"),
+            upstream_error: outcome("upstream_error"),
+            in_flight: self.in_flight.with_label_values(&[route]),
+            body_errors: self.body_errors.with_label_values(&[route]),
+        }
+    }
+
+    /// One resource's handles, as [`Metrics::route`].
+    pub fn resource(&self, resource: &str) -> ResourceMetrics {
+        let outcome = |o: &str| self.resource_requests.with_label_values(&[resource, o]);
+        ResourceMetrics {
+            name: resource.to_string(),
+            admitted: outcome("admitted"),
+            paced: outcome("paced"),
+            refused: outcome("refused"),
+            wait: self.wait_seconds.with_label_values(&[resource]),
+        }
+    }
+
     /// Refreshes the per-resource gauges from the LeaseTable (at scrape time).
     pub fn observe_table(&self, table: &LeaseTable) {
         let now = table.clock().now();
@@ -141,4 +169,25 @@ impl Metrics {
             self.keys.with_label_values(&[&name]).inc();
         }
     }
+}
+
+/// A route's request counters by outcome, its in-flight gauge and its body-error counter.
+#[derive(Clone)]
+pub struct RouteMetrics {
+    pub admitted: IntCounter,
+    pub paced: IntCounter,
+    pub refused: IntCounter,
+    pub upstream_error: IntCounter,
+    pub in_flight: IntGauge,
+    pub body_errors: IntCounter,
+}
+
+/// A resource's admission counters by outcome and its wait histogram.
+#[derive(Clone)]
+pub struct ResourceMetrics {
+    pub name: String,
+    pub admitted: IntCounter,
+    pub paced: IntCounter,
+    pub refused: IntCounter,
+    pub wait: Histogram,
 }

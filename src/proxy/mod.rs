@@ -48,7 +48,7 @@ use crate::limit::{LeaseTable, Limit, LimitLayer};
 pub use listener::ConnServer;
 pub use metrics::Metrics;
 use respond::{ProxyError, error_response, is_grpc};
-use route::Routing;
+use route::{Route, Routing};
 use upstream::{Forward, Upstream};
 
 /// The body of every response the proxy sends.
@@ -106,7 +106,6 @@ impl Proxy {
         let upstreams = build_upstreams(&cfg, &HashMap::new(), &roots, &source)?;
         let table = LeaseTable::new(clock.clone());
         table.configure(route::specs(&cfg));
-        let routing = Routing::new(&cfg, &upstreams, direct.clone());
         let pushback = pushback::Pushback::new(&registry);
         let access_log = match &cfg.access_log {
             None => None,
@@ -117,6 +116,7 @@ impl Proxy {
         let client_id =
             cfg.doorman.as_ref().map_or_else(crate::config::doorman::default_client_id, |d| d.client_id.clone());
         let metrics = Arc::new(Metrics::new(registry));
+        let routing = Routing::new(&cfg, &upstreams, direct.clone(), &table, &metrics);
         let stack = LimitLayer::new(clock.clone()).layer(Forward::new(metrics.clone()));
         Ok(Arc::new(Proxy {
             table,
@@ -166,7 +166,7 @@ impl Proxy {
                     tracing::warn!("listener limits other than max_body_bytes change only on restart");
                 }
                 self.table.configure(route::specs(&cfg));
-                self.routing.store(Arc::new(Routing::new(&cfg, &ups, self.direct.clone())));
+                self.routing.store(Arc::new(Routing::new(&cfg, &ups, self.direct.clone(), &self.table, &self.metrics)));
                 tracing::info!(source = %self.config_source, routes = cfg.routes.len(), resources = cfg.resources.len(), "routes reloaded");
                 self.config.store(Arc::new(cfg));
                 self.metrics.config_reloads.inc();
@@ -200,36 +200,35 @@ impl Proxy {
             }
             req.extensions_mut().insert(upstream::BodyLimit(limit));
         }
-        let resolved = match self.routing.load().resolve(&req, &self.table) {
+        let resolved = match self.routing.load().resolve(&req) {
             Ok(r) => r,
             Err(e) => {
                 self.metrics.requests.with_label_values(&["_none", "no_route"]).inc();
                 let resp = respond::proxy_error(&e, grpc);
-                self.log("_none", &[], "no_route", Duration::ZERO, resp.status(), arrived);
+                self.log("_none", &crate::limit::Plan::default(), "no_route", Duration::ZERO, resp.status(), arrived);
                 return resp;
             }
         };
-        let route = resolved.route_name().to_string();
-        let resources = resolved.resources.clone();
-        let in_flight = InFlight::new(&self.metrics, &route);
+        let route = resolved.route.clone();
+        let in_flight = InFlight::new(&route.metrics.in_flight);
         if req.method() == Method::CONNECT {
-            return self.connect(req, resolved, &route, in_flight).await;
+            return self.connect(req, resolved, in_flight).await;
         }
-        let keys: Vec<Arc<crate::limit::Limiter>> = resolved.plan.items.iter().map(|(l, _)| l.clone()).collect();
+        let keys = resolved.plan.clone();
         req.extensions_mut().insert(resolved.plan);
         req.extensions_mut().insert(resolved.target);
         match self.stack.clone().oneshot(req).await {
             Ok(resp) => {
                 let admission = resp.extensions().get::<Admission>().copied();
-                self.record_admission(&route, &resources, admission);
-                self.observe_pushback(&route, &keys, &resp);
+                self.record_admission(&route, admission);
+                self.observe_pushback(&route.name, &keys, &resp);
                 let (outcome, waited) = match admission {
                     Some(a) if a.paced => ("paced", a.waited),
                     Some(a) => ("admitted", a.waited),
                     None => ("admitted", Duration::ZERO),
                 };
-                self.log(&route, &keys, outcome, waited, resp.status(), arrived);
-                let body_errors = self.metrics.body_errors.with_label_values(&[&route]);
+                self.log(&route.name, &keys, outcome, waited, resp.status(), arrived);
+                let body_errors = route.metrics.body_errors.clone();
                 resp.map(|b| {
                     Tracked { inner: b, _guard: in_flight, body_errors }
                         .map_err(|e| Box::new(e) as BoxError)
@@ -238,16 +237,15 @@ impl Proxy {
             }
             Err(err) => {
                 let (outcome, waited) = if let Some(r) = err.downcast_ref::<crate::limit::Refused>() {
-                    self.metrics.requests.with_label_values(&[&route, "refused"]).inc();
-                    self.metrics.resource_requests.with_label_values(&[&r.resource, "refused"]).inc();
+                    self.record_refusal(&route, r);
                     ("refused", r.waited)
                 } else {
-                    self.metrics.requests.with_label_values(&[&route, "upstream_error"]).inc();
-                    tracing::debug!(route = %route, error = %err, "upstream error");
+                    route.metrics.upstream_error.inc();
+                    tracing::debug!(route = %route.name, error = %err, "upstream error");
                     ("upstream_error", Duration::ZERO)
                 };
                 let resp = error_response(err, grpc);
-                self.log(&route, &keys, outcome, waited, resp.status(), arrived);
+                self.log(&route.name, &keys, outcome, waited, resp.status(), arrived);
                 resp
             }
         }
@@ -257,7 +255,7 @@ impl Proxy {
     fn log(
         &self,
         route: &str,
-        keys: &[Arc<crate::limit::Limiter>],
+        keys: &crate::limit::Plan,
         outcome: &str,
         waited: Duration,
         status: StatusCode,
@@ -272,8 +270,9 @@ impl Proxy {
             client: self.client_id.clone(),
             route: route.to_string(),
             resources: keys
+                .items
                 .iter()
-                .map(|l| access_log::KeyEntry {
+                .map(|(l, _)| access_log::KeyEntry {
                     resource: l.spec().name.clone(),
                     id: l.id().to_string(),
                     kind: match l.kind() {
@@ -292,14 +291,14 @@ impl Proxy {
     }
 
     /// Feeds an upstream answer to the route's pushback state.
-    fn observe_pushback<B>(&self, route: &str, keys: &[Arc<crate::limit::Limiter>], resp: &Response<B>) {
+    fn observe_pushback<B>(&self, route: &str, keys: &crate::limit::Plan, resp: &Response<B>) {
         // The common case (a success while nothing is backed off) costs one atomic load.
         if keys.is_empty() || self.pushback.is_quiet(resp.status()) {
             return;
         }
         let cfg = self.config();
         let Some(rc) = cfg.routes.iter().find(|r| r.name == route) else { return };
-        let ids: Vec<(String, f64)> = keys.iter().map(|l| (l.id().to_string(), l.capacity())).collect();
+        let ids: Vec<(String, f64)> = keys.items.iter().map(|(l, _)| (l.id().to_string(), l.capacity())).collect();
         let now = self.table.clock().now();
         let retry = pushback::retry_after(resp.headers());
         for (id, capacity) in self.pushback.on_response(&ids, resp.status(), retry, now, &rc.pushback) {
@@ -308,18 +307,21 @@ impl Proxy {
         }
     }
 
-    fn record_admission(&self, route: &str, resources: &[String], admission: Option<Admission>) {
-        let outcome = match admission {
-            Some(a) if a.paced => "paced",
-            _ => "admitted",
-        };
-        self.metrics.requests.with_label_values(&[route, outcome]).inc();
-        for r in resources {
-            self.metrics.resource_requests.with_label_values(&[r, outcome]).inc();
-            self.metrics
-                .wait_seconds
-                .with_label_values(&[r])
-                .observe(admission.map_or(0.0, |a| a.waited.as_secs_f64()));
+    fn record_admission(&self, route: &Route, admission: Option<Admission>) {
+        let paced = admission.is_some_and(|a| a.paced);
+        if paced { &route.metrics.paced } else { &route.metrics.admitted }.inc();
+        let waited = admission.map_or(0.0, |a| a.waited.as_secs_f64());
+        for r in &route.resources {
+            if paced { &r.metrics.paced } else { &r.metrics.admitted }.inc();
+            r.metrics.wait.observe(waited);
+        }
+    }
+
+    fn record_refusal(&self, route: &Route, refused: &crate::limit::Refused) {
+        route.metrics.refused.inc();
+        match route.resources.iter().find(|r| r.metrics.name == refused.resource) {
+            Some(r) => r.metrics.refused.inc(),
+            None => self.metrics.resource_requests.with_label_values(&[&refused.resource, "refused"]).inc(),
         }
     }
 
@@ -328,22 +330,21 @@ impl Proxy {
         &self,
         req: Request<Incoming>,
         resolved: route::Resolved,
-        route: &str,
         in_flight: InFlight,
     ) -> Response<ProxyBody> {
+        let route = &resolved.route;
         let Some(authority) = req.uri().authority().map(|a| a.to_string()) else {
             return respond::proxy_error(&ProxyError::BadRequest("CONNECT needs host:port".into()), false);
         };
         let admitted = match crate::limit::admit::admit(&resolved.plan, self.table.clock()).await {
             Ok(a) => a,
             Err(r) => {
-                self.metrics.requests.with_label_values(&[route, "refused"]).inc();
-                self.metrics.resource_requests.with_label_values(&[&r.resource, "refused"]).inc();
+                self.record_refusal(route, &r);
                 return respond::refused(&r, false);
             }
         };
         let admission = Admission { waited: admitted.waited, paced: admitted.paced };
-        self.record_admission(route, &resolved.resources, Some(admission));
+        self.record_admission(route, Some(admission));
         let stream =
             match tokio::time::timeout(upstream::DIRECT_CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&authority))
                 .await
@@ -409,10 +410,9 @@ fn same_upstream(a: &UpstreamConfig, b: &UpstreamConfig) -> bool {
 struct InFlight(prometheus::IntGauge);
 
 impl InFlight {
-    fn new(metrics: &Metrics, route: &str) -> Self {
-        let g = metrics.in_flight.with_label_values(&[route]);
-        g.inc();
-        InFlight(g)
+    fn new(gauge: &prometheus::IntGauge) -> Self {
+        gauge.inc();
+        InFlight(gauge.clone())
     }
 }
 

@@ -2,46 +2,64 @@
 //! admission [`Plan`] (limiter keys and costs) it must pass. Built from a
 //! routes file; swapped whole on reload.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use http::{Method, Request, header};
 
+use super::metrics::{Metrics, ResourceMetrics, RouteMetrics};
 use super::respond::ProxyError;
 use super::upstream::{Target, Upstream};
 use crate::config::routes::{DefaultAction, IdTemplate, Match, ResourceKind, RoutesConfig, Segment};
-use crate::limit::{Kind, LeaseTable, Plan, ResourceSpec};
+use crate::limit::{Kind, LeaseTable, Limiter, Plan, ResourceLimits, ResourceSpec};
 
-/// One compiled route.
-#[derive(Debug)]
+/// One compiled route. Everything a request needs that does not depend on
+/// the request itself is resolved here once per routes file: the upstream,
+/// the resources' limiters (a fixed id's on first use) and the metric handles.
 pub struct Route {
     pub name: String,
     matcher: Match,
     upstream: Option<Arc<Upstream>>,
-    /// (resource name, id template, cost).
-    resources: Vec<(String, IdTemplate, f64)>,
+    pub resources: Vec<RouteResource>,
+    pub metrics: RouteMetrics,
+}
+
+impl std::fmt::Debug for Route {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Route").field("name", &self.name).field("matcher", &self.matcher).finish()
+    }
+}
+
+/// One resource a route must be admitted by.
+pub struct RouteResource {
+    limits: Arc<ResourceLimits>,
+    template: IdTemplate,
+    cost: f64,
+    /// The limiter of a fixed id, found on the first request (fixed keys are never forgotten).
+    fixed: OnceLock<Arc<Limiter>>,
+    pub metrics: ResourceMetrics,
 }
 
 /// Where a request goes and what it must be admitted by.
 #[derive(Debug)]
 pub struct Resolved {
-    /// `None`: no route matched and the default is passthrough.
-    pub route: Option<Arc<Route>>,
+    /// The route taken; for a request no route matched (default passthrough), `_passthrough`.
+    pub route: Arc<Route>,
     pub plan: Plan,
     pub target: Target,
-    /// The resource names of the plan, in plan order, for metrics.
-    pub resources: Vec<String>,
 }
 
 impl Resolved {
     pub fn route_name(&self) -> &str {
-        self.route.as_ref().map_or("_passthrough", |r| r.name.as_str())
+        &self.route.name
     }
 }
 
 /// The routes of one routes file.
 pub struct Routing {
     routes: Vec<Arc<Route>>,
+    passthrough: Arc<Route>,
     default: DefaultAction,
     direct: Arc<Upstream>,
 }
@@ -69,9 +87,19 @@ pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
         .collect()
 }
 
+/// The route name of requests no route matched, under the passthrough default.
+pub const PASSTHROUGH: &str = "_passthrough";
+
 impl Routing {
-    /// Compiles `cfg`; `upstreams` are the built clients by name.
-    pub fn new(cfg: &RoutesConfig, upstreams: &HashMap<String, Arc<Upstream>>, direct: Arc<Upstream>) -> Self {
+    /// Compiles `cfg`; `upstreams` are the built clients by name, `table`
+    /// already configured with `cfg`'s resources.
+    pub fn new(
+        cfg: &RoutesConfig,
+        upstreams: &HashMap<String, Arc<Upstream>>,
+        direct: Arc<Upstream>,
+        table: &LeaseTable,
+        metrics: &Metrics,
+    ) -> Self {
         let routes = cfg
             .routes
             .iter()
@@ -83,16 +111,33 @@ impl Routing {
                     resources: r
                         .resources
                         .iter()
-                        .map(|(name, cost)| (name.clone(), cfg.resources[name].id.clone(), *cost))
+                        // Validated at load: every named resource exists, and the table has it.
+                        .filter_map(|(name, cost)| {
+                            Some(RouteResource {
+                                limits: table.resource(name)?,
+                                template: cfg.resources[name].id.clone(),
+                                cost: *cost,
+                                fixed: OnceLock::new(),
+                                metrics: metrics.resource(name),
+                            })
+                        })
                         .collect(),
+                    metrics: metrics.route(&r.name),
                 })
             })
             .collect();
-        Routing { routes, default: cfg.default, direct }
+        let passthrough = Arc::new(Route {
+            name: PASSTHROUGH.into(),
+            matcher: Match::default(),
+            upstream: None,
+            resources: Vec::new(),
+            metrics: metrics.route(PASSTHROUGH),
+        });
+        Routing { routes, passthrough, default: cfg.default, direct }
     }
 
     /// Resolves a request to its route, target and plan.
-    pub fn resolve<B>(&self, req: &Request<B>, table: &LeaseTable) -> Result<Resolved, ProxyError> {
+    pub fn resolve<B>(&self, req: &Request<B>) -> Result<Resolved, ProxyError> {
         let host = request_host(req);
         if req.method() == Method::CONNECT {
             let authority = req.uri().authority().map(|a| a.to_string()).unwrap_or_default();
@@ -101,8 +146,8 @@ impl Routing {
                 .routes
                 .iter()
                 .find(|r| r.matcher.host.as_deref().is_some_and(|h| host_matches(h, &host)))
-                .ok_or_else(|| ProxyError::ConnectDenied { authority, host: host.clone() })?;
-            return self.resolved(route.clone(), req, &host, table, Target::Direct(self.direct.clone()));
+                .ok_or_else(|| ProxyError::ConnectDenied { authority, host: host.to_string() })?;
+            return resolved(route, req, &host, Target::Direct(self.direct.clone()));
         }
         let path = req.uri().path();
         match self.routes.iter().find(|r| matches(&r.matcher, req, &host, path)) {
@@ -111,58 +156,50 @@ impl Routing {
                     Some(u) => Target::Upstream(u.clone()),
                     None => Target::Direct(self.direct.clone()),
                 };
-                self.resolved(route.clone(), req, &host, table, target)
+                resolved(route, req, &host, target)
             }
             None if self.default == DefaultAction::Passthrough => Ok(Resolved {
-                route: None,
+                route: self.passthrough.clone(),
                 plan: Plan::default(),
                 target: Target::Direct(self.direct.clone()),
-                resources: Vec::new(),
             }),
-            None => Err(ProxyError::NoRoute { method: req.method().to_string(), host, path: path.to_string() }),
+            None => Err(ProxyError::NoRoute {
+                method: req.method().to_string(),
+                host: host.into_owned(),
+                path: path.to_string(),
+            }),
         }
-    }
-
-    fn resolved<B>(
-        &self,
-        route: Arc<Route>,
-        req: &Request<B>,
-        host: &str,
-        table: &LeaseTable,
-        target: Target,
-    ) -> Result<Resolved, ProxyError> {
-        let mut items = Vec::with_capacity(route.resources.len());
-        for (name, template, cost) in &route.resources {
-            // Validated at load: every named resource exists in the table.
-            let Some(res) = table.resource(name) else { continue };
-            let id = render(template, req, host);
-            let limiter = if template.is_fixed() {
-                res.limiter(&id)
-            } else {
-                res.try_limiter(&id)
-                    .map_err(|e| ProxyError::TooManyKeys { resource: e.resource, max_keys: e.max_keys })?
-            };
-            items.push((limiter, *cost));
-        }
-        let plan = Plan::new(items);
-        let resources = plan.items.iter().map(|(l, _)| l.spec().name.clone()).collect();
-        Ok(Resolved { route: Some(route), plan, target, resources })
     }
 }
 
+fn resolved<B>(route: &Arc<Route>, req: &Request<B>, host: &str, target: Target) -> Result<Resolved, ProxyError> {
+    let mut items = Vec::with_capacity(route.resources.len());
+    for r in &route.resources {
+        let limiter = if r.template.is_fixed() {
+            r.fixed.get_or_init(|| r.limits.limiter(&r.template.text)).clone()
+        } else {
+            r.limits
+                .try_limiter(&render(&r.template, req, host))
+                .map_err(|e| ProxyError::TooManyKeys { resource: e.resource, max_keys: e.max_keys })?
+        };
+        items.push((limiter, r.cost));
+    }
+    Ok(Resolved { route: route.clone(), plan: Plan::new(items), target })
+}
+
 /// The request's host, lower-case, without port: from the URI, else the Host header.
-pub fn request_host<B>(req: &Request<B>) -> String {
-    let raw = req
-        .uri()
-        .host()
-        .map(str::to_string)
-        .or_else(|| req.headers().get(header::HOST).and_then(|h| h.to_str().ok()).map(str::to_string))
-        .unwrap_or_default();
+pub fn request_host<B>(req: &Request<B>) -> Cow<'_, str> {
+    let raw =
+        req.uri().host().or_else(|| req.headers().get(header::HOST).and_then(|h| h.to_str().ok())).unwrap_or_default();
     let host = match raw.strip_prefix('[') {
-        Some(v6) => v6.split(']').next().unwrap_or_default().to_string(),
-        None => raw.rsplit_once(':').map_or(raw.as_str(), |(h, _)| h).to_string(),
+        Some(v6) => v6.split(']').next().unwrap_or_default(),
+        None => raw.rsplit_once(':').map_or(raw, |(h, _)| h),
     };
-    host.to_ascii_lowercase()
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(host)
+    }
 }
 
 fn host_matches(pattern: &str, host: &str) -> bool {
@@ -187,9 +224,6 @@ fn matches<B>(m: &Match, req: &Request<B>, host: &str, path: &str) -> bool {
 
 /// Renders a templated resource id for one request.
 fn render<B>(t: &IdTemplate, req: &Request<B>, host: &str) -> String {
-    if t.is_fixed() {
-        return t.text.clone();
-    }
     let mut out = String::new();
     for s in &t.segments {
         match s {

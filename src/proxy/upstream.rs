@@ -23,7 +23,7 @@ use rustls::pki_types::pem::PemObject;
 use super::metrics::Metrics;
 use super::respond::ProxyError;
 use crate::config::routes::UpstreamConfig;
-use crate::limit::layer::{Admission, BoxError, Hold};
+use crate::limit::layer::{BoxError, Hold};
 
 /// Idle pooled connections are closed after this long.
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -97,6 +97,10 @@ impl hyper::body::Body for RequestBody {
 pub struct Upstream {
     pub config: UpstreamConfig,
     client: HttpsClient,
+    /// `usher_proxy_upstream_seconds` for this upstream, looked up on first use.
+    seconds: std::sync::OnceLock<prometheus::Histogram>,
+    /// The Host field of a plain-HTTP/1.1 upstream: its host, and its port unless 80.
+    host: Option<HeaderValue>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -134,7 +138,17 @@ impl Upstream {
             }
         }
         let client = client(roots, config.connect_timeout, config.h2c)?;
-        Ok(Upstream { config, client })
+        let host = (config.url.scheme() == Some(&http::uri::Scheme::HTTP) && !config.h2c)
+            .then(|| {
+                let host = config.url.host()?;
+                let value = match config.url.port_u16() {
+                    Some(port) if port != 80 => format!("{host}:{port}"),
+                    _ => host.to_string(),
+                };
+                HeaderValue::from_str(&value).ok()
+            })
+            .flatten();
+        Ok(Upstream { config, client, seconds: Default::default(), host })
     }
 
     /// A client for origins named by the request itself (passthrough).
@@ -148,7 +162,7 @@ impl Upstream {
             h2c: false,
         };
         let client = client(roots.clone(), config.connect_timeout, false)?;
-        Ok(Upstream { config, client })
+        Ok(Upstream { config, client, seconds: Default::default(), host: None })
     }
 
     pub fn name(&self) -> &str {
@@ -216,8 +230,35 @@ impl tower::Service<Request<Incoming>> for Forward {
     }
 }
 
+const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
+/// Whether `name` is hop-by-hop whatever the Connection field says (TE only
+/// when it is not `trailers`, which [`strip_hop_by_hop`] checks).
+fn always_hop_by_hop(name: &HeaderName) -> bool {
+    [
+        header::CONNECTION,
+        header::UPGRADE,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        KEEP_ALIVE,
+        PROXY_CONNECTION,
+    ]
+    .contains(name)
+}
+
 /// Hop-by-hop fields (RFC 9110 §7.6.1) plus those the Connection field names.
 fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    // Most messages have none: one pass over the names, no lookups.
+    if !headers.keys().any(always_hop_by_hop) {
+        if keep_upgrade {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        }
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -230,9 +271,14 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
             headers.remove(n);
         }
     }
-    for n in
-        ["keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "trailer", "transfer-encoding"]
-    {
+    for n in [
+        KEEP_ALIVE,
+        PROXY_CONNECTION,
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+    ] {
         headers.remove(n);
     }
     // `TE: trailers` is what gRPC needs end to end; any other TE is hop-by-hop.
@@ -260,13 +306,21 @@ fn wants_upgrade(req: &Request<Incoming>) -> bool {
 
 /// The URI to send: the upstream's scheme, authority and base path, then the request's path and query.
 fn upstream_uri(base: &Uri, req: &Uri) -> Result<Uri, ProxyError> {
-    let pq = req.path_and_query().map_or("/", |p| p.as_str());
+    let bad = |e: &dyn std::fmt::Display| ProxyError::BadRequest(format!("cannot build upstream URI: {e}"));
     let prefix = base.path().trim_end_matches('/');
-    let scheme = base.scheme_str().unwrap_or("http");
-    let authority = base.authority().map_or("", |a| a.as_str());
-    format!("{scheme}://{authority}{prefix}{pq}")
-        .parse()
-        .map_err(|e| ProxyError::BadRequest(format!("cannot build upstream URI: {e}")))
+    let mut parts = http::uri::Parts::default();
+    // Cloning the parts shares their bytes; only a base path means building a new path.
+    parts.scheme = Some(base.scheme().cloned().unwrap_or(http::uri::Scheme::HTTP));
+    parts.authority = base.authority().cloned();
+    parts.path_and_query = Some(match (prefix, req.path_and_query()) {
+        ("", Some(pq)) => pq.clone(),
+        ("", None) => http::uri::PathAndQuery::from_static("/"),
+        (prefix, pq) => {
+            let pq = pq.map_or("/", |p| p.as_str());
+            http::uri::PathAndQuery::try_from(format!("{prefix}{pq}")).map_err(|e| bad(&e))?
+        }
+    });
+    Uri::from_parts(parts).map_err(|e| bad(&e))
 }
 
 /// The URI of a request forwarded to the origin it names.
@@ -286,21 +340,26 @@ fn direct_uri(req: &Request<Incoming>) -> Result<Uri, ProxyError> {
 
 async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Response<Incoming>, ProxyError> {
     let target = req.extensions_mut().remove::<Target>().ok_or_else(|| ProxyError::BadRequest("no target".into()))?;
-    let admission = req.extensions().get::<Admission>().copied();
     let (up, uri) = match &target {
         Target::Upstream(u) => (u.clone(), upstream_uri(&u.config.url, req.uri())?),
         Target::Direct(u) => (u.clone(), direct_uri(&req)?),
     };
-    let name = match &target {
-        Target::Upstream(u) => u.name().to_string(),
-        Target::Direct(_) => uri.authority().map_or_else(String::new, |a| a.to_string()),
+    // Named in errors only.
+    let direct_authority = matches!(target, Target::Direct(_)).then(|| uri.authority().cloned()).flatten();
+    let name = || match (&target, &direct_authority) {
+        (Target::Upstream(u), _) => u.name().to_string(),
+        (Target::Direct(_), a) => a.as_ref().map_or_else(String::new, |a| a.to_string()),
     };
     let upgrade = wants_upgrade(&req);
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     strip_hop_by_hop(req.headers_mut(), upgrade);
-    if matches!(target, Target::Upstream(_)) {
-        // The client sets Host (HTTP/1.1) or :authority (HTTP/2) from the URI.
-        req.headers_mut().remove(header::HOST);
+    if let Target::Upstream(u) = &target {
+        match &u.host {
+            // Plain HTTP/1.1: the upstream's Host, built once rather than by the client per request.
+            Some(host) => req.headers_mut().insert(header::HOST, host.clone()),
+            // The client sets Host (HTTP/1.1) or :authority (HTTP/2, ALPN) from the URI.
+            None => req.headers_mut().remove(header::HOST),
+        };
     }
     req.headers_mut().append(header::VIA, HeaderValue::from_static(VIA));
     *req.uri_mut() = uri;
@@ -311,11 +370,13 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
 
     let started = tokio::time::Instant::now();
     let sent = tokio::time::timeout(up.config.timeout, up.client.request(req)).await;
-    metrics.upstream_seconds.with_label_values(&[up.name()]).observe(started.elapsed().as_secs_f64());
+    up.seconds
+        .get_or_init(|| metrics.upstream_seconds.with_label_values(&[up.name()]))
+        .observe(started.elapsed().as_secs_f64());
     let mut resp = match sent {
-        Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name, after: up.config.timeout }),
+        Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),
         Ok(Err(e)) if e.is_connect() => {
-            return Err(ProxyError::UpstreamConnect { upstream: name, reason: reason(&e) });
+            return Err(ProxyError::UpstreamConnect { upstream: name(), reason: reason(&e) });
         }
         Ok(Err(e)) => {
             if let Some(limit) = too_large(&e) {
@@ -324,7 +385,7 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
             if let Some(c) = source_of::<ClientBody>(&e) {
                 return Err(ProxyError::BadRequest(error_chain(c)));
             }
-            return Err(ProxyError::Upstream { upstream: name, reason: reason(&e) });
+            return Err(ProxyError::Upstream { upstream: name(), reason: reason(&e) });
         }
         Ok(Ok(r)) => r,
     };
@@ -345,9 +406,6 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
         });
     }
     strip_hop_by_hop(resp.headers_mut(), switching);
-    if let Some(a) = admission {
-        resp.extensions_mut().insert(a);
-    }
     Ok(resp)
 }
 
