@@ -7,12 +7,6 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use usher::error::RunError;
 
-/// mimalloc: a proxied request makes a few dozen short-lived allocations,
-/// and glibc's malloc spent about a tenth of usher's instructions on them
-/// (benches/RESULTS.md, "Instructions per request").
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// usher shares one service's capacity fairly among many clients, with
 /// Doorman-compatible capacity leases.
 #[derive(Debug, Parser)]
