@@ -99,6 +99,15 @@ echo "== end-to-end: direct vs usher vs nginx, accuracy (proxies on cpu $PROXY_C
 bounded "$E2E_LIMIT" "${PIN[@]}" cargo bench --locked --bench e2e -- "${E2E[@]}" "${PROXY_ARGS[@]}" ${E2E_ARGS:-} --out "$OUT" \
   > "$OUT/e2e.md" 2> >(tee "$OUT/e2e.log" >&2)
 
+echo "== instructions per request under callgrind (usher, nginx)"
+: > "$OUT/instructions.md"
+if command -v valgrind >/dev/null && command -v callgrind_control >/dev/null; then
+  bounded 300 "${PIN[@]}" cargo bench --locked --bench e2e -- --callgrind 5 ${E2E_ARGS:-} --out "$OUT" \
+    > "$OUT/instructions.md" 2>> "$OUT/e2e.log" || true
+else
+  echo "valgrind is missing (apt-get install valgrind): skipping the instruction counts" | tee "$OUT/instructions.md" >&2
+fi
+
 echo "== capacity server: GetCapacity/s with 10,000 clients"
 : > "$OUT/server.md"
 for run in "${SERVER_RUNS[@]}"; do
@@ -119,7 +128,7 @@ if [ -f "$OUT/latency.png" ] && command -v python3 >/dev/null; then
 fi
 
 { echo "## Machine (at the end)"; machine; } >> "$OUT/machine.md"
-cat "$OUT/machine.md" "$OUT/e2e.md" > "$OUT/summary.md"
+cat "$OUT/machine.md" "$OUT/e2e.md" "$OUT/instructions.md" > "$OUT/summary.md"
 { echo; echo "### Capacity server"; echo; echo '```'; cat "$OUT/server.md"; echo '```'; echo; echo "### Micro-benchmarks"; echo; echo '```'; cat "$OUT/micro.txt"; echo '```'; } >> "$OUT/summary.md"
 echo "results: $OUT/summary.md"
 

@@ -1,5 +1,5 @@
 //! A small HTTP/1.1 load generator and upstream shared by the end-to-end
-//! benches (`e2e`, `proxy_latency`).
+//! benches (`e2e`).
 //!
 //! - [`open_loop`] sends requests on a fixed schedule (request `i` is due at
 //!   `start + i / rate`) over a pool of keep-alive connections and times each
