@@ -8,6 +8,7 @@
 //! requests drain until a deadline.
 
 pub mod access_log;
+mod h1pool;
 pub mod lease;
 pub mod listener;
 pub mod metrics;

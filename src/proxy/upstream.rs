@@ -20,6 +20,7 @@ use rustls::RootCertStore;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
+use super::h1pool::{H1Pool, PoolError, PooledBody};
 use super::metrics::Metrics;
 use super::respond::ProxyError;
 use crate::config::routes::UpstreamConfig;
@@ -101,6 +102,8 @@ pub struct Upstream {
     seconds: std::sync::OnceLock<prometheus::Histogram>,
     /// The Host field of a plain-HTTP/1.1 upstream: its host, and its port unless 80.
     host: Option<HeaderValue>,
+    /// A plain-HTTP/1.1 upstream's own pool, used instead of `client`.
+    pool: Option<Arc<H1Pool>>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -148,7 +151,14 @@ impl Upstream {
                 HeaderValue::from_str(&value).ok()
             })
             .flatten();
-        Ok(Upstream { config, client, seconds: Default::default(), host })
+        let pool = match (&host, config.url.host()) {
+            (Some(_), Some(h)) => {
+                let addr = format!("{h}:{}", config.url.port_u16().unwrap_or(80));
+                Some(H1Pool::new(addr, config.connect_timeout, POOL_IDLE_TIMEOUT))
+            }
+            _ => None,
+        };
+        Ok(Upstream { config, client, seconds: Default::default(), host, pool })
     }
 
     /// A client for origins named by the request itself (passthrough).
@@ -162,7 +172,7 @@ impl Upstream {
             h2c: false,
         };
         let client = client(roots.clone(), config.connect_timeout, false)?;
-        Ok(Upstream { config, client, seconds: Default::default(), host: None })
+        Ok(Upstream { config, client, seconds: Default::default(), host: None, pool: None })
     }
 
     pub fn name(&self) -> &str {
@@ -216,9 +226,9 @@ impl Forward {
 }
 
 impl tower::Service<Request<Incoming>> for Forward {
-    type Response = Response<Incoming>;
+    type Response = Response<UpstreamBody>;
     type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Incoming>, BoxError>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<UpstreamBody>, BoxError>> + Send>>;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         Poll::Ready(Ok(()))
@@ -305,13 +315,16 @@ fn wants_upgrade(req: &Request<Incoming>) -> bool {
 }
 
 /// The URI to send: the upstream's scheme, authority and base path, then the request's path and query.
-fn upstream_uri(base: &Uri, req: &Uri) -> Result<Uri, ProxyError> {
+/// `origin_form`: the path and query only, for a connection of the upstream's own.
+fn upstream_uri(base: &Uri, req: &Uri, origin_form: bool) -> Result<Uri, ProxyError> {
     let bad = |e: &dyn std::fmt::Display| ProxyError::BadRequest(format!("cannot build upstream URI: {e}"));
     let prefix = base.path().trim_end_matches('/');
     let mut parts = http::uri::Parts::default();
     // Cloning the parts shares their bytes; only a base path means building a new path.
-    parts.scheme = Some(base.scheme().cloned().unwrap_or(http::uri::Scheme::HTTP));
-    parts.authority = base.authority().cloned();
+    if !origin_form {
+        parts.scheme = Some(base.scheme().cloned().unwrap_or(http::uri::Scheme::HTTP));
+        parts.authority = base.authority().cloned();
+    }
     parts.path_and_query = Some(match (prefix, req.path_and_query()) {
         ("", Some(pq)) => pq.clone(),
         ("", None) => http::uri::PathAndQuery::from_static("/"),
@@ -338,10 +351,10 @@ fn direct_uri(req: &Request<Incoming>) -> Result<Uri, ProxyError> {
     format!("http://{host}{pq}").parse().map_err(|e| ProxyError::BadRequest(format!("bad Host header: {e}")))
 }
 
-async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Response<Incoming>, ProxyError> {
+async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Response<UpstreamBody>, ProxyError> {
     let target = req.extensions_mut().remove::<Target>().ok_or_else(|| ProxyError::BadRequest("no target".into()))?;
     let (up, uri) = match &target {
-        Target::Upstream(u) => (u.clone(), upstream_uri(&u.config.url, req.uri())?),
+        Target::Upstream(u) => (u.clone(), upstream_uri(&u.config.url, req.uri(), u.pool.is_some())?),
         Target::Direct(u) => (u.clone(), direct_uri(&req)?),
     };
     // Named in errors only.
@@ -369,26 +382,55 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
     let req = req.map(|inner| RequestBody { inner, limit, seen: 0 });
 
     let started = tokio::time::Instant::now();
+    if let Some(pool) = &up.pool {
+        let sent = tokio::time::timeout(up.config.timeout, pool.send(req)).await;
+        observe(&up, metrics, started);
+        let resp = match sent {
+            Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),
+            Ok(Err(PoolError::Connect(reason))) => {
+                return Err(ProxyError::UpstreamConnect { upstream: name(), reason });
+            }
+            Ok(Err(PoolError::Http(e))) => return Err(failed(&e, name(), error_chain(&e))),
+            Ok(Ok(r)) => r,
+        };
+        return Ok(finish(resp.map(UpstreamBody::Own), client_upgrade));
+    }
     let sent = tokio::time::timeout(up.config.timeout, up.client.request(req)).await;
-    up.seconds
-        .get_or_init(|| metrics.upstream_seconds.with_label_values(&[up.name()]))
-        .observe(started.elapsed().as_secs_f64());
-    let mut resp = match sent {
+    observe(&up, metrics, started);
+    let resp = match sent {
         Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),
         Ok(Err(e)) if e.is_connect() => {
             return Err(ProxyError::UpstreamConnect { upstream: name(), reason: reason(&e) });
         }
-        Ok(Err(e)) => {
-            if let Some(limit) = too_large(&e) {
-                return Err(ProxyError::BodyTooLarge { limit });
-            }
-            if let Some(c) = source_of::<ClientBody>(&e) {
-                return Err(ProxyError::BadRequest(error_chain(c)));
-            }
-            return Err(ProxyError::Upstream { upstream: name(), reason: reason(&e) });
-        }
+        Ok(Err(e)) => return Err(failed(&e, name(), reason(&e))),
         Ok(Ok(r)) => r,
     };
+    Ok(finish(resp.map(UpstreamBody::Shared), client_upgrade))
+}
+
+fn observe(up: &Upstream, metrics: &Metrics, started: tokio::time::Instant) {
+    up.seconds
+        .get_or_init(|| metrics.upstream_seconds.with_label_values(&[up.name()]))
+        .observe(started.elapsed().as_secs_f64());
+}
+
+/// An exchange that failed after connecting: the client's body (too large,
+/// unreadable) or the upstream's fault.
+fn failed(e: &(dyn std::error::Error + 'static), upstream: String, reason: String) -> ProxyError {
+    if let Some(limit) = too_large(e) {
+        return ProxyError::BodyTooLarge { limit };
+    }
+    if let Some(c) = source_of::<ClientBody>(e) {
+        return ProxyError::BadRequest(error_chain(c));
+    }
+    ProxyError::Upstream { upstream, reason }
+}
+
+/// Joins an upgraded exchange's two sides, and strips the response's hop-by-hop fields.
+fn finish(
+    mut resp: Response<UpstreamBody>,
+    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+) -> Response<UpstreamBody> {
     let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
     if let (true, Some(client_side)) = (switching, client_upgrade) {
         let upstream_side = hyper::upgrade::on(&mut resp);
@@ -406,7 +448,44 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
         });
     }
     strip_hop_by_hop(resp.headers_mut(), switching);
-    Ok(resp)
+    resp
+}
+
+/// A response body from either kind of client.
+pub enum UpstreamBody {
+    /// From a plain-HTTP/1.1 upstream's own pool.
+    Own(PooledBody),
+    /// From hyper-util's pool (HTTPS, h2c, passthrough).
+    Shared(Incoming),
+}
+
+impl hyper::body::Body for UpstreamBody {
+    type Data = bytes::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        match self.get_mut() {
+            UpstreamBody::Own(b) => Pin::new(b).poll_frame(cx),
+            UpstreamBody::Shared(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamBody::Own(b) => b.is_end_stream(),
+            UpstreamBody::Shared(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self {
+            UpstreamBody::Own(b) => b.size_hint(),
+            UpstreamBody::Shared(b) => b.size_hint(),
+        }
+    }
 }
 
 /// The body limit, if `e` was caused by a request body passing it.
@@ -476,8 +555,8 @@ mod tests {
     fn upstream_uri_keeps_the_base_path() {
         let base: Uri = "https://api.example.com/v2/".parse().unwrap();
         let req: Uri = "/repos/x?page=2".parse().unwrap();
-        assert_eq!(upstream_uri(&base, &req).unwrap(), "https://api.example.com/v2/repos/x?page=2");
+        assert_eq!(upstream_uri(&base, &req, false).unwrap(), "https://api.example.com/v2/repos/x?page=2");
         let abs: Uri = "http://other/a".parse().unwrap();
-        assert_eq!(upstream_uri(&"http://127.0.0.1:9".parse().unwrap(), &abs).unwrap(), "http://127.0.0.1:9/a");
+        assert_eq!(upstream_uri(&"http://127.0.0.1:9".parse().unwrap(), &abs, false).unwrap(), "http://127.0.0.1:9/a");
     }
 }

@@ -38,6 +38,8 @@ pub struct Stats {
     pub versions: Mutex<Vec<Version>>,
     /// `host` header (or :authority) of each request.
     pub hosts: Mutex<Vec<String>>,
+    /// Connections accepted.
+    pub connections: AtomicU64,
 }
 
 impl Stats {
@@ -126,6 +128,7 @@ impl Upstream {
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else { return };
+                s.connections.fetch_add(1, Ordering::SeqCst);
                 let (stats, gate, acceptor) = (s.clone(), g.clone(), acceptor.clone());
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| {
