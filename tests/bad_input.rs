@@ -3,6 +3,9 @@
 //! Doorman message. A failure is a panic (or a hang, bounded by the runner);
 //! each input must get either a value or a clear error.
 
+#[path = "support/edits.rs"]
+mod edits;
+
 use proptest::prelude::*;
 use prost::Message;
 use usher::config::resources::ResourcesConfig;
@@ -17,21 +20,10 @@ const SCENARIO: &str = include_str!("../deploy/examples/sim/seven.yaml");
 /// A valid file with some bytes replaced, inserted or cut: close enough to
 /// real input to get deep into the parsers.
 fn mutated(base: &'static str) -> impl Strategy<Value = String> {
-    (prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..12)).prop_map(move |edits| {
+    use edits::{CUT, INSERT, REPLACE};
+    edits::edits(&[REPLACE, INSERT, CUT], 1..12).prop_map(move |e| {
         let mut b = base.as_bytes().to_vec();
-        for (at, byte, op) in edits {
-            if b.is_empty() {
-                break;
-            }
-            let i = at.index(b.len());
-            match op {
-                0 => b[i] = byte,
-                1 => b.insert(i, byte),
-                _ => {
-                    b.truncate(i);
-                }
-            }
-        }
+        edits::apply(&mut b, &e);
         String::from_utf8_lossy(&b).into_owned()
     })
 }

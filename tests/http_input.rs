@@ -7,6 +7,8 @@
 //! 10 s after the client's EOF (a hang), or an HTTP/1.x answer that is not an
 //! HTTP/1.x response. The stable counterpart of `fuzz/fuzz_targets/http.rs`.
 
+#[path = "support/edits.rs"]
+mod edits;
 mod support;
 
 use std::sync::Arc;
@@ -103,31 +105,13 @@ fn h1_request() -> impl Strategy<Value = Vec<u8>> {
     )
 }
 
-/// A byte string with a few bytes replaced, inserted or cut.
+/// A byte string with a few bytes replaced, inserted or removed, or a slice repeated.
 fn mutate(base: impl Strategy<Value = Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
-    (base, prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..4), 0..6)).prop_map(
-        |(mut b, edits)| {
-            for (at, byte, op) in edits {
-                if b.is_empty() {
-                    break;
-                }
-                let i = at.index(b.len());
-                match op {
-                    0 => b[i] = byte,
-                    1 => b.insert(i, byte),
-                    2 => {
-                        b.remove(i);
-                    }
-                    _ => {
-                        // Repeat a slice: pipelined or duplicated requests.
-                        let tail = b[i..].to_vec();
-                        b.extend_from_slice(&tail);
-                    }
-                }
-            }
-            b
-        },
-    )
+    use edits::{INSERT, REMOVE, REPEAT_TAIL, REPLACE};
+    (base, edits::edits(&[REPLACE, INSERT, REMOVE, REPEAT_TAIL], 0..6)).prop_map(|(mut b, e)| {
+        edits::apply(&mut b, &e);
+        b
+    })
 }
 
 /// An h2c connection: the preface, then random frames (any type, flags and
