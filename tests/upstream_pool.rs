@@ -1,8 +1,9 @@
 //! The connection pool of plain-HTTP/1.1 upstreams, through the real
 //! `usher proxy`: connections are reused after every kind of body, a
 //! connection the upstream closed while idle costs the app nothing (the
-//! request goes out on a new one), and an upgraded connection is never
-//! handed to another request.
+//! request goes out on a new one), an upgraded connection is never
+//! handed to another request, and an upstream URL's base path prefixes the
+//! origin-form target the pool sends.
 
 mod support;
 
@@ -51,6 +52,28 @@ async fn one_upstream_connection_serves_sequential_requests_of_every_kind() {
     }
     assert_eq!(up.stats.requests(), 30);
     assert_eq!(up.stats.connections.load(Ordering::SeqCst), 1, "every request reused the first connection");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_url_with_a_base_path_prefixes_every_request() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "upstreams:\n  up: {{ url: \"http://{}/v2/\" }}\nroutes:\n  - {{ name: all, upstream: up }}\n",
+            up.addr
+        ),
+    );
+    let u = Usher::proxy(&routes);
+    let mut c = h1(u.addr("listen")).await;
+    for path in ["/repos/x?page=2", "/"] {
+        let r = send1(&mut c, get("app.test", path)).await;
+        assert_eq!(r.status, StatusCode::OK, "{path}: {}", r.text());
+    }
+    assert_eq!(up.stats.targets.lock().unwrap().as_slice(), ["/v2/repos/x?page=2", "/v2/"]);
+    assert_eq!(up.stats.hosts.lock().unwrap().as_slice(), [up.addr.to_string(), up.addr.to_string()]);
 }
 
 /// An upstream that answers one request per connection and then closes it

@@ -1,7 +1,8 @@
-//! Upstream clients and the forwarding service: a pooled hyper-util client
-//! per upstream (HTTP/1.1, HTTP/2 by ALPN over rustls, or h2c), hop-by-hop
-//! header removal (RFC 9110 §7.6.1), protocol upgrades, connect and
-//! response-header timeouts. Bodies stream both ways.
+//! Upstream clients and the forwarding service: per upstream, a pool of its
+//! own for plain HTTP/1.1 ([`super::h1pool`]) or hyper-util's pooled client
+//! (HTTP/2 or HTTP/1.1 by ALPN over rustls, h2c, passthrough origins);
+//! hop-by-hop header removal (RFC 9110 §7.6.1), protocol upgrades, connect
+//! and response-header timeouts. Bodies stream both ways.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -556,6 +557,9 @@ mod tests {
         let base: Uri = "https://api.example.com/v2/".parse().unwrap();
         let req: Uri = "/repos/x?page=2".parse().unwrap();
         assert_eq!(upstream_uri(&base, &req, false).unwrap(), "https://api.example.com/v2/repos/x?page=2");
+        // An upstream with a connection pool of its own gets the origin form.
+        assert_eq!(upstream_uri(&base, &req, true).unwrap(), "/v2/repos/x?page=2");
+        assert_eq!(upstream_uri(&"http://127.0.0.1:9".parse().unwrap(), &req, true).unwrap(), "/repos/x?page=2");
         let abs: Uri = "http://other/a".parse().unwrap();
         assert_eq!(upstream_uri(&"http://127.0.0.1:9".parse().unwrap(), &abs, false).unwrap(), "http://127.0.0.1:9/a");
     }

@@ -38,6 +38,8 @@ pub struct Stats {
     pub versions: Mutex<Vec<Version>>,
     /// `host` header (or :authority) of each request.
     pub hosts: Mutex<Vec<String>>,
+    /// The request target (path and query) of each request.
+    pub targets: Mutex<Vec<String>>,
     /// Connections accepted.
     pub connections: AtomicU64,
 }
@@ -173,6 +175,7 @@ async fn handle(
         .or_else(|| req.uri().authority().map(|a| a.to_string()))
         .unwrap_or_default();
     stats.hosts.lock().unwrap().push(host);
+    stats.targets.lock().unwrap().push(req.uri().path_and_query().map_or("/", |p| p.as_str()).to_string());
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
     let resp = match path.as_str() {
