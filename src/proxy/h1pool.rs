@@ -127,16 +127,17 @@ impl H1Pool {
     }
 }
 
-/// Closes connections idle for longer than `every` (checked every `every`),
-/// until the pool is gone.
-fn spawn_reaper(pool: Weak<H1Pool>, every: Duration) {
+/// Closes connections idle for longer than `idle_timeout` (looked at three
+/// times per timeout, so none outlives it by more than a third), until the
+/// pool is gone.
+fn spawn_reaper(pool: Weak<H1Pool>, idle_timeout: Duration) {
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(every);
+        let mut tick = tokio::time::interval(idle_timeout / 3);
         tick.tick().await;
         loop {
             tick.tick().await;
             let Some(pool) = pool.upgrade() else { return };
-            pool.idle.lock().expect("pool lock").retain(|(s, since)| since.elapsed() < every && !s.is_closed());
+            pool.idle.lock().expect("pool lock").retain(|(s, since)| since.elapsed() < idle_timeout && !s.is_closed());
         }
     });
 }
