@@ -40,8 +40,8 @@ pub fn watch(path: &Path, shutdown: CancellationToken) -> mpsc::Receiver<Cause> 
     let (raw_tx, mut raw_rx) = mpsc::channel::<()>(1);
     let event_tx = raw_tx;
     let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        if res.is_ok() {
-            // A full channel already holds a pending reload.
+        // A full channel already holds a pending reload.
+        if res.is_ok_and(|e| changes_content(&e.kind)) {
             let _ = event_tx.try_send(());
         }
     })
@@ -89,6 +89,19 @@ pub fn watch(path: &Path, shutdown: CancellationToken) -> mpsc::Receiver<Cause> 
     rx
 }
 
+/// Whether an event in the watched directory may have changed a file. Opening
+/// or reading one does not: inotify reports those too, and counting them made
+/// every reload's own read of the file trigger the next reload, five times a
+/// second for as long as the process ran.
+fn changes_content(kind: &notify::EventKind) -> bool {
+    use notify::event::{AccessKind, AccessMode, EventKind};
+    match kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) => false,
+        _ => true,
+    }
+}
+
 /// Watches `path` and calls `reload` with each trigger whose file content
 /// changed (or with every SIGHUP), until `shutdown`. The caller parses,
 /// applies, or keeps its last good configuration.
@@ -108,4 +121,32 @@ where
             reload(cause);
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The next trigger within `within`, if any.
+    async fn next(rx: &mut mpsc::Receiver<Cause>, within: Duration) -> Option<Cause> {
+        tokio::time::timeout(within, rx.recv()).await.ok().flatten()
+    }
+
+    #[tokio::test]
+    async fn reading_the_file_does_not_trigger_a_reload_but_writing_it_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("routes.yaml");
+        std::fs::write(&path, "a: 1\n").unwrap();
+        let shutdown = CancellationToken::new();
+        let mut rx = watch(&path, shutdown.clone());
+        // Let the watcher settle: nothing has happened yet.
+        assert_eq!(next(&mut rx, Duration::from_millis(300)).await, None);
+        for _ in 0..3 {
+            std::fs::read(&path).unwrap();
+        }
+        assert_eq!(next(&mut rx, DEBOUNCE * 4).await, None, "a read is not a change");
+        std::fs::write(&path, "a: 2\n").unwrap();
+        assert_eq!(next(&mut rx, Duration::from_secs(3)).await, Some(Cause::FileEvent));
+        shutdown.cancel();
+    }
 }
