@@ -170,7 +170,8 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History),
         );
         let path = dir.join(format!("sidecar-{i}.yaml"));
         std::fs::write(&path, routes).map_err(|e| RunError::Other(format!("cannot write {}: {e}", path.display())))?;
-        let args = ProxyArgs { routes: path, listen: Some(listen), admin_listen: Some(admin) };
+        let args =
+            ProxyArgs { routes: path, listen: Some(listen), admin_listen: Some(admin), http1: Default::default() };
         let task = tokio::spawn(crate::proxy::run(args, sidecars_stop.clone()));
         sidecars.push((format!("sidecar-{i}"), *offered, listen, admin, task));
     }

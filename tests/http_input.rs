@@ -149,7 +149,7 @@ async fn serve_bytes(server: &ConnServer, proxy: &Arc<Proxy>, bytes: &[u8]) -> R
     let (mut client, io) = tokio::io::duplex(64 * 1024);
     let conn = tokio::spawn({
         let (server, proxy) = (server.clone(), proxy.clone());
-        async move { server.serve(proxy, io, None).await.map_err(|e| e.to_string()) }
+        async move { server.serve(proxy, io).await.map_err(|e| e.to_string()) }
     });
     let exchange = async {
         // The sidecar may stop reading early (it answered, or gave up).
@@ -221,7 +221,7 @@ fn a_valid_request_through_memory_is_answered() {
         let (clock, _h) = Clock::manual(Time::from_secs(1_000_000));
         let proxy = Proxy::new(cfg, "t.yaml".into(), clock, prometheus::Registry::new()).unwrap();
         let (mut client, io) = tokio::io::duplex(64 * 1024);
-        tokio::spawn(async move { server.serve(proxy, io, None).await });
+        tokio::spawn(async move { server.serve(proxy, io).await });
         client.write_all(b"GET /x HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n").await.unwrap();
         let mut out = Vec::new();
         tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut out)).await.unwrap().unwrap();

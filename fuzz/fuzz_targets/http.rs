@@ -52,7 +52,7 @@ fuzz_target!(|data: &[u8]| {
         let conn = tokio::spawn({
             let (server, proxy) = (w.server.clone(), w.proxy.clone());
             async move {
-                let _ = server.serve(proxy, io, None).await;
+                let _ = server.serve(proxy, io).await;
             }
         });
         let exchange = async {

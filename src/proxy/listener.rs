@@ -2,6 +2,10 @@
 //! under the routes file's [`ListenerLimits`]: a bound on connections, a
 //! deadline for the first bytes and for every request head, header size and
 //! count limits, and HTTP/2 flood protection (rapid reset, CONTINUATION).
+//!
+//! HTTP/1.1 connections start on the native path ([`super::h1`]), which
+//! hands a connection to hyper when it brings a request it does not serve;
+//! h2c connections, and every connection under `--http1 hyper`, go to hyper.
 
 use std::convert::Infallible;
 use std::io;
@@ -9,14 +13,15 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::Watcher;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::Proxy;
+use super::h1::{self, Served};
 use crate::config::limits::ListenerLimits;
 use crate::limit::layer::BoxError;
 
@@ -29,6 +34,17 @@ pub const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
 /// (RUSTSEC-2024-0332); beyond it the connection gets GOAWAY.
 pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 256;
 
+/// What serves HTTP/1.1 connections (`--http1`, `USHER_HTTP1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Http1 {
+    /// usher's own request loop for everyday requests to plain-HTTP/1.1
+    /// upstreams; a connection moves to hyper at its first other request.
+    #[default]
+    Native,
+    /// hyper for every request.
+    Hyper,
+}
+
 /// Serves connections with one set of limits. Cheap to clone.
 #[derive(Clone)]
 pub struct ConnServer {
@@ -36,6 +52,9 @@ pub struct ConnServer {
     limits: ListenerLimits,
     /// Once cancelled, every HTTP/1.1 answer carries `connection: close`.
     draining: CancellationToken,
+    /// Once cancelled, idle connections close and busy ones close after their answer.
+    closing: CancellationToken,
+    http1: Http1,
 }
 
 impl ConnServer {
@@ -56,7 +75,13 @@ impl ConnServer {
             .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
             .max_pending_accept_reset_streams(MAX_PENDING_ACCEPT_RESET_STREAMS)
             .max_local_error_reset_streams(MAX_LOCAL_ERROR_RESET_STREAMS);
-        ConnServer { builder: Arc::new(builder), limits, draining: CancellationToken::new() }
+        ConnServer {
+            builder: Arc::new(builder),
+            limits,
+            draining: CancellationToken::new(),
+            closing: CancellationToken::new(),
+            http1: Http1::default(),
+        }
     }
 
     /// Answers HTTP/1.1 requests with `connection: close` once `token` is
@@ -67,67 +92,111 @@ impl ConnServer {
         self
     }
 
+    /// Closes idle connections, and busy ones after their current answer,
+    /// once `token` is cancelled (the end of a graceful shutdown).
+    pub fn closing_on(mut self, token: CancellationToken) -> Self {
+        self.closing = token;
+        self
+    }
+
+    /// Chooses what serves HTTP/1.1 connections.
+    pub fn http1(mut self, http1: Http1) -> Self {
+        self.http1 = http1;
+        self
+    }
+
     pub fn limits(&self) -> &ListenerLimits {
         &self.limits
+    }
+
+    /// Whether answers must carry `connection: close`.
+    pub(super) fn is_draining(&self) -> bool {
+        self.draining.is_cancelled() || self.closing.is_cancelled()
+    }
+
+    pub(super) fn closing(&self) -> &CancellationToken {
+        &self.closing
     }
 
     /// Serves one client connection on any byte stream until it closes.
     ///
     /// The client must send enough bytes to tell HTTP/1.1 from HTTP/2 within
-    /// the header timeout (hyper's own detection waits forever), after which
-    /// HTTP/1.1 request heads are bounded by hyper's header read timeout.
-    /// `watcher` lets a graceful shutdown drain the connection.
-    pub async fn serve<I>(&self, proxy: Arc<Proxy>, mut io: I, watcher: Option<Watcher>) -> Result<(), BoxError>
+    /// the header timeout (hyper's own detection waits forever), and its
+    /// first HTTP/1.1 request head within the same deadline; later heads are
+    /// bounded by the header timeout from the end of the previous answer.
+    pub async fn serve<I>(&self, proxy: Arc<Proxy>, mut io: I) -> Result<(), BoxError>
     where
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let prefix = match tokio::time::timeout(self.limits.header_timeout, sniff(&mut io)).await {
-            Ok(Ok(p)) => p,
+        let deadline = Instant::now() + self.limits.header_timeout;
+        let mut buf = BytesMut::with_capacity(FIRST_READ);
+        match tokio::time::timeout_at(deadline, sniff(&mut io, &mut buf)).await {
+            Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(e.into()),
             Err(_) => return Err("no request within the header timeout".into()),
-        };
-        if prefix.is_empty() {
+        }
+        if buf.is_empty() {
             return Ok(());
         }
-        let io = TokioIo::new(Prefixed { prefix, io });
+        let (buf, io) = if self.http1 == Http1::Native && buf[..] != *H2_PREFACE {
+            match h1::serve(self, &proxy, io, buf, deadline).await? {
+                Served::Closed => return Ok(()),
+                Served::HandOff(buf, io) => (buf, io),
+            }
+        } else {
+            (buf, io)
+        };
+        self.serve_hyper(proxy, Prefixed { prefix: buf.freeze(), io }).await
+    }
+
+    /// Serves a connection with hyper (HTTP/1.1 or HTTP/2, detected from `io`'s first bytes).
+    async fn serve_hyper<I>(&self, proxy: Arc<Proxy>, io: Prefixed<I>) -> Result<(), BoxError>
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let draining = self.draining.clone();
+        let closing = self.closing.clone();
         let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
             let proxy = proxy.clone();
-            let draining = draining.clone();
+            let (draining, closing) = (draining.clone(), closing.clone());
             async move {
                 let h1 = req.version() <= http::Version::HTTP_11 && req.method() != http::Method::CONNECT;
                 let mut resp = proxy.handle(req).await;
-                if h1 && draining.is_cancelled() && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+                let close = draining.is_cancelled() || closing.is_cancelled();
+                if h1 && close && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
                     resp.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
                 }
                 Ok::<_, Infallible>(resp)
             }
         });
-        let conn = self.builder.serve_connection_with_upgrades(io, svc);
-        match watcher {
-            Some(w) => w.watch(conn.into_owned()).await,
-            None => conn.await,
+        let conn = self.builder.serve_connection_with_upgrades(TokioIo::new(io), svc);
+        tokio::pin!(conn);
+        tokio::select! {
+            done = conn.as_mut() => return done,
+            _ = self.closing.cancelled() => {}
         }
+        conn.as_mut().graceful_shutdown();
+        conn.await
     }
 }
 
+/// The first read's buffer; it grows as a request needs.
+const FIRST_READ: usize = 8 * 1024;
+
 /// Reads until the bytes so far decide the protocol: they stop matching the
-/// HTTP/2 preface (HTTP/1.1), or they are the whole preface (HTTP/2), or EOF.
-async fn sniff<I: AsyncRead + Unpin>(io: &mut I) -> io::Result<Bytes> {
-    let mut buf = vec![0u8; H2_PREFACE.len()];
-    let mut filled = 0;
-    while filled < buf.len() {
-        let n = io.read(&mut buf[filled..]).await?;
-        if n == 0 {
+/// HTTP/2 preface (HTTP/1.1), or they hold the whole preface (HTTP/2), or
+/// EOF. Whatever a read brings beyond that stays in `buf`.
+async fn sniff<I: AsyncRead + Unpin>(io: &mut I, buf: &mut BytesMut) -> io::Result<()> {
+    while buf.len() < H2_PREFACE.len() {
+        if io.read_buf(buf).await? == 0 {
             break;
         }
-        filled += n;
-        if buf[..filled] != H2_PREFACE[..filled] {
+        let n = buf.len().min(H2_PREFACE.len());
+        if buf[..n] != H2_PREFACE[..n] {
             break;
         }
     }
-    buf.truncate(filled);
-    Ok(Bytes::from(buf))
+    Ok(())
 }
 
 /// A byte stream with bytes already read from it put back in front.
@@ -178,16 +247,22 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Prefixed<I> {
 mod tests {
     use super::*;
 
+    async fn sniffed(b: &mut tokio::io::DuplexStream) -> BytesMut {
+        let mut buf = BytesMut::new();
+        sniff(b, &mut buf).await.unwrap();
+        buf
+    }
+
     #[tokio::test]
     async fn sniff_stops_at_the_first_byte_that_is_not_the_preface() {
         let (mut a, mut b) = tokio::io::duplex(64);
         tokio::io::AsyncWriteExt::write_all(&mut a, b"GET / HTTP/1.1\r\n").await.unwrap();
-        let p = sniff(&mut b).await.unwrap();
+        let p = sniffed(&mut b).await;
         assert!(!p.is_empty() && !H2_PREFACE.starts_with(&p), "{p:?}");
         let (mut a, mut b) = tokio::io::duplex(64);
         tokio::io::AsyncWriteExt::write_all(&mut a, H2_PREFACE).await.unwrap();
-        assert_eq!(&sniff(&mut b).await.unwrap()[..], H2_PREFACE);
+        assert_eq!(&sniffed(&mut b).await[..], H2_PREFACE);
         drop(a);
-        assert!(sniff(&mut b).await.unwrap().is_empty());
+        assert!(sniffed(&mut b).await.is_empty());
     }
 }

@@ -21,6 +21,8 @@ pub struct Metrics {
     pub body_errors: IntCounterVec,
     pub config_reloads: IntCounter,
     pub config_reload_errors: IntCounter,
+    /// HTTP/1.1 requests the native path handed to the general one, by reason.
+    pub http1_handoffs: IntCounterVec,
     capacity: prometheus::GaugeVec,
     demand: prometheus::GaugeVec,
     resource_in_flight: IntGaugeVec,
@@ -65,6 +67,17 @@ impl Metrics {
             IntCounter::new("usher_proxy_config_reloads_total", "Routes files applied").expect("metric");
         let config_reload_errors =
             IntCounter::new("usher_proxy_config_reload_errors_total", "Routes files rejected").expect("metric");
+        let http1_handoffs = IntCounterVec::new(
+            Opts::new(
+                "usher_proxy_http1_handoffs_total",
+                "HTTP/1.1 connections the native path handed to the general (hyper) path, by the request that made it",
+            ),
+            &["reason"],
+        )
+        .expect("metric");
+        for reason in super::h1::why::ALL {
+            http1_handoffs.with_label_values(&[reason]);
+        }
         let capacity = prometheus::GaugeVec::new(
             Opts::new("usher_proxy_capacity", "Current capacity per resource, summed over its keys"),
             &["resource"],
@@ -99,6 +112,7 @@ impl Metrics {
             Box::new(body_errors.clone()),
             Box::new(config_reloads.clone()),
             Box::new(config_reload_errors.clone()),
+            Box::new(http1_handoffs.clone()),
             Box::new(capacity.clone()),
             Box::new(demand.clone()),
             Box::new(resource_in_flight.clone()),
@@ -117,6 +131,7 @@ impl Metrics {
             body_errors,
             config_reloads,
             config_reload_errors,
+            http1_handoffs,
             capacity,
             demand,
             resource_in_flight,

@@ -8,6 +8,7 @@
 //! requests drain until a deadline.
 
 pub mod access_log;
+mod h1;
 mod h1pool;
 pub mod lease;
 pub mod listener;
@@ -33,7 +34,6 @@ use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
-use hyper_util::server::graceful::GracefulShutdown;
 use pin_project_lite::pin_project;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -46,7 +46,7 @@ use crate::config::watch;
 use crate::error::{RunError, bind};
 use crate::limit::layer::{Admission, BoxError};
 use crate::limit::{LeaseTable, Limit, LimitLayer};
-pub use listener::ConnServer;
+pub use listener::{ConnServer, Http1};
 pub use metrics::Metrics;
 use respond::{ProxyError, error_response, is_grpc};
 use route::{Route, Routing};
@@ -67,6 +67,10 @@ pub struct ProxyArgs {
     /// Address for /metrics, /healthz, /readyz and /debug/status [default: the file's `admin`, else 127.0.0.1:15000].
     #[arg(long, env = "USHER_ADMIN_LISTEN", value_name = "ADDR")]
     pub admin_listen: Option<SocketAddr>,
+    /// What serves HTTP/1.1: `native` (usher's own request loop for everyday requests to
+    /// plain-HTTP/1.1 upstreams, hyper for the rest) or `hyper` (hyper for everything).
+    #[arg(long, env = "USHER_HTTP1", value_enum, default_value_t = Http1::Native)]
+    pub http1: Http1,
 }
 
 pub use crate::config::ConfigState;
@@ -203,12 +207,7 @@ impl Proxy {
         }
         let resolved = match self.routing.load().resolve(&req) {
             Ok(r) => r,
-            Err(e) => {
-                self.metrics.requests.with_label_values(&["_none", "no_route"]).inc();
-                let resp = respond::proxy_error(&e, grpc);
-                self.log("_none", &crate::limit::Plan::default(), "no_route", Duration::ZERO, resp.status(), arrived);
-                return resp;
-            }
+            Err(e) => return self.route_error(&e, grpc, arrived),
         };
         let route = resolved.route.clone();
         let in_flight = InFlight::new(&route.metrics.in_flight);
@@ -222,7 +221,7 @@ impl Proxy {
             Ok(resp) => {
                 let admission = resp.extensions().get::<Admission>().copied();
                 self.record_admission(&route, admission);
-                self.observe_pushback(&route.name, &keys, &resp);
+                self.observe_pushback(&route.name, &keys, resp.status(), || pushback::retry_after(resp.headers()));
                 let (outcome, waited) = match admission {
                     Some(a) if a.paced => ("paced", a.waited),
                     Some(a) => ("admitted", a.waited),
@@ -250,6 +249,14 @@ impl Proxy {
                 resp
             }
         }
+    }
+
+    /// The answer to a request routing could not place (no route, too many keys).
+    fn route_error(&self, e: &ProxyError, grpc: bool, arrived: Time) -> Response<ProxyBody> {
+        self.metrics.requests.with_label_values(&["_none", "no_route"]).inc();
+        let resp = respond::proxy_error(e, grpc);
+        self.log("_none", &crate::limit::Plan::default(), "no_route", Duration::ZERO, resp.status(), arrived);
+        resp
     }
 
     /// Appends one line to the access log, if there is one.
@@ -291,19 +298,24 @@ impl Proxy {
         });
     }
 
-    /// Feeds an upstream answer to the route's pushback state.
-    fn observe_pushback<B>(&self, route: &str, keys: &crate::limit::Plan, resp: &Response<B>) {
+    /// Feeds an upstream answer (its status and `Retry-After`) to the route's pushback state.
+    fn observe_pushback(
+        &self,
+        route: &str,
+        keys: &crate::limit::Plan,
+        status: StatusCode,
+        retry_after: impl FnOnce() -> Option<Duration>,
+    ) {
         // The common case (a success while nothing is backed off) costs one atomic load.
-        if keys.is_empty() || self.pushback.is_quiet(resp.status()) {
+        if keys.is_empty() || self.pushback.is_quiet(status) {
             return;
         }
         let cfg = self.config();
         let Some(rc) = cfg.routes.iter().find(|r| r.name == route) else { return };
         let ids: Vec<(String, f64)> = keys.items.iter().map(|(l, _)| (l.id().to_string(), l.capacity())).collect();
         let now = self.table.clock().now();
-        let retry = pushback::retry_after(resp.headers());
-        for (id, capacity) in self.pushback.on_response(&ids, resp.status(), retry, now, &rc.pushback) {
-            tracing::debug!(route, resource_id = %id, capacity, status = %resp.status(), "upstream pushback");
+        for (id, capacity) in self.pushback.on_response(&ids, status, retry_after(), now, &rc.pushback) {
+            tracing::debug!(route, resource_id = %id, capacity, %status, "upstream pushback");
             self.table.set_capacity(&id, capacity);
         }
     }
@@ -463,9 +475,21 @@ where
 /// requests for at most `drain`. At most `limits.max_connections` connections
 /// are served at once; further ones wait in the kernel's accept backlog.
 pub async fn serve(proxy: Arc<Proxy>, listener: TcpListener, shutdown: CancellationToken, drain: Duration) {
-    let server = ConnServer::new(proxy.config().limits).draining_on(shutdown.clone());
+    serve_with(proxy, listener, shutdown, drain, Http1::default()).await
+}
+
+/// [`serve`] with a choice of what serves HTTP/1.1.
+pub async fn serve_with(
+    proxy: Arc<Proxy>,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+    drain: Duration,
+    http1: Http1,
+) {
+    let closing = CancellationToken::new();
+    let server =
+        ConnServer::new(proxy.config().limits).draining_on(shutdown.clone()).closing_on(closing.clone()).http1(http1);
     let slots = Arc::new(tokio::sync::Semaphore::new(server.limits().max_connections));
-    let graceful = GracefulShutdown::new();
     let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let slot = tokio::select! {
@@ -484,11 +508,11 @@ pub async fn serve(proxy: Arc<Proxy>, listener: TcpListener, shutdown: Cancellat
             },
         };
         let _ = stream.set_nodelay(true);
-        let (server, proxy, watcher) = (server.clone(), proxy.clone(), graceful.watcher());
+        let (server, proxy) = (server.clone(), proxy.clone());
         let open = OpenConnection::new(&open);
         tokio::spawn(async move {
             let (_slot, _open) = (slot, open);
-            if let Err(e) = server.serve(proxy, stream, Some(watcher)).await {
+            if let Err(e) = server.serve(proxy, stream).await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });
@@ -503,10 +527,17 @@ pub async fn serve(proxy: Arc<Proxy>, listener: TcpListener, shutdown: Cancellat
     while open.load(std::sync::atomic::Ordering::SeqCst) > 0 && started.elapsed() < grace {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // Then idle connections close, and busy ones after their answer.
+    closing.cancel();
     let left = drain.saturating_sub(started.elapsed());
-    tokio::select! {
-        _ = graceful.shutdown() => tracing::info!("all connections drained"),
-        _ = tokio::time::sleep(left) => tracing::warn!(?drain, "drain deadline passed; closing remaining connections"),
+    let drained = async {
+        while open.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    match tokio::time::timeout(left, drained).await {
+        Ok(()) => tracing::info!("all connections drained"),
+        Err(_) => tracing::warn!(?drain, "drain deadline passed; closing remaining connections"),
     }
 }
 
@@ -564,7 +595,7 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     let _ = proxy.lease.set(client);
     tracing::info!(listen = %listen_addr, admin = %admin_addr, routes_file = %source, routes, resources, "usher proxy listening");
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(proxy.clone()), shutdown.clone()));
-    serve(proxy, listener, shutdown.clone(), drain).await;
+    serve_with(proxy, listener, shutdown.clone(), drain, args.http1).await;
     shutdown.cancel();
     lease_shutdown.cancel();
     let _ = tokio::join!(reloader, admin_task, lease_task);

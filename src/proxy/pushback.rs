@@ -202,7 +202,12 @@ impl Pushback {
 
 /// Parses `Retry-After` as seconds (HTTP dates are ignored: no clock agreement is assumed).
 pub fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
-    let v = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim();
+    retry_after_value(headers.get(http::header::RETRY_AFTER)?.as_bytes())
+}
+
+/// A `Retry-After` value in whole seconds (an HTTP date is not used), at most an hour.
+pub fn retry_after_value(v: &[u8]) -> Option<Duration> {
+    let v = std::str::from_utf8(v).ok()?.trim();
     v.parse::<u64>().ok().map(|s| Duration::from_secs(s.min(3600)))
 }
 

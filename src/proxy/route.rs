@@ -138,8 +138,8 @@ impl Routing {
 
     /// Resolves a request to its route, target and plan.
     pub fn resolve<B>(&self, req: &Request<B>) -> Result<Resolved, ProxyError> {
-        let host = request_host(req);
         if req.method() == Method::CONNECT {
+            let host = request_host(req);
             let authority = req.uri().authority().map(|a| a.to_string()).unwrap_or_default();
             // CONNECT goes only to hosts a route names, whatever the default.
             let route = self
@@ -149,7 +149,13 @@ impl Routing {
                 .ok_or_else(|| ProxyError::ConnectDenied { authority, host: host.to_string() })?;
             return resolved(route, req, &host, Target::Direct(self.direct.clone()));
         }
-        let path = req.uri().path();
+        self.resolve_view(req)
+    }
+
+    /// Resolves a request other than CONNECT, seen through [`RequestView`].
+    pub fn resolve_view<R: RequestView>(&self, req: &R) -> Result<Resolved, ProxyError> {
+        let host = request_host(req);
+        let path = req.path();
         match self.routes.iter().find(|r| matches(&r.matcher, req, &host, path)) {
             Some(route) => {
                 let target = match &route.upstream {
@@ -172,7 +178,37 @@ impl Routing {
     }
 }
 
-fn resolved<B>(route: &Arc<Route>, req: &Request<B>, host: &str, target: Target) -> Result<Resolved, ProxyError> {
+/// What routing reads of a request: implemented for [`http::Request`] (the
+/// general path) and for the native HTTP/1.1 path's parsed request head,
+/// which routes without building a header map.
+pub trait RequestView {
+    fn method(&self) -> &Method;
+    /// The host of an absolute-form target, if the request has one.
+    fn uri_host(&self) -> Option<&str>;
+    fn path(&self) -> &str;
+    /// The first value of the header `name` (lower-case).
+    fn header(&self, name: &str) -> Option<&[u8]>;
+}
+
+impl<B> RequestView for Request<B> {
+    fn method(&self) -> &Method {
+        self.method()
+    }
+
+    fn uri_host(&self) -> Option<&str> {
+        self.uri().host()
+    }
+
+    fn path(&self) -> &str {
+        self.uri().path()
+    }
+
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers().get(name).map(|v| v.as_bytes())
+    }
+}
+
+fn resolved<R: RequestView>(route: &Arc<Route>, req: &R, host: &str, target: Target) -> Result<Resolved, ProxyError> {
     let mut items = Vec::with_capacity(route.resources.len());
     for r in &route.resources {
         let limiter = if r.template.is_fixed() {
@@ -188,9 +224,8 @@ fn resolved<B>(route: &Arc<Route>, req: &Request<B>, host: &str, target: Target)
 }
 
 /// The request's host, lower-case, without port: from the URI, else the Host header.
-pub fn request_host<B>(req: &Request<B>) -> Cow<'_, str> {
-    let raw =
-        req.uri().host().or_else(|| req.headers().get(header::HOST).and_then(|h| h.to_str().ok())).unwrap_or_default();
+pub fn request_host<R: RequestView>(req: &R) -> Cow<'_, str> {
+    let raw = req.uri_host().or_else(|| req.header(header::HOST.as_str()).and_then(visible_ascii)).unwrap_or_default();
     let host = match raw.strip_prefix('[') {
         Some(v6) => v6.split(']').next().unwrap_or_default(),
         None => raw.rsplit_once(':').map_or(raw, |(h, _)| h),
@@ -202,6 +237,11 @@ pub fn request_host<B>(req: &Request<B>) -> Cow<'_, str> {
     }
 }
 
+/// A header value as text when it is visible ASCII (what `HeaderValue::to_str` accepts).
+fn visible_ascii(v: &[u8]) -> Option<&str> {
+    v.iter().all(|&b| b == b'\t' || (0x20..0x7f).contains(&b)).then(|| std::str::from_utf8(v).ok()).flatten()
+}
+
 fn host_matches(pattern: &str, host: &str) -> bool {
     match pattern.strip_prefix("*.") {
         Some(suffix) => {
@@ -211,31 +251,27 @@ fn host_matches(pattern: &str, host: &str) -> bool {
     }
 }
 
-fn matches<B>(m: &Match, req: &Request<B>, host: &str, path: &str) -> bool {
+fn matches<R: RequestView>(m: &Match, req: &R, host: &str, path: &str) -> bool {
     m.host.as_deref().is_none_or(|h| host_matches(h, host))
         && m.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
         && (m.methods.is_empty() || m.methods.contains(req.method()))
-        && m.headers.iter().all(|(name, value)| match (req.headers().get(name), value) {
+        && m.headers.iter().all(|(name, value)| match (req.header(name.as_str()), value) {
             (None, _) => false,
             (Some(_), None) => true,
-            (Some(got), Some(want)) => got.as_bytes() == want.as_bytes(),
+            (Some(got), Some(want)) => got == want.as_bytes(),
         })
 }
 
 /// Renders a templated resource id for one request.
-fn render<B>(t: &IdTemplate, req: &Request<B>, host: &str) -> String {
+fn render<R: RequestView>(t: &IdTemplate, req: &R, host: &str) -> String {
     let mut out = String::new();
     for s in &t.segments {
         match s {
             Segment::Literal(l) => out.push_str(l),
             Segment::Host => out.push_str(host),
             Segment::Method => out.push_str(req.method().as_str()),
-            Segment::Path(n) => {
-                out.push_str(req.uri().path().split('/').filter(|p| !p.is_empty()).nth(n - 1).unwrap_or(""))
-            }
-            Segment::Header(h) => {
-                out.push_str(&String::from_utf8_lossy(req.headers().get(h.as_str()).map_or(&b""[..], |v| v.as_bytes())))
-            }
+            Segment::Path(n) => out.push_str(req.path().split('/').filter(|p| !p.is_empty()).nth(n - 1).unwrap_or("")),
+            Segment::Header(h) => out.push_str(&String::from_utf8_lossy(req.header(h).unwrap_or_default())),
         }
     }
     out

@@ -102,9 +102,11 @@ pub struct Upstream {
     /// `usher_proxy_upstream_seconds` for this upstream, looked up on first use.
     seconds: std::sync::OnceLock<prometheus::Histogram>,
     /// The Host field of a plain-HTTP/1.1 upstream: its host, and its port unless 80.
-    host: Option<HeaderValue>,
+    pub(super) host: Option<HeaderValue>,
     /// A plain-HTTP/1.1 upstream's own pool, used instead of `client`.
     pool: Option<Arc<H1Pool>>,
+    /// A plain-HTTP/1.1 upstream's connections for the native path.
+    pub(super) native: Option<super::h1::Native>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -152,14 +154,16 @@ impl Upstream {
                 HeaderValue::from_str(&value).ok()
             })
             .flatten();
-        let pool = match (&host, config.url.host()) {
-            (Some(_), Some(h)) => {
-                let addr = format!("{h}:{}", config.url.port_u16().unwrap_or(80));
-                Some(H1Pool::new(addr, config.connect_timeout, POOL_IDLE_TIMEOUT))
-            }
+        let addr = match (&host, config.url.host()) {
+            (Some(_), Some(h)) => Some(format!("{h}:{}", config.url.port_u16().unwrap_or(80))),
             _ => None,
         };
-        Ok(Upstream { config, client, seconds: Default::default(), host, pool })
+        let pool = addr.clone().map(|a| H1Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT));
+        let native = addr.map(|a| super::h1::Native {
+            pool: super::h1::Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT),
+            prefix: config.url.path().trim_end_matches('/').to_string(),
+        });
+        Ok(Upstream { config, client, seconds: Default::default(), host, pool, native })
     }
 
     /// A client for origins named by the request itself (passthrough).
@@ -173,7 +177,7 @@ impl Upstream {
             h2c: false,
         };
         let client = client(roots.clone(), config.connect_timeout, false)?;
-        Ok(Upstream { config, client, seconds: Default::default(), host: None, pool: None })
+        Ok(Upstream { config, client, seconds: Default::default(), host: None, pool: None, native: None })
     }
 
     pub fn name(&self) -> &str {
@@ -409,7 +413,7 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
     Ok(finish(resp.map(UpstreamBody::Shared), client_upgrade))
 }
 
-fn observe(up: &Upstream, metrics: &Metrics, started: tokio::time::Instant) {
+pub(super) fn observe(up: &Upstream, metrics: &Metrics, started: tokio::time::Instant) {
     up.seconds
         .get_or_init(|| metrics.upstream_seconds.with_label_values(&[up.name()]))
         .observe(started.elapsed().as_secs_f64());
