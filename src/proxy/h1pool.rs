@@ -127,17 +127,27 @@ impl H1Pool {
     }
 }
 
-/// Closes connections idle for longer than `idle_timeout` (looked at three
-/// times per timeout, so none outlives it by more than a third), until the
-/// pool is gone.
+/// Closes connections idle for longer than `idle_timeout`, until the pool is gone.
 fn spawn_reaper(pool: Weak<H1Pool>, idle_timeout: Duration) {
+    every_third_of(idle_timeout, pool, move |pool| {
+        pool.idle.lock().expect("pool lock").retain(|(s, since)| since.elapsed() < idle_timeout && !s.is_closed());
+    });
+}
+
+/// Runs `sweep` on a pool three times per `idle_timeout` (so no connection
+/// outlives it by more than a third) until the pool is gone.
+pub(super) fn every_third_of<P: Send + Sync + 'static>(
+    idle_timeout: Duration,
+    pool: Weak<P>,
+    sweep: impl Fn(&P) + Send + 'static,
+) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(idle_timeout / 3);
         tick.tick().await;
         loop {
             tick.tick().await;
             let Some(pool) = pool.upgrade() else { return };
-            pool.idle.lock().expect("pool lock").retain(|(s, since)| since.elapsed() < idle_timeout && !s.is_closed());
+            sweep(&pool);
         }
     });
 }

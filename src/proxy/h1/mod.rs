@@ -98,8 +98,19 @@ enum Step {
     },
     HandOff(&'static str),
     Exchange(Exchange),
-    /// Answered without the upstream (no route): the response, and whether the client asked to close.
-    Answer(Box<Response<ProxyBody>>, usize, bool),
+    /// Answered without the upstream (no route).
+    Answer(Box<Answer>),
+}
+
+/// A response usher makes itself, and how to send it.
+struct Answer {
+    resp: Response<ProxyBody>,
+    /// Bytes of the client's buffer the request took.
+    consumed: usize,
+    /// The client asked to close after this exchange.
+    close: bool,
+    /// The request was HEAD: the answer has no body.
+    head_request: bool,
 }
 
 /// Serves a client connection whose first bytes (`buf`) are not HTTP/2,
@@ -136,19 +147,16 @@ where
                 let idle = buf.is_empty();
                 buf.reserve(READ_CHUNK);
                 let read = io.read_buf(&mut buf);
-                let got = if head_complete {
-                    // A body's bytes have no deadline, as on the general path.
-                    read.await
-                } else {
-                    tokio::select! {
-                        biased;
-                        // Shutting down: an idle connection closes; a half-read head is finished.
-                        _ = server.closing().cancelled(), if idle => return Ok(Served::Closed),
-                        r = tokio::time::timeout_at(deadline, read) => match r {
-                            Ok(r) => r,
-                            Err(_) => return Err("no complete request head within the header timeout".into()),
-                        },
-                    }
+                // The (small) body the native path waits for counts against the same deadline.
+                let got = tokio::select! {
+                    biased;
+                    // Shutting down: an idle connection closes; a half-read request is finished.
+                    _ = server.closing().cancelled(), if idle => return Ok(Served::Closed),
+                    r = tokio::time::timeout_at(deadline, read) => match r {
+                        Ok(r) => r,
+                        Err(_) if head_complete => return Err("request body not received within the header timeout".into()),
+                        Err(_) => return Err("no complete request head within the header timeout".into()),
+                    },
                 };
                 match got {
                     Ok(0) if buf.is_empty() => return Ok(Served::Closed),
@@ -157,9 +165,10 @@ where
                     Err(e) => return Err(e.into()),
                 }
             }
-            Step::Answer(resp, consumed, close) => {
+            Step::Answer(answer) => {
+                let Answer { resp, consumed, close, head_request } = *answer;
                 buf.advance(consumed);
-                if !write_generated(server, &mut io, *resp, close, &mut bufs.out).await? {
+                if !write_generated(server, &mut io, resp, close, head_request, &mut bufs.out).await? {
                     let _ = io.shutdown().await;
                     return Ok(Served::Closed);
                 }
@@ -181,25 +190,27 @@ where
 /// the general path must serve it.
 fn prepare(proxy: &Proxy, h: &head::Head<'_>, buf: &[u8], req: &mut Vec<u8>) -> Step {
     let consumed = h.head_len + h.body_len;
+    let head_request = h.method == http::Method::HEAD;
     let resolved = match proxy.routing.load().resolve_view(h) {
         Ok(r) => r,
         Err(e) => {
             let resp = proxy.route_error(&e, false, proxy.table.clock().now());
-            return Step::Answer(Box::new(resp), consumed, h.close);
+            return Step::Answer(Box::new(Answer { resp, consumed, close: h.close, head_request }));
         }
     };
-    let Target::Upstream(up) = &resolved.target else { return Step::HandOff(why::UPSTREAM) };
-    let Some(native) = &up.native else { return Step::HandOff(why::UPSTREAM) };
+    let Target::Upstream(upstream) = resolved.target else { return Step::HandOff(why::UPSTREAM) };
+    let Some(native) = &upstream.native else { return Step::HandOff(why::UPSTREAM) };
     req.clear();
-    let host = up.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
+    let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
     h.encode(&native.prefix, host, &buf[h.head_len..consumed], req);
+    let pool = native.pool.clone();
     Step::Exchange(Exchange {
         route: resolved.route,
         plan: resolved.plan,
-        upstream: up.clone(),
-        pool: native.pool.clone(),
+        upstream,
+        pool,
         consumed,
-        head_request: h.method == http::Method::HEAD,
+        head_request,
         idempotent: h.idempotent(),
         close: h.close,
     })
@@ -235,7 +246,7 @@ where
                 proxy.record_refusal(route, &refused);
                 let resp = respond::refused(&refused, false);
                 proxy.log(&route.name, &ex.plan, "refused", refused.waited, resp.status(), arrived);
-                return write_generated(server, io, resp, ex.close, &mut bufs.out).await;
+                return write_generated(server, io, resp, ex.close, ex.head_request, &mut bufs.out).await;
             }
             Some(Ok(a)) => Some(a),
         }
@@ -262,7 +273,7 @@ where
             tracing::debug!(route = %route.name, error = %err, "upstream error");
             let resp = respond::proxy_error(&err, false);
             proxy.log(&route.name, &ex.plan, "upstream_error", Duration::ZERO, resp.status(), arrived);
-            return write_generated(server, io, resp, ex.close, &mut bufs.out).await;
+            return write_generated(server, io, resp, ex.close, ex.head_request, &mut bufs.out).await;
         }
     };
     proxy.observe_pushback(&route.name, &ex.plan, head.status, || head.retry_after);
@@ -476,13 +487,14 @@ async fn send<I: AsyncWrite + Unpin>(io: &mut I, out: &mut Vec<u8>) -> Result<()
     Ok(())
 }
 
-/// Writes a response usher made itself (a refusal, an error); returns
-/// whether the connection stays open.
+/// Writes a response usher made itself (a refusal, an error), without its
+/// body to a HEAD request; returns whether the connection stays open.
 async fn write_generated<I: AsyncWrite + Unpin>(
     server: &ConnServer,
     io: &mut I,
     resp: Response<ProxyBody>,
     close: bool,
+    head_request: bool,
     out: &mut Vec<u8>,
 ) -> Result<bool, BoxError> {
     let close = close || server.is_draining();
@@ -503,7 +515,9 @@ async fn write_generated<I: AsyncWrite + Unpin>(
         out.extend_from_slice(b"connection: close\r\n");
     }
     out.extend_from_slice(b"\r\n");
-    out.extend_from_slice(&body);
+    if !head_request {
+        out.extend_from_slice(&body);
+    }
     io.write_all(out).await?;
     io.flush().await?;
     out.clear();

@@ -90,16 +90,10 @@ fn quiet(stream: &TcpStream) -> bool {
 }
 
 /// Closes connections idle for longer than `idle_timeout`, or closed by the
-/// upstream, three times per timeout, until the pool is gone.
+/// upstream, until the pool is gone.
 fn spawn_reaper(pool: Weak<Pool>, idle_timeout: Duration) {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(idle_timeout / 3);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            let Some(pool) = pool.upgrade() else { return };
-            pool.idle.lock().expect("pool lock").retain(|(s, since)| since.elapsed() < idle_timeout && quiet(s));
-        }
+    crate::proxy::h1pool::every_third_of(idle_timeout, pool, move |pool| {
+        pool.idle.lock().expect("pool lock").retain(|(s, since)| since.elapsed() < idle_timeout && quiet(s));
     });
 }
 
