@@ -23,6 +23,9 @@ pub struct Route {
     upstream: Option<Arc<Upstream>>,
     pub resources: Vec<RouteResource>,
     pub metrics: RouteMetrics,
+    /// The plan of a route whose resource ids are all fixed: the same for
+    /// every request, so built on the first one.
+    fixed_plan: Option<OnceLock<Plan>>,
 }
 
 impl std::fmt::Debug for Route {
@@ -39,6 +42,13 @@ pub struct RouteResource {
     /// The limiter of a fixed id, found on the first request (fixed keys are never forgotten).
     fixed: OnceLock<Arc<Limiter>>,
     pub metrics: ResourceMetrics,
+}
+
+impl RouteResource {
+    /// The limiter of a resource whose id is fixed.
+    fn fixed_limiter(&self) -> Arc<Limiter> {
+        self.fixed.get_or_init(|| self.limits.limiter(&self.template.text)).clone()
+    }
 }
 
 /// Where a request goes and what it must be admitted by.
@@ -123,6 +133,11 @@ impl Routing {
                         })
                         .collect(),
                     metrics: metrics.route(&r.name),
+                    fixed_plan: r
+                        .resources
+                        .iter()
+                        .all(|(name, _)| cfg.resources.get(name).is_some_and(|res| res.id.is_fixed()))
+                        .then(OnceLock::new),
                 })
             })
             .collect();
@@ -132,6 +147,7 @@ impl Routing {
             upstream: None,
             resources: Vec::new(),
             metrics: metrics.route(PASSTHROUGH),
+            fixed_plan: None,
         });
         Routing { routes, passthrough, default: cfg.default, direct }
     }
@@ -209,10 +225,15 @@ impl<B> RequestView for Request<B> {
 }
 
 fn resolved<R: RequestView>(route: &Arc<Route>, req: &R, host: &str, target: Target) -> Result<Resolved, ProxyError> {
+    if let Some(fixed) = &route.fixed_plan {
+        let plan =
+            fixed.get_or_init(|| Plan::new(route.resources.iter().map(|r| (r.fixed_limiter(), r.cost)).collect()));
+        return Ok(Resolved { route: route.clone(), plan: plan.clone(), target });
+    }
     let mut items = Vec::with_capacity(route.resources.len());
     for r in &route.resources {
         let limiter = if r.template.is_fixed() {
-            r.fixed.get_or_init(|| r.limits.limiter(&r.template.text)).clone()
+            r.fixed_limiter()
         } else {
             r.limits
                 .try_limiter(&render(&r.template, req, host))

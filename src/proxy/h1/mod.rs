@@ -31,7 +31,9 @@ mod response;
 
 use std::future::Future;
 use std::mem::MaybeUninit;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
@@ -39,7 +41,8 @@ use http::Response;
 use http_body_util::BodyExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::WaitForCancellationFutureOwned;
 
 pub use head::why;
 pub use pool::Pool;
@@ -76,6 +79,53 @@ struct Buffers {
     up: BytesMut,
     /// Bytes for the client.
     out: Vec<u8>,
+}
+
+/// A deadline that moves with every request but whose timer is re-armed
+/// only when it fires before the deadline (nginx's lazy timers): one timer
+/// registration per timeout period on a busy connection, not two per request.
+struct Lazy {
+    sleep: Pin<Box<Sleep>>,
+    deadline: Instant,
+}
+
+impl Lazy {
+    fn new(deadline: Instant) -> Self {
+        Lazy { sleep: Box::pin(tokio::time::sleep_until(deadline)), deadline }
+    }
+
+    /// Moves the deadline; the timer is touched only if it must fire sooner.
+    fn set(&mut self, deadline: Instant) {
+        self.deadline = deadline;
+        if deadline < self.sleep.deadline() {
+            self.sleep.as_mut().reset(deadline);
+        }
+    }
+
+    /// Completes once the deadline has passed.
+    async fn expired(&mut self) {
+        std::future::poll_fn(|cx| {
+            while self.sleep.as_mut().poll(cx).is_ready() {
+                if self.sleep.deadline() >= self.deadline {
+                    return Poll::Ready(());
+                }
+                let deadline = self.deadline;
+                self.sleep.as_mut().reset(deadline);
+            }
+            Poll::Pending
+        })
+        .await
+    }
+}
+
+/// One connection's timers and its shutdown signal, kept across requests.
+struct Timers {
+    /// The next request head (and its small body) must be in by then.
+    head: Lazy,
+    /// The upstream's response head must be in by then.
+    upstream: Lazy,
+    /// Shutdown's end: idle connections close.
+    closing: Pin<Box<WaitForCancellationFutureOwned>>,
 }
 
 /// A routed request, ready to be admitted and forwarded.
@@ -121,13 +171,18 @@ pub async fn serve<I>(
     proxy: &Arc<Proxy>,
     mut io: I,
     mut buf: BytesMut,
-    mut deadline: Instant,
+    deadline: Instant,
 ) -> Result<Served<I>, BoxError>
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
     let limits = *server.limits();
     let mut bufs = Buffers::default();
+    let mut timers = Timers {
+        head: Lazy::new(deadline),
+        upstream: Lazy::new(deadline),
+        closing: Box::pin(server.closing().clone().cancelled_owned()),
+    };
     loop {
         let step = {
             let mut storage = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; head::MAX_HEADERS];
@@ -151,12 +206,15 @@ where
                 let got = tokio::select! {
                     biased;
                     // Shutting down: an idle connection closes; a half-read request is finished.
-                    _ = server.closing().cancelled(), if idle => return Ok(Served::Closed),
-                    r = tokio::time::timeout_at(deadline, read) => match r {
-                        Ok(r) => r,
-                        Err(_) if head_complete => return Err("request body not received within the header timeout".into()),
-                        Err(_) => return Err("no complete request head within the header timeout".into()),
-                    },
+                    () = timers.closing.as_mut(), if idle => return Ok(Served::Closed),
+                    r = read => r,
+                    () = timers.head.expired() => {
+                        return Err(if head_complete {
+                            "request body not received within the header timeout".into()
+                        } else {
+                            "no complete request head within the header timeout".into()
+                        });
+                    }
                 };
                 match got {
                     Ok(0) if buf.is_empty() => return Ok(Served::Closed),
@@ -172,15 +230,15 @@ where
                     let _ = io.shutdown().await;
                     return Ok(Served::Closed);
                 }
-                deadline = Instant::now() + limits.header_timeout;
+                timers.head.set(Instant::now() + limits.header_timeout);
             }
             Step::Exchange(ex) => {
                 buf.advance(ex.consumed);
-                if !exchange(server, proxy, &mut io, &mut buf, &mut bufs, ex).await? {
+                if !exchange(server, proxy, &mut io, &mut buf, &mut bufs, &mut timers.upstream, ex).await? {
                     let _ = io.shutdown().await;
                     return Ok(Served::Closed);
                 }
-                deadline = Instant::now() + limits.header_timeout;
+                timers.head.set(Instant::now() + limits.header_timeout);
             }
         }
     }
@@ -224,6 +282,7 @@ async fn exchange<I>(
     io: &mut I,
     buf: &mut BytesMut,
     bufs: &mut Buffers,
+    deadline: &mut Lazy,
     ex: Exchange,
 ) -> Result<bool, BoxError>
 where
@@ -256,19 +315,24 @@ where
 
     let started = Instant::now();
     let timeout = ex.upstream.config.timeout;
-    let sent =
-        watching(io, buf, room, tokio::time::timeout(timeout, roundtrip(&ex, &bufs.req, &mut bufs.up, &mut bufs.out)))
-            .await;
+    deadline.set(started + timeout);
+    let answered = async {
+        tokio::select! {
+            biased;
+            r = roundtrip(&ex, &bufs.req, &mut bufs.up, &mut bufs.out) => Some(r),
+            () = deadline.expired() => None,
+        }
+    };
+    let sent = watching(io, buf, room, answered).await;
     upstream::observe(&ex.upstream, &proxy.metrics, started);
-    let (stream, head) = match sent {
+    let answer = match sent {
         None => return Ok(false),
-        Some(Ok(Ok(got))) => got,
-        Some(failed) => {
-            let err = match failed {
-                Err(_) => ProxyError::UpstreamTimeout { upstream: ex.upstream.name().to_string(), after: timeout },
-                Ok(Err(e)) => e,
-                Ok(Ok(_)) => unreachable!("matched above"),
-            };
+        Some(Some(answer)) => answer,
+        Some(None) => Err(ProxyError::UpstreamTimeout { upstream: ex.upstream.name().to_string(), after: timeout }),
+    };
+    let (stream, head) = match answer {
+        Ok(got) => got,
+        Err(err) => {
             route.metrics.upstream_error.inc();
             tracing::debug!(route = %route.name, error = %err, "upstream error");
             let resp = respond::proxy_error(&err, false);
