@@ -20,7 +20,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use usher::clock::{Clock, Time};
 use usher::config::routes::RoutesConfig;
-use usher::proxy::{Proxy, serve};
+use usher::proxy::{Http1, Proxy, serve_with};
 
 // === the recording upstream ===
 
@@ -279,6 +279,19 @@ fn corpus() -> Vec<(&'static str, Vec<u8>, Expect)> {
         ),
         ("content-length with space before colon", c(&format!("{h}Content-Length : 5\r\n\r\nhello")), Expect::Reject),
         ("content-length with a vertical tab", c(&format!("{h}Content-Length:\x0b5\r\n\r\nhello")), Expect::Reject),
+        // Content-Length named hop-by-hop by Connection: the body must stay framed.
+        (
+            "connection names content-length",
+            c(&format!("{h}Connection: content-length\r\nContent-Length: 5\r\n\r\nhello")),
+            Expect::Forward(HELLO),
+        ),
+        (
+            "connection names content-length, request hidden in the body",
+            c(&format!(
+                "{h}Connection: keep-alive, Content-Length\r\nContent-Length: 42\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: api.test\r\n\r\n"
+            )),
+            Expect::Forward(&[("POST", "/x", "GET /smuggled HTTP/1.1\r\nHost: api.test\r\n\r\n")]),
+        ),
         // Transfer-Encoding
         (
             "valid chunked",
@@ -462,7 +475,7 @@ fn corpus() -> Vec<(&'static str, Vec<u8>, Expect)> {
 
 // === the test ===
 
-async fn sidecar(upstream: SocketAddr) -> (SocketAddr, CancellationToken) {
+async fn sidecar(upstream: SocketAddr, http1: Http1) -> (SocketAddr, CancellationToken) {
     let yaml = format!(
         "limits: {{ header_timeout: 1s }}\n\
          upstreams:\n  up: {{ url: \"http://{upstream}\" }}\n\
@@ -474,7 +487,7 @@ async fn sidecar(upstream: SocketAddr) -> (SocketAddr, CancellationToken) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
-    tokio::spawn(serve(proxy, listener, stop.clone(), Duration::from_secs(1)));
+    tokio::spawn(serve_with(proxy, listener, stop.clone(), Duration::from_secs(1), http1));
     (addr, stop)
 }
 
@@ -534,16 +547,19 @@ async fn settle(rec: &Recorder) {
 }
 
 /// Checks one case; `Err` describes what went wrong.
-async fn run_case(name: &'static str, raw: Vec<u8>, expect: Expect) -> Result<(), String> {
+async fn run_case(name: &'static str, raw: Vec<u8>, expect: Expect, http1: Http1) -> Result<(), String> {
     let rec = Recorder::start().await;
-    let (addr, stop) = sidecar(rec.addr).await;
+    let (addr, stop) = sidecar(rec.addr, http1).await;
     let (statuses, text) = exchange(addr, &raw).await;
     settle(&rec).await;
     stop.cancel();
     let r = rec.record.lock().unwrap();
     let upstream_raw: Vec<String> = r.raw.iter().map(|b| show(b)).collect();
     let ctx = || {
-        format!("{name}: client got {statuses:?} ({text:?}); upstream got {upstream_raw:?}; problems {:?}", r.problems)
+        format!(
+            "{name} ({http1:?}): client got {statuses:?} ({text:?}); upstream got {upstream_raw:?}; problems {:?}",
+            r.problems
+        )
     };
     let cut_off = |p: &String| p.starts_with("connection closed inside a request");
     if !r.problems.iter().all(|p| matches!(expect, Expect::RejectBody) && cut_off(p)) {
@@ -570,14 +586,17 @@ async fn run_case(name: &'static str, raw: Vec<u8>, expect: Expect) -> Result<()
     if ok { Ok(()) } else { Err(format!("expected {expect:?}; {}", ctx())) }
 }
 
+/// Every input through both HTTP/1.1 engines: the native path (and hyper,
+/// where it hands a request over) and hyper alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ambiguous_framing_is_refused_or_forwarded_exactly() {
-    let cases = corpus();
-    let total = cases.len();
     let mut tasks = Vec::new();
-    for (name, raw, expect) in cases {
-        tasks.push(tokio::spawn(run_case(name, raw, expect)));
+    for http1 in [Http1::Native, Http1::Hyper] {
+        for (name, raw, expect) in corpus() {
+            tasks.push(tokio::spawn(run_case(name, raw, expect, http1)));
+        }
     }
+    let total = tasks.len();
     let mut failures = Vec::new();
     for t in tasks {
         if let Err(e) = tokio::time::timeout(Duration::from_secs(60), t).await.expect("case finished").unwrap() {

@@ -205,9 +205,10 @@ impl Head<'_> {
         push_field(out, b"host", host);
         let named = &self.connection[..self.connections];
         for h in self.headers {
+            // Content-Length frames the body sent below: it stays, whatever Connection names.
             let skip = (h.name.len() == 4 && eq_name(h.name, "host"))
                 || hop_by_hop(h.name)
-                || named.iter().any(|c| list_has(c, h.name.as_bytes()));
+                || (!eq_name(h.name, "content-length") && named.iter().any(|c| list_has(c, h.name.as_bytes())));
             if !skip {
                 push_field(out, h.name.as_bytes(), h.value);
             }
@@ -285,3 +286,6 @@ pub fn list_has(list: &[u8], token: &[u8]) -> bool {
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
+
+#[cfg(test)]
+mod tests;

@@ -86,11 +86,18 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>) -> Result<Parsed
     let mut chunked = None::<bool>;
     let mut length = None::<u64>;
     let mut close = !http11;
-    let mut has_date = false;
     let mut retry_after = None;
+    // The Connection fields' values (nearly always at most one) name more hop-by-hop fields.
+    let mut connection = [&b""[..]; 4];
+    let mut connections = 0;
+    let mut more_connection = Vec::new();
     for h in headers.iter() {
         let v = h.value;
         if eq_name(h.name, "transfer-encoding") {
+            if !http11 {
+                // As hyper's client: HTTP/1.0 has no transfer codings.
+                return Err("invalid HTTP response: transfer-encoding in an HTTP/1.0 response".into());
+            }
             // Only `chunked` is understood; a coding before it (gzip, chunked)
             // would reach the client undeclared once the field is dropped.
             let all_chunked = tokens(v).all(|t| t.eq_ignore_ascii_case(b"chunked"));
@@ -106,8 +113,13 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>) -> Result<Parsed
             }
         } else if eq_name(h.name, "connection") {
             close |= list_has(v, b"close");
-        } else if eq_name(h.name, "date") {
-            has_date = true;
+            match connection.get_mut(connections) {
+                Some(slot) => {
+                    *slot = v;
+                    connections += 1;
+                }
+                None => more_connection.push(v),
+            }
         } else if eq_name(h.name, "retry-after") {
             retry_after = crate::proxy::pushback::retry_after_value(v);
         }
@@ -131,15 +143,18 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>) -> Result<Parsed
         _ => out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes()),
     }
     out.extend_from_slice(b"\r\n");
-    let connection: Vec<&[u8]> = headers.iter().filter(|h| eq_name(h.name, "connection")).map(|h| h.value).collect();
+    let mut has_date = false;
+    let named =
+        |name: &str| connection[..connections].iter().chain(&more_connection).any(|c| list_has(c, name.as_bytes()));
     for h in headers.iter() {
         let keep = if eq_name(h.name, "content-length") {
             // Kept as sent where there is no body to measure (HEAD, 304).
             framing == Framing::Empty && status != StatusCode::NO_CONTENT
         } else {
-            !super::head::hop_by_hop(h.name) && !connection.iter().any(|c| list_has(c, h.name.as_bytes()))
+            !super::head::hop_by_hop(h.name) && !named(h.name)
         };
         if keep {
+            has_date |= eq_name(h.name, "date");
             push_field(out, h.name.as_bytes(), h.value);
         }
     }
@@ -214,19 +229,21 @@ enum State {
 /// of usher's own: extensions and trailers are dropped, as hyper drops them
 /// for a client that did not ask for trailers. Accepts exactly what hyper's
 /// decoder accepts: CRLF line ends, hexadecimal sizes without overflow,
-/// bounded extensions and trailers.
+/// bounded extensions, and a trailer section that is a valid field section
+/// of at most 100 lines and 16 KiB (counted as hyper counts it).
 #[derive(Debug)]
 pub struct Dechunker {
     state: State,
     size: u64,
     extensions: u64,
-    trailer_bytes: usize,
+    /// The trailer section as received, line ends included, for the final check.
+    trailer: Vec<u8>,
     trailers: usize,
 }
 
 impl Default for Dechunker {
     fn default() -> Self {
-        Dechunker { state: State::Start, size: 0, extensions: 0, trailer_bytes: 0, trailers: 0 }
+        Dechunker { state: State::Start, size: 0, extensions: 0, trailer: Vec::new(), trailers: 0 }
     }
 }
 
@@ -278,29 +295,32 @@ impl Dechunker {
                 (State::SizeLf, b'\n') => State::Body,
                 (State::SizeLf, _) => return Err("invalid chunk size line: CR without LF"),
                 (State::BodyCr, b'\r') => State::BodyLf,
-                (State::BodyCr, _) => return Err("chunk data longer than its size"),
+                (State::BodyCr, _) => return Err("chunk data longer than its size, or its CRLF missing"),
                 (State::BodyLf, b'\n') => {
                     self.size = 0;
                     State::Start
                 }
                 (State::BodyLf, _) => return Err("invalid chunk data end: CR without LF"),
-                (State::EndCr, b'\r') => State::EndLf,
+                (State::EndCr, b'\r') => {
+                    self.keep_trailer(b, false)?;
+                    State::EndLf
+                }
                 (State::EndCr | State::Trailer, b) => {
-                    self.trailer_bytes += 1;
-                    if self.trailer_bytes > TRAILER_LIMIT {
-                        return Err("chunk trailers over the limit");
-                    }
+                    self.keep_trailer(b, true)?;
                     if b == b'\r' { State::TrailerLf } else { State::Trailer }
                 }
                 (State::TrailerLf, b'\n') => {
-                    self.trailers += 1;
-                    if self.trailers > TRAILER_COUNT {
+                    if self.trailers >= TRAILER_COUNT {
                         return Err("too many chunk trailers");
                     }
+                    self.trailers += 1;
+                    self.keep_trailer(b, false)?;
                     State::EndCr
                 }
                 (State::TrailerLf, _) => return Err("invalid trailer line end"),
                 (State::EndLf, b'\n') => {
+                    self.keep_trailer(b, false)?;
+                    self.check_trailers()?;
                     out.extend_from_slice(b"0\r\n\r\n");
                     State::Done
                 }
@@ -309,6 +329,32 @@ impl Dechunker {
             };
         }
         Ok(i)
+    }
+}
+
+impl Dechunker {
+    /// Keeps a byte of the trailer section (`starts`: it may be the first).
+    fn keep_trailer(&mut self, b: u8, starts: bool) -> Result<(), &'static str> {
+        if self.trailer.is_empty() && !starts {
+            return Ok(());
+        }
+        self.trailer.push(b);
+        if self.trailer.len() >= TRAILER_LIMIT {
+            return Err("chunk trailers over the limit");
+        }
+        Ok(())
+    }
+
+    /// The trailer section, if any, must be a valid field section.
+    fn check_trailers(&self) -> Result<(), &'static str> {
+        if self.trailer.is_empty() {
+            return Ok(());
+        }
+        let mut fields = vec![httparse::EMPTY_HEADER; self.trailers];
+        match httparse::parse_headers(&self.trailer, &mut fields) {
+            Ok(httparse::Status::Complete(_)) => Ok(()),
+            _ => Err("invalid chunk trailers"),
+        }
     }
 }
 
@@ -330,3 +376,6 @@ pub fn push_chunk(out: &mut Vec<u8>, data: &[u8]) {
     out.extend_from_slice(data);
     out.extend_from_slice(b"\r\n");
 }
+
+#[cfg(test)]
+mod tests;
