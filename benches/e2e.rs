@@ -33,6 +33,8 @@ struct Opts {
     rates: Vec<f64>,
     sweep: Vec<f64>,
     sweep_seconds: f64,
+    /// Interleaved passes over the sweep; each rate is judged by its median across them.
+    sweep_rounds: usize,
     conns: usize,
     acc_seconds: f64,
     gauge_seconds: f64,
@@ -81,6 +83,7 @@ fn opts() -> Opts {
         rates,
         sweep,
         sweep_seconds: num("--sweep-seconds", 5.0, 2.0, 0.5),
+        sweep_rounds: (num("--sweep-rounds", 3.0, 1.0, 1.0) as usize).max(1),
         conns: num("--connections", 64.0, 64.0, 8.0) as usize,
         acc_seconds: num("--accuracy-seconds", 30.0, 5.0, 1.0),
         gauge_seconds: num("--gauge-seconds", 10.0, 3.0, 0.5),
@@ -350,19 +353,42 @@ struct Sample {
     p99: f64,
     p999: f64,
     errors: u64,
+    /// CPU per 1,000 requests (= µs per request), in all and in user space.
     cpu_per_k: f64,
+    user_per_k: f64,
+}
+
+impl Sample {
+    /// The kernel's part of `cpu_per_k`.
+    fn sys_per_k(&self) -> f64 {
+        self.cpu_per_k - self.user_per_k
+    }
+
+    /// Each figure's median over `samples` (one noisy round does not decide).
+    fn median_of(samples: &[Sample]) -> Sample {
+        let m = |f: fn(&Sample) -> f64| median(&mut samples.iter().map(f).collect::<Vec<_>>());
+        Sample {
+            p50: m(|s| s.p50),
+            p99: m(|s| s.p99),
+            p999: m(|s| s.p999),
+            errors: m(|s| s.errors as f64) as u64,
+            cpu_per_k: m(|s| s.cpu_per_k),
+            user_per_k: m(|s| s.user_per_k),
+        }
+    }
 }
 
 async fn measure(t: &Target, rate: f64, secs: f64, conns: usize) -> Sample {
     let pid = t.proc.as_ref().map(|p| p.pid);
-    let cpu0 = pid.and_then(procfs::cpu_ms);
+    let cpu0 = pid.and_then(procfs::cpu_split_ms);
     let r: OpenLoop = loadgen::open_loop(t.addr, "/x", rate, Duration::from_secs_f64(secs), conns).await;
-    let cpu1 = pid.and_then(procfs::cpu_ms);
-    let cpu_per_k = match (cpu0, cpu1) {
-        (Some(a), Some(b)) if !r.lat_ns.is_empty() => (b - a) as f64 / (r.lat_ns.len() as f64 / 1000.0),
-        _ => f64::NAN,
+    let cpu1 = pid.and_then(procfs::cpu_split_ms);
+    let per_k = |ms: u64| ms as f64 / (r.lat_ns.len() as f64 / 1000.0);
+    let (cpu_per_k, user_per_k) = match (cpu0, cpu1) {
+        (Some(a), Some(b)) if !r.lat_ns.is_empty() => (per_k(b.0 + b.1 - a.0 - a.1), per_k(b.0 - a.0)),
+        _ => (f64::NAN, f64::NAN),
     };
-    Sample { p50: r.pct_us(0.5), p99: r.pct_us(0.99), p999: r.pct_us(0.999), errors: r.errors, cpu_per_k }
+    Sample { p50: r.pct_us(0.5), p99: r.pct_us(0.99), p999: r.pct_us(0.999), errors: r.errors, cpu_per_k, user_per_k }
 }
 
 fn rotate<T>(v: &[T], by: usize) -> impl Iterator<Item = (usize, &T)> {
@@ -490,7 +516,7 @@ async fn compare(o: &Opts) {
         "### Added latency over direct, open loop, {} rounds of {} s per rate and target (µs, median (min–max) across rounds)\n\n",
         o.rounds, o.seconds
     ));
-    md.push_str("| rate | target | p50 | p99 | p99.9 | added p50 | added p99 | added p99.9 | errors | CPU ms / 1k req |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("| rate | target | p50 | p99 | p99.9 | added p50 | added p99 | added p99.9 | errors | CPU ms / 1k req | of which user / kernel |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (ri, &rate) in o.rates.iter().enumerate() {
         for (ti, t) in targets.iter().enumerate() {
             let col = |f: &dyn Fn(&Sample) -> f64| -> Vec<f64> { fixed[ri][ti].iter().map(f).collect() };
@@ -498,8 +524,8 @@ async fn compare(o: &Opts) {
                 fixed[ri][ti].iter().zip(&fixed[ri][0]).map(|(s, d)| f(s) - f(d)).collect()
             };
             let errors: u64 = fixed[ri][ti].iter().map(|s| s.errors).sum();
-            let (a50, a99, a999, cpu) = if ti == 0 {
-                ("–".to_string(), "–".to_string(), "–".to_string(), "–".to_string())
+            let (a50, a99, a999, cpu, split) = if ti == 0 {
+                ("–".to_string(), "–".to_string(), "–".to_string(), "–".to_string(), "–".to_string())
             } else {
                 let cpu = col(&|s| s.cpu_per_k);
                 let (lo, hi) = min_max(&cpu);
@@ -508,10 +534,11 @@ async fn compare(o: &Opts) {
                     mmm(&added(&|s| s.p99)),
                     mmm(&added(&|s| s.p999)),
                     format!("{:.1} ({lo:.1}–{hi:.1})", median(&mut cpu.clone())),
+                    format!("{:.1} / {:.1}", median(&mut col(&|s| s.user_per_k)), median(&mut col(&|s| s.sys_per_k()))),
                 )
             };
             md.push_str(&format!(
-                "| {} | {} | {} | {} | {} | {a50} | {a99} | {a999} | {errors} | {cpu} |\n",
+                "| {} | {} | {} | {} | {} | {a50} | {a99} | {a999} | {errors} | {cpu} | {split} |\n",
                 rate_label(rate),
                 t.name,
                 mmm(&col(&|s| s.p50)),
@@ -533,33 +560,49 @@ async fn compare(o: &Opts) {
         ));
     }
 
-    // 2. The sweep for the knee: one interleaved pass, rates rising.
+    // 2. The sweep for the knee: interleaved passes, rates rising in each;
+    //    every figure of a rate is its median across the passes.
     if !o.sweep.is_empty() {
-        let mut sweep: Vec<Vec<(f64, Sample)>> = vec![Vec::new(); nt];
-        let mut failed = vec![0usize; nt];
-        for (k, &rate) in o.sweep.iter().enumerate() {
-            for (ti, t) in rotate(&targets, k) {
-                if failed[ti] >= 2 {
-                    continue;
+        let mut passes: Vec<Vec<(f64, Vec<Sample>)>> = vec![Vec::new(); nt];
+        for pass in 0..o.sweep_rounds {
+            let mut failed = vec![0usize; nt];
+            for (k, &rate) in o.sweep.iter().enumerate() {
+                for (ti, t) in rotate(&targets, k + pass) {
+                    if failed[ti] >= 2 {
+                        continue;
+                    }
+                    let s = measure(t, rate, o.sweep_seconds, o.conns.max((rate / 500.0) as usize)).await;
+                    eprintln!(
+                        "sweep {} {:>6} req/s {:>6}: p50 {:>7.0} µs p99 {:>7.0} µs p99.9 {:>7.0} µs errors {} cpu/1k {:.1} ms (user {:.1})",
+                        pass + 1,
+                        rate,
+                        t.name,
+                        s.p50,
+                        s.p99,
+                        s.p999,
+                        s.errors,
+                        s.cpu_per_k,
+                        s.user_per_k
+                    );
+                    // Past saturation (behind schedule, or queueing for tens of ms) twice running:
+                    // higher rates say nothing new. Latency goals are judged afterwards.
+                    if s.errors > 0 || s.p50 > 20_000.0 || s.p50.is_nan() {
+                        failed[ti] += 1;
+                    } else {
+                        failed[ti] = 0;
+                    }
+                    match passes[ti].iter_mut().find(|(r, _)| *r == rate) {
+                        Some((_, v)) => v.push(s),
+                        None => passes[ti].push((rate, vec![s])),
+                    }
                 }
-                let s = measure(t, rate, o.sweep_seconds, o.conns.max((rate / 500.0) as usize)).await;
-                eprintln!(
-                    "sweep {:>6} req/s {:>6}: p50 {:>7.0} µs p99 {:>7.0} µs p99.9 {:>7.0} µs errors {} cpu/1k {:.1} ms",
-                    rate, t.name, s.p50, s.p99, s.p999, s.errors, s.cpu_per_k
-                );
-                // Past saturation (behind schedule, or queueing for tens of ms) twice running:
-                // higher rates say nothing new. Latency goals are judged afterwards.
-                if s.errors > 0 || s.p50 > 20_000.0 || s.p50.is_nan() {
-                    failed[ti] += 1;
-                } else {
-                    failed[ti] = 0;
-                }
-                sweep[ti].push((rate, s));
             }
         }
+        let sweep: Vec<Vec<(f64, Sample)>> =
+            passes.iter().map(|t| t.iter().map(|(rate, v)| (*rate, Sample::median_of(v))).collect()).collect();
         md.push_str(&format!(
-            "\n### Sweep: {} s per rate and target, interleaved (µs; added = target − direct at the same rate)\n\n",
-            o.sweep_seconds
+            "\n### Sweep: {} pass(es) of {} s per rate and target, interleaved; medians across passes (µs; added = target − direct at the same rate)\n\n",
+            o.sweep_rounds, o.sweep_seconds
         ));
         md.push_str("| rate |");
         for t in &targets {
@@ -600,6 +643,28 @@ async fn compare(o: &Opts) {
             }
             md.push('\n');
         }
+        md.push_str("\n### CPU per request in the sweep (µs: user + kernel), median across passes\n\n| rate |");
+        for t in targets.iter().skip(1) {
+            md.push_str(&format!(" {} |", t.name));
+        }
+        md.push_str("\n|---|");
+        for _ in targets.iter().skip(1) {
+            md.push_str("---|");
+        }
+        md.push('\n');
+        for &rate in &o.sweep {
+            md.push_str(&format!("| {} |", rate_label(rate)));
+            for ti in 1..nt {
+                match at(ti, rate) {
+                    Some(s) if s.errors == 0 => {
+                        md.push_str(&format!(" {:.1} + {:.1} = {:.1} |", s.user_per_k, s.sys_per_k(), s.cpu_per_k))
+                    }
+                    Some(_) => md.push_str(" (fell behind) |"),
+                    None => md.push_str(" – |"),
+                }
+            }
+            md.push('\n');
+        }
         md.push_str(
             "\n### Knee: the highest sweep rate passing, every lower rate passing too\n\n\
              | target | p99 ≤ 1 ms, no errors | added p99 ≤ 1 ms over direct, no errors | keeping up: p50 ≤ 5 ms, no errors |\n|---|---|---|---|\n",
@@ -618,6 +683,7 @@ async fn compare(o: &Opts) {
         };
         let show = |k: f64| if k == top { format!("{k} req/s or more") } else { format!("{k} req/s") };
         let mut rel_knees = Vec::new();
+        let mut abs_knees = Vec::new();
         for (ti, t) in targets.iter().enumerate() {
             let abs = knee_of(ti, &|_, s| s.p99 <= 1000.0 && s.errors == 0);
             let rel = knee_of(ti, &|rate, s| {
@@ -627,12 +693,15 @@ async fn compare(o: &Opts) {
             let up = knee_of(ti, &|_, s| s.p50 <= 5000.0 && s.errors == 0);
             md.push_str(&format!("| {} | {} | {} | {} |\n", t.name, show(abs), show(rel), show(up)));
             rel_knees.push(rel);
+            abs_knees.push(abs);
         }
         if let Some(n) = nginx_i
             && rel_knees[n] > 0.0
+            && abs_knees[n] > 0.0
         {
             md.push_str(&format!(
-                "\nusher / nginx knee ratio (added p99 ≤ 1 ms): **{:.2}**\n",
+                "\nusher / nginx knee ratio: **{:.2}** (p99 ≤ 1 ms), **{:.2}** (added p99 ≤ 1 ms)\n",
+                abs_knees[1] / abs_knees[n],
                 rel_knees[1] / rel_knees[n]
             ));
         }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every usher benchmark in one command; see benches/README.md.
 #
-#   benches/run.sh            full run (about 12 minutes after the build)
+#   benches/run.sh            full run (about 25 minutes after the build)
 #   benches/run.sh --quick    short shake-out (about 2 minutes)
 #   benches/run.sh --soak     also the 10-minute soak (benches/soak.sh)
 #
@@ -91,18 +91,21 @@ else
   E2E=()
   SERVER_RUNS=("8 10" "16 10" "64 10")
   CRIT=(--warm-up-time 1 --measurement-time 3)
-  E2E_LIMIT=900
+  E2E_LIMIT=1500
 fi
 
 echo "== end-to-end: direct vs usher vs nginx, accuracy (proxies on cpu $PROXY_CPU, load + upstream on cpu $LOAD_CPU)"
 # E2E_ARGS adds e2e options, e.g. E2E_ARGS="--variant=before:bin=/tmp/usher-old" for a before/after run.
-bounded "$E2E_LIMIT" "${PIN[@]}" cargo bench --locked --bench e2e -- "${E2E[@]}" "${PROXY_ARGS[@]}" ${E2E_ARGS:-} --out "$OUT" \
+# VARIANTS (default: usher with --http1 hyper, the general path) are further usher targets in the
+# same rounds; VARIANTS= leaves them out.
+VARIANTS=${VARIANTS-"--variant=hyper:USHER_HTTP1=hyper"}
+bounded "$E2E_LIMIT" "${PIN[@]}" cargo bench --locked --bench e2e -- "${E2E[@]}" "${PROXY_ARGS[@]}" $VARIANTS ${E2E_ARGS:-} --out "$OUT" \
   > "$OUT/e2e.md" 2> >(tee "$OUT/e2e.log" >&2)
 
 echo "== instructions per request under callgrind (usher, nginx)"
 : > "$OUT/instructions.md"
 if command -v valgrind >/dev/null && command -v callgrind_control >/dev/null; then
-  bounded 300 "${PIN[@]}" cargo bench --locked --bench e2e -- --callgrind 5 ${E2E_ARGS:-} --out "$OUT" \
+  bounded 300 "${PIN[@]}" cargo bench --locked --bench e2e -- --callgrind 5 $VARIANTS ${E2E_ARGS:-} --out "$OUT" \
     > "$OUT/instructions.md" 2>> "$OUT/e2e.log" || true
 else
   echo "valgrind is missing (apt-get install valgrind): skipping the instruction counts" | tee "$OUT/instructions.md" >&2

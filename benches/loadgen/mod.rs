@@ -268,11 +268,15 @@ pub async fn closed_loop(addr: SocketAddr, path: &'static str, conns: usize, dur
 pub mod procfs {
     /// utime + stime of `pid` in milliseconds (assumes 100 clock ticks per second, Linux's USER_HZ).
     pub fn cpu_ms(pid: u32) -> Option<u64> {
+        cpu_split_ms(pid).map(|(user, sys)| user + sys)
+    }
+
+    /// utime and stime of `pid` apart, in milliseconds: user space against the kernel.
+    pub fn cpu_split_ms(pid: u32) -> Option<(u64, u64)> {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
         let after = &stat[stat.rfind(')')? + 2..];
         let f: Vec<&str> = after.split_whitespace().collect();
-        let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
-        Some(ticks * 10)
+        Some((f.get(11)?.parse::<u64>().ok()? * 10, f.get(12)?.parse::<u64>().ok()? * 10))
     }
 
     /// A `/proc/PID/status` field in kB (`VmRSS`, `VmHWM`), as MB.
