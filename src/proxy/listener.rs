@@ -3,7 +3,7 @@
 //! deadline for the first bytes and for every request head, header size and
 //! count limits, and HTTP/2 flood protection (rapid reset, CONTINUATION).
 //!
-//! HTTP/1.1 connections start on the native path ([`super::h1`]), which
+//! HTTP/1.1 connections start on the native path (`super::h1`), which
 //! hands a connection to hyper when it brings a request it does not serve;
 //! h2c connections, and every connection under `--http1 hyper`, go to hyper.
 

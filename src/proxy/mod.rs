@@ -1,10 +1,13 @@
 //! `usher proxy`: the sidecar's data path.
 //!
-//! One listener speaks HTTP/1.1 and h2c. Each request is routed
-//! ([`route`]), admitted by the [`crate::limit`] layer, and forwarded
-//! ([`upstream`]); every error becomes a response in [`respond`]. CONNECT
-//! tunnels are admitted once and hold their gauge permits for their
-//! lifetime. On shutdown the listener stops accepting and in-flight
+//! One listener speaks HTTP/1.1 and h2c ([`listener`]). Everyday HTTP/1.1
+//! requests to plain-HTTP upstreams run on the native path (`h1`): routed
+//! ([`route`]), admitted ([`crate::limit::admit`]) and forwarded on one
+//! task per connection. Everything else runs on hyper ([`Proxy::handle`]):
+//! routed, admitted by the [`crate::limit`] tower layer and forwarded
+//! ([`upstream`]). Both turn every error into a response in [`respond`].
+//! CONNECT tunnels are admitted once and hold their gauge permits for
+//! their lifetime. On shutdown the listener stops accepting and in-flight
 //! requests drain until a deadline.
 
 pub mod access_log;
