@@ -6,6 +6,12 @@
 //! upstream. A failure is a panic, a connection that does not finish within
 //! 10 s after the client's EOF (a hang), or an HTTP/1.x answer that is not an
 //! HTTP/1.x response. The stable counterpart of `fuzz/fuzz_targets/http.rs`.
+//!
+//! The other direction too: hostile upstream answers (status lines, framing
+//! and chunking that break parsers, then mutated, and random bytes) from a
+//! real loopback upstream to a valid request; the app must get an HTTP/1.1
+//! response (the upstream's, or a 502) and the connection must finish. The
+//! stable counterpart of `fuzz/fuzz_targets/upstream.rs`.
 
 #[path = "support/edits.rs"]
 mod edits;
@@ -199,6 +205,156 @@ fn the_http_request_path_never_panics_or_hangs() {
                 String::from_utf8_lossy(&out)
             );
         }
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+}
+
+// === hostile upstream answers ===
+
+/// An upstream answer assembled from the pieces that break response parsers.
+fn h1_response() -> impl Strategy<Value = Vec<u8>> {
+    let status = piece(&[
+        "HTTP/1.1 200 OK",
+        "HTTP/1.1 200",
+        "HTTP/1.0 200 OK",
+        "HTTP/1.1 204 No Content",
+        "HTTP/1.1 304 Not Modified",
+        "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK",
+        "HTTP/1.1 101 Switching Protocols",
+        "HTTP/1.1 429 Too Many Requests",
+        "HTTP/1.1 999 Odd",
+        "HTTP/1.1 20 Short",
+        "HTTP/2 200",
+        "ICY 200 OK",
+        "",
+    ]);
+    let header = piece(&[
+        "Content-Length: 5",
+        "Content-Length: 0",
+        "Content-Length: 5, 5",
+        "Content-Length: 5, 6",
+        "Content-Length: -1",
+        "Content-Length: 99999999999999999999",
+        "Transfer-Encoding: chunked",
+        "Transfer-Encoding: gzip, chunked",
+        "Transfer-Encoding: chunked, gzip",
+        "Connection: close",
+        "Connection: keep-alive, date",
+        "Keep-Alive: timeout=1",
+        "Retry-After: 3",
+        "Retry-After: -1",
+        "Date: Sun, 22 Nov 2026 12:00:00 GMT",
+        "Trailer: X-T",
+        "Upgrade: h2c",
+        " folded",
+        "Bad Name: v",
+        "X-A: \u{80}\u{ff}",
+    ]);
+    let chunks = piece(&[
+        "5\r\nhello\r\n0\r\n\r\n",
+        "5;ext=1\r\nhello\r\n0\r\nX-T: 1\r\n\r\n",
+        "ffffffffffffffff1\r\nx\r\n",
+        "5\nhello\r\n0\r\n\r\n",
+        "3\r\nhello\r\n",
+        "0\r\nno colon\r\n\r\n",
+        "",
+    ]);
+    let eol = piece(&["\r\n", "\n"]);
+    let body = prop::collection::vec(any::<u8>(), 0..64);
+    (status, prop::collection::vec(header, 0..6), eol, chunks, body, any::<bool>()).prop_map(
+        |(status, headers, eol, chunks, body, chunked)| {
+            let mut r = format!("{status}{eol}").into_bytes();
+            for h in headers {
+                r.extend_from_slice(h.as_bytes());
+                r.extend_from_slice(eol.as_bytes());
+            }
+            r.extend_from_slice(eol.as_bytes());
+            r.extend_from_slice(if chunked { chunks.as_bytes() } else { &body });
+            r
+        },
+    )
+}
+
+/// A loopback upstream that answers each connection's first request head
+/// with the current `answer`, then closes.
+async fn scripted_upstream(answer: Arc<std::sync::Mutex<Vec<u8>>>) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else { return };
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let bytes = answer.lock().unwrap().clone();
+                let _ = s.write_all(&bytes).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn hostile_upstream_answers_never_panic_or_hang() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let answer = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (server, proxy) = rt.block_on(async {
+        let addr = scripted_upstream(answer.clone()).await;
+        let yaml = format!(
+            "upstreams:\n  up: {{ url: \"http://{addr}\", timeout: 5s }}\n\
+             resources:\n  api: {{ kind: gauge, capacity: 100 }}\n\
+             routes:\n  - {{ name: api, match: {{ host: api.test }}, upstream: up, resources: [api] }}\n"
+        );
+        let cfg = RoutesConfig::parse("upstream_input.yaml", &yaml).unwrap_or_else(|e| panic!("{e}"));
+        let limits = cfg.limits;
+        let (clock, _h) = Clock::manual(Time::from_secs(1_000_000));
+        let proxy = Proxy::new(cfg, "upstream_input.yaml".into(), clock, prometheus::Registry::new()).unwrap();
+        (ConnServer::new(limits), proxy)
+    });
+    let inputs = prop_oneof![4 => mutate(h1_response()), 1 => prop::collection::vec(any::<u8>(), 0..256)];
+    let mut runner = TestRunner::new(Config { cases: 500, failure_persistence: None, ..Config::default() });
+    let result = runner.run(&inputs, |bytes| {
+        *answer.lock().unwrap() = bytes.clone();
+        let out = rt
+            .block_on(async {
+                let (mut client, io) = tokio::io::duplex(64 * 1024);
+                let conn = tokio::spawn({
+                    let (server, proxy) = (server.clone(), proxy.clone());
+                    async move { server.serve(proxy, io).await }
+                });
+                let exchange = async {
+                    let _ = client.write_all(b"GET /x HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n").await;
+                    let mut out = Vec::new();
+                    let _ = client.read_to_end(&mut out).await;
+                    out
+                };
+                let out = tokio::time::timeout(Duration::from_secs(10), exchange)
+                    .await
+                    .map_err(|_| "no EOF from the sidecar within 10 s".to_string())?;
+                match tokio::time::timeout(Duration::from_secs(10), conn).await {
+                    Err(_) => Err("connection task still running 10 s after its answer".to_string()),
+                    Ok(Err(e)) if e.is_panic() => Err(format!("panic: {e}")),
+                    Ok(_) => Ok(out),
+                }
+            })
+            .map_err(|e| TestCaseError::fail(format!("{e} for {:?}", String::from_utf8_lossy(&bytes))))?;
+        prop_assert!(
+            out.starts_with(b"HTTP/1.1 "),
+            "{:?} -> {:?}",
+            String::from_utf8_lossy(&bytes),
+            String::from_utf8_lossy(&out)
+        );
         Ok(())
     });
     if let Err(e) = result {
