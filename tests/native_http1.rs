@@ -1505,6 +1505,102 @@ async fn usher_s_own_answer_to_head_has_no_body() {
     diff.check(&req, &RespCase::ok("unused")).await.unwrap_or_else(|e| panic!("{e}"));
 }
 
+// === broken and trickling answers ===
+
+/// Reads from `c` until EOF or [`PATIENCE`]; everything read, and whether
+/// the sidecar closed the connection.
+async fn read_until_closed(c: &mut Client) -> (Vec<u8>, bool) {
+    let mut out = std::mem::take(&mut c.buf);
+    let mut chunk = [0u8; 4096];
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        match tokio::time::timeout_at(deadline, c.stream.read(&mut chunk)).await {
+            Err(_) => return (out, false),
+            Ok(Ok(0) | Err(_)) => return (out, true),
+            Ok(Ok(n)) => out.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// An upstream whose chunked body is garbage right after the head, in the
+/// same write: the client gets the head and then a closed connection, and
+/// the route counts a body error. The head used to go out only when the
+/// garbage came in a later read, so a client saw either the head or
+/// nothing; found by the `hostile_upstream_answers` property test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_body_broken_right_after_the_head_still_shows_the_head() {
+    let up = Scripted::start(|_| {
+        answer(&b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Up: 1\r\n\r\n\0\0\0"[..], true)
+    })
+    .await;
+    let side = sidecar(&routes(up.addr, ""), Http1::Native).await;
+    for round in 0..3 {
+        let mut c = Client::connect(side.addr).await;
+        c.send(format!("GET /x HTTP/1.1\r\nHost: {API}\r\n\r\n")).await;
+        let (out, closed) = read_until_closed(&mut c).await;
+        let text = String::from_utf8_lossy(&out);
+        assert!(closed, "round {round}: the sidecar closed the connection: {text:?}");
+        assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "round {round}: {text:?}");
+        assert!(text.to_ascii_lowercase().contains("x-up: 1\r\n"), "round {round}: {text:?}");
+        assert!(text.ends_with("\r\n\r\n"), "round {round}: nothing after the head: {text:?}");
+    }
+    let metrics = metrics_text(&side.proxy);
+    assert!(metrics.contains("usher_proxy_response_body_errors_total{route=\"api\"} 3"), "{metrics}");
+}
+
+/// An upstream that sends a close-delimited body in two parts with a pause
+/// between: the first part reaches the client during the pause, on both
+/// engines. The native path used to hold each part until the next read
+/// came back, so a stream of events arrived one event late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_delimited_body_is_relayed_as_it_trickles() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (go_tx, go_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let go_rx = Arc::new(tokio::sync::Mutex::new(go_rx));
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let go = go_rx.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while find(&buf, b"\r\n\r\n").is_none() {
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: one\n\n").await;
+                // Bounded: the test releases it, or it gives up after PATIENCE.
+                let _ = tokio::time::timeout(PATIENCE, go.lock().await.recv()).await;
+                let _ = s.write_all(b"data: two\n\n").await;
+            });
+        }
+    });
+    for engine in [Http1::Native, Http1::Hyper] {
+        let side = sidecar(&routes(addr, ""), engine).await;
+        let mut c = Client::connect(side.addr).await;
+        c.send(format!("GET /events HTTP/1.1\r\nHost: {API}\r\n\r\n")).await;
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while find(&got, b"data: one").is_none() {
+            match tokio::time::timeout_at(deadline, c.stream.read(&mut chunk)).await {
+                Ok(Ok(n)) if n > 0 => got.extend_from_slice(&chunk[..n]),
+                other => panic!(
+                    "{engine:?}: the first event did not come while the upstream paused ({other:?}): {:?}",
+                    String::from_utf8_lossy(&got)
+                ),
+            }
+        }
+        assert!(find(&got, b"data: two").is_none(), "{engine:?}: the pause was real");
+        go_tx.send(()).await.unwrap();
+        c.buf = got;
+        let r = c.response(false).await;
+        assert_eq!((r.status, r.text().as_str()), (200, "data: one\n\ndata: two\n\n"), "{engine:?}");
+    }
+}
+
 // === keep-alive and pooling ===
 
 /// 50 sequential requests (GETs and POSTs with bodies) on one client

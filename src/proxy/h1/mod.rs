@@ -81,6 +81,31 @@ struct Buffers {
     out: Vec<u8>,
 }
 
+/// Buffer capacity a connection keeps between requests; a buffer a large
+/// exchange grew past it is given back, so idle connections stay small.
+const KEEP: usize = 32 * 1024;
+
+impl Buffers {
+    fn trim(&mut self) {
+        if self.req.capacity() > KEEP {
+            self.req = Vec::new();
+        }
+        if self.out.capacity() > KEEP {
+            self.out = Vec::new();
+        }
+        if self.up.capacity() > KEEP {
+            self.up = BytesMut::new();
+        }
+    }
+}
+
+/// The client's buffer, trimmed the same way once it holds nothing.
+fn trim(buf: &mut BytesMut) {
+    if buf.is_empty() && buf.capacity() > KEEP {
+        *buf = BytesMut::new();
+    }
+}
+
 /// A deadline that moves with every request but whose timer is re-armed
 /// only when it fires before the deadline (nginx's lazy timers): one timer
 /// registration per timeout period on a busy connection, not two per request.
@@ -231,6 +256,8 @@ where
                     return Ok(Served::Closed);
                 }
                 timers.head.set(Instant::now() + limits.header_timeout);
+                bufs.trim();
+                trim(&mut buf);
             }
             Step::Exchange(ex) => {
                 buf.advance(ex.consumed);
@@ -239,6 +266,8 @@ where
                     return Ok(Served::Closed);
                 }
                 timers.head.set(Instant::now() + limits.header_timeout);
+                bufs.trim();
+                trim(&mut buf);
             }
         }
     }
@@ -508,7 +537,17 @@ where
         Framing::Chunked => {
             let mut chunks = Dechunker::default();
             loop {
-                let used = chunks.feed(up, out).map_err(|e| BodyError::Upstream(e.to_string()))?;
+                let used = match chunks.feed(up, out) {
+                    Ok(used) => used,
+                    Err(e) => {
+                        // The head and what decoded before the fault still go
+                        // out, so the client always sees the same cut answer,
+                        // however the upstream's bytes were split into reads.
+                        send(io, out).await?;
+                        io.flush().await.map_err(BodyError::Client)?;
+                        return Err(BodyError::Upstream(e.to_string()));
+                    }
+                };
                 up.advance(used);
                 send(io, out).await?;
                 if chunks.is_done() {
@@ -524,7 +563,10 @@ where
             }
         }
         Framing::Close => loop {
+            // What has come goes out before the next read: a body that
+            // trickles (a stream of events) is not held back by the wait.
             response::push_chunk(out, up);
+            send(io, out).await?;
             up.clear();
             up.reserve(READ_CHUNK);
             let n = stream.read_buf(up).await.map_err(|e| BodyError::Upstream(e.to_string()))?;
@@ -534,7 +576,6 @@ where
                 io.flush().await.map_err(BodyError::Client)?;
                 return Ok(None);
             }
-            send(io, out).await?;
         },
     }
     io.flush().await.map_err(BodyError::Client)?;
@@ -594,3 +635,6 @@ pub struct Native {
     /// The upstream URL's path without its trailing `/`, put before every request's path.
     pub prefix: String,
 }
+
+#[cfg(test)]
+mod tests;
