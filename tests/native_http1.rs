@@ -1505,6 +1505,50 @@ async fn usher_s_own_answer_to_head_has_no_body() {
     diff.check(&req, &RespCase::ok("unused")).await.unwrap_or_else(|e| panic!("{e}"));
 }
 
+// === one outcome per request ===
+
+/// A request the upstream answers counts as `admitted`, one it could not
+/// reach as `upstream_error` only, for the route and its resource, on both
+/// engines: the counts of `usher_proxy_requests_total` add up to the
+/// requests. The native path used to count a failed request as admitted
+/// too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_request_has_one_outcome_on_both_engines() {
+    let up = Upstream::start().await;
+    let gone = {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap()
+    };
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n  gone: {{ url: \"http://{gone}\" }}\n\
+         resources:\n  slots: {{ kind: gauge, capacity: 10 }}\n\
+         routes:\n  - {{ name: ok, match: {{ host: {API} }}, upstream: up, resources: [slots] }}\n  \
+         - {{ name: down, match: {{ host: {BASED} }}, upstream: gone, resources: [slots] }}\n",
+        up.addr
+    );
+    for engine in [Http1::Native, Http1::Hyper] {
+        let side = sidecar(&yaml, engine).await;
+        let mut c = Client::connect(side.addr).await;
+        for host in [API, BASED, BASED] {
+            c.send(format!("GET /x HTTP/1.1\r\nHost: {host}\r\n\r\n")).await;
+            let r = c.response(false).await;
+            assert_eq!(r.status, if host == API { 200 } else { 502 }, "{engine:?} {host}: {}", r.text());
+        }
+        let text = metrics_text(&side.proxy);
+        let count = |name: &str, labels: &[(&str, &str)]| support::metric(&text, name, labels).unwrap_or(0.0);
+        let requests = |route, outcome| count("usher_proxy_requests_total", &[("route", route), ("outcome", outcome)]);
+        let got = [
+            requests("ok", "admitted"),
+            requests("ok", "upstream_error"),
+            requests("down", "admitted"),
+            requests("down", "upstream_error"),
+            count("usher_proxy_resource_requests_total", &[("resource", "slots"), ("outcome", "admitted")]),
+        ];
+        assert_eq!(got, [1.0, 0.0, 0.0, 2.0, 1.0], "{engine:?}:\n{text}");
+        assert_eq!(handoffs(&side.proxy), BTreeMap::new(), "{engine:?}");
+    }
+}
+
 // === broken and trickling answers ===
 
 /// Reads from `c` until EOF or [`PATIENCE`]; everything read, and whether

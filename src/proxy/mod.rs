@@ -223,14 +223,8 @@ impl Proxy {
         match self.stack.clone().oneshot(req).await {
             Ok(resp) => {
                 let admission = resp.extensions().get::<Admission>().copied();
-                self.record_admission(&route, admission);
-                self.observe_pushback(&route.name, &keys, resp.status(), || pushback::retry_after(resp.headers()));
-                let (outcome, waited) = match admission {
-                    Some(a) if a.paced => ("paced", a.waited),
-                    Some(a) => ("admitted", a.waited),
-                    None => ("admitted", Duration::ZERO),
-                };
-                self.log(&route.name, &keys, outcome, waited, resp.status(), arrived);
+                let retry_after = || pushback::retry_after(resp.headers());
+                self.record_answer(&route, &keys, admission, resp.status(), retry_after, arrived);
                 let body_errors = route.metrics.body_errors.clone();
                 resp.map(|b| {
                     Tracked { inner: b, _guard: in_flight, body_errors }
@@ -238,20 +232,64 @@ impl Proxy {
                         .boxed_unsync()
                 })
             }
-            Err(err) => {
-                let (outcome, waited) = if let Some(r) = err.downcast_ref::<crate::limit::Refused>() {
-                    self.record_refusal(&route, r);
-                    ("refused", r.waited)
-                } else {
-                    route.metrics.upstream_error.inc();
-                    tracing::debug!(route = %route.name, error = %err, "upstream error");
-                    ("upstream_error", Duration::ZERO)
-                };
-                let resp = error_response(err, grpc);
-                self.log(&route.name, &keys, outcome, waited, resp.status(), arrived);
-                resp
-            }
+            Err(err) => match err.downcast::<crate::limit::Refused>() {
+                Ok(refused) => self.refuse(&route, &keys, &refused, grpc, arrived),
+                Err(err) => self.upstream_failed(&route, &keys, err, grpc, arrived),
+            },
         }
+    }
+
+    /// Accounts for an upstream's answer (the one outcome of a request that
+    /// reached it): admission metrics, pushback, the access log.
+    fn record_answer(
+        &self,
+        route: &Route,
+        plan: &crate::limit::Plan,
+        admission: Option<Admission>,
+        status: StatusCode,
+        retry_after: impl FnOnce() -> Option<Duration>,
+        arrived: Time,
+    ) {
+        self.record_admission(route, admission);
+        self.observe_pushback(&route.name, plan, status, retry_after);
+        let (outcome, waited) = match admission {
+            Some(a) if a.paced => ("paced", a.waited),
+            Some(a) => ("admitted", a.waited),
+            None => ("admitted", Duration::ZERO),
+        };
+        self.log(&route.name, plan, outcome, waited, status, arrived);
+    }
+
+    /// Accounts for a refusal and makes its answer (`429`, or a gRPC status).
+    fn refuse(
+        &self,
+        route: &Route,
+        plan: &crate::limit::Plan,
+        refused: &crate::limit::Refused,
+        grpc: bool,
+        arrived: Time,
+    ) -> Response<ProxyBody> {
+        self.record_refusal(route, refused);
+        let resp = respond::refused(refused, grpc);
+        self.log(&route.name, plan, "refused", refused.waited, resp.status(), arrived);
+        resp
+    }
+
+    /// Accounts for an upstream that failed before its answer's head and
+    /// makes the `502`/`504` (or gRPC status).
+    fn upstream_failed(
+        &self,
+        route: &Route,
+        plan: &crate::limit::Plan,
+        err: BoxError,
+        grpc: bool,
+        arrived: Time,
+    ) -> Response<ProxyBody> {
+        route.metrics.upstream_error.inc();
+        tracing::debug!(route = %route.name, error = %err, "upstream error");
+        let resp = error_response(err, grpc);
+        self.log(&route.name, plan, "upstream_error", Duration::ZERO, resp.status(), arrived);
+        resp
     }
 
     /// The answer to a request routing could not place (no route, too many keys).

@@ -34,7 +34,6 @@ use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
-use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use http::Response;
@@ -48,7 +47,7 @@ pub use head::why;
 pub use pool::Pool;
 
 use super::listener::ConnServer;
-use super::respond::{self, ProxyError};
+use super::respond::ProxyError;
 use super::route::Route;
 use super::upstream::{self, Target, Upstream};
 use super::{InFlight, Proxy, ProxyBody};
@@ -331,16 +330,13 @@ where
             // The client left: dropping the admission gave its place back.
             None => return Ok(false),
             Some(Err(refused)) => {
-                proxy.record_refusal(route, &refused);
-                let resp = respond::refused(&refused, false);
-                proxy.log(&route.name, &ex.plan, "refused", refused.waited, resp.status(), arrived);
+                let resp = proxy.refuse(route, &ex.plan, &refused, false, arrived);
                 return write_generated(server, io, resp, ex.close, ex.head_request, &mut bufs.out).await;
             }
             Some(Ok(a)) => Some(a),
         }
     };
     let admission = admitted.as_ref().map(|a| Admission { waited: a.waited, paced: a.paced });
-    proxy.record_admission(route, admission);
 
     let started = Instant::now();
     let timeout = ex.upstream.config.timeout;
@@ -362,20 +358,11 @@ where
     let (stream, head) = match answer {
         Ok(got) => got,
         Err(err) => {
-            route.metrics.upstream_error.inc();
-            tracing::debug!(route = %route.name, error = %err, "upstream error");
-            let resp = respond::proxy_error(&err, false);
-            proxy.log(&route.name, &ex.plan, "upstream_error", Duration::ZERO, resp.status(), arrived);
+            let resp = proxy.upstream_failed(route, &ex.plan, Box::new(err), false, arrived);
             return write_generated(server, io, resp, ex.close, ex.head_request, &mut bufs.out).await;
         }
     };
-    proxy.observe_pushback(&route.name, &ex.plan, head.status, || head.retry_after);
-    let (outcome, waited) = match admission {
-        Some(a) if a.paced => ("paced", a.waited),
-        Some(a) => ("admitted", a.waited),
-        None => ("admitted", Duration::ZERO),
-    };
-    proxy.log(&route.name, &ex.plan, outcome, waited, head.status, arrived);
+    proxy.record_answer(route, &ex.plan, admission, head.status, || head.retry_after, arrived);
 
     let close = ex.close || server.is_draining();
     if close {
