@@ -13,6 +13,7 @@
 pub mod access_log;
 mod h1;
 mod h1pool;
+mod idle;
 pub mod lease;
 pub mod listener;
 pub mod metrics;

@@ -1,6 +1,7 @@
 //! Upstream clients and the forwarding service of the general (hyper) path:
-//! per upstream, a pool of its own for plain HTTP/1.1 (`super::h1pool`;
-//! the native path has its own, `super::h1::Pool`) or hyper-util's pooled client
+//! per upstream, a pool of its own for plain HTTP/1.1 (`super::h1pool`; the
+//! native path keeps bare streams, `super::h1::Pool`; both on `super::idle`)
+//! or hyper-util's pooled client
 //! (HTTP/2 or HTTP/1.1 by ALPN over rustls, h2c, passthrough origins);
 //! hop-by-hop header removal (RFC 9110 §7.6.1), protocol upgrades, connect
 //! and response-header timeouts. Bodies stream both ways.

@@ -435,7 +435,7 @@ async fn roundtrip(
             None => {
                 let s = ex
                     .pool
-                    .connect()
+                    .connect_tcp()
                     .await
                     .map_err(|reason| ProxyError::UpstreamConnect { upstream: name(), reason })?;
                 (s, false)

@@ -1,78 +1,25 @@
-//! The native path's connections to one plain-HTTP/1.1 upstream: TCP
-//! streams, idle ones on a LIFO stack (the most recently used is the most
-//! likely to still be open). No task per connection: a stream is driven by
-//! the client connection that checked it out, and goes back on the stack
-//! once a response has ended cleanly.
+//! The native path's connections to one plain-HTTP/1.1 upstream: bare TCP
+//! streams on the shared [`Idle`] stack. No task per connection: a stream
+//! is driven by the client connection that checked it out, and goes back on
+//! the stack once a response has ended cleanly.
 //!
 //! An idle stream that became readable (the upstream closed it, or sent
-//! bytes nobody asked for) is dropped at checkout, without a system call in
-//! the common case: the reactor has already recorded the readiness.
+//! bytes nobody asked for) is not reused, and telling costs no system call
+//! in the common case: the reactor has already recorded the readiness.
 
 use std::io;
-use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
 
 use tokio::net::TcpStream;
-use tokio::time::Instant;
 
-/// Idle connections kept per upstream; more are closed when they come back.
-const MAX_IDLE: usize = 512;
+use crate::proxy::idle::{Conn, Idle};
 
-pub struct Pool {
-    /// `host:port` to connect to.
-    addr: String,
-    connect_timeout: Duration,
-    idle_timeout: Duration,
-    idle: Mutex<Vec<(TcpStream, Instant)>>,
-    reaper: std::sync::Once,
-}
+/// A plain-HTTP/1.1 upstream's idle streams for the native path.
+pub type Pool = Idle<TcpStream>;
 
-impl Pool {
-    pub fn new(addr: String, connect_timeout: Duration, idle_timeout: Duration) -> Arc<Self> {
-        Arc::new(Pool {
-            addr,
-            connect_timeout,
-            idle_timeout,
-            idle: Mutex::new(Vec::new()),
-            reaper: std::sync::Once::new(),
-        })
-    }
-
-    /// The most recently used idle connection that is still quiet.
-    pub fn checkout(&self) -> Option<TcpStream> {
-        let mut idle = self.idle.lock().expect("pool lock");
-        while let Some((stream, since)) = idle.pop() {
-            if since.elapsed() < self.idle_timeout && quiet(&stream) {
-                return Some(stream);
-            }
-        }
-        None
-    }
-
-    /// Puts a connection whose last response ended cleanly back on the stack.
-    pub fn put(&self, stream: TcpStream) {
-        let mut idle = self.idle.lock().expect("pool lock");
-        if idle.len() < MAX_IDLE {
-            idle.push((stream, Instant::now()));
-        }
-    }
-
-    /// A new connection, or why there is none (for a 502's detail).
-    pub async fn connect(self: &Arc<Self>) -> Result<TcpStream, String> {
-        self.reaper.call_once(|| spawn_reaper(Arc::downgrade(self), self.idle_timeout));
-        let stream = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(format!("tcp connect error: {e}")),
-            Err(_) => return Err(format!("tcp connect timed out after {:?}", self.connect_timeout)),
-        };
-        let _ = stream.set_nodelay(true);
-        Ok(stream)
-    }
-
-    #[cfg(test)]
-    pub fn idle_count(&self) -> usize {
-        self.idle.lock().expect("pool lock").len()
+impl Conn for TcpStream {
+    fn usable(&self) -> bool {
+        quiet(self)
     }
 }
 
@@ -89,16 +36,10 @@ fn quiet(stream: &TcpStream) -> bool {
     }
 }
 
-/// Closes connections idle for longer than `idle_timeout`, or closed by the
-/// upstream, until the pool is gone.
-fn spawn_reaper(pool: Weak<Pool>, idle_timeout: Duration) {
-    crate::proxy::h1pool::every_third_of(idle_timeout, pool, move |pool| {
-        pool.idle.lock().expect("pool lock").retain(|(s, since)| since.elapsed() < idle_timeout && quiet(s));
-    });
-}
-
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use tokio::io::AsyncWriteExt;
 
     use super::*;
@@ -108,7 +49,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let pool =
             Pool::new(listener.local_addr().unwrap().to_string(), Duration::from_secs(1), Duration::from_secs(60));
-        let (a, b) = (pool.connect().await.unwrap(), pool.connect().await.unwrap());
+        let (a, b) = (pool.connect_tcp().await.unwrap(), pool.connect_tcp().await.unwrap());
         let (mut sa, _) = listener.accept().await.unwrap();
         let (sb, _) = listener.accept().await.unwrap();
         pool.put(a);
@@ -120,7 +61,7 @@ mod tests {
         assert!(pool.checkout().is_none(), "neither is quiet");
         assert_eq!(pool.idle_count(), 0);
 
-        let c = pool.connect().await.unwrap();
+        let c = pool.connect_tcp().await.unwrap();
         let _server_side = listener.accept().await.unwrap();
         pool.put(c);
         assert!(pool.checkout().is_some(), "a quiet one is handed out");
@@ -131,7 +72,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let idle = Duration::from_millis(300);
         let pool = Pool::new(listener.local_addr().unwrap().to_string(), Duration::from_secs(1), idle);
-        let c = pool.connect().await.unwrap();
+        let c = pool.connect_tcp().await.unwrap();
         let _server_side = listener.accept().await.unwrap();
         pool.put(c);
         assert_eq!(pool.idle_count(), 1);
