@@ -250,21 +250,27 @@ impl tower::Service<Request<Incoming>> for Forward {
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
-/// Whether `name` is hop-by-hop whatever the Connection field says (TE only
-/// when it is not `trailers`, which [`strip_hop_by_hop`] checks).
+/// Field names that never cross a proxy (RFC 9110 §7.6.1), whatever the
+/// Connection field says (TE only when it is not `trailers`, which
+/// [`strip_hop_by_hop`] checks). Case-insensitive: the native HTTP/1.1 path
+/// asks with names as the app wrote them.
+pub(super) fn hop_by_hop(name: &str) -> bool {
+    const NAMES: [&str; 9] = [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    ];
+    NAMES.iter().any(|n| name.eq_ignore_ascii_case(n))
+}
+
 fn always_hop_by_hop(name: &HeaderName) -> bool {
-    [
-        header::CONNECTION,
-        header::UPGRADE,
-        header::TE,
-        header::TRAILER,
-        header::TRANSFER_ENCODING,
-        header::PROXY_AUTHENTICATE,
-        header::PROXY_AUTHORIZATION,
-        KEEP_ALIVE,
-        PROXY_CONNECTION,
-    ]
-    .contains(name)
+    hop_by_hop(name.as_str())
 }
 
 /// Hop-by-hop fields (RFC 9110 §7.6.1) plus those the Connection field names.
@@ -542,6 +548,16 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hop_by_hop_names_match_whatever_their_case() {
+        for name in ["Connection", "KEEP-ALIVE", "proxy-connection", "Proxy-Authenticate", "TE", "Trailer", "Upgrade"] {
+            assert!(hop_by_hop(name), "{name}");
+        }
+        for name in ["Host", "Content-Length", "Trailers", "X-Connection"] {
+            assert!(!hop_by_hop(name), "{name}");
+        }
+    }
 
     #[test]
     fn hop_by_hop_headers_are_removed() {

@@ -16,7 +16,7 @@ use http::Method;
 use super::response::{parse_length, push_field};
 use crate::config::limits::ListenerLimits;
 use crate::proxy::route::RequestView;
-use crate::proxy::upstream::VIA;
+use crate::proxy::upstream::{VIA, hop_by_hop};
 
 /// Header fields the parser has room for; a request with more is handed off.
 pub const MAX_HEADERS: usize = 128;
@@ -248,24 +248,6 @@ impl RequestView for Head<'_> {
 /// the request to the general path, whose URI parser decides.
 fn target_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@%/?".contains(&b)
-}
-
-/// Field names that never cross a proxy (RFC 9110 §7.6.1), whatever the
-/// Connection field says. `te`, `transfer-encoding` and `upgrade` are listed
-/// for responses: requests carrying them never reach the native path.
-pub fn hop_by_hop(name: &str) -> bool {
-    const NAMES: &[&str] = &[
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    ];
-    NAMES.iter().any(|n| eq_name(name, n))
 }
 
 /// Case-insensitive field-name equality against a lower-case name.

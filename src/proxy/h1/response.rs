@@ -151,7 +151,7 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>) -> Result<Parsed
             // Kept as sent where there is no body to measure (HEAD, 304).
             framing == Framing::Empty && status != StatusCode::NO_CONTENT
         } else {
-            !super::head::hop_by_hop(h.name) && !named(h.name)
+            !crate::proxy::upstream::hop_by_hop(h.name) && !named(h.name)
         };
         if keep {
             has_date |= eq_name(h.name, "date");
