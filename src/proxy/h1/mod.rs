@@ -85,7 +85,9 @@ struct Buffers {
 const KEEP: usize = 32 * 1024;
 
 impl Buffers {
-    fn trim(&mut self) {
+    /// Between requests: gives back what grew past [`KEEP`], and the
+    /// client's buffer `client` too once it holds nothing (no pipelined request).
+    fn trim(&mut self, client: &mut BytesMut) {
         if self.req.capacity() > KEEP {
             self.req = Vec::new();
         }
@@ -95,13 +97,9 @@ impl Buffers {
         if self.up.capacity() > KEEP {
             self.up = BytesMut::new();
         }
-    }
-}
-
-/// The client's buffer, trimmed the same way once it holds nothing.
-fn trim(buf: &mut BytesMut) {
-    if buf.is_empty() && buf.capacity() > KEEP {
-        *buf = BytesMut::new();
+        if client.is_empty() && client.capacity() > KEEP {
+            *client = BytesMut::new();
+        }
     }
 }
 
@@ -251,25 +249,22 @@ where
                 let Answer { resp, consumed, close, head_request } = *answer;
                 buf.advance(consumed);
                 if !write_generated(server, &mut io, resp, close, head_request, &mut bufs.out).await? {
-                    let _ = io.shutdown().await;
-                    return Ok(Served::Closed);
+                    break;
                 }
-                timers.head.set(Instant::now() + limits.header_timeout);
-                bufs.trim();
-                trim(&mut buf);
             }
             Step::Exchange(ex) => {
                 buf.advance(ex.consumed);
                 if !exchange(server, proxy, &mut io, &mut buf, &mut bufs, &mut timers.upstream, ex).await? {
-                    let _ = io.shutdown().await;
-                    return Ok(Served::Closed);
+                    break;
                 }
-                timers.head.set(Instant::now() + limits.header_timeout);
-                bufs.trim();
-                trim(&mut buf);
             }
         }
+        // Answered, and the connection stays open for the next request.
+        timers.head.set(Instant::now() + limits.header_timeout);
+        bufs.trim(&mut buf);
     }
+    let _ = io.shutdown().await;
+    Ok(Served::Closed)
 }
 
 /// Routes a parsed request and encodes it for its upstream, or says why
