@@ -152,6 +152,19 @@ fn input() -> impl Strategy<Value = Vec<u8>> {
 /// client's side (an EOF cancels a request still in flight); returns what
 /// the sidecar wrote back.
 async fn serve_bytes(server: &ConnServer, proxy: &Arc<Proxy>, bytes: &[u8]) -> Result<Vec<u8>, String> {
+    serve_connection(server, proxy, bytes, true).await
+}
+
+/// Serves `bytes` as one connection through in-memory I/O, closing the
+/// client's side after them if `half_close`, and reads to the sidecar's
+/// EOF. A failure: no EOF within 10 s, a connection task still running 10 s
+/// later, or a panic.
+async fn serve_connection(
+    server: &ConnServer,
+    proxy: &Arc<Proxy>,
+    bytes: &[u8],
+    half_close: bool,
+) -> Result<Vec<u8>, String> {
     let (mut client, io) = tokio::io::duplex(64 * 1024);
     let conn = tokio::spawn({
         let (server, proxy) = (server.clone(), proxy.clone());
@@ -160,7 +173,9 @@ async fn serve_bytes(server: &ConnServer, proxy: &Arc<Proxy>, bytes: &[u8]) -> R
     let exchange = async {
         // The sidecar may stop reading early (it answered, or gave up).
         let _ = client.write_all(bytes).await;
-        let _ = client.shutdown().await;
+        if half_close {
+            let _ = client.shutdown().await;
+        }
         let mut out = Vec::new();
         let _ = client.read_to_end(&mut out).await;
         out
@@ -169,7 +184,9 @@ async fn serve_bytes(server: &ConnServer, proxy: &Arc<Proxy>, bytes: &[u8]) -> R
         .await
         .map_err(|_| format!("no EOF from the sidecar within 10 s for {:?}", String::from_utf8_lossy(bytes)))?;
     match tokio::time::timeout(Duration::from_secs(10), conn).await {
-        Err(_) => Err(format!("connection task still running 10 s after EOF for {:?}", String::from_utf8_lossy(bytes))),
+        Err(_) => {
+            Err(format!("connection task still running 10 s after its EOF for {:?}", String::from_utf8_lossy(bytes)))
+        }
         Ok(Err(e)) if e.is_panic() => Err(format!("panic serving {:?}: {e}", String::from_utf8_lossy(bytes))),
         Ok(_) => Ok(out),
     }
@@ -326,29 +343,10 @@ fn hostile_upstream_answers_never_panic_or_hang() {
     let mut runner = TestRunner::new(Config { cases: 500, failure_persistence: None, ..Config::default() });
     let result = runner.run(&inputs, |bytes| {
         *answer.lock().unwrap() = bytes.clone();
-        let out = rt
-            .block_on(async {
-                let (mut client, io) = tokio::io::duplex(64 * 1024);
-                let conn = tokio::spawn({
-                    let (server, proxy) = (server.clone(), proxy.clone());
-                    async move { server.serve(proxy, io).await }
-                });
-                let exchange = async {
-                    let _ = client.write_all(b"GET /x HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n").await;
-                    let mut out = Vec::new();
-                    let _ = client.read_to_end(&mut out).await;
-                    out
-                };
-                let out = tokio::time::timeout(Duration::from_secs(10), exchange)
-                    .await
-                    .map_err(|_| "no EOF from the sidecar within 10 s".to_string())?;
-                match tokio::time::timeout(Duration::from_secs(10), conn).await {
-                    Err(_) => Err("connection task still running 10 s after its answer".to_string()),
-                    Ok(Err(e)) if e.is_panic() => Err(format!("panic: {e}")),
-                    Ok(_) => Ok(out),
-                }
-            })
-            .map_err(|e| TestCaseError::fail(format!("{e} for {:?}", String::from_utf8_lossy(&bytes))))?;
+        let request = b"GET /x HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n";
+        let out = rt.block_on(serve_connection(&server, &proxy, request, false)).map_err(|e| {
+            TestCaseError::fail(format!("{e}, the upstream answering {:?}", String::from_utf8_lossy(&bytes)))
+        })?;
         prop_assert!(
             out.starts_with(b"HTTP/1.1 "),
             "{:?} -> {:?}",
