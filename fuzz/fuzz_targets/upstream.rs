@@ -7,19 +7,17 @@
 //! finished within 10 s of the upstream's close, is a failure.
 #![no_main]
 
+mod common;
+
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use usher::clock::{Clock, Time};
-use usher::config::routes::RoutesConfig;
-use usher::proxy::{ConnServer, Proxy};
+
+use common::Sidecar;
 
 struct World {
-    rt: tokio::runtime::Runtime,
-    server: ConnServer,
-    proxy: Arc<Proxy>,
+    sidecar: Sidecar,
     /// What the upstream answers to the next request.
     answer: Arc<Mutex<Vec<u8>>>,
 }
@@ -27,23 +25,20 @@ struct World {
 fn world() -> &'static World {
     static WORLD: OnceLock<World> = OnceLock::new();
     WORLD.get_or_init(|| {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = common::runtime();
         let answer = Arc::new(Mutex::new(Vec::new()));
-        let (server, proxy) = rt.block_on(async {
+        let addr = rt.block_on(async {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
             tokio::spawn(upstream(listener, answer.clone()));
-            let routes = format!(
-                "upstreams:\n  up: {{ url: \"http://{addr}\", timeout: 2s }}\n\
-                 resources:\n  api: {{ kind: gauge, capacity: 100 }}\n\
-                 routes:\n  - {{ name: api, match: {{ host: api.test }}, upstream: up, resources: [api] }}\n"
-            );
-            let cfg = RoutesConfig::parse("fuzz.yaml", &routes).unwrap_or_else(|e| panic!("{e}"));
-            let server = ConnServer::new(cfg.limits);
-            let (clock, _h) = Clock::manual(Time::from_secs(1_000_000));
-            (server, Proxy::new(cfg, "fuzz.yaml".into(), clock, prometheus::Registry::new()).unwrap())
+            addr
         });
-        World { rt, server, proxy, answer }
+        let routes = format!(
+            "upstreams:\n  up: {{ url: \"http://{addr}\", timeout: 2s }}\n\
+             resources:\n  api: {{ kind: gauge, capacity: 100 }}\n\
+             routes:\n  - {{ name: api, match: {{ host: api.test }}, upstream: up, resources: [api] }}\n"
+        );
+        World { sidecar: Sidecar::new(rt, &routes), answer }
     })
 }
 
@@ -71,28 +66,13 @@ async fn upstream(listener: tokio::net::TcpListener, answer: Arc<Mutex<Vec<u8>>>
 fuzz_target!(|data: &[u8]| {
     let w = world();
     *w.answer.lock().unwrap() = data.to_vec();
-    w.rt.block_on(async {
-        let (mut client, io) = tokio::io::duplex(64 * 1024);
-        let conn = tokio::spawn({
-            let (server, proxy) = (w.server.clone(), w.proxy.clone());
-            async move {
-                let _ = server.serve(proxy, io).await;
-            }
-        });
-        let exchange = async {
-            let _ = client.write_all(b"GET /x HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n").await;
-            let mut out = Vec::new();
-            let _ = client.read_to_end(&mut out).await;
-            out
-        };
-        let out = tokio::time::timeout(Duration::from_secs(10), exchange).await.expect("no EOF from the sidecar within 10 s");
-        // Whatever the upstream sent, the app gets an HTTP/1.1 answer: the
-        // upstream's (perhaps cut short) or usher's 502.
-        assert!(out.starts_with(b"HTTP/1.1 "), "{:?}", String::from_utf8_lossy(&out));
-        match tokio::time::timeout(Duration::from_secs(10), conn).await {
-            Err(_) => panic!("connection still served 10 s after its answer"),
-            Ok(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Ok(_) => {}
-        }
+    let out = w.sidecar.connection(|mut client| async move {
+        let _ = client.write_all(b"GET /x HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n").await;
+        let mut out = Vec::new();
+        let _ = client.read_to_end(&mut out).await;
+        out
     });
+    // Whatever the upstream sent, the app gets an HTTP/1.1 answer: the
+    // upstream's (perhaps cut short) or usher's 502.
+    assert!(out.starts_with(b"HTTP/1.1 "), "{:?}", String::from_utf8_lossy(&out));
 });
