@@ -324,6 +324,14 @@ fn median(v: &mut [f64]) -> f64 {
     if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
 }
 
+/// One measurement on stderr, as it is taken.
+fn progress(what: &str, rate: f64, target: &str, s: &Sample) {
+    eprintln!(
+        "{what} {rate:>6} req/s {target:>6}: p50 {:>7.0} µs p99 {:>7.0} µs p99.9 {:>7.0} µs errors {} cpu/1k {:.1} ms (user {:.1})",
+        s.p50, s.p99, s.p999, s.errors, s.cpu_per_k, s.user_per_k
+    );
+}
+
 fn min_max(v: &[f64]) -> (f64, f64) {
     v.iter().filter(|x| x.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)))
 }
@@ -490,17 +498,7 @@ async fn compare(o: &Opts) {
         for (ri, &rate) in o.rates.iter().enumerate() {
             for (ti, t) in rotate(&targets, round) {
                 let s = measure(t, rate, o.seconds, o.conns).await;
-                eprintln!(
-                    "round {} {:>6} req/s {:>6}: p50 {:>7.0} µs p99 {:>7.0} µs p99.9 {:>7.0} µs errors {} cpu/1k {:.1} ms",
-                    round + 1,
-                    rate,
-                    t.name,
-                    s.p50,
-                    s.p99,
-                    s.p999,
-                    s.errors,
-                    s.cpu_per_k
-                );
+                progress(&format!("round {}", round + 1), rate, &t.name, &s);
                 if let Some(pid) = pids[ti]
                     && let Some(rss) = procfs::status_mb(pid, "VmRSS")
                 {
@@ -572,18 +570,7 @@ async fn compare(o: &Opts) {
                         continue;
                     }
                     let s = measure(t, rate, o.sweep_seconds, o.conns.max((rate / 500.0) as usize)).await;
-                    eprintln!(
-                        "sweep {} {:>6} req/s {:>6}: p50 {:>7.0} µs p99 {:>7.0} µs p99.9 {:>7.0} µs errors {} cpu/1k {:.1} ms (user {:.1})",
-                        pass + 1,
-                        rate,
-                        t.name,
-                        s.p50,
-                        s.p99,
-                        s.p999,
-                        s.errors,
-                        s.cpu_per_k,
-                        s.user_per_k
-                    );
+                    progress(&format!("sweep {}", pass + 1), rate, &t.name, &s);
                     // Past saturation (behind schedule, or queueing for tens of ms) twice running:
                     // higher rates say nothing new. Latency goals are judged afterwards.
                     if s.errors > 0 || s.p50 > 20_000.0 || s.p50.is_nan() {
