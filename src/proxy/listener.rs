@@ -154,16 +154,13 @@ impl ConnServer {
     where
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let draining = self.draining.clone();
-        let closing = self.closing.clone();
+        let server = self.clone();
         let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-            let proxy = proxy.clone();
-            let (draining, closing) = (draining.clone(), closing.clone());
+            let (proxy, server) = (proxy.clone(), server.clone());
             async move {
                 let h1 = req.version() <= http::Version::HTTP_11 && req.method() != http::Method::CONNECT;
                 let mut resp = proxy.handle(req).await;
-                let close = draining.is_cancelled() || closing.is_cancelled();
-                if h1 && close && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+                if h1 && server.is_draining() && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
                     resp.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
                 }
                 Ok::<_, Infallible>(resp)
