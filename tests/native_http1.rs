@@ -2028,3 +2028,41 @@ async fn a_client_that_leaves_while_waiting_gives_its_place_back() {
         assert_eq!(handoffs(&p), BTreeMap::new(), "{engine:?}");
     }
 }
+
+// === the real binary ===
+
+/// `usher proxy` as shipped: by default a chunked request is handed to
+/// hyper and counted by reason on `/metrics`; with `--http1 hyper`, or
+/// `USHER_HTTP1=hyper`, hyper serves everything and nothing is handed off.
+/// All answer. A value the flag does not know is refused, naming the choices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_s_http1_flag_and_env_choose_the_engine() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = support::write_file(dir.path(), "routes.yaml", &routes(up.addr, ""));
+    let routes = routes.to_str().unwrap();
+    let base = ["proxy", "--routes", routes, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
+    type Run<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], f64);
+    let runs: [Run; 3] = [(&[], &[], 1.0), (&["--http1", "hyper"], &[], 0.0), (&[], &[("USHER_HTTP1", "hyper")], 0.0)];
+    for (flags, env, handed_off) in runs {
+        let args: Vec<&str> = base.iter().chain(flags).copied().collect();
+        let u = support::Usher::start(&args, env, "usher proxy listening");
+        let mut c = Client::connect(u.addr("listen")).await;
+        c.send(format!("GET /x HTTP/1.1\r\nHost: {API}\r\n\r\n")).await;
+        assert_eq!(c.response(false).await.status, 200, "{flags:?} {env:?}");
+        c.send(format!("POST /x HTTP/1.1\r\nHost: {API}\r\nTransfer-Encoding: chunked\r\n\r\n4\r\ndata\r\n0\r\n\r\n"))
+            .await;
+        assert_eq!(c.response(false).await.status, 200, "{flags:?} {env:?}");
+        let admin = u.addr("admin");
+        let (code, text) = tokio::task::spawn_blocking(move || support::http_get(admin, "/metrics")).await.unwrap();
+        assert_eq!(code, 200);
+        let series = [("reason", "transfer_encoding")];
+        let count = support::metric(&text, "usher_proxy_http1_handoffs_total", &series);
+        assert_eq!(count, Some(handed_off), "{flags:?} {env:?}");
+    }
+
+    let (code, _, err) = support::run_usher(&["proxy", "--routes", routes, "--http1", "fast"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("invalid value 'fast' for '--http1 <HTTP1>'"), "{err}");
+    assert!(err.contains("[possible values: native, hyper]"), "{err}");
+}
