@@ -44,7 +44,6 @@ pub mod why {
     pub const GRPC: &str = "grpc";
     pub const LOOP: &str = "loop";
     pub const BODY: &str = "body";
-    pub const ROUTE: &str = "route";
     pub const UPSTREAM: &str = "upstream";
     /// Every label, for registering the counter's series up front.
     pub const ALL: &[&str] = &[
@@ -63,7 +62,6 @@ pub mod why {
         GRPC,
         LOOP,
         BODY,
-        ROUTE,
         UPSTREAM,
     ];
 }

@@ -154,14 +154,20 @@ struct Timers {
 struct Exchange {
     route: Arc<Route>,
     plan: Plan,
+    /// An upstream with a native side (`prepare` checked).
     upstream: Arc<Upstream>,
-    pool: Arc<Pool>,
     /// Bytes of the client's buffer this request took.
     consumed: usize,
     head_request: bool,
     idempotent: bool,
     /// The client asked to close after this exchange.
     close: bool,
+}
+
+impl Exchange {
+    fn pool(&self) -> &Arc<Pool> {
+        &self.upstream.native.as_ref().expect("prepare routes only upstreams with a native side").pool
+    }
 }
 
 enum Step {
@@ -284,12 +290,10 @@ fn prepare(proxy: &Proxy, h: &head::Head<'_>, buf: &[u8], req: &mut Vec<u8>) -> 
     req.clear();
     let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
     h.encode(&native.prefix, host, &buf[h.head_len..consumed], req);
-    let pool = native.pool.clone();
     Step::Exchange(Exchange {
         route: resolved.route,
         plan: resolved.plan,
         upstream,
-        pool,
         consumed,
         head_request,
         idempotent: h.idempotent(),
@@ -368,7 +372,7 @@ where
     // The admission (gauge permits) and the in-flight count last until the body has ended.
     drop((admitted, in_flight));
     match relayed {
-        Ok(Some(stream)) if head.reusable => ex.pool.put(stream),
+        Ok(Some(stream)) if head.reusable => ex.pool().put(stream),
         Ok(_) => {}
         Err(BodyError::Upstream(e)) => {
             // The status is already sent: the client sees its body cut.
@@ -425,11 +429,11 @@ async fn roundtrip(
     let failed = |reason: String| ProxyError::Upstream { upstream: name(), reason };
     let mut fresh = false;
     'connection: loop {
-        let (mut stream, reused) = match if fresh { None } else { ex.pool.checkout() } {
+        let (mut stream, reused) = match if fresh { None } else { ex.pool().checkout() } {
             Some(s) => (s, true),
             None => {
                 let s = ex
-                    .pool
+                    .pool()
                     .connect_tcp()
                     .await
                     .map_err(|reason| ProxyError::UpstreamConnect { upstream: name(), reason })?;
