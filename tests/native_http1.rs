@@ -1904,8 +1904,9 @@ async fn the_general_path_does_not_resend_a_get_the_upstream_took_and_dropped() 
 // === header timeout ===
 
 /// With `header_timeout: 1s`: an idle keep-alive connection after one
-/// answer, a new connection that sends half a head, and a kept-alive one
-/// that sends half a head are each closed, without an answer, about a
+/// answer, a new connection that sends half a head, a kept-alive one that
+/// sends half a head, and one that drips a head a byte at a time are each
+/// closed, without an answer, about a
 /// second later. The same on both engines. On the native path a small body
 /// it buffers counts against the same deadline (hyper gives a body none).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1948,24 +1949,53 @@ async fn the_header_timeout_closes_idle_and_half_sent_connections() {
         c.send(format!("POST /sink HTTP/1.1\r\nHost: {API}\r\nContent-Length: 10\r\n\r\nabc")).await;
         c.closed_within(Duration::from_secs(5)).await
     };
+    // A head dripped a byte every 200 ms: the drip does not move the deadline.
+    let dripping = |addr| {
+        let half = half.clone();
+        async move {
+            let mut c = Client::connect(addr).await;
+            let started = Instant::now();
+            c.send(&half).await;
+            let mut got = Vec::new();
+            let mut chunk = [0u8; 1024];
+            while started.elapsed() < Duration::from_secs(5) {
+                tokio::select! {
+                    r = c.stream.read(&mut chunk) => match r {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => got.extend_from_slice(&chunk[..n]),
+                    },
+                    () = tokio::time::sleep(Duration::from_millis(200)) => {
+                        if c.stream.write_all(b"a").await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+            (started.elapsed(), got)
+        }
+    };
     let got = tokio::join!(
         idle(native.addr),
         half_first(native.addr),
         half_later(native.addr),
         half_body(native.addr),
+        dripping(native.addr),
         idle(hyper.addr),
         half_first(hyper.addr),
         half_later(hyper.addr),
+        dripping(hyper.addr),
     );
-    let got = [got.0, got.1, got.2, got.3, got.4, got.5, got.6];
+    let got = [got.0, got.1, got.2, got.3, got.4, got.5, got.6, got.7, got.8];
     let names = [
         "native idle",
         "native half head",
         "native half head after a request",
         "native half body",
+        "native dripped head",
         "hyper idle",
         "hyper half head",
         "hyper half head after a request",
+        "hyper dripped head",
     ];
     for ((took, bytes), name) in got.iter().zip(names) {
         assert!(bytes.is_empty(), "{name}: closed without an answer, got {:?}", bytes.escape_ascii().to_string());

@@ -247,7 +247,8 @@ where
                 match got {
                     Ok(0) if buf.is_empty() => return Ok(Served::Closed),
                     Ok(0) => return Err("the client closed the connection in the middle of a request".into()),
-                    Ok(_) => {}
+                    // More of the same request: its deadline stands.
+                    Ok(_) => continue,
                     Err(e) => return Err(e.into()),
                 }
             }
