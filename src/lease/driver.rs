@@ -245,8 +245,9 @@ mod tests {
     use crate::config::resources::ResourcesConfig;
     use crate::lease::OnExpiry;
     use crate::lease::core::{CallError, Mode};
-    use crate::lease::transport::{BoxFuture, LocalTransport};
+    use crate::lease::transport::BoxFuture;
     use crate::proto;
+    use crate::server::LocalTransport;
     use crate::server::Node;
 
     /// A server whose calls hang forever once `hang` is set, as a blackholed one does.

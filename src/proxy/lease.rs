@@ -18,8 +18,8 @@ use crate::config::resources::{Algorithm, ResourcesConfig, Template};
 use crate::config::routes::{ResourceKind, RoutesConfig, Segment};
 use crate::lease::core::{Capacity, CoreConfig, KeyDemand};
 use crate::lease::driver::{Enforcer, LeaseClient};
-use crate::lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, LocalTransport, Transport};
-use crate::server::Node;
+use crate::lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, Transport};
+use crate::server::{LocalTransport, Node};
 
 /// The embedded server's address in the in-process transport.
 pub const EMBEDDED: &str = "embedded";
