@@ -16,7 +16,8 @@ use crate::clock::Time;
 use crate::config::doorman::{LeaseSettings, Wants};
 use crate::config::resources::{Algorithm, ResourcesConfig, Template};
 use crate::config::routes::{ResourceKind, RoutesConfig, Segment};
-use crate::lease::core::{Capacity, CoreConfig, KeyDemand};
+use crate::lease::backoff::BackoffConfig;
+use crate::lease::core::{Capacity, CoreConfig, KeyDemand, OnExpiry};
 use crate::lease::driver::{Enforcer, LeaseClient};
 use crate::lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, Transport};
 use crate::server::{LocalTransport, Node};
@@ -193,7 +194,7 @@ impl Enforcer for TableEnforcer {
                     resource_id: l.id().to_string(),
                     priority: settings.priority,
                     wants,
-                    on_expiry: settings.on_expiry,
+                    on_expiry: on_expiry(settings.on_expiry),
                     safe_capacity: settings.safe_capacity,
                     pressure,
                 })
@@ -219,6 +220,15 @@ impl Enforcer for TableEnforcer {
             };
             self.proxy.table.set_capacity(id, self.proxy.pushback.effective(id, c, now));
         }
+    }
+}
+
+/// The lease client's copy of a resource's `on_expiry`.
+fn on_expiry(o: crate::config::doorman::OnExpiry) -> OnExpiry {
+    match o {
+        crate::config::doorman::OnExpiry::Optimistic => OnExpiry::Optimistic,
+        crate::config::doorman::OnExpiry::Pessimistic => OnExpiry::Pessimistic,
+        crate::config::doorman::OnExpiry::Safe => OnExpiry::Safe,
     }
 }
 
@@ -282,7 +292,13 @@ pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, to
             let mut c = CoreConfig::new(d.client_id.clone(), d.servers.clone());
             c.jitter = d.jitter;
             c.min_interval = d.min_interval;
-            c.backoff = d.backoff;
+            c.backoff = BackoffConfig {
+                initial: d.backoff.initial,
+                max: d.backoff.max,
+                multiplier: d.backoff.multiplier,
+                randomization: d.backoff.randomization,
+                ..BackoffConfig::default()
+            };
             tracing::info!(servers = %d.servers.join(","), client_id = %d.client_id, "leasing capacity from Doorman servers");
             let tls = d.tls.as_ref().map(|files| {
                 // Checked when the routes file was read; a file that went bad since is
