@@ -11,6 +11,7 @@
 //! requests drain until a deadline.
 
 pub mod access_log;
+mod guard;
 mod h1;
 mod h1pool;
 mod idle;
@@ -33,7 +34,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode, header};
+use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
@@ -194,13 +195,10 @@ impl Proxy {
     pub async fn handle(self: Arc<Self>, mut req: Request<Incoming>) -> Response<ProxyBody> {
         let grpc = is_grpc(req.headers());
         let arrived = self.table.clock().now();
-        if req.headers().get_all(header::VIA).iter().any(|v| v.to_str().is_ok_and(|v| v.contains(upstream::VIA))) {
-            return respond::proxy_error(&ProxyError::Loop, grpc);
+        if let Err(e) = guard::check(&req) {
+            return respond::proxy_error(&e, grpc);
         }
-        // RFC 9110 §7.2: more than one Host is a 400, whatever routing would make of it.
-        if req.headers().get_all(header::HOST).iter().nth(1).is_some() {
-            return respond::proxy_error(&ProxyError::BadRequest("more than one Host header".into()), grpc);
-        }
+        guard::strip_h2c(req.headers_mut());
         if let Some(limit) = self.config.load().limits.max_body_bytes {
             // A declared length over the limit is refused before anything is
             // forwarded; a body without one is cut off where it passes the limit.

@@ -255,8 +255,9 @@ const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection")
 /// [`strip_hop_by_hop`] checks). Case-insensitive: the native HTTP/1.1 path
 /// asks with names as the app wrote them.
 pub(super) fn hop_by_hop(name: &str) -> bool {
-    const NAMES: [&str; 9] = [
+    const NAMES: [&str; 10] = [
         "connection",
+        "http2-settings",
         "keep-alive",
         "proxy-connection",
         "proxy-authenticate",
