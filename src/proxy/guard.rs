@@ -1,6 +1,6 @@
 //! What every request must pass before it is routed: not a loop (a `Via`
-//! of ours), exactly one `Host` on HTTP/1.1 (RFC 9112 §3.2: none, or more
-//! than one, is a 400), a declared body within `limits.max_body_bytes`; and
+//! of ours), one `Host` at most, and on HTTP/1.1 one at least unless the
+//! target names the host (RFC 9112 §3.2: a 400), a declared body within `limits.max_body_bytes`; and
 //! no HTTP/2 upgrade (`Upgrade: h2c`), which is stripped.
 //!
 //! Why strip h2c rather than refuse it: the requests that would follow an
@@ -29,7 +29,10 @@ pub fn check<B>(req: &Request<B>) -> Result<(), ProxyError> {
     match (hosts.next(), hosts.next()) {
         // RFC 9110 §7.2: more than one Host is a 400, whatever routing would make of it.
         (Some(_), Some(_)) => return Err(ProxyError::BadRequest("more than one Host header".into())),
-        (None, _) if req.version() == Version::HTTP_11 => {
+        // An absolute-form target (or CONNECT's authority) names the host
+        // itself, and a proxy goes by it (RFC 9112 §3.2.2): only a request
+        // that names no host at all is refused.
+        (None, _) if req.version() == Version::HTTP_11 && req.uri().authority().is_none() => {
             return Err(ProxyError::BadRequest("an HTTP/1.1 request needs a Host header (RFC 9112 §3.2)".into()));
         }
         _ => {}
@@ -128,6 +131,8 @@ mod tests {
         assert!(matches!(check(&req(Version::HTTP_11, &[])), Err(ProxyError::BadRequest(_))));
         assert!(matches!(check(&req(Version::HTTP_11, &["a", "b"])), Err(ProxyError::BadRequest(_))));
         assert!(check(&req(Version::HTTP_10, &[])).is_ok(), "HTTP/1.0 has no Host requirement");
+        let absolute = Request::get("http://api.test/x").body(()).unwrap();
+        assert!(check(&absolute).is_ok(), "the target names the host");
         assert!(check(&req(Version::HTTP_2, &[])).is_ok(), "HTTP/2 has :authority");
     }
 }

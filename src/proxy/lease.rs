@@ -12,6 +12,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::Proxy;
+use super::pushback::Pushback;
 use crate::clock::Time;
 use crate::config::doorman::{LeaseSettings, Wants};
 use crate::config::resources::{Algorithm, ResourcesConfig, Template};
@@ -20,6 +21,7 @@ use crate::lease::backoff::BackoffConfig;
 use crate::lease::core::{Capacity, CoreConfig, KeyDemand, OnExpiry};
 use crate::lease::driver::{Enforcer, LeaseClient};
 use crate::lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, Transport};
+use crate::limit::LeaseTable;
 use crate::server::{LocalTransport, Node};
 
 /// The embedded server's address in the in-process transport.
@@ -41,9 +43,13 @@ struct KeyMemory {
     active: Option<(Time, f64)>,
 }
 
-/// The sidecar as the lease client sees it.
+/// The sidecar as the lease client sees it: its lease table, pushback, and
+/// the routes file in force.
 pub struct TableEnforcer {
-    proxy: Arc<Proxy>,
+    table: Arc<LeaseTable>,
+    pushback: Arc<Pushback>,
+    /// The routes file in force (a reload changes it).
+    config: ConfigSource,
     transitions: prometheus::IntCounterVec,
     embedded: Option<Arc<Node>>,
     memory: Mutex<HashMap<String, KeyMemory>>,
@@ -51,6 +57,10 @@ pub struct TableEnforcer {
 }
 
 impl TableEnforcer {
+    fn config(&self) -> Arc<RoutesConfig> {
+        (self.config)()
+    }
+
     fn settings<'a>(cfg: &'a RoutesConfig, resource: &str) -> Option<(&'a LeaseSettings, ResourceKind, f64)> {
         cfg.resources.get(resource).map(|r| {
             let cap = match r.kind {
@@ -117,10 +127,10 @@ impl TableEnforcer {
         };
         // A key its upstream pushes back on asks for less, and gives its lease
         // back early, so the capacity flows to sidecars that can use it.
-        let factor = self.proxy.pushback.factor(id, now);
+        let factor = self.pushback.factor(id, now);
         if factor < 1.0 {
             // While pushed back it can use at most its share of the lease.
-            let lease = self.proxy.pushback.base(id).unwrap_or(wants);
+            let lease = self.pushback.base(id).unwrap_or(wants);
             let wants = wants.min(lease) * factor;
             return (wants, wants < lease * 0.5);
         }
@@ -154,7 +164,7 @@ impl TableEnforcer {
         }
         mem.remove(l.id());
         drop(mem);
-        if let Some(limits) = self.proxy.table.resource(resource) {
+        if let Some(limits) = self.table.resource(resource) {
             limits.remove(l.id());
         }
         tracing::info!(resource, id = %l.id(), idle = ?s.key_idle_timeout, "forgot an idle key; releasing its lease");
@@ -164,7 +174,7 @@ impl TableEnforcer {
 
 impl Enforcer for TableEnforcer {
     fn demand(&self) -> Vec<KeyDemand> {
-        let cfg = self.proxy.config();
+        let cfg = self.config();
         if let Some(node) = &self.embedded {
             let mut seen = self.seen_config.lock().expect("enforcer config");
             if !seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &cfg)) {
@@ -175,13 +185,12 @@ impl Enforcer for TableEnforcer {
         // Fixed ids need a lease before their first request; templated keys
         // appear as requests name them.
         for r in cfg.resources.values().filter(|r| r.id.is_fixed()) {
-            if let Some(limits) = self.proxy.table.resource(&r.name) {
+            if let Some(limits) = self.table.resource(&r.name) {
                 limits.limiter(&r.id.text);
             }
         }
-        let now = self.proxy.table.clock().now();
-        self.proxy
-            .table
+        let now = self.table.clock().now();
+        self.table
             .limiters()
             .into_iter()
             .filter_map(|(resource, l)| {
@@ -212,13 +221,13 @@ impl Enforcer for TableEnforcer {
     }
 
     fn apply(&self, capacities: &[(String, Capacity)]) {
-        let now = self.proxy.table.clock().now();
+        let now = self.table.clock().now();
         for (id, cap) in capacities {
             let c = match cap {
                 Capacity::Limited(c) => *c,
                 Capacity::Unlimited => f64::INFINITY,
             };
-            self.proxy.table.set_capacity(id, self.proxy.pushback.effective(id, c, now));
+            self.table.set_capacity(id, self.pushback.effective(id, c, now));
         }
     }
 }
@@ -282,9 +291,26 @@ pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
 }
 
 /// Starts the lease client for `proxy`; it runs until `shutdown`, then releases its leases.
-pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, tokio::task::JoinHandle<()>) {
-    let cfg = proxy.config();
-    let clock = proxy.table.clock().clone();
+pub fn start(proxy: &Proxy, shutdown: CancellationToken) -> (LeaseClient, tokio::task::JoinHandle<()>) {
+    let pipelines = proxy.pipelines();
+    let config: ConfigSource = Arc::new(move || pipelines.load().config.clone());
+    start_with(config, proxy.table.clone(), proxy.pushback.clone(), &proxy.metrics.registry, shutdown)
+}
+
+/// Where the enforcer reads the routes file in force.
+pub type ConfigSource = Arc<dyn Fn() -> Arc<RoutesConfig> + Send + Sync>;
+
+/// Starts a lease client for `table`, whose resources `config` describes
+/// (and whose `doorman:` section, or its absence, says where capacity comes from).
+pub fn start_with(
+    config: ConfigSource,
+    table: Arc<LeaseTable>,
+    pushback: Arc<Pushback>,
+    registry: &prometheus::Registry,
+    shutdown: CancellationToken,
+) -> (LeaseClient, tokio::task::JoinHandle<()>) {
+    let cfg = config();
+    let clock = table.clock().clone();
     let (core_cfg, transport, embedded, cache): (CoreConfig, Arc<dyn Transport>, Option<Arc<Node>>, _) = match &cfg
         .doorman
     {
@@ -336,9 +362,11 @@ pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, to
         &["resource_id", "from", "to"],
     )
     .expect("valid metric");
-    let _ = proxy.metrics.registry.register(Box::new(transitions.clone()));
+    let _ = registry.register(Box::new(transitions.clone()));
     let enforcer = Arc::new(TableEnforcer {
-        proxy,
+        table,
+        pushback,
+        config,
         transitions,
         embedded,
         memory: Mutex::new(HashMap::new()),

@@ -1,14 +1,15 @@
 //! `usher proxy`: the sidecar's data path.
 //!
-//! One listener speaks HTTP/1.1 and h2c ([`listener`]). Everyday HTTP/1.1
-//! requests to plain-HTTP upstreams run on the native path (`h1`): routed
-//! ([`route`]), admitted ([`crate::limit::admit`]) and forwarded on one
-//! task per connection. Everything else runs on hyper ([`Proxy::handle`]):
-//! routed, admitted by the [`crate::limit`] tower layer and forwarded
-//! ([`upstream`]). Both turn every error into a response in [`respond`].
-//! CONNECT tunnels are admitted once and hold their gauge permits for
-//! their lifetime. On shutdown the listener stops accepting and in-flight
-//! requests drain until a deadline.
+//! One listener speaks HTTP/1.1 and h2c ([`listener`]). Every request, on
+//! both HTTP/1.1 engines (the native path, `h1`, and hyper), on HTTP/2 and
+//! CONNECT, passes through one tower stack ([`pipeline`]): guard, account,
+//! route ([`route`]), limit ([`crate::limit::admit`]), then the engine's own
+//! forward ([`upstream`] for hyper, `h1` for the native path). Errors become
+//! answers in one place ([`respond`]). The stack is built from a [`Pipeline`]
+//! snapshot (routing, upstreams, config) that a reload swaps as one.
+//! [`Proxy`] wires the pieces: the lease table, the lease client, pushback,
+//! metrics and reloads. On shutdown the listener stops accepting and
+//! in-flight requests drain until a deadline.
 
 pub mod access_log;
 mod guard;
@@ -18,6 +19,8 @@ mod idle;
 pub mod lease;
 pub mod listener;
 pub mod metrics;
+pub mod pipeline;
+mod pool;
 pub mod pushback;
 pub mod respond;
 pub mod route;
@@ -34,28 +37,28 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper_util::rt::TokioIo;
 use pin_project_lite::pin_project;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tower::{Layer, ServiceExt};
+use tower::Service;
 
-use crate::clock::{Clock, Time};
+use crate::clock::Clock;
 use crate::config::ConfigError;
 use crate::config::routes::{RoutesConfig, UpstreamConfig};
 use crate::config::watch;
 use crate::error::{RunError, bind};
-use crate::limit::layer::{Admission, BoxError};
-use crate::limit::{LeaseTable, Limit, LimitLayer};
+use crate::limit::LeaseTable;
+use crate::limit::layer::BoxError;
 pub use listener::{ConnServer, Http1};
 pub use metrics::Metrics;
-use respond::{ProxyError, error_response, is_grpc};
-use route::{Route, Routing};
-use upstream::{Forward, Upstream};
+pub use pipeline::Pipeline;
+use pipeline::{Accounts, Exchange, Held, Reply};
+use route::Routing;
+use upstream::{Upstream, UpstreamBody};
 
 /// The body of every response the proxy sends.
 pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -80,27 +83,25 @@ pub struct ProxyArgs {
 
 pub use crate::config::ConfigState;
 
-/// Everything one sidecar shares between connections and tasks.
+/// One sidecar's wiring: the lease table and lease client, pushback,
+/// metrics, and the current [`Pipeline`] that requests are served by.
 pub struct Proxy {
-    pub table: LeaseTable,
+    pub table: Arc<LeaseTable>,
     /// The lease client, once started.
     pub lease: std::sync::OnceLock<crate::lease::LeaseClient>,
     /// Backing off from upstreams that answer 429 or 503.
-    pub pushback: pushback::Pushback,
-    /// One JSON line per request, when the routes file names a file.
-    access_log: Option<access_log::AccessLog>,
-    /// This sidecar's client id, for the access log.
-    client_id: String,
+    pub pushback: Arc<pushback::Pushback>,
     pub metrics: Arc<Metrics>,
     pub config_source: String,
-    routing: ArcSwap<Routing>,
-    stack: Limit<Forward>,
+    /// The snapshot requests are served by; a reload swaps it whole.
+    pipeline: Arc<ArcSwap<Pipeline>>,
+    accounts: Arc<Accounts>,
+    clock: Clock,
     roots: rustls::RootCertStore,
-    /// Built upstreams, reused across reloads while their configuration is unchanged.
-    upstreams: Mutex<HashMap<String, Arc<Upstream>>>,
+    /// Where requests no upstream serves go (passthrough, CONNECT).
     direct: Arc<Upstream>,
+    /// Serialises reloads; the request path never takes it.
     config_state: Mutex<ConfigState>,
-    config: ArcSwap<RoutesConfig>,
 }
 
 impl Proxy {
@@ -112,42 +113,56 @@ impl Proxy {
         registry: prometheus::Registry,
     ) -> Result<Arc<Self>, ConfigError> {
         let roots = upstream::system_roots();
-        let direct = Arc::new(Upstream::direct(&roots).map_err(|e| ConfigError::whole_file(&source, e))?);
-        let upstreams = build_upstreams(&cfg, &HashMap::new(), &roots, &source)?;
-        let table = LeaseTable::new(clock.clone());
+        let metrics = Arc::new(Metrics::new(registry));
+        let direct = Arc::new(Upstream::direct(&roots, &metrics).map_err(|e| ConfigError::whole_file(&source, e))?);
+        let upstreams = build_upstreams(&cfg, &HashMap::new(), &roots, &metrics, &source)?;
+        let table = Arc::new(LeaseTable::new(clock.clone()));
         table.configure(route::specs(&cfg));
-        let pushback = pushback::Pushback::new(&registry);
+        let pushback = Arc::new(pushback::Pushback::new(&metrics.registry));
         let access_log = match &cfg.access_log {
             None => None,
-            Some(p) => Some(access_log::AccessLog::open(p, &registry).map_err(|e| {
+            Some(p) => Some(access_log::AccessLog::open(p, &metrics.registry).map_err(|e| {
                 ConfigError::whole_file(&source, format!("access_log: cannot open {}: {e}", p.display()))
             })?),
         };
         let client_id =
             cfg.doorman.as_ref().map_or_else(crate::config::doorman::default_client_id, |d| d.client_id.clone());
-        let metrics = Arc::new(Metrics::new(registry));
+        let accounts = Arc::new(Accounts {
+            metrics: metrics.clone(),
+            access_log,
+            client_id,
+            pushback: pushback.clone(),
+            table: table.clone(),
+        });
         let routing = Routing::new(&cfg, &upstreams, direct.clone(), &table, &metrics);
-        let stack = LimitLayer::new(clock.clone()).layer(Forward::new(metrics.clone()));
+        let pipeline = Pipeline::new(Arc::new(cfg), routing, upstreams, accounts.clone(), clock.clone());
         Ok(Arc::new(Proxy {
             table,
             lease: std::sync::OnceLock::new(),
             pushback,
-            access_log,
-            client_id,
             metrics,
             config_source: source,
-            routing: ArcSwap::from_pointee(routing),
-            stack,
-            roots,
-            upstreams: Mutex::new(upstreams),
-            direct,
+            pipeline: Arc::new(ArcSwap::from_pointee(pipeline)),
+            accounts,
             config_state: Mutex::new(ConfigState { loaded_at: Some(clock.now()), last_error: None }),
-            config: ArcSwap::from_pointee(cfg),
+            clock,
+            roots,
+            direct,
         }))
     }
 
     pub fn config(&self) -> Arc<RoutesConfig> {
-        self.config.load_full()
+        self.pipeline.load().config.clone()
+    }
+
+    /// The snapshot requests are served by now.
+    pub fn pipeline(&self) -> Arc<Pipeline> {
+        self.pipeline.load_full()
+    }
+
+    /// Where the current snapshot is kept, for those that follow reloads.
+    pub fn pipelines(&self) -> Arc<ArcSwap<Pipeline>> {
+        self.pipeline.clone()
     }
 
     pub fn config_state(&self) -> ConfigState {
@@ -155,32 +170,41 @@ impl Proxy {
     }
 
     /// Applies a freshly read routes file, or keeps the old one and says why.
-    /// Open connections are untouched; unchanged resources keep their limiter state.
+    /// Open connections are untouched; unchanged resources keep their limiter
+    /// state, unchanged upstreams their connections. The new routing,
+    /// upstreams and limits take effect together, as one snapshot.
     pub fn apply_config(&self, result: Result<RoutesConfig, ConfigError>) {
-        let applied = result.and_then(|cfg| {
-            let mut ups = self.upstreams.lock().expect("upstreams lock");
-            let built = build_upstreams(&cfg, &ups, &self.roots, &self.config_source)?;
-            *ups = built.clone();
-            Ok((cfg, built))
-        });
+        // Held throughout, so two reloads never interleave.
         let mut state = self.config_state.lock().expect("config state lock");
+        let old = self.pipeline.load_full();
+        let applied = result.and_then(|cfg| {
+            let ups = build_upstreams(&cfg, &old.upstreams, &self.roots, &self.metrics, &self.config_source)?;
+            Ok((cfg, ups))
+        });
         match applied {
             Ok((cfg, ups)) => {
-                let old = self.config.load();
-                if old.listen != cfg.listen || old.admin != cfg.admin {
+                if old.config.listen != cfg.listen || old.config.admin != cfg.admin {
                     tracing::warn!("listen and admin addresses change only on restart");
                 }
-                let same_body =
-                    crate::config::limits::ListenerLimits { max_body_bytes: cfg.limits.max_body_bytes, ..old.limits };
+                let same_body = crate::config::limits::ListenerLimits {
+                    max_body_bytes: cfg.limits.max_body_bytes,
+                    ..old.config.limits
+                };
                 if same_body != cfg.limits {
                     tracing::warn!("listener limits other than max_body_bytes change only on restart");
                 }
                 self.table.configure(route::specs(&cfg));
-                self.routing.store(Arc::new(Routing::new(&cfg, &ups, self.direct.clone(), &self.table, &self.metrics)));
+                let routing = Routing::new(&cfg, &ups, self.direct.clone(), &self.table, &self.metrics);
                 tracing::info!(source = %self.config_source, routes = cfg.routes.len(), resources = cfg.resources.len(), "routes reloaded");
-                self.config.store(Arc::new(cfg));
+                self.pipeline.store(Arc::new(Pipeline::new(
+                    Arc::new(cfg),
+                    routing,
+                    ups,
+                    self.accounts.clone(),
+                    self.clock.clone(),
+                )));
                 self.metrics.config_reloads.inc();
-                state.loaded_at = Some(self.table.clock().now());
+                state.loaded_at = Some(self.clock.now());
                 state.last_error = None;
             }
             Err(e) => {
@@ -191,242 +215,16 @@ impl Proxy {
         }
     }
 
-    /// Handles one request from the app.
-    pub async fn handle(self: Arc<Self>, mut req: Request<Incoming>) -> Response<ProxyBody> {
-        let grpc = is_grpc(req.headers());
-        let arrived = self.table.clock().now();
-        if let Err(e) = guard::check(&req) {
-            return respond::proxy_error(&e, grpc);
+    /// Serves one request that hyper read (HTTP/1.1, HTTP/2, CONNECT) through the pipeline.
+    pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        let pipeline = self.pipeline.load_full();
+        let Ok(reply) = pipeline.stack(upstream::Forward).call(Exchange::new(req)).await;
+        match reply {
+            Reply::Upstream { answer, held } => answer.map(|b| Tracked { inner: b, held }.boxed_unsync()),
+            Reply::Made(resp) => resp,
+            // hyper's forward serves every target.
+            Reply::Unserved(why) => unreachable!("the general path refused a target ({why})"),
         }
-        guard::strip_h2c(req.headers_mut());
-        if let Some(limit) = self.config.load().limits.max_body_bytes {
-            // A declared length over the limit is refused before anything is
-            // forwarded; a body without one is cut off where it passes the limit.
-            if req.body().size_hint().lower() > limit {
-                return respond::proxy_error(&ProxyError::BodyTooLarge { limit }, grpc);
-            }
-            req.extensions_mut().insert(upstream::BodyLimit(limit));
-        }
-        let resolved = match self.routing.load().resolve(&req) {
-            Ok(r) => r,
-            Err(e) => return self.route_error(&e, grpc, arrived),
-        };
-        let route = resolved.route.clone();
-        let in_flight = InFlight::new(&route.metrics.in_flight);
-        if req.method() == Method::CONNECT {
-            return self.connect(req, resolved, in_flight).await;
-        }
-        let keys = resolved.plan.clone();
-        req.extensions_mut().insert(resolved.plan);
-        req.extensions_mut().insert(resolved.target);
-        match self.stack.clone().oneshot(req).await {
-            Ok(resp) => {
-                let admission = resp.extensions().get::<Admission>().copied();
-                let retry_after = || pushback::retry_after(resp.headers());
-                self.record_answer(&route, &keys, admission, resp.status(), retry_after, arrived);
-                let body_errors = route.metrics.body_errors.clone();
-                resp.map(|b| {
-                    Tracked { inner: b, _guard: in_flight, body_errors }
-                        .map_err(|e| Box::new(e) as BoxError)
-                        .boxed_unsync()
-                })
-            }
-            Err(err) => match err.downcast::<crate::limit::Refused>() {
-                Ok(refused) => self.refuse(&route, &keys, &refused, grpc, arrived),
-                Err(err) => self.upstream_failed(&route, &keys, err, grpc, arrived),
-            },
-        }
-    }
-
-    /// Accounts for an upstream's answer (the one outcome of a request that
-    /// reached it): admission metrics, pushback, the access log.
-    fn record_answer(
-        &self,
-        route: &Route,
-        plan: &crate::limit::Plan,
-        admission: Option<Admission>,
-        status: StatusCode,
-        retry_after: impl FnOnce() -> Option<Duration>,
-        arrived: Time,
-    ) {
-        self.record_admission(route, admission);
-        self.observe_pushback(&route.name, plan, status, retry_after);
-        let (outcome, waited) = match admission {
-            Some(a) if a.paced => ("paced", a.waited),
-            Some(a) => ("admitted", a.waited),
-            None => ("admitted", Duration::ZERO),
-        };
-        self.log(&route.name, plan, outcome, waited, status, arrived);
-    }
-
-    /// Accounts for a refusal and makes its answer (`429`, or a gRPC status).
-    fn refuse(
-        &self,
-        route: &Route,
-        plan: &crate::limit::Plan,
-        refused: &crate::limit::Refused,
-        grpc: bool,
-        arrived: Time,
-    ) -> Response<ProxyBody> {
-        self.record_refusal(route, refused);
-        let resp = respond::refused(refused, grpc);
-        self.log(&route.name, plan, "refused", refused.waited, resp.status(), arrived);
-        resp
-    }
-
-    /// Accounts for an upstream that failed before its answer's head and
-    /// makes the `502`/`504` (or gRPC status).
-    fn upstream_failed(
-        &self,
-        route: &Route,
-        plan: &crate::limit::Plan,
-        err: BoxError,
-        grpc: bool,
-        arrived: Time,
-    ) -> Response<ProxyBody> {
-        route.metrics.upstream_error.inc();
-        tracing::debug!(route = %route.name, error = %err, "upstream error");
-        let resp = error_response(err, grpc);
-        self.log(&route.name, plan, "upstream_error", Duration::ZERO, resp.status(), arrived);
-        resp
-    }
-
-    /// The answer to a request routing could not place (no route, too many keys).
-    fn route_error(&self, e: &ProxyError, grpc: bool, arrived: Time) -> Response<ProxyBody> {
-        self.metrics.requests.with_label_values(&["_none", "no_route"]).inc();
-        let resp = respond::proxy_error(e, grpc);
-        self.log("_none", &crate::limit::Plan::default(), "no_route", Duration::ZERO, resp.status(), arrived);
-        resp
-    }
-
-    /// Appends one line to the access log, if there is one.
-    fn log(
-        &self,
-        route: &str,
-        keys: &crate::limit::Plan,
-        outcome: &str,
-        waited: Duration,
-        status: StatusCode,
-        arrived: Time,
-    ) {
-        let Some(log) = &self.access_log else { return };
-        let now = self.table.clock().now();
-        let total = now.since(arrived);
-        let upstream = matches!(outcome, "admitted" | "paced" | "upstream_error").then(|| total.saturating_sub(waited));
-        log.record(&access_log::Entry {
-            time: now.as_secs_f64(),
-            client: self.client_id.clone(),
-            route: route.to_string(),
-            resources: keys
-                .items
-                .iter()
-                .map(|(l, _)| access_log::KeyEntry {
-                    resource: l.spec().name.clone(),
-                    id: l.id().to_string(),
-                    kind: match l.kind() {
-                        crate::limit::Kind::Rate => "rate".into(),
-                        crate::limit::Kind::Gauge => "gauge".into(),
-                    },
-                    capacity: l.capacity(),
-                })
-                .collect(),
-            outcome: outcome.to_string(),
-            wait_ms: waited.as_secs_f64() * 1e3,
-            status: status.as_u16(),
-            upstream_ms: upstream.map(|d| d.as_secs_f64() * 1e3),
-            total_ms: total.as_secs_f64() * 1e3,
-        });
-    }
-
-    /// Feeds an upstream answer (its status and `Retry-After`) to the route's pushback state.
-    fn observe_pushback(
-        &self,
-        route: &str,
-        keys: &crate::limit::Plan,
-        status: StatusCode,
-        retry_after: impl FnOnce() -> Option<Duration>,
-    ) {
-        // The common case (a success while nothing is backed off) costs one atomic load.
-        if keys.is_empty() || self.pushback.is_quiet(status) {
-            return;
-        }
-        let cfg = self.config();
-        let Some(rc) = cfg.routes.iter().find(|r| r.name == route) else { return };
-        let ids: Vec<(String, f64)> = keys.items.iter().map(|(l, _)| (l.id().to_string(), l.capacity())).collect();
-        let now = self.table.clock().now();
-        for (id, capacity) in self.pushback.on_response(&ids, status, retry_after(), now, &rc.pushback) {
-            tracing::debug!(route, resource_id = %id, capacity, %status, "upstream pushback");
-            self.table.set_capacity(&id, capacity);
-        }
-    }
-
-    fn record_admission(&self, route: &Route, admission: Option<Admission>) {
-        let paced = admission.is_some_and(|a| a.paced);
-        if paced { &route.metrics.paced } else { &route.metrics.admitted }.inc();
-        let waited = admission.map_or(0.0, |a| a.waited.as_secs_f64());
-        for r in &route.resources {
-            if paced { &r.metrics.paced } else { &r.metrics.admitted }.inc();
-            r.metrics.wait.observe(waited);
-        }
-    }
-
-    fn record_refusal(&self, route: &Route, refused: &crate::limit::Refused) {
-        route.metrics.refused.inc();
-        match route.resources.iter().find(|r| r.metrics.name == refused.resource) {
-            Some(r) => r.metrics.refused.inc(),
-            None => self.metrics.resource_requests.with_label_values(&[&refused.resource, "refused"]).inc(),
-        }
-    }
-
-    /// A CONNECT tunnel: admitted once, holding its gauge permits until it closes.
-    async fn connect(
-        &self,
-        req: Request<Incoming>,
-        resolved: route::Resolved,
-        in_flight: InFlight,
-    ) -> Response<ProxyBody> {
-        let route = &resolved.route;
-        let Some(authority) = req.uri().authority().map(|a| a.to_string()) else {
-            return respond::proxy_error(&ProxyError::BadRequest("CONNECT needs host:port".into()), false);
-        };
-        let admitted = match crate::limit::admit::admit(&resolved.plan, self.table.clock()).await {
-            Ok(a) => a,
-            Err(r) => {
-                self.record_refusal(route, &r);
-                return respond::refused(&r, false);
-            }
-        };
-        let admission = Admission { waited: admitted.waited, paced: admitted.paced };
-        self.record_admission(route, Some(admission));
-        let stream =
-            match tokio::time::timeout(upstream::DIRECT_CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&authority))
-                .await
-            {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    return respond::proxy_error(
-                        &ProxyError::UpstreamConnect { upstream: authority, reason: e.to_string() },
-                        false,
-                    );
-                }
-                Err(_) => {
-                    return respond::proxy_error(
-                        &ProxyError::UpstreamTimeout { upstream: authority, after: upstream::DIRECT_CONNECT_TIMEOUT },
-                        false,
-                    );
-                }
-            };
-        tokio::spawn(async move {
-            let _held = (admitted, in_flight);
-            match hyper::upgrade::on(req).await {
-                Ok(upgraded) => {
-                    let mut stream = stream;
-                    let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(upgraded), &mut stream).await;
-                }
-                Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
-            }
-        });
-        Response::new(respond::full(Vec::new()))
     }
 }
 
@@ -434,6 +232,7 @@ fn build_upstreams(
     cfg: &RoutesConfig,
     existing: &HashMap<String, Arc<Upstream>>,
     roots: &rustls::RootCertStore,
+    metrics: &Metrics,
     source: &str,
 ) -> Result<HashMap<String, Arc<Upstream>>, ConfigError> {
     let mut out = HashMap::new();
@@ -444,7 +243,7 @@ fn build_upstreams(
             Some(u) if same_upstream(&u.config, uc) => {
                 out.insert(name.clone(), u.clone());
             }
-            _ => match Upstream::new(uc.clone(), roots) {
+            _ => match Upstream::new(uc.clone(), roots, metrics) {
                 Ok(u) => {
                     out.insert(name.clone(), Arc::new(u));
                 }
@@ -459,47 +258,35 @@ fn same_upstream(a: &UpstreamConfig, b: &UpstreamConfig) -> bool {
     a == b
 }
 
-/// Counts a request in flight for its route until its response body ends.
-struct InFlight(prometheus::IntGauge);
-
-impl InFlight {
-    fn new(gauge: &prometheus::IntGauge) -> Self {
-        gauge.inc();
-        InFlight(gauge.clone())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}
-
 pin_project! {
-    struct Tracked<B> {
+    /// An upstream's response body on the general path: holds what its
+    /// request holds (gauge permits, in flight) until it ends, and counts a
+    /// failure after the head was sent.
+    struct Tracked {
         #[pin]
-        inner: B,
-        _guard: InFlight,
-        body_errors: prometheus::IntCounter,
+        inner: UpstreamBody,
+        held: Held,
     }
 }
 
-impl<B: Body> Body for Tracked<B>
-where
-    B::Error: std::fmt::Display,
-{
-    type Data = B::Data;
-    type Error = B::Error;
+impl Body for Tracked {
+    type Data = Bytes;
+    type Error = BoxError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.project();
         let frame = ready!(this.inner.poll_frame(cx));
-        if let Some(Err(e)) = &frame {
+        match &frame {
             // The status is already sent: the client sees its body cut; count it.
-            this.body_errors.inc();
-            tracing::debug!(error = %e, "response body failed after the headers");
+            Some(Err(e)) => {
+                this.held.body_failed();
+                tracing::debug!(error = %e, "response body failed after the headers");
+                *this.held = Held::default();
+            }
+            None => *this.held = Held::default(),
+            Some(Ok(_)) => {}
         }
-        Poll::Ready(frame)
+        Poll::Ready(frame.map(|f| f.map_err(|e| Box::new(e) as BoxError)))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -626,7 +413,7 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     // The lease client outlives the listener: it releases the leases only
     // after in-flight requests have drained.
     let lease_shutdown = CancellationToken::new();
-    let (client, lease_task) = lease::start(proxy.clone(), lease_shutdown.clone());
+    let (client, lease_task) = lease::start(&proxy, lease_shutdown.clone());
     // Requests are accepted once the first leases are in (or after a short
     // wait): the first requests of a fresh sidecar are admitted, not refused.
     if !client.first_refresh(FIRST_LEASE_WAIT).await {

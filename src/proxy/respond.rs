@@ -88,6 +88,16 @@ impl ProxyError {
     }
 }
 
+/// The status of the answer to `e` (gRPC answers carry theirs in `grpc-status`).
+pub fn status(e: &ProxyError, grpc: bool) -> StatusCode {
+    if grpc { StatusCode::OK } else { e.status() }
+}
+
+/// The status of the answer to a refusal.
+pub fn refused_status(grpc: bool) -> StatusCode {
+    if grpc { StatusCode::OK } else { StatusCode::TOO_MANY_REQUESTS }
+}
+
 /// Whether a request is gRPC (`content-type: application/grpc*`).
 pub fn is_grpc(headers: &http::HeaderMap) -> bool {
     headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("application/grpc"))

@@ -23,11 +23,15 @@ use rustls::RootCertStore;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
+use super::guard;
 use super::h1pool::{H1Pool, PoolError, PooledBody};
 use super::metrics::Metrics;
-use super::respond::ProxyError;
+use super::pipeline::{Answer, Hold, Inbound};
+use super::pool::Pool;
+use super::respond::{ProxyError, is_grpc};
+use super::route::{Resolved, Routing};
 use crate::config::routes::UpstreamConfig;
-use crate::limit::layer::{BoxError, Hold};
+use crate::limit::layer::BoxError;
 
 /// Idle pooled connections are closed after this long.
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -101,14 +105,21 @@ impl hyper::body::Body for RequestBody {
 pub struct Upstream {
     pub config: UpstreamConfig,
     client: HttpsClient,
-    /// `usher_proxy_upstream_seconds` for this upstream, looked up on first use.
-    seconds: std::sync::OnceLock<prometheus::Histogram>,
+    /// `usher_proxy_upstream_seconds` for this upstream.
+    seconds: prometheus::Histogram,
     /// The Host field of a plain-HTTP/1.1 upstream: its host, and its port unless 80.
     pub(super) host: Option<HeaderValue>,
     /// A plain-HTTP/1.1 upstream's own pool, used instead of `client`.
     pool: Option<Arc<H1Pool>>,
     /// A plain-HTTP/1.1 upstream's connections for the native path.
-    pub(super) native: Option<super::h1::Native>,
+    pub(super) native: Option<Native>,
+}
+
+/// The upstream side of a plain-HTTP/1.1 upstream on the native path.
+pub struct Native {
+    pub pool: Arc<Pool>,
+    /// The upstream URL's path without its trailing `/`, put before every request's path.
+    pub prefix: String,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -131,7 +142,7 @@ pub fn system_roots() -> RootCertStore {
 
 impl Upstream {
     /// Builds the client for `config`; `roots` are the system's, extended by `ca_file`.
-    pub fn new(config: UpstreamConfig, roots: &RootCertStore) -> Result<Self, String> {
+    pub fn new(config: UpstreamConfig, roots: &RootCertStore, metrics: &Metrics) -> Result<Self, String> {
         let mut roots = roots.clone();
         if let Some(ca) = &config.ca_file {
             let certs = CertificateDer::pem_file_iter(ca)
@@ -161,15 +172,16 @@ impl Upstream {
             _ => None,
         };
         let pool = addr.clone().map(|a| H1Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT));
-        let native = addr.map(|a| super::h1::Native {
-            pool: super::h1::Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT),
+        let native = addr.map(|a| Native {
+            pool: Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT),
             prefix: config.url.path().trim_end_matches('/').to_string(),
         });
-        Ok(Upstream { config, client, seconds: Default::default(), host, pool, native })
+        let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
+        Ok(Upstream { config, client, seconds, host, pool, native })
     }
 
     /// A client for origins named by the request itself (passthrough).
-    pub fn direct(roots: &RootCertStore) -> Result<Self, String> {
+    pub fn direct(roots: &RootCertStore, metrics: &Metrics) -> Result<Self, String> {
         let config = UpstreamConfig {
             name: "direct".into(),
             url: Uri::from_static("http://direct.invalid"),
@@ -179,11 +191,17 @@ impl Upstream {
             h2c: false,
         };
         let client = client(roots.clone(), config.connect_timeout, false)?;
-        Ok(Upstream { config, client, seconds: Default::default(), host: None, pool: None, native: None })
+        let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
+        Ok(Upstream { config, client, seconds, host: None, pool: None, native: None })
     }
 
     pub fn name(&self) -> &str {
         &self.config.name
+    }
+
+    /// Records how long the upstream took to send its response head.
+    pub fn observe(&self, started: tokio::time::Instant) {
+        self.seconds.observe(started.elapsed().as_secs_f64());
     }
 }
 
@@ -220,31 +238,99 @@ pub enum Target {
     Direct(Arc<Upstream>),
 }
 
-/// The innermost service: sends a request to its [`Target`].
-#[derive(Clone)]
-pub struct Forward {
-    metrics: Arc<Metrics>,
-}
-
-impl Forward {
-    pub fn new(metrics: Arc<Metrics>) -> Self {
-        Forward { metrics }
-    }
-}
+/// The general path's innermost stage: sends a request to its [`Target`],
+/// or opens a CONNECT tunnel.
+#[derive(Clone, Copy, Default)]
+pub struct Forward;
 
 impl tower::Service<Request<Incoming>> for Forward {
     type Response = Response<UpstreamBody>;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<UpstreamBody>, BoxError>> + Send>>;
+    type Error = ProxyError;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<UpstreamBody>, ProxyError>> + Send>>;
 
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
         Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, req: Request<Incoming>) -> Self::Future {
-        let metrics = self.metrics.clone();
-        Box::pin(async move { forward(req, &metrics).await.map_err(|e| Box::new(e) as BoxError) })
+        if req.method() == http::Method::CONNECT {
+            return Box::pin(connect(req));
+        }
+        Box::pin(forward(req))
     }
+}
+
+/// A request from hyper, as the pipeline sees it.
+impl Inbound for Request<Incoming> {
+    type Ready = Request<Incoming>;
+
+    fn grpc(&self) -> bool {
+        self.method() != http::Method::CONNECT && is_grpc(self.headers())
+    }
+
+    fn guard(&mut self, max_body: Option<u64>) -> Result<(), ProxyError> {
+        guard::check(self)?;
+        guard::strip_h2c(self.headers_mut());
+        if let Some(limit) = max_body {
+            // A declared length over the limit is refused before anything is
+            // forwarded; a body without one is cut off where it passes the limit.
+            if hyper::body::Body::size_hint(self.body()).lower() > limit {
+                return Err(ProxyError::BodyTooLarge { limit });
+            }
+            self.extensions_mut().insert(BodyLimit(limit));
+        }
+        Ok(())
+    }
+
+    fn resolve(&self, routing: &Routing) -> Result<Resolved, ProxyError> {
+        routing.resolve(self)
+    }
+
+    fn ready(mut self, target: Target) -> Result<Self, &'static str> {
+        self.extensions_mut().insert(target);
+        Ok(self)
+    }
+}
+
+impl Answer for Response<UpstreamBody> {
+    fn status(&self) -> StatusCode {
+        Response::status(self)
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        super::pushback::retry_after(self.headers())
+    }
+
+    fn hold(&self) -> Option<Hold> {
+        self.extensions().get::<Hold>().cloned()
+    }
+}
+
+/// A CONNECT tunnel to the authority it names: opened once admitted, and
+/// holding the admission (gauge permits) for as long as it is open.
+async fn connect(req: Request<Incoming>) -> Result<Response<UpstreamBody>, ProxyError> {
+    let Some(authority) = req.uri().authority().map(|a| a.to_string()) else {
+        return Err(ProxyError::BadRequest("CONNECT needs host:port".into()));
+    };
+    let stream = match tokio::time::timeout(DIRECT_CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&authority)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return Err(ProxyError::UpstreamConnect { upstream: authority, reason: e.to_string() }),
+        Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: authority, after: DIRECT_CONNECT_TIMEOUT }),
+    };
+    let hold = Hold::default();
+    let mut resp = Response::new(UpstreamBody::Empty);
+    resp.extensions_mut().insert(hold.clone());
+    tokio::spawn(async move {
+        let _hold = hold;
+        match hyper::upgrade::on(req).await {
+            Ok(upgraded) => {
+                let mut stream = stream;
+                let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(upgraded), &mut stream).await;
+            }
+            Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
+        }
+    });
+    Ok(resp)
 }
 
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
@@ -365,7 +451,7 @@ fn direct_uri(req: &Request<Incoming>) -> Result<Uri, ProxyError> {
     format!("http://{host}{pq}").parse().map_err(|e| ProxyError::BadRequest(format!("bad Host header: {e}")))
 }
 
-async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Response<UpstreamBody>, ProxyError> {
+async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, ProxyError> {
     let target = req.extensions_mut().remove::<Target>().ok_or_else(|| ProxyError::BadRequest("no target".into()))?;
     let (up, uri) = match &target {
         Target::Upstream(u) => (u.clone(), upstream_uri(&u.config.url, req.uri(), u.pool.is_some())?),
@@ -398,7 +484,7 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
     let started = tokio::time::Instant::now();
     if let Some(pool) = &up.pool {
         let sent = tokio::time::timeout(up.config.timeout, pool.send(req)).await;
-        observe(&up, metrics, started);
+        up.observe(started);
         let resp = match sent {
             Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),
             Ok(Err(PoolError::Connect(reason))) => {
@@ -410,7 +496,7 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
         return Ok(finish(resp.map(UpstreamBody::Own), client_upgrade));
     }
     let sent = tokio::time::timeout(up.config.timeout, up.client.request(req)).await;
-    observe(&up, metrics, started);
+    up.observe(started);
     let resp = match sent {
         Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),
         Ok(Err(e)) if e.is_connect() => {
@@ -420,12 +506,6 @@ async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Respon
         Ok(Ok(r)) => r,
     };
     Ok(finish(resp.map(UpstreamBody::Shared), client_upgrade))
-}
-
-pub(super) fn observe(up: &Upstream, metrics: &Metrics, started: tokio::time::Instant) {
-    up.seconds
-        .get_or_init(|| metrics.upstream_seconds.with_label_values(&[up.name()]))
-        .observe(started.elapsed().as_secs_f64());
 }
 
 /// An exchange that failed after connecting: the client's body (too large,
@@ -471,6 +551,8 @@ pub enum UpstreamBody {
     Own(PooledBody),
     /// From hyper-util's pool (HTTPS, h2c, passthrough).
     Shared(Incoming),
+    /// None (the answer to CONNECT).
+    Empty,
 }
 
 impl hyper::body::Body for UpstreamBody {
@@ -484,6 +566,7 @@ impl hyper::body::Body for UpstreamBody {
         match self.get_mut() {
             UpstreamBody::Own(b) => Pin::new(b).poll_frame(cx),
             UpstreamBody::Shared(b) => Pin::new(b).poll_frame(cx),
+            UpstreamBody::Empty => Poll::Ready(None),
         }
     }
 
@@ -491,6 +574,7 @@ impl hyper::body::Body for UpstreamBody {
         match self {
             UpstreamBody::Own(b) => b.is_end_stream(),
             UpstreamBody::Shared(b) => b.is_end_stream(),
+            UpstreamBody::Empty => true,
         }
     }
 
@@ -498,6 +582,7 @@ impl hyper::body::Body for UpstreamBody {
         match self {
             UpstreamBody::Own(b) => b.size_hint(),
             UpstreamBody::Shared(b) => b.size_hint(),
+            UpstreamBody::Empty => hyper::body::SizeHint::with_exact(0),
         }
     }
 }
