@@ -47,6 +47,8 @@ struct State {
     /// passes), 0 when the capacity is infinite (everything passes).
     interval: Option<u128>,
     burst: f64,
+    /// `burst` intervals, kept with them (every reservation needs it).
+    burst_span: u128,
     capacity: f64,
 }
 
@@ -83,10 +85,14 @@ fn interval_of(capacity: f64) -> Option<u128> {
 /// `units` intervals: exact for whole numbers of units, rounded to the
 /// fixed point's resolution for fractional ones. Saturates.
 fn times(interval: u128, units: f64) -> u128 {
-    if units <= 0.0 || units.is_nan() {
+    // (Comparisons and u64 casts only: the float-to-u128 conversion and
+    // `fract` are library calls, and this runs on every admission.)
+    if units == 1.0 {
+        interval
+    } else if units.is_nan() || units <= 0.0 {
         0
-    } else if units.fract() == 0.0 && units < (1u64 << 53) as f64 {
-        interval.saturating_mul(units as u128)
+    } else if units < (1u64 << 53) as f64 && (units as u64) as f64 == units {
+        interval.saturating_mul(u128::from(units as u64))
     } else {
         // `as` saturates a float too large for u128.
         (interval as f64 * units).round() as u128
@@ -102,12 +108,10 @@ impl Rate {
     pub fn new(capacity: f64, burst: f64, now: Time) -> Self {
         Rate {
             // An idle start: the whole burst is available.
-            state: Mutex::new(State {
-                origin: now,
-                tat: 0,
-                interval: interval_of(capacity),
-                burst: burst.max(1.0),
-                capacity,
+            state: Mutex::new({
+                let (interval, burst) = (interval_of(capacity), burst.max(1.0));
+                let burst_span = interval.map_or(0, |i| times(i, burst));
+                State { origin: now, tat: 0, interval, burst, burst_span, capacity }
             }),
             changed: Notify::new(),
         }
@@ -131,7 +135,7 @@ impl Rate {
         };
         let now = s.pos(now);
         let new_tat = s.tat.max(now).saturating_add(times(interval, cost));
-        let wait = ceil_duration(new_tat.saturating_sub(now.saturating_add(times(interval, s.burst))));
+        let wait = ceil_duration(new_tat.saturating_sub(now.saturating_add(s.burst_span)));
         if wait > max_wait {
             return Reservation::TooLate { wait: Some(wait) };
         }
@@ -179,6 +183,7 @@ impl Rate {
         s.interval = interval_of(capacity);
         s.capacity = capacity;
         s.burst = burst.max(1.0);
+        s.burst_span = s.interval.map_or(0, |i| times(i, s.burst));
         s.tat = now.saturating_add(s.interval.map_or(0, |i| times(i, backlog_units)));
         drop(s);
         self.changed.notify_waiters();

@@ -15,7 +15,9 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Version};
 
 use super::respond::ProxyError;
-use super::upstream::VIA;
+
+/// Marks requests usher forwarded, so a route pointing back at usher is caught.
+pub const VIA: &str = "1.1 usher";
 
 pub const HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 

@@ -12,6 +12,8 @@
 //! in-flight requests drain until a deadline.
 
 pub mod access_log;
+mod body;
+mod general;
 mod guard;
 mod h1;
 mod h1pool;
@@ -39,7 +41,6 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use pin_project_lite::pin_project;
 use tokio::net::TcpListener;
@@ -60,8 +61,7 @@ use pipeline::{Accounts, Exchange, Held, Reply};
 use route::Routing;
 use upstream::{Upstream, UpstreamBody};
 
-/// The body of every response the proxy sends.
-pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+pub use respond::ProxyBody;
 
 /// `usher proxy` flags; each can also be set as `USHER_<FLAG>`.
 #[derive(Debug, Clone, clap::Args)]
@@ -218,7 +218,7 @@ impl Proxy {
     /// Serves one request that hyper read (HTTP/1.1, HTTP/2, CONNECT) through the pipeline.
     pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
         let pipeline = self.pipeline.load_full();
-        let Ok(reply) = pipeline.stack(upstream::Forward).call(Exchange::new(req)).await;
+        let Ok(reply) = pipeline.stack(general::Forward).call(Exchange::new(req)).await;
         match reply {
             Reply::Upstream { answer, held } => answer.map(|b| Tracked { inner: b, held }.boxed_unsync()),
             Reply::Made(resp) => resp,

@@ -34,11 +34,10 @@ use http::{Response, StatusCode};
 use pin_project_lite::pin_project;
 use tower::{Layer, Service, ServiceBuilder};
 
-use super::ProxyBody;
 use super::access_log::{self, AccessLog};
 use super::metrics::Metrics;
 use super::pushback::Pushback;
-use super::respond::{self, ProxyError};
+use super::respond::{self, ProxyBody, ProxyError};
 use super::route::{RequestView, Resolved, Route, Routing};
 use super::upstream::Upstream;
 use crate::clock::{Clock, Time};
@@ -147,7 +146,8 @@ pub struct Meta {
 #[derive(Debug)]
 pub enum Error {
     Proxy(ProxyError),
-    Refused(Refused),
+    /// Boxed: a refusal is the rare path, and a smaller error keeps every stage's future small.
+    Refused(Box<Refused>),
     /// This engine cannot forward to the route's target.
     Unserved(&'static str),
 }
@@ -677,7 +677,7 @@ where
                         Ok(a) => meta.admitted = Some(a),
                         Err(r) => {
                             let meta = this.meta.take().expect("polled after completion");
-                            return Poll::Ready(Err(Failure { error: Error::Refused(r), meta }));
+                            return Poll::Ready(Err(Failure { error: Error::Refused(Box::new(r)), meta }));
                         }
                     }
                     let (mut svc, req) = pending.take().expect("request pending");

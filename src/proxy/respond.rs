@@ -11,10 +11,12 @@ use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use serde_json::json;
 
-use super::ProxyBody;
 use crate::limit::admit::{Reason, Refused};
 use crate::limit::layer::BoxError;
 use crate::limit::{Kind, ceil_secs};
+
+/// The body of every response the proxy sends.
+pub type ProxyBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
 /// Errors of the request path, other than a refusal.
 #[derive(Debug, thiserror::Error)]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::io::DuplexStream;
 use usher::clock::{Clock, Time};
 use usher::config::routes::RoutesConfig;
-use usher::proxy::{ConnServer, Proxy};
+use usher::proxy::{ConnServer, Http1, Proxy};
 
 pub struct Sidecar {
     rt: tokio::runtime::Runtime,
@@ -43,10 +43,19 @@ impl Sidecar {
         F: FnOnce(DuplexStream) -> Fut,
         Fut: Future<Output = T>,
     {
+        self.connection_on(Http1::Native, client)
+    }
+
+    /// [`Sidecar::connection`] with a choice of what serves HTTP/1.1.
+    pub fn connection_on<F, Fut, T>(&self, http1: Http1, client: F) -> T
+    where
+        F: FnOnce(DuplexStream) -> Fut,
+        Fut: Future<Output = T>,
+    {
         self.rt.block_on(async {
             let (client_io, io) = tokio::io::duplex(64 * 1024);
             let conn = tokio::spawn({
-                let (server, proxy) = (self.server.clone(), self.proxy.clone());
+                let (server, proxy) = (self.server.clone().http1(http1), self.proxy.clone());
                 async move {
                     let _ = server.serve(proxy, io).await;
                 }

@@ -25,6 +25,7 @@
 //! `connection: close` while draining, and a client's EOF cancelling its
 //! request while it waits for capacity or for the upstream.
 
+mod fields;
 mod head;
 mod response;
 
@@ -45,9 +46,8 @@ use tower::Service;
 
 pub use head::why;
 
-use super::ProxyBody;
 use super::pipeline::{self, Exchange, Inbound, Pipeline, Reply};
-use super::respond::ProxyError;
+use super::respond::{ProxyBody, ProxyError};
 use super::route::RequestView;
 use super::upstream::{Target, Upstream};
 use crate::config::limits::ListenerLimits;
@@ -186,6 +186,11 @@ where
     };
     // While a request waits, a pipelined one may arrive: room for it, no more.
     let room = limits.max_header_bytes + head::MAX_BODY as usize;
+    // The connection's stack, built from the snapshot in force; rebuilt only
+    // when a reload has swapped the snapshot (the old one is held, so its
+    // address cannot come back as another's).
+    let mut snapshot = services.pipeline.load_full();
+    let mut stack = snapshot.stack(tower::service_fn(forward));
     loop {
         let (replied, framing) = {
             let mut storage = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; head::MAX_HEADERS];
@@ -225,16 +230,23 @@ where
                     };
                     let body = &buf[h.head_len..framing.consumed];
                     let req = Request { head: h, body, bufs: &mut bufs, deadline: &mut timers.upstream };
-                    // The stack holds what it needs of the snapshot: a reload meanwhile changes nothing here.
-                    let mut stack = services.pipeline.load().stack(tower::service_fn(forward));
+                    let current = services.pipeline.load();
+                    if !std::sync::Arc::ptr_eq(&current, &snapshot) {
+                        snapshot = arc_swap::Guard::into_inner(current);
+                        stack = snapshot.stack(tower::service_fn(forward));
+                    }
                     (stack.call(Exchange::new(req)), framing)
                 }
             }
         };
-        let reply = match watching(&mut io, &mut buf, room + framing.consumed, replied).await {
-            // The client left: dropping the exchange gave its admission back.
-            None => break,
-            Some(Ok(reply)) => reply,
+        let reply = {
+            // Pinned here, and dropped before the buffers it borrowed are used again.
+            let replied = std::pin::pin!(replied);
+            match watching(&mut io, &mut buf, room + framing.consumed, replied).await {
+                // The client left: dropping the exchange gave its admission back.
+                None => break,
+                Some(Ok(reply)) => reply,
+            }
         };
         // Nothing of it has happened: hyper serves it from its first byte.
         if let Reply::Unserved(why) = reply {
@@ -431,12 +443,11 @@ where
 /// (a pipelined request), up to `room` bytes. The client's EOF, or a read
 /// error, cancels `fut` (returns `None`): a client that gives up frees its
 /// place in the queue at once.
-async fn watching<I, F>(io: &mut I, buf: &mut BytesMut, room: usize, fut: F) -> Option<F::Output>
+async fn watching<I, F>(io: &mut I, buf: &mut BytesMut, room: usize, mut fut: Pin<&mut F>) -> Option<F::Output>
 where
     I: AsyncRead + Unpin,
     F: Future,
 {
-    tokio::pin!(fut);
     loop {
         if buf.len() >= room {
             return Some(fut.await);
@@ -473,8 +484,9 @@ async fn roundtrip(
         let (mut stream, reused) = match if fresh { None } else { pool.checkout() } {
             Some(s) => (s, true),
             None => {
-                let s = pool
-                    .connect_tcp()
+                // Boxed: a new connection is rare on a busy path, and the
+                // connect future would otherwise make every exchange's larger.
+                let s = Box::pin(pool.connect_tcp())
                     .await
                     .map_err(|reason| ProxyError::UpstreamConnect { upstream: name(), reason })?;
                 (s, false)
@@ -638,9 +650,9 @@ async fn write_generated<I: AsyncWrite + Unpin>(
     out.extend_from_slice(parts.status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
     for (name, value) in &parts.headers {
-        response::push_field(out, name.as_str().as_bytes(), value.as_bytes());
+        fields::push_field(out, name.as_str().as_bytes(), value.as_bytes());
     }
-    response::push_field(out, b"content-length", itoa::Buffer::new().format(body.len()).as_bytes());
+    fields::push_field(out, b"content-length", itoa::Buffer::new().format(body.len()).as_bytes());
     response::push_date(out);
     if close {
         out.extend_from_slice(b"connection: close\r\n");
