@@ -38,6 +38,7 @@ impl Sidecar {
     /// `client` returns. Panics (a fuzz failure) if `client` is not done
     /// within 10 s, if the connection is still served 10 s after that, or if
     /// serving it panicked.
+    #[allow(dead_code)] // each target compiles this module; not every one uses this
     pub fn connection<F, Fut, T>(&self, client: F) -> T
     where
         F: FnOnce(DuplexStream) -> Fut,
