@@ -1716,6 +1716,29 @@ async fn pipelined_requests_are_answered_in_order() {
 
 // === hand-off to the general path ===
 
+/// A route whose target the native path cannot forward to (here, no
+/// upstream: the origin the request names) is found by the pipeline's route
+/// stage, which gives the request back untouched: hyper serves it from its
+/// first byte, with nothing counted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_to_another_engines_target_is_handed_off_before_anything_happens() {
+    let up = Scripted::start(echo).await;
+    let yaml = format!(
+        "resources:\n  r: {{ kind: rate, capacity: 1/min }}\n\
+         routes:\n  - {{ name: origin, match: {{ host: 127.0.0.1 }}, resources: [r] }}\n"
+    );
+    let side = sidecar(&yaml, Http1::Native).await;
+    let mut c = Client::connect(side.addr).await;
+    c.send(format!("GET /d HTTP/1.1\r\nHost: {}\r\nX-Client-Case: 1\r\n\r\n", up.addr)).await;
+    let r = c.response(false).await;
+    assert_eq!((r.status, r.text().as_str(), served_by(&r)), (200, "GET /d ", By::Hyper));
+    assert_eq!(handoffs(&side.proxy), reasons(&[("upstream", 1)]));
+    // One admission (by hyper), not two: the next request is refused by the 1/min rate.
+    c.send(format!("GET /e HTTP/1.1\r\nHost: {}\r\n\r\n", up.addr)).await;
+    assert_eq!(c.response(false).await.status, 429);
+    assert_eq!(up.seen().len(), 1);
+}
+
 /// On one connection: a native GET, a chunked POST (handed to hyper and
 /// answered by it), then a GET hyper answers too, as it serves the
 /// connection from then on. `Expect` and HTTP/1.0 are handed off as well;
