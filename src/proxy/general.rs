@@ -188,7 +188,8 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
         };
         return Ok(finish(resp.map(UpstreamBody::Own), client_upgrade));
     }
-    let sent = tokio::time::timeout(up.config.timeout, up.client.request(req)).await;
+    let client = up.client.as_ref().expect("an upstream without a pool of its own has a client");
+    let sent = tokio::time::timeout(up.config.timeout, client.request(req)).await;
     up.observe(started);
     let resp = match sent {
         Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),

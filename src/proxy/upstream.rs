@@ -45,7 +45,9 @@ pub(super) type HttpsClient = Client<HttpsConnector<HttpConnector>, RequestBody>
 /// One upstream: its configuration and its connection pool.
 pub struct Upstream {
     pub config: UpstreamConfig,
-    pub(super) client: HttpsClient,
+    /// hyper-util's client, for what the upstream's own pool does not serve
+    /// (HTTPS, h2c, passthrough origins); none for a plain-HTTP/1.1 upstream.
+    pub(super) client: Option<HttpsClient>,
     /// `usher_proxy_upstream_seconds` for this upstream.
     seconds: prometheus::Histogram,
     /// The Host field of a plain-HTTP/1.1 upstream: its host, and its port unless 80.
@@ -97,7 +99,6 @@ impl Upstream {
                 roots.add(c).map_err(|e| format!("bad certificate in ca_file {}: {e}", ca.display()))?;
             }
         }
-        let client = client(roots, config.connect_timeout, config.h2c)?;
         let host = (config.url.scheme() == Some(&http::uri::Scheme::HTTP) && !config.h2c)
             .then(|| {
                 let host = config.url.host()?;
@@ -117,6 +118,7 @@ impl Upstream {
             pool: Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT),
             prefix: config.url.path().trim_end_matches('/').to_string(),
         });
+        let client = if pool.is_some() { None } else { Some(client(roots, config.connect_timeout, config.h2c)?) };
         let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
         Ok(Upstream { config, client, seconds, host, pool, native })
     }
@@ -131,7 +133,7 @@ impl Upstream {
             ca_file: None,
             h2c: false,
         };
-        let client = client(roots.clone(), config.connect_timeout, false)?;
+        let client = Some(client(roots.clone(), config.connect_timeout, false)?);
         let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
         Ok(Upstream { config, client, seconds, host: None, pool: None, native: None })
     }
