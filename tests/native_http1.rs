@@ -1723,11 +1723,9 @@ async fn pipelined_requests_are_answered_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_to_another_engines_target_is_handed_off_before_anything_happens() {
     let up = Scripted::start(echo).await;
-    let yaml = format!(
-        "resources:\n  r: {{ kind: rate, capacity: 1/min }}\n\
-         routes:\n  - {{ name: origin, match: {{ host: 127.0.0.1 }}, resources: [r] }}\n"
-    );
-    let side = sidecar(&yaml, Http1::Native).await;
+    let yaml = "resources:\n  r: { kind: rate, capacity: 1/min }\n\
+                routes:\n  - { name: origin, match: { host: 127.0.0.1 }, resources: [r] }\n";
+    let side = sidecar(yaml, Http1::Native).await;
     let mut c = Client::connect(side.addr).await;
     c.send(format!("GET /d HTTP/1.1\r\nHost: {}\r\nX-Client-Case: 1\r\n\r\n", up.addr)).await;
     let r = c.response(false).await;
