@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! respond  the one place errors become answers (problem+json, gRPC status)
-//!  guard   loop, Host, body limit, no h2c upgrade          (super::guard)
+//!  guard   loop, Host, body limit, no h2c upgrade          (guard.rs)
 //!  account in flight, metrics, access log, pushback        (super::pushback)
 //!  route   the route, its admission Plan, the target       (super::route)
 //!  limit   admission by the Plan: a typed Refused          (crate::limit::admit)
@@ -94,7 +94,7 @@ pub trait Inbound: RequestView + Sized {
     /// Whether errors are answered as gRPC statuses.
     fn grpc(&self) -> bool;
 
-    /// The checks of [`super::guard`]; `max_body` is `limits.max_body_bytes`.
+    /// The checks before routing (`proxy/guard.rs`); `max_body` is `limits.max_body_bytes`.
     fn guard(&mut self, max_body: Option<u64>) -> Result<(), ProxyError>;
 
     /// The route, plan and target.
