@@ -6,15 +6,19 @@
 //! message and per side, and a tower stack. For a sidecar whose every
 //! request is one small exchange, that was 36,000 instructions a request
 //! against nginx's 16,000. Here one task per client connection parses the
-//! request in place ([`head`]), routes and admits it with the same code as
-//! the general path ([`super::route`], [`crate::limit::admit`]), writes it
-//! to a pooled upstream stream it drives itself ([`pool`]), and streams the
-//! response back ([`response`]), all in reused buffers.
+//! request in place ([`head`]), hands it to the same request pipeline as
+//! every other request ([`super::pipeline`]: guard, account, route, limit)
+//! as a [`Request`], whose forward stage ([`forward`]) writes it to a pooled
+//! upstream stream this task drives itself (`super::pool`), and streams the
+//! response back ([`response`]), all in reused buffers. The engine is
+//! framing only: it sees the pipeline, not `Proxy`, through [`Connection`]
+//! and [`Services`].
 //!
 //! Whatever is not that everyday exchange (a malformed or ambiguous head, a
 //! chunked or large request body, `Expect`, `Upgrade`, CONNECT, HTTP/1.0, a
-//! request for an HTTPS, h2c or passthrough origin, gRPC) is handed to
-//! hyper before anything of it has happened: the connection's unread bytes,
+//! request for an HTTPS, h2c or passthrough origin, which the pipeline's
+//! route stage answers with `Reply::Unserved`, gRPC) is handed to hyper
+//! before anything of it has happened: the connection's unread bytes,
 //! that request first, go to the general path, which serves the connection
 //! from then on. `usher_proxy_http1_handoffs_total{reason}` counts why.
 //! `USHER_HTTP1=hyper` turns the native path off.
