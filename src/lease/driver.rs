@@ -17,7 +17,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::cache;
-use super::core::{Action, Capacity, Core, CoreConfig, KeyDemand, KeyStatus, Mode, Source};
+use super::core::{Action, Capacity, Core, CoreConfig, KeyDemand, KeyStatus, Lease, Mode, Source};
 use super::transport::Transport;
 use crate::clock::Clock;
 
@@ -174,6 +174,11 @@ impl LeaseClient {
             }
         }
         start
+    }
+
+    /// The last lease received for `resource_id`, expired or not.
+    pub fn lease_of(&self, resource_id: &str) -> Option<Lease> {
+        self.core.lock().expect("lease core poisoned").lease_of(resource_id)
     }
 
     /// Re-reads demand now instead of at the next poll (a new key appeared).

@@ -271,7 +271,13 @@ impl Proxy {
         arrived: Time,
     ) -> Response<ProxyBody> {
         self.record_refusal(route, refused);
-        let resp = respond::refused(refused, grpc);
+        // While an upstream's Retry-After holds a key of the request, the 429 says when that ends.
+        let now = self.table.clock().now();
+        let hold = plan.items.iter().filter_map(|(l, _)| self.pushback.hold_left(l.id(), now)).max();
+        let resp = match hold {
+            Some(hold) => respond::refused_held(refused, hold, grpc),
+            None => respond::refused(refused, grpc),
+        };
         self.log(&route.name, plan, "refused", refused.waited, resp.status(), arrived);
         resp
     }
