@@ -115,7 +115,8 @@ WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
 SERVER_FLAGS = {"--config", "--listen", "--admin-listen", "--advertise-addr", "--min-request-interval",
                 "--parent", "--decay-factor", "--etcd-endpoints", "--election-key", "--election-ttl",
                 "--tls-cert", "--tls-key", "--tls-client-ca", "--parent-tls-ca", "--parent-tls-cert",
-                "--parent-tls-key", "--parent-tls-server-name"}
+                "--parent-tls-key", "--parent-tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key",
+                "--etcd-server-name", "--etcd-user", "--etcd-password-file", "--etcd-token-refresh"}
 PROXY_FLAGS = {"--routes", "--listen", "--admin-listen"}
 ALGORITHMS = {"NO_ALGORITHM", "STATIC", "PROPORTIONAL_SHARE", "FAIR_SHARE"}
 
@@ -624,6 +625,8 @@ expect_refused() {
 }
 expect_refused "3 root replicas without election" --set election.enabled=false
 expect_refused "election without etcd" --set etcd.deploy=false
+expect_refused "etcd TLS for the chart's own etcd" --set etcd.tls.secretName=etcd-tls
+expect_refused "etcd user without a password Secret" --set 'etcd.endpoints={https://etcd:2379}' --set etcd.tls.secretName=t --set etcd.auth.user=usher
 expect_refused "even etcd cluster size (schema)" --set etcd.replicas=2
 expect_refused "unknown algorithm (schema)" --set 'config.resources.resources[0].algorithm.kind=FAIRSHARE'
 expect_refused "zone name not a DNS label (schema)" --set 'intermediate.zones[0]=Zone_A'
