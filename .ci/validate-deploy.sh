@@ -29,7 +29,10 @@
 #      $USHER_BIN): every usher flag used exists in its --help; every resources
 #      file shipped (example, ConfigMaps, chart renderings) loads in a real
 #      `usher server` on loopback ephemeral ports; and, once `usher check`
-#      exists, it accepts the example and embedded routes files.
+#      exists, it accepts the example and embedded routes files;
+#   8. with that binary, root and etcd: every pod of deploy/ and of each chart
+#      rendering run as local processes (.ci/run-manifests.py): probes, leases
+#      and one admitted request through each sidecar.
 # Exits non-zero on the first failing step. Environment:
 #   USHER_CI_CACHE   where tools go (default ~/.cache/usher-ci)
 #   USHER_BIN        usher binary for step 7 (default: target/debug/usher, then
@@ -795,6 +798,41 @@ else
     else
         echo "  skipped: this usher has no \`check\` subcommand yet (issue 9 item 2)"
     fi
+fi
+
+# ---- 8. run the manifests ------------------------------------------------------------------
+step "8. run the manifests: every pod of deploy/ and of each chart rendering as local processes"
+# .ci/run-manifests.py: each pod a network namespace on a private bridge, each container of
+# the usher and etcd images a process with its args, env and volumes verbatim; then probes,
+# leases, and one admitted request through each sidecar to a local upstream. The renderings
+# run in parallel (each in namespaces of its own). USHER_MANIFESTS_MAX_ADMIT_S=N also fails
+# a sidecar whose first admitted request came later than N s after it started.
+if [ -z "$bin" ] || ! "$bin" --version >/dev/null 2>&1; then
+    echo "  skipped: no built usher"
+elif [ "$(id -u)" -ne 0 ] || ! unshare --mount --net true 2>/dev/null || ! command -v etcd >/dev/null; then
+    echo "  skipped: needs root with network and mount namespaces (unshare) and etcd (.ci/test installs it)"
+else
+    "$HELM" template usher charts/usher --namespace usher --kube-version "$K8S_VERSION" > "$WORK/values.rendered.yaml"
+    "$PY" "$WORK/split-monitoring.py" "$WORK/values.rendered.yaml" "$WORK/values.rendered.yaml.monitoring"
+    runs=("deploy|default|$(find deploy -name '*.yaml' -not -path 'deploy/examples/*' | sort | tr '\n' ' ')")
+    for r in "$WORK"/*.rendered.yaml; do
+        runs+=("chart-$(basename "$r" .rendered.yaml)|usher|$r")
+    done
+    pids=()
+    for run in "${runs[@]}"; do
+        IFS='|' read -r name ns files <<< "$run"
+        # shellcheck disable=SC2086 # $files is a list of paths without spaces
+        "$PY" .ci/run-manifests.py --bin "$bin" --name "$name" --namespace "$ns" \
+            --configmap my-usher-resources=deploy/examples/resources.yaml $files > "$WORK/run-$name.log" 2>&1 &
+        pids+=("$!:$name")
+    done
+    failed=()
+    for p in "${pids[@]}"; do
+        wait "${p%%:*}" || failed+=("${p#*:}")
+    done
+    cat "$WORK"/run-*.log
+    [ "${#failed[@]}" -eq 0 ] || fail "the manifests do not work when run: ${failed[*]}"
+    echo "  every rendering ran: probes, leases and an admitted request through each sidecar"
 fi
 
 step "deploy validation passed"
