@@ -43,13 +43,17 @@ def log(msg):
     print(f"  [{ARGS.name}] {msg}", flush=True)
 
 
-def fail(msg):
-    print(f"FAIL [{ARGS.name}]: {msg}", flush=True)
+def stop_all(sig):
     for p in PROCS:
         try:
-            os.killpg(p.pid, 9)
+            os.killpg(p.pid, sig)
         except OSError:
             pass
+
+
+def fail(msg):
+    print(f"FAIL [{ARGS.name}]: {msg}", flush=True)
+    stop_all(9)
     sys.exit(1)
 
 
@@ -553,17 +557,9 @@ def main():
     if problems:
         dump_logs(work)
         fail("; ".join(problems))
-    for proc in PROCS:
-        try:
-            os.killpg(proc.pid, 15)
-        except OSError:
-            pass
+    stop_all(15)
     time.sleep(0.5)
-    for proc in PROCS:
-        try:
-            os.killpg(proc.pid, 9)
-        except OSError:
-            pass
+    stop_all(9)
     shutil.rmtree(work, ignore_errors=True)
     log("passed")
 

@@ -206,6 +206,37 @@ enum Attempt {
     Answer(EtcdError),
 }
 
+/// Why each endpoint tried failed; a refusal outweighs an endpoint that is merely down.
+#[derive(Default)]
+struct Failures {
+    refused: Option<(String, String)>,
+    transient: Vec<String>,
+}
+
+impl Failures {
+    fn add(&mut self, ep: &str, a: Attempt) {
+        match a {
+            Attempt::Refused(r) if self.refused.is_none() => self.refused = Some((ep.to_string(), r)),
+            Attempt::Refused(_) | Attempt::Answer(_) => {}
+            Attempt::Transient(r) => self.transient.push(format!("{ep}: {r}")),
+        }
+    }
+
+    fn into_error(self, endpoints: &[String]) -> EtcdError {
+        match self.refused {
+            Some((endpoint, reason)) => EtcdError::Refused { endpoint, reason },
+            None => EtcdError::Unreachable {
+                endpoints: endpoints.join(","),
+                reason: if self.transient.is_empty() {
+                    "no endpoint configured".into()
+                } else {
+                    self.transient.join("; ")
+                },
+            },
+        }
+    }
+}
+
 impl Etcd {
     /// A plain-HTTP client with no auth; `endpoints` like `http://127.0.0.1:2379`.
     pub fn new(endpoints: &[String], timeout: Duration) -> Self {
@@ -368,7 +399,7 @@ impl Etcd {
 
     /// One POST to the endpoints in turn; etcd's answer, or why none answered.
     async fn post_raw(&self, path: &str, body: &Value, token: Option<&str>) -> Result<Value, EtcdError> {
-        let mut failures: Vec<(String, String, bool)> = Vec::new();
+        let mut failures = Failures::default();
         for (i, ep) in self.order() {
             match self.exchange(ep, path, body, token).await {
                 Ok(v) => {
@@ -379,21 +410,10 @@ impl Etcd {
                     self.prefer(i);
                     return Err(e);
                 }
-                Err(Attempt::Transient(r)) => failures.push((ep.to_string(), r, false)),
-                Err(Attempt::Refused(r)) => failures.push((ep.to_string(), r, true)),
+                Err(a) => failures.add(ep, a),
             }
         }
-        if let Some((endpoint, reason, _)) = failures.iter().find(|f| f.2) {
-            return Err(EtcdError::Refused { endpoint: endpoint.clone(), reason: reason.clone() });
-        }
-        Err(EtcdError::Unreachable {
-            endpoints: self.inner.endpoints.join(","),
-            reason: if failures.is_empty() {
-                "no endpoint configured".into()
-            } else {
-                failures.iter().map(|(e, r, _)| format!("{e}: {r}")).collect::<Vec<_>>().join("; ")
-            },
-        })
+        Err(failures.into_error(&self.inner.endpoints))
     }
 
     async fn exchange(&self, ep: &str, path: &str, body: &Value, token: Option<&str>) -> Result<Value, Attempt> {
@@ -559,9 +579,19 @@ impl Etcd {
     /// Opens a watch on `key` for changes from `start_revision` on.
     pub async fn watch(&self, key: &str, start_revision: i64) -> Result<Watch, EtcdError> {
         let token = self.token(false).await?;
+        match self.open_watch(key, start_revision, token).await {
+            Err(EtcdError::Status { body, .. }) if self.inner.auth.is_some() && body.contains("invalid auth token") => {
+                let token = self.token(true).await?;
+                self.open_watch(key, start_revision, token).await
+            }
+            r => r,
+        }
+    }
+
+    async fn open_watch(&self, key: &str, start_revision: i64, token: Option<String>) -> Result<Watch, EtcdError> {
         let body =
             json!({ "create_request": { "key": b64(key.as_bytes()), "start_revision": start_revision.to_string() } });
-        let mut failures: Vec<(String, String, bool)> = Vec::new();
+        let mut failures = Failures::default();
         for (i, ep) in self.order() {
             match self.send(ep, "/v3/watch", &body, token.as_deref()).await {
                 Ok(resp) if resp.status() == 200 => {
@@ -574,22 +604,14 @@ impl Etcd {
                     let msg = String::from_utf8_lossy(&text).into_owned();
                     match self.answer_error(ep, "/v3/watch", status, msg) {
                         Attempt::Answer(e) => return Err(e),
-                        Attempt::Transient(r) => failures.push((ep.into(), r, false)),
-                        Attempt::Refused(r) => failures.push((ep.into(), r, true)),
+                        a => failures.add(ep, a),
                     }
                 }
                 Err(Attempt::Answer(e)) => return Err(e),
-                Err(Attempt::Transient(r)) => failures.push((ep.into(), r, false)),
-                Err(Attempt::Refused(r)) => failures.push((ep.into(), r, true)),
+                Err(a) => failures.add(ep, a),
             }
         }
-        if let Some((endpoint, reason, _)) = failures.iter().find(|f| f.2) {
-            return Err(EtcdError::Refused { endpoint: endpoint.clone(), reason: reason.clone() });
-        }
-        Err(EtcdError::Unreachable {
-            endpoints: self.inner.endpoints.join(","),
-            reason: failures.iter().map(|(e, r, _)| format!("{e}: {r}")).collect::<Vec<_>>().join("; "),
-        })
+        Err(failures.into_error(&self.inner.endpoints))
     }
 }
 
