@@ -15,10 +15,12 @@
 #    (distroless cc-debian12: glibc and libgcc_s) has, with ldd.
 #
 # Environment:
-#   USHER_CI_CACHE   cache root (default ~/.cache/usher-ci); the builder's
-#                    `target` cache mount lives in $USHER_CI_CACHE/image-target
-#                    so that a second run rebuilds only usher itself, as
-#                    BuildKit's cache mount would.
+#   USHER_CI_CACHE   cache root (default ~/.cache/usher-ci): the scratch copy
+#                    and any cache mount other than `target`
+#   USHER_IMAGE_TARGET  what plays the builder's `target` cache mount (default:
+#                    the repository's target/, so the release dependencies that
+#                    `cargo run --release` built are reused and only usher
+#                    itself is compiled again, as with a warm BuildKit cache)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -160,7 +162,13 @@ for op, rest in stages["build"][1:]:
                 continue  # the host's own CARGO_HOME plays the cargo registry cache
             if not target.startswith(workdir + "/"):
                 fail(f"cache mount {target}: only mounts under WORKDIR or /usr/local/cargo are understood")
-            keep = os.path.join(cache, "image-" + os.path.basename(target))
+            # The builder's `target` cache is the repository's own target/: the release
+            # dependencies `cargo run --release` built are reused (only usher itself, at
+            # the scratch copy's path, is compiled again), as a warm BuildKit cache would.
+            if os.path.basename(target) == "target":
+                keep = os.environ.get("USHER_IMAGE_TARGET", os.path.abspath("target"))
+            else:
+                keep = os.path.join(cache, "image-" + os.path.basename(target))
             os.makedirs(keep, exist_ok=True)
             link = host(target, "/")
             os.makedirs(os.path.dirname(link), exist_ok=True)
