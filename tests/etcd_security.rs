@@ -302,3 +302,31 @@ async fn a_master_cut_off_from_etcd_stops_granting_before_another_can_be_elected
     let (_, m) = http_get(a.addr("admin"), "/metrics");
     assert_eq!(metric(&m, "usher_server_mastership_changes_total", &[]), Some(2.0), "became master, then stepped down");
 }
+
+#[test]
+fn inconsistent_etcd_flags_exit_64_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new(dir.path(), "flags");
+    let missing = dir.path().join("missing.pem");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--etcd-endpoints", "https://127.0.0.1:1"], "https:// endpoints need --etcd-ca"),
+        (
+            vec!["--etcd-endpoints", "http://127.0.0.1:1", "--etcd-ca", s(&ca.pem)],
+            "every etcd endpoint must then be https://",
+        ),
+        (vec!["--etcd-endpoints", "https://127.0.0.1:1", "--etcd-ca", s(&missing)], "--etcd-ca"),
+        (vec!["--etcd-endpoints", "http://127.0.0.1:1", "--etcd-user", "usher"], "--etcd-user usher needs a password"),
+        (vec!["--etcd-ca", s(&ca.pem)], "--etcd-ca needs --etcd-endpoints"),
+        (
+            vec!["--etcd-endpoints", "https://127.0.0.1:1", "--etcd-ca", s(&ca.pem), "--etcd-cert", s(&ca.pem)],
+            "a client certificate needs its private key",
+        ),
+    ];
+    for (flags, reason) in cases {
+        let mut args = vec!["server", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
+        args.extend(&flags);
+        let (code, stderr) = run_usher_for(&args, &[], Duration::from_secs(10));
+        assert_eq!(code, Some(64), "{flags:?}: exit 64; stderr:\n{stderr}");
+        assert!(stderr.contains(reason), "{flags:?}: says `{reason}`:\n{stderr}");
+    }
+}
