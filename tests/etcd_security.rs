@@ -229,7 +229,7 @@ async fn the_election_fails_over_across_etcd_endpoints() {
         "--election-key",
         "/test/failover",
         "--election-ttl",
-        "6s",
+        "8s",
     ]);
     // The first endpoint refuses connections: the next one serves.
     assert_eventually!(u.is_master(), Duration::from_secs(10), "master through the second endpoint: {}", u.log());
@@ -237,7 +237,7 @@ async fn the_election_fails_over_across_etcd_endpoints() {
     // The endpoint in use goes silent: the master renews through the next one and stays master.
     first.set(Mode::Blackhole);
     let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(8) {
+    while t0.elapsed() < Duration::from_secs(10) {
         assert!(u.is_master(), "stays master through the failover: {}", u.log());
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -260,9 +260,11 @@ fn etcd_options(args: &ServerArgs) -> Result<Option<etcd::EtcdOptions>, RunError
         },
         credentials,
         token_refresh: args.etcd_token_refresh,
-        // A master retries its renewal on the next endpoint before it must step
-        // down (a quarter of the TTL): one endpoint may take an eighth of it.
-        timeout: (args.election_ttl / 8).clamp(Duration::from_millis(500), etcd::DEFAULT_TIMEOUT),
+        // A master renewing at a quarter of the TTL has another quarter to try the
+        // next endpoint before it must step down: one endpoint may take a sixth of
+        // the TTL. Never below 1 s, which a loaded etcd can take; with a TTL under
+        // 6 s a hung endpoint then makes the master step down instead of failing over.
+        timeout: (args.election_ttl / 6).clamp(Duration::from_secs(1), etcd::DEFAULT_TIMEOUT),
     }))
 }
 
