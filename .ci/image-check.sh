@@ -15,12 +15,10 @@
 #    (distroless cc-debian12: glibc and libgcc_s) has, with ldd.
 #
 # Environment:
-#   USHER_CI_CACHE   cache root (default ~/.cache/usher-ci): the scratch copy
-#                    and any cache mount other than `target`
-#   USHER_IMAGE_TARGET  what plays the builder's `target` cache mount (default:
-#                    the repository's target/, so the release dependencies that
-#                    `cargo run --release` built are reused and only usher
-#                    itself is compiled again, as with a warm BuildKit cache)
+#   USHER_CI_CACHE   cache root (default ~/.cache/usher-ci): the scratch copy,
+#                    and $USHER_CI_CACHE/image-target plays the builder's
+#                    `target` cache mount, so a later run compiles only usher
+#                    itself, as a warm BuildKit cache would
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -162,13 +160,11 @@ for op, rest in stages["build"][1:]:
                 continue  # the host's own CARGO_HOME plays the cargo registry cache
             if not target.startswith(workdir + "/"):
                 fail(f"cache mount {target}: only mounts under WORKDIR or /usr/local/cargo are understood")
-            # The builder's `target` cache is the repository's own target/: the release
-            # dependencies `cargo run --release` built are reused (only usher itself, at
-            # the scratch copy's path, is compiled again), as a warm BuildKit cache would.
-            if os.path.basename(target) == "target":
-                keep = os.environ.get("USHER_IMAGE_TARGET", os.path.abspath("target"))
-            else:
-                keep = os.path.join(cache, "image-" + os.path.basename(target))
+            # A target directory of its own, never the repository's: cargo fingerprints a
+            # package by its path relative to the workspace, so in a shared target dir the
+            # repository's build would pass for the scratch copy's and nothing would be
+            # built from the copy at all.
+            keep = os.path.join(cache, "image-" + os.path.basename(target))
             os.makedirs(keep, exist_ok=True)
             link = host(target, "/")
             os.makedirs(os.path.dirname(link), exist_ok=True)
