@@ -99,7 +99,8 @@ struct Inner {
 
 impl Limits {
     /// Starts enforcing `config`'s resources and leasing their capacity;
-    /// returns once the first leases are in, or after [`FIRST_LEASE_WAIT`].
+    /// returns once the first leases are in, or after [`FIRST_LEASE_WAIT`]
+    /// (from then on a key without a lease follows its `on_expiry`).
     /// Needs a tokio runtime.
     pub async fn start(config: RoutesConfig) -> Limits {
         let clock = Clock::system();
@@ -112,9 +113,8 @@ impl Limits {
         let stop = CancellationToken::new();
         let (client, task) =
             lease::start_with(Arc::new(move || source.clone()), table.clone(), pushback, &registry, stop.clone());
-        if !client.first_refresh(FIRST_LEASE_WAIT).await {
-            tracing::warn!(wait = ?FIRST_LEASE_WAIT, "no lease yet; resources follow on_expiry until one arrives");
-        }
+        // Every key leased (at once from a cache), or the first call answered or failed, or the wait over.
+        client.ready(FIRST_LEASE_WAIT).await;
         Limits {
             inner: Arc::new(Inner { config, table, client, clock, stop, task: std::sync::Mutex::new(Some(task)) }),
         }

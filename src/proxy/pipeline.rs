@@ -140,6 +140,8 @@ pub struct Meta {
     plan: Plan,
     in_flight: Option<InFlight>,
     admitted: Option<Admitted>,
+    /// A refusal's: how long an upstream's `Retry-After` still holds a key of the plan.
+    hold: Option<Duration>,
 }
 
 /// Why a request got no upstream answer.
@@ -304,7 +306,10 @@ where
         Poll::Ready(Ok(match ready!(self.project().inner.poll(cx)) {
             Ok(reply) => reply,
             Err(Failure { error: Error::Unserved(why), .. }) => Reply::Unserved(why),
-            Err(Failure { error: Error::Refused(r), meta }) => Reply::Made(respond::refused(&r, meta.grpc)),
+            Err(Failure { error: Error::Refused(r), meta }) => Reply::Made(match meta.hold {
+                Some(hold) => respond::refused_held(&r, hold, meta.grpc),
+                None => respond::refused(&r, meta.grpc),
+            }),
             Err(Failure { error: Error::Proxy(e), meta }) => Reply::Made(respond::proxy_error(&e, meta.grpc)),
         }))
     }
@@ -435,8 +440,8 @@ where
                 };
                 Ok(Reply::Upstream { answer, held })
             }
-            Err(f) => {
-                acc.failed(&f);
+            Err(mut f) => {
+                acc.failed(&mut f);
                 Err(f)
             }
         })
@@ -462,7 +467,12 @@ impl Accounts {
     }
 
     /// A request that got no upstream answer.
-    fn failed(&self, f: &Failure) {
+    fn failed(&self, f: &mut Failure) {
+        if let Error::Refused(_) = f.error {
+            // While an upstream's Retry-After holds a key of the request, the 429 says when that ends.
+            let now = self.table.clock().now();
+            f.meta.hold = f.meta.plan.items.iter().filter_map(|(l, _)| self.pushback.hold_left(l.id(), now)).max();
+        }
         let meta = &f.meta;
         match (&f.error, &meta.route) {
             (Error::Unserved(_), _) => {}

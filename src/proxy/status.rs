@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use super::Proxy;
 use crate::admin::{self, Handler, escape};
+use crate::lease::core::{Capacity, Source};
 use crate::limit::{DemandSample, Kind};
 
 #[derive(Serialize)]
@@ -67,12 +68,48 @@ fn status(p: &Proxy) -> Status {
     }
 }
 
+/// `usher_proxy_lease_state{resource_id, state}`: 1 for the state a lease key
+/// is in, 0 for the others (a state set, so an alert on `expired` or `safe`
+/// has a series to watch before it ever fires). `safe`: no lease, and the key
+/// enforces its safe capacity.
+fn lease_state_gauge(proxy: &Proxy) -> prometheus::IntGaugeVec {
+    let g = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new(
+            "usher_proxy_lease_state",
+            "1 for the lease state of a resource key (leased, pending, expired, safe), 0 for the others.",
+        ),
+        &["resource_id", "state"],
+    )
+    .expect("valid metric");
+    let _ = proxy.metrics.registry.register(Box::new(g.clone()));
+    g
+}
+
+fn observe_lease_states(g: &prometheus::IntGaugeVec, proxy: &Proxy) {
+    use crate::lease::{Mode, OnExpiry};
+    g.reset();
+    let Some(status) = proxy.lease.get().map(|c| c.status()) else { return };
+    for k in &status.keys {
+        let state = match (k.mode, k.on_expiry) {
+            (Mode::Leased, _) => "leased",
+            (_, OnExpiry::Safe) => "safe",
+            (Mode::Pending, _) => "pending",
+            (Mode::Expired, _) => "expired",
+        };
+        for s in ["leased", "pending", "expired", "safe"] {
+            g.with_label_values(&[&k.resource_id, s]).set(i64::from(s == state));
+        }
+    }
+}
+
 pub fn handler(proxy: Arc<Proxy>) -> Handler {
+    let lease_states = lease_state_gauge(&proxy);
     Arc::new(move |req| {
         let json = admin::query_param(&req.uri, "format").as_deref() == Some("json");
         match req.uri.path() {
             "/metrics" => {
                 proxy.metrics.observe_table(&proxy.table);
+                observe_lease_states(&lease_states, &proxy);
                 admin::metrics(&proxy.metrics.registry)
             }
             "/healthz" => admin::text(StatusCode::OK, "ok\n"),
@@ -87,6 +124,14 @@ pub fn handler(proxy: Arc<Proxy>) -> Handler {
             other => admin::not_found(other),
         }
     })
+}
+
+fn source_name(s: Source) -> &'static str {
+    match s {
+        Source::Lease => "lease",
+        Source::Cache => "cached lease",
+        Source::OnExpiry => "on_expiry",
+    }
 }
 
 fn status_html(s: &Status) -> String {
@@ -128,7 +173,7 @@ fn status_html(s: &Status) -> String {
         let _ = write!(
             b,
             "<h2>Leases</h2><p>Client <code>{}</code>, master {}, {} refreshes{}</p>\
-             <table id=leases><tr><th>resource id</th><th>mode</th><th>has</th><th>wants</th><th>expiry</th><th>safe</th><th>on expiry</th><th>error</th></tr>",
+             <table id=leases><tr><th>resource id</th><th>mode</th><th>has</th><th>enforcing</th><th>wants</th><th>expiry</th><th>safe</th><th>on expiry</th><th>error</th></tr>",
             escape(&l.client_id),
             escape(l.master.as_deref().unwrap_or("unknown")),
             l.refreshes,
@@ -140,10 +185,14 @@ fn status_html(s: &Status) -> String {
         for k in &l.keys {
             let _ = write!(
                 b,
-                "<tr><td>{}</td><td>{:?}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                "<tr><td>{}</td><td>{:?}</td><td>{}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                 escape(&k.resource_id),
                 k.mode,
                 k.has.map(|h| format!("{h:.3}")).unwrap_or_else(|| "-".into()),
+                match (k.capacity, k.source) {
+                    (Capacity::Limited(c), s) => format!("{c:.3} ({})", source_name(s)),
+                    (Capacity::Unlimited, s) => format!("unlimited ({})", source_name(s)),
+                },
                 k.wants,
                 k.expiry.map(|e| format!("in {}s", e - s.now_s)).unwrap_or_else(|| "-".into()),
                 k.safe_capacity.map(|s| format!("{s}")).unwrap_or_else(|| "-".into()),
