@@ -16,6 +16,8 @@
 //!   a POST whose bytes the upstream took not retried), the header timeout,
 //!   a client leaving while it waits for capacity, and `Http1::Hyper`
 //!   serving everything without a hand-off.
+//! - A gauge slot is free once an answer's last bytes went out, on both
+//!   engines and every response framing.
 //!
 //! Which engine served a request is visible on the wire: the native path
 //! forwards header names as it received them (`X-Served-By-Case`), hyper
@@ -1543,6 +1545,43 @@ async fn each_request_has_one_outcome_on_both_engines() {
         ];
         assert_eq!(got, [1.0, 0.0, 0.0, 2.0, 1.0], "{engine:?}:\n{text}");
         assert_eq!(handoffs(&side.proxy), BTreeMap::new(), "{engine:?}");
+    }
+}
+
+/// A gauge of one slot, and clients that send the next request as soon as
+/// the whole answer before has arrived: none is refused, on either engine and
+/// whatever the answer's framing. The slot is given back when the last of the
+/// body is handed out, not after it was written (the native path released it
+/// after its last write and flush, and a quick client found it still taken).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gauge_slot_is_free_once_the_whole_answer_was_sent() {
+    const ROUNDS: usize = 150;
+    let bodies: [(&str, &[u8], bool); 4] = [
+        ("length", b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", false),
+        ("chunked", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", false),
+        ("close", b"HTTP/1.1 200 OK\r\n\r\nhello", true),
+        ("empty", b"HTTP/1.1 204 No Content\r\n\r\n", false),
+    ];
+    for (framing, bytes, close) in bodies {
+        let up = Scripted::start(move |_| answer(bytes, close)).await;
+        let yaml = format!(
+            "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  one: {{ kind: gauge, capacity: 1 }}\n\
+             routes:\n  - {{ name: api, match: {{ host: {API} }}, upstream: up, resources: [one] }}\n",
+            up.addr
+        );
+        for engine in [Http1::Native, Http1::Hyper] {
+            let side = sidecar(&yaml, engine).await;
+            // Two connections taking turns: a connection's own next request is
+            // read only after its previous exchange has ended anyway.
+            let mut clients = [Client::connect(side.addr).await, Client::connect(side.addr).await];
+            for round in 0..ROUNDS {
+                let c = &mut clients[round % 2];
+                c.send(format!("GET /x HTTP/1.1\r\nHost: {API}\r\n\r\n")).await;
+                let r = c.response(false).await;
+                assert!(r.status < 300, "{engine:?}, {framing} body, round {round}: {} {}", r.status, r.text());
+            }
+        }
     }
 }
 

@@ -274,8 +274,8 @@ impl Body for Tracked {
     type Error = BoxError;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self.project();
-        let frame = ready!(this.inner.poll_frame(cx));
+        let mut this = self.project();
+        let frame = ready!(this.inner.as_mut().poll_frame(cx));
         match &frame {
             // The status is already sent: the client sees its body cut; count it.
             Some(Err(e)) => {
@@ -284,7 +284,13 @@ impl Body for Tracked {
                 *this.held = Held::default();
             }
             None => *this.held = Held::default(),
-            Some(Ok(_)) => {}
+            // The last data: what the request holds is free before hyper
+            // writes it, so a client that has the whole answer finds it free.
+            Some(Ok(_)) => {
+                if this.inner.is_end_stream() {
+                    *this.held = Held::default();
+                }
+            }
         }
         Poll::Ready(frame.map(|f| f.map_err(|e| Box::new(e) as BoxError)))
     }

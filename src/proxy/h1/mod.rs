@@ -420,7 +420,8 @@ where
         bufs.out.extend_from_slice(b"connection: close\r\n");
     }
     bufs.out.extend_from_slice(b"\r\n");
-    let relayed = relay(&head, stream, &mut bufs.up, io, &mut bufs.out).await;
+    let mut held = Some(held);
+    let relayed = relay(&head, stream, &mut bufs.up, io, &mut bufs.out, &mut held).await;
     let open = match relayed {
         Ok(Some(stream)) if head.reusable => {
             upstream.native.as_ref().expect("a native answer comes from a native upstream").pool.put(stream);
@@ -429,7 +430,9 @@ where
         Ok(_) => !close,
         Err(BodyError::Upstream(e)) => {
             // The status is already sent: the client sees its body cut.
-            held.body_failed();
+            if let Some(held) = &held {
+                held.body_failed();
+            }
             tracing::debug!(error = %e, "response body failed after the headers");
             false
         }
@@ -438,7 +441,7 @@ where
             false
         }
     };
-    // The admission (gauge permits) and the in-flight count last until the body has ended.
+    // A body that failed holds until here; one that ended was released as its last bytes went out.
     drop(held);
     Ok(open)
 }
@@ -543,24 +546,36 @@ enum BodyError {
 /// Sends the client the head in `out` and the body that follows `head` on
 /// `stream` (its first bytes already in `up`). Returns the stream when the
 /// body ended cleanly with nothing after it, so it can carry another request.
+///
+/// `held` (the admission's gauge permits, the in-flight count) is released
+/// once the body's last bytes are in hand, before they are written: a client
+/// that has the whole answer may send its next request on another
+/// connection at once, and must find the slot free.
 async fn relay<I>(
     head: &ResponseHead,
     mut stream: TcpStream,
     up: &mut BytesMut,
     io: &mut I,
     out: &mut Vec<u8>,
+    held: &mut Option<pipeline::Held>,
 ) -> Result<Option<TcpStream>, BodyError>
 where
     I: AsyncWrite + Unpin,
 {
     let cut = |what: &str| BodyError::Upstream(format!("the upstream closed the connection {what}"));
     match head.framing {
-        Framing::Empty => send(io, out).await?,
+        Framing::Empty => {
+            *held = None;
+            send(io, out).await?
+        }
         Framing::Length(n) => {
             let first = up.len().min(usize::try_from(n).unwrap_or(usize::MAX));
             out.extend_from_slice(&up[..first]);
             up.advance(first);
             let mut left = n - first as u64;
+            if left == 0 {
+                *held = None;
+            }
             send(io, out).await?;
             while left > 0 {
                 up.clear();
@@ -571,9 +586,12 @@ where
                     Err(e) => return Err(BodyError::Upstream(e.to_string())),
                 }
                 let take = up.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                left -= take as u64;
+                if left == 0 {
+                    *held = None;
+                }
                 io.write_all(&up[..take]).await.map_err(BodyError::Client)?;
                 up.advance(take);
-                left -= take as u64;
             }
         }
         Framing::Chunked => {
@@ -591,8 +609,12 @@ where
                     }
                 };
                 up.advance(used);
+                let done = chunks.is_done();
+                if done {
+                    *held = None;
+                }
                 send(io, out).await?;
-                if chunks.is_done() {
+                if done {
                     break;
                 }
                 up.clear();
@@ -613,6 +635,7 @@ where
             up.reserve(READ_CHUNK);
             let n = stream.read_buf(up).await.map_err(|e| BodyError::Upstream(e.to_string()))?;
             if n == 0 {
+                *held = None;
                 out.extend_from_slice(b"0\r\n\r\n");
                 send(io, out).await?;
                 io.flush().await.map_err(BodyError::Client)?;
