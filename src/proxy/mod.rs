@@ -220,7 +220,7 @@ impl Proxy {
         let pipeline = self.pipeline.load_full();
         let Ok(reply) = pipeline.stack(general::Forward).call(Exchange::new(req)).await;
         match reply {
-            Reply::Upstream { answer, held } => answer.map(|b| Tracked { inner: b, held }.boxed_unsync()),
+            Reply::Upstream { answer, held } => answer.map(|b| Tracked { inner: b, held, ended: false }.boxed_unsync()),
             Reply::Made(resp) => resp,
             // hyper's forward serves every target.
             Reply::Unserved(why) => unreachable!("the general path refused a target ({why})"),
@@ -266,6 +266,8 @@ pin_project! {
         #[pin]
         inner: UpstreamBody,
         held: Held,
+        // The body ended early (gRPC trailers made of an error): the inner body is done with.
+        ended: bool,
     }
 }
 
@@ -275,13 +277,19 @@ impl Body for Tracked {
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
+        if *this.ended {
+            return Poll::Ready(None);
+        }
         let frame = ready!(this.inner.as_mut().poll_frame(cx));
         match &frame {
-            // The status is already sent: the client sees its body cut; count it.
+            // The status is already sent: a gRPC client gets trailers with a
+            // status, any other sees its body cut; counted either way.
             Some(Err(e)) => {
-                this.held.body_failed();
                 tracing::debug!(error = %e, "response body failed after the headers");
-                *this.held = Held::default();
+                if let Some(trailers) = this.held.body_error(e) {
+                    *this.ended = true;
+                    return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+                }
             }
             None => *this.held = Held::default(),
             // The last data: what the request holds is free before hyper
@@ -296,7 +304,7 @@ impl Body for Tracked {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.ended || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -181,6 +181,8 @@ pub enum Reply<A> {
 #[derive(Default)]
 pub struct Held {
     route: Option<Arc<Route>>,
+    /// The request is gRPC: a body that fails ends in trailers carrying a status.
+    grpc: bool,
     _in_flight: Option<InFlight>,
     _admitted: Option<Admitted>,
 }
@@ -192,6 +194,17 @@ impl Held {
         if let Some(r) = &self.route {
             r.metrics.body_errors.inc();
         }
+    }
+
+    /// A response body failed after its head was sent: counts it, releases
+    /// what the request holds, and gives the gRPC trailers the body ends
+    /// with instead of a reset stream ([`respond::body_failed_trailers`]),
+    /// or None for a request that is not gRPC (the client sees it cut).
+    pub fn body_error(&mut self, error: &dyn std::fmt::Display) -> Option<http::HeaderMap> {
+        self.body_failed();
+        let held = std::mem::take(self);
+        let route = held.route.as_ref().map_or("_none", |r| r.name.as_str());
+        held.grpc.then(|| respond::body_failed_trailers(route, error))
     }
 }
 
@@ -429,7 +442,8 @@ where
         Poll::Ready(match ready!(this.inner.poll(cx)) {
             Ok(Answered { answer, meta }) => {
                 acc.answered(&meta, answer.status(), || answer.retry_after());
-                let held = Held { route: meta.route, _in_flight: meta.in_flight, _admitted: meta.admitted };
+                let held =
+                    Held { route: meta.route, grpc: meta.grpc, _in_flight: meta.in_flight, _admitted: meta.admitted };
                 let held = match answer.hold() {
                     Some(hold) => {
                         let route = held.route.clone();
