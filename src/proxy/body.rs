@@ -1,6 +1,12 @@
 //! The request body as the general path forwards it: the client's, cut off
 //! with an error once it passes `limits.max_body_bytes`, and its errors told
 //! apart from the upstream's.
+//!
+//! It streams: a chunked body is not held back to check its framing first.
+//! A body whose framing breaks mid-way fails here, the upstream's request is
+//! aborted (never completed) and the client gets a 400; holding bodies back
+//! would delay every upload and stall clients that stream while reading the
+//! answer (README, Security).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
