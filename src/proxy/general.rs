@@ -7,21 +7,25 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode, Uri, Version};
-use hyper::body::Incoming;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
+use pin_project_lite::pin_project;
 
 use super::body::{BodyLimit, BodyTooLarge, ClientBody, RequestBody};
 use super::guard;
 use super::h1pool::PoolError;
-use super::pipeline::{Answer, Hold, Inbound};
-use super::respond::{ProxyError, is_grpc};
+use super::pipeline::{Answer, Held, Hold, Inbound};
+use super::respond::{ProxyBody, ProxyError, is_grpc};
 use super::route::{Resolved, Routing};
 use super::upstream::{DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, VIA, strip_hop_by_hop, upstream_uri};
+use crate::limit::layer::BoxError;
 
 /// The general path's innermost stage: sends a request to its [`Target`],
 /// or opens a CONNECT tunnel.
@@ -287,4 +291,64 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
         src = inner.source();
     }
     s
+}
+
+/// The answer hyper sends for an upstream's: its body holds what the request
+/// holds until its last bytes are handed out.
+pub(super) fn respond(answer: Response<UpstreamBody>, held: Held) -> Response<ProxyBody> {
+    answer.map(|b| Tracked { inner: b, held, ended: false }.boxed_unsync())
+}
+
+pin_project! {
+    /// An upstream's response body on the general path: holds what its
+    /// request holds (gauge permits, in flight) until it ends, and counts a
+    /// failure after the head was sent.
+    struct Tracked {
+        #[pin]
+        inner: UpstreamBody,
+        held: Held,
+        // The body ended early (gRPC trailers made of an error): the inner body is done with.
+        ended: bool,
+    }
+}
+
+impl Body for Tracked {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        if *this.ended {
+            return Poll::Ready(None);
+        }
+        let frame = ready!(this.inner.as_mut().poll_frame(cx));
+        match &frame {
+            // The status is already sent: a gRPC client gets trailers with a
+            // status, any other sees its body cut; counted either way.
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "response body failed after the headers");
+                if let Some(trailers) = this.held.body_error(e) {
+                    *this.ended = true;
+                    return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+                }
+            }
+            None => *this.held = Held::default(),
+            // The last data: what the request holds is free before hyper
+            // writes it, so a client that has the whole answer finds it free.
+            Some(Ok(_)) => {
+                if this.inner.is_end_stream() {
+                    *this.held = Held::default();
+                }
+            }
+        }
+        Poll::Ready(frame.map(|f| f.map_err(|e| Box::new(e) as BoxError)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
 }

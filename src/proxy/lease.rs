@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::Proxy;
 use super::pushback::Pushback;
 use crate::clock::Time;
 use crate::config::doorman::{LeaseSettings, Wants};
@@ -304,13 +303,6 @@ pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
 /// The lease client's shortest time between two refreshes.
 fn min_interval(cfg: &RoutesConfig) -> Duration {
     cfg.doorman.as_ref().map_or(EMBEDDED_MIN_INTERVAL, |d| d.min_interval)
-}
-
-/// Starts the lease client for `proxy`; it runs until `shutdown`, then releases its leases.
-pub fn start(proxy: &Proxy, shutdown: CancellationToken) -> (LeaseClient, tokio::task::JoinHandle<()>) {
-    let pipelines = proxy.pipelines();
-    let config: ConfigSource = Arc::new(move || pipelines.load().config.clone());
-    start_with(config, proxy.table.clone(), proxy.pushback.clone(), &proxy.metrics.registry, shutdown)
 }
 
 /// Where the enforcer reads the routes file in force.

@@ -20,8 +20,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::Proxy;
 use super::h1::{self, Served, Services};
+use super::wiring::Proxy;
 use crate::config::limits::ListenerLimits;
 use crate::limit::layer::BoxError;
 
