@@ -6,7 +6,7 @@
 //! production path.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -55,9 +55,10 @@ pub struct TableEnforcer {
     embedded: Option<Arc<Node>>,
     memory: Mutex<HashMap<String, KeyMemory>>,
     seen_config: Mutex<Option<Arc<RoutesConfig>>>,
-    /// The lease client this enforcer serves (set once it started), for the
-    /// refresh interval of a key's last lease.
-    client: OnceLock<LeaseClient>,
+    /// The lease client this enforcer serves, for the refresh interval of a
+    /// key's last lease: set once it started, taken at shutdown (the client
+    /// holds this enforcer, so keeping it would keep both alive).
+    client: Mutex<Option<LeaseClient>>,
 }
 
 impl TableEnforcer {
@@ -145,7 +146,9 @@ impl TableEnforcer {
     fn relet_lead(&self, id: &str) -> Duration {
         let cfg = self.config();
         let jitter = cfg.doorman.as_ref().map_or(crate::config::doorman::DEFAULT_JITTER, |d| d.jitter);
-        let refresh = self.client.get().and_then(|c| c.lease_of(id)).map_or(Duration::ZERO, |l| l.refresh_interval);
+        let client = self.client.lock().expect("enforcer client").clone();
+        let lease = client.and_then(|c| c.lease_of(id));
+        let refresh = lease.map_or(Duration::ZERO, |l| l.refresh_interval);
         super::pushback::relet_lead(refresh, min_interval(&cfg), jitter)
     }
 
@@ -379,9 +382,13 @@ pub fn start_with(
         embedded,
         memory: Mutex::new(HashMap::new()),
         seen_config: Mutex::new(None),
-        client: OnceLock::new(),
+        client: Mutex::new(None),
     });
-    let (client, task) = LeaseClient::start(core_cfg, clock, transport, enforcer.clone(), cache, shutdown);
-    let _ = enforcer.client.set(client.clone());
+    let (client, task) = LeaseClient::start(core_cfg, clock, transport, enforcer.clone(), cache, shutdown.clone());
+    *enforcer.client.lock().expect("enforcer client") = Some(client.clone());
+    tokio::spawn(async move {
+        shutdown.cancelled().await;
+        enforcer.client.lock().expect("enforcer client").take();
+    });
     (client, task)
 }
