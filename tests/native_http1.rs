@@ -16,6 +16,8 @@
 //!   a POST whose bytes the upstream took not retried), the header timeout,
 //!   a client leaving while it waits for capacity, and `Http1::Hyper`
 //!   serving everything without a hand-off.
+//! - A gauge slot is free once an answer's last bytes went out, on both
+//!   engines and every response framing.
 //!
 //! Which engine served a request is visible on the wire: the native path
 //! forwards header names as it received them (`X-Served-By-Case`), hyper
@@ -29,9 +31,6 @@
 //!   native path writes the canonical one (both valid HTTP/1.1);
 //! - a `304` with `Content-Length`: the native path keeps the field, hyper
 //!   drops it (RFC 9110 §8.6 allows either);
-//! - an upstream answering in HTTP/1.0: the native path answers the client
-//!   in HTTP/1.1 (chunking a close-delimited body), hyper relays HTTP/1.0
-//!   (RFC 9110 §2.5 asks an intermediary for its own version);
 //! - an upstream answer with both `Transfer-Encoding: chunked` and
 //!   `Content-Length`: the native path drops the length and chunks (RFC
 //!   9112 §6.3), hyper relays the length; the body is the same;
@@ -1422,20 +1421,20 @@ async fn a_304_keeps_its_content_length_on_the_native_path_only() {
     assert_eq!(hyper.header("content-length"), None, "{hyper:?}");
 }
 
-/// An upstream answering in HTTP/1.0: the native path answers the client
-/// in its own version (RFC 9110 §2.5), chunking a close-delimited body and
-/// keeping the client's connection; hyper relays `HTTP/1.0` as it came.
+/// An upstream answering in HTTP/1.0: both engines answer the client in
+/// their own version (RFC 9110 §2.5), chunking a close-delimited body and
+/// keeping the client's connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_http_1_0_answer_goes_on_as_http_1_1_on_the_native_path_only() {
+async fn an_http_1_0_answer_goes_on_as_http_1_1_on_both_engines() {
     let diff = Diff::start().await;
     for framing in [Framing::Length, Framing::Close] {
         let resp = RespCase { version: "HTTP/1.0", ..RespCase::ok("hello").framed(framing) };
         let ((_, native), (_, hyper)) = diff.both(&ReqCase::get("/x"), &resp).await.unwrap();
-        assert_eq!((native.version, native.status, native.text().as_str()), (1, 200, "hello"), "{framing:?}");
-        assert_eq!((hyper.version, hyper.status, hyper.text().as_str()), (0, 200, "hello"), "{framing:?}");
-        let chunked = |r: &Resp| r.header("transfer-encoding") == Some("chunked");
-        assert_eq!(chunked(&native), framing == Framing::Close, "{native:?}");
-        assert!(!chunked(&hyper), "{hyper:?}");
+        for (engine, got) in [("native", &native), ("hyper", &hyper)] {
+            assert_eq!((got.version, got.status, got.text().as_str()), (1, 200, "hello"), "{engine} {framing:?}");
+            let chunked = got.header("transfer-encoding") == Some("chunked");
+            assert_eq!(chunked, framing == Framing::Close, "{engine}: {got:?}");
+        }
     }
 }
 
@@ -1546,6 +1545,43 @@ async fn each_request_has_one_outcome_on_both_engines() {
         ];
         assert_eq!(got, [1.0, 0.0, 0.0, 2.0, 1.0], "{engine:?}:\n{text}");
         assert_eq!(handoffs(&side.proxy), BTreeMap::new(), "{engine:?}");
+    }
+}
+
+/// A gauge of one slot, and clients that send the next request as soon as
+/// the whole answer before has arrived: none is refused, on either engine and
+/// whatever the answer's framing. The slot is given back when the last of the
+/// body is handed out, not after it was written (the native path released it
+/// after its last write and flush, and a quick client found it still taken).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gauge_slot_is_free_once_the_whole_answer_was_sent() {
+    const ROUNDS: usize = 150;
+    let bodies: [(&str, &[u8], bool); 4] = [
+        ("length", b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", false),
+        ("chunked", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", false),
+        ("close", b"HTTP/1.1 200 OK\r\n\r\nhello", true),
+        ("empty", b"HTTP/1.1 204 No Content\r\n\r\n", false),
+    ];
+    for (framing, bytes, close) in bodies {
+        let up = Scripted::start(move |_| answer(bytes, close)).await;
+        let yaml = format!(
+            "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  one: {{ kind: gauge, capacity: 1 }}\n\
+             routes:\n  - {{ name: api, match: {{ host: {API} }}, upstream: up, resources: [one] }}\n",
+            up.addr
+        );
+        for engine in [Http1::Native, Http1::Hyper] {
+            let side = sidecar(&yaml, engine).await;
+            // Two connections taking turns: a connection's own next request is
+            // read only after its previous exchange has ended anyway.
+            let mut clients = [Client::connect(side.addr).await, Client::connect(side.addr).await];
+            for round in 0..ROUNDS {
+                let c = &mut clients[round % 2];
+                c.send(format!("GET /x HTTP/1.1\r\nHost: {API}\r\n\r\n")).await;
+                let r = c.response(false).await;
+                assert!(r.status < 300, "{engine:?}, {framing} body, round {round}: {} {}", r.status, r.text());
+            }
+        }
     }
 }
 
@@ -1718,6 +1754,27 @@ async fn pipelined_requests_are_answered_in_order() {
 }
 
 // === hand-off to the general path ===
+
+/// A route whose target the native path cannot forward to (here, no
+/// upstream: the origin the request names) is found by the pipeline's route
+/// stage, which gives the request back untouched: hyper serves it from its
+/// first byte, with nothing counted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_to_another_engines_target_is_handed_off_before_anything_happens() {
+    let up = Scripted::start(echo).await;
+    let yaml = "resources:\n  r: { kind: rate, capacity: 1/min }\n\
+                routes:\n  - { name: origin, match: { host: 127.0.0.1 }, resources: [r] }\n";
+    let side = sidecar(yaml, Http1::Native).await;
+    let mut c = Client::connect(side.addr).await;
+    c.send(format!("GET /d HTTP/1.1\r\nHost: {}\r\nX-Client-Case: 1\r\n\r\n", up.addr)).await;
+    let r = c.response(false).await;
+    assert_eq!((r.status, r.text().as_str(), served_by(&r)), (200, "GET /d ", By::Hyper));
+    assert_eq!(handoffs(&side.proxy), reasons(&[("upstream", 1)]));
+    // One admission (by hyper), not two: the next request is refused by the 1/min rate.
+    c.send(format!("GET /e HTTP/1.1\r\nHost: {}\r\n\r\n", up.addr)).await;
+    assert_eq!(c.response(false).await.status, 429);
+    assert_eq!(up.seen().len(), 1);
+}
 
 /// On one connection: a native GET, a chunked POST (handed to hyper and
 /// answered by it), then a GET hyper answers too, as it serves the

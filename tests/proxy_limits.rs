@@ -418,6 +418,96 @@ async fn grpc_requests_are_refused_with_resource_exhausted() {
     assert_eq!(up.stats.requests(), 0);
 }
 
+/// A gRPC answer's body: one message, then a failure (the upstream resets
+/// the stream) a moment later: a reset at once would discard the head and
+/// message still queued in the upstream's HTTP/2 connection.
+struct CutBody {
+    sent: bool,
+    pause: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl hyper::body::Body for CutBody {
+    type Data = bytes::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, std::io::Error>>> {
+        if !self.sent {
+            self.sent = true;
+            let message = bytes::Bytes::from_static(&[0, 0, 0, 0, 1, 42]);
+            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(message))));
+        }
+        std::task::ready!(self.pause.as_mut().poll(cx));
+        std::task::Poll::Ready(Some(Err(std::io::Error::other("the upstream gave up"))))
+    }
+}
+
+/// An h2c upstream on 127.0.0.1:0 that answers every call with a gRPC head
+/// and one message, then resets the stream.
+async fn cutting_grpc_upstream() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|_req| async {
+                    let resp = http::Response::builder()
+                        .header("content-type", "application/grpc")
+                        .body(CutBody { sent: false, pause: Box::pin(tokio::time::sleep(Duration::from_millis(100))) })
+                        .unwrap();
+                    Ok::<_, std::convert::Infallible>(resp)
+                });
+                let builder = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+                let _ = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), svc).await;
+            });
+        }
+    });
+    addr
+}
+
+/// An upstream that cuts a gRPC answer mid-stream: the client gets the
+/// message that came, then trailers with `grpc-status: 14` (UNAVAILABLE)
+/// and the reason, not a reset stream; the body error is counted and the
+/// call's gauge slot is given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_body_cut_by_the_upstream_ends_in_trailers_with_a_status() {
+    let up = cutting_grpc_upstream().await;
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{up}\", h2c: true }}\n\
+         resources:\n  calls: {{ kind: gauge, capacity: 1 }}\n\
+         routes:\n  - {{ name: grpc, upstream: up, resources: [calls] }}\n"
+    );
+    let h = start(&yaml).await;
+    let mut c = h2(h.addr).await;
+    for call in 0..3 {
+        let req = Request::post("http://api.test/pkg.Service/Stream")
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(upstream::full(vec![0u8, 0, 0, 0, 0]))
+            .unwrap();
+        c.ready().await.unwrap();
+        let resp = c.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "call {call}");
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .unwrap_or_else(|e| panic!("call {call}: the stream was reset, not ended with a status: {e}"));
+        let trailers = body.trailers().cloned().unwrap_or_else(|| panic!("call {call}: no trailers"));
+        assert_eq!(body.to_bytes().as_ref(), [0, 0, 0, 0, 1, 42], "call {call}: the message that came");
+        assert_eq!(trailers["grpc-status"], "14", "call {call}: {trailers:?}");
+        let message = trailers["grpc-message"].to_str().unwrap();
+        assert!(message.contains("route `grpc`") && message.contains("body failed"), "call {call}: {message}");
+    }
+    let g = h.proxy.table.resource("calls").unwrap().limiters()[0].clone();
+    assert_eq!(g.gauge().unwrap().in_flight(), 0, "the calls' slots were given back");
+    h.proxy.metrics.observe_table(&h.proxy.table);
+    let mut out = Vec::new();
+    prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &h.proxy.metrics.registry.gather(), &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(text.contains("usher_proxy_response_body_errors_total{route=\"grpc\"} 3"), "{text}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn templated_ids_give_each_key_its_own_budget_up_to_max_keys() {
     let up = Upstream::start().await;

@@ -232,6 +232,8 @@ enum Expect {
     Forward(&'static [(&'static str, &'static str, &'static str)]),
     /// Either refused, or forwarded as these requests.
     Either(&'static [(&'static str, &'static str, &'static str)]),
+    /// Refused with this status; nothing may reach the upstream.
+    Status(u16),
 }
 
 const HELLO: &[(&str, &str, &str)] = &[("POST", "/x", "hello")];
@@ -448,7 +450,27 @@ fn corpus() -> Vec<(&'static str, Vec<u8>, Expect)> {
             Expect::Either(GET),
         ),
         ("two Host headers", c("GET /x HTTP/1.1\r\nHost: api.test\r\nHost: evil.test\r\n\r\n"), Expect::Reject),
-        ("no Host in HTTP/1.1", c("GET /x HTTP/1.1\r\n\r\n"), Expect::Reject),
+        ("no Host in HTTP/1.1", c("GET /x HTTP/1.1\r\n\r\n"), Expect::Status(400)),
+        // An HTTP/2 upgrade would take the requests after it past usher: it is stripped.
+        (
+            "h2c upgrade with HTTP2-Settings",
+            c(
+                "GET /x HTTP/1.1\r\nHost: api.test\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n",
+            ),
+            Expect::Forward(GET),
+        ),
+        (
+            "h2c upgrade without HTTP2-Settings",
+            c("GET /x HTTP/1.1\r\nHost: api.test\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n"),
+            Expect::Forward(GET),
+        ),
+        (
+            "h2c upgrade then HTTP/2 bytes",
+            c(
+                "GET /x HTTP/1.1\r\nHost: api.test\r\nConnection: Upgrade\r\nUpgrade: H2C\r\n\r\nPRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+            ),
+            Expect::Either(GET),
+        ),
         ("tab in the request line", c("GET\t/x HTTP/1.1\r\nHost: api.test\r\n\r\n"), Expect::Reject),
         ("HTTP/1.2", c("GET /x HTTP/1.2\r\nHost: api.test\r\n\r\n"), Expect::Reject),
         ("space in the target", c("GET /x y HTTP/1.1\r\nHost: api.test\r\n\r\n"), Expect::Reject),
@@ -577,8 +599,17 @@ async fn run_case(name: &'static str, raw: Vec<u8>, expect: Expect, http1: Http1
         && upstream_raw.iter().all(String::is_empty)
         && !statuses.is_empty()
         && (400..500).contains(&statuses[0]);
+    // Nothing may ask the upstream to switch to HTTP/2: what follows would bypass usher.
+    if let Some(s) = r.requests.iter().find(|s| {
+        s.headers
+            .iter()
+            .any(|(k, v)| k == "http2-settings" || (k == "upgrade" && v.to_ascii_lowercase().contains("h2c")))
+    }) {
+        return Err(format!("an HTTP/2 upgrade reached the upstream: {s:?}; {}", ctx()));
+    }
     let ok = match expect {
         Expect::Reject => rejected,
+        Expect::Status(want) => rejected && statuses[0] == want,
         Expect::RejectBody => forwarded.is_empty() && statuses == [400],
         Expect::Forward(want) => matches(want),
         Expect::Either(want) => rejected || matches(want),

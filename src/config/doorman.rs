@@ -6,8 +6,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::yaml::{Checker, MapView, Node};
-use crate::lease::OnExpiry;
-use crate::lease::backoff::BackoffConfig;
 
 /// Default refresh jitter: refreshes are spread uniformly over ±1/6 of the interval.
 pub const DEFAULT_JITTER: f64 = 1.0 / 6.0;
@@ -15,6 +13,40 @@ pub const DEFAULT_JITTER: f64 = 1.0 / 6.0;
 pub const DEFAULT_MIN_INTERVAL: Duration = Duration::from_secs(1);
 /// Default headroom on a measured rate.
 pub const DEFAULT_HEADROOM: f64 = 1.1;
+
+/// What a key may use once its lease has expired, or before the first one
+/// (`on_expiry`); the lease client has its own copy of this choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnExpiry {
+    /// As if granted what it wants.
+    Optimistic,
+    /// Nothing.
+    Pessimistic,
+    /// The server's safe capacity, else `safe_capacity` (-1 = unlimited).
+    Safe,
+}
+
+/// `doorman.backoff`: how failed calls to capacity servers back off.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Backoff {
+    pub initial: Duration,
+    pub max: Duration,
+    pub multiplier: f64,
+    /// Each delay is drawn from `delay × (1 ± randomization)`.
+    pub randomization: f64,
+}
+
+impl Default for Backoff {
+    /// The defaults in the README's `doorman.` table.
+    fn default() -> Self {
+        Backoff {
+            initial: Duration::from_millis(500),
+            max: Duration::from_secs(30),
+            multiplier: 1.5,
+            randomization: 0.3,
+        }
+    }
+}
 
 /// The `doorman:` section: where to lease from.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,7 +58,7 @@ pub struct DoormanConfig {
     pub cache_file: Option<PathBuf>,
     pub jitter: f64,
     pub min_interval: Duration,
-    pub backoff: BackoffConfig,
+    pub backoff: Backoff,
 }
 
 /// What a resource asks for.
@@ -210,7 +242,7 @@ pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
     let min_interval =
         m.get("min_interval").map_or(Some(DEFAULT_MIN_INTERVAL), |n| ck.duration(n, "doorman.min_interval"));
     let backoff = match m.get("backoff") {
-        None => Some(BackoffConfig::default()),
+        None => Some(Backoff::default()),
         Some(n) => read_backoff(ck, n),
     };
     Some(DoormanConfig {
@@ -263,15 +295,15 @@ fn read_tls(ck: &mut Checker, node: &Node) -> Option<crate::tls::ClientFiles> {
     Some(files)
 }
 
-fn read_backoff(ck: &mut Checker, node: &Node) -> Option<BackoffConfig> {
+fn read_backoff(ck: &mut Checker, node: &Node) -> Option<Backoff> {
     let m = ck.map(node, "doorman.backoff", BACKOFF_FIELDS)?;
-    let d = BackoffConfig::default();
+    let d = Backoff::default();
     let initial = m.get("initial").map_or(Some(d.initial), |n| ck.duration(n, "doorman.backoff.initial"));
     let max = m.get("max").map_or(Some(d.max), |n| ck.duration(n, "doorman.backoff.max"));
     let multiplier = number(ck, &m, "multiplier", |v| v >= 1.0, "at least 1")?.unwrap_or(d.multiplier);
     let randomization =
         number(ck, &m, "randomization", |v| (0.0..=1.0).contains(&v), "between 0 and 1")?.unwrap_or(d.randomization);
-    Some(BackoffConfig { initial: initial?, max: max?, multiplier, randomization, ..d })
+    Some(Backoff { initial: initial?, max: max?, multiplier, randomization })
 }
 
 /// Reads the lease settings of one resource from its mapping.

@@ -1,10 +1,12 @@
-//! How the lease client reaches capacity servers: real gRPC connections, or
-//! an in-process table of servers (embedded mode, tests and `usher sim`).
+//! How the lease client reaches capacity servers: the [`Transport`] trait and
+//! real gRPC connections ([`GrpcTransport`]). The in-process table of servers
+//! (embedded mode, tests and `usher sim`) lives with the server, as
+//! `crate::server::LocalTransport`, so this module needs nothing of the server.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
@@ -12,8 +14,6 @@ use tonic::transport::{Channel, Endpoint};
 use super::core::CallError;
 use crate::proto;
 use crate::proto::capacity_client::CapacityClient;
-use crate::proto::capacity_server::Capacity;
-use crate::server::{CapacityService, Node};
 use crate::tls::{ClientTls, Connector};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -172,74 +172,5 @@ impl Transport for GrpcTransport {
     ) -> BoxFuture<'_, Result<proto::GetServerCapacityResponse, CallError>> {
         let addr = addr.to_string();
         Box::pin(async move { self.call(&addr, |mut c| async move { c.get_server_capacity(req).await }).await })
-    }
-}
-
-/// Servers living in this process, addressed by name. An address with no
-/// server, or one marked down, behaves like an unreachable host.
-#[derive(Default)]
-pub struct LocalTransport {
-    servers: Mutex<HashMap<String, (CapacityService, bool)>>,
-}
-
-impl LocalTransport {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    pub fn add(&self, addr: impl Into<String>, node: Arc<Node>) {
-        self.servers.lock().expect("server map poisoned").insert(addr.into(), (CapacityService::new(node), true));
-    }
-
-    /// Makes `addr` unreachable (`false`) or reachable again.
-    pub fn set_up(&self, addr: &str, up: bool) {
-        if let Some(s) = self.servers.lock().expect("server map poisoned").get_mut(addr) {
-            s.1 = up;
-        }
-    }
-
-    fn service(&self, addr: &str) -> Result<CapacityService, CallError> {
-        match self.servers.lock().expect("server map poisoned").get(addr) {
-            Some((svc, true)) => Ok(svc.clone()),
-            _ => Err(CallError::Transient(format!("Unavailable: {addr} is unreachable"))),
-        }
-    }
-}
-
-fn local<T>(r: Result<tonic::Response<T>, tonic::Status>) -> Result<T, CallError> {
-    r.map(tonic::Response::into_inner).map_err(|s| CallError::from_status(&s))
-}
-
-impl Transport for LocalTransport {
-    fn discovery(&self, addr: &str) -> BoxFuture<'_, Result<proto::DiscoveryResponse, CallError>> {
-        let svc = self.service(addr);
-        Box::pin(async move { local(svc?.discovery(tonic::Request::new(proto::DiscoveryRequest {})).await) })
-    }
-
-    fn get_capacity(
-        &self,
-        addr: &str,
-        req: proto::GetCapacityRequest,
-    ) -> BoxFuture<'_, Result<proto::GetCapacityResponse, CallError>> {
-        let svc = self.service(addr);
-        Box::pin(async move { local(svc?.get_capacity(tonic::Request::new(req)).await) })
-    }
-
-    fn release_capacity(
-        &self,
-        addr: &str,
-        req: proto::ReleaseCapacityRequest,
-    ) -> BoxFuture<'_, Result<proto::ReleaseCapacityResponse, CallError>> {
-        let svc = self.service(addr);
-        Box::pin(async move { local(svc?.release_capacity(tonic::Request::new(req)).await) })
-    }
-
-    fn get_server_capacity(
-        &self,
-        addr: &str,
-        req: proto::GetServerCapacityRequest,
-    ) -> BoxFuture<'_, Result<proto::GetServerCapacityResponse, CallError>> {
-        let svc = self.service(addr);
-        Box::pin(async move { local(svc?.get_server_capacity(tonic::Request::new(req)).await) })
     }
 }

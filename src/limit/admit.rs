@@ -5,9 +5,15 @@
 //! taken FIFO in a fixed order. A gauge that cannot be had in time refuses
 //! the request and gives the rate reservations back. Dropping the future
 //! (the client went away) gives everything back too.
+//!
+//! [`start`] decides at once, with no allocation, whenever nothing has to
+//! wait (the common case); only a request that must wait is boxed.
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use super::demand::Outcome;
@@ -205,20 +211,93 @@ fn reserve_rates(plan: &Plan, arrival: Time, now: Time) -> Result<(Reserved, Dur
 
 /// Admits a request by `plan`, waiting at most each resource's `max_wait`.
 pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
+    start(plan, clock).await
+}
+
+/// An admission under way: decided at once when nothing had to wait, else
+/// the wait (rates paced, a capacity of 0 that may be raised, gauges full).
+pub enum Admission {
+    Done(Option<Result<Admitted, Refused>>),
+    Waiting(Pin<Box<dyn Future<Output = Result<Admitted, Refused>> + Send>>),
+}
+
+impl Future for Admission {
+    type Output = Result<Admitted, Refused>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.get_mut() {
+            Admission::Done(out) => Poll::Ready(out.take().expect("Admission polled after completion")),
+            Admission::Waiting(fut) => fut.as_mut().poll(cx),
+        }
+    }
+}
+
+/// Starts admitting a request by `plan`: see [`Admission`].
+pub fn start(plan: &Plan, clock: &Clock) -> Admission {
     let arrival = clock.now();
     for (l, cost) in plan.items.iter() {
         l.demand().arrive(*cost);
     }
+    let waiting = |f: Pin<Box<dyn Future<Output = Result<Admitted, Refused>> + Send>>| Admission::Waiting(f);
+    match reserve_rates(plan, arrival, arrival) {
+        Err(Blocked::Refuse(r)) => Admission::Done(Some(Err(*r))),
+        Err(Blocked::Zero(_)) => {
+            let (plan, clock) = (plan.clone(), clock.clone());
+            waiting(Box::pin(async move {
+                let (reserved, longest) = rates_after_zero(&plan, &clock, arrival).await?;
+                finish(&plan, &clock, arrival, reserved, longest, true).await
+            }))
+        }
+        Ok((reserved, longest)) if longest.is_zero() => match gauges_now(plan, clock, arrival) {
+            Ok(Some(permits)) => Admission::Done(Some(Ok(admitted(plan, reserved, permits, false, arrival, clock)))),
+            Err(r) => Admission::Done(Some(Err(*r))),
+            // A gauge is full: wait for it.
+            Ok(None) => {
+                let (plan, clock) = (plan.clone(), clock.clone());
+                waiting(Box::pin(async move { finish(&plan, &clock, arrival, reserved, longest, false).await }))
+            }
+        },
+        Ok((reserved, longest)) => {
+            let (plan, clock) = (plan.clone(), clock.clone());
+            waiting(Box::pin(async move { finish(&plan, &clock, arrival, reserved, longest, false).await }))
+        }
+    }
+}
 
-    // Rates: reserve all or none. A key at capacity 0 is waited on until it
-    // is raised or its max_wait runs out.
-    let mut zero_waited = false;
-    let (reserved, longest) = loop {
+/// Every gauge's permits at once (`Ok(None)`: one is full, nothing kept),
+/// or a refusal (a full gauge's queue is full too).
+fn gauges_now(plan: &Plan, clock: &Clock, arrival: Time) -> Result<Option<Vec<GaugePermit>>, Box<Refused>> {
+    let mut permits = Vec::new();
+    for (l, cost) in plan.items.iter() {
+        let Some(g) = l.gauge() else { continue };
+        match g.try_acquire(gauge_units(*cost)) {
+            Some(p) => permits.push(p),
+            None if l.demand().waiters() >= l.spec().max_queue as i64 => {
+                return Err(Box::new(refused(
+                    l,
+                    Reason::QueueFull,
+                    Duration::from_secs(1),
+                    clock.now().since(arrival),
+                )));
+            }
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(permits))
+}
+
+fn gauge_units(cost: f64) -> u32 {
+    cost.round().max(1.0) as u32
+}
+
+/// Rates, after a key at capacity 0 blocked them: waited on until it is
+/// raised or its `max_wait` runs out, then all reserved or none.
+async fn rates_after_zero(plan: &Plan, clock: &Clock, arrival: Time) -> Result<(Reserved, Duration), Refused> {
+    loop {
         match reserve_rates(plan, arrival, clock.now()) {
-            Ok(r) => break r,
+            Ok(r) => return Ok(r),
             Err(Blocked::Refuse(r)) => return Err(*r),
             Err(Blocked::Zero(l)) => {
-                zero_waited = true;
                 let rate = l.rate().expect("a rate key");
                 let deadline = arrival.saturating_add(l.spec().max_wait);
                 let changed = rate.changed.notified();
@@ -241,20 +320,30 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
                 }
             }
         }
-    };
+    }
+}
 
+/// With every rate reserved: waits for the latest slot, then takes the
+/// gauges' permits FIFO, in plan order.
+async fn finish(
+    plan: &Plan,
+    clock: &Clock,
+    arrival: Time,
+    reserved: Reserved,
+    longest: Duration,
+    zero_waited: bool,
+) -> Result<Admitted, Refused> {
     if !longest.is_zero() {
         let rates: Vec<_> = reserved.0.clone();
         let _w = Waiting::begin(&rates);
         super::sleep_until(clock, clock.now().saturating_add(longest)).await;
     }
 
-    // Gauges, FIFO, in plan order.
     let mut permits = Vec::new();
     let mut gauge_waited = false;
     for (l, cost) in plan.items.iter() {
         let Some(g) = l.gauge() else { continue };
-        let units = cost.round().max(1.0) as u32;
+        let units = gauge_units(*cost);
         let permit = match g.try_acquire(units) {
             Some(p) => Some(p),
             None if l.demand().waiters() >= l.spec().max_queue as i64 => {
@@ -278,16 +367,25 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
             }
         }
     }
-
-    // Admitted: keep the reservations, count the request in flight.
-    let mut reserved = reserved;
-    reserved.0.clear();
     // Paced means the request had to wait for capacity, not that time passed while deciding.
     let paced = !longest.is_zero() || gauge_waited || zero_waited;
+    Ok(admitted(plan, reserved, permits, paced, arrival, clock))
+}
+
+/// Admitted: keeps the reservations, counts the request in flight.
+fn admitted(
+    plan: &Plan,
+    mut reserved: Reserved,
+    permits: Vec<GaugePermit>,
+    paced: bool,
+    arrival: Time,
+    clock: &Clock,
+) -> Admitted {
+    reserved.0.clear();
     let waited = if paced { clock.now().since(arrival) } else { Duration::ZERO };
     for (l, _) in plan.items.iter() {
         l.demand().record(if paced { Outcome::Paced } else { Outcome::Admitted });
         l.demand().enter();
     }
-    Ok(Admitted { waited, paced, _permits: permits, in_flight: plan.clone() })
+    Admitted { waited, paced, _permits: permits, in_flight: plan.clone() }
 }

@@ -6,7 +6,7 @@
 //! - [`demand`]: the per-key demand meter the lease client reads to compute `wants`;
 //! - [`table`]: the [`LeaseTable`], the one place capacities are written;
 //! - [`admit`]: all-or-nothing admission across several resources;
-//! - [`layer`]: the tower middleware ([`LimitLayer`], [`Limit`]).
+//! - [`layer`]: the error type the request path shares.
 //!
 //! This module knows nothing of gRPC, routes files or HTTP status codes: a
 //! refusal is a typed [`Refused`] that the proxy turns into a response.
@@ -25,7 +25,6 @@ use crate::clock::{Clock, Time};
 pub use admit::{Admitted, Plan, Refused};
 pub use demand::{DemandMeter, DemandSample};
 pub use gauge::{Gauge, GaugePermit};
-pub use layer::{Limit, LimitLayer, PermitBody};
 pub use rate::Rate;
 pub use table::{Kind, LeaseTable, Limiter, ResourceLimits, ResourceSpec};
 

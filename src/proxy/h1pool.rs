@@ -21,8 +21,8 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 
+use super::body::RequestBody;
 use super::idle::{Conn, Idle};
-use super::upstream::RequestBody;
 
 /// Why a request got no response from the pool.
 #[derive(Debug)]

@@ -11,15 +11,17 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::Proxy;
+use super::pushback::Pushback;
 use crate::clock::Time;
 use crate::config::doorman::{LeaseSettings, Wants};
 use crate::config::resources::{Algorithm, ResourcesConfig, Template};
 use crate::config::routes::{ResourceKind, RoutesConfig, Segment};
-use crate::lease::core::{Capacity, CoreConfig, KeyDemand};
+use crate::lease::backoff::BackoffConfig;
+use crate::lease::core::{Capacity, CoreConfig, KeyDemand, OnExpiry};
 use crate::lease::driver::{Enforcer, LeaseClient};
-use crate::lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, LocalTransport, Transport};
-use crate::server::Node;
+use crate::lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, Transport};
+use crate::limit::LeaseTable;
+use crate::server::{LocalTransport, Node};
 
 /// The embedded server's address in the in-process transport.
 pub const EMBEDDED: &str = "embedded";
@@ -42,16 +44,28 @@ struct KeyMemory {
     active: Option<(Time, f64)>,
 }
 
-/// The sidecar as the lease client sees it.
+/// The sidecar as the lease client sees it: its lease table, pushback, and
+/// the routes file in force.
 pub struct TableEnforcer {
-    proxy: Arc<Proxy>,
+    table: Arc<LeaseTable>,
+    pushback: Arc<Pushback>,
+    /// The routes file in force (a reload changes it).
+    config: ConfigSource,
     transitions: prometheus::IntCounterVec,
     embedded: Option<Arc<Node>>,
     memory: Mutex<HashMap<String, KeyMemory>>,
     seen_config: Mutex<Option<Arc<RoutesConfig>>>,
+    /// The lease client this enforcer serves, for the refresh interval of a
+    /// key's last lease: set once it started, taken at shutdown (the client
+    /// holds this enforcer, so keeping it would keep both alive).
+    client: Mutex<Option<LeaseClient>>,
 }
 
 impl TableEnforcer {
+    fn config(&self) -> Arc<RoutesConfig> {
+        (self.config)()
+    }
+
     fn settings<'a>(cfg: &'a RoutesConfig, resource: &str) -> Option<(&'a LeaseSettings, ResourceKind, f64)> {
         cfg.resources.get(resource).map(|r| {
             let cap = match r.kind {
@@ -119,7 +133,7 @@ impl TableEnforcer {
         // A key its upstream pushes back on gives back what it cannot use for
         // a while, so the capacity flows to sidecars that can use it, and asks
         // for it again in time to have it when it can.
-        if let Some(pushed) = self.proxy.pushback.lease_wants(id, wants, now, || self.relet_lead(id)) {
+        if let Some(pushed) = self.pushback.lease_wants(id, wants, now, || self.relet_lead(id)) {
             return pushed;
         }
         (wants, pressure_signal && wants > l.capacity() + 1e-9)
@@ -130,10 +144,11 @@ impl TableEnforcer {
     /// How long getting the lease of `id` back would take (see
     /// [`super::pushback::relet_lead`]), from its last lease's refresh interval.
     fn relet_lead(&self, id: &str) -> Duration {
-        let cfg = self.proxy.config();
+        let cfg = self.config();
         let jitter = cfg.doorman.as_ref().map_or(crate::config::doorman::DEFAULT_JITTER, |d| d.jitter);
-        let refresh =
-            self.proxy.lease.get().and_then(|c| c.lease_of(id)).map_or(Duration::ZERO, |l| l.refresh_interval);
+        let client = self.client.lock().expect("enforcer client").clone();
+        let lease = client.and_then(|c| c.lease_of(id));
+        let refresh = lease.map_or(Duration::ZERO, |l| l.refresh_interval);
         super::pushback::relet_lead(refresh, min_interval(&cfg), jitter)
     }
 
@@ -162,7 +177,7 @@ impl TableEnforcer {
         }
         mem.remove(l.id());
         drop(mem);
-        if let Some(limits) = self.proxy.table.resource(resource) {
+        if let Some(limits) = self.table.resource(resource) {
             limits.remove(l.id());
         }
         tracing::info!(resource, id = %l.id(), idle = ?s.key_idle_timeout, "forgot an idle key; releasing its lease");
@@ -172,7 +187,7 @@ impl TableEnforcer {
 
 impl Enforcer for TableEnforcer {
     fn demand(&self) -> Vec<KeyDemand> {
-        let cfg = self.proxy.config();
+        let cfg = self.config();
         if let Some(node) = &self.embedded {
             let mut seen = self.seen_config.lock().expect("enforcer config");
             if !seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &cfg)) {
@@ -183,13 +198,12 @@ impl Enforcer for TableEnforcer {
         // Fixed ids need a lease before their first request; templated keys
         // appear as requests name them.
         for r in cfg.resources.values().filter(|r| r.id.is_fixed()) {
-            if let Some(limits) = self.proxy.table.resource(&r.name) {
+            if let Some(limits) = self.table.resource(&r.name) {
                 limits.limiter(&r.id.text);
             }
         }
-        let now = self.proxy.table.clock().now();
-        self.proxy
-            .table
+        let now = self.table.clock().now();
+        self.table
             .limiters()
             .into_iter()
             .filter_map(|(resource, l)| {
@@ -202,7 +216,7 @@ impl Enforcer for TableEnforcer {
                     resource_id: l.id().to_string(),
                     priority: settings.priority,
                     wants,
-                    on_expiry: settings.on_expiry,
+                    on_expiry: on_expiry(settings.on_expiry),
                     safe_capacity: settings.safe_capacity,
                     pressure,
                 })
@@ -220,14 +234,23 @@ impl Enforcer for TableEnforcer {
     }
 
     fn apply(&self, capacities: &[(String, Capacity)]) {
-        let now = self.proxy.table.clock().now();
+        let now = self.table.clock().now();
         for (id, cap) in capacities {
             let c = match cap {
                 Capacity::Limited(c) => *c,
                 Capacity::Unlimited => f64::INFINITY,
             };
-            self.proxy.table.set_capacity(id, self.proxy.pushback.effective(id, c, now));
+            self.table.set_capacity(id, self.pushback.effective(id, c, now));
         }
+    }
+}
+
+/// The lease client's copy of a resource's `on_expiry`.
+fn on_expiry(o: crate::config::doorman::OnExpiry) -> OnExpiry {
+    match o {
+        crate::config::doorman::OnExpiry::Optimistic => OnExpiry::Optimistic,
+        crate::config::doorman::OnExpiry::Pessimistic => OnExpiry::Pessimistic,
+        crate::config::doorman::OnExpiry::Safe => OnExpiry::Safe,
     }
 }
 
@@ -285,10 +308,20 @@ fn min_interval(cfg: &RoutesConfig) -> Duration {
     cfg.doorman.as_ref().map_or(EMBEDDED_MIN_INTERVAL, |d| d.min_interval)
 }
 
-/// Starts the lease client for `proxy`; it runs until `shutdown`, then releases its leases.
-pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, tokio::task::JoinHandle<()>) {
-    let cfg = proxy.config();
-    let clock = proxy.table.clock().clone();
+/// Where the enforcer reads the routes file in force.
+pub type ConfigSource = Arc<dyn Fn() -> Arc<RoutesConfig> + Send + Sync>;
+
+/// Starts a lease client for `table`, whose resources `config` describes
+/// (and whose `doorman:` section, or its absence, says where capacity comes from).
+pub fn start_with(
+    config: ConfigSource,
+    table: Arc<LeaseTable>,
+    pushback: Arc<Pushback>,
+    registry: &prometheus::Registry,
+    shutdown: CancellationToken,
+) -> (LeaseClient, tokio::task::JoinHandle<()>) {
+    let cfg = config();
+    let clock = table.clock().clone();
     let (core_cfg, transport, embedded, cache): (CoreConfig, Arc<dyn Transport>, Option<Arc<Node>>, _) = match &cfg
         .doorman
     {
@@ -296,7 +329,13 @@ pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, to
             let mut c = CoreConfig::new(d.client_id.clone(), d.servers.clone());
             c.jitter = d.jitter;
             c.min_interval = d.min_interval;
-            c.backoff = d.backoff;
+            c.backoff = BackoffConfig {
+                initial: d.backoff.initial,
+                max: d.backoff.max,
+                multiplier: d.backoff.multiplier,
+                randomization: d.backoff.randomization,
+                ..BackoffConfig::default()
+            };
             tracing::info!(servers = %d.servers.join(","), client_id = %d.client_id, "leasing capacity from Doorman servers");
             let tls = d.tls.as_ref().map(|files| {
                 // Checked when the routes file was read; a file that went bad since is
@@ -334,13 +373,22 @@ pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, to
         &["resource_id", "from", "to"],
     )
     .expect("valid metric");
-    let _ = proxy.metrics.registry.register(Box::new(transitions.clone()));
+    let _ = registry.register(Box::new(transitions.clone()));
     let enforcer = Arc::new(TableEnforcer {
-        proxy,
+        table,
+        pushback,
+        config,
         transitions,
         embedded,
         memory: Mutex::new(HashMap::new()),
         seen_config: Mutex::new(None),
+        client: Mutex::new(None),
     });
-    LeaseClient::start(core_cfg, clock, transport, enforcer, cache, shutdown)
+    let (client, task) = LeaseClient::start(core_cfg, clock, transport, enforcer.clone(), cache, shutdown.clone());
+    *enforcer.client.lock().expect("enforcer client") = Some(client.clone());
+    tokio::spawn(async move {
+        shutdown.cancelled().await;
+        enforcer.client.lock().expect("enforcer client").take();
+    });
+    (client, task)
 }

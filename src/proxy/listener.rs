@@ -20,8 +20,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::Proxy;
-use super::h1::{self, Served};
+use super::h1::{self, Served, Services};
+use super::wiring::Proxy;
 use crate::config::limits::ListenerLimits;
 use crate::limit::layer::BoxError;
 
@@ -114,10 +114,6 @@ impl ConnServer {
         self.draining.is_cancelled() || self.closing.is_cancelled()
     }
 
-    pub(super) fn closing(&self) -> &CancellationToken {
-        &self.closing
-    }
-
     /// Serves one client connection on any byte stream until it closes.
     ///
     /// The client must send enough bytes to tell HTTP/1.1 from HTTP/2 within
@@ -139,7 +135,8 @@ impl ConnServer {
             return Ok(());
         }
         let (buf, io) = if self.http1 == Http1::Native && buf[..] != *H2_PREFACE {
-            match h1::serve(self, &proxy, io, buf, deadline).await? {
+            let services = Services { pipeline: &proxy.pipeline, handoffs: &proxy.metrics.http1_handoffs };
+            match h1::serve(self, &services, io, buf, deadline).await? {
                 Served::Closed => return Ok(()),
                 Served::HandOff(buf, io) => (buf, io),
             }
@@ -174,6 +171,20 @@ impl ConnServer {
         }
         conn.as_mut().graceful_shutdown();
         conn.await
+    }
+}
+
+impl h1::Connection for ConnServer {
+    fn limits(&self) -> &ListenerLimits {
+        &self.limits
+    }
+
+    fn is_draining(&self) -> bool {
+        ConnServer::is_draining(self)
+    }
+
+    fn closing(&self) -> &CancellationToken {
+        &self.closing
     }
 }
 

@@ -75,9 +75,6 @@ impl Metrics {
             &["reason"],
         )
         .expect("metric");
-        for reason in super::h1::why::ALL {
-            http1_handoffs.with_label_values(&[reason]);
-        }
         let capacity = prometheus::GaugeVec::new(
             Opts::new("usher_proxy_capacity", "Current capacity per resource, summed over its keys"),
             &["resource"],

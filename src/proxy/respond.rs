@@ -3,7 +3,8 @@
 //! rest of that hold) and `RateLimit-Policy`/`RateLimit` headers
 //! (draft-ietf-httpapi-ratelimit-headers-10), no route a 403, an upstream
 //! failure a 502 or 504; all as `application/problem+json`, or as a
-//! `grpc-status` for gRPC requests.
+//! `grpc-status` for gRPC requests; an upstream body that fails after its
+//! head was sent ends a gRPC response with trailers carrying `UNAVAILABLE`.
 
 use std::time::Duration;
 
@@ -12,10 +13,12 @@ use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use serde_json::json;
 
-use super::ProxyBody;
 use crate::limit::admit::{Reason, Refused};
 use crate::limit::layer::BoxError;
 use crate::limit::{Kind, ceil_secs};
+
+/// The body of every response the proxy sends.
+pub type ProxyBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
 /// Errors of the request path, other than a refusal.
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +90,16 @@ impl ProxyError {
             _ => None,
         }
     }
+}
+
+/// The status of the answer to `e` (gRPC answers carry theirs in `grpc-status`).
+pub fn status(e: &ProxyError, grpc: bool) -> StatusCode {
+    if grpc { StatusCode::OK } else { e.status() }
+}
+
+/// The status of the answer to a refusal.
+pub fn refused_status(grpc: bool) -> StatusCode {
+    if grpc { StatusCode::OK } else { StatusCode::TOO_MANY_REQUESTS }
 }
 
 /// Whether a request is gRPC (`content-type: application/grpc*`).
@@ -243,11 +256,25 @@ pub fn grpc_status(code: u8, message: &str) -> Response<ProxyBody> {
     let mut resp = Response::new(full(Vec::new()));
     let h = resp.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    grpc_fields(h, code, message);
+    resp
+}
+
+/// The trailers a gRPC response body ends with when the upstream's body
+/// failed after its head was sent (cut mid-stream): `UNAVAILABLE`, as a gRPC
+/// client reports a connection lost mid-call, with the reason. A reset
+/// stream would leave the client with only a transport error.
+pub fn body_failed_trailers(route: &str, error: &dyn std::fmt::Display) -> http::HeaderMap {
+    let mut h = http::HeaderMap::new();
+    grpc_fields(&mut h, 14, &format!("route `{route}`: the upstream's response body failed: {error}"));
+    h
+}
+
+fn grpc_fields(h: &mut http::HeaderMap, code: u8, message: &str) {
     h.insert("grpc-status", HeaderValue::from(u16::from(code)));
     if let Ok(v) = HeaderValue::from_str(&grpc_percent_encode(message)) {
         h.insert("grpc-message", v);
     }
-    resp
 }
 
 /// gRPC's percent-encoding of `grpc-message`: everything outside printable ASCII, and `%`.

@@ -23,6 +23,8 @@ pub struct Route {
     upstream: Option<Arc<Upstream>>,
     pub resources: Vec<RouteResource>,
     pub metrics: RouteMetrics,
+    /// How the route backs off when its upstream answers 429 or 503.
+    pub pushback: crate::config::doorman::PushbackConfig,
     /// The plan of a route whose resource ids are all fixed: the same for
     /// every request, so built on the first one.
     fixed_plan: Option<OnceLock<Plan>>,
@@ -133,6 +135,7 @@ impl Routing {
                         })
                         .collect(),
                     metrics: metrics.route(&r.name),
+                    pushback: r.pushback,
                     fixed_plan: r
                         .resources
                         .iter()
@@ -147,6 +150,7 @@ impl Routing {
             upstream: None,
             resources: Vec::new(),
             metrics: metrics.route(PASSTHROUGH),
+            pushback: Default::default(),
             fixed_plan: None,
         });
         Routing { routes, passthrough, default: cfg.default, direct }
@@ -281,6 +285,11 @@ fn matches<R: RequestView>(m: &Match, req: &R, host: &str, path: &str) -> bool {
             (Some(_), None) => true,
             (Some(got), Some(want)) => got == want.as_bytes(),
         })
+}
+
+/// A templated resource id rendered for one request.
+pub fn render_id<R: RequestView>(t: &IdTemplate, req: &R) -> String {
+    render(t, req, &request_host(req))
 }
 
 /// Renders a templated resource id for one request.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use http::StatusCode;
 use serde::Serialize;
 
-use super::Proxy;
+use super::wiring::{Proxy, readiness};
 use crate::admin::{self, Handler, escape};
 use crate::lease::core::{Capacity, Source};
 use crate::limit::{DemandSample, Kind};
@@ -43,7 +43,7 @@ fn status(p: &Proxy) -> Status {
     let cs = p.config_state();
     let now = p.table.clock().now();
     Status {
-        ready: super::readiness(p) == StatusCode::OK,
+        ready: readiness(p) == StatusCode::OK,
         routes_file: p.config_source.clone(),
         config_loaded_at: cs.loaded_at.map(|t| t.as_secs()),
         config_error: cs.last_error,
@@ -113,7 +113,7 @@ pub fn handler(proxy: Arc<Proxy>) -> Handler {
                 admin::metrics(&proxy.metrics.registry)
             }
             "/healthz" => admin::text(StatusCode::OK, "ok\n"),
-            "/readyz" => match super::readiness(&proxy) {
+            "/readyz" => match readiness(&proxy) {
                 StatusCode::OK => admin::text(StatusCode::OK, "ready\n"),
                 s => admin::text(s, "not ready: no routes loaded\n"),
             },

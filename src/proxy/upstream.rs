@@ -1,4 +1,6 @@
-//! Upstream clients and the forwarding service of the general (hyper) path:
+//! Upstreams: their clients and pools, where a request goes ([`Target`]),
+//! the request URI and hop-by-hop rules. The general path's forwarding
+//! service is `super::general`. Per upstream:
 //! per upstream, a pool of its own for plain HTTP/1.1 (`super::h1pool`; the
 //! native path keeps bare streams, `super::h1::Pool`; both on `super::idle`)
 //! or hyper-util's pooled client
@@ -6,28 +8,28 @@
 //! hop-by-hop header removal (RFC 9110 §7.6.1), protocol upgrades, connect
 //! and response-header timeouts. Bodies stream both ways.
 
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use http::Uri;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::RootCertStore;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
-use super::h1pool::{H1Pool, PoolError, PooledBody};
+use super::body::RequestBody;
+use super::h1pool::{H1Pool, PooledBody};
 use super::metrics::Metrics;
+use super::pool::Pool;
 use super::respond::ProxyError;
 use crate::config::routes::UpstreamConfig;
-use crate::limit::layer::{BoxError, Hold};
 
 /// Idle pooled connections are closed after this long.
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -36,79 +38,31 @@ pub const DIRECT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Response-header timeout for origins reached without an upstream.
 pub const DIRECT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Marks requests usher forwarded, so a route pointing back at usher is caught.
-pub const VIA: &str = "1.1 usher";
+pub use super::guard::VIA;
 
-type HttpsClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
-
-/// `limits.max_body_bytes`, set in a request's extensions when configured.
-#[derive(Debug, Clone, Copy)]
-pub struct BodyLimit(pub u64);
-
-/// The request body as forwarded: the client's, cut off with an error once
-/// it passes the body limit.
-pub struct RequestBody {
-    inner: Incoming,
-    limit: Option<u64>,
-    seen: u64,
-}
-
-/// A request body went past `limits.max_body_bytes` while streaming.
-#[derive(Debug, thiserror::Error)]
-#[error("request body larger than {limit} bytes")]
-pub struct BodyTooLarge {
-    pub limit: u64,
-}
-
-/// Reading the client's request body failed (bad chunked framing, a
-/// Content-Length the body does not match, a reset): the client's fault.
-#[derive(Debug, thiserror::Error)]
-#[error("cannot read the request body: {0}")]
-pub struct ClientBody(hyper::Error);
-
-impl hyper::body::Body for RequestBody {
-    type Data = bytes::Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
-        let frame = match std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
-            None => return Poll::Ready(None),
-            Some(Err(e)) => return Poll::Ready(Some(Err(Box::new(ClientBody(e))))),
-            Some(Ok(f)) => f,
-        };
-        if let (Some(limit), Some(data)) = (self.limit, frame.data_ref()) {
-            self.seen = self.seen.saturating_add(data.len() as u64);
-            if self.seen > limit {
-                return Poll::Ready(Some(Err(Box::new(BodyTooLarge { limit }))));
-            }
-        }
-        Poll::Ready(Some(Ok(frame)))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        self.inner.size_hint()
-    }
-}
+pub(super) type HttpsClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
 
 /// One upstream: its configuration and its connection pool.
 pub struct Upstream {
     pub config: UpstreamConfig,
-    client: HttpsClient,
-    /// `usher_proxy_upstream_seconds` for this upstream, looked up on first use.
-    seconds: std::sync::OnceLock<prometheus::Histogram>,
+    /// hyper-util's client, for what the upstream's own pool does not serve
+    /// (HTTPS, h2c, passthrough origins); none for a plain-HTTP/1.1 upstream.
+    pub(super) client: Option<HttpsClient>,
+    /// `usher_proxy_upstream_seconds` for this upstream.
+    seconds: prometheus::Histogram,
     /// The Host field of a plain-HTTP/1.1 upstream: its host, and its port unless 80.
     pub(super) host: Option<HeaderValue>,
     /// A plain-HTTP/1.1 upstream's own pool, used instead of `client`.
-    pool: Option<Arc<H1Pool>>,
+    pub(super) pool: Option<Arc<H1Pool>>,
     /// A plain-HTTP/1.1 upstream's connections for the native path.
-    pub(super) native: Option<super::h1::Native>,
+    pub(super) native: Option<Native>,
+}
+
+/// The upstream side of a plain-HTTP/1.1 upstream on the native path.
+pub struct Native {
+    pub pool: Arc<Pool>,
+    /// The upstream URL's path without its trailing `/`, put before every request's path.
+    pub prefix: String,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -131,7 +85,7 @@ pub fn system_roots() -> RootCertStore {
 
 impl Upstream {
     /// Builds the client for `config`; `roots` are the system's, extended by `ca_file`.
-    pub fn new(config: UpstreamConfig, roots: &RootCertStore) -> Result<Self, String> {
+    pub fn new(config: UpstreamConfig, roots: &RootCertStore, metrics: &Metrics) -> Result<Self, String> {
         let mut roots = roots.clone();
         if let Some(ca) = &config.ca_file {
             let certs = CertificateDer::pem_file_iter(ca)
@@ -145,7 +99,6 @@ impl Upstream {
                 roots.add(c).map_err(|e| format!("bad certificate in ca_file {}: {e}", ca.display()))?;
             }
         }
-        let client = client(roots, config.connect_timeout, config.h2c)?;
         let host = (config.url.scheme() == Some(&http::uri::Scheme::HTTP) && !config.h2c)
             .then(|| {
                 let host = config.url.host()?;
@@ -161,15 +114,17 @@ impl Upstream {
             _ => None,
         };
         let pool = addr.clone().map(|a| H1Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT));
-        let native = addr.map(|a| super::h1::Native {
-            pool: super::h1::Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT),
+        let native = addr.map(|a| Native {
+            pool: Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT),
             prefix: config.url.path().trim_end_matches('/').to_string(),
         });
-        Ok(Upstream { config, client, seconds: Default::default(), host, pool, native })
+        let client = if pool.is_some() { None } else { Some(client(roots, config.connect_timeout, config.h2c)?) };
+        let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
+        Ok(Upstream { config, client, seconds, host, pool, native })
     }
 
     /// A client for origins named by the request itself (passthrough).
-    pub fn direct(roots: &RootCertStore) -> Result<Self, String> {
+    pub fn direct(roots: &RootCertStore, metrics: &Metrics) -> Result<Self, String> {
         let config = UpstreamConfig {
             name: "direct".into(),
             url: Uri::from_static("http://direct.invalid"),
@@ -178,12 +133,18 @@ impl Upstream {
             ca_file: None,
             h2c: false,
         };
-        let client = client(roots.clone(), config.connect_timeout, false)?;
-        Ok(Upstream { config, client, seconds: Default::default(), host: None, pool: None, native: None })
+        let client = Some(client(roots.clone(), config.connect_timeout, false)?);
+        let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
+        Ok(Upstream { config, client, seconds, host: None, pool: None, native: None })
     }
 
     pub fn name(&self) -> &str {
         &self.config.name
+    }
+
+    /// Records how long the upstream took to send its response head.
+    pub fn observe(&self, started: tokio::time::Instant) {
+        self.seconds.observe(started.elapsed().as_secs_f64());
     }
 }
 
@@ -220,33 +181,6 @@ pub enum Target {
     Direct(Arc<Upstream>),
 }
 
-/// The innermost service: sends a request to its [`Target`].
-#[derive(Clone)]
-pub struct Forward {
-    metrics: Arc<Metrics>,
-}
-
-impl Forward {
-    pub fn new(metrics: Arc<Metrics>) -> Self {
-        Forward { metrics }
-    }
-}
-
-impl tower::Service<Request<Incoming>> for Forward {
-    type Response = Response<UpstreamBody>;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<UpstreamBody>, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
-        let metrics = self.metrics.clone();
-        Box::pin(async move { forward(req, &metrics).await.map_err(|e| Box::new(e) as BoxError) })
-    }
-}
-
 const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
@@ -255,8 +189,9 @@ const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection")
 /// [`strip_hop_by_hop`] checks). Case-insensitive: the native HTTP/1.1 path
 /// asks with names as the app wrote them.
 pub(super) fn hop_by_hop(name: &str) -> bool {
-    const NAMES: [&str; 9] = [
+    const NAMES: [&str; 10] = [
         "connection",
+        "http2-settings",
         "keep-alive",
         "proxy-connection",
         "proxy-authenticate",
@@ -274,7 +209,7 @@ fn always_hop_by_hop(name: &HeaderName) -> bool {
 }
 
 /// Hop-by-hop fields (RFC 9110 §7.6.1) plus those the Connection field names.
-fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     // Most messages have none: one pass over the names, no lookups.
     if !headers.keys().any(always_hop_by_hop) {
         if keep_upgrade {
@@ -316,20 +251,9 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     }
 }
 
-fn wants_upgrade(req: &Request<Incoming>) -> bool {
-    req.version() == Version::HTTP_11
-        && req.headers().contains_key(header::UPGRADE)
-        && req
-            .headers()
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("upgrade")))
-}
-
 /// The URI to send: the upstream's scheme, authority and base path, then the request's path and query.
 /// `origin_form`: the path and query only, for a connection of the upstream's own.
-fn upstream_uri(base: &Uri, req: &Uri, origin_form: bool) -> Result<Uri, ProxyError> {
+pub(super) fn upstream_uri(base: &Uri, req: &Uri, origin_form: bool) -> Result<Uri, ProxyError> {
     let bad = |e: &dyn std::fmt::Display| ProxyError::BadRequest(format!("cannot build upstream URI: {e}"));
     let prefix = base.path().trim_end_matches('/');
     let mut parts = http::uri::Parts::default();
@@ -349,127 +273,14 @@ fn upstream_uri(base: &Uri, req: &Uri, origin_form: bool) -> Result<Uri, ProxyEr
     Uri::from_parts(parts).map_err(|e| bad(&e))
 }
 
-/// The URI of a request forwarded to the origin it names.
-fn direct_uri(req: &Request<Incoming>) -> Result<Uri, ProxyError> {
-    let uri = req.uri();
-    if uri.scheme().is_some() && uri.authority().is_some() {
-        return Ok(uri.clone());
-    }
-    let host = req
-        .headers()
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .ok_or_else(|| ProxyError::BadRequest("no Host header and no absolute URI".into()))?;
-    let pq = uri.path_and_query().map_or("/", |p| p.as_str());
-    format!("http://{host}{pq}").parse().map_err(|e| ProxyError::BadRequest(format!("bad Host header: {e}")))
-}
-
-async fn forward(mut req: Request<Incoming>, metrics: &Metrics) -> Result<Response<UpstreamBody>, ProxyError> {
-    let target = req.extensions_mut().remove::<Target>().ok_or_else(|| ProxyError::BadRequest("no target".into()))?;
-    let (up, uri) = match &target {
-        Target::Upstream(u) => (u.clone(), upstream_uri(&u.config.url, req.uri(), u.pool.is_some())?),
-        Target::Direct(u) => (u.clone(), direct_uri(&req)?),
-    };
-    // Named in errors only.
-    let direct_authority = matches!(target, Target::Direct(_)).then(|| uri.authority().cloned()).flatten();
-    let name = || match (&target, &direct_authority) {
-        (Target::Upstream(u), _) => u.name().to_string(),
-        (Target::Direct(_), a) => a.as_ref().map_or_else(String::new, |a| a.to_string()),
-    };
-    let upgrade = wants_upgrade(&req);
-    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
-    strip_hop_by_hop(req.headers_mut(), upgrade);
-    if let Target::Upstream(u) = &target {
-        match &u.host {
-            // Plain HTTP/1.1: the upstream's Host, built once rather than by the client per request.
-            Some(host) => req.headers_mut().insert(header::HOST, host.clone()),
-            // The client sets Host (HTTP/1.1) or :authority (HTTP/2, ALPN) from the URI.
-            None => req.headers_mut().remove(header::HOST),
-        };
-    }
-    req.headers_mut().append(header::VIA, HeaderValue::from_static(VIA));
-    *req.uri_mut() = uri;
-    *req.version_mut() = if up.config.h2c { Version::HTTP_2 } else { Version::HTTP_11 };
-
-    let limit = req.extensions().get::<BodyLimit>().map(|l| l.0);
-    let req = req.map(|inner| RequestBody { inner, limit, seen: 0 });
-
-    let started = tokio::time::Instant::now();
-    if let Some(pool) = &up.pool {
-        let sent = tokio::time::timeout(up.config.timeout, pool.send(req)).await;
-        observe(&up, metrics, started);
-        let resp = match sent {
-            Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),
-            Ok(Err(PoolError::Connect(reason))) => {
-                return Err(ProxyError::UpstreamConnect { upstream: name(), reason });
-            }
-            Ok(Err(PoolError::Http(e))) => return Err(failed(&e, name(), error_chain(&e))),
-            Ok(Ok(r)) => r,
-        };
-        return Ok(finish(resp.map(UpstreamBody::Own), client_upgrade));
-    }
-    let sent = tokio::time::timeout(up.config.timeout, up.client.request(req)).await;
-    observe(&up, metrics, started);
-    let resp = match sent {
-        Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),
-        Ok(Err(e)) if e.is_connect() => {
-            return Err(ProxyError::UpstreamConnect { upstream: name(), reason: reason(&e) });
-        }
-        Ok(Err(e)) => return Err(failed(&e, name(), reason(&e))),
-        Ok(Ok(r)) => r,
-    };
-    Ok(finish(resp.map(UpstreamBody::Shared), client_upgrade))
-}
-
-pub(super) fn observe(up: &Upstream, metrics: &Metrics, started: tokio::time::Instant) {
-    up.seconds
-        .get_or_init(|| metrics.upstream_seconds.with_label_values(&[up.name()]))
-        .observe(started.elapsed().as_secs_f64());
-}
-
-/// An exchange that failed after connecting: the client's body (too large,
-/// unreadable) or the upstream's fault.
-fn failed(e: &(dyn std::error::Error + 'static), upstream: String, reason: String) -> ProxyError {
-    if let Some(limit) = too_large(e) {
-        return ProxyError::BodyTooLarge { limit };
-    }
-    if let Some(c) = source_of::<ClientBody>(e) {
-        return ProxyError::BadRequest(error_chain(c));
-    }
-    ProxyError::Upstream { upstream, reason }
-}
-
-/// Joins an upgraded exchange's two sides, and strips the response's hop-by-hop fields.
-fn finish(
-    mut resp: Response<UpstreamBody>,
-    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
-) -> Response<UpstreamBody> {
-    let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
-    if let (true, Some(client_side)) = (switching, client_upgrade) {
-        let upstream_side = hyper::upgrade::on(&mut resp);
-        // The admission (gauge permits) lasts as long as the upgraded connection.
-        let hold = Hold::default();
-        resp.extensions_mut().insert(hold.clone());
-        tokio::spawn(async move {
-            let _hold = hold;
-            match tokio::try_join!(client_side, upstream_side) {
-                Ok((a, b)) => {
-                    let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(a), &mut TokioIo::new(b)).await;
-                }
-                Err(e) => tracing::debug!(error = %e, "upgrade failed"),
-            }
-        });
-    }
-    strip_hop_by_hop(resp.headers_mut(), switching);
-    resp
-}
-
 /// A response body from either kind of client.
 pub enum UpstreamBody {
     /// From a plain-HTTP/1.1 upstream's own pool.
     Own(PooledBody),
     /// From hyper-util's pool (HTTPS, h2c, passthrough).
     Shared(Incoming),
+    /// None (the answer to CONNECT).
+    Empty,
 }
 
 impl hyper::body::Body for UpstreamBody {
@@ -483,6 +294,7 @@ impl hyper::body::Body for UpstreamBody {
         match self.get_mut() {
             UpstreamBody::Own(b) => Pin::new(b).poll_frame(cx),
             UpstreamBody::Shared(b) => Pin::new(b).poll_frame(cx),
+            UpstreamBody::Empty => Poll::Ready(None),
         }
     }
 
@@ -490,6 +302,7 @@ impl hyper::body::Body for UpstreamBody {
         match self {
             UpstreamBody::Own(b) => b.is_end_stream(),
             UpstreamBody::Shared(b) => b.is_end_stream(),
+            UpstreamBody::Empty => true,
         }
     }
 
@@ -497,52 +310,9 @@ impl hyper::body::Body for UpstreamBody {
         match self {
             UpstreamBody::Own(b) => b.size_hint(),
             UpstreamBody::Shared(b) => b.size_hint(),
+            UpstreamBody::Empty => hyper::body::SizeHint::with_exact(0),
         }
     }
-}
-
-/// The body limit, if `e` was caused by a request body passing it.
-fn too_large(e: &(dyn std::error::Error + 'static)) -> Option<u64> {
-    source_of::<BodyTooLarge>(e).map(|t| t.limit)
-}
-
-/// The first error of type `T` in `e`'s chain.
-fn source_of<'a, T: std::error::Error + 'static>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a T> {
-    let mut src: Option<&'a (dyn std::error::Error + 'static)> = Some(e);
-    while let Some(inner) = src {
-        if let Some(t) = inner.downcast_ref::<T>() {
-            return Some(t);
-        }
-        src = inner.source();
-    }
-    None
-}
-
-/// Why a request to an upstream failed, for the app and the operator: the
-/// causes under hyper-util's own `client error (Connect)` wrapper, which only
-/// names the stage, and what to do about an untrusted certificate.
-fn reason(e: &hyper_util::client::legacy::Error) -> String {
-    let mut s = match std::error::Error::source(e) {
-        Some(cause) => error_chain(cause),
-        None => error_chain(e),
-    };
-    if s.contains("invalid peer certificate") {
-        s.push_str(
-            " (the upstream's certificate is not trusted: name the CA that signed it in the upstream's ca_file)",
-        );
-    }
-    s
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(inner) = src {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        src = inner.source();
-    }
-    s
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 
 pub mod election;
 pub mod etcd;
+mod local;
 pub mod metrics;
 pub mod parent;
 pub mod service;
@@ -24,6 +25,7 @@ use crate::clock::Clock;
 use crate::config::resources::ResourcesConfig;
 use crate::config::watch;
 use crate::error::{RunError, bind};
+pub use local::LocalTransport;
 pub use metrics::Metrics;
 pub use service::CapacityService;
 pub use store::Store;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::io::DuplexStream;
 use usher::clock::{Clock, Time};
 use usher::config::routes::RoutesConfig;
-use usher::proxy::{ConnServer, Proxy};
+use usher::proxy::{ConnServer, Http1, Proxy};
 
 pub struct Sidecar {
     rt: tokio::runtime::Runtime,
@@ -38,7 +38,17 @@ impl Sidecar {
     /// `client` returns. Panics (a fuzz failure) if `client` is not done
     /// within 10 s, if the connection is still served 10 s after that, or if
     /// serving it panicked.
+    #[allow(dead_code)] // each target compiles this module; not every one uses this
     pub fn connection<F, Fut, T>(&self, client: F) -> T
+    where
+        F: FnOnce(DuplexStream) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        self.connection_on(Http1::Native, client)
+    }
+
+    /// [`Sidecar::connection`] with a choice of what serves HTTP/1.1.
+    pub fn connection_on<F, Fut, T>(&self, http1: Http1, client: F) -> T
     where
         F: FnOnce(DuplexStream) -> Fut,
         Fut: Future<Output = T>,
@@ -46,7 +56,7 @@ impl Sidecar {
         self.rt.block_on(async {
             let (client_io, io) = tokio::io::duplex(64 * 1024);
             let conn = tokio::spawn({
-                let (server, proxy) = (self.server.clone(), self.proxy.clone());
+                let (server, proxy) = (self.server.clone().http1(http1), self.proxy.clone());
                 async move {
                     let _ = server.serve(proxy, io).await;
                 }

@@ -4,7 +4,8 @@ use std::sync::Arc;
 use super::*;
 use crate::clock::{Clock, ManualClock};
 use crate::config::resources::ResourcesConfig;
-use crate::lease::transport::{LocalTransport, Transport};
+use crate::lease::transport::Transport;
+use crate::server::LocalTransport;
 use crate::server::{Mastership, Node};
 
 const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    safe_capacity: 4\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 12, learning_mode_duration: 0 }\n";

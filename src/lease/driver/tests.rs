@@ -5,9 +5,9 @@ use crate::clock::Time;
 use crate::config::resources::ResourcesConfig;
 use crate::lease::OnExpiry;
 use crate::lease::core::{CallError, Lease, Mode};
-use crate::lease::transport::{BoxFuture, LocalTransport};
+use crate::lease::transport::BoxFuture;
 use crate::proto;
-use crate::server::Node;
+use crate::server::{LocalTransport, Node};
 
 /// A server whose calls hang forever once `hang` is set, as a blackholed one does.
 struct Hanging {

@@ -13,7 +13,7 @@ use std::mem::MaybeUninit;
 
 use http::Method;
 
-use super::response::{parse_length, push_field};
+use super::fields::{eq_name, list_has, parse_length, push_field};
 use crate::config::limits::ListenerLimits;
 use crate::proxy::route::RequestView;
 use crate::proxy::upstream::{VIA, hop_by_hop};
@@ -246,21 +246,6 @@ impl RequestView for Head<'_> {
 /// the request to the general path, whose URI parser decides.
 fn target_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@%/?".contains(&b)
-}
-
-/// Case-insensitive field-name equality against a lower-case name.
-pub fn eq_name(name: &str, lower: &str) -> bool {
-    name.len() == lower.len() && name.as_bytes().eq_ignore_ascii_case(lower.as_bytes())
-}
-
-/// The non-empty, trimmed elements of a comma-separated field value.
-pub fn tokens(v: &[u8]) -> impl Iterator<Item = &[u8]> {
-    v.split(|&b| b == b',').map(<[u8]>::trim_ascii).filter(|t| !t.is_empty())
-}
-
-/// Whether the comma-separated `list` has `token` (case-insensitive).
-pub fn list_has(list: &[u8], token: &[u8]) -> bool {
-    tokens(list).any(|t| t.eq_ignore_ascii_case(token))
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {

@@ -6,15 +6,19 @@
 //! message and per side, and a tower stack. For a sidecar whose every
 //! request is one small exchange, that was 36,000 instructions a request
 //! against nginx's 16,000. Here one task per client connection parses the
-//! request in place ([`head`]), routes and admits it with the same code as
-//! the general path ([`super::route`], [`crate::limit::admit`]), writes it
-//! to a pooled upstream stream it drives itself ([`pool`]), and streams the
-//! response back ([`response`]), all in reused buffers.
+//! request in place ([`head`]), hands it to the same request pipeline as
+//! every other request ([`super::pipeline`]: guard, account, route, limit)
+//! as a [`Request`], whose forward stage ([`forward`]) writes it to a pooled
+//! upstream stream this task drives itself (`super::pool`), and streams the
+//! response back ([`response`]), all in reused buffers. The engine is
+//! framing only: it sees the pipeline, not `Proxy`, through [`Connection`]
+//! and [`Services`].
 //!
 //! Whatever is not that everyday exchange (a malformed or ambiguous head, a
 //! chunked or large request body, `Expect`, `Upgrade`, CONNECT, HTTP/1.0, a
-//! request for an HTTPS, h2c or passthrough origin, gRPC) is handed to
-//! hyper before anything of it has happened: the connection's unread bytes,
+//! request for an HTTPS, h2c or passthrough origin, which the pipeline's
+//! route stage answers with `Reply::Unserved`, gRPC) is handed to hyper
+//! before anything of it has happened: the connection's unread bytes,
 //! that request first, go to the general path, which serves the connection
 //! from then on. `usher_proxy_http1_handoffs_total{reason}` counts why.
 //! `USHER_HTTP1=hyper` turns the native path off.
@@ -25,35 +29,33 @@
 //! `connection: close` while draining, and a client's EOF cancelling its
 //! request while it waits for capacity or for the upstream.
 
+mod fields;
 mod head;
-mod pool;
 mod response;
 
 use std::future::Future;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::Poll;
 
+use arc_swap::ArcSwap;
 use bytes::{Buf, BytesMut};
-use http::Response;
+use http::{Method, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
-use tokio_util::sync::WaitForCancellationFutureOwned;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tower::Service;
 
 pub use head::why;
-pub use pool::Pool;
 
-use super::listener::ConnServer;
-use super::respond::ProxyError;
-use super::route::Route;
-use super::upstream::{self, Target, Upstream};
-use super::{InFlight, Proxy, ProxyBody};
-use crate::limit::Plan;
-use crate::limit::admit::admit;
-use crate::limit::layer::{Admission, BoxError};
+use super::pipeline::{self, Exchange, Inbound, Pipeline, Reply};
+use super::respond::{ProxyBody, ProxyError};
+use super::route::RequestView;
+use super::upstream::{Target, Upstream};
+use crate::config::limits::ListenerLimits;
+use crate::limit::layer::BoxError;
 use head::Parsed;
 use response::{Dechunker, Framing, ResponseHead};
 
@@ -150,53 +152,28 @@ struct Timers {
     closing: Pin<Box<WaitForCancellationFutureOwned>>,
 }
 
-/// A routed request, ready to be admitted and forwarded.
-struct Exchange {
-    route: Arc<Route>,
-    plan: Plan,
-    /// An upstream with a native side (`prepare` checked).
-    upstream: Arc<Upstream>,
-    /// Bytes of the client's buffer this request took.
-    consumed: usize,
-    head_request: bool,
-    idempotent: bool,
-    /// The client asked to close after this exchange.
-    close: bool,
+/// What the native path needs of the server its connection belongs to.
+pub trait Connection {
+    fn limits(&self) -> &ListenerLimits;
+    /// Whether answers must carry `connection: close`.
+    fn is_draining(&self) -> bool;
+    /// Cancelled when idle connections must close.
+    fn closing(&self) -> &CancellationToken;
 }
 
-impl Exchange {
-    fn pool(&self) -> &Arc<Pool> {
-        &self.upstream.native.as_ref().expect("prepare routes only upstreams with a native side").pool
-    }
-}
-
-enum Step {
-    Read {
-        head_complete: bool,
-    },
-    HandOff(&'static str),
-    Exchange(Exchange),
-    /// Answered without the upstream (no route).
-    Answer(Box<Answer>),
-}
-
-/// A response usher makes itself, and how to send it.
-struct Answer {
-    resp: Response<ProxyBody>,
-    /// Bytes of the client's buffer the request took.
-    consumed: usize,
-    /// The client asked to close after this exchange.
-    close: bool,
-    /// The request was HEAD: the answer has no body.
-    head_request: bool,
+/// What the native path serves requests with: the current pipeline, and
+/// the counter of hand-offs to hyper by reason.
+pub struct Services<'s> {
+    pub pipeline: &'s ArcSwap<Pipeline>,
+    pub handoffs: &'s prometheus::IntCounterVec,
 }
 
 /// Serves a client connection whose first bytes (`buf`) are not HTTP/2,
 /// until it closes or brings a request for the general path. The first
 /// request head must be complete by `deadline`.
 pub async fn serve<I>(
-    server: &ConnServer,
-    proxy: &Arc<Proxy>,
+    server: &impl Connection,
+    services: &Services<'_>,
     mut io: I,
     mut buf: BytesMut,
     deadline: Instant,
@@ -211,60 +188,84 @@ where
         upstream: Lazy::new(deadline),
         closing: Box::pin(server.closing().clone().cancelled_owned()),
     };
+    // While a request waits, a pipelined one may arrive: room for it, no more.
+    let room = limits.max_header_bytes + head::MAX_BODY as usize;
+    // The connection's stack, built from the snapshot in force; rebuilt only
+    // when a reload has swapped the snapshot (the old one is held, so its
+    // address cannot come back as another's).
+    let mut snapshot = services.pipeline.load_full();
+    let mut stack = snapshot.stack(tower::service_fn(forward));
     loop {
-        let step = {
+        let (replied, framing) = {
             let mut storage = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; head::MAX_HEADERS];
             match head::parse(&buf, &mut storage, &limits) {
-                Parsed::Partial { head_complete } => Step::Read { head_complete },
-                Parsed::HandOff(why) => Step::HandOff(why),
-                Parsed::Ready(h) => prepare(proxy, &h, &buf, &mut bufs.req),
+                Parsed::Partial { head_complete } => {
+                    let idle = buf.is_empty();
+                    buf.reserve(READ_CHUNK);
+                    let read = io.read_buf(&mut buf);
+                    // The (small) body the native path waits for counts against the same deadline.
+                    let got = tokio::select! {
+                        biased;
+                        // Shutting down: an idle connection closes; a half-read request is finished.
+                        () = timers.closing.as_mut(), if idle => return Ok(Served::Closed),
+                        r = read => r,
+                        () = timers.head.expired() => {
+                            return Err(if head_complete {
+                                "request body not received within the header timeout".into()
+                            } else {
+                                "no complete request head within the header timeout".into()
+                            });
+                        }
+                    };
+                    match got {
+                        Ok(0) if buf.is_empty() => return Ok(Served::Closed),
+                        Ok(0) => return Err("the client closed the connection in the middle of a request".into()),
+                        // More of the same request: its deadline stands.
+                        Ok(_) => continue,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                Parsed::HandOff(why) => return Ok(hand_off(services, why, buf, io)),
+                Parsed::Ready(h) => {
+                    let framing = Taken {
+                        consumed: h.head_len + h.body_len,
+                        close: h.close,
+                        head_request: h.method == Method::HEAD,
+                    };
+                    let body = &buf[h.head_len..framing.consumed];
+                    let req = Request { head: h, body, bufs: &mut bufs, deadline: &mut timers.upstream };
+                    let current = services.pipeline.load();
+                    if !std::sync::Arc::ptr_eq(&current, &snapshot) {
+                        snapshot = arc_swap::Guard::into_inner(current);
+                        stack = snapshot.stack(tower::service_fn(forward));
+                    }
+                    (stack.call(Exchange::new(req)), framing)
+                }
             }
         };
-        match step {
-            Step::HandOff(why) => {
-                proxy.metrics.http1_handoffs.with_label_values(&[why]).inc();
-                tracing::trace!(reason = why, "request handed to the general HTTP/1.1 path");
-                return Ok(Served::HandOff(buf, io));
+        let reply = {
+            // Pinned here, and dropped before the buffers it borrowed are used again.
+            let replied = std::pin::pin!(replied);
+            match watching(&mut io, &mut buf, room + framing.consumed, replied).await {
+                // The client left: dropping the exchange gave its admission back.
+                None => break,
+                Some(Ok(reply)) => reply,
             }
-            Step::Read { head_complete } => {
-                let idle = buf.is_empty();
-                buf.reserve(READ_CHUNK);
-                let read = io.read_buf(&mut buf);
-                // The (small) body the native path waits for counts against the same deadline.
-                let got = tokio::select! {
-                    biased;
-                    // Shutting down: an idle connection closes; a half-read request is finished.
-                    () = timers.closing.as_mut(), if idle => return Ok(Served::Closed),
-                    r = read => r,
-                    () = timers.head.expired() => {
-                        return Err(if head_complete {
-                            "request body not received within the header timeout".into()
-                        } else {
-                            "no complete request head within the header timeout".into()
-                        });
-                    }
-                };
-                match got {
-                    Ok(0) if buf.is_empty() => return Ok(Served::Closed),
-                    Ok(0) => return Err("the client closed the connection in the middle of a request".into()),
-                    // More of the same request: its deadline stands.
-                    Ok(_) => continue,
-                    Err(e) => return Err(e.into()),
-                }
+        };
+        // Nothing of it has happened: hyper serves it from its first byte.
+        if let Reply::Unserved(why) = reply {
+            return Ok(hand_off(services, why, buf, io));
+        }
+        buf.advance(framing.consumed);
+        let open = match reply {
+            Reply::Unserved(_) => unreachable!("handed off above"),
+            Reply::Made(resp) => {
+                write_generated(server, &mut io, resp, framing.close, framing.head_request, &mut bufs.out).await?
             }
-            Step::Answer(answer) => {
-                let Answer { resp, consumed, close, head_request } = *answer;
-                buf.advance(consumed);
-                if !write_generated(server, &mut io, resp, close, head_request, &mut bufs.out).await? {
-                    break;
-                }
-            }
-            Step::Exchange(ex) => {
-                buf.advance(ex.consumed);
-                if !exchange(server, proxy, &mut io, &mut buf, &mut bufs, &mut timers.upstream, ex).await? {
-                    break;
-                }
-            }
+            Reply::Upstream { answer, held } => answered(server, &mut io, &mut bufs, answer, held, framing).await?,
+        };
+        if !open {
+            break;
         }
         // Answered, and the connection stays open for the next request.
         timers.head.set(Instant::now() + limits.header_timeout);
@@ -274,131 +275,186 @@ where
     Ok(Served::Closed)
 }
 
-/// Routes a parsed request and encodes it for its upstream, or says why
-/// the general path must serve it.
-fn prepare(proxy: &Proxy, h: &head::Head<'_>, buf: &[u8], req: &mut Vec<u8>) -> Step {
-    let consumed = h.head_len + h.body_len;
-    let head_request = h.method == http::Method::HEAD;
-    let resolved = match proxy.routing.load().resolve_view(h) {
-        Ok(r) => r,
-        Err(e) => {
-            let resp = proxy.route_error(&e, false, proxy.table.clock().now());
-            return Step::Answer(Box::new(Answer { resp, consumed, close: h.close, head_request }));
-        }
-    };
-    let Target::Upstream(upstream) = resolved.target else { return Step::HandOff(why::UPSTREAM) };
-    let Some(native) = &upstream.native else { return Step::HandOff(why::UPSTREAM) };
-    req.clear();
-    let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
-    h.encode(&native.prefix, host, &buf[h.head_len..consumed], req);
-    Step::Exchange(Exchange {
-        route: resolved.route,
-        plan: resolved.plan,
-        upstream,
-        consumed,
-        head_request,
-        idempotent: h.idempotent(),
-        close: h.close,
-    })
+/// Counts a hand-off and gives the connection to hyper.
+fn hand_off<I>(services: &Services<'_>, why: &'static str, buf: BytesMut, io: I) -> Served<I> {
+    services.handoffs.with_label_values(&[why]).inc();
+    tracing::trace!(reason = why, "request handed to the general HTTP/1.1 path");
+    Served::HandOff(buf, io)
 }
 
-/// Admits, forwards and answers one request; returns whether the
-/// connection stays open for another.
-async fn exchange<I>(
-    server: &ConnServer,
-    proxy: &Proxy,
+/// What the connection keeps of a request while the pipeline serves it.
+#[derive(Clone, Copy)]
+struct Taken {
+    /// Bytes of the client's buffer the request took.
+    consumed: usize,
+    /// The client asked to close after this exchange.
+    close: bool,
+    /// The request was HEAD: the answer has no body.
+    head_request: bool,
+}
+
+/// A parsed request as the pipeline sees it.
+struct Request<'a, 'c> {
+    head: head::Head<'a>,
+    body: &'a [u8],
+    /// The connection's buffers: the request is encoded into them for its upstream.
+    bufs: &'c mut Buffers,
+    deadline: &'c mut Lazy,
+}
+
+impl RequestView for Request<'_, '_> {
+    fn method(&self) -> &Method {
+        self.head.method()
+    }
+
+    fn uri_host(&self) -> Option<&str> {
+        None
+    }
+
+    fn path(&self) -> &str {
+        self.head.path()
+    }
+
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        self.head.header(name)
+    }
+}
+
+impl<'c> Inbound for Request<'_, 'c> {
+    type Ready = Prepared<'c>;
+
+    fn grpc(&self) -> bool {
+        // gRPC is handed off while parsing.
+        false
+    }
+
+    fn guard(&mut self, _max_body: Option<u64>) -> Result<(), ProxyError> {
+        // Parsing handed off every request these checks could refuse (a
+        // `Via` of ours, no Host or several, a body over the limit, an Upgrade).
+        Ok(())
+    }
+
+    fn ready(self, target: Target) -> Result<Prepared<'c>, &'static str> {
+        let Target::Upstream(upstream) = target else { return Err(why::UPSTREAM) };
+        let Some(native) = &upstream.native else { return Err(why::UPSTREAM) };
+        self.bufs.req.clear();
+        let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
+        self.head.encode(&native.prefix, host, self.body, &mut self.bufs.req);
+        Ok(Prepared {
+            idempotent: self.head.idempotent(),
+            head_request: self.head.method == Method::HEAD,
+            upstream,
+            bufs: self.bufs,
+            deadline: self.deadline,
+        })
+    }
+}
+
+/// A request encoded for its plain-HTTP/1.1 upstream.
+struct Prepared<'c> {
+    /// An upstream with a native side (`ready` checked).
+    upstream: std::sync::Arc<Upstream>,
+    bufs: &'c mut Buffers,
+    deadline: &'c mut Lazy,
+    head_request: bool,
+    idempotent: bool,
+}
+
+/// The upstream's answer: its head (the client's version of it is in the
+/// connection's `out` buffer, the body's first bytes in `up`) and its stream.
+struct Answer {
+    stream: TcpStream,
+    head: ResponseHead,
+    upstream: std::sync::Arc<Upstream>,
+}
+
+impl pipeline::Answer for Answer {
+    fn status(&self) -> StatusCode {
+        self.head.status
+    }
+
+    fn retry_after(&self) -> Option<std::time::Duration> {
+        self.head.retry_after
+    }
+}
+
+/// The pipeline's innermost stage on the native path: sends the encoded
+/// request on a pooled connection and reads the answer's head, within the
+/// upstream's `timeout`.
+async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
+    let Prepared { upstream, bufs, deadline, head_request, idempotent } = p;
+    let started = Instant::now();
+    let timeout = upstream.config.timeout;
+    deadline.set(started + timeout);
+    let pool = &upstream.native.as_ref().expect("ready routes only upstreams with a native side").pool;
+    let name = || upstream.name().to_string();
+    let answered = tokio::select! {
+        biased;
+        r = roundtrip(pool, &name, head_request, idempotent, &bufs.req, &mut bufs.up, &mut bufs.out) => Some(r),
+        () = deadline.expired() => None,
+    };
+    upstream.observe(started);
+    match answered {
+        Some(Ok((stream, head))) => Ok(Answer { stream, head, upstream }),
+        Some(Err(e)) => Err(e),
+        None => Err(ProxyError::UpstreamTimeout { upstream: name(), after: timeout }),
+    }
+}
+
+/// Sends the client an upstream's answer (head and body); returns whether
+/// the connection stays open for another request.
+async fn answered<I>(
+    server: &impl Connection,
     io: &mut I,
-    buf: &mut BytesMut,
     bufs: &mut Buffers,
-    deadline: &mut Lazy,
-    ex: Exchange,
+    answer: Answer,
+    held: pipeline::Held,
+    taken: Taken,
 ) -> Result<bool, BoxError>
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
-    let clock = proxy.table.clock();
-    let arrived = clock.now();
-    let route = &ex.route;
-    let in_flight = InFlight::new(&route.metrics.in_flight);
-    // While the request waits, a pipelined one may arrive: room for it, no more.
-    let room = server.limits().max_header_bytes + head::MAX_BODY as usize;
-
-    let admitted = if ex.plan.is_empty() {
-        None
-    } else {
-        match watching(io, buf, room, admit(&ex.plan, clock)).await {
-            // The client left: dropping the admission gave its place back.
-            None => return Ok(false),
-            Some(Err(refused)) => {
-                let resp = proxy.refuse(route, &ex.plan, &refused, false, arrived);
-                return write_generated(server, io, resp, ex.close, ex.head_request, &mut bufs.out).await;
-            }
-            Some(Ok(a)) => Some(a),
-        }
-    };
-    let admission = admitted.as_ref().map(|a| Admission { waited: a.waited, paced: a.paced });
-
-    let started = Instant::now();
-    let timeout = ex.upstream.config.timeout;
-    deadline.set(started + timeout);
-    let answered = async {
-        tokio::select! {
-            biased;
-            r = roundtrip(&ex, &bufs.req, &mut bufs.up, &mut bufs.out) => Some(r),
-            () = deadline.expired() => None,
-        }
-    };
-    let sent = watching(io, buf, room, answered).await;
-    upstream::observe(&ex.upstream, &proxy.metrics, started);
-    let answer = match sent {
-        None => return Ok(false),
-        Some(Some(answer)) => answer,
-        Some(None) => Err(ProxyError::UpstreamTimeout { upstream: ex.upstream.name().to_string(), after: timeout }),
-    };
-    let (stream, head) = match answer {
-        Ok(got) => got,
-        Err(err) => {
-            let resp = proxy.upstream_failed(route, &ex.plan, Box::new(err), false, arrived);
-            return write_generated(server, io, resp, ex.close, ex.head_request, &mut bufs.out).await;
-        }
-    };
-    proxy.record_answer(route, &ex.plan, admission, head.status, || head.retry_after, arrived);
-
-    let close = ex.close || server.is_draining();
+    let Answer { stream, head, upstream } = answer;
+    let close = taken.close || server.is_draining();
     if close {
         bufs.out.extend_from_slice(b"connection: close\r\n");
     }
     bufs.out.extend_from_slice(b"\r\n");
-    let relayed = relay(&head, stream, &mut bufs.up, io, &mut bufs.out).await;
-    // The admission (gauge permits) and the in-flight count last until the body has ended.
-    drop((admitted, in_flight));
-    match relayed {
-        Ok(Some(stream)) if head.reusable => ex.pool().put(stream),
-        Ok(_) => {}
+    let mut held = Some(held);
+    let relayed = relay(&head, stream, &mut bufs.up, io, &mut bufs.out, &mut held).await;
+    let open = match relayed {
+        Ok(Some(stream)) if head.reusable => {
+            upstream.native.as_ref().expect("a native answer comes from a native upstream").pool.put(stream);
+            !close
+        }
+        Ok(_) => !close,
         Err(BodyError::Upstream(e)) => {
             // The status is already sent: the client sees its body cut.
-            route.metrics.body_errors.inc();
-            tracing::debug!(route = %route.name, error = %e, "response body failed after the headers");
-            return Ok(false);
+            if let Some(held) = &held {
+                held.body_failed();
+            }
+            tracing::debug!(error = %e, "response body failed after the headers");
+            false
         }
         Err(BodyError::Client(e)) => {
             tracing::debug!(error = %e, "client connection failed while sending the response");
-            return Ok(false);
+            false
         }
-    }
-    Ok(!close)
+    };
+    // A body that failed holds until here; one that ended was released as its last bytes went out.
+    drop(held);
+    Ok(open)
 }
 
 /// Runs `fut` while reading whatever the client sends meanwhile into `buf`
 /// (a pipelined request), up to `room` bytes. The client's EOF, or a read
 /// error, cancels `fut` (returns `None`): a client that gives up frees its
 /// place in the queue at once.
-async fn watching<I, F>(io: &mut I, buf: &mut BytesMut, room: usize, fut: F) -> Option<F::Output>
+async fn watching<I, F>(io: &mut I, buf: &mut BytesMut, room: usize, mut fut: Pin<&mut F>) -> Option<F::Output>
 where
     I: AsyncRead + Unpin,
     F: Future,
 {
-    tokio::pin!(fut);
     loop {
         if buf.len() >= room {
             return Some(fut.await);
@@ -421,21 +477,23 @@ where
 /// reused) is retried once on a new one: always when the request could not
 /// be written, and for idempotent requests when the answer never came.
 async fn roundtrip(
-    ex: &Exchange,
+    pool: &std::sync::Arc<super::pool::Pool>,
+    name: &(dyn Fn() -> String + Sync),
+    head_request: bool,
+    idempotent: bool,
     req: &[u8],
     up: &mut BytesMut,
     out: &mut Vec<u8>,
 ) -> Result<(TcpStream, ResponseHead), ProxyError> {
-    let name = || ex.upstream.name().to_string();
     let failed = |reason: String| ProxyError::Upstream { upstream: name(), reason };
     let mut fresh = false;
     'connection: loop {
-        let (mut stream, reused) = match if fresh { None } else { ex.pool().checkout() } {
+        let (mut stream, reused) = match if fresh { None } else { pool.checkout() } {
             Some(s) => (s, true),
             None => {
-                let s = ex
-                    .pool()
-                    .connect_tcp()
+                // Boxed: a new connection is rare on a busy path, and the
+                // connect future would otherwise make every exchange's larger.
+                let s = Box::pin(pool.connect_tcp())
                     .await
                     .map_err(|reason| ProxyError::UpstreamConnect { upstream: name(), reason })?;
                 (s, false)
@@ -452,7 +510,7 @@ async fn roundtrip(
         up.clear();
         loop {
             out.clear();
-            match response::parse(up, ex.head_request, out) {
+            match response::parse(up, head_request, out) {
                 Ok(response::Parsed::Final(n, head)) => {
                     up.advance(n);
                     return Ok((stream, head));
@@ -470,7 +528,7 @@ async fn roundtrip(
                 Ok(_) => continue,
                 Err(e) => e.to_string(),
             };
-            if reused && up.is_empty() && ex.idempotent {
+            if reused && up.is_empty() && idempotent {
                 tracing::debug!(upstream = %name(), reason, "pooled connection closed without answering; retrying on a new one");
                 fresh = true;
                 continue 'connection;
@@ -488,24 +546,36 @@ enum BodyError {
 /// Sends the client the head in `out` and the body that follows `head` on
 /// `stream` (its first bytes already in `up`). Returns the stream when the
 /// body ended cleanly with nothing after it, so it can carry another request.
+///
+/// `held` (the admission's gauge permits, the in-flight count) is released
+/// once the body's last bytes are in hand, before they are written: a client
+/// that has the whole answer may send its next request on another
+/// connection at once, and must find the slot free.
 async fn relay<I>(
     head: &ResponseHead,
     mut stream: TcpStream,
     up: &mut BytesMut,
     io: &mut I,
     out: &mut Vec<u8>,
+    held: &mut Option<pipeline::Held>,
 ) -> Result<Option<TcpStream>, BodyError>
 where
     I: AsyncWrite + Unpin,
 {
     let cut = |what: &str| BodyError::Upstream(format!("the upstream closed the connection {what}"));
     match head.framing {
-        Framing::Empty => send(io, out).await?,
+        Framing::Empty => {
+            *held = None;
+            send(io, out).await?
+        }
         Framing::Length(n) => {
             let first = up.len().min(usize::try_from(n).unwrap_or(usize::MAX));
             out.extend_from_slice(&up[..first]);
             up.advance(first);
             let mut left = n - first as u64;
+            if left == 0 {
+                *held = None;
+            }
             send(io, out).await?;
             while left > 0 {
                 up.clear();
@@ -516,9 +586,12 @@ where
                     Err(e) => return Err(BodyError::Upstream(e.to_string())),
                 }
                 let take = up.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                left -= take as u64;
+                if left == 0 {
+                    *held = None;
+                }
                 io.write_all(&up[..take]).await.map_err(BodyError::Client)?;
                 up.advance(take);
-                left -= take as u64;
             }
         }
         Framing::Chunked => {
@@ -536,8 +609,12 @@ where
                     }
                 };
                 up.advance(used);
+                let done = chunks.is_done();
+                if done {
+                    *held = None;
+                }
                 send(io, out).await?;
-                if chunks.is_done() {
+                if done {
                     break;
                 }
                 up.clear();
@@ -558,6 +635,7 @@ where
             up.reserve(READ_CHUNK);
             let n = stream.read_buf(up).await.map_err(|e| BodyError::Upstream(e.to_string()))?;
             if n == 0 {
+                *held = None;
                 out.extend_from_slice(b"0\r\n\r\n");
                 send(io, out).await?;
                 io.flush().await.map_err(BodyError::Client)?;
@@ -582,7 +660,7 @@ async fn send<I: AsyncWrite + Unpin>(io: &mut I, out: &mut Vec<u8>) -> Result<()
 /// Writes a response usher made itself (a refusal, an error), without its
 /// body to a HEAD request; returns whether the connection stays open.
 async fn write_generated<I: AsyncWrite + Unpin>(
-    server: &ConnServer,
+    server: &impl Connection,
     io: &mut I,
     resp: Response<ProxyBody>,
     close: bool,
@@ -599,9 +677,9 @@ async fn write_generated<I: AsyncWrite + Unpin>(
     out.extend_from_slice(parts.status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
     for (name, value) in &parts.headers {
-        response::push_field(out, name.as_str().as_bytes(), value.as_bytes());
+        fields::push_field(out, name.as_str().as_bytes(), value.as_bytes());
     }
-    response::push_field(out, b"content-length", itoa::Buffer::new().format(body.len()).as_bytes());
+    fields::push_field(out, b"content-length", itoa::Buffer::new().format(body.len()).as_bytes());
     response::push_date(out);
     if close {
         out.extend_from_slice(b"connection: close\r\n");
@@ -614,13 +692,6 @@ async fn write_generated<I: AsyncWrite + Unpin>(
     io.flush().await?;
     out.clear();
     Ok(!close)
-}
-
-/// The upstream side of a plain-HTTP/1.1 upstream on the native path.
-pub struct Native {
-    pub pool: Arc<Pool>,
-    /// The upstream URL's path without its trailing `/`, put before every request's path.
-    pub prefix: String,
 }
 
 #[cfg(test)]

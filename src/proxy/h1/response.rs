@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::StatusCode;
 
-use super::head::{eq_name, list_has, tokens};
+use super::fields::{eq_name, list_has, parse_length, push_field, tokens};
 
 /// Most header fields in an upstream response (hyper's client allows 100).
 pub const MAX_HEADERS: usize = 128;
@@ -171,21 +171,6 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>) -> Result<Parsed
         push_date(out);
     }
     Ok(Parsed::Final(len, ResponseHead { status, framing, reusable, retry_after }))
-}
-
-/// A Content-Length value: 1 to 19 ASCII digits.
-pub fn parse_length(v: &[u8]) -> Option<u64> {
-    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    std::str::from_utf8(v).ok()?.parse().ok()
-}
-
-pub fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
-    out.extend_from_slice(name);
-    out.extend_from_slice(b": ");
-    out.extend_from_slice(value);
-    out.extend_from_slice(b"\r\n");
 }
 
 /// Appends `date: <now>`, formatted once a second per thread (as hyper does).

@@ -1,4 +1,5 @@
 use super::*;
+use crate::proxy::h1::fields::tokens;
 
 /// What [`parse`] made of an input, owned so it outlives the parser's storage.
 #[derive(Debug, PartialEq)]

@@ -12,7 +12,7 @@ use std::task::{Context, Poll, Waker};
 
 use tokio::net::TcpStream;
 
-use crate::proxy::idle::{Conn, Idle};
+use super::idle::{Conn, Idle};
 
 /// A plain-HTTP/1.1 upstream's idle streams for the native path.
 pub type Pool = Idle<TcpStream>;
