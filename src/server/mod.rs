@@ -205,6 +205,9 @@ pub use crate::config::ConfigState;
 /// Everything one capacity server shares between its tasks.
 pub struct Node {
     pub server_id: String,
+    /// The identity every master of this node shares towards its parent
+    /// (`--node-id`); the server id when not set.
+    pub node_id: String,
     /// Set on an intermediate server.
     pub parent: Option<Arc<parent::ParentLink>>,
     /// Set when masters are elected on etcd.
@@ -230,6 +233,7 @@ impl Node {
         let now = clock.now();
         Node {
             mastership: ArcSwap::from_pointee(Mastership { is_master: true, master_address: Some(server_id.clone()) }),
+            node_id: server_id.clone(),
             server_id,
             parent: None,
             election: None,

@@ -3,7 +3,13 @@
 //!
 //! A resource is created from the first matching template the first time it
 //! is asked for. Expired leases are dropped on every access and by a periodic
-//! [`Store::sweep`], so status and metrics never count one.
+//! [`Store::sweep`], so status and metrics never count one; what a dropped
+//! lease leaves behind is a *reservation* (see [`Reservation`]).
+//!
+//! Lower usher servers carry their node's identity and epoch in their server
+//! id (`<node>#<epoch>`, see [`split_identity`]): the store keys them by node,
+//! so a node's new master replaces its predecessor's entry instead of standing
+//! beside it, and a stale master can no longer change or release it.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,8 +46,41 @@ pub struct LeaseRequest {
     pub subclients: u64,
     /// The capacity the requester says it holds (its `has` lease).
     pub reported_has: Option<f64>,
+    /// When that lease expires.
+    pub reported_expiry: Option<Time>,
     pub requester: Requester,
 }
+
+/// The separator between a node's identity and its master's epoch in the
+/// server id an usher intermediate sends its parent: `zone-a#1700000000123456`.
+pub const EPOCH_SEPARATOR: char = '#';
+
+/// Splits a requester id into the key the store files it under and the
+/// epoch of the master speaking for that node, if the id carries one (only
+/// ids ending in `#` and digits do; any other id is its own key).
+pub fn split_identity(id: &str) -> (&str, Option<u64>) {
+    match id.rsplit_once(EPOCH_SEPARATOR) {
+        Some((node, e)) if !node.is_empty() && !e.is_empty() && e.bytes().all(|b| b.is_ascii_digit()) => {
+            match e.parse() {
+                Ok(epoch) => (node, Some(epoch)),
+                Err(_) => (id, None),
+            }
+        }
+        _ => (id, None),
+    }
+}
+
+/// The name of the algorithm parameter with which a parent tells a lower
+/// usher server's new master how many subclients its predecessor spoke for
+/// (0: none of the predecessor's leases is still valid). A real Doorman
+/// server ignores parameters it does not know.
+pub const PREDECESSOR_PARAMETER: &str = "usher.predecessor_subclients";
+
+/// How long after a server becomes master its clients have all been heard
+/// from, beyond the refresh interval it hands out (× 7/6 for client jitter):
+/// clients cut off from the old master retry within the lease client's
+/// backoff cap, plus one discovery.
+pub const RECONNECT_ALLOWANCE: Duration = Duration::from_secs(3);
 
 /// The answer for one resource.
 #[derive(Debug, Clone)]
@@ -52,6 +91,10 @@ pub struct Grant {
     pub safe_capacity: f64,
     /// The algorithm in force, to hand down to a lower server.
     pub algorithm: Algorithm,
+    /// For a lower usher server's master: how many subclients its
+    /// predecessor spoke for (see [`PREDECESSOR_PARAMETER`]); `None` while
+    /// this server cannot know (in learning mode itself).
+    pub predecessor_subclients: Option<u64>,
 }
 
 /// Bounds that keep one server's memory finite whatever its clients send.
@@ -99,6 +142,8 @@ pub struct ParentLease {
     pub refresh_interval: Duration,
     pub algorithm: Option<Algorithm>,
     pub safe_capacity: Option<f64>,
+    /// What the parent said of this node's previous master (see [`PREDECESSOR_PARAMETER`]).
+    pub predecessor_subclients: Option<u64>,
 }
 
 /// One resource's demand, as an intermediate server reports it to its parent.
@@ -128,6 +173,31 @@ struct ClientLease {
     expiry: Time,
     refresh_interval: Duration,
     last_request: Time,
+    /// The epoch of the master speaking for a lower usher node.
+    epoch: Option<u64>,
+    /// What a node's new master inherits from its predecessor: its `has`
+    /// counts as at least this much until then, because the predecessor's
+    /// leases to its clients run until then and the new master may not have
+    /// heard of them all yet.
+    floor: Option<(f64, Time)>,
+    /// What the parent tells a new master of its predecessor.
+    predecessor_subclients: Option<u64>,
+    /// The safe capacity per subclient the last answer carried (< 0: unlimited).
+    safe: f64,
+}
+
+/// What a lease leaves behind when it expires unrenewed: its client now runs
+/// on its safe capacity (or is gone), so that much of its last lease stays
+/// counted as handed out for a grace period of one lease length. Nobody else
+/// can be given the capacity a client cut off from the tree falls back to.
+#[derive(Debug, Clone, PartialEq)]
+struct Reservation {
+    amount: f64,
+    until: Time,
+    epoch: Option<u64>,
+    /// Subclients that may still hold leases under it: a released lower
+    /// server's; 0 once its leases have expired.
+    holders: u64,
 }
 
 struct Resource {
@@ -140,6 +210,13 @@ struct Resource {
     free_slots: Vec<ClientSlot>,
     index: DemandIndex,
     expiries: BTreeSet<(Time, ClientSlot)>,
+    reservations: HashMap<Arc<str>, Reservation>,
+    reserved: f64,
+    /// Learning mode ended early: every expected client has reported, or
+    /// nothing of a predecessor is outstanding.
+    learned: bool,
+    /// When learning mode ends, as last computed.
+    learning_end: Option<Time>,
 }
 
 /// The capacity server's state.
@@ -166,6 +243,8 @@ pub struct ResourceStatus {
     /// Of `clients`, how many are lower servers speaking for their own clients.
     pub server_clients: usize,
     pub subclients: u64,
+    /// Capacity kept for clients whose leases lapsed (they run on their safe capacity).
+    pub reserved: f64,
     pub learning_mode: bool,
     /// Seconds left in learning mode.
     pub learning_left_s: f64,
@@ -314,9 +393,14 @@ impl Store {
         self.config.store(Arc::new(config));
     }
 
-    fn learning_until(&self, template: &Template) -> Time {
+    fn master_since(&self) -> Time {
         Time::from_nanos(self.master_since.load(Ordering::Acquire))
-            .saturating_add(template.algorithm.learning_mode_duration)
+    }
+
+    /// This master's epoch, for its node identity towards a parent: the
+    /// moment it became master, in microseconds since the Unix epoch.
+    pub fn master_epoch(&self) -> u64 {
+        self.master_since.load(Ordering::Acquire) / 1000
     }
 
     /// Decides one resource of a request from `client`.
@@ -330,7 +414,7 @@ impl Store {
                 if let Some(res) = map.get(&req.resource_id) {
                     let mut r = res.lock().expect("resource lock poisoned");
                     r.expire(now);
-                    let learning = now < self.learning_until(&r.template);
+                    let learning = r.learning_until(self.master_since(), now, self.role).is_some();
                     return r.decide(client, req, now, learning, self.min_request_interval, self.role);
                 }
             }
@@ -342,10 +426,14 @@ impl Store {
     }
 
     /// Forgets `client`'s leases on the named resources; unknown ids are ignored.
+    /// A lower server's lease is only released by its node's current master,
+    /// and stays reserved until it would have expired: the leases it handed
+    /// its own clients run until then.
     pub fn release(&self, client: &str, resource_id: &str) {
+        let now = self.clock.now();
         let map = self.resources.read().expect("store lock poisoned");
         if let Some(res) = map.get(resource_id) {
-            res.lock().expect("resource lock poisoned").remove(client);
+            res.lock().expect("resource lock poisoned").release(client, now);
         }
     }
 
@@ -369,7 +457,7 @@ impl Store {
             .map(|(id, res)| {
                 let mut r = res.lock().expect("resource lock poisoned");
                 r.expire(now);
-                let until = self.learning_until(&r.template);
+                let until = r.learning_until(self.master_since(), now, self.role);
                 ResourceStatus {
                     id: id.clone(),
                     template: r.template.identifier_glob.clone(),
@@ -384,8 +472,9 @@ impl Store {
                         .filter(|l| matches!(l.requester, Requester::Server { .. }))
                         .count(),
                     subclients: r.index.total_subclients(),
-                    learning_mode: now < until,
-                    learning_left_s: until.since(now).as_secs_f64(),
+                    reserved: r.reserved,
+                    learning_mode: until.is_some(),
+                    learning_left_s: until.map_or(0.0, |u| u.since(now).as_secs_f64()),
                     parent_capacity: r.parent.as_ref().map(|p| p.capacity),
                     parent_expires_in_s: r.parent.as_ref().map(|p| p.expiry.since(now).as_secs_f64()),
                 }
@@ -443,6 +532,10 @@ impl Resource {
             free_slots: Vec::new(),
             index: DemandIndex::new(),
             expiries: BTreeSet::new(),
+            reservations: HashMap::new(),
+            reserved: 0.0,
+            learned: false,
+            learning_end: None,
         }
     }
 
@@ -452,8 +545,98 @@ impl Resource {
                 break;
             }
             let owner = self.slot_owner[slot as usize].clone().expect("expiring slot has an owner");
+            let l = self.clients.get(&*owner).expect("expiring slot has a lease");
+            let keep = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
+            let amount = if l.safe < 0.0 { keep } else { keep.min(l.safe * l.subclients as f64) };
+            let until = expiry.saturating_add(self.algorithm().lease_length);
+            let epoch = l.epoch;
             self.remove(&owner);
+            if amount > 0.0 && until > now {
+                self.reserve(owner, Reservation { amount, until, epoch, holders: 0 });
+            }
         }
+        if self.reservations.values().any(|r| r.until <= now) {
+            self.reservations.retain(|_, r| r.until > now);
+            self.reserved = self.reservations.values().map(|r| r.amount).sum();
+        }
+    }
+
+    fn reserve(&mut self, client: Arc<str>, r: Reservation) {
+        self.reserved += r.amount;
+        if let Some(old) = self.reservations.insert(client, r) {
+            self.reserved -= old.amount;
+        }
+    }
+
+    fn unreserve(&mut self, client: &str) -> Option<Reservation> {
+        let r = self.reservations.remove(client)?;
+        self.reserved = if self.reservations.is_empty() { 0.0 } else { (self.reserved - r.amount).max(0.0) };
+        Some(r)
+    }
+
+    /// A release: a client's lease goes at once; a lower server's only when
+    /// its node's current master sends it, and it stays reserved until it
+    /// would have expired.
+    fn release(&mut self, id: &str, now: Time) {
+        let (node, epoch) = split_identity(id);
+        let Some(l) = self.clients.get(node).filter(|l| l.epoch.is_some() && epoch.is_some()) else {
+            self.remove(id);
+            self.unreserve(id);
+            return;
+        };
+        if l.epoch > epoch {
+            return;
+        }
+        let keep = l.has.max(l.floor.filter(|f| f.1 > now).map_or(0.0, |f| f.0));
+        let (until, holders) = (l.expiry, l.subclients);
+        let key: Arc<str> = Arc::from(node);
+        self.remove(node);
+        if keep > 0.0 && until > now {
+            self.reserve(key, Reservation { amount: keep, until, epoch, holders });
+        }
+    }
+
+    /// `Some(end)` while this resource is in learning mode. A new master
+    /// learns until every client that may hold a lease from its predecessor
+    /// has reported: for `learning_mode_duration` at most, and no longer than
+    /// the refresh interval it hands out (× 7/6 for jitter) plus
+    /// [`RECONNECT_ALLOWANCE`]. An intermediate learns until its parent has
+    /// answered, and stops early when the parent says how many subclients
+    /// its predecessor had and all have reported, or that it had none.
+    fn learning_until(&mut self, master_since: Time, now: Time, role: Role) -> Option<Time> {
+        self.learning_end = self.learning_end_at(master_since, now, role);
+        self.learning_end
+    }
+
+    fn learning_end_at(&mut self, master_since: Time, now: Time, role: Role) -> Option<Time> {
+        if self.learned {
+            return None;
+        }
+        let alg = self.algorithm().clone();
+        let mut refresh = alg.refresh_interval;
+        if let Role::Intermediate { decay_factor } = role {
+            match &self.parent {
+                // Nothing to hand out yet: hand back what clients hold.
+                None => return Some(now.saturating_add(Duration::from_secs(1))),
+                Some(p) => {
+                    match p.predecessor_subclients {
+                        Some(n) if self.index.total_subclients() >= n => {
+                            self.learned = true;
+                            return None;
+                        }
+                        _ => {}
+                    }
+                    refresh = p.refresh_interval.mul_f64(decay_factor).max(Duration::from_secs(1));
+                }
+            }
+        }
+        let bound = refresh.mul_f64(7.0 / 6.0) + RECONNECT_ALLOWANCE;
+        let until = master_since.saturating_add(alg.learning_mode_duration.min(bound));
+        if now >= until {
+            self.learned = true;
+            return None;
+        }
+        Some(until)
     }
 
     fn remove(&mut self, client: &str) {
@@ -507,12 +690,15 @@ impl Resource {
         }
     }
 
-    fn safe_capacity(&self, capacity: f64) -> f64 {
-        let configured = match &self.parent {
+    fn configured_safe_capacity(&self) -> Option<f64> {
+        match &self.parent {
             Some(p) if !self.has_local_template() => p.safe_capacity.or(self.template.safe_capacity),
             _ => self.template.safe_capacity,
-        };
-        match configured {
+        }
+    }
+
+    fn safe_capacity(&self, capacity: f64) -> f64 {
+        match self.configured_safe_capacity() {
             Some(s) => s,
             None => {
                 let n = self.index.total_subclients();
@@ -521,15 +707,45 @@ impl Resource {
         }
     }
 
+    /// The grant of `client`'s current lease, unchanged.
+    fn unchanged(&self, client: &str, capacity: Option<f64>, alg: Algorithm) -> Grant {
+        let l = &self.clients[client];
+        Grant {
+            capacity: l.granted,
+            expiry: l.expiry,
+            refresh_interval: l.refresh_interval,
+            safe_capacity: self.safe_capacity(capacity.unwrap_or(0.0)),
+            algorithm: alg,
+            predecessor_subclients: l.predecessor_subclients,
+        }
+    }
+
+    /// What learning mode hands a client that reports no lease: its safe
+    /// capacity (what it would use anyway, cut off from the tree), never
+    /// more than it wants; 0 without a configured one.
+    fn learning_grant(&self, req: &LeaseRequest) -> f64 {
+        match req.reported_has {
+            Some(h) => h,
+            None => match self.configured_safe_capacity() {
+                Some(s) if s >= 0.0 => req.wants.min(s * req.subclients as f64),
+                _ => 0.0,
+            },
+        }
+    }
+
     fn decide(
         &mut self,
-        client: &str,
+        id: &str,
         req: &LeaseRequest,
         now: Time,
         learning: bool,
         min_interval: Duration,
         role: Role,
     ) -> Grant {
+        let (client, epoch) = match req.requester {
+            Requester::Server { .. } => split_identity(id),
+            Requester::Client { .. } => (id, None),
+        };
         let alg = self.algorithm().clone();
         let capacity = self.capacity(now, role);
         let bands: Vec<(i64, f64, u64)> = match &req.requester {
@@ -538,24 +754,58 @@ impl Resource {
                 bands.iter().map(|b| (b.priority, b.wants, b.num_clients.max(1) as u64)).collect()
             }
         };
+        // A node's new master takes its predecessor's place, inheriting what
+        // the predecessor's clients may still hold as a floor; a stale master
+        // changes nothing.
+        let mut inherited: Option<(f64, Time, u64)> = None;
+        if let (Some(e), Some(l)) = (epoch, self.clients.get(client))
+            && let Some(le) = l.epoch
+        {
+            if e < le {
+                return self.unchanged(client, capacity, alg);
+            }
+            if e > le {
+                let floor = l.has.max(l.floor.filter(|f| f.1 > now).map_or(0.0, |f| f.0));
+                inherited = Some((floor, l.expiry, l.subclients));
+                self.remove(client);
+            }
+        }
+        if let Some(r) = self.reservations.get(client) {
+            if epoch.is_some() && r.epoch > epoch {
+                // A stale master of a node whose lease lapsed: nothing to give it.
+                return Grant {
+                    capacity: 0.0,
+                    expiry: now,
+                    refresh_interval: alg.refresh_interval,
+                    safe_capacity: self.safe_capacity(capacity.unwrap_or(0.0)),
+                    algorithm: alg,
+                    predecessor_subclients: None,
+                };
+            }
+            let r = self.unreserve(client).expect("checked above");
+            if epoch.is_some() {
+                let (floor, until, holders) = inherited.unwrap_or((0.0, now, 0));
+                inherited = Some((floor.max(r.amount), until.max(r.until), holders.max(r.holders)));
+            }
+        }
         // A too-early request gets its lease back unchanged; only its demand
         // is recorded. So does every request while an intermediate server's
         // own lease has lapsed: granted leases run to their expiry, and no new
-        // capacity is handed out until the parent renews.
+        // capacity is handed out until the parent renews. Not in learning
+        // mode, which hands back what each client holds.
         let too_early = self.clients.get(client).is_some_and(|l| now.since(l.last_request) < min_interval);
-        let lapsed = capacity.is_none() && self.clients.contains_key(client);
+        let lapsed = !learning && capacity.is_none() && self.clients.contains_key(client);
         if too_early || lapsed {
             let l = self.clients.get_mut(client).expect("checked above");
             l.wants = req.wants;
             l.subclients = req.subclients;
             l.requester = req.requester.clone();
             let old_bands = std::mem::replace(&mut l.bands, bands.clone());
-            let (slot, granted, has, expiry, refresh) = (l.slot, l.granted, l.has, l.expiry, l.refresh_interval);
+            let (slot, has) = (l.slot, l.has);
             self.index.upsert(slot, req.wants, req.subclients, has);
             self.unfile_bands(slot, &old_bands);
             self.file_bands(slot, &bands, has);
-            let safe = self.safe_capacity(capacity.unwrap_or(0.0));
-            return Grant { capacity: granted, expiry, refresh_interval: refresh, safe_capacity: safe, algorithm: alg };
+            return self.unchanged(client, capacity, alg);
         }
         let slot = match self.clients.get(client) {
             Some(l) => {
@@ -564,14 +814,29 @@ impl Resource {
             }
             None => self.new_slot(client),
         };
-        let (old_has, old_bands) = self.clients.get(client).map_or((0.0, Vec::new()), |l| (l.has, l.bands.clone()));
+        let previous = self.clients.get(client);
+        let (old_has, old_bands) = previous.map_or((0.0, Vec::new()), |l| (l.has, l.bands.clone()));
+        let floor = inherited
+            .map(|(f, until, _)| (f, until))
+            .or(previous.and_then(|l| l.floor))
+            .filter(|f| f.1 > now && f.0 > 0.0);
+        let predecessor = match (epoch, learning) {
+            (None, _) | (_, true) => None,
+            (Some(_), false) => match (inherited, previous) {
+                (Some((_, _, n)), _) => Some(n),
+                (None, Some(l)) => l.predecessor_subclients,
+                (None, None) => Some(0),
+            },
+        };
         self.index.upsert(slot, req.wants, req.subclients, old_has);
         self.unfile_bands(slot, &old_bands);
         self.file_bands(slot, &bands, old_has);
         let granted = match capacity {
-            _ if learning => req.reported_has.unwrap_or(0.0),
+            _ if learning => self.learning_grant(req),
             None => 0.0,
             Some(cap) => {
+                // Capacity reserved for lapsed clients is nobody's to share.
+                let cap = (cap - self.reserved).max(0.0);
                 let r = algorithm::Request { wants: req.wants, subclients: req.subclients, has: old_has };
                 if alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind) {
                     self.strict_priority(cap, &bands, &r)
@@ -581,20 +846,39 @@ impl Resource {
             }
         };
         let has = match req.requester {
-            Requester::Server { .. } => granted.max(req.reported_has.unwrap_or(0.0)),
+            Requester::Server { .. } => {
+                granted.max(req.reported_has.unwrap_or(0.0)).max(floor.map_or(0.0, |f| f.0))
+            }
             Requester::Client { .. } => granted,
         };
         let (mut expiry, mut refresh) = (now.saturating_add(alg.lease_length), alg.refresh_interval);
+        let parent = self.parent.as_ref().filter(|p| p.expiry > now);
         if let (Role::Intermediate { decay_factor }, Some(p)) = (role, &self.parent) {
             // Never promise beyond what this server itself holds.
             expiry = expiry.min(p.expiry);
             refresh = p.refresh_interval.mul_f64(decay_factor).max(Duration::from_secs(1));
         }
-        if capacity.is_none() {
+        if learning {
+            // Hand back what the client holds, for at least as long as it holds it.
+            if matches!(role, Role::Intermediate { .. }) && parent.is_none() {
+                expiry = now.saturating_add(Duration::from_secs(2));
+            }
+            if req.reported_has.is_some()
+                && let Some(e) = req.reported_expiry
+            {
+                expiry = expiry.max(e);
+            }
+            // Come back when learning ends, to be given a real share.
+            if let Some(end) = self.learning_end {
+                let left = Duration::from_secs(end.since(now).as_secs_f64().ceil() as u64);
+                refresh = refresh.min(left).max(Duration::from_secs(1));
+            }
+        } else if capacity.is_none() {
             // Nothing to hand out yet (no lease from the parent): come back soon.
             refresh = Duration::from_secs(1);
             expiry = now.saturating_add(Duration::from_secs(2));
         }
+        let safe = self.safe_capacity(capacity.unwrap_or(0.0));
         let lease = ClientLease {
             slot,
             granted,
@@ -606,13 +890,26 @@ impl Resource {
             expiry,
             refresh_interval: refresh,
             last_request: now,
+            epoch,
+            floor,
+            predecessor_subclients: predecessor,
+            safe: match self.configured_safe_capacity() {
+                Some(s) => s,
+                None => safe,
+            },
         };
         self.index.upsert(slot, req.wants, req.subclients, has);
         self.file_bands(slot, &bands, has);
         self.expiries.insert((expiry, slot));
         self.clients.insert(Arc::from(client), lease);
-        let safe = self.safe_capacity(capacity.unwrap_or(0.0));
-        Grant { capacity: granted, expiry, refresh_interval: refresh, safe_capacity: safe, algorithm: alg }
+        Grant {
+            capacity: granted,
+            expiry,
+            refresh_interval: refresh,
+            safe_capacity: safe,
+            algorithm: alg,
+            predecessor_subclients: predecessor,
+        }
     }
 
     /// Strict priorities: higher bands are satisfied first, up to their wants;

@@ -16,7 +16,7 @@ use crate::clock::{Clock, ManualClock, Time};
 use crate::config::resources::{Algorithm, ResourcesConfig, Template};
 use crate::lease::core::{Action, Capacity, Core, CoreConfig, KeyDemand, OnExpiry};
 use crate::lease::transport::{LocalTransport, Transport};
-use crate::server::parent::{ParentAction, ParentSync};
+use crate::server::parent::{ParentAction, ParentSync, current_link};
 use crate::server::store::Role;
 use crate::server::{Mastership, Node};
 pub use scenario::Scenario;
@@ -122,9 +122,11 @@ impl Sample {
 struct SimNode {
     addr: String,
     node: Arc<Node>,
-    parent: Option<(String, ParentSync)>,
+    /// The parent's address, and the current master's link to it.
+    parent: Option<(String, Option<(u64, ParentSync)>)>,
     down_until: Option<Time>,
-    generation: u32,
+    /// Seeds the links of this node's masters.
+    seed: u64,
 }
 
 struct SimClient {
@@ -187,7 +189,7 @@ impl Sim {
             prometheus::Registry::new(),
         ));
         net.add("n0", root.clone());
-        nodes.push(SimNode { addr: "n0".into(), node: root, parent: None, down_until: None, generation: 0 });
+        nodes.push(SimNode { addr: "n0".into(), node: root, parent: None, down_until: None, seed: 0 });
         for fanout in &sc.tree {
             let mut next = Vec::new();
             for &p in &level {
@@ -205,14 +207,13 @@ impl Sim {
                     let node = Arc::new(node);
                     net.add(addr.clone(), node.clone());
                     let parent_addr = nodes[p].addr.clone();
-                    let sync = ParentSync::new(&addr, vec![parent_addr.clone()], start, Some(rng.random()));
                     next.push(nodes.len());
                     nodes.push(SimNode {
                         addr,
                         node,
-                        parent: Some((parent_addr, sync)),
+                        parent: Some((parent_addr, None)),
                         down_until: None,
-                        generation: 0,
+                        seed: rng.random(),
                     });
                 }
             }
@@ -361,17 +362,9 @@ impl Sim {
     }
 
     /// A new master takes over node `i`: empty state, learning mode, and a
-    /// fresh link to its parent.
+    /// fresh link to its parent under the node's identity and a new epoch.
     fn reelect(&mut self, i: usize) {
-        let now = self.clock.now();
-        let seed = self.rng.random();
-        // A new master is another process: it speaks to its parent under
-        // its own server id, while the old master's lease runs out there.
-        self.nodes[i].generation += 1;
-        let id = format!("{}~{}", self.nodes[i].addr, self.nodes[i].generation);
-        if let Some((parent, sync)) = self.nodes[i].parent.as_mut() {
-            *sync = ParentSync::new(&id, vec![parent.clone()], now, Some(seed));
-        }
+        self.nodes[i].seed = self.rng.random();
         let n = &self.nodes[i].node;
         n.set_mastership(Mastership { is_master: false, master_address: None });
         n.set_mastership(Mastership { is_master: true, master_address: Some(self.nodes[i].addr.clone()) });
@@ -392,7 +385,14 @@ impl Sim {
     fn tick(&mut self) {
         for i in 0..self.nodes.len() {
             let node = self.nodes[i].node.clone();
-            let Some((_, sync)) = self.nodes[i].parent.as_mut() else { continue };
+            // A lost master is gone: it speaks to nobody.
+            if self.nodes[i].down_until.is_some() {
+                continue;
+            }
+            let now = self.clock.now();
+            let seed = self.nodes[i].seed ^ node.store.master_epoch();
+            let Some((parent, slot)) = self.nodes[i].parent.as_mut() else { continue };
+            let Some(sync) = current_link(slot, &node, std::slice::from_ref(parent), now, Some(seed)) else { continue };
             for _ in 0..8 {
                 let now = self.clock.now();
                 match sync.next_action(&node, now) {

@@ -33,6 +33,7 @@ fn req(resource: &str, wants: f64, has: Option<f64>) -> LeaseRequest {
         wants,
         subclients: 1,
         reported_has: has,
+        reported_expiry: None,
         requester: Requester::Client { priority: 0 },
     }
 }
