@@ -402,7 +402,7 @@ impl Core {
         // A permanent error is not retried in a tight loop: wait at least a full backoff step.
         let delay = self.backoff.on_failure(&mut self.rng);
         let delay = match err {
-            CallError::Permanent(_) => delay.max(self.cfg.backoff.max / 2),
+            CallError::Permanent(_) => delay.max(super::backoff::PERMANENT_RETRY),
             CallError::Transient(_) => delay,
         };
         self.next_refresh = now.saturating_add(delay);

@@ -152,7 +152,8 @@ pub struct ParentDemand {
     pub resource_id: String,
     pub wants: f64,
     pub bands: Vec<Band>,
-    /// What this server's clients hold now, in unexpired leases.
+    /// What this server's clients hold now, in unexpired leases, plus what is
+    /// reserved for clients whose leases lapsed.
     pub handed_out: f64,
 }
 
@@ -340,7 +341,7 @@ impl Store {
             .filter_map(|(id, res)| {
                 let mut r = res.lock().expect("resource lock poisoned");
                 r.expire(now);
-                if r.clients.is_empty() {
+                if r.clients.is_empty() && r.reserved <= 0.0 {
                     return None;
                 }
                 let bands = r
@@ -357,7 +358,8 @@ impl Store {
                     resource_id: id.clone(),
                     wants: r.index.total_wants(),
                     bands,
-                    handed_out: r.clients.values().map(|l| l.granted).sum(),
+                    // Clients running on their safe capacity use it as surely as a lease.
+                    handed_out: r.clients.values().map(|l| l.granted).sum::<f64>() + r.reserved,
                 })
             })
             .collect();
@@ -444,7 +446,7 @@ impl Store {
         map.retain(|_, res| {
             let mut r = res.lock().expect("resource lock poisoned");
             r.expire(now);
-            !r.clients.is_empty()
+            !r.clients.is_empty() || !r.reservations.is_empty()
         });
     }
 
@@ -720,13 +722,14 @@ impl Resource {
         }
     }
 
-    /// What learning mode hands a client that reports no lease: its safe
-    /// capacity (what it would use anyway, cut off from the tree), never
-    /// more than it wants; 0 without a configured one.
+    /// What learning mode hands a client that reports no lease: the safe
+    /// capacity this server's own configuration gives it (what a client cut
+    /// off from the tree uses anyway), never more than it wants; 0 without
+    /// one (a dynamic safe capacity could hand one newcomer everything).
     fn learning_grant(&self, req: &LeaseRequest) -> f64 {
         match req.reported_has {
             Some(h) => h,
-            None => match self.configured_safe_capacity() {
+            None => match self.template.safe_capacity {
                 Some(s) if s >= 0.0 => req.wants.min(s * req.subclients as f64),
                 _ => 0.0,
             },
