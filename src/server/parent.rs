@@ -55,11 +55,8 @@ impl ParentLink {
 /// The algorithm a parent hands down, without usher's own parameters, and
 /// what those say of this node's predecessor.
 fn algorithm_from_wire(a: &proto::Algorithm) -> (Option<Algorithm>, Option<u64>) {
-    let predecessor = a
-        .parameters
-        .iter()
-        .find(|p| p.name == PREDECESSOR_PARAMETER)
-        .and_then(|p| p.value.as_deref()?.parse().ok());
+    let predecessor =
+        a.parameters.iter().find(|p| p.name == PREDECESSOR_PARAMETER).and_then(|p| p.value.as_deref()?.parse().ok());
     (algorithm(a), predecessor)
 }
 
@@ -92,7 +89,12 @@ pub struct ParentSync {
     core: Core,
     extras: HashMap<String, (Option<Algorithm>, Option<f64>, Option<u64>)>,
     demand: HashMap<String, (Vec<Band>, f64)>,
+    /// The wants of each resource in the last request sent.
+    sent: HashMap<String, f64>,
 }
+
+/// Demand this many times the last request's asks for an early refresh.
+pub const GROWTH: f64 = 1.2;
 
 /// What the parent link must do next.
 pub enum ParentAction {
@@ -110,7 +112,7 @@ impl ParentSync {
         if let Some(s) = seed {
             cfg.seed = s;
         }
-        ParentSync { core: Core::new(cfg, now), extras: HashMap::new(), demand: HashMap::new() }
+        ParentSync { core: Core::new(cfg, now), extras: HashMap::new(), demand: HashMap::new(), sent: HashMap::new() }
     }
 
     /// Reads the store's demand, hands the current leases to it, and says what to do.
@@ -126,7 +128,11 @@ impl ParentSync {
                     wants: d.wants,
                     on_expiry: OnExpiry::Pessimistic,
                     safe_capacity: None,
-                    pressure: false,
+                    // Demand that grew well past both the last request and
+                    // the lease asks at once (within the minimum interval),
+                    // not a whole refresh interval later.
+                    pressure: d.wants > self.sent.get(&d.resource_id).copied().unwrap_or(0.0) * GROWTH
+                        && d.wants > self.core.lease_of(&d.resource_id).map_or(0.0, |l| l.capacity) + 1e-9,
                 })
                 .collect(),
         );
@@ -139,6 +145,9 @@ impl ParentSync {
             Action::Discover { target } => ParentAction::Discover(target),
             Action::Release { target, request } => ParentAction::Release(target, request),
             Action::Refresh { target, request } => {
+                for r in &request.resource {
+                    self.sent.insert(r.resource_id.clone(), r.wants);
+                }
                 let req = server_request(&request, &self.demand, now);
                 ParentAction::Refresh(target, req)
             }
@@ -156,8 +165,7 @@ impl ParentSync {
     pub fn on_refresh(&mut self, node: &Node, now: Time, r: Result<proto::GetServerCapacityResponse, CallError>) {
         let r = r.map(|resp| {
             for rr in &resp.response {
-                let (algorithm, predecessor) =
-                    rr.algorithm.as_ref().map_or((None, None), algorithm_from_wire);
+                let (algorithm, predecessor) = rr.algorithm.as_ref().map_or((None, None), algorithm_from_wire);
                 self.extras.insert(rr.resource_id.clone(), (algorithm, rr.safe_capacity, predecessor));
             }
             client_response(resp)
@@ -276,7 +284,9 @@ pub async fn run(
             }
         }
     }
-    if let Some((target, req)) = current_link(&mut slot, &node, &parents, clock.now(), None).and_then(|s| s.release_all()) {
+    if let Some((target, req)) =
+        current_link(&mut slot, &node, &parents, clock.now(), None).and_then(|s| s.release_all())
+    {
         let _ = tokio::time::timeout(Duration::from_secs(2), transport.release_capacity(&target, req)).await;
     }
 }

@@ -82,6 +82,12 @@ pub const PREDECESSOR_PARAMETER: &str = "usher.predecessor_subclients";
 /// backoff cap, plus one discovery.
 pub const RECONNECT_ALLOWANCE: Duration = Duration::from_secs(3);
 
+/// The refresh interval of a lease whose client should come back soon: its
+/// grant was cut to what others leave unused, or the resource is new.
+pub const FAST_REFRESH: Duration = Duration::from_secs(1);
+/// A grant this much below the client's share counts as held back.
+pub const HELD_BACK_MARGIN: f64 = 0.1;
+
 /// The answer for one resource.
 #[derive(Debug, Clone)]
 pub struct Grant {
@@ -218,6 +224,8 @@ struct Resource {
     learned: bool,
     /// When learning mode ends, as last computed.
     learning_end: Option<Time>,
+    /// When this master first saw the resource.
+    created: Time,
 }
 
 /// The capacity server's state.
@@ -423,7 +431,11 @@ impl Store {
             let cfg = self.config.load();
             let template = cfg.find(&req.resource_id).expect("validated config has a catch-all").clone();
             let mut map = self.resources.write().expect("store lock poisoned");
-            map.entry(req.resource_id.clone()).or_insert_with(|| Arc::new(Mutex::new(Resource::new(template))));
+            map.entry(req.resource_id.clone()).or_insert_with(|| {
+                let mut r = Resource::new(template);
+                r.created = now;
+                Arc::new(Mutex::new(r))
+            });
         }
     }
 
@@ -538,6 +550,7 @@ impl Resource {
             reserved: 0.0,
             learned: false,
             learning_end: None,
+            created: Time::from_nanos(0),
         }
     }
 
@@ -722,6 +735,54 @@ impl Resource {
         }
     }
 
+    /// An intermediate with no lease from its parent and a client that holds
+    /// none: the answer is an already expired lease, so the client keeps
+    /// running on its safe capacity (still reserved here) rather than on a
+    /// lease of 0, and asks again in a second. Its demand is recorded, so the
+    /// parent hears of it.
+    fn nothing_to_hand_out(
+        &mut self,
+        client: &str,
+        req: &LeaseRequest,
+        now: Time,
+        alg: Algorithm,
+        bands: &[(i64, f64, u64)],
+    ) -> Grant {
+        let slot = self.new_slot(client);
+        let expiry = now.saturating_add(Duration::from_secs(2));
+        self.index.upsert(slot, req.wants, req.subclients, 0.0);
+        self.file_bands(slot, bands, 0.0);
+        self.expiries.insert((expiry, slot));
+        let safe = self.safe_capacity(self.parent.as_ref().map_or(0.0, |p| p.capacity));
+        self.clients.insert(
+            Arc::from(client),
+            ClientLease {
+                slot,
+                granted: 0.0,
+                has: 0.0,
+                bands: bands.to_vec(),
+                wants: req.wants,
+                subclients: req.subclients,
+                requester: req.requester.clone(),
+                expiry,
+                refresh_interval: Duration::from_secs(1),
+                last_request: now,
+                epoch: None,
+                floor: None,
+                predecessor_subclients: None,
+                safe,
+            },
+        );
+        Grant {
+            capacity: 0.0,
+            expiry: now,
+            refresh_interval: Duration::from_secs(1),
+            safe_capacity: safe,
+            algorithm: alg,
+            predecessor_subclients: None,
+        }
+    }
+
     /// What learning mode hands a client that reports no lease: the safe
     /// capacity this server's own configuration gives it (what a client cut
     /// off from the tree uses anyway), never more than it wants; 0 without
@@ -772,6 +833,9 @@ impl Resource {
                 inherited = Some((floor, l.expiry, l.subclients));
                 self.remove(client);
             }
+        }
+        if capacity.is_none() && !learning && !self.clients.contains_key(client) {
+            return self.nothing_to_hand_out(client, req, now, alg, &bands);
         }
         if let Some(r) = self.reservations.get(client) {
             if epoch.is_some() && r.epoch > epoch {
@@ -834,24 +898,36 @@ impl Resource {
         self.index.upsert(slot, req.wants, req.subclients, old_has);
         self.unfile_bands(slot, &old_bands);
         self.file_bands(slot, &bands, old_has);
+        // Set when others still hold what this client is due: it comes back
+        // soon to collect it, instead of a whole refresh interval later.
+        let mut held_back = false;
         let granted = match capacity {
             _ if learning => self.learning_grant(req),
             None => 0.0,
             Some(cap) => {
                 // Capacity reserved for lapsed clients is nobody's to share.
                 let cap = (cap - self.reserved).max(0.0);
+                let unused = cap - (self.index.total_has() - old_has);
+                held_back = unused < req.wants - 1e-9 && is_shared(alg.kind);
                 let r = algorithm::Request { wants: req.wants, subclients: req.subclients, has: old_has };
-                if alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind) {
+                let granted = if alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind) {
                     self.strict_priority(cap, &bands, &r)
                 } else {
                     algorithm::decide(alg.kind, cap, &self.index, &r)
+                };
+                if held_back {
+                    // The share the algorithm would give if nobody held more
+                    // than theirs: counting everyone's holdings as this
+                    // client's lifts the "never above unused" cap.
+                    let all = algorithm::Request { has: self.index.total_has(), ..r };
+                    let share = algorithm::decide(alg.kind, cap, &self.index, &all);
+                    held_back = granted < share * (1.0 - HELD_BACK_MARGIN) - 1e-9;
                 }
+                granted
             }
         };
         let has = match req.requester {
-            Requester::Server { .. } => {
-                granted.max(req.reported_has.unwrap_or(0.0)).max(floor.map_or(0.0, |f| f.0))
-            }
+            Requester::Server { .. } => granted.max(req.reported_has.unwrap_or(0.0)).max(floor.map_or(0.0, |f| f.0)),
             Requester::Client { .. } => granted,
         };
         let (mut expiry, mut refresh) = (now.saturating_add(alg.lease_length), alg.refresh_interval);
@@ -880,6 +956,12 @@ impl Resource {
             // Nothing to hand out yet (no lease from the parent): come back soon.
             refresh = Duration::from_secs(1);
             expiry = now.saturating_add(Duration::from_secs(2));
+        } else if held_back || now.since(self.created) < alg.refresh_interval {
+            // Adaptive refresh: the grant was cut to what others leave
+            // unused, or the resource is new and its clients are still
+            // arriving (a first-come client must not keep everything for a
+            // whole interval). In steady state neither holds.
+            refresh = refresh.min(FAST_REFRESH);
         }
         let safe = self.safe_capacity(capacity.unwrap_or(0.0));
         let lease = ClientLease {

@@ -75,6 +75,16 @@ impl World {
     fn advance(&self, d: Duration) {
         self.time.advance(d);
     }
+
+    /// Makes `resource` known to `server` for a refresh interval, so its
+    /// leases carry the configured interval, not the short one of a new
+    /// resource whose clients are still arriving.
+    fn settle(&self, server: &str, resource: &str) {
+        let mut warm = self.core("warm-up", &[server]);
+        warm.set_demand(vec![demand(resource, 0.0, OnExpiry::Safe)]);
+        self.step(&mut warm);
+        self.advance(Duration::from_secs(12));
+    }
 }
 
 fn demand(id: &str, wants: f64, on_expiry: OnExpiry) -> KeyDemand {
@@ -88,6 +98,7 @@ fn cap(core: &mut Core, now: Time, id: &str) -> Capacity {
 #[test]
 fn first_refresh_leases_and_schedules_the_next_before_expiry() {
     let w = World::new(&["s1"]);
+    w.settle("s1", "r");
     let mut c = w.core("a", &["s1"]);
     c.set_demand(vec![demand("r", 60.0, OnExpiry::Pessimistic)]);
     assert_eq!(cap(&mut c, w.clock.now(), "r"), Capacity::Limited(0.0), "pending: on_expiry applies");
@@ -169,6 +180,7 @@ fn expiry_follows_on_expiry_per_key() {
 #[test]
 fn refreshes_of_a_fleet_started_together_spread_out() {
     let w = World::new(&["s1"]);
+    w.settle("s1", "r");
     let mut cores: Vec<Core> = (0..50).map(|i| w.core(&format!("client-{i}"), &["s1"])).collect();
     for c in &mut cores {
         c.set_demand(vec![demand("r", 1.0, OnExpiry::Safe)]);
