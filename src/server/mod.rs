@@ -63,6 +63,11 @@ pub struct ServerArgs {
     /// parent node; Discovery finds its master). Without it, this is a root server.
     #[arg(long, env = "USHER_PARENT", value_name = "ADDR[,ADDR...]", value_delimiter = ',')]
     pub parent: Vec<String>,
+    /// The identity every replica of this node shares towards its parent, so that a new master
+    /// takes over its predecessor's lease there [default: with --etcd-endpoints, the election key
+    /// and the endpoints; else the server id].
+    #[arg(long, env = "USHER_NODE_ID", value_name = "ID")]
+    pub node_id: Option<String>,
     /// Leases handed down refresh this many times the parent's refresh interval (never below 1 s).
     #[arg(long, env = "USHER_DECAY_FACTOR", value_name = "FACTOR", default_value_t = DEFAULT_DECAY_FACTOR)]
     pub decay_factor: f64,
@@ -396,6 +401,20 @@ impl ConfigSource {
     }
 }
 
+/// `--node-id`, or its default: every replica of an elected node campaigns
+/// for the same key on the same etcd, so those name the node.
+fn node_id(args: &ServerArgs, server_id: &str) -> String {
+    if let Some(id) = args.node_id.as_ref().filter(|s| !s.is_empty()) {
+        return id.clone();
+    }
+    if args.etcd_endpoints.is_empty() {
+        return server_id.to_string();
+    }
+    let mut endpoints = args.etcd_endpoints.clone();
+    endpoints.sort();
+    format!("{}@{}", args.election_key, endpoints.join(","))
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
@@ -444,6 +463,7 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         node.election = Some(Arc::new(election::Election::default()));
     }
     node.tls = tls.clone();
+    node.node_id = node_id(&args, &server_id);
     let node = Arc::new(node);
     let role = if args.parent.is_empty() { "root" } else { "intermediate" };
     let tls_mode = match &tls {

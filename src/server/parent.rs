@@ -83,11 +83,15 @@ fn algorithm(a: &proto::Algorithm) -> Option<Algorithm> {
     })
 }
 
+/// What a parent's answer carries beside the lease: the algorithm, the safe
+/// capacity and what it says of this node's predecessor.
+type Extras = (Option<Algorithm>, Option<f64>, Option<u64>);
+
 /// The parent link's logic without I/O: what to send and what to do with
 /// the answers. `run` drives it in real time; `usher sim` in virtual time.
 pub struct ParentSync {
     core: Core,
-    extras: HashMap<String, (Option<Algorithm>, Option<f64>, Option<u64>)>,
+    extras: HashMap<String, Extras>,
     demand: HashMap<String, (Vec<Band>, f64)>,
     /// The wants of each resource in the last request sent.
     sent: HashMap<String, f64>,

@@ -516,13 +516,13 @@ fn report(samples: &[Sample], mishaps: &[Mishap], duration: f64, horizon: f64) -
             .map(|n| n.at)
             .filter(|&a| a > m.recover_from)
             .fold(duration.min(m.recover_from + horizon), f64::min);
-        let last_bad = samples.iter().filter(|s| s.t >= m.recover_from && s.t < end && !s.recovered()).last();
+        let last_bad = samples.iter().rfind(|s| s.t >= m.recover_from && s.t < end && !s.recovered());
         let conv = last_bad.map_or(0.0, |s| (s.t + step - m.recover_from).min(end - m.recover_from).max(0.0));
         all_conv.push(conv);
         by_kind.entry(m.kind.to_string()).or_default().0.push(conv);
     }
     for s in &steady {
-        let kind = mishaps.iter().filter(|m| m.at <= s.t).last().map_or("none", |m| m.kind);
+        let kind = mishaps.iter().rfind(|m| m.at <= s.t).map_or("none", |m| m.kind);
         by_kind.entry(kind.to_string()).or_default().1.push(s);
     }
     let figures = by_kind
