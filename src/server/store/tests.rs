@@ -99,13 +99,62 @@ fn sweep_drops_expired_leases_and_empty_resources() {
     assert_eq!(s.status().len(), 1);
     clock.advance(Duration::from_secs(1));
     s.sweep();
-    // The lapsed client runs on its safe capacity (dynamic: 100), so its
-    // last lease (10) stays reserved for another lease length.
+    // The lapsed client runs on its safe capacity (dynamic: 100, whatever
+    // its last lease of 10), so that stays reserved for another lease length.
     let st = s.status();
-    assert_eq!((st.len(), st[0].clients, st[0].reserved), (1, 0, 10.0), "{st:?}");
+    assert_eq!((st.len(), st[0].clients, st[0].reserved), (1, 0, 100.0), "{st:?}");
     clock.advance(Duration::from_secs(10));
     s.sweep();
     assert!(s.status().is_empty());
+}
+
+#[test]
+fn a_lease_that_stops_being_renewed_is_covered_by_its_safe_capacity_before_it_lapses() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let mut t = (*template(Kind::FairShare, 100.0, 10, 5, 0)).clone();
+    t.safe_capacity = Some(10.0);
+    let s = Store::new(clock, ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
+    let sec = Duration::from_secs(1);
+    let mut a = s.get_capacity("a", &req("r", 4.0, None));
+    let mut a_at = handle.now();
+    assert_eq!(a.capacity, 4.0);
+    assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 96.0);
+    // Renewed when its refresh interval says, a's lease never needs a
+    // cover: b keeps the rest.
+    for _ in 0..20 {
+        handle.advance(sec);
+        assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 96.0);
+        if handle.now().since(a_at) >= a.refresh_interval {
+            (a, a_at) = (s.get_capacity("a", &req("r", 4.0, None)), handle.now());
+            assert_eq!(a.capacity, 4.0);
+        }
+        assert_eq!(s.status()[0].reserved, 0.0);
+    }
+    assert_eq!(a.refresh_interval, Duration::from_secs(5), "past the resource's first interval");
+    while handle.now().since(a_at) < a.refresh_interval {
+        handle.advance(sec);
+    }
+    a = s.get_capacity("a", &req("r", 4.0, None));
+    assert_eq!(a.capacity, 4.0);
+    // a stops renewing. Once it has missed its refresh (5 s × 7/6 + 3 s) it
+    // counts as its safe capacity (10, not its lease of 4): b's next grant
+    // leaves that room, before a lapses and runs on it.
+    for _ in 0..8 {
+        handle.advance(sec);
+        assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 96.0);
+    }
+    handle.advance(sec);
+    assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 90.0);
+    assert_eq!(s.status()[0].reserved, 6.0, "the cover adds safe capacity - lease");
+    assert_eq!(s.status()[0].sum_has, 94.0, "what leases hold is unchanged");
+    // a lapses: its safe capacity stays reserved, so a (10) and b (90) fit.
+    handle.advance(sec);
+    assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 90.0);
+    let st = s.status();
+    assert_eq!((st[0].clients, st[0].reserved, st[0].sum_has), (1, 10.0, 90.0), "{st:?}");
+    // a comes back: its reservation goes, and it is served as before.
+    assert_eq!(s.get_capacity("a", &req("r", 4.0, None)).capacity, 4.0);
+    assert_eq!(s.status()[0].reserved, 0.0);
 }
 
 #[test]
