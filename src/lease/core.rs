@@ -57,6 +57,18 @@ pub enum Mode {
     Expired,
 }
 
+/// Where the capacity a key may use comes from, for status pages and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    /// A lease the servers granted.
+    Lease,
+    /// A lease read from the on-disk cache at start-up, not yet renewed.
+    Cache,
+    /// No unexpired lease: the key's `on_expiry`.
+    OnExpiry,
+}
+
 /// What the enforcement side reports for one key at each refresh.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KeyDemand {
@@ -90,6 +102,8 @@ struct KeyState {
     server_safe: Option<f64>,
     mode: Mode,
     last_error: Option<String>,
+    /// The lease came from the on-disk cache and no answer has replaced it yet.
+    cached: bool,
 }
 
 impl KeyState {
@@ -210,6 +224,7 @@ pub struct Core {
 pub struct KeyStatus {
     pub resource_id: String,
     pub mode: Mode,
+    pub source: Source,
     pub on_expiry: OnExpiry,
     pub capacity: Capacity,
     pub wants: f64,
@@ -271,7 +286,14 @@ impl Core {
         let id = demand.resource_id.clone();
         self.keys.insert(
             id,
-            KeyState { demand, lease: Some(lease), server_safe: None, mode: Mode::Leased, last_error: None },
+            KeyState {
+                demand,
+                lease: Some(lease),
+                server_safe: None,
+                mode: Mode::Leased,
+                last_error: None,
+                cached: true,
+            },
         );
     }
 
@@ -302,7 +324,14 @@ impl Core {
                     self.to_release.retain(|r| *r != id);
                     self.keys.insert(
                         id,
-                        KeyState { demand: d, lease: None, server_safe: None, mode: Mode::Pending, last_error: None },
+                        KeyState {
+                            demand: d,
+                            lease: None,
+                            server_safe: None,
+                            mode: Mode::Pending,
+                            last_error: None,
+                            cached: false,
+                        },
                     );
                 }
             }
@@ -475,6 +504,7 @@ impl Core {
             };
             k.server_safe = r.safe_capacity.filter(|s| s.is_finite());
             k.lease = Some(lease);
+            k.cached = false;
             k.last_error = None;
             let from = k.mode;
             k.mode = if lease.expiry > now { Mode::Leased } else { Mode::Expired };
@@ -506,6 +536,11 @@ impl Core {
             .map(|(id, k)| KeyStatus {
                 resource_id: id.clone(),
                 mode: k.mode,
+                source: match (k.mode, k.cached) {
+                    (Mode::Leased, true) => Source::Cache,
+                    (Mode::Leased, false) => Source::Lease,
+                    _ => Source::OnExpiry,
+                },
                 on_expiry: k.demand.on_expiry,
                 capacity: k.capacity(),
                 wants: k.demand.wants,

@@ -2,8 +2,14 @@
 //! [`Transport`], applies the resulting capacities to the enforcement side,
 //! logs every mode change, keeps the lease cache, and releases every lease
 //! on shutdown.
+//!
+//! Start-up: unexpired cached leases are enforced before the first request;
+//! a key with no lease keeps its configured capacity until the first call to
+//! the servers has been answered or has failed, or [`LeaseClient::ready`]
+//! stops waiting for it, and then follows its `on_expiry`.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -11,7 +17,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::cache;
-use super::core::{Action, Capacity, Core, CoreConfig, KeyDemand, KeyStatus};
+use super::core::{Action, Capacity, Core, CoreConfig, KeyDemand, KeyStatus, Lease, Mode, Source};
 use super::transport::Transport;
 use crate::clock::Clock;
 
@@ -35,6 +41,24 @@ pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
 pub struct LeaseClient {
     core: Arc<Mutex<Core>>,
     wake: Arc<Notify>,
+    /// Start-up is over ([`LeaseClient::ready`] returned): a key with no
+    /// lease follows its `on_expiry` even while the first call still hangs.
+    started: Arc<AtomicBool>,
+    clock: Clock,
+    enforcer: Arc<dyn Enforcer>,
+}
+
+/// How start-up ended, as [`LeaseClient::ready`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// Every key already held an unexpired lease (from the cache): no wait.
+    Leased,
+    /// The first call to the servers was answered.
+    Answered,
+    /// The first call to the servers failed.
+    Failed,
+    /// Nothing came back within the wait.
+    Waited,
 }
 
 /// What status pages show of the lease client.
@@ -61,10 +85,13 @@ impl LeaseClient {
     ) -> (LeaseClient, tokio::task::JoinHandle<()>) {
         let now = clock.now();
         let mut core = Core::new(cfg, now);
+        // The keys known before the first request (fixed ids), so start-up
+        // can tell whether every one of them already holds a lease.
+        let demand = enforcer.demand();
+        core.set_demand(demand.clone());
         if let Some(path) = &cache_file {
             let cached = cache::read(path, core.client_id(), now);
             if !cached.is_empty() {
-                let demand = enforcer.demand();
                 let mut first = Duration::from_secs(3600);
                 let mut n = 0;
                 for (id, lease) in cached {
@@ -80,25 +107,78 @@ impl LeaseClient {
                 }
             }
         }
-        let client = LeaseClient { core: Arc::new(Mutex::new(core)), wake: Arc::new(Notify::new()) };
-        let task = tokio::spawn(run(client.clone(), clock, transport, enforcer, cache_file, shutdown));
+        let client = LeaseClient {
+            core: Arc::new(Mutex::new(core)),
+            wake: Arc::new(Notify::new()),
+            started: Arc::new(AtomicBool::new(false)),
+            clock: clock.clone(),
+            enforcer: enforcer.clone(),
+        };
+        // Cached leases hold from the first request on.
+        enforce(&client);
+        let task = tokio::spawn(run(client.clone(), transport, cache_file, shutdown));
         (client, task)
     }
 
-    /// Waits until the first refresh has been answered (or failed), at most `limit`.
-    /// Returns whether leases arrived.
-    pub async fn first_refresh(&self, limit: std::time::Duration) -> bool {
+    /// Waits, at most `limit`, until every key holds an unexpired lease (a
+    /// cached one counts: then there is no wait at all) or the first call to
+    /// the servers has been answered or has failed. From then on a key with
+    /// no lease follows its `on_expiry`. Logs what each key enforces.
+    pub async fn ready(&self, limit: Duration) -> Start {
         let deadline = tokio::time::Instant::now() + limit;
-        loop {
-            let (done, failed) = {
+        let start = loop {
+            let found = {
                 let c = self.core.lock().expect("lease core poisoned");
-                (c.refreshes() > 0, c.last_error().is_some())
+                if c.refreshes() > 0 {
+                    Some(Start::Answered)
+                } else if c.last_error().is_some() {
+                    Some(Start::Failed)
+                } else if c.status().iter().all(|k| k.mode == Mode::Leased) {
+                    Some(Start::Leased)
+                } else {
+                    None
+                }
             };
-            if done || failed || tokio::time::Instant::now() >= deadline {
-                return done;
+            if let Some(s) = found {
+                break s;
             }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            if tokio::time::Instant::now() >= deadline {
+                break Start::Waited;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        self.started.store(true, Ordering::SeqCst);
+        enforce(self);
+        let status = self.status();
+        let now = self.clock.now().as_secs();
+        let why = status.last_error.clone().unwrap_or_else(|| format!("no answer within {limit:?}"));
+        for k in &status.keys {
+            let capacity = show(k.capacity);
+            match k.source {
+                Source::Cache => tracing::info!(
+                    resource_id = %k.resource_id,
+                    capacity = %capacity,
+                    expires_in_s = k.expiry.map_or(0, |e| e - now),
+                    "enforcing a cached lease until the servers answer"
+                ),
+                Source::Lease => {
+                    tracing::info!(resource_id = %k.resource_id, capacity = %capacity, "enforcing the lease")
+                }
+                Source::OnExpiry => tracing::warn!(
+                    resource_id = %k.resource_id,
+                    on_expiry = %k.on_expiry.name(),
+                    capacity = %capacity,
+                    reason = %why,
+                    "no lease yet; enforcing on_expiry until one arrives"
+                ),
+            }
         }
+        start
+    }
+
+    /// The last lease received for `resource_id`, expired or not.
+    pub fn lease_of(&self, resource_id: &str) -> Option<Lease> {
+        self.core.lock().expect("lease core poisoned").lease_of(resource_id)
     }
 
     /// Re-reads demand now instead of at the next poll (a new key appeared).
@@ -119,15 +199,30 @@ impl LeaseClient {
     }
 }
 
+/// A capacity as logs show it.
+fn show(c: Capacity) -> String {
+    match c {
+        Capacity::Limited(c) => format!("{c}"),
+        Capacity::Unlimited => "unlimited".into(),
+    }
+}
+
 /// Applies the capacities of now (a lease that has just expired falls to its
 /// `on_expiry` capacity) and logs the mode changes.
-fn enforce(client: &LeaseClient, clock: &Clock, enforcer: &dyn Enforcer) {
+fn enforce(client: &LeaseClient) {
+    let (clock, enforcer) = (&client.clock, &*client.enforcer);
     let (capacities, transitions) = {
         let mut core = client.core.lock().expect("lease core poisoned");
-        // Until the first answer (or failure), keys keep their configured
-        // capacity rather than dropping to `on_expiry` for a few milliseconds.
-        let known = core.refreshes() > 0 || core.last_error().is_some();
-        let caps = if known { core.capacities(clock.now()) } else { Vec::new() };
+        let mut caps = core.capacities(clock.now());
+        // During start-up, until the first answer (or failure), keys with no
+        // lease keep their configured capacity rather than dropping to
+        // `on_expiry` for a few milliseconds; cached leases apply at once.
+        let known = client.started.load(Ordering::SeqCst) || core.refreshes() > 0 || core.last_error().is_some();
+        if !known {
+            let pending: Vec<String> =
+                core.status().into_iter().filter(|k| k.mode == Mode::Pending).map(|k| k.resource_id).collect();
+            caps.retain(|(id, _)| !pending.contains(id));
+        }
         (caps, core.take_transitions())
     };
     if !capacities.is_empty() {
@@ -142,31 +237,24 @@ fn enforce(client: &LeaseClient, clock: &Clock, enforcer: &dyn Enforcer) {
 /// Waits for one call to the server (None on shutdown). Leases keep expiring
 /// on time meanwhile: a call can hang for the whole RPC timeout against a
 /// blackholed server, longer than what is left of a lease.
-async fn call<T>(
-    fut: impl Future<Output = T>,
-    client: &LeaseClient,
-    clock: &Clock,
-    enforcer: &dyn Enforcer,
-    shutdown: &CancellationToken,
-) -> Option<T> {
+async fn call<T>(fut: impl Future<Output = T>, client: &LeaseClient, shutdown: &CancellationToken) -> Option<T> {
     tokio::pin!(fut);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return None,
             r = &mut fut => return Some(r),
-            _ = tokio::time::sleep(DEMAND_POLL) => enforce(client, clock, enforcer),
+            _ = tokio::time::sleep(DEMAND_POLL) => enforce(client),
         }
     }
 }
 
 async fn run(
     client: LeaseClient,
-    clock: Clock,
     transport: Arc<dyn Transport>,
-    enforcer: Arc<dyn Enforcer>,
     cache_file: Option<PathBuf>,
     shutdown: CancellationToken,
 ) {
+    let (clock, enforcer) = (client.clock.clone(), client.enforcer.clone());
     loop {
         let demand = enforcer.demand();
         let action = {
@@ -174,7 +262,7 @@ async fn run(
             core.set_demand(demand);
             core.next_action(clock.now())
         };
-        enforce(&client, &clock, &*enforcer);
+        enforce(&client);
         match action {
             Action::Wait { until } => {
                 let d = until.since(clock.now()).min(DEMAND_POLL);
@@ -185,7 +273,7 @@ async fn run(
                 }
             }
             Action::Discover { target } => {
-                let Some(r) = call(transport.discovery(&target), &client, &clock, &*enforcer, &shutdown).await else {
+                let Some(r) = call(transport.discovery(&target), &client, &shutdown).await else {
                     break;
                 };
                 if let Err(e) = &r {
@@ -194,9 +282,7 @@ async fn run(
                 client.core.lock().expect("lease core poisoned").on_discovery(clock.now(), &target, r);
             }
             Action::Refresh { target, request } => {
-                let Some(r) =
-                    call(transport.get_capacity(&target, request), &client, &clock, &*enforcer, &shutdown).await
-                else {
+                let Some(r) = call(transport.get_capacity(&target, request), &client, &shutdown).await else {
                     break;
                 };
                 if let Err(e) = &r {
@@ -237,123 +323,4 @@ async fn run(
 }
 
 #[cfg(test)]
-mod tests {
-    use std::sync::atomic::{AtomicBool, Ordering};
-
-    use super::*;
-    use crate::clock::Time;
-    use crate::config::resources::ResourcesConfig;
-    use crate::lease::OnExpiry;
-    use crate::lease::core::{CallError, Mode};
-    use crate::lease::transport::{BoxFuture, LocalTransport};
-    use crate::proto;
-    use crate::server::Node;
-
-    /// A server whose calls hang forever once `hang` is set, as a blackholed one does.
-    struct Hanging {
-        net: LocalTransport,
-        hang: AtomicBool,
-    }
-
-    impl Hanging {
-        fn pass<'a, T: Send + 'a>(&'a self, f: BoxFuture<'a, T>) -> BoxFuture<'a, T> {
-            if self.hang.load(Ordering::SeqCst) { Box::pin(std::future::pending()) } else { f }
-        }
-    }
-
-    impl Transport for Hanging {
-        fn discovery(&self, addr: &str) -> BoxFuture<'_, Result<proto::DiscoveryResponse, CallError>> {
-            self.pass(self.net.discovery(addr))
-        }
-        fn get_capacity(
-            &self,
-            addr: &str,
-            req: proto::GetCapacityRequest,
-        ) -> BoxFuture<'_, Result<proto::GetCapacityResponse, CallError>> {
-            self.pass(self.net.get_capacity(addr, req))
-        }
-        fn release_capacity(
-            &self,
-            addr: &str,
-            req: proto::ReleaseCapacityRequest,
-        ) -> BoxFuture<'_, Result<proto::ReleaseCapacityResponse, CallError>> {
-            self.pass(self.net.release_capacity(addr, req))
-        }
-        fn get_server_capacity(
-            &self,
-            addr: &str,
-            req: proto::GetServerCapacityRequest,
-        ) -> BoxFuture<'_, Result<proto::GetServerCapacityResponse, CallError>> {
-            self.pass(self.net.get_server_capacity(addr, req))
-        }
-    }
-
-    #[derive(Default)]
-    struct Recorder(Mutex<Vec<Capacity>>);
-
-    impl Enforcer for Recorder {
-        fn demand(&self) -> Vec<KeyDemand> {
-            vec![KeyDemand {
-                resource_id: "api".into(),
-                priority: 0,
-                wants: 10.0,
-                on_expiry: OnExpiry::Safe,
-                safe_capacity: None,
-                pressure: false,
-            }]
-        }
-        fn apply(&self, capacities: &[(String, Capacity)]) {
-            if let Some((_, c)) = capacities.first() {
-                self.0.lock().unwrap().push(*c);
-            }
-        }
-    }
-
-    async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while !cond() {
-            assert!(tokio::time::Instant::now() < deadline, "{what}");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    #[tokio::test]
-    async fn a_lease_expires_on_time_while_a_renewal_hangs() {
-        let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
-        let cfg = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    safe_capacity: 4\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 10, learning_mode_duration: 0 }\n";
-        let node = Arc::new(Node::new(
-            "s1".into(),
-            "test".into(),
-            ResourcesConfig::parse("test", cfg).unwrap(),
-            clock.clone(),
-            Duration::ZERO,
-            prometheus::Registry::new(),
-        ));
-        let transport = Arc::new(Hanging { net: LocalTransport::new(), hang: AtomicBool::new(false) });
-        transport.net.add("s1", node);
-        let enforcer = Arc::new(Recorder::default());
-        let shutdown = CancellationToken::new();
-        let (client, task) = LeaseClient::start(
-            CoreConfig::new("c", vec!["s1".into()]),
-            clock,
-            transport.clone(),
-            enforcer.clone(),
-            None,
-            shutdown.clone(),
-        );
-        let mode = |c: &LeaseClient| c.status().keys.first().map(|k| k.mode);
-        eventually("leased", || mode(&client) == Some(Mode::Leased)).await;
-        // The server stops answering; the next renewal (due within 10 s) hangs.
-        transport.hang.store(true, Ordering::SeqCst);
-        time.advance(Duration::from_secs(12));
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert_eq!(mode(&client), Some(Mode::Leased), "the lease is still valid");
-        // Past the lease's expiry: the key falls to its safe capacity although the call still hangs.
-        time.advance(Duration::from_secs(20));
-        eventually("the lease expires while the renewal hangs", || mode(&client) == Some(Mode::Expired)).await;
-        eventually("the safe capacity applies", || enforcer.0.lock().unwrap().last() == Some(&Capacity::Limited(4.0)))
-            .await;
-        shutdown.cancel();
-        task.await.unwrap();
-    }
-}
+mod tests;

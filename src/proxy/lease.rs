@@ -23,6 +23,8 @@ use crate::server::Node;
 
 /// The embedded server's address in the in-process transport.
 pub const EMBEDDED: &str = "embedded";
+/// How often the lease client may refresh early from the embedded server.
+const EMBEDDED_MIN_INTERVAL: Duration = Duration::from_millis(100);
 /// The window over which a rate resource's demand is measured: short, so
 /// that wants follow demand up and down within a refresh or two.
 pub const DEMAND_WINDOW: Duration = Duration::from_secs(2);
@@ -114,20 +116,27 @@ impl TableEnforcer {
                 settings.max_wants.map_or(w, |mx| w.min(mx))
             }
         };
-        // A key its upstream pushes back on asks for less, and gives its lease
-        // back early, so the capacity flows to sidecars that can use it.
-        let factor = self.proxy.pushback.factor(id, now);
-        if factor < 1.0 {
-            // While pushed back it can use at most its share of the lease.
-            let lease = self.proxy.pushback.base(id).unwrap_or(wants);
-            let wants = wants.min(lease) * factor;
-            return (wants, wants < lease * 0.5);
+        // A key its upstream pushes back on gives back what it cannot use for
+        // a while, so the capacity flows to sidecars that can use it, and asks
+        // for it again in time to have it when it can.
+        if let Some(pushed) = self.proxy.pushback.lease_wants(id, wants, now, || self.relet_lead(id)) {
+            return pushed;
         }
         (wants, pressure_signal && wants > l.capacity() + 1e-9)
     }
 }
 
 impl TableEnforcer {
+    /// How long getting the lease of `id` back would take (see
+    /// [`super::pushback::relet_lead`]), from its last lease's refresh interval.
+    fn relet_lead(&self, id: &str) -> Duration {
+        let cfg = self.proxy.config();
+        let jitter = cfg.doorman.as_ref().map_or(crate::config::doorman::DEFAULT_JITTER, |d| d.jitter);
+        let refresh =
+            self.proxy.lease.get().and_then(|c| c.lease_of(id)).map_or(Duration::ZERO, |l| l.refresh_interval);
+        super::pushback::relet_lead(refresh, min_interval(&cfg), jitter)
+    }
+
     /// Forgets a templated key nobody has used for its idle timeout; the
     /// lease client then releases its lease. Returns whether it was forgotten.
     fn idle(
@@ -271,6 +280,11 @@ pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
     ResourcesConfig { templates }
 }
 
+/// The lease client's shortest time between two refreshes.
+fn min_interval(cfg: &RoutesConfig) -> Duration {
+    cfg.doorman.as_ref().map_or(EMBEDDED_MIN_INTERVAL, |d| d.min_interval)
+}
+
 /// Starts the lease client for `proxy`; it runs until `shutdown`, then releases its leases.
 pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, tokio::task::JoinHandle<()>) {
     let cfg = proxy.config();
@@ -307,7 +321,7 @@ pub fn start(proxy: Arc<Proxy>, shutdown: CancellationToken) -> (LeaseClient, to
             let local = LocalTransport::new();
             local.add(EMBEDDED, node.clone());
             let mut c = CoreConfig::new(crate::config::doorman::default_client_id(), vec![EMBEDDED.into()]);
-            c.min_interval = Duration::from_millis(100);
+            c.min_interval = min_interval(&cfg);
             tracing::info!("no `doorman:` section: leasing from an embedded capacity server");
             (c, Arc::new(local), Some(node), None)
         }

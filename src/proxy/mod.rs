@@ -271,7 +271,13 @@ impl Proxy {
         arrived: Time,
     ) -> Response<ProxyBody> {
         self.record_refusal(route, refused);
-        let resp = respond::refused(refused, grpc);
+        // While an upstream's Retry-After holds a key of the request, the 429 says when that ends.
+        let now = self.table.clock().now();
+        let hold = plan.items.iter().filter_map(|(l, _)| self.pushback.hold_left(l.id(), now)).max();
+        let resp = match hold {
+            Some(hold) => respond::refused_held(refused, hold, grpc),
+            None => respond::refused(refused, grpc),
+        };
         self.log(&route.name, plan, "refused", refused.waited, resp.status(), arrived);
         resp
     }
@@ -629,11 +635,10 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     // after in-flight requests have drained.
     let lease_shutdown = CancellationToken::new();
     let (client, lease_task) = lease::start(proxy.clone(), lease_shutdown.clone());
-    // Requests are accepted once the first leases are in (or after a short
-    // wait): the first requests of a fresh sidecar are admitted, not refused.
-    if !client.first_refresh(FIRST_LEASE_WAIT).await {
-        tracing::warn!(wait = ?FIRST_LEASE_WAIT, "no lease yet; resources follow on_expiry until one arrives");
-    }
+    // Requests are accepted once every key has a lease (at once with cached
+    // ones) or after a short wait for the first: the first requests of a
+    // fresh sidecar are admitted, not refused. It logs what each key enforces.
+    client.ready(FIRST_LEASE_WAIT).await;
     let _ = proxy.lease.set(client);
     tracing::info!(listen = %listen_addr, admin = %admin_addr, routes_file = %source, routes, resources, "usher proxy listening");
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(proxy.clone()), shutdown.clone()));
@@ -645,7 +650,8 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     Ok(())
 }
 
-/// How long start-up waits for the first leases before accepting requests.
+/// How long start-up waits for the first leases before accepting requests
+/// (no wait when every key has a cached lease); then keys follow `on_expiry`.
 pub const FIRST_LEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A status code for readiness: the proxy is ready once its routes are loaded.

@@ -1,11 +1,18 @@
 //! Upstream pushback: when an upstream answers 429 or 503, the route's
 //! resource keys back off on their own, below the lease, as the responsive
 //! exponential backoff seed describes: the upstream's `Retry-After` is
-//! honoured (nothing is admitted until then), each pushback multiplies the
-//! admission rate down, and every `recover_after` successes in a row
-//! multiply it back up one jittered step, until the full lease applies again.
-//! The lease client lowers `wants` by the same factor, so the shared lease
-//! flows to sidecars whose upstream is not pushing back.
+//! honoured (nothing is admitted until then, and usher's own 429s say how
+//! long the hold still lasts), each pushback multiplies the admission rate
+//! down, and every `recover_after` successes in a row multiply it back up
+//! one jittered step, until the full lease applies again.
+//!
+//! The rate a key recovers to is the capacity it had when the pushback
+//! began, never more than its lease grants now. The lease follows: a key
+//! asks for nothing while a hold has longer to run than getting the lease
+//! back takes ([`relet_lead`]), so the capacity flows to sidecars whose
+//! upstream is not pushing back, and then asks for its earlier capacity back
+//! so that it is in hand when the hold ends. After a pushback without
+//! `Retry-After` it asks only for its share of it.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -21,32 +28,72 @@ use crate::config::doorman::PushbackConfig;
 
 /// The smallest factor a key backs off to.
 pub const MIN_FACTOR: f64 = 0.01;
-/// A key with no pushback for this long (and no hold) is fully recovered,
-/// even if too little traffic passed to count `recover_after` successes.
+/// A key with no pushback for this long, counted from the end of its hold,
+/// is fully recovered, even if too little traffic passed to count
+/// `recover_after` successes.
 pub const QUIET_RECOVERY: Duration = Duration::from_secs(5);
 
-#[derive(Debug, Clone, Default)]
+/// How long before a hold ends a key asks for its lease back: its own early
+/// refresh (`min_interval`), a sibling's next refresh, which is what gives
+/// the capacity back (up to the lease's `refresh_interval` with `jitter`,
+/// sooner if the sibling refreshes early), and its own again. A hold shorter
+/// than this keeps the lease: giving it away would leave the key without it
+/// when the hold ends.
+pub fn relet_lead(refresh_interval: Duration, min_interval: Duration, jitter: f64) -> Duration {
+    refresh_interval.mul_f64(1.0 + jitter.max(0.0)) + min_interval * 2
+}
+
+#[derive(Debug, Clone)]
 struct KeyState {
     factor: f64,
     successes: u32,
     hold_until: Option<Time>,
-    /// The capacity the lease (or the routes file) grants this key.
-    base: Option<f64>,
+    /// The capacity the key had when this pushback began: what it recovers to.
+    before: f64,
+    /// What its lease (or the routes file) grants now.
+    granted: f64,
+    /// The latest pushback came with a `Retry-After`.
+    held: bool,
     last_pushback: Time,
 }
 
 impl KeyState {
+    fn hold_left(&self, now: Time) -> Option<Duration> {
+        self.hold_until.filter(|t| *t > now).map(|t| t.since(now))
+    }
+
+    /// Quiet for [`QUIET_RECOVERY`] since the last pushback and since its hold ended.
     fn recovered(&self, now: Time) -> bool {
-        self.hold_until.is_none_or(|t| t <= now) && now.since(self.last_pushback) >= QUIET_RECOVERY
+        let quiet_since = self.hold_until.map_or(self.last_pushback, |h| h.max(self.last_pushback));
+        now.since(quiet_since) >= QUIET_RECOVERY
     }
 
     fn share(&self, now: Time) -> f64 {
-        if self.hold_until.is_some_and(|t| t > now) {
+        if self.hold_left(now).is_some() {
             0.0
         } else if self.recovered(now) {
             1.0
         } else {
             self.factor
+        }
+    }
+
+    /// What the key may admit now: its share of what it had before the
+    /// pushback, never more than its lease grants.
+    fn capacity(&self, now: Time) -> f64 {
+        self.granted.min(self.before * self.share(now))
+    }
+
+    /// What the key should lease now, when it would otherwise want `wants`.
+    fn wants(&self, wants: f64, now: Time, lead: Duration) -> f64 {
+        let full = wants.min(self.before);
+        match self.hold_left(now) {
+            Some(left) if left > lead => 0.0,
+            Some(_) => full,
+            // The upstream said when to come back: the factor recovers within
+            // a few successes, faster than a lease comes back.
+            None if self.held => full,
+            None => full * self.factor,
         }
     }
 }
@@ -56,7 +103,10 @@ impl KeyState {
 pub struct KeyPushback {
     pub id: String,
     pub factor: f64,
+    /// Seconds left of the upstream's `Retry-After`.
     pub hold_s: f64,
+    /// The capacity the key had when the pushback began, which it recovers to.
+    pub before: f64,
 }
 
 /// Pushback state of every key; shared by the request path and the lease client.
@@ -95,37 +145,48 @@ impl Pushback {
             && self.active.load(std::sync::atomic::Ordering::Relaxed) == 0
     }
 
-    /// What share of its capacity `id` may use at `now` (1 when not pushed back).
-    pub fn factor(&self, id: &str, now: Time) -> f64 {
-        self.keys.lock().expect("pushback lock").get(id).map_or(1.0, |k| k.share(now))
+    /// How long the upstream of `id` still holds it (its `Retry-After`), if it does.
+    pub fn hold_left(&self, id: &str, now: Time) -> Option<Duration> {
+        if self.active.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+            return None;
+        }
+        self.keys.lock().expect("pushback lock").get(id).and_then(|k| k.hold_left(now))
     }
 
-    /// The capacity last granted to `id` while it is pushed back.
-    pub fn base(&self, id: &str) -> Option<f64> {
-        self.keys.lock().expect("pushback lock").get(id).and_then(|k| k.base)
+    /// What `id` should lease while pushed back, when it would otherwise want
+    /// `wants`, and whether that differs enough from its lease to refresh
+    /// early. None when `id` is not pushed back. `lead`: see [`relet_lead`].
+    pub fn lease_wants(&self, id: &str, wants: f64, now: Time, lead: impl FnOnce() -> Duration) -> Option<(f64, bool)> {
+        if self.active.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let keys = self.keys.lock().expect("pushback lock");
+        let k = keys.get(id).filter(|k| !k.recovered(now))?;
+        let w = k.wants(wants, now, lead());
+        Some((w, w < k.granted * 0.5 || w > k.granted + 1e-9))
     }
 
     /// Records the capacity granted to `id` and returns what it may use now.
-    pub fn effective(&self, id: &str, base: f64, now: Time) -> f64 {
+    pub fn effective(&self, id: &str, granted: f64, now: Time) -> f64 {
         use std::sync::atomic::Ordering;
         let mut keys = self.keys.lock().expect("pushback lock");
         match keys.get_mut(id) {
-            None => base,
+            None => granted,
             Some(k) if k.recovered(now) => {
                 keys.remove(id);
                 self.active.store(keys.len(), Ordering::Relaxed);
                 self.factor_gauge.with_label_values(&[id]).set(1.0);
-                base
+                granted
             }
             Some(k) => {
-                k.base = Some(base);
-                base * k.share(now)
+                k.granted = granted;
+                k.capacity(now)
             }
         }
     }
 
-    /// Takes one upstream answer for the keys of a route. Returns the keys
-    /// whose effective capacity changed, with the new value.
+    /// Takes one upstream answer for the keys of a route, with the capacity
+    /// each enforces now. Returns the keys whose capacity changed, with the new value.
     pub fn on_response(
         &self,
         ids: &[(String, f64)],
@@ -146,20 +207,26 @@ impl Pushback {
         let mut changed = Vec::new();
         for (id, current) in ids {
             if pushed {
-                let k = keys.entry(id.clone()).or_insert_with(|| KeyState { factor: 1.0, ..Default::default() });
-                k.base.get_or_insert(*current);
+                let k = keys.entry(id.clone()).or_insert_with(|| KeyState {
+                    factor: 1.0,
+                    successes: 0,
+                    hold_until: None,
+                    before: *current,
+                    granted: *current,
+                    held: false,
+                    last_pushback: now,
+                });
                 k.last_pushback = now;
                 k.factor = (k.factor * cfg.multiplier).max(MIN_FACTOR);
                 k.successes = 0;
+                k.held = retry_after.is_some();
                 if let Some(d) = retry_after {
                     let until = now.saturating_add(d);
                     k.hold_until = Some(k.hold_until.map_or(until, |t| t.max(until)));
                 }
                 self.events.with_label_values(&[id]).inc();
                 self.factor_gauge.with_label_values(&[id]).set(k.factor);
-                let eff =
-                    if k.hold_until.is_some_and(|t| t > now) { 0.0 } else { k.base.unwrap_or(*current) * k.factor };
-                changed.push((id.clone(), eff));
+                changed.push((id.clone(), k.capacity(now)));
             } else if status.is_success() {
                 let Some(k) = keys.get_mut(id) else { continue };
                 k.successes += 1;
@@ -170,12 +237,12 @@ impl Pushback {
                 let step = cfg.recover_step * rand::rng().random_range(0.9..=1.1);
                 k.factor = (k.factor * step).min(1.0);
                 self.factor_gauge.with_label_values(&[id]).set(k.factor);
-                let base = k.base.unwrap_or(*current);
                 if k.factor >= 1.0 {
+                    let granted = k.granted;
                     keys.remove(id);
-                    changed.push((id.clone(), base));
+                    changed.push((id.clone(), granted));
                 } else {
-                    changed.push((id.clone(), base * k.factor));
+                    changed.push((id.clone(), k.capacity(now)));
                 }
             }
         }
@@ -192,7 +259,8 @@ impl Pushback {
             .map(|(id, k)| KeyPushback {
                 id: id.clone(),
                 factor: k.factor,
-                hold_s: k.hold_until.map_or(0.0, |t| t.since(now).as_secs_f64()),
+                hold_s: k.hold_left(now).map_or(0.0, |d| d.as_secs_f64()),
+                before: k.before,
             })
             .collect();
         v.sort_by(|a, b| a.id.cmp(&b.id));
@@ -212,55 +280,4 @@ pub fn retry_after_value(v: &[u8]) -> Option<Duration> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backs_off_holds_and_recovers() {
-        let p = Pushback::new(&prometheus::Registry::new());
-        let cfg = PushbackConfig { enabled: true, multiplier: 0.5, recover_after: 2, recover_step: 2.0 };
-        let t0 = Time::from_secs(100);
-        let ids = vec![("k".to_string(), 40.0)];
-        assert_eq!(p.effective("k", 40.0, t0), 40.0, "no pushback: the full lease");
-        let ch = p.on_response(&ids, StatusCode::TOO_MANY_REQUESTS, Some(Duration::from_secs(2)), t0, &cfg);
-        assert_eq!(ch, vec![("k".to_string(), 0.0)], "held until Retry-After");
-        assert_eq!(p.factor("k", t0.saturating_add(Duration::from_secs(1))), 0.0);
-        assert_eq!(p.factor("k", t0.saturating_add(Duration::from_secs(2))), 0.5);
-        let t3 = t0.saturating_add(Duration::from_secs(3));
-        assert_eq!(p.effective("k", 40.0, t3), 20.0);
-        p.on_response(&ids, StatusCode::SERVICE_UNAVAILABLE, None, t3, &cfg);
-        assert_eq!(p.effective("k", 40.0, t3), 10.0);
-        assert!(p.on_response(&ids, StatusCode::OK, None, t3, &cfg).is_empty(), "one success is not enough");
-        let ch = p.on_response(&ids, StatusCode::OK, None, t3, &cfg);
-        assert!(ch[0].1 > 10.0 && ch[0].1 < 40.0, "{ch:?}");
-        for _ in 0..20 {
-            p.on_response(&ids, StatusCode::OK, None, t3, &cfg);
-        }
-        assert_eq!(p.effective("k", 40.0, t3), 40.0, "fully recovered");
-        assert!(p.status(t3).is_empty());
-        let off = PushbackConfig { enabled: false, ..cfg };
-        assert!(p.on_response(&ids, StatusCode::TOO_MANY_REQUESTS, None, t3, &off).is_empty());
-    }
-
-    #[test]
-    fn a_quiet_key_recovers_without_traffic() {
-        let p = Pushback::new(&prometheus::Registry::new());
-        let cfg = PushbackConfig::default();
-        let t0 = Time::from_secs(100);
-        p.on_response(&[("k".to_string(), 40.0)], StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg);
-        assert_eq!(p.effective("k", 40.0, t0.saturating_add(Duration::from_secs(1))), 20.0);
-        let later = t0.saturating_add(QUIET_RECOVERY);
-        assert_eq!(p.factor("k", later), 1.0);
-        assert_eq!(p.effective("k", 40.0, later), 40.0);
-        assert!(p.status(later).is_empty(), "the key is forgotten once recovered");
-    }
-
-    #[test]
-    fn retry_after_seconds() {
-        let mut h = http::HeaderMap::new();
-        h.insert(http::header::RETRY_AFTER, "2".parse().unwrap());
-        assert_eq!(retry_after(&h), Some(Duration::from_secs(2)));
-        h.insert(http::header::RETRY_AFTER, "Wed, 21 Oct 2015 07:28:00 GMT".parse().unwrap());
-        assert_eq!(retry_after(&h), None);
-    }
-}
+mod tests;

@@ -1,5 +1,6 @@
 //! The one place errors become responses: a refusal becomes a 429 with
-//! `Retry-After` and `RateLimit-Policy`/`RateLimit` headers
+//! `Retry-After` (while the upstream's own `Retry-After` holds the key, the
+//! rest of that hold) and `RateLimit-Policy`/`RateLimit` headers
 //! (draft-ietf-httpapi-ratelimit-headers-10), no route a 403, an upstream
 //! failure a 502 or 504; all as `application/problem+json`, or as a
 //! `grpc-status` for gRPC requests.
@@ -159,9 +160,24 @@ pub fn ratelimit_fields(r: &Refused) -> (String, String) {
 }
 
 pub fn refused(r: &Refused, grpc: bool) -> Response<ProxyBody> {
+    refusal(r, None, grpc)
+}
+
+/// A refusal while the upstream's `Retry-After` holds a key of the request
+/// for `hold` more: it says to come back when the hold ends, not sooner.
+pub fn refused_held(r: &Refused, hold: Duration, grpc: bool) -> Response<ProxyBody> {
+    let r = Refused { retry_after: r.retry_after.max(hold), ..r.clone() };
+    refusal(&r, Some(hold), grpc)
+}
+
+fn refusal(r: &Refused, hold: Option<Duration>, grpc: bool) -> Response<ProxyBody> {
     let retry = ceil_secs(r.retry_after);
     let (policy, state) = ratelimit_fields(r);
     let detail = match r.reason {
+        _ if hold.is_some() => format!(
+            "resource `{}` (id `{}`) is held: its upstream asked to wait (Retry-After); retry in {retry} s",
+            r.resource, r.id
+        ),
         Reason::Exhausted => format!(
             "resource `{}` (id `{}`) has no capacity within max_wait {}; waited {}; retry in {retry} s",
             r.resource,
@@ -182,7 +198,7 @@ pub fn refused(r: &Refused, grpc: bool) -> Response<ProxyBody> {
     let mut resp = if grpc {
         grpc_status(8, &detail)
     } else {
-        let body = json!({
+        let mut body = json!({
             "type": "urn:usher:problem:rate-limited",
             "title": "Too Many Requests",
             "status": 429,
@@ -194,6 +210,9 @@ pub fn refused(r: &Refused, grpc: bool) -> Response<ProxyBody> {
             "max_wait_ms": r.max_wait.as_millis() as u64,
             "retry_after_s": retry,
         });
+        if let Some(h) = hold {
+            body["upstream_hold_ms"] = json!(h.as_millis() as u64);
+        }
         problem(StatusCode::TOO_MANY_REQUESTS, &body)
     };
     let h = resp.headers_mut();
@@ -290,6 +309,15 @@ mod tests {
             let resp = refused(&refusal(Kind::Rate, 5.0, 1, ms), false);
             assert_eq!(resp.headers()[header::RETRY_AFTER], want, "{ms} ms");
         }
+    }
+
+    #[test]
+    fn a_refusal_during_an_upstream_hold_says_when_the_hold_ends() {
+        let resp = refused_held(&refusal(Kind::Rate, 0.0, 1, 1000), Duration::from_millis(4200), false);
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "5");
+        assert_eq!(resp.headers()["ratelimit"], "\"api-core\";r=0;t=5");
+        let resp = refused_held(&refusal(Kind::Rate, 0.0, 1, 1000), Duration::from_millis(300), false);
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "1", "never 0");
     }
 
     #[test]

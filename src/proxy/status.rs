@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use super::Proxy;
 use crate::admin::{self, Handler, escape};
+use crate::lease::core::{Capacity, Source};
 use crate::limit::{DemandSample, Kind};
 
 #[derive(Serialize)]
@@ -89,6 +90,14 @@ pub fn handler(proxy: Arc<Proxy>) -> Handler {
     })
 }
 
+fn source_name(s: Source) -> &'static str {
+    match s {
+        Source::Lease => "lease",
+        Source::Cache => "cached lease",
+        Source::OnExpiry => "on_expiry",
+    }
+}
+
 fn status_html(s: &Status) -> String {
     let mut b = String::new();
     let _ = write!(
@@ -128,7 +137,7 @@ fn status_html(s: &Status) -> String {
         let _ = write!(
             b,
             "<h2>Leases</h2><p>Client <code>{}</code>, master {}, {} refreshes{}</p>\
-             <table id=leases><tr><th>resource id</th><th>mode</th><th>has</th><th>wants</th><th>expiry</th><th>safe</th><th>on expiry</th><th>error</th></tr>",
+             <table id=leases><tr><th>resource id</th><th>mode</th><th>has</th><th>enforcing</th><th>wants</th><th>expiry</th><th>safe</th><th>on expiry</th><th>error</th></tr>",
             escape(&l.client_id),
             escape(l.master.as_deref().unwrap_or("unknown")),
             l.refreshes,
@@ -140,10 +149,14 @@ fn status_html(s: &Status) -> String {
         for k in &l.keys {
             let _ = write!(
                 b,
-                "<tr><td>{}</td><td>{:?}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                "<tr><td>{}</td><td>{:?}</td><td>{}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                 escape(&k.resource_id),
                 k.mode,
                 k.has.map(|h| format!("{h:.3}")).unwrap_or_else(|| "-".into()),
+                match (k.capacity, k.source) {
+                    (Capacity::Limited(c), s) => format!("{c:.3} ({})", source_name(s)),
+                    (Capacity::Unlimited, s) => format!("unlimited ({})", source_name(s)),
+                },
                 k.wants,
                 k.expiry.map(|e| format!("in {}s", e - s.now_s)).unwrap_or_else(|| "-".into()),
                 k.safe_capacity.map(|s| format!("{s}")).unwrap_or_else(|| "-".into()),

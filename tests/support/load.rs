@@ -1,5 +1,6 @@
 //! Open-loop load for integration tests: a fixed request rate over a few
-//! HTTP/1.1 connections, counting 200s, 429s and anything else.
+//! HTTP/1.1 connections, counting 200s, 429s and anything else, or keeping
+//! every answer with its times and `Retry-After` ([`drive_recorded`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -67,8 +68,40 @@ pub async fn drive(addr: std::net::SocketAddr, rate: f64, dur: Duration, tally: 
 /// (refused or broken connection) counts in `errors` and its connection is
 /// replaced, so the offered rate holds through the whole run.
 pub async fn drive_strict(addr: std::net::SocketAddr, rate: f64, dur: Duration, tally: Arc<Tally>) {
+    strict(addr, rate, dur, tally, None).await
+}
+
+/// Like [`drive_strict`] (so the offered rate holds through a sidecar
+/// restart on the same address), also keeping every answer.
+pub async fn drive_recorded(
+    addr: std::net::SocketAddr,
+    rate: f64,
+    dur: Duration,
+    tally: Arc<Tally>,
+    answers: Arc<std::sync::Mutex<Vec<Answer>>>,
+) {
+    strict(addr, rate, dur, tally, Some(answers)).await
+}
+
+/// One answer of a [`drive_recorded`] load.
+#[derive(Debug, Clone, Copy)]
+pub struct Answer {
+    pub sent: Instant,
+    pub answered: Instant,
+    pub status: u16,
+    /// `Retry-After` in seconds, when the answer has one.
+    pub retry_after: Option<u64>,
+}
+
+async fn strict(
+    addr: std::net::SocketAddr,
+    rate: f64,
+    dur: Duration,
+    tally: Arc<Tally>,
+    answers: Option<Arc<std::sync::Mutex<Vec<Answer>>>>,
+) {
     spread(rate, dur, move |mut ticks| {
-        let tally = tally.clone();
+        let (tally, answers) = (tally.clone(), answers.clone());
         async move {
             let mut conn: Option<super::upstream::H1> = None;
             while ticks.next().await {
@@ -87,10 +120,12 @@ pub async fn drive_strict(addr: std::net::SocketAddr, rate: f64, dur: Duration, 
                         }
                     },
                 };
-                let sent = tokio::time::timeout(Duration::from_secs(30), c.send_request(get("app.local", "/x"))).await;
-                match sent {
+                let sent = Instant::now();
+                match tokio::time::timeout(Duration::from_secs(30), c.send_request(get("app.local", "/x"))).await {
                     Ok(Ok(r)) => {
                         let status = r.status().as_u16();
+                        let retry_after =
+                            r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok());
                         if http_body_util::BodyExt::collect(r.into_body()).await.is_err() {
                             tally.errors.fetch_add(1, Ordering::Relaxed);
                             conn = None;
@@ -102,6 +137,10 @@ pub async fn drive_strict(addr: std::net::SocketAddr, rate: f64, dur: Duration, 
                             _ => &tally.other,
                         };
                         counter.fetch_add(1, Ordering::Relaxed);
+                        if let Some(a) = &answers {
+                            let answered = Instant::now();
+                            a.lock().unwrap().push(Answer { sent, answered, status, retry_after });
+                        }
                     }
                     _ => {
                         tally.errors.fetch_add(1, Ordering::Relaxed);

@@ -117,6 +117,18 @@ impl Usher {
         )
     }
 
+    /// `usher proxy --routes ROUTES` listening on the fixed `127.0.0.1:PORT` (so a
+    /// restarted sidecar takes over its predecessor's address), admin on 127.0.0.1:0.
+    pub fn proxy_at(routes: &Path, port: u16) -> Usher {
+        let routes = routes.to_str().expect("a UTF-8 path");
+        let listen = format!("127.0.0.1:{port}");
+        Usher::start(
+            &["proxy", "--routes", routes, "--listen", &listen, "--admin-listen", "127.0.0.1:0"],
+            &[],
+            "usher proxy listening",
+        )
+    }
+
     pub fn addr(&self, field: &str) -> SocketAddr {
         self.fields
             .get(field)

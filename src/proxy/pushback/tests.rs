@@ -1,0 +1,101 @@
+use super::*;
+
+fn at(t0: Time, ms: u64) -> Time {
+    t0.saturating_add(Duration::from_millis(ms))
+}
+
+#[test]
+fn backs_off_holds_and_recovers() {
+    let p = Pushback::new(&prometheus::Registry::new());
+    let cfg = PushbackConfig { enabled: true, multiplier: 0.5, recover_after: 2, recover_step: 2.0 };
+    let t0 = Time::from_secs(100);
+    let ids = vec![("k".to_string(), 40.0)];
+    assert_eq!(p.effective("k", 40.0, t0), 40.0, "no pushback: the full lease");
+    let ch = p.on_response(&ids, StatusCode::TOO_MANY_REQUESTS, Some(Duration::from_secs(2)), t0, &cfg);
+    assert_eq!(ch, vec![("k".to_string(), 0.0)], "held until Retry-After");
+    assert_eq!(p.hold_left("k", at(t0, 500)), Some(Duration::from_millis(1500)));
+    assert_eq!(p.effective("k", 40.0, at(t0, 1000)), 0.0);
+    assert_eq!(p.hold_left("k", at(t0, 2000)), None);
+    let t3 = at(t0, 3000);
+    assert_eq!(p.effective("k", 40.0, t3), 20.0, "its share of what it had");
+    assert_eq!(p.effective("k", 12.0, t3), 12.0, "never more than the lease grants");
+    assert_eq!(p.effective("k", 40.0, t3), 20.0);
+    p.on_response(&ids, StatusCode::SERVICE_UNAVAILABLE, None, t3, &cfg);
+    assert_eq!(p.effective("k", 40.0, t3), 10.0);
+    assert!(p.on_response(&ids, StatusCode::OK, None, t3, &cfg).is_empty(), "one success is not enough");
+    let ch = p.on_response(&ids, StatusCode::OK, None, t3, &cfg);
+    assert!(ch[0].1 > 10.0 && ch[0].1 < 40.0, "{ch:?}");
+    for _ in 0..20 {
+        p.on_response(&ids, StatusCode::OK, None, t3, &cfg);
+    }
+    assert_eq!(p.effective("k", 40.0, t3), 40.0, "fully recovered");
+    assert!(p.status(t3).is_empty());
+    let off = PushbackConfig { enabled: false, ..cfg };
+    assert!(p.on_response(&ids, StatusCode::TOO_MANY_REQUESTS, None, t3, &off).is_empty());
+}
+
+#[test]
+fn a_hold_gives_the_lease_back_and_asks_for_it_again_before_it_ends() {
+    let p = Pushback::new(&prometheus::Registry::new());
+    let cfg = PushbackConfig::default();
+    let t0 = Time::from_secs(100);
+    let lead = Duration::from_secs(1);
+    assert_eq!(p.lease_wants("k", 55.0, t0, || lead), None, "not pushed back");
+    p.on_response(&[("k".to_string(), 40.0)], StatusCode::TOO_MANY_REQUESTS, Some(Duration::from_secs(5)), t0, &cfg);
+    assert_eq!(p.lease_wants("k", 55.0, at(t0, 100), || lead), Some((0.0, true)), "gives its lease back, early");
+    // The lease client applies the 0 it asked for: that is not what it recovers to.
+    assert_eq!(p.effective("k", 0.0, at(t0, 600)), 0.0);
+    assert_eq!(p.lease_wants("k", 55.0, at(t0, 3900), || lead), Some((0.0, false)));
+    assert_eq!(p.lease_wants("k", 55.0, at(t0, 4100), || lead), Some((40.0, true)), "asks for what it had, in time");
+    assert_eq!(p.lease_wants("k", 30.0, at(t0, 4100), || lead), Some((30.0, true)), "never more than it wants");
+    assert_eq!(p.effective("k", 40.0, at(t0, 4500)), 0.0, "still held");
+    assert_eq!(p.effective("k", 40.0, at(t0, 5000)), 20.0, "after the hold: its share of the 40 it had");
+    assert_eq!(
+        p.lease_wants("k", 55.0, at(t0, 5000), || lead),
+        Some((40.0, false)),
+        "keeps the lease it recovers into"
+    );
+    assert_eq!(p.status(at(t0, 5000))[0].before, 40.0);
+    // A pushback without Retry-After: it asks only for its share.
+    p.on_response(&[("k".to_string(), 20.0)], StatusCode::SERVICE_UNAVAILABLE, None, at(t0, 5100), &cfg);
+    assert_eq!(p.lease_wants("k", 55.0, at(t0, 5200), || lead), Some((10.0, true)));
+    assert_eq!(p.effective("k", 10.0, at(t0, 5300)), 10.0);
+    assert_eq!(p.lease_wants("k", 55.0, at(t0, 5400), || lead), Some((10.0, false)));
+    // Quiet for long enough: recovered, the lease client's own wants again.
+    assert_eq!(p.lease_wants("k", 55.0, at(t0, 5100).saturating_add(QUIET_RECOVERY), || lead), None);
+}
+
+#[test]
+fn a_hold_shorter_than_a_relet_keeps_the_lease() {
+    let p = Pushback::new(&prometheus::Registry::new());
+    let t0 = Time::from_secs(100);
+    let ids = [("k".to_string(), 40.0)];
+    p.on_response(&ids, StatusCode::TOO_MANY_REQUESTS, Some(Duration::from_secs(2)), t0, &PushbackConfig::default());
+    let lead = relet_lead(Duration::from_secs(2), Duration::from_millis(500), 1.0 / 6.0);
+    assert_eq!(lead.as_millis(), 3333);
+    assert_eq!(p.lease_wants("k", 55.0, t0, || lead), Some((40.0, false)));
+    assert_eq!(p.effective("k", 40.0, at(t0, 1999)), 0.0);
+    assert_eq!(p.effective("k", 40.0, at(t0, 2000)), 20.0, "probes at once when the hold ends");
+}
+
+#[test]
+fn a_quiet_key_recovers_without_traffic() {
+    let p = Pushback::new(&prometheus::Registry::new());
+    let cfg = PushbackConfig::default();
+    let t0 = Time::from_secs(100);
+    p.on_response(&[("k".to_string(), 40.0)], StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg);
+    assert_eq!(p.effective("k", 40.0, t0.saturating_add(Duration::from_secs(1))), 20.0);
+    let later = t0.saturating_add(QUIET_RECOVERY);
+    assert_eq!(p.effective("k", 40.0, later), 40.0);
+    assert!(p.status(later).is_empty(), "the key is forgotten once recovered");
+    assert_eq!(p.hold_left("k", later), None);
+}
+
+#[test]
+fn retry_after_seconds() {
+    let mut h = http::HeaderMap::new();
+    h.insert(http::header::RETRY_AFTER, "2".parse().unwrap());
+    assert_eq!(retry_after(&h), Some(Duration::from_secs(2)));
+    h.insert(http::header::RETRY_AFTER, "Wed, 21 Oct 2015 07:28:00 GMT".parse().unwrap());
+    assert_eq!(retry_after(&h), None);
+}
