@@ -57,10 +57,16 @@ async fn three_servers_elect_one_master_and_fail_over() {
     );
     let master = members.iter().position(|(u, _)| u.is_master()).unwrap();
 
-    // Any member answers Discovery with the master; a follower redirects capacity requests.
+    // Any member answers Discovery with the master (once it has read the
+    // election key: followers poll it); a follower redirects capacity requests.
     let follower = (master + 1) % 3;
     let mut c = CapacityClient::connect(format!("http://{}", addrs[follower])).await.unwrap();
-    let d = c.discovery(proto::DiscoveryRequest {}).await.unwrap().into_inner();
+    let mut d = c.discovery(proto::DiscoveryRequest {}).await.unwrap().into_inner();
+    let until = Instant::now() + Duration::from_secs(5);
+    while d.mastership.master_address.is_none() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        d = c.discovery(proto::DiscoveryRequest {}).await.unwrap().into_inner();
+    }
     assert!(!d.is_master);
     assert_eq!(d.mastership.master_address.as_deref(), Some(addrs[master].as_str()));
     let r = c

@@ -4,9 +4,7 @@
 //! A resource is created from the first matching template the first time it
 //! is asked for. Expired leases are dropped on every access and by a periodic
 //! [`Store::sweep`], so status and metrics never count one; what a dropped
-//! lease leaves behind is a *reservation* (see [`Reservation`]), and a lease
-//! that stops being renewed is counted as that much shortly before it lapses
-//! (its *cover*, see [`cover_at`]).
+//! lease leaves behind is a *reservation* (see [`Reservation`]).
 //!
 //! Lower usher servers carry their node's identity and epoch in their server
 //! id (`<node>#<epoch>`, see [`split_identity`]): the store keys them by node,
@@ -193,18 +191,13 @@ struct ClientLease {
     predecessor_subclients: Option<u64>,
     /// The safe capacity per subclient the last answer carried (< 0: unlimited).
     safe: f64,
-    /// When this lease's safe cover starts counting, if it needs one (see
-    /// [`cover_at`]).
-    cover_at: Option<Time>,
-    /// What its cover adds to its `has` now (counted in [`Resource::covered`]).
-    covered: f64,
 }
 
 /// What a lease leaves behind when it expires unrenewed: its client now runs
-/// on its safe capacity (or is gone), so that much stays counted as handed
-/// out for a grace period of one lease length. Nobody else can be given the
-/// capacity a client cut off from the tree falls back to (see also
-/// [`cover_at`], which counts it before the lapse).
+/// on its safe capacity (or is gone), which is never more than its last lease
+/// (see [`safe_for`]), so that much stays counted as handed out for a grace
+/// period of one lease length. Nobody else can be given the capacity a client
+/// cut off from the tree falls back to.
 #[derive(Debug, Clone, PartialEq)]
 struct Reservation {
     amount: f64,
@@ -225,12 +218,6 @@ struct Resource {
     free_slots: Vec<ClientSlot>,
     index: DemandIndex,
     expiries: BTreeSet<(Time, ClientSlot)>,
-    /// When each lease that has not been renewed starts counting as its safe
-    /// cover (see [`cover_at`]).
-    covers: BTreeSet<(Time, ClientSlot)>,
-    /// What the covers of leases about to lapse add to their `has`: like
-    /// `reserved`, nobody's to share.
-    covered: f64,
     reservations: HashMap<Arc<str>, Reservation>,
     reserved: f64,
     /// Learning mode ended early: every expected client has reported, or
@@ -266,8 +253,7 @@ pub struct ResourceStatus {
     /// Of `clients`, how many are lower servers speaking for their own clients.
     pub server_clients: usize,
     pub subclients: u64,
-    /// Capacity kept for clients whose leases lapsed (they run on their safe
-    /// capacity), or that stopped renewing leases about to lapse.
+    /// Capacity kept for clients whose leases lapsed (they run on their safe capacity).
     pub reserved: f64,
     pub learning_mode: bool,
     /// Seconds left in learning mode.
@@ -382,7 +368,7 @@ impl Store {
                     wants: r.index.total_wants(),
                     bands,
                     // Clients running on their safe capacity use it as surely as a lease.
-                    handed_out: r.clients.values().map(|l| l.granted).sum::<f64>() + r.reserved + r.covered,
+                    handed_out: r.clients.values().map(|l| l.granted).sum::<f64>() + r.reserved,
                 })
             })
             .collect();
@@ -501,7 +487,7 @@ impl Store {
                         .filter(|l| matches!(l.requester, Requester::Server { .. }))
                         .count(),
                     subclients: r.index.total_subclients(),
-                    reserved: r.reserved + r.covered,
+                    reserved: r.reserved,
                     learning_mode: until.is_some(),
                     learning_left_s: until.map_or(0.0, |u| u.since(now).as_secs_f64()),
                     parent_capacity: r.parent.as_ref().map(|p| p.capacity),
@@ -561,8 +547,6 @@ impl Resource {
             free_slots: Vec::new(),
             index: DemandIndex::new(),
             expiries: BTreeSet::new(),
-            covers: BTreeSet::new(),
-            covered: 0.0,
             reservations: HashMap::new(),
             reserved: 0.0,
             learned: false,
@@ -572,30 +556,14 @@ impl Resource {
     }
 
     fn expire(&mut self, now: Time) {
-        while let Some(&(at, slot)) = self.covers.first() {
-            if at > now {
-                break;
-            }
-            self.covers.remove(&(at, slot));
-            let owner = self.slot_owner[slot as usize].clone().expect("covered slot has an owner");
-            let l = self.clients.get_mut(&*owner).expect("covered slot has a lease");
-            l.cover_at = None;
-            l.covered = (l.safe * l.subclients as f64 - l.has).max(0.0);
-            self.covered += l.covered;
-        }
         while let Some(&(expiry, slot)) = self.expiries.first() {
             if expiry > now {
                 break;
             }
             let owner = self.slot_owner[slot as usize].clone().expect("expiring slot has an owner");
             let l = self.clients.get(&*owner).expect("expiring slot has a lease");
-            // Every lease this client handed down expired with this one (none
-            // outlives it), so its subtree now runs on exactly its safe
-            // capacity, whatever its last lease was; only leases a
-            // predecessor handed out may still run (the floor). An unlimited
-            // safe capacity cannot be covered: keep the last lease.
-            let floor = l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0);
-            let amount = if l.safe < 0.0 { l.has.max(floor) } else { (l.safe * l.subclients as f64).max(floor) };
+            let keep = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
+            let amount = if l.safe < 0.0 { keep } else { keep.min(l.safe * l.subclients as f64) };
             let until = expiry.saturating_add(self.algorithm().lease_length);
             let epoch = l.epoch;
             self.remove(&owner);
@@ -690,10 +658,6 @@ impl Resource {
     fn remove(&mut self, client: &str) {
         if let Some(l) = self.clients.remove(client) {
             self.expiries.remove(&(l.expiry, l.slot));
-            if let Some(at) = l.cover_at {
-                self.covers.remove(&(at, l.slot));
-            }
-            self.covered = if self.clients.is_empty() { 0.0 } else { (self.covered - l.covered).max(0.0) };
             self.index.remove(l.slot);
             self.unfile_bands(l.slot, &l.bands);
             self.slot_owner[l.slot as usize] = None;
@@ -766,7 +730,7 @@ impl Resource {
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
-            safe_capacity: self.safe_capacity(capacity.unwrap_or(0.0)),
+            safe_capacity: safe_for(&l.requester, self.safe_capacity(capacity.unwrap_or(0.0)), l.granted),
             algorithm: alg,
             predecessor_subclients: l.predecessor_subclients,
         }
@@ -808,15 +772,15 @@ impl Resource {
                 floor: None,
                 predecessor_subclients: None,
                 safe,
-                cover_at: None,
-                covered: 0.0,
             },
         );
+        // It may run on what is still reserved for it here, and no more.
+        let held = self.reservations.get(client).map_or(0.0, |r| r.amount);
         Grant {
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
-            safe_capacity: safe,
+            safe_capacity: safe_for(&req.requester, safe, held),
             algorithm: alg,
             predecessor_subclients: None,
         }
@@ -915,23 +879,19 @@ impl Resource {
         }
         let slot = match self.clients.get(client) {
             Some(l) => {
-                // The client is back: its cover goes, and comes again only
-                // if it stops renewing this lease.
                 self.expiries.remove(&(l.expiry, l.slot));
-                if let Some(at) = l.cover_at {
-                    self.covers.remove(&(at, l.slot));
-                }
-                self.covered = (self.covered - l.covered).max(0.0);
                 l.slot
             }
             None => self.new_slot(client),
         };
         let previous = self.clients.get(client);
         let (old_has, old_bands) = previous.map_or((0.0, Vec::new()), |l| (l.has, l.bands.clone()));
+        // Kept for a lease length past its end: see `lapsed` below.
+        let lease_length = self.algorithm().lease_length;
         let floor = inherited
             .map(|(f, until, _)| (f, until))
             .or(previous.and_then(|l| l.floor))
-            .filter(|f| f.1 > now && f.0 > 0.0);
+            .filter(|f| f.1.saturating_add(lease_length) > now && f.0 > 0.0);
         let predecessor = match (epoch, learning) {
             (None, _) | (_, true) => None,
             (Some(_), false) => match (inherited, previous) {
@@ -950,9 +910,8 @@ impl Resource {
             _ if learning => self.learning_grant(req),
             None => 0.0,
             Some(cap) => {
-                // Capacity reserved for lapsed clients, or covering those
-                // about to lapse, is nobody's to share.
-                let cap = (cap - self.reserved - self.covered).max(0.0);
+                // Capacity reserved for lapsed clients is nobody's to share.
+                let cap = (cap - self.reserved).max(0.0);
                 let unused = cap - (self.index.total_has() - old_has);
                 held_back = unused < req.wants - 1e-9 && is_shared(alg.kind);
                 let r = algorithm::Request { wants: req.wants, subclients: req.subclients, has: old_has };
@@ -973,7 +932,23 @@ impl Resource {
             }
         };
         let has = match req.requester {
-            Requester::Server { .. } => granted.max(req.reported_has.unwrap_or(0.0)).max(floor.map_or(0.0, |f| f.0)),
+            Requester::Server { .. } => {
+                let reported = granted.max(req.reported_has.unwrap_or(0.0));
+                match floor {
+                    Some((f, until)) if until > now => reported.max(f),
+                    // The predecessor's leases have lapsed: those of its
+                    // subclients that have not come back to the new master
+                    // run on their safe capacity (never above their lease,
+                    // so within the floor) for up to a lease length.
+                    Some((f, _)) => {
+                        let missing = predecessor.unwrap_or(0).saturating_sub(req.subclients);
+                        let safe = self.configured_safe_capacity().unwrap_or(f);
+                        let lapsed = if safe < 0.0 { f } else { (safe * missing as f64).min(f) };
+                        reported + lapsed
+                    }
+                    None => reported,
+                }
+            }
             Requester::Client { .. } => granted,
         };
         let (mut expiry, mut refresh) = (now.saturating_add(alg.lease_length), alg.refresh_interval);
@@ -983,7 +958,6 @@ impl Resource {
             expiry = expiry.min(p.expiry);
             refresh = p.refresh_interval.mul_f64(decay_factor).max(Duration::from_secs(1));
         }
-        let standard = refresh;
         if learning {
             // Hand back what the client holds, for at least as long as it holds it.
             if matches!(role, Role::Intermediate { .. }) && parent.is_none() {
@@ -1011,11 +985,6 @@ impl Resource {
             refresh = refresh.min(FAST_REFRESH);
         }
         let safe = self.safe_capacity(capacity.unwrap_or(0.0));
-        let safe_per = self.configured_safe_capacity().unwrap_or(safe);
-        let cover_at = cover_at(now, expiry, refresh, standard, safe_per * req.subclients as f64, has, safe_per);
-        if let Some(at) = cover_at {
-            self.covers.insert((at, slot));
-        }
         let lease = ClientLease {
             slot,
             granted,
@@ -1030,9 +999,10 @@ impl Resource {
             epoch,
             floor,
             predecessor_subclients: predecessor,
-            safe: safe_per,
-            cover_at,
-            covered: 0.0,
+            safe: match self.configured_safe_capacity() {
+                Some(s) => s,
+                None => safe,
+            },
         };
         self.index.upsert(slot, req.wants, req.subclients, has);
         self.file_bands(slot, &bands, has);
@@ -1042,7 +1012,7 @@ impl Resource {
             capacity: granted,
             expiry,
             refresh_interval: refresh,
-            safe_capacity: safe,
+            safe_capacity: safe_for(&req.requester, safe, granted),
             algorithm: alg,
             predecessor_subclients: predecessor,
         }
@@ -1079,35 +1049,18 @@ impl Resource {
     }
 }
 
-/// When a lease that is not renewed starts counting as its safe cover
-/// (`None`: it needs none). A client whose lease lapses runs on its safe
-/// capacity, whatever its last lease was (and every lease a lower server
-/// handed down lapses with its own), so a subtree may use safe capacity ×
-/// subclients from its lapse on. Covering that only at the lapse is too late:
-/// what the lease left unused was handed to others, who keep it until they
-/// refresh. So a lease that has not been renewed when the rest of the tree
-/// needs time to give capacity back counts as its cover from then on: from
-/// `expiry` minus two of the refresh intervals handed out here (× 7/6 for
-/// jitter; lower levels refresh at least twice as often, so the whole
-/// subtree below a sibling answers within that) and [`RECONNECT_ALLOWANCE`],
-/// but never before the client has missed its own refresh. A client that
-/// refreshes on time never gets there, so this costs nothing in steady state.
-fn cover_at(
-    now: Time,
-    expiry: Time,
-    refresh: Duration,
-    standard: Duration,
-    cover: f64,
-    has: f64,
-    safe_per_subclient: f64,
-) -> Option<Time> {
-    if safe_per_subclient < 0.0 || cover <= has + 1e-9 {
-        return None;
+/// The safe capacity to tell a requester that holds `held`: an end client's
+/// is never more than what it holds. A client runs on its safe capacity once
+/// its lease lapses; capped so, it never uses more than is already counted for
+/// it (its lease, then its reservation), so no lapse, however it falls, can
+/// take capacity that was handed to someone else. A lower server gets the
+/// safe capacity per subclient, and caps its own clients the same way.
+/// Unlimited (< 0) stays unlimited: that cannot be covered.
+fn safe_for(requester: &Requester, safe: f64, held: f64) -> f64 {
+    match requester {
+        Requester::Client { .. } if safe >= 0.0 => safe.min(held.max(0.0)),
+        _ => safe,
     }
-    let lead = standard.mul_f64(7.0 / 3.0) + RECONNECT_ALLOWANCE;
-    let overdue = now.saturating_add(refresh.mul_f64(7.0 / 6.0) + RECONNECT_ALLOWANCE);
-    let at = expiry.saturating_sub(lead).max(overdue);
-    (at < expiry).then_some(at)
 }
 
 /// True for the kinds whose grants share one capacity.

@@ -415,13 +415,17 @@ impl Sim {
             }
         }
         for c in &mut self.clients {
+            // A client refuses what it wants beyond what it may use, and says
+            // so, as a sidecar does.
+            let now = self.clock.now();
+            let pressure = c.wants > client_has(c, now) + 1e-9;
             c.core.set_demand(vec![KeyDemand {
                 resource_id: RESOURCE.into(),
                 priority: 0,
                 wants: c.wants,
                 on_expiry: OnExpiry::Safe,
                 safe_capacity: Some(self.sc.safe_capacity),
-                pressure: false,
+                pressure,
             }]);
             for _ in 0..8 {
                 let now = self.clock.now();

@@ -86,8 +86,33 @@ fn too_early_request_gets_its_lease_back_and_records_wants() {
 #[test]
 fn dynamic_safe_capacity_counts_the_requester() {
     let (s, _clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
-    assert_eq!(s.get_capacity("a", &req("r", 10.0, None)).safe_capacity, 100.0);
-    assert_eq!(s.get_capacity("b", &req("r", 10.0, None)).safe_capacity, 50.0);
+    assert_eq!(s.get_capacity("a", &req("r", 100.0, None)).safe_capacity, 100.0);
+    // A lower server gets it per subclient, uncapped: it caps its own clients.
+    let server = LeaseRequest { requester: Requester::Server { bands: vec![] }, ..req("r", 10.0, None) };
+    let g = s.get_capacity("b", &server);
+    assert_eq!((g.capacity, g.safe_capacity), (0.0, 50.0));
+}
+
+#[test]
+fn an_end_clients_safe_capacity_never_exceeds_its_lease_so_its_lapse_is_covered() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let mut t = (*template(Kind::FairShare, 100.0, 10, 5, 0)).clone();
+    t.safe_capacity = Some(10.0);
+    let s = Store::new(clock, ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
+    let a = s.get_capacity("a", &req("r", 4.0, None));
+    assert_eq!((a.capacity, a.safe_capacity), (4.0, 4.0), "configured 10, but a holds 4");
+    let b = s.get_capacity("b", &req("r", 200.0, None));
+    assert_eq!((b.capacity, b.safe_capacity), (96.0, 10.0));
+    // a lapses and runs on its safe capacity (4): that stays reserved, so b's
+    // next grant and a fit within the capacity.
+    handle.advance(Duration::from_secs(10));
+    let b = s.get_capacity("b", &req("r", 200.0, None));
+    let st = s.status();
+    assert_eq!((b.capacity, st[0].reserved, st[0].clients), (96.0, 4.0, 1), "{st:?}");
+    assert!(b.capacity + a.safe_capacity <= 100.0);
+    // a comes back: its reservation goes, and it is served as before.
+    assert_eq!(s.get_capacity("a", &req("r", 4.0, None)).capacity, 4.0);
+    assert_eq!(s.status()[0].reserved, 0.0);
 }
 
 #[test]
@@ -99,62 +124,45 @@ fn sweep_drops_expired_leases_and_empty_resources() {
     assert_eq!(s.status().len(), 1);
     clock.advance(Duration::from_secs(1));
     s.sweep();
-    // The lapsed client runs on its safe capacity (dynamic: 100, whatever
-    // its last lease of 10), so that stays reserved for another lease length.
+    // The lapsed client runs on its safe capacity (dynamic: 100), so its
+    // last lease (10) stays reserved for another lease length.
     let st = s.status();
-    assert_eq!((st.len(), st[0].clients, st[0].reserved), (1, 0, 100.0), "{st:?}");
+    assert_eq!((st.len(), st[0].clients, st[0].reserved), (1, 0, 10.0), "{st:?}");
     clock.advance(Duration::from_secs(10));
     s.sweep();
     assert!(s.status().is_empty());
 }
 
+fn server_req(wants: f64, subclients: u64, has: Option<f64>) -> LeaseRequest {
+    LeaseRequest {
+        subclients,
+        requester: Requester::Server { bands: vec![Band { priority: 0, num_clients: subclients as i64, wants }] },
+        ..req("r", wants, has)
+    }
+}
+
 #[test]
-fn a_lease_that_stops_being_renewed_is_covered_by_its_safe_capacity_before_it_lapses() {
+fn a_new_masters_missing_subclients_stay_counted_after_the_predecessors_leases_lapse() {
     let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
     let mut t = (*template(Kind::FairShare, 100.0, 10, 5, 0)).clone();
     t.safe_capacity = Some(10.0);
     let s = Store::new(clock, ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
-    let sec = Duration::from_secs(1);
-    let mut a = s.get_capacity("a", &req("r", 4.0, None));
-    let mut a_at = handle.now();
-    assert_eq!(a.capacity, 4.0);
-    assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 96.0);
-    // Renewed when its refresh interval says, a's lease never needs a
-    // cover: b keeps the rest.
-    for _ in 0..20 {
-        handle.advance(sec);
-        assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 96.0);
-        if handle.now().since(a_at) >= a.refresh_interval {
-            (a, a_at) = (s.get_capacity("a", &req("r", 4.0, None)), handle.now());
-            assert_eq!(a.capacity, 4.0);
-        }
-        assert_eq!(s.status()[0].reserved, 0.0);
-    }
-    assert_eq!(a.refresh_interval, Duration::from_secs(5), "past the resource's first interval");
-    while handle.now().since(a_at) < a.refresh_interval {
-        handle.advance(sec);
-    }
-    a = s.get_capacity("a", &req("r", 4.0, None));
-    assert_eq!(a.capacity, 4.0);
-    // a stops renewing. Once it has missed its refresh (5 s × 7/6 + 3 s) it
-    // counts as its safe capacity (10, not its lease of 4): b's next grant
-    // leaves that room, before a lapses and runs on it.
-    for _ in 0..8 {
-        handle.advance(sec);
-        assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 96.0);
-    }
-    handle.advance(sec);
-    assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 90.0);
-    assert_eq!(s.status()[0].reserved, 6.0, "the cover adds safe capacity - lease");
-    assert_eq!(s.status()[0].sum_has, 94.0, "what leases hold is unchanged");
-    // a lapses: its safe capacity stays reserved, so a (10) and b (90) fit.
-    handle.advance(sec);
-    assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 90.0);
-    let st = s.status();
-    assert_eq!((st[0].clients, st[0].reserved, st[0].sum_has), (1, 10.0, 90.0), "{st:?}");
-    // a comes back: its reservation goes, and it is served as before.
-    assert_eq!(s.get_capacity("a", &req("r", 4.0, None)).capacity, 4.0);
-    assert_eq!(s.status()[0].reserved, 0.0);
+    // Node n's master speaks for 5 clients holding 50.
+    assert_eq!(s.get_capacity("n#1", &server_req(50.0, 5, None)).capacity, 50.0);
+    // A new master hears from 3 of them (20): the predecessor's 50 stays
+    // counted until its lease would have expired.
+    handle.advance(Duration::from_secs(2));
+    s.get_capacity("n#2", &server_req(20.0, 3, Some(20.0)));
+    assert_eq!(s.get_capacity("c", &req("r", 100.0, None)).capacity, 50.0);
+    // Then the 2 missing clients' leases lapse: they run on their safe
+    // capacity (10 each, never above their leases), so 20 + 20 stays counted.
+    handle.advance(Duration::from_secs(9));
+    s.get_capacity("n#2", &server_req(20.0, 3, Some(20.0)));
+    assert_eq!(s.status()[0].sum_has, 40.0 + 50.0);
+    assert_eq!(s.get_capacity("c", &req("r", 100.0, None)).capacity, 60.0);
+    // Once they are back (5 subclients), only what the master reports counts.
+    s.get_capacity("n#2", &server_req(40.0, 5, Some(40.0)));
+    assert_eq!(s.status()[0].sum_has, 40.0 + 60.0);
 }
 
 #[test]
