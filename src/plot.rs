@@ -144,6 +144,34 @@ pub fn line_chart(path: &std::path::Path, title: &str, series: &[Series]) -> std
 
 /// Writes a line chart of `series` to `path`, with `x_label` under the x axis.
 pub fn line_chart_with_x(path: &std::path::Path, title: &str, x_label: &str, series: &[Series]) -> std::io::Result<()> {
+    write_png(path, &draw(title, x_label, series).px, W, H)
+}
+
+/// One chart of a [`grid`].
+pub struct Panel {
+    pub title: String,
+    pub x_label: String,
+    pub series: Vec<Series>,
+}
+
+/// Writes `panels` as one PNG of charts, `columns` to a row (a dashboard picture).
+pub fn grid(path: &std::path::Path, panels: &[Panel], columns: usize) -> std::io::Result<()> {
+    let columns = columns.max(1);
+    let rows = panels.len().div_ceil(columns).max(1);
+    let (gw, gh) = (W * columns, H * rows);
+    let mut px = vec![255; gw * gh * 3];
+    for (i, p) in panels.iter().enumerate() {
+        let c = draw(&p.title, &p.x_label, &p.series);
+        let (ox, oy) = ((i % columns) * W, (i / columns) * H);
+        for y in 0..H {
+            let dst = ((oy + y) * gw + ox) * 3;
+            px[dst..dst + W * 3].copy_from_slice(&c.px[y * W * 3..(y + 1) * W * 3]);
+        }
+    }
+    write_png(path, &px, gw, gh)
+}
+
+fn draw(title: &str, x_label: &str, series: &[Series]) -> Canvas {
     let mut c = Canvas::new();
     let pts = series.iter().flat_map(|s| s.points.iter());
     let x_max = pts.clone().map(|p| p.0).fold(1.0, f64::max);
@@ -181,7 +209,7 @@ pub fn line_chart_with_x(path: &std::path::Path, title: &str, x_label: &str, ser
         c.text(lx + 20, 31, &s.name.to_lowercase(), black);
         lx += 40 + 8 * s.name.len() as i64;
     }
-    write_png(path, &c.px)
+    c
 }
 
 fn crc32(data: &[u8], mut crc: u32) -> u32 {
@@ -203,9 +231,9 @@ fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
     out.extend_from_slice(&crc.to_be_bytes());
 }
 
-fn write_png(path: &std::path::Path, rgb: &[u8]) -> std::io::Result<()> {
-    let mut raw = Vec::with_capacity((W * 3 + 1) * H);
-    for row in rgb.chunks(W * 3) {
+fn write_png(path: &std::path::Path, rgb: &[u8], w: usize, h: usize) -> std::io::Result<()> {
+    let mut raw = Vec::with_capacity((w * 3 + 1) * h);
+    for row in rgb.chunks(w * 3) {
         raw.push(0); // filter: none
         raw.extend_from_slice(row);
     }
@@ -226,8 +254,8 @@ fn write_png(path: &std::path::Path, rgb: &[u8]) -> std::io::Result<()> {
     z.extend_from_slice(&((b << 16) | a).to_be_bytes());
     let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
     let mut ihdr = Vec::new();
-    ihdr.extend_from_slice(&(W as u32).to_be_bytes());
-    ihdr.extend_from_slice(&(H as u32).to_be_bytes());
+    ihdr.extend_from_slice(&(w as u32).to_be_bytes());
+    ihdr.extend_from_slice(&(h as u32).to_be_bytes());
     ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
     chunk(&mut png, b"IHDR", &ihdr);
     chunk(&mut png, b"IDAT", &z);
@@ -256,5 +284,20 @@ mod tests {
         assert_eq!(&bytes[12..16], b"IHDR");
         assert_eq!(u32::from_be_bytes(bytes[16..20].try_into().unwrap()), W as u32);
         assert!(bytes.ends_with(&[0xAE, 0x42, 0x60, 0x82]));
+    }
+
+    #[test]
+    fn a_grid_tiles_its_panels() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("g.png");
+        let panel = |t: &str| Panel {
+            title: t.into(),
+            x_label: "t (s)".into(),
+            series: vec![Series { name: "x".into(), rgb: [0, 0, 200], points: vec![(0.0, 1.0), (5.0, 2.0)] }],
+        };
+        grid(&p, &[panel("a"), panel("b"), panel("c")], 2).unwrap();
+        let bytes = std::fs::read(&p).unwrap();
+        assert_eq!(u32::from_be_bytes(bytes[16..20].try_into().unwrap()), 2 * W as u32);
+        assert_eq!(u32::from_be_bytes(bytes[20..24].try_into().unwrap()), 2 * H as u32);
     }
 }

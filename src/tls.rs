@@ -184,7 +184,15 @@ impl ClientTls {
         Ok(ClientTls { config: Arc::new(config), server_name })
     }
 
-    /// A tonic connector that dials TCP and speaks TLS over it.
+    /// The same settings offering `protocols` in ALPN instead of `h2` (etcd's
+    /// JSON gateway speaks HTTP/1.1).
+    pub fn with_alpn(&self, protocols: &[&[u8]]) -> Self {
+        let mut config = (*self.config).clone();
+        config.alpn_protocols = protocols.iter().map(|p| p.to_vec()).collect();
+        ClientTls { config: Arc::new(config), server_name: self.server_name.clone() }
+    }
+
+    /// A tonic (or hyper-util) connector that dials TCP and speaks TLS over it.
     pub fn connector(&self) -> Connector {
         Connector { tls: self.clone(), last_error: Arc::default() }
     }
@@ -269,6 +277,13 @@ impl ClientConn {
             }
         }
         r
+    }
+}
+
+impl hyper_util::client::legacy::connect::Connection for ClientConn {
+    fn connected(&self) -> hyper_util::client::legacy::connect::Connected {
+        let c = hyper_util::client::legacy::connect::Connected::new();
+        if self.inner.get_ref().1.alpn_protocol() == Some(b"h2") { c.negotiated_h2() } else { c }
     }
 }
 

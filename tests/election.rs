@@ -189,6 +189,9 @@ async fn after_a_root_failover_no_intermediate_hands_out_zero() {
     let mut roots: Vec<(Usher, String)> = (0..2).map(|_| elected_member(&etcd.endpoint, &cfg, "/test/root")).collect();
     let parents = format!("{},{}", roots[0].1, roots[1].1);
     let mid = Usher::server(&["--parent", &parents, "--min-request-interval", "0s"]);
+    // Without --config an intermediate shares its parent's grants: it must not claim the root's default.
+    assert!(mid.log().contains("shares what its parent grants"), "{}", mid.log());
+    assert!(!mid.log().contains("built-in default resources"), "{}", mid.log());
     let mut c = CapacityClient::connect(format!("http://{}", mid.addr("grpc"))).await.unwrap();
     let ask = || GetCapacityRequest {
         client_id: "leaf".into(),

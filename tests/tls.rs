@@ -10,45 +10,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use support::pki::Ca;
 use support::{Usher, free_port, http_get, run_usher, write_file};
 
 const FAIR: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 10, refresh_interval: 1, learning_mode_duration: 0 }\n";
 
 const PATIENCE: Duration = Duration::from_secs(15);
-
-/// A CA that writes certificates it signed into a directory.
-struct Ca {
-    issuer: Issuer<'static, KeyPair>,
-    /// PEM of the CA certificate.
-    pem: PathBuf,
-    dir: PathBuf,
-    name: String,
-}
-
-impl Ca {
-    fn new(dir: &Path, name: &str) -> Ca {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, format!("usher test CA {name}"));
-        let cert = params.self_signed(&key).unwrap();
-        let pem = write_file(dir, &format!("{name}-ca.pem"), &cert.pem());
-        Ca { issuer: Issuer::new(params, key), pem, dir: dir.to_path_buf(), name: name.into() }
-    }
-
-    /// A leaf certificate for `sans` (DNS names or IP addresses): (cert file, key file).
-    fn leaf(&self, file: &str, sans: &[&str]) -> (PathBuf, PathBuf) {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
-        params.distinguished_name.push(DnType::CommonName, format!("{file} ({})", self.name));
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        (
-            write_file(&self.dir, &format!("{file}.pem"), &cert.pem()),
-            write_file(&self.dir, &format!("{file}.key"), &key.serialize_pem()),
-        )
-    }
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

@@ -68,12 +68,48 @@ fn status(p: &Proxy) -> Status {
     }
 }
 
+/// `usher_proxy_lease_state{resource_id, state}`: 1 for the state a lease key
+/// is in, 0 for the others (a state set, so an alert on `expired` or `safe`
+/// has a series to watch before it ever fires). `safe`: no lease, and the key
+/// enforces its safe capacity.
+fn lease_state_gauge(proxy: &Proxy) -> prometheus::IntGaugeVec {
+    let g = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new(
+            "usher_proxy_lease_state",
+            "1 for the lease state of a resource key (leased, pending, expired, safe), 0 for the others.",
+        ),
+        &["resource_id", "state"],
+    )
+    .expect("valid metric");
+    let _ = proxy.metrics.registry.register(Box::new(g.clone()));
+    g
+}
+
+fn observe_lease_states(g: &prometheus::IntGaugeVec, proxy: &Proxy) {
+    use crate::lease::{Mode, OnExpiry};
+    g.reset();
+    let Some(status) = proxy.lease.get().map(|c| c.status()) else { return };
+    for k in &status.keys {
+        let state = match (k.mode, k.on_expiry) {
+            (Mode::Leased, _) => "leased",
+            (_, OnExpiry::Safe) => "safe",
+            (Mode::Pending, _) => "pending",
+            (Mode::Expired, _) => "expired",
+        };
+        for s in ["leased", "pending", "expired", "safe"] {
+            g.with_label_values(&[&k.resource_id, s]).set(i64::from(s == state));
+        }
+    }
+}
+
 pub fn handler(proxy: Arc<Proxy>) -> Handler {
+    let lease_states = lease_state_gauge(&proxy);
     Arc::new(move |req| {
         let json = admin::query_param(&req.uri, "format").as_deref() == Some("json");
         match req.uri.path() {
             "/metrics" => {
                 proxy.metrics.observe_table(&proxy.table);
+                observe_lease_states(&lease_states, &proxy);
                 admin::metrics(&proxy.metrics.registry)
             }
             "/healthz" => admin::text(StatusCode::OK, "ok\n"),

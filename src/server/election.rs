@@ -8,6 +8,13 @@
 //! etcd can expire the key and let another server win — so two masters never
 //! hand out capacity at once. A new master starts with empty state in
 //! learning mode. On shutdown the master deletes its key at once.
+//!
+//! The deadline is counted from when the last successful renewal was *sent*
+//! (etcd restarted the TTL no earlier), and a renewal that hangs is abandoned
+//! at the deadline, so a master cut off from etcd stops granting before etcd
+//! can expire its key (tests/election.rs measures this through a fault proxy).
+//! `/debug/status` shows the lease id and the key's revision (a fencing
+//! token), and `usher_server_mastership_changes_total` counts the changes.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,7 +22,7 @@ use std::time::Duration;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use super::etcd::Etcd;
+use super::etcd::{Claim, Etcd};
 use super::{Mastership, Node};
 use crate::clock::{Clock, Time};
 
@@ -29,7 +36,16 @@ pub struct ElectionStatus {
     pub key: String,
     pub ttl_s: u64,
     pub state: &'static str,
+    /// The etcd lease that holds the election key, while this server is master.
     pub lease_id: Option<i64>,
+    /// The etcd revision at which this server created the election key: a
+    /// fencing token (a later master always has a higher one).
+    pub revision: Option<i64>,
+    /// Unix seconds of the last successful lease renewal, while master.
+    pub renewed_at: Option<i64>,
+    /// A master steps down this long after its last renewal when it cannot
+    /// renew: before etcd can expire the key and let another server win.
+    pub step_down_after_ms: u64,
     pub last_error: Option<String>,
 }
 
@@ -60,61 +76,92 @@ pub async fn run(
 ) {
     let me = node.server_id.clone();
     let poll = (ttl / 4).clamp(Duration::from_millis(200), Duration::from_secs(2));
-    let renew_every = ttl / 3;
+    // Renewing at a quarter of the TTL leaves another quarter, before the
+    // step-down deadline, to retry on the next etcd endpoint.
+    let renew_every = ttl / 4;
     let step_down_after = ttl / 2;
     election.set(|s| {
         s.key = key.clone();
         s.ttl_s = ttl.as_secs();
         s.state = "follower";
+        s.step_down_after_ms = step_down_after.as_millis() as u64;
     });
-    let mut lease: Option<(i64, Time)> = None; // (lease id, last renewal) while master
+    // While master: the lease id, when the last successful renewal was *sent*
+    // (etcd restarted the lease's TTL no earlier than that), and when to try next.
+    let mut lease: Option<(i64, Time)> = None;
+    let mut next_try: Option<Time> = None;
     loop {
-        let wait = if lease.is_some() { renew_every } else { poll };
+        let wait = match (lease, next_try) {
+            (Some(_), Some(at)) => at.since(clock.now()),
+            (Some((_, renewed)), None) => (renewed.saturating_add(renew_every)).since(clock.now()),
+            (None, _) => poll,
+        };
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = tokio::time::sleep(wait) => {}
         }
         match lease {
             Some((id, renewed)) => {
-                let ok = match etcd.keep_alive(id).await {
-                    Ok(left) if left > 0 => matches!(etcd.get(&key).await, Ok(Some(v)) if v == me),
-                    Ok(_) => false,
-                    Err(e) => {
-                        election.set(|s| s.last_error = Some(e.to_string()));
-                        tracing::warn!(error = %e, "cannot renew the election lease");
-                        false
+                let sent = clock.now();
+                let renew = async {
+                    match etcd.keep_alive(id).await {
+                        Ok(left) if left > 0 => matches!(etcd.get(&key).await, Ok(Some(v)) if v == me),
+                        Ok(_) => false,
+                        Err(e) => {
+                            election.set(|s| s.last_error = Some(e.to_string()));
+                            tracing::warn!(error = %e, "cannot renew the election lease");
+                            false
+                        }
                     }
                 };
+                // Fencing: an etcd that does not answer must not keep this server
+                // master past its step-down deadline, however long a call hangs.
+                let left = step_down_after.saturating_sub(clock.now().since(renewed));
+                let ok = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    ok = renew => ok,
+                    _ = tokio::time::sleep(left) => false,
+                };
                 if ok {
-                    lease = Some((id, clock.now()));
-                    election.set(|s| s.last_error = None);
+                    lease = Some((id, sent));
+                    next_try = None;
+                    election.set(|s| {
+                        s.last_error = None;
+                        s.renewed_at = Some(sent.as_secs());
+                    });
                 } else if clock.now().since(renewed) >= step_down_after {
-                    tracing::warn!(key = %key, "lost or cannot renew mastership; stepping down");
+                    tracing::warn!(key = %key, lease_id = id, "lost or cannot renew mastership; stepping down");
                     node.set_mastership(Mastership { is_master: false, master_address: None });
                     election.set(|s| {
                         s.state = "follower";
                         s.lease_id = None;
+                        s.revision = None;
+                        s.renewed_at = None;
                     });
-                    let _ = etcd.revoke(id).await;
+                    let revoke = etcd.revoke(id);
+                    let _ = tokio::time::timeout(Duration::from_secs(1), revoke).await;
                     lease = None;
+                    next_try = None;
                 } else {
                     // Retry soon, still before the step-down deadline.
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(Duration::from_millis(300)) => {}
-                    }
+                    let deadline = renewed.saturating_add(step_down_after);
+                    let soon = clock.now().saturating_add(Duration::from_millis(300));
+                    next_try = Some(if soon < deadline { soon } else { deadline });
                 }
             }
-            None => match follow_or_campaign(&etcd, &key, &me, ttl).await {
-                Ok(Outcome::Won(id)) => {
-                    tracing::info!(key = %key, server_id = %me, "won the election: now master (learning mode starts)");
+            None => match follow_or_campaign(&etcd, &key, &me, ttl, &clock).await {
+                Ok(Outcome::Won { lease: id, revision, at }) => {
+                    tracing::info!(key = %key, server_id = %me, lease_id = id, revision, "won the election: now master (learning mode starts)");
                     node.set_mastership(Mastership { is_master: true, master_address: Some(me.clone()) });
                     election.set(|s| {
                         s.state = "master";
                         s.lease_id = Some(id);
+                        s.revision = Some(revision);
+                        s.renewed_at = Some(at.as_secs());
                         s.last_error = None;
                     });
-                    lease = Some((id, clock.now()));
+                    lease = Some((id, at));
+                    next_try = None;
                 }
                 Ok(Outcome::Follow(master)) if master == me => {
                     // A claim left by an earlier run of this server: wait for its lease to expire.
@@ -138,14 +185,22 @@ pub async fn run(
         }
     }
     if let Some((id, _)) = lease {
-        let _ = etcd.delete_if(&key, &me).await;
-        let _ = etcd.revoke(id).await;
+        let resign = async {
+            let _ = etcd.delete_if(&key, &me).await;
+            let _ = etcd.revoke(id).await;
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(2), resign).await;
         tracing::info!(key = %key, "resigned mastership");
     }
 }
 
 enum Outcome {
-    Won(i64),
+    /// This server created the key: its lease, the key's revision, and when the lease was granted.
+    Won {
+        lease: i64,
+        revision: i64,
+        at: Time,
+    },
     Follow(String),
 }
 
@@ -154,14 +209,17 @@ async fn follow_or_campaign(
     key: &str,
     me: &str,
     ttl: Duration,
+    clock: &Clock,
 ) -> Result<Outcome, super::etcd::EtcdError> {
     if let Some(master) = etcd.get(key).await? {
         return Ok(Outcome::Follow(master));
     }
+    // The lease's TTL runs from its grant: count the step-down deadline from before it.
+    let at = clock.now();
     let id = etcd.grant(ttl).await?;
     match etcd.create_if_absent(key, me, id).await? {
-        None => Ok(Outcome::Won(id)),
-        Some(master) => {
+        Claim::Won { revision } => Ok(Outcome::Won { lease: id, revision, at }),
+        Claim::Held(master) => {
             let _ = etcd.revoke(id).await;
             Ok(Outcome::Follow(master))
         }

@@ -12,6 +12,7 @@ pub struct Metrics {
     pub config_reloads: IntCounter,
     pub config_reload_errors: IntCounter,
     pub tls_handshake_failures: IntCounter,
+    pub mastership_changes: IntCounter,
     resource_capacity: GaugeVec,
     resource_has: GaugeVec,
     resource_wants: GaugeVec,
@@ -79,6 +80,14 @@ impl Metrics {
                 IntCounter::new(
                     "usher_server_tls_handshake_failures_total",
                     "gRPC connections refused because their TLS handshake failed (reason in the log and /debug/status).",
+                )
+                .expect("valid metric"),
+            ),
+            mastership_changes: reg(
+                r,
+                IntCounter::new(
+                    "usher_server_mastership_changes_total",
+                    "Times this server became or stopped being the master of its node.",
                 )
                 .expect("valid metric"),
             ),

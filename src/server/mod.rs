@@ -77,10 +77,36 @@ pub struct ServerArgs {
     /// New resource ids beyond this many get ResourceExhausted.
     #[arg(long, env = "USHER_MAX_RESOURCES", value_name = "N", default_value_t = store::DEFAULT_MAX_RESOURCES)]
     pub max_resources: usize,
-    /// etcd v3 endpoints (e.g. http://etcd:2379) for master election and `--config etcd:KEY`.
-    /// Without them this server is always the master of its node.
+    /// etcd v3 endpoints (e.g. http://etcd:2379, or https:// with --etcd-ca) for master election
+    /// and `--config etcd:KEY`; tried in turn. Without them this server is always the master of its node.
     #[arg(long, env = "USHER_ETCD_ENDPOINTS", value_name = "URL[,URL...]", value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
+    /// Trust these CAs (PEM) for etcd's certificate: TLS to `https://` endpoints.
+    #[arg(long, env = "USHER_ETCD_CA", value_name = "FILE")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for an etcd that requires client certificates; needs --etcd-key.
+    #[arg(long, env = "USHER_ETCD_CERT", value_name = "FILE")]
+    pub etcd_cert: Option<PathBuf>,
+    /// The private key (PEM) of --etcd-cert.
+    #[arg(long, env = "USHER_ETCD_KEY", value_name = "FILE")]
+    pub etcd_key: Option<PathBuf>,
+    /// Name to verify in etcd's certificate [default: the host of each endpoint].
+    #[arg(long, env = "USHER_ETCD_SERVER_NAME", value_name = "NAME")]
+    pub etcd_server_name: Option<String>,
+    /// etcd user (auth enabled in etcd); the password comes from USHER_ETCD_PASSWORD or
+    /// --etcd-password-file.
+    #[arg(long, env = "USHER_ETCD_USER", value_name = "USER")]
+    pub etcd_user: Option<String>,
+    /// The etcd user's password. Prefer the environment (from a Secret) or --etcd-password-file:
+    /// a flag shows in the process list.
+    #[arg(long, env = "USHER_ETCD_PASSWORD", value_name = "PASSWORD", hide_env_values = true)]
+    pub etcd_password: Option<String>,
+    /// A file holding the etcd user's password (a trailing newline is ignored).
+    #[arg(long, env = "USHER_ETCD_PASSWORD_FILE", value_name = "FILE")]
+    pub etcd_password_file: Option<PathBuf>,
+    /// Fetch a new etcd auth token this often; keep it below etcd's --auth-token-ttl (300 s by default).
+    #[arg(long, env = "USHER_ETCD_TOKEN_REFRESH", value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    pub etcd_token_refresh: Duration,
     /// The etcd key the servers of one node campaign for; it holds the master's address.
     #[arg(long, env = "USHER_ELECTION_KEY", value_name = "KEY", default_value = election::DEFAULT_KEY)]
     pub election_key: String,
@@ -143,6 +169,108 @@ fn server_tls(args: &ServerArgs, now: i64) -> Result<Option<crate::tls::ServerTl
         };
         RunError::Usage(format!("{flag} {}: {}", e.path, e.reason))
     })
+}
+
+/// The etcd client's settings from the `--etcd-*` flags: `None` without `--etcd-endpoints`.
+fn etcd_options(args: &ServerArgs) -> Result<Option<etcd::EtcdOptions>, RunError> {
+    use crate::tls::{ClientFiles, ClientTls, Which};
+    if args.etcd_endpoints.is_empty() {
+        let set = [
+            ("--etcd-ca", args.etcd_ca.is_some()),
+            ("--etcd-cert", args.etcd_cert.is_some()),
+            ("--etcd-key", args.etcd_key.is_some()),
+            ("--etcd-server-name", args.etcd_server_name.is_some()),
+            ("--etcd-user", args.etcd_user.is_some()),
+        ];
+        if let Some((flag, _)) = set.iter().find(|(_, on)| *on) {
+            return Err(RunError::Usage(format!("{flag} needs --etcd-endpoints")));
+        }
+        return Ok(None);
+    }
+    let https = args.etcd_endpoints.iter().filter(|e| e.starts_with("https://")).count();
+    match (&args.etcd_ca, https) {
+        (None, n) if n > 0 => {
+            return Err(RunError::Usage(
+                "--etcd-endpoints: https:// endpoints need --etcd-ca, the CA that signs etcd's certificate".into(),
+            ));
+        }
+        (Some(_), n) if n < args.etcd_endpoints.len() => {
+            return Err(RunError::Usage(
+                "--etcd-ca: every etcd endpoint must then be https:// (TLS is for all of them or none)".into(),
+            ));
+        }
+        (None, _) if args.etcd_cert.is_some() || args.etcd_key.is_some() || args.etcd_server_name.is_some() => {
+            return Err(RunError::Usage(
+                "--etcd-cert, --etcd-key and --etcd-server-name need --etcd-ca (TLS to etcd)".into(),
+            ));
+        }
+        _ => {}
+    }
+    let tls = match &args.etcd_ca {
+        None => None,
+        Some(ca) => {
+            let files = ClientFiles {
+                ca: ca.clone(),
+                cert: args.etcd_cert.clone(),
+                key: args.etcd_key.clone(),
+                server_name: args.etcd_server_name.clone(),
+            };
+            Some(ClientTls::load(&files).map_err(|e| {
+                let flag = match e.which {
+                    Which::Ca => "--etcd-ca",
+                    Which::Cert => "--etcd-cert",
+                    Which::Key => "--etcd-key",
+                    Which::ServerName => "--etcd-server-name",
+                };
+                RunError::Usage(format!("{flag} {}: {}", e.path, e.reason))
+            })?)
+        }
+    };
+    let password = match (&args.etcd_password, &args.etcd_password_file) {
+        (Some(_), Some(_)) => {
+            return Err(RunError::Usage(
+                "USHER_ETCD_PASSWORD (--etcd-password) and --etcd-password-file: give one of them".into(),
+            ));
+        }
+        (Some(p), None) => Some(p.clone()),
+        (None, Some(f)) => Some(
+            std::fs::read_to_string(f)
+                .map_err(|e| RunError::Usage(format!("--etcd-password-file {}: cannot read it: {e}", f.display())))?
+                .trim_end_matches(['\n', '\r'])
+                .to_string(),
+        ),
+        (None, None) => None,
+    };
+    let credentials = match (&args.etcd_user, password) {
+        (Some(u), Some(p)) => Some((u.clone(), p)),
+        (None, None) => None,
+        (Some(u), None) => {
+            return Err(RunError::Usage(format!(
+                "--etcd-user {u} needs a password: USHER_ETCD_PASSWORD or --etcd-password-file"
+            )));
+        }
+        (None, Some(_)) => {
+            return Err(RunError::Usage("an etcd password needs --etcd-user, the user it belongs to".into()));
+        }
+    };
+    if args.etcd_token_refresh < Duration::from_secs(1) {
+        return Err(RunError::Usage("--etcd-token-refresh must be at least 1s".into()));
+    }
+    Ok(Some(etcd::EtcdOptions {
+        endpoints: args.etcd_endpoints.clone(),
+        tls,
+        tls_hint: etcd::TlsHint {
+            ca: args.etcd_ca.as_ref().map(|p| p.display().to_string()),
+            cert: args.etcd_cert.as_ref().map(|p| p.display().to_string()),
+        },
+        credentials,
+        token_refresh: args.etcd_token_refresh,
+        // A master renewing at a quarter of the TTL has another quarter to try the
+        // next endpoint before it must step down: one endpoint may take a sixth of
+        // the TTL. Never below 1 s, which a loaded etcd can take; with a TTL under
+        // 6 s a hung endpoint then makes the master step down instead of failing over.
+        timeout: (args.election_ttl / 6).clamp(Duration::from_secs(1), etcd::DEFAULT_TIMEOUT),
+    }))
 }
 
 /// TLS to the parent from the `--parent-tls-*` flags: `None` without `--parent-tls-ca`.
@@ -217,6 +345,8 @@ pub struct Node {
     pub parent: Option<Arc<parent::ParentLink>>,
     /// Set when masters are elected on etcd.
     pub election: Option<Arc<election::Election>>,
+    /// The etcd client, when this server uses etcd (election, config).
+    pub etcd: Option<etcd::Etcd>,
     /// Set when gRPC is served over TLS.
     pub tls: Option<Arc<crate::tls::ServerTls>>,
     pub store: Store,
@@ -242,6 +372,7 @@ impl Node {
             server_id,
             parent: None,
             election: None,
+            etcd: None,
             tls: None,
             store: Store::new(clock, config, min_request_interval),
             metrics: Metrics::new(registry),
@@ -260,6 +391,9 @@ impl Node {
         let was = self.mastership.load().is_master;
         if m.is_master && !was {
             self.store.become_master();
+        }
+        if m.is_master != was {
+            self.metrics.mastership_changes.inc();
         }
         self.mastership.store(Arc::new(m));
     }
@@ -303,9 +437,6 @@ enum ConfigSource {
     Etcd(Box<etcd::Etcd>, String),
 }
 
-/// How often an etcd config key is re-read.
-pub const ETCD_CONFIG_POLL: Duration = Duration::from_secs(2);
-
 impl ConfigSource {
     fn from_arg(arg: Option<&std::path::Path>, etcd: Option<&etcd::Etcd>) -> Result<Self, RunError> {
         let Some(arg) = arg else { return Ok(ConfigSource::Builtin) };
@@ -326,25 +457,33 @@ impl ConfigSource {
         }
     }
 
-    async fn load_initial(&self) -> Result<ResourcesConfig, RunError> {
+    /// The configuration to start with and, for etcd, the revision it was read at.
+    async fn load_initial(&self, intermediate: bool) -> Result<(ResourcesConfig, i64), RunError> {
         match self {
+            ConfigSource::Builtin if intermediate => {
+                tracing::info!(
+                    "no --config given: this intermediate shares what its parent grants, with the algorithm and lease lengths the parent sends"
+                );
+                Ok((ResourcesConfig::builtin_default(), 0))
+            }
             ConfigSource::Builtin => {
                 tracing::warn!(
                     "no --config given: using the built-in default resources (every id gets 100/s, FAIR_SHARE)"
                 );
-                Ok(ResourcesConfig::builtin_default())
+                Ok((ResourcesConfig::builtin_default(), 0))
             }
-            ConfigSource::File(p) => Ok(ResourcesConfig::load(p)?),
+            ConfigSource::File(p) => Ok((ResourcesConfig::load(p)?, 0)),
             ConfigSource::Etcd(etcd, key) => {
                 let mut tries = 0;
-                let text = loop {
-                    match etcd.get(key).await {
-                        Ok(Some(t)) => break t,
-                        Ok(None) => {
+                let (text, revision) = loop {
+                    match etcd.get_at(key).await {
+                        Ok((Some(t), rev)) => break (t, rev),
+                        Ok((None, _)) => {
                             return Err(RunError::Usage(format!(
                                 "etcd key `{key}` does not exist; store the resources YAML there first"
                             )));
                         }
+                        Err(e) if e.is_refused() => return Err(RunError::Unavailable(e.to_string())),
                         Err(e) if tries < 5 => {
                             tries += 1;
                             tracing::warn!(error = %e, "cannot read the configuration from etcd yet; retrying");
@@ -353,50 +492,113 @@ impl ConfigSource {
                         Err(e) => return Err(RunError::Unavailable(format!("cannot read the configuration: {e}"))),
                     }
                 };
-                Ok(ResourcesConfig::parse(&self.name(), &text)?)
+                Ok((ResourcesConfig::parse(&self.name(), &text)?, revision))
             }
         }
     }
 
     /// Applies every later change to `node`, keeping the last good config on errors.
-    fn watch(self, node: Arc<Node>, shutdown: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
+    fn watch(self, revision: i64, node: Arc<Node>, shutdown: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
         match self {
             ConfigSource::Builtin => None,
             ConfigSource::File(path) => Some(watch::spawn_reloader(path.clone(), shutdown, move |cause| {
                 tracing::info!(?cause, "reloading configuration");
                 node.apply_config(ResourcesConfig::load(&path));
             })),
-            ConfigSource::Etcd(etcd, key) => Some(tokio::spawn(async move {
-                let name = format!("etcd:{key}");
-                let mut last: Option<String> = None;
-                loop {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(ETCD_CONFIG_POLL) => {}
+            ConfigSource::Etcd(etcd, key) => Some(tokio::spawn(follow_etcd_key(*etcd, key, revision, node, shutdown))),
+        }
+    }
+}
+
+/// A watch that has delivered nothing for this long is opened again from the
+/// last revision: a connection that died silently (a partition) cannot hold
+/// changes back for longer.
+pub const ETCD_WATCH_IDLE: Duration = Duration::from_secs(30);
+
+/// Follows `key` with an etcd watch from the revision after `revision`,
+/// applying each change at once; a lost watch resumes from the last revision
+/// seen, so no change is missed, and a compacted history is read afresh.
+async fn follow_etcd_key(
+    etcd: etcd::Etcd,
+    key: String,
+    mut revision: i64,
+    node: Arc<Node>,
+    shutdown: CancellationToken,
+) {
+    use etcd::WatchEvent;
+    let name = format!("etcd:{key}");
+    let mut backoff = Duration::from_millis(200);
+    let apply = |text: &str| {
+        let parsed = ResourcesConfig::parse(&name, text);
+        if node.config_state().last_error.is_none() && parsed.as_ref().ok() == Some(&*node.store.config()) {
+            return; // the configuration in force already
+        }
+        tracing::info!(source = %name, "configuration changed in etcd; reloading");
+        node.apply_config(parsed);
+    };
+    loop {
+        let opened = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            w = etcd.watch(&key, revision + 1) => w,
+        };
+        let mut watch = match opened {
+            Ok(w) => {
+                tracing::debug!(source = %name, endpoint = %w.endpoint, from = revision + 1, "watching the configuration key");
+                w
+            }
+            Err(e) => {
+                tracing::warn!(source = %name, error = %e, "cannot watch the configuration in etcd; keeping the current one");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        loop {
+            let next = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                n = tokio::time::timeout(ETCD_WATCH_IDLE, watch.next()) => n,
+            };
+            let events = match next {
+                Err(_) => break, // idle: open it again from the same revision
+                Ok(Ok(Some(events))) => events,
+                Ok(Ok(None)) | Ok(Err(_)) => {
+                    tracing::warn!(source = %name, revision, "the etcd watch was lost; resuming from the last revision");
+                    break;
+                }
+            };
+            backoff = Duration::from_millis(200);
+            let mut latest = None;
+            for ev in events {
+                match ev {
+                    WatchEvent::Put { value, revision: r } => {
+                        revision = revision.max(r);
+                        latest = Some(value);
                     }
-                    match etcd.get(&key).await {
-                        Ok(Some(text)) if last.as_ref() != Some(&text) => {
-                            let first = last.is_none();
-                            last = Some(text.clone());
-                            if first && node.config_state().last_error.is_none() {
-                                // The text loaded at start-up; nothing changed yet.
-                                if ResourcesConfig::parse(&name, &text).ok().as_ref() == Some(&*node.store.config()) {
-                                    continue;
-                                }
+                    WatchEvent::Delete { revision: r } => {
+                        revision = revision.max(r);
+                        latest = None;
+                        tracing::warn!(source = %name, "the configuration key was deleted; keeping the current configuration");
+                    }
+                    WatchEvent::Compacted { revision: r } => {
+                        tracing::warn!(source = %name, compacted = r, "etcd compacted past the last revision seen; reading the key again");
+                        match etcd.get_at(&key).await {
+                            Ok((value, r)) => {
+                                revision = r;
+                                latest = value;
                             }
-                            tracing::info!(source = %name, "configuration changed in etcd; reloading");
-                            node.apply_config(ResourcesConfig::parse(&name, &text));
-                        }
-                        Ok(Some(_)) => {}
-                        Ok(None) => {
-                            tracing::warn!(source = %name, "the configuration key is gone; keeping the current configuration")
-                        }
-                        Err(e) => {
-                            tracing::warn!(source = %name, error = %e, "cannot read the configuration from etcd; keeping the current one")
+                            Err(e) => {
+                                tracing::warn!(source = %name, error = %e, "cannot read the configuration from etcd")
+                            }
                         }
                     }
                 }
-            })),
+            }
+            if let Some(text) = latest {
+                apply(&text);
+            }
         }
     }
 }
@@ -426,11 +628,22 @@ fn hostname() -> String {
 
 /// Runs the server until `shutdown` is cancelled.
 pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), RunError> {
-    let etcd = (!args.etcd_endpoints.is_empty()).then(|| etcd::Etcd::new(&args.etcd_endpoints, Duration::from_secs(3)));
+    let etcd = etcd_options(&args)?.map(|o| etcd::Etcd::with_options(o, Clock::system()));
     let source = ConfigSource::from_arg(args.config.as_deref(), etcd.as_ref())?;
     let tls = server_tls(&args, Clock::system().now().as_secs())?.map(Arc::new);
     let parent_tls = parent_tls(&args)?;
-    let config = source.load_initial().await?;
+    if let Some(e) = &etcd {
+        // TLS, client certificate and credentials are checked now, so a mistake
+        // in them is one error line and exit 69, not a server that never elects.
+        match e.check(&args.election_key).await {
+            Ok(()) => {
+                tracing::info!(endpoints = %e.endpoints().join(","), tls = e.status().tls, user = ?e.status().user, "etcd answers")
+            }
+            Err(err) if err.is_refused() => return Err(RunError::Unavailable(err.to_string())),
+            Err(err) => tracing::warn!(error = %err, "etcd does not answer yet; the election keeps trying"),
+        }
+    }
+    let (config, revision) = source.load_initial(!args.parent.is_empty()).await?;
     let source_name = source.name();
     let grpc = bind("gRPC", args.listen).await?;
     let admin = bind("admin", args.admin_listen).await?;
@@ -461,6 +674,7 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         // Elected: nobody is master until the election says so.
         node.mastership.store(Arc::new(Mastership { is_master: false, master_address: None }));
         node.election = Some(Arc::new(election::Election::default()));
+        node.etcd = etcd.clone();
     }
     node.tls = tls.clone();
     node.node_id = node_id(&args, &server_id);
@@ -506,7 +720,7 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         })
     };
 
-    let reloader = source.clone().watch(node.clone(), shutdown.clone());
+    let reloader = source.clone().watch(revision, node.clone(), shutdown.clone());
     let election_task = match (&etcd, &node.election) {
         (Some(etcd), Some(e)) => Some(tokio::spawn(election::run(
             node.clone(),

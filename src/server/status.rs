@@ -17,6 +17,7 @@ struct Status {
     role: &'static str,
     parent: Option<super::parent::ParentStatus>,
     election: Option<super::election::ElectionStatus>,
+    etcd: Option<super::etcd::EtcdStatus>,
     is_master: bool,
     master_address: Option<String>,
     ready: bool,
@@ -41,6 +42,7 @@ fn status(node: &Node) -> Status {
         role: if node.parent.is_some() { "intermediate" } else { "root" },
         parent: node.parent.as_ref().map(|p| p.status()),
         election: node.election.as_ref().map(|e| e.status()),
+        etcd: node.etcd.as_ref().map(|e| e.status()),
         is_master: m.is_master,
         master_address: m.master_address.clone(),
         ready: node.is_ready(),
@@ -106,10 +108,14 @@ fn status_html(s: &Status) -> String {
     if let Some(e) = &s.election {
         let _ = write!(
             b,
-            "<p>Election on <code>{}</code> (TTL {} s): <b>{}</b>{}</p>",
+            "<p>Election on <code>{}</code> (TTL {} s): <b>{}</b>{}{}</p>",
             escape(&e.key),
             e.ttl_s,
             e.state,
+            match (e.lease_id, e.revision) {
+                (Some(l), Some(r)) => format!(", etcd lease <code>{l:x}</code>, key revision {r}"),
+                _ => String::new(),
+            },
             e.last_error.as_deref().map(|x| format!(", <span class=err>{}</span>", escape(x))).unwrap_or_default()
         );
     }

@@ -22,31 +22,83 @@ pub fn elected_member(etcd: &str, config: &std::path::Path, key: &str) -> (super
 
 impl EtcdServer {
     pub fn start() -> EtcdServer {
+        EtcdServer::launch(None)
+    }
+
+    /// etcd serving clients over TLS with a certificate for 127.0.0.1 signed
+    /// by `ca`, and requiring client certificates signed by `ca`.
+    pub fn start_tls(ca: &super::pki::Ca) -> EtcdServer {
+        EtcdServer::launch(Some(ca))
+    }
+
+    fn launch(ca: Option<&super::pki::Ca>) -> EtcdServer {
         let dir = tempfile::tempdir().unwrap();
         let (client, peer) = (free_port(), free_port());
-        let endpoint = format!("http://127.0.0.1:{client}");
-        let child = Command::new("etcd")
-            .args(["--name", "test", "--data-dir"])
+        let scheme = if ca.is_some() { "https" } else { "http" };
+        let endpoint = format!("{scheme}://127.0.0.1:{client}");
+        let log = dir.path().join("etcd.log");
+        let mut cmd = Command::new("etcd");
+        cmd.args(["--name", "test", "--data-dir"])
             .arg(dir.path().join("data"))
             .args(["--listen-client-urls", &endpoint, "--advertise-client-urls", &endpoint])
             .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
             .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
             .args(["--initial-cluster", &format!("test=http://127.0.0.1:{peer}")])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("etcd is installed (Debian package etcd-server; .ci/run installs it)");
+            .stderr(std::fs::File::create(&log).unwrap());
+        if let Some(ca) = ca {
+            let (cert, key) = ca.leaf("etcd-server", &["127.0.0.1", "localhost"]);
+            cmd.arg("--cert-file").arg(cert).arg("--key-file").arg(key);
+            cmd.arg("--trusted-ca-file").arg(&ca.pem).arg("--client-cert-auth");
+        }
+        let child = cmd.spawn().expect("etcd is installed (Debian package etcd-server; .ci/test installs it)");
         let server = EtcdServer { child, _dir: dir, endpoint };
         let deadline = Instant::now() + Duration::from_secs(20);
         let addr = format!("127.0.0.1:{client}").parse().unwrap();
         loop {
-            if std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
-                && super::http_get(addr, "/health").1.contains("true")
-            {
+            let up = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok();
+            let healthy = if ca.is_some() {
+                up && std::fs::read_to_string(&log).unwrap_or_default().contains("ready to serve client requests")
+            } else {
+                up && super::http_get(addr, "/health").1.contains("true")
+            };
+            if healthy {
                 return server;
             }
-            assert!(Instant::now() < deadline, "etcd did not become healthy");
+            assert!(
+                Instant::now() < deadline,
+                "etcd did not become healthy:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
             std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Turns etcd's auth on, as `etcdctl` would: a `root` user (password
+    /// `root-pw`) with the root role, and `user` with read/write on the keys
+    /// under `prefix`. `admin` must reach etcd (with a client certificate when
+    /// etcd wants one).
+    pub async fn enable_auth(&self, admin: &usher::server::etcd::Etcd, user: &str, password: &str, prefix: &str) {
+        use base64::Engine;
+        let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+        let mut end = prefix.as_bytes().to_vec();
+        *end.last_mut().unwrap() += 1;
+        let end = String::from_utf8(end).unwrap();
+        let calls = [
+            ("/v3/auth/user/add", serde_json::json!({ "name": "root", "password": "root-pw" })),
+            ("/v3/auth/role/add", serde_json::json!({ "name": "root" })),
+            ("/v3/auth/user/grant", serde_json::json!({ "user": "root", "role": "root" })),
+            ("/v3/auth/role/add", serde_json::json!({ "name": "usher" })),
+            (
+                "/v3/auth/role/grant",
+                serde_json::json!({ "name": "usher", "perm": { "permType": "READWRITE", "key": b64(prefix), "range_end": b64(&end) } }),
+            ),
+            ("/v3/auth/user/add", serde_json::json!({ "name": user, "password": password })),
+            ("/v3/auth/user/grant", serde_json::json!({ "user": user, "role": "usher" })),
+            ("/v3/auth/enable", serde_json::json!({})),
+        ];
+        for (path, body) in calls {
+            admin.request(path, body).await.unwrap_or_else(|e| panic!("{path}: {e}"));
         }
     }
 }

@@ -213,6 +213,36 @@ pub fn run_usher(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// Runs `usher ARGS...` with extra `env` until it exits, killing it after
+/// `patience`: (exit code, stderr); the code is `None` if it had to be killed.
+pub fn run_usher_for(args: &[&str], env: &[(&str, &str)], patience: Duration) -> (Option<i32>, String) {
+    let mut cmd = Command::new(usher_bin());
+    cmd.args(args).env("NO_COLOR", "1").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("spawn usher");
+    let mut stderr = child.stderr.take().expect("stderr piped");
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + patience;
+    let code = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st.code();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (code, strip_ansi(&reader.join().unwrap()))
+}
+
 /// Polls `cond` every 20 ms until it holds or `patience` runs out.
 #[macro_export]
 macro_rules! assert_eventually {
@@ -282,4 +312,5 @@ pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
 pub mod etcd;
 pub mod faultproxy;
 pub mod load;
+pub mod pki;
 pub mod upstream;

@@ -44,6 +44,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 
 {{/* Comma-separated etcd client URLs: the configured ones, or the chart's etcd. */}}
 {{- define "usher.etcdEndpoints" -}}
+{{- if and (or .Values.etcd.tls.secretName .Values.etcd.auth.user) (not .Values.etcd.endpoints) }}
+{{- fail "etcd.tls and etcd.auth are for an existing etcd: set etcd.endpoints (https:// with etcd.tls)" }}
+{{- end }}
 {{- if .Values.etcd.endpoints }}
 {{- join "," .Values.etcd.endpoints }}
 {{- else if .Values.etcd.deploy }}
@@ -114,12 +117,35 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
     - --etcd-endpoints={{ include "usher.etcdEndpoints" $ctx }}
     - --election-key={{ $ctx.Values.election.keyPrefix }}/{{ .node }}
     - --election-ttl={{ $ctx.Values.election.ttl }}
+    {{- with $ctx.Values.etcd.tls }}
+    {{- if .secretName }}
+    # TLS to etcd with the CA (and client certificate) of Secret {{ .secretName }}
+    - --etcd-ca=/etc/usher-etcd/ca.crt
+    {{- if .clientCert }}
+    - --etcd-cert=/etc/usher-etcd/tls.crt
+    - --etcd-key=/etc/usher-etcd/tls.key
+    {{- end }}
+    {{- if .serverName }}
+    - --etcd-server-name={{ .serverName }}
+    {{- end }}
+    {{- end }}
+    {{- end }}
+    {{- if $ctx.Values.etcd.auth.user }}
+    - --etcd-user={{ $ctx.Values.etcd.auth.user }}
+    {{- end }}
     {{- end }}
   env:
     - name: POD_NAME
       valueFrom: { fieldRef: { fieldPath: metadata.name } }
     - name: USHER_LOG
       value: {{ $ctx.Values.server.logLevel | quote }}
+    {{- if and $ctx.Values.election.enabled $ctx.Values.etcd.auth.user }}
+    - name: USHER_ETCD_PASSWORD
+      valueFrom:
+        secretKeyRef:
+          name: {{ required "etcd.auth.user needs etcd.auth.passwordSecret" $ctx.Values.etcd.auth.passwordSecret }}
+          key: {{ $ctx.Values.etcd.auth.passwordKey }}
+    {{- end }}
   ports:
     - { name: grpc, containerPort: 15100 }
     - { name: admin, containerPort: 15180 }
@@ -134,7 +160,8 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
     {{- toYaml .resources | nindent 4 }}
   securityContext:
     {{- toYaml $ctx.Values.server.securityContext | nindent 4 }}
-  {{- if or .config $ctx.Values.tls.secretName }}
+  {{- $etcdTls := and $ctx.Values.election.enabled $ctx.Values.etcd.tls.secretName }}
+  {{- if or .config $ctx.Values.tls.secretName $etcdTls }}
   volumeMounts:
     {{- if .config }}
     # A directory mount, never subPath: ConfigMap updates must reach the pod.
@@ -143,15 +170,23 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
     {{- if $ctx.Values.tls.secretName }}
     - { name: tls, mountPath: /etc/usher-tls, readOnly: true }
     {{- end }}
+    {{- if $etcdTls }}
+    - { name: etcd-tls, mountPath: /etc/usher-etcd, readOnly: true }
+    {{- end }}
   {{- end }}
 {{- end }}
 
-{{/* The servers' TLS Secret volume, when tls.secretName is set. */}}
+{{/* The servers' TLS Secret volumes: tls.secretName, and etcd.tls.secretName for etcd. */}}
 {{- define "usher.tlsVolume" -}}
 {{- if .Values.tls.secretName }}
 - name: tls
   secret:
     secretName: {{ .Values.tls.secretName }}
+{{- end }}
+{{- if and .Values.election.enabled .Values.etcd.tls.secretName }}
+- name: etcd-tls
+  secret:
+    secretName: {{ .Values.etcd.tls.secretName }}
 {{- end }}
 {{- end }}
 
