@@ -6,6 +6,7 @@
 
 pub mod election;
 pub mod etcd;
+pub mod horizon;
 pub mod metrics;
 pub mod parent;
 pub mod service;

@@ -103,6 +103,38 @@ pub struct Grant {
     pub predecessor_subclients: Option<u64>,
 }
 
+/// What a new master knows of the leases its predecessor handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Predecessor {
+    /// Nothing: it learns for as long as learning mode allows.
+    Unknown,
+    /// None of them can still be valid (there was none, or they have
+    /// expired): no learning mode.
+    NoneOutstanding,
+    /// Some may be valid until then: learning mode ends then at the latest.
+    Until(Time),
+}
+
+const NO_HORIZON: u64 = u64::MAX;
+
+impl Predecessor {
+    fn encode(self) -> u64 {
+        match self {
+            Predecessor::Unknown => u64::MAX,
+            Predecessor::NoneOutstanding => 0,
+            Predecessor::Until(t) => t.as_nanos().clamp(1, u64::MAX - 1),
+        }
+    }
+
+    fn decode(v: u64) -> Self {
+        match v {
+            u64::MAX => Predecessor::Unknown,
+            0 => Predecessor::NoneOutstanding,
+            n => Predecessor::Until(Time::from_nanos(n)),
+        }
+    }
+}
+
 /// Bounds that keep one server's memory finite whatever its clients send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -227,6 +259,9 @@ struct Resource {
     learning_end: Option<Time>,
     /// When this master first saw the resource.
     created: Time,
+    /// The store's [`Predecessor`] and lease horizon, as of this request.
+    predecessor: Predecessor,
+    horizon: Option<Time>,
 }
 
 /// The capacity server's state.
@@ -235,6 +270,10 @@ pub struct Store {
     config: ArcSwap<ResourcesConfig>,
     resources: RwLock<HashMap<String, Arc<Mutex<Resource>>>>,
     master_since: AtomicU64,
+    /// What this master knows of its predecessor's leases ([`Predecessor`], encoded).
+    predecessor: AtomicU64,
+    /// No lease expires after this ([`Store::set_lease_horizon`]; `NO_HORIZON`: none).
+    horizon: AtomicU64,
     min_request_interval: Duration,
     role: Role,
     limits: Limits,
@@ -285,6 +324,8 @@ impl Store {
             config: ArcSwap::from_pointee(config),
             resources: RwLock::new(HashMap::new()),
             master_since: AtomicU64::new(now.as_nanos()),
+            predecessor: AtomicU64::new(Predecessor::Unknown.encode()),
+            horizon: AtomicU64::new(NO_HORIZON),
             min_request_interval,
             role: Role::Root,
             limits: Limits::default(),
@@ -367,8 +408,11 @@ impl Store {
                     resource_id: id.clone(),
                     wants: r.index.total_wants(),
                     bands,
-                    // Clients running on their safe capacity use it as surely as a lease.
-                    handed_out: r.clients.values().map(|l| l.granted).sum::<f64>() + r.reserved,
+                    // What every client is counted as holding (a lower
+                    // server's clients may still hold more than it was last
+                    // granted); clients running on their safe capacity use it
+                    // as surely as a lease.
+                    handed_out: r.index.total_has() + r.reserved,
                 })
             })
             .collect();
@@ -385,11 +429,52 @@ impl Store {
     }
 
     /// Marks the moment this server became master: learning mode starts over
-    /// and everything known about leases is forgotten.
+    /// and everything known about leases is forgotten, the predecessor's
+    /// included (until [`Store::set_predecessor`] says otherwise).
     pub fn become_master(&self) {
         let mut map = self.resources.write().expect("store lock poisoned");
         map.clear();
         self.master_since.store(self.clock.now().as_nanos(), Ordering::Release);
+        self.predecessor.store(Predecessor::Unknown.encode(), Ordering::Release);
+        self.horizon.store(NO_HORIZON, Ordering::Release);
+    }
+
+    /// What this master knows of the leases its predecessor handed out
+    /// (from a record the predecessor kept, see `server::horizon`): learning
+    /// mode lasts only while some of them may still be valid.
+    pub fn set_predecessor(&self, p: Predecessor) {
+        self.predecessor.store(p.encode(), Ordering::Release);
+    }
+
+    fn predecessor(&self) -> Predecessor {
+        Predecessor::decode(self.predecessor.load(Ordering::Acquire))
+    }
+
+    /// No lease handed out from now on expires after `until`: the time this
+    /// master has recorded for its successor as the end of its leases.
+    pub fn set_lease_horizon(&self, until: Option<Time>) {
+        self.horizon.store(until.map_or(NO_HORIZON, Time::as_nanos), Ordering::Release);
+    }
+
+    fn lease_horizon(&self) -> Option<Time> {
+        match self.horizon.load(Ordering::Acquire) {
+            NO_HORIZON => None,
+            n => Some(Time::from_nanos(n)),
+        }
+    }
+
+    /// The longest lease this server may hand out: its configuration's, or a
+    /// parent's algorithm's.
+    pub fn longest_lease(&self) -> Duration {
+        let configured = self.config.load().templates.iter().map(|t| t.algorithm.lease_length).max();
+        let map = self.resources.read().expect("store lock poisoned");
+        let adopted = map
+            .values()
+            .filter_map(|r| {
+                r.lock().expect("resource lock poisoned").parent.as_ref()?.algorithm.as_ref().map(|a| a.lease_length)
+            })
+            .max();
+        configured.max(adopted).unwrap_or(Duration::ZERO)
     }
 
     /// Installs a new configuration. Existing leases stay valid; the next
@@ -425,6 +510,8 @@ impl Store {
                 if let Some(res) = map.get(&req.resource_id) {
                     let mut r = res.lock().expect("resource lock poisoned");
                     r.expire(now);
+                    r.predecessor = self.predecessor();
+                    r.horizon = self.lease_horizon();
                     let learning = r.learning_until(self.master_since(), now, self.role).is_some();
                     return r.decide(client, req, now, learning, self.min_request_interval, self.role);
                 }
@@ -472,6 +559,7 @@ impl Store {
             .map(|(id, res)| {
                 let mut r = res.lock().expect("resource lock poisoned");
                 r.expire(now);
+                r.predecessor = self.predecessor();
                 let until = r.learning_until(self.master_since(), now, self.role);
                 ResourceStatus {
                     id: id.clone(),
@@ -552,6 +640,8 @@ impl Resource {
             learned: false,
             learning_end: None,
             created: Time::from_nanos(0),
+            predecessor: Predecessor::Unknown,
+            horizon: None,
         }
     }
 
@@ -628,6 +718,17 @@ impl Resource {
         if self.learned {
             return None;
         }
+        // Nothing of a predecessor can be outstanding (a fresh deployment, or
+        // its leases have all expired): nothing to learn.
+        let outstanding_until = match self.predecessor {
+            Predecessor::Unknown => None,
+            Predecessor::NoneOutstanding => Some(now),
+            Predecessor::Until(t) => Some(t),
+        };
+        if outstanding_until.is_some_and(|t| now >= t) {
+            self.learned = true;
+            return None;
+        }
         let alg = self.algorithm().clone();
         let mut refresh = alg.refresh_interval;
         if let Role::Intermediate { decay_factor } = role {
@@ -647,7 +748,10 @@ impl Resource {
             }
         }
         let bound = refresh.mul_f64(7.0 / 6.0) + RECONNECT_ALLOWANCE;
-        let until = master_since.saturating_add(alg.learning_mode_duration.min(bound));
+        let mut until = master_since.saturating_add(alg.learning_mode_duration.min(bound));
+        if let Some(t) = outstanding_until {
+            until = until.min(t);
+        }
         if now >= until {
             self.learned = true;
             return None;
@@ -680,6 +784,11 @@ impl Resource {
         for (p, wants, subs) in bands {
             self.by_priority.entry(*p).or_default().upsert(slot, *wants, *subs, has);
         }
+    }
+
+    /// Never beyond the lease horizon this master has recorded.
+    fn cap_expiry(&self, expiry: Time) -> Time {
+        self.horizon.map_or(expiry, |h| expiry.min(h))
     }
 
     /// True when the resource's template names it (not the catch-all), so a
@@ -750,7 +859,7 @@ impl Resource {
         bands: &[(i64, f64, u64)],
     ) -> Grant {
         let slot = self.new_slot(client);
-        let expiry = now.saturating_add(Duration::from_secs(2));
+        let expiry = self.cap_expiry(now.saturating_add(Duration::from_secs(2)));
         self.index.upsert(slot, req.wants, req.subclients, 0.0);
         self.file_bands(slot, bands, 0.0);
         self.expiries.insert((expiry, slot));
@@ -837,7 +946,14 @@ impl Resource {
                 self.remove(client);
             }
         }
-        if capacity.is_none() && !learning && !self.clients.contains_key(client) {
+        // A client that holds nothing, asking while there is nothing to hand
+        // out, is answered so again, and stays known (with its demand) for
+        // two more seconds: were its entry left to lapse, a lower server
+        // whose clients all lapsed at once would have no demand for an
+        // instant and give its own lease back.
+        if capacity.is_none() && !learning && self.clients.get(client).is_none_or(|l| l.granted <= 0.0 && l.has <= 0.0)
+        {
+            self.remove(client);
             return self.nothing_to_hand_out(client, req, now, alg, &bands);
         }
         if let Some(r) = self.reservations.get(client) {
@@ -915,17 +1031,27 @@ impl Resource {
                 let unused = cap - (self.index.total_has() - old_has);
                 held_back = unused < req.wants - 1e-9 && is_shared(alg.kind);
                 let r = algorithm::Request { wants: req.wants, subclients: req.subclients, has: old_has };
-                let granted = if alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind) {
-                    self.strict_priority(cap, &bands, &r)
-                } else {
-                    algorithm::decide(alg.kind, cap, &self.index, &r)
+                let strict = alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind);
+                let decide = |r: &algorithm::Request| {
+                    if strict {
+                        self.strict_priority(cap, &bands, r)
+                    } else {
+                        algorithm::decide(alg.kind, cap, &self.index, r)
+                    }
                 };
+                let mut granted = decide(&r);
                 if held_back {
                     // The share the algorithm would give if nobody held more
                     // than theirs: counting everyone's holdings as this
                     // client's lifts the "never above unused" cap.
-                    let all = algorithm::Request { has: self.index.total_has(), ..r };
-                    let share = algorithm::decide(alg.kind, cap, &self.index, &all);
+                    let share = decide(&algorithm::Request { has: self.index.total_has(), ..r });
+                    // A client keeps what it holds, up to its share: that
+                    // never adds to what is outstanding. When this server's
+                    // own capacity was cut below what its clients hold, each
+                    // of them comes down to its share at its next request,
+                    // instead of the first to ask dropping to nothing while
+                    // the others still hold theirs.
+                    granted = granted.max(old_has.min(share));
                     held_back = granted < share * (1.0 - HELD_BACK_MARGIN) - 1e-9;
                 }
                 granted
@@ -984,6 +1110,7 @@ impl Resource {
             // whole interval). In steady state neither holds.
             refresh = refresh.min(FAST_REFRESH);
         }
+        let expiry = self.cap_expiry(expiry);
         let safe = self.safe_capacity(capacity.unwrap_or(0.0));
         let lease = ClientLease {
             slot,

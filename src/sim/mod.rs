@@ -16,6 +16,7 @@ use crate::clock::{Clock, ManualClock, Time};
 use crate::config::resources::{Algorithm, ResourcesConfig, Template};
 use crate::lease::core::{Action, Capacity, Core, CoreConfig, KeyDemand, OnExpiry};
 use crate::lease::transport::{LocalTransport, Transport};
+use crate::server::horizon;
 use crate::server::parent::{ParentAction, ParentSync, current_link};
 use crate::server::store::Role;
 use crate::server::{Mastership, Node};
@@ -127,6 +128,9 @@ struct SimNode {
     down_until: Option<Time>,
     /// Seeds the links of this node's masters.
     seed: u64,
+    /// Until when its master's leases may be outstanding, as recorded next to
+    /// its election key (see `server::horizon`).
+    record: Option<Time>,
 }
 
 struct SimClient {
@@ -189,7 +193,7 @@ impl Sim {
             prometheus::Registry::new(),
         ));
         net.add("n0", root.clone());
-        nodes.push(SimNode { addr: "n0".into(), node: root, parent: None, down_until: None, seed: 0 });
+        nodes.push(SimNode { addr: "n0".into(), node: root, parent: None, down_until: None, seed: 0, record: None });
         for fanout in &sc.tree {
             let mut next = Vec::new();
             for &p in &level {
@@ -214,10 +218,15 @@ impl Sim {
                         parent: Some((parent_addr, None)),
                         down_until: None,
                         seed: rng.random(),
+                        record: None,
                     });
                 }
             }
             level = next;
+        }
+        // A fresh deployment: no master has recorded anything yet.
+        for n in &nodes {
+            n.node.store.set_predecessor(horizon::outstanding(None, start));
         }
         let mut clients = Vec::new();
         for &leaf in &level {
@@ -365,9 +374,21 @@ impl Sim {
     /// fresh link to its parent under the node's identity and a new epoch.
     fn reelect(&mut self, i: usize) {
         self.nodes[i].seed = self.rng.random();
+        let now = self.clock.now();
         let n = &self.nodes[i].node;
         n.set_mastership(Mastership { is_master: false, master_address: None });
         n.set_mastership(Mastership { is_master: true, master_address: Some(self.nodes[i].addr.clone()) });
+        n.store.set_predecessor(horizon::outstanding(self.nodes[i].record, now));
+        self.record(i);
+    }
+
+    /// Node `i`'s master records its lease horizon, as at each renewal of
+    /// its election lease (here: every step).
+    fn record(&mut self, i: usize) {
+        let node = &self.nodes[i].node;
+        let h = horizon::horizon(self.clock.now(), node.store.longest_lease(), STEP);
+        node.store.set_lease_horizon(Some(h));
+        self.nodes[i].record = Some(h);
     }
 
     fn heal(&mut self) {
@@ -389,6 +410,7 @@ impl Sim {
             if self.nodes[i].down_until.is_some() {
                 continue;
             }
+            self.record(i);
             let now = self.clock.now();
             let seed = self.nodes[i].seed ^ node.store.master_epoch();
             let Some((parent, slot)) = self.nodes[i].parent.as_mut() else { continue };

@@ -309,6 +309,7 @@ pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
     p
 }
 
+pub mod deploy;
 pub mod etcd;
 pub mod faultproxy;
 pub mod load;

@@ -165,6 +165,103 @@ fn a_new_masters_missing_subclients_stay_counted_after_the_predecessors_leases_l
     assert_eq!(s.status()[0].sum_has, 40.0 + 60.0);
 }
 
+fn learning_store(lease: u64, refresh: u64) -> (Store, Arc<crate::clock::ManualClock>) {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, lease, refresh, lease)] };
+    (Store::new(clock, cfg, Duration::ZERO), handle)
+}
+
+#[test]
+fn a_new_master_learns_only_while_a_predecessors_lease_may_be_outstanding() {
+    // Unknown: learning mode for its whole bound (refresh 5 s × 7/6 + 3 s).
+    let (s, _clock) = learning_store(60, 5);
+    s.become_master();
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 0.0, "learning: reports nothing, gets 0");
+    // A fresh deployment (no record): no learning mode at all.
+    let (s, _clock) = learning_store(60, 5);
+    s.become_master();
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 80.0);
+    assert!(!s.status()[0].learning_mode);
+    // A record 4 s ahead: learning ends then, before its bound.
+    let (s, clock) = learning_store(60, 5);
+    s.become_master();
+    s.set_predecessor(Predecessor::Until(clock.now().saturating_add(Duration::from_secs(4))));
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 0.0);
+    assert_eq!(s.status()[0].learning_left_s, 4.0);
+    clock.advance(Duration::from_secs(4));
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 80.0);
+}
+
+#[test]
+fn no_lease_outlives_the_recorded_horizon() {
+    let (s, clock) = learning_store(60, 5);
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    let h = clock.now().saturating_add(Duration::from_secs(20));
+    s.set_lease_horizon(Some(h));
+    assert_eq!(s.get_capacity("a", &req("r", 10.0, None)).expiry, h, "60 s lease cut to the horizon");
+    s.set_lease_horizon(None);
+    let g = s.get_capacity("a", &req("r", 10.0, None));
+    assert_eq!(g.expiry, clock.now().saturating_add(Duration::from_secs(60)));
+    assert_eq!(s.longest_lease(), Duration::from_secs(60));
+}
+
+#[test]
+fn a_cut_capacity_brings_each_client_down_to_its_share_not_to_nothing() {
+    let (s, _clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    assert_eq!(s.get_capacity("a", &req("r", 60.0, None)).capacity, 60.0);
+    assert_eq!(s.get_capacity("b", &req("r", 60.0, None)).capacity, 40.0);
+    s.reload(ResourcesConfig { templates: vec![template(Kind::FairShare, 50.0, 10, 5, 0)] });
+    // Share 25 each; b still holds 40, so nothing is unused for a. It keeps
+    // 25 of its 60 (never more than it held), not the 0 left unused.
+    assert_eq!(s.get_capacity("a", &req("r", 60.0, None)).capacity, 25.0);
+    assert_eq!(s.get_capacity("b", &req("r", 60.0, None)).capacity, 25.0);
+    assert_eq!(s.status()[0].sum_has, 50.0);
+    // A newcomer holding nothing still gets only what is unused.
+    assert_eq!(s.get_capacity("c", &req("r", 60.0, None)).capacity, 0.0);
+}
+
+#[test]
+fn an_intermediate_without_a_parent_lease_keeps_clients_that_hold_nothing_known() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 60, 8, 0)] };
+    let mut s = Store::new(clock, cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    for _ in 0..5 {
+        let g = s.get_capacity("a", &req("r", 30.0, None));
+        assert_eq!((g.capacity, g.expiry), (0.0, handle.now()), "an expired lease: nothing to hand out yet");
+        handle.advance(Duration::from_secs(1));
+        // Its demand stays there for the parent to hear of, without a gap.
+        assert_eq!(s.parent_demand().iter().map(|d| d.wants).sum::<f64>(), 30.0);
+    }
+}
+
+#[test]
+fn an_intermediate_reports_what_its_clients_hold_not_what_it_last_granted() {
+    let (clock, _handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 60, 8, 0)] };
+    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    let lease = |capacity| ParentLease {
+        capacity,
+        expiry: clock.now().saturating_add(Duration::from_secs(60)),
+        refresh_interval: Duration::from_secs(8),
+        algorithm: None,
+        safe_capacity: None,
+        predecessor_subclients: None,
+    };
+    s.get_capacity("leaf#1", &server_req(80.0, 4, None));
+    s.set_parent_lease("r", Some(lease(100.0)));
+    assert_eq!(s.get_capacity("leaf#1", &server_req(80.0, 4, None)).capacity, 80.0);
+    // The parent cuts this server to 40; the leaf is granted 40 but its
+    // clients hold 80 until they refresh: 80 is what is out there.
+    s.set_parent_lease("r", Some(lease(40.0)));
+    assert_eq!(s.get_capacity("leaf#1", &server_req(80.0, 4, Some(80.0))).capacity, 40.0);
+    assert_eq!(s.parent_demand()[0].handed_out, 80.0);
+}
+
 #[test]
 fn reload_applies_the_new_capacity_to_the_next_decision() {
     let (s, _clock) = store(Kind::Static, 100.0, 0, Duration::ZERO);
