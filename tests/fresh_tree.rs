@@ -75,6 +75,6 @@ async fn a_fresh_tree_from_deploy_admits_its_first_request_within_5s() {
         "first request admitted {first:?} after the sidecar started ({refused} refused before)\n{}",
         root.log()
     );
-    assert!(root.log().contains("learning mode skipped") && zone.log().contains("learning mode skipped"));
+    assert!(root.log().contains("no predecessor on record") && zone.log().contains("no predecessor on record"));
     eprintln!("first request admitted {first:?} after the sidecar started; {refused} refused before");
 }

@@ -6,16 +6,19 @@
 //! starts in learning mode (see `store`). But a fresh deployment has no
 //! predecessor, and a master that comes back after every lease has expired has
 //! nothing to learn either; learning then only holds every client at the
-//! lease it reports (0 at a cold start). So every master records in etcd, at
+//! lease it reports (0 at a cold start), or, once clients whose leases lapsed
+//! run on their safe capacity, only needs to hear from them, which takes the
+//! reconnect allowance. So every master records in etcd, at
 //! `<election key>/leases-until`, a time by which every lease it has handed out
 //! or will hand out before its next write has expired: `now + longest lease +
 //! the write interval`, written when it wins the election (before it hands out
 //! anything) and again at every renewal. The store never hands out a lease
 //! expiring after the last time written ([`Store::set_lease_horizon`]), so a
 //! late write shortens leases rather than leaving one uncovered. A new master
-//! that finds no record, or a time already past (allowing [`CLOCK_SKEW`]
-//! between the servers' clocks), skips learning; one that finds a later time
-//! learns until then at the latest.
+//! that finds no record skips learning; one that finds a time already past
+//! (allowing [`CLOCK_SKEW`] between the servers' clocks) learns only for the
+//! reconnect allowance; one that finds a later time learns until then at the
+//! latest.
 //!
 //! [`Store::set_lease_horizon`]: super::store::Store::set_lease_horizon
 
@@ -61,7 +64,9 @@ pub fn predecessor(record: Option<&str>, now: Time) -> Predecessor {
 pub fn outstanding(recorded: Option<Time>, now: Time) -> Predecessor {
     match recorded.map(|t| t.saturating_add(CLOCK_SKEW)) {
         Some(until) if until > now => Predecessor::Until(until),
-        _ => Predecessor::NoneOutstanding,
+        // Leases lapsed: their clients may run on their safe capacity.
+        Some(_) => Predecessor::Lapsed,
+        None => Predecessor::NoneOutstanding,
     }
 }
 
@@ -91,8 +96,9 @@ pub async fn take_over(
 /// Tells the store, once this server is master, what [`take_over`] found and wrote.
 pub fn apply(node: &Node, (before, h): (Predecessor, Time)) {
     match before {
-        Predecessor::NoneOutstanding => {
-            tracing::info!("no lease of a predecessor can be outstanding: learning mode skipped")
+        Predecessor::NoneOutstanding => tracing::info!("no predecessor on record: learning mode skipped"),
+        Predecessor::Lapsed => {
+            tracing::info!("a predecessor's leases have all expired: learning only while clients reconnect")
         }
         Predecessor::Until(t) => {
             tracing::info!(until_unix_s = t.as_secs(), "a predecessor's leases may be outstanding")
@@ -126,7 +132,7 @@ mod tests {
         let now = Time::from_secs(1_800_000_000);
         assert_eq!(predecessor(None, now), Predecessor::NoneOutstanding, "no record: a fresh deployment");
         let passed = encode(now.saturating_sub(CLOCK_SKEW));
-        assert_eq!(predecessor(Some(&passed), now), Predecessor::NoneOutstanding);
+        assert_eq!(predecessor(Some(&passed), now), Predecessor::Lapsed, "expired leases, clients on safe capacity");
         let later = now.saturating_add(Duration::from_secs(30));
         assert_eq!(predecessor(Some(&encode(later)), now), Predecessor::Until(later.saturating_add(CLOCK_SKEW)));
         let just = encode(now.saturating_sub(Duration::from_secs(1)));

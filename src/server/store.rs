@@ -108,9 +108,13 @@ pub struct Grant {
 pub enum Predecessor {
     /// Nothing: it learns for as long as learning mode allows.
     Unknown,
-    /// None of them can still be valid (there was none, or they have
-    /// expired): no learning mode.
+    /// There was none (a fresh deployment): no learning mode.
     NoneOutstanding,
+    /// None can still be valid, but clients whose leases lapsed may run on
+    /// their safe capacity: learning mode lasts [`RECONNECT_ALLOWANCE`],
+    /// while they reconnect (they retry within the lease client's backoff
+    /// cap) and are each counted at that safe capacity.
+    Lapsed,
     /// Some may be valid until then: learning mode ends then at the latest.
     Until(Time),
 }
@@ -121,14 +125,16 @@ impl Predecessor {
     fn encode(self) -> u64 {
         match self {
             Predecessor::Unknown => u64::MAX,
+            Predecessor::Lapsed => u64::MAX - 1,
             Predecessor::NoneOutstanding => 0,
-            Predecessor::Until(t) => t.as_nanos().clamp(1, u64::MAX - 1),
+            Predecessor::Until(t) => t.as_nanos().clamp(1, u64::MAX - 2),
         }
     }
 
     fn decode(v: u64) -> Self {
         match v {
             u64::MAX => Predecessor::Unknown,
+            n if n == u64::MAX - 1 => Predecessor::Lapsed,
             0 => Predecessor::NoneOutstanding,
             n => Predecessor::Until(Time::from_nanos(n)),
         }
@@ -723,6 +729,7 @@ impl Resource {
         let outstanding_until = match self.predecessor {
             Predecessor::Unknown => None,
             Predecessor::NoneOutstanding => Some(now),
+            Predecessor::Lapsed => Some(master_since.saturating_add(RECONNECT_ALLOWANCE)),
             Predecessor::Until(t) => Some(t),
         };
         if outstanding_until.is_some_and(|t| now >= t) {

@@ -191,6 +191,15 @@ fn a_new_master_learns_only_while_a_predecessors_lease_may_be_outstanding() {
     assert_eq!(s.status()[0].learning_left_s, 4.0);
     clock.advance(Duration::from_secs(4));
     assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 80.0);
+    // A record already past: no lease is outstanding, but clients on their
+    // safe capacity reconnect; learning lasts the reconnect allowance.
+    let (s, clock) = learning_store(60, 5);
+    s.become_master();
+    s.set_predecessor(Predecessor::Lapsed);
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 0.0);
+    assert_eq!(s.status()[0].learning_left_s, RECONNECT_ALLOWANCE.as_secs_f64());
+    clock.advance(RECONNECT_ALLOWANCE);
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 80.0);
 }
 
 #[test]
