@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use support::load::{Tally, drive};
-use support::upstream::{Upstream, get, h1, send1};
+use support::upstream::{Upstream, get, h1, routes, send1};
 use support::{Usher, free_port, http_get, write_file};
 
 /// These tests measure rates in real time: run them one at a time so they
@@ -24,13 +24,6 @@ fn start_server(dir: &Path, name: &str, config: &str, port: u16) -> Usher {
 fn start_proxy(dir: &Path, name: &str, routes: &str) -> Usher {
     let p = write_file(dir, &format!("{name}.yaml"), routes);
     Usher::proxy(&p)
-}
-
-fn routes(upstream: &Upstream, doorman: &str, resource: &str) -> String {
-    format!(
-        "{doorman}upstreams:\n  up: {{ url: \"http://{}\" }}\nresources:\n  api:\n{resource}routes:\n  - name: all\n    match: {{ path_prefix: / }}\n    upstream: up\n    resources: [api]\n",
-        upstream.addr
-    )
 }
 
 fn status(u: &Usher) -> serde_json::Value {
