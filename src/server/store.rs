@@ -86,7 +86,7 @@ pub const RECONNECT_ALLOWANCE: Duration = Duration::from_secs(3);
 /// grant was cut to what others leave unused, or the resource is new.
 pub const FAST_REFRESH: Duration = Duration::from_secs(1);
 /// A grant this much below the client's share counts as held back.
-pub const HELD_BACK_MARGIN: f64 = 0.1;
+pub const HELD_BACK_MARGIN: f64 = 0.03;
 
 /// The answer for one resource.
 #[derive(Debug, Clone)]
