@@ -91,10 +91,14 @@ pub async fn run(
     // (etcd restarted the lease's TTL no earlier than that), and when to try next.
     let mut lease: Option<(i64, Time)> = None;
     let mut next_try: Option<Time> = None;
+    // The first campaign goes at once: a fresh tree (etcd, servers and
+    // sidecars started together) waited a whole poll (2 s) for its masters.
+    let mut campaigned = false;
     loop {
         let wait = match (lease, next_try) {
             (Some(_), Some(at)) => at.since(clock.now()),
             (Some((_, renewed)), None) => (renewed.saturating_add(renew_every)).since(clock.now()),
+            (None, _) if !campaigned => Duration::ZERO,
             (None, _) => poll,
         };
         tokio::select! {
@@ -157,7 +161,10 @@ pub async fn run(
                     next_try = Some(if soon < deadline { soon } else { deadline });
                 }
             }
-            None => match follow_or_campaign(&etcd, &key, &me, ttl, &clock).await {
+            None => match {
+                campaigned = true;
+                follow_or_campaign(&etcd, &key, &me, ttl, &clock).await
+            } {
                 Ok(Outcome::Won { lease: id, revision, at }) => {
                     // Before acting as master: what the predecessor may have
                     // left outstanding, and a record covering this master's leases.
