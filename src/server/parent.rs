@@ -95,6 +95,10 @@ pub struct ParentSync {
     demand: HashMap<String, (Vec<Band>, f64)>,
     /// The wants of each resource in the last request sent.
     sent: HashMap<String, f64>,
+    /// The subclients of each resource in the last request sent, and in the
+    /// one the current lease answers.
+    sent_subclients: HashMap<String, u64>,
+    answered_subclients: HashMap<String, u64>,
 }
 
 /// Demand this many times the last request's asks for an early refresh.
@@ -116,7 +120,14 @@ impl ParentSync {
         if let Some(s) = seed {
             cfg.seed = s;
         }
-        ParentSync { core: Core::new(cfg, now), extras: HashMap::new(), demand: HashMap::new(), sent: HashMap::new() }
+        ParentSync {
+            core: Core::new(cfg, now),
+            extras: HashMap::new(),
+            demand: HashMap::new(),
+            sent: HashMap::new(),
+            sent_subclients: HashMap::new(),
+            answered_subclients: HashMap::new(),
+        }
     }
 
     /// Reads the store's demand, hands the current leases to it, and says what to do.
@@ -153,6 +164,10 @@ impl ParentSync {
                     self.sent.insert(r.resource_id.clone(), r.wants);
                 }
                 let req = server_request(&request, &self.demand, now);
+                for r in &req.resource {
+                    let n = r.wants.iter().map(|b| b.num_clients.max(0) as u64).sum();
+                    self.sent_subclients.insert(r.resource_id.clone(), n);
+                }
                 ParentAction::Refresh(target, req)
             }
         }
@@ -171,6 +186,9 @@ impl ParentSync {
             for rr in &resp.response {
                 let (algorithm, predecessor) = rr.algorithm.as_ref().map_or((None, None), algorithm_from_wire);
                 self.extras.insert(rr.resource_id.clone(), (algorithm, rr.safe_capacity, predecessor));
+                if let Some(n) = self.sent_subclients.get(&rr.resource_id) {
+                    self.answered_subclients.insert(rr.resource_id.clone(), *n);
+                }
             }
             client_response(resp)
         });
@@ -205,6 +223,7 @@ impl ParentSync {
                     algorithm,
                     safe_capacity,
                     predecessor_subclients,
+                    answered_subclients: self.answered_subclients.get(&d.resource_id).copied(),
                 }
             });
             node.store.set_parent_lease(&d.resource_id, lease);

@@ -188,6 +188,8 @@ pub struct ParentLease {
     pub safe_capacity: Option<f64>,
     /// What the parent said of this node's previous master (see [`PREDECESSOR_PARAMETER`]).
     pub predecessor_subclients: Option<u64>,
+    /// The subclients this server reported in the request the lease answers.
+    pub answered_subclients: Option<u64>,
 }
 
 /// One resource's demand, as an intermediate server reports it to its parent.
@@ -743,8 +745,14 @@ impl Resource {
                 // Nothing to hand out yet: hand back what clients hold.
                 None => return Some(now.saturating_add(Duration::from_secs(1))),
                 Some(p) => {
+                    // Every predecessor subclient is back, and the parent's
+                    // lease counts them all: ending sooner shared a lease
+                    // sized for the first to come back (one of two clients
+                    // of tests/tree_failover.rs at 13 of its 20 for a second).
                     match p.predecessor_subclients {
-                        Some(n) if self.index.total_subclients() >= n => {
+                        Some(n)
+                            if self.index.total_subclients() >= n && p.answered_subclients.is_some_and(|a| a >= n) =>
+                        {
                             self.learned = true;
                             return None;
                         }

@@ -260,6 +260,7 @@ fn an_intermediate_reports_what_its_clients_hold_not_what_it_last_granted() {
         algorithm: None,
         safe_capacity: None,
         predecessor_subclients: None,
+        answered_subclients: None,
     };
     s.get_capacity("leaf#1", &server_req(80.0, 4, None));
     s.set_parent_lease("r", Some(lease(100.0)));
