@@ -105,6 +105,7 @@ pub async fn run(
             _ = shutdown.cancelled() => break,
             _ = tokio::time::sleep(wait) => {}
         }
+        campaigned |= lease.is_none();
         match lease {
             Some((id, renewed)) => {
                 let sent = clock.now();
@@ -161,10 +162,7 @@ pub async fn run(
                     next_try = Some(if soon < deadline { soon } else { deadline });
                 }
             }
-            None => match {
-                campaigned = true;
-                follow_or_campaign(&etcd, &key, &me, ttl, &clock).await
-            } {
+            None => match follow_or_campaign(&etcd, &key, &me, ttl, &clock).await {
                 Ok(Outcome::Won { lease: id, revision, at }) => {
                     // Before acting as master: what the predecessor may have
                     // left outstanding, and a record covering this master's leases.
