@@ -40,6 +40,21 @@ pub struct DemoArgs {
     /// Draw each sidecar's lease and admitted rate over time to this PNG file.
     #[arg(long, value_name = "FILE.png")]
     pub plot: Option<std::path::PathBuf>,
+    /// Print the summary as one JSON object (no live table).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What `usher demo --json` prints.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DemoReport {
+    pub capacity_per_s: f64,
+    pub sidecars: Vec<SidecarSummary>,
+    /// Requests that reached the upstream (admitted by all sidecars together)
+    /// in each whole second of load.
+    pub admitted_each_second: Vec<u64>,
+    /// The fewest admitted in any second after the first.
+    pub min_admitted_after_first_second: u64,
 }
 
 /// One sidecar's figures over the run.
@@ -58,7 +73,11 @@ fn free_addr() -> Result<SocketAddr, RunError> {
     l.local_addr().map_err(|e| RunError::Other(e.to_string()))
 }
 
-async fn upstream(shutdown: CancellationToken) -> Result<SocketAddr, RunError> {
+/// When each request reached the upstream: what the sidecars admitted, timed
+/// where it lands rather than when its answer gets back to the load.
+type Arrivals = Arc<std::sync::Mutex<Vec<Instant>>>;
+
+async fn upstream(shutdown: CancellationToken, arrivals: Arrivals) -> Result<SocketAddr, RunError> {
     let listener = TcpListener::bind("127.0.0.1:0").await.map_err(|e| RunError::Other(e.to_string()))?;
     let addr = listener.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
     tokio::spawn(async move {
@@ -67,11 +86,15 @@ async fn upstream(shutdown: CancellationToken) -> Result<SocketAddr, RunError> {
                 _ = shutdown.cancelled() => return,
                 a = listener.accept() => match a { Ok(a) => a, Err(_) => continue },
             };
+            let arrivals = arrivals.clone();
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(|_req| async {
-                    Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(
-                        b"hello from the upstream\n",
-                    ))))
+                let svc = hyper::service::service_fn(move |_req| {
+                    arrivals.lock().expect("arrivals lock").push(Instant::now());
+                    async {
+                        Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(
+                            b"hello from the upstream\n",
+                        ))))
+                    }
                 });
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(stream), svc)
@@ -147,15 +170,17 @@ async fn lease_of(admin: SocketAddr) -> (f64, f64) {
     (k["wants"].as_f64().unwrap_or(0.0), k["has"].as_f64().unwrap_or(0.0))
 }
 
-/// Per second: (t, per sidecar (lease, admitted/s)).
+/// Per second: (t, per sidecar (lease, admitted in that second)).
 type History = Vec<(f64, Vec<(f64, f64)>)>;
 
-/// Runs the demo and returns the per-sidecar summary and history.
-pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History), RunError> {
+/// Runs the demo and returns the per-sidecar summary, the history and the
+/// requests that reached the upstream in each whole second.
+pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History, Vec<u64>), RunError> {
     // The sidecars stop first, so they can release their leases to a server still running.
     let shutdown = CancellationToken::new();
     let sidecars_stop = CancellationToken::new();
-    let up = upstream(shutdown.clone()).await?;
+    let arrivals: Arrivals = Arc::default();
+    let up = upstream(shutdown.clone(), arrivals.clone()).await?;
     let server = capacity_server(shutdown.clone()).await?;
     let dir = std::env::temp_dir().join(format!("usher-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| RunError::Other(format!("cannot create {}: {e}", dir.display())))?;
@@ -191,7 +216,7 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History),
     for ((_, offered, listen, _, _), c) in sidecars.iter().zip(&counts) {
         tokio::spawn(load(*listen, *offered, until, c.clone()));
     }
-    if !args.quiet {
+    if !args.quiet && !args.json {
         println!(
             "usher demo: 3 sidecars share one resource of {CAPACITY}/s (FAIR_SHARE) from a capacity server on {server};\n\
              they offer {}/s, {}/s and {}/s to an upstream on {up}. Ctrl-C stops early.\n",
@@ -201,14 +226,20 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History),
     let mut last: Vec<(u64, u64)> = vec![(0, 0); sidecars.len()];
     let mut summary = Vec::new();
     let mut history: History = Vec::new();
-    while Instant::now() < until {
-        tokio::time::sleep(Duration::from_secs(1)).await;
+    // One reading per whole second of load, on the second.
+    let seconds = args.duration.as_secs();
+    let mut tick = tokio::time::interval_at((start + Duration::from_secs(1)).into(), Duration::from_secs(1));
+    for _ in 0..seconds {
+        tick.tick().await;
         let mut lines = Vec::new();
         let mut total_has = 0.0;
         let mut point = Vec::new();
+        // The counts first, all at once, then the slower status reads.
+        let now: Vec<(u64, u64)> =
+            counts.iter().map(|c| (c.ok.load(Ordering::Relaxed), c.refused.load(Ordering::Relaxed))).collect();
         for (i, (name, offered, _, admin, _)) in sidecars.iter().enumerate() {
             let (wants, has) = lease_of(*admin).await;
-            let (ok, refused) = (counts[i].ok.load(Ordering::Relaxed), counts[i].refused.load(Ordering::Relaxed));
+            let (ok, refused) = now[i];
             let (d_ok, d_ref) = (ok - last[i].0, refused - last[i].1);
             last[i] = (ok, refused);
             total_has += has;
@@ -216,7 +247,7 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History),
             lines.push(format!("  {name:<10} {offered:>8.0} {wants:>8.1} {has:>8.1} {d_ok:>12} {d_ref:>11}"));
         }
         history.push((start.elapsed().as_secs_f64(), point));
-        if !args.quiet {
+        if !args.quiet && !args.json {
             println!(
                 "t={:>3.0}s      offered    wants      has   admitted/s   refused/s",
                 start.elapsed().as_secs_f64()
@@ -227,14 +258,14 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History),
             println!("  {:<10} {:>8} {:>8} {total_has:>8.1}   (capacity {CAPACITY})\n", "total", "", "");
         }
     }
-    let secs = start.elapsed().as_secs_f64();
+    let secs = seconds.max(1) as f64;
     for (i, (name, offered, _, admin, _)) in sidecars.iter().enumerate() {
         let (_, has) = lease_of(*admin).await;
         summary.push(SidecarSummary {
             name: name.clone(),
             offered_per_s: *offered,
-            admitted_per_s: counts[i].ok.load(Ordering::Relaxed) as f64 / secs,
-            refused_per_s: counts[i].refused.load(Ordering::Relaxed) as f64 / secs,
+            admitted_per_s: last[i].0 as f64 / secs,
+            refused_per_s: last[i].1 as f64 / secs,
             has,
         });
     }
@@ -244,15 +275,32 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History),
     }
     shutdown.cancel();
     let _ = std::fs::remove_dir_all(&dir);
-    Ok((summary, history))
+    let mut each_second = vec![0; seconds as usize];
+    for t in arrivals.lock().expect("arrivals lock").iter().filter(|t| **t >= start) {
+        if let Some(n) = each_second.get_mut(t.duration_since(start).as_secs() as usize) {
+            *n += 1;
+        }
+    }
+    Ok((summary, history, each_second))
 }
 
 /// `usher demo`.
 pub async fn run(args: DemoArgs, shutdown: CancellationToken) -> Result<(), RunError> {
-    let (summary, history) = tokio::select! {
+    let (summary, history, admitted_each_second) = tokio::select! {
         s = run_demo(&args) => s?,
         _ = shutdown.cancelled() => return Ok(()),
     };
+    let min_after_first = admitted_each_second.iter().skip(1).copied().min().unwrap_or(0);
+    if args.json {
+        let report = DemoReport {
+            capacity_per_s: CAPACITY,
+            sidecars: summary,
+            admitted_each_second,
+            min_admitted_after_first_second: min_after_first,
+        };
+        println!("{}", serde_json::to_string_pretty(&report).expect("report serialises"));
+        return Ok(());
+    }
     if let Some(path) = &args.plot {
         let colors = [[30, 150, 60], [40, 90, 200], [200, 120, 20]];
         let mut series = vec![crate::plot::Series {
@@ -283,8 +331,13 @@ pub async fn run(args: DemoArgs, shutdown: CancellationToken) -> Result<(), RunE
     }
     println!("  {:<10} {:>10} {:>12.1}   (never above the capacity plus bursts)", "total", "", total);
     println!(
-        "Each sidecar asks for its measured demand plus 10% headroom; the server shares the capacity max-min\n\
-         fairly, so the lightest sidecar gets what it asks for and the others split the rest evenly."
+        "  admitted each second after the first: at least {min_after_first} of {CAPACITY} ({:?})",
+        &admitted_each_second[1.min(admitted_each_second.len())..]
+    );
+    println!(
+        "Each sidecar asks for its measured demand plus 10% headroom (1% once its demand holds steady);\n\
+         the server shares the capacity max-min fairly, so the lightest sidecar gets what it asks for and\n\
+         the others split the rest evenly."
     );
     Ok(())
 }

@@ -95,7 +95,19 @@ fn the_readme_sim_commands_work() {
     keys.sort();
     assert_eq!(
         keys,
-        ["convergence_s", "fairness", "max_overshoot", "mean_overshoot_when_over", "shortfall_events", "utilisation"],
+        [
+            "convergence_mean_s",
+            "convergence_worst_s",
+            "fairness",
+            "max_overshoot",
+            "mean_overshoot_when_over",
+            "mishaps",
+            "rpcs_per_s",
+            "shortfall_events",
+            "startup_s",
+            "startup_utilisation",
+            "utilisation"
+        ],
         "exactly the report's keys"
     );
     assert!(std::fs::read_to_string(&csv).unwrap().starts_with("t_s,capacity,total_wants,total_has"));

@@ -27,3 +27,27 @@ fn the_demo_shares_one_capacity_among_three_sidecars() {
     assert!(out.contains("summary over 6s"), "{out}");
     assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG", "the plot is a PNG");
 }
+
+/// Issue 14: after the first second the three sidecars together admit at
+/// least 97% of the capacity every second (counted where requests reach the
+/// upstream), and never more than the capacity plus a burst.
+#[test]
+fn the_demo_keeps_the_capacity_in_use_every_second_after_the_first() {
+    let (code, out, err) = support::run_usher(&["demo", "--duration", "10s", "--json"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let capacity = report["capacity_per_s"].as_f64().unwrap();
+    let seconds: Vec<u64> =
+        report["admitted_each_second"].as_array().unwrap().iter().map(|n| n.as_u64().unwrap()).collect();
+    assert_eq!(seconds.len(), 10, "{out}");
+    let min_after_first = report["min_admitted_after_first_second"].as_u64().unwrap();
+    assert_eq!(min_after_first, *seconds[1..].iter().min().unwrap(), "{out}");
+    assert!(
+        min_after_first as f64 >= 0.97 * capacity,
+        "a second after the first below 97% of {capacity}/s: {seconds:?}"
+    );
+    // The burst of 5 each sidecar may spend at once, on top of the rate.
+    for (i, n) in seconds.iter().enumerate() {
+        assert!(*n as f64 <= capacity + 3.0 * 5.0, "second {i} admitted {n} over {capacity}/s: {seconds:?}");
+    }
+}

@@ -57,10 +57,16 @@ async fn three_servers_elect_one_master_and_fail_over() {
     );
     let master = members.iter().position(|(u, _)| u.is_master()).unwrap();
 
-    // Any member answers Discovery with the master; a follower redirects capacity requests.
+    // Any member answers Discovery with the master (once it has read the
+    // election key: followers poll it); a follower redirects capacity requests.
     let follower = (master + 1) % 3;
     let mut c = CapacityClient::connect(format!("http://{}", addrs[follower])).await.unwrap();
-    let d = c.discovery(proto::DiscoveryRequest {}).await.unwrap().into_inner();
+    let mut d = c.discovery(proto::DiscoveryRequest {}).await.unwrap().into_inner();
+    let until = Instant::now() + Duration::from_secs(5);
+    while d.mastership.master_address.is_none() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        d = c.discovery(proto::DiscoveryRequest {}).await.unwrap().into_inner();
+    }
     assert!(!d.is_master);
     assert_eq!(d.mastership.master_address.as_deref(), Some(addrs[master].as_str()));
     let r = c
@@ -110,9 +116,17 @@ async fn three_servers_elect_one_master_and_fail_over() {
         "the sidecar follows the new master: {:?}",
         client.status()
     );
-    let (_, body) = http_get(members[new_master].0.addr("admin"), "/debug/resources?resource=api&format=json");
-    let leases: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(leases["leases"][0]["has"], 40.0, "learning mode handed has back: {body}");
+    // Its refresh reaches the new master right after it learned the address.
+    let has_at_new_master = || {
+        let (_, body) = http_get(members[new_master].0.addr("admin"), "/debug/resources?resource=api&format=json");
+        serde_json::from_str::<serde_json::Value>(&body).ok().map(|v| v["leases"][0]["has"].clone())
+    };
+    assert_eventually!(
+        has_at_new_master() == Some(serde_json::json!(40.0)),
+        Duration::from_secs(5),
+        "learning mode handed has back: {:?}",
+        has_at_new_master()
+    );
     let seen = recorder.seen.lock().unwrap().clone();
     let dropped: Vec<_> = seen.iter().filter(|(t, c)| *t > leased_at && *c != Capacity::Limited(40.0)).collect();
     assert!(dropped.is_empty(), "the sidecar kept enforcing its lease throughout: {dropped:?}");

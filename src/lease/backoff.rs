@@ -9,6 +9,14 @@ use std::time::Duration;
 
 use rand::Rng;
 
+/// Default `backoff.max`: short, so that clients cut off by a failover are
+/// back within a few seconds of a new master; the jitter keeps a fleet that
+/// failed together from retrying together.
+pub const DEFAULT_MAX: Duration = Duration::from_secs(2);
+/// How long a permanent error (the server refused the request itself) waits
+/// before the same request is tried again.
+pub const PERMANENT_RETRY: Duration = Duration::from_secs(15);
+
 /// Backoff parameters; the defaults are documented in the README.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BackoffConfig {
@@ -25,7 +33,7 @@ impl Default for BackoffConfig {
     fn default() -> Self {
         BackoffConfig {
             initial: Duration::from_millis(500),
-            max: Duration::from_secs(30),
+            max: DEFAULT_MAX,
             multiplier: 1.5,
             randomization: 0.3,
             down_multiplier: 0.5,
@@ -95,13 +103,13 @@ mod tests {
         let d1 = b.on_failure(&mut rng);
         assert!(d1 >= Duration::from_millis(350) && d1 <= Duration::from_millis(650), "{d1:?}");
         for _ in 0..30 {
-            assert!(b.on_failure(&mut rng) <= Duration::from_secs(30));
+            assert!(b.on_failure(&mut rng) <= DEFAULT_MAX);
         }
-        assert_eq!(b.current(), Some(Duration::from_secs(30)));
+        assert_eq!(b.current(), Some(DEFAULT_MAX));
         for _ in 0..3 {
             b.on_success();
         }
-        assert_eq!(b.current(), Some(Duration::from_secs(15)), "three successes halve the delay");
+        assert_eq!(b.current(), Some(DEFAULT_MAX / 2), "three successes halve the delay");
         for _ in 0..30 {
             b.on_success();
         }

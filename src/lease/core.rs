@@ -16,6 +16,15 @@ use super::backoff::{Backoff, BackoffConfig, jitter};
 use crate::clock::Time;
 use crate::proto;
 
+/// A key whose `wants` is this much below its lease gives the rest back
+/// early (see [`Core::set_demand`]).
+pub const GIVE_BACK: f64 = 0.05;
+
+/// A lease to refresh this soon says the server expects to have more for the
+/// key shortly (usher hands a client 1 s when others still hold its share):
+/// early asks do not back off (see [`Core::set_demand`]).
+pub const SOON: Duration = Duration::from_secs(1);
+
 /// What a key may use once its lease has expired (or before the first one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -78,7 +87,8 @@ pub struct KeyDemand {
     pub on_expiry: OnExpiry,
     /// Used in safe mode when the server sent none.
     pub safe_capacity: Option<f64>,
-    /// Refusals or queued requests show demand above the lease: refresh early.
+    /// Refusals or queued requests show demand above what the key may use:
+    /// with `wants` above the lease, refresh early (see [`Core::set_demand`]).
     pub pressure: bool,
 }
 
@@ -104,6 +114,13 @@ struct KeyState {
     last_error: Option<String>,
     /// The lease came from the on-disk cache and no answer has replaced it yet.
     cached: bool,
+    /// The demand is away from the lease: it asks early (see [`Core::set_demand`]).
+    away: bool,
+    /// How long after the last request it asks again while away
+    /// (`Duration::MAX`: not before its refresh is due).
+    early_wait: Duration,
+    /// The lease it held when a request went out while it was away.
+    asked_with: Option<f64>,
 }
 
 impl KeyState {
@@ -293,6 +310,9 @@ impl Core {
                 mode: Mode::Leased,
                 last_error: None,
                 cached: true,
+                away: false,
+                early_wait: self.cfg.min_interval,
+                asked_with: None,
             },
         );
     }
@@ -304,8 +324,16 @@ impl Core {
         self.next_refresh = now.saturating_add(d);
     }
 
-    /// Replaces the demand. New keys (and pressure) ask for an early refresh;
-    /// keys that disappeared are released.
+    /// Replaces the demand. New keys ask for a refresh at once; keys that
+    /// disappeared are released. A key whose demand is away from its lease
+    /// asks early (after the minimum interval): under pressure with `wants`
+    /// above the lease (it may get more), or with `wants` more than
+    /// [`GIVE_BACK`] below it (what it holds idle goes to others sooner). An
+    /// early ask whose answer did not move the lease towards `wants` (the
+    /// server had nothing more, or learns) doubles the wait for the next
+    /// one, unless the server asked to hear from it within [`SOON`], and
+    /// past the refresh interval the key waits for its refresh: in a steady
+    /// overload the request rate is the one the server asks for.
     pub fn set_demand(&mut self, demand: Vec<KeyDemand>) {
         let mut fresh: BTreeMap<String, KeyDemand> = demand.into_iter().map(|d| (d.resource_id.clone(), d)).collect();
         let gone: Vec<String> = self.keys.keys().filter(|k| !fresh.contains_key(*k)).cloned().collect();
@@ -313,12 +341,18 @@ impl Core {
             self.keys.remove(&k);
             self.to_release.push(k);
         }
+        let min = self.cfg.min_interval;
         for (id, d) in std::mem::take(&mut fresh) {
-            if d.pressure {
-                self.early = true;
-            }
             match self.keys.get_mut(&id) {
-                Some(k) => k.demand = d,
+                Some(k) => {
+                    let lease = k.lease.filter(|_| k.mode == Mode::Leased).map(|l| l.capacity);
+                    k.away = lease
+                        .is_some_and(|c| (d.pressure && d.wants > c + 1e-9) || d.wants < c * (1.0 - GIVE_BACK) - 1e-9);
+                    if !k.away {
+                        k.early_wait = min;
+                    }
+                    k.demand = d;
+                }
                 None => {
                     self.early = true;
                     self.to_release.retain(|r| *r != id);
@@ -331,6 +365,9 @@ impl Core {
                             mode: Mode::Pending,
                             last_error: None,
                             cached: false,
+                            away: false,
+                            early_wait: self.cfg.min_interval,
+                            asked_with: None,
                         },
                     );
                 }
@@ -391,7 +428,12 @@ impl Core {
             };
         }
         let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(self.cfg.min_interval));
-        let due = if self.early { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
+        let mut due = if self.early { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
+        if let Some(last) = self.last_request {
+            for k in self.keys.values().filter(|k| k.away) {
+                due = due.min(last.saturating_add(k.early_wait).max(earliest_allowed).max(now));
+            }
+        }
         if self.keys.is_empty() || now < due {
             return Action::Wait {
                 until: if self.keys.is_empty() { now.saturating_add(Duration::from_secs(3600)) } else { due },
@@ -400,6 +442,9 @@ impl Core {
         self.in_flight = true;
         self.early = false;
         self.last_request = Some(now);
+        for k in self.keys.values_mut() {
+            k.asked_with = k.away.then(|| k.lease.map_or(0.0, |l| l.capacity));
+        }
         Action::Refresh { target, request: self.request(now) }
     }
 
@@ -431,7 +476,7 @@ impl Core {
         // A permanent error is not retried in a tight loop: wait at least a full backoff step.
         let delay = self.backoff.on_failure(&mut self.rng);
         let delay = match err {
-            CallError::Permanent(_) => delay.max(self.cfg.backoff.max / 2),
+            CallError::Permanent(_) => delay.max(super::backoff::PERMANENT_RETRY),
             CallError::Transient(_) => delay,
         };
         self.next_refresh = now.saturating_add(delay);
@@ -503,6 +548,18 @@ impl Core {
                 refresh_interval: Duration::from_secs(r.gets.refresh_interval.max(1) as u64),
             };
             k.server_safe = r.safe_capacity.filter(|s| s.is_finite());
+            if let Some(before) = k.asked_with.take() {
+                let w = k.demand.wants;
+                let moved = (w - lease.capacity).abs() < (w - before).abs() - 1e-9;
+                k.early_wait = if moved || lease.refresh_interval <= SOON {
+                    self.cfg.min_interval
+                } else {
+                    match k.early_wait.saturating_mul(2).max(self.cfg.min_interval) {
+                        w if w >= lease.refresh_interval => Duration::MAX,
+                        w => w,
+                    }
+                };
+            }
             k.lease = Some(lease);
             k.cached = false;
             k.last_error = None;

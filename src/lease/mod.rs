@@ -4,12 +4,14 @@
 //!
 //! [`core`] is the sans-I/O state machine (refresh schedule with jitter,
 //! discovery and failover, backoff, expiry modes); [`driver`] runs it against
-//! a [`transport`] in real time; [`cache`] keeps leases across restarts.
+//! a [`transport`] in real time; [`cache`] keeps leases across restarts;
+//! [`headroom`] sizes the margin over a measured rate.
 
 pub mod backoff;
 pub mod cache;
 pub mod core;
 pub mod driver;
+pub mod headroom;
 pub mod transport;
 
 pub use self::core::{Capacity, CoreConfig, KeyDemand, Mode, OnExpiry};

@@ -42,6 +42,7 @@ struct KeyMemory {
     refused: u64,
     /// Last time the key saw an arrival or had a request in flight.
     active: Option<(Time, f64)>,
+    headroom: crate::lease::headroom::Headroom,
 }
 
 /// The sidecar as the lease client sees it: its lease table, pushback, and
@@ -110,7 +111,8 @@ impl TableEnforcer {
                             (Some((t0, a0)), Some((t1, a1)))
                                 if total > 0.0 && t1.since(*t0) >= Duration::from_millis(500) =>
                             {
-                                Some((a1 - a0) / t1.since(*t0).as_secs_f64() * settings.headroom)
+                                let rate = (a1 - a0) / t1.since(*t0).as_secs_f64();
+                                Some(rate * m.headroom.factor(now, rate, pressure_signal, settings.headroom))
                             }
                             _ => None,
                         }

@@ -7,7 +7,8 @@
 //! steps down when half the TTL has passed since its last renewal — before
 //! etcd can expire the key and let another server win — so two masters never
 //! hand out capacity at once. A new master starts with empty state in
-//! learning mode. On shutdown the master deletes its key at once.
+//! learning mode, for as long as its predecessor's leases may be outstanding
+//! (see `horizon`). On shutdown the master deletes its key at once.
 //!
 //! The deadline is counted from when the last successful renewal was *sent*
 //! (etcd restarted the TTL no earlier), and a renewal that hangs is abandoned
@@ -23,7 +24,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use super::etcd::{Claim, Etcd};
-use super::{Mastership, Node};
+use super::{Mastership, Node, horizon};
 use crate::clock::{Clock, Time};
 
 /// Default `--election-ttl`.
@@ -90,22 +91,34 @@ pub async fn run(
     // (etcd restarted the lease's TTL no earlier than that), and when to try next.
     let mut lease: Option<(i64, Time)> = None;
     let mut next_try: Option<Time> = None;
+    // The first campaign goes at once: a fresh tree (etcd, servers and
+    // sidecars started together) waited a whole poll (2 s) for its masters.
+    let mut campaigned = false;
     loop {
         let wait = match (lease, next_try) {
             (Some(_), Some(at)) => at.since(clock.now()),
             (Some((_, renewed)), None) => (renewed.saturating_add(renew_every)).since(clock.now()),
+            (None, _) if !campaigned => Duration::ZERO,
             (None, _) => poll,
         };
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = tokio::time::sleep(wait) => {}
         }
+        campaigned |= lease.is_none();
         match lease {
             Some((id, renewed)) => {
                 let sent = clock.now();
                 let renew = async {
                     match etcd.keep_alive(id).await {
-                        Ok(left) if left > 0 => matches!(etcd.get(&key).await, Ok(Some(v)) if v == me),
+                        Ok(left) if left > 0 => {
+                            let still = matches!(etcd.get(&key).await, Ok(Some(v)) if v == me);
+                            if still && let Err(e) = horizon::renew(&etcd, &key, &node, &clock, renew_every).await {
+                                // Leases now end at the last time recorded.
+                                tracing::warn!(error = %e, "cannot record until when leases may be outstanding");
+                            }
+                            still
+                        }
                         Ok(_) => false,
                         Err(e) => {
                             election.set(|s| s.last_error = Some(e.to_string()));
@@ -151,8 +164,24 @@ pub async fn run(
             }
             None => match follow_or_campaign(&etcd, &key, &me, ttl, &clock).await {
                 Ok(Outcome::Won { lease: id, revision, at }) => {
-                    tracing::info!(key = %key, server_id = %me, lease_id = id, revision, "won the election: now master (learning mode starts)");
+                    // Before acting as master: what the predecessor may have
+                    // left outstanding, and a record covering this master's leases.
+                    let record = match horizon::take_over(&etcd, &key, &node, &clock, renew_every).await {
+                        Ok(r) => r,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "won the election but cannot record the lease horizon; giving the claim up");
+                            election.set(|s| s.last_error = Some(e.to_string()));
+                            let give_up = async {
+                                let _ = etcd.delete_if(&key, &me).await;
+                                let _ = etcd.revoke(id).await;
+                            };
+                            let _ = tokio::time::timeout(Duration::from_secs(2), give_up).await;
+                            continue;
+                        }
+                    };
+                    tracing::info!(key = %key, server_id = %me, lease_id = id, revision, "won the election: now master");
                     node.set_mastership(Mastership { is_master: true, master_address: Some(me.clone()) });
+                    horizon::apply(&node, record);
                     election.set(|s| {
                         s.state = "master";
                         s.lease_id = Some(id);

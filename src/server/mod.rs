@@ -6,6 +6,7 @@
 
 pub mod election;
 pub mod etcd;
+pub mod horizon;
 mod local;
 pub mod metrics;
 pub mod parent;
@@ -65,6 +66,11 @@ pub struct ServerArgs {
     /// parent node; Discovery finds its master). Without it, this is a root server.
     #[arg(long, env = "USHER_PARENT", value_name = "ADDR[,ADDR...]", value_delimiter = ',')]
     pub parent: Vec<String>,
+    /// The identity every replica of this node shares towards its parent, so that a new master
+    /// takes over its predecessor's lease there [default: with --etcd-endpoints, the election key
+    /// and the endpoints; else the server id].
+    #[arg(long, env = "USHER_NODE_ID", value_name = "ID")]
+    pub node_id: Option<String>,
     /// Leases handed down refresh this many times the parent's refresh interval (never below 1 s).
     #[arg(long, env = "USHER_DECAY_FACTOR", value_name = "FACTOR", default_value_t = DEFAULT_DECAY_FACTOR)]
     pub decay_factor: f64,
@@ -335,6 +341,9 @@ pub use crate::config::ConfigState;
 /// Everything one capacity server shares between its tasks.
 pub struct Node {
     pub server_id: String,
+    /// The identity every master of this node shares towards its parent
+    /// (`--node-id`); the server id when not set.
+    pub node_id: String,
     /// Set on an intermediate server.
     pub parent: Option<Arc<parent::ParentLink>>,
     /// Set when masters are elected on etcd.
@@ -362,6 +371,7 @@ impl Node {
         let now = clock.now();
         Node {
             mastership: ArcSwap::from_pointee(Mastership { is_master: true, master_address: Some(server_id.clone()) }),
+            node_id: server_id.clone(),
             server_id,
             parent: None,
             election: None,
@@ -596,6 +606,20 @@ async fn follow_etcd_key(
     }
 }
 
+/// `--node-id`, or its default: every replica of an elected node campaigns
+/// for the same key on the same etcd, so those name the node.
+fn node_id(args: &ServerArgs, server_id: &str) -> String {
+    if let Some(id) = args.node_id.as_ref().filter(|s| !s.is_empty()) {
+        return id.clone();
+    }
+    if args.etcd_endpoints.is_empty() {
+        return server_id.to_string();
+    }
+    let mut endpoints = args.etcd_endpoints.clone();
+    endpoints.sort();
+    format!("{}@{}", args.election_key, endpoints.join(","))
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
@@ -656,6 +680,7 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         node.etcd = etcd.clone();
     }
     node.tls = tls.clone();
+    node.node_id = node_id(&args, &server_id);
     let node = Arc::new(node);
     let role = if args.parent.is_empty() { "root" } else { "intermediate" };
     let tls_mode = match &tls {

@@ -7,6 +7,13 @@
 //! `has` carries the larger of the parent's grant and what this server has
 //! actually handed out, so a parent in learning mode after a failover hands
 //! back what is in use instead of starving the subtree.
+//!
+//! Only the node's master speaks to the parent, as `<node id>#<epoch>` (the
+//! epoch is the moment it became master): every master of the node shares
+//! the node id, so a new master takes over its predecessor's lease at an
+//! usher parent instead of standing beside it (a real Doorman parent sees
+//! another server id, as before). A master that steps down just stops: it
+//! releases nothing, since the lease is now its successor's.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -16,7 +23,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use super::Node;
-use super::store::{Band, ParentLease};
+use super::store::{Band, EPOCH_SEPARATOR, PREDECESSOR_PARAMETER, ParentLease};
 use crate::clock::{Clock, Time};
 use crate::config::resources::Algorithm;
 use crate::lease::core::{Action, CallError, Core, CoreConfig, KeyDemand, OnExpiry};
@@ -45,7 +52,15 @@ impl ParentLink {
     }
 }
 
-fn algorithm_from_wire(a: &proto::Algorithm) -> Option<Algorithm> {
+/// The algorithm a parent hands down, without usher's own parameters, and
+/// what those say of this node's predecessor.
+fn algorithm_from_wire(a: &proto::Algorithm) -> (Option<Algorithm>, Option<u64>) {
+    let predecessor =
+        a.parameters.iter().find(|p| p.name == PREDECESSOR_PARAMETER).and_then(|p| p.value.as_deref()?.parse().ok());
+    (algorithm(a), predecessor)
+}
+
+fn algorithm(a: &proto::Algorithm) -> Option<Algorithm> {
     use crate::algorithm::Kind;
     let kind = match proto::algorithm::Kind::try_from(a.kind).ok()? {
         proto::algorithm::Kind::NoAlgorithm => Kind::NoAlgorithm,
@@ -59,17 +74,35 @@ fn algorithm_from_wire(a: &proto::Algorithm) -> Option<Algorithm> {
         lease_length: secs(a.lease_length),
         refresh_interval: secs(a.refresh_interval),
         learning_mode_duration: Duration::from_secs(a.learning_mode_duration.unwrap_or(a.lease_length).max(0) as u64),
-        parameters: a.parameters.iter().map(|p| (p.name.clone(), p.value.clone())).collect(),
+        parameters: a
+            .parameters
+            .iter()
+            .filter(|p| p.name != PREDECESSOR_PARAMETER)
+            .map(|p| (p.name.clone(), p.value.clone()))
+            .collect(),
     })
 }
+
+/// What a parent's answer carries beside the lease: the algorithm, the safe
+/// capacity and what it says of this node's predecessor.
+type Extras = (Option<Algorithm>, Option<f64>, Option<u64>);
 
 /// The parent link's logic without I/O: what to send and what to do with
 /// the answers. `run` drives it in real time; `usher sim` in virtual time.
 pub struct ParentSync {
     core: Core,
-    extras: HashMap<String, (Option<Algorithm>, Option<f64>)>,
+    extras: HashMap<String, Extras>,
     demand: HashMap<String, (Vec<Band>, f64)>,
+    /// The wants of each resource in the last request sent.
+    sent: HashMap<String, f64>,
+    /// The subclients of each resource in the last request sent, and in the
+    /// one the current lease answers.
+    sent_subclients: HashMap<String, u64>,
+    answered_subclients: HashMap<String, u64>,
 }
+
+/// Demand this many times the last request's asks for an early refresh.
+pub const GROWTH: f64 = 1.2;
 
 /// What the parent link must do next.
 pub enum ParentAction {
@@ -80,13 +113,21 @@ pub enum ParentAction {
 }
 
 impl ParentSync {
-    pub fn new(server_id: &str, parents: Vec<String>, now: Time, seed: Option<u64>) -> Self {
-        let mut cfg = CoreConfig::new(server_id, parents);
+    /// The link of the master of node `node_id` that became master at `epoch`.
+    pub fn new(node_id: &str, epoch: u64, parents: Vec<String>, now: Time, seed: Option<u64>) -> Self {
+        let mut cfg = CoreConfig::new(format!("{node_id}{EPOCH_SEPARATOR}{epoch}"), parents);
         cfg.min_interval = Duration::from_secs(1);
         if let Some(s) = seed {
             cfg.seed = s;
         }
-        ParentSync { core: Core::new(cfg, now), extras: HashMap::new(), demand: HashMap::new() }
+        ParentSync {
+            core: Core::new(cfg, now),
+            extras: HashMap::new(),
+            demand: HashMap::new(),
+            sent: HashMap::new(),
+            sent_subclients: HashMap::new(),
+            answered_subclients: HashMap::new(),
+        }
     }
 
     /// Reads the store's demand, hands the current leases to it, and says what to do.
@@ -102,7 +143,11 @@ impl ParentSync {
                     wants: d.wants,
                     on_expiry: OnExpiry::Pessimistic,
                     safe_capacity: None,
-                    pressure: false,
+                    // Demand that grew well past both the last request and
+                    // the lease asks at once (within the minimum interval),
+                    // not a whole refresh interval later.
+                    pressure: d.wants > self.sent.get(&d.resource_id).copied().unwrap_or(0.0) * GROWTH
+                        && d.wants > self.core.lease_of(&d.resource_id).map_or(0.0, |l| l.capacity) + 1e-9,
                 })
                 .collect(),
         );
@@ -115,7 +160,14 @@ impl ParentSync {
             Action::Discover { target } => ParentAction::Discover(target),
             Action::Release { target, request } => ParentAction::Release(target, request),
             Action::Refresh { target, request } => {
+                for r in &request.resource {
+                    self.sent.insert(r.resource_id.clone(), r.wants);
+                }
                 let req = server_request(&request, &self.demand, now);
+                for r in &req.resource {
+                    let n = r.wants.iter().map(|b| b.num_clients.max(0) as u64).sum();
+                    self.sent_subclients.insert(r.resource_id.clone(), n);
+                }
                 ParentAction::Refresh(target, req)
             }
         }
@@ -132,10 +184,11 @@ impl ParentSync {
     pub fn on_refresh(&mut self, node: &Node, now: Time, r: Result<proto::GetServerCapacityResponse, CallError>) {
         let r = r.map(|resp| {
             for rr in &resp.response {
-                self.extras.insert(
-                    rr.resource_id.clone(),
-                    (rr.algorithm.as_ref().and_then(algorithm_from_wire), rr.safe_capacity),
-                );
+                let (algorithm, predecessor) = rr.algorithm.as_ref().map_or((None, None), algorithm_from_wire);
+                self.extras.insert(rr.resource_id.clone(), (algorithm, rr.safe_capacity, predecessor));
+                if let Some(n) = self.sent_subclients.get(&rr.resource_id) {
+                    self.answered_subclients.insert(rr.resource_id.clone(), *n);
+                }
             }
             client_response(resp)
         });
@@ -161,18 +214,43 @@ impl ParentSync {
     fn publish(&self, node: &Node) {
         for d in node.store.parent_demand() {
             let lease = self.core.lease_of(&d.resource_id).map(|l| {
-                let (algorithm, safe_capacity) = self.extras.get(&d.resource_id).cloned().unwrap_or((None, None));
+                let (algorithm, safe_capacity, predecessor_subclients) =
+                    self.extras.get(&d.resource_id).cloned().unwrap_or((None, None, None));
                 ParentLease {
                     capacity: l.capacity,
                     expiry: l.expiry,
                     refresh_interval: l.refresh_interval,
                     algorithm,
                     safe_capacity,
+                    predecessor_subclients,
+                    answered_subclients: self.answered_subclients.get(&d.resource_id).copied(),
                 }
             });
             node.store.set_parent_lease(&d.resource_id, lease);
         }
     }
+}
+
+/// The link of the node's current master: `None` while this server is not
+/// master; a fresh link whenever it became master again.
+pub fn current_link<'a>(
+    slot: &'a mut Option<(u64, ParentSync)>,
+    node: &Node,
+    parents: &[String],
+    now: Time,
+    seed: Option<u64>,
+) -> Option<&'a mut ParentSync> {
+    if !node.mastership().is_master {
+        if slot.take().is_some() {
+            tracing::info!("no longer master: the parent link stops; the new master takes over this node's lease");
+        }
+        return None;
+    }
+    let epoch = node.store.master_epoch();
+    if slot.as_ref().is_none_or(|(e, _)| *e != epoch) {
+        *slot = Some((epoch, ParentSync::new(&node.node_id, epoch, parents.to_vec(), now, seed)));
+    }
+    slot.as_mut().map(|(_, s)| s)
 }
 
 /// Polls the parent until `shutdown`, then releases what this server holds.
@@ -184,8 +262,15 @@ pub async fn run(
     clock: Clock,
     shutdown: CancellationToken,
 ) {
-    let mut sync = ParentSync::new(&node.server_id, parents.clone(), clock.now(), None);
+    let mut slot = None;
     loop {
+        let Some(sync) = current_link(&mut slot, &node, &parents, clock.now(), None) else {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+            continue;
+        };
         let action = sync.next_action(&node, clock.now());
         *link.status.lock().expect("parent status poisoned") = sync.status(&parents);
         match action {
@@ -222,7 +307,9 @@ pub async fn run(
             }
         }
     }
-    if let Some((target, req)) = sync.release_all() {
+    if let Some((target, req)) =
+        current_link(&mut slot, &node, &parents, clock.now(), None).and_then(|s| s.release_all())
+    {
         let _ = tokio::time::timeout(Duration::from_secs(2), transport.release_capacity(&target, req)).await;
     }
 }

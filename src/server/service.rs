@@ -9,7 +9,8 @@ use std::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::Node;
-use super::store::{Band, Grant, LeaseRequest, Requester};
+use super::store::{Band, Grant, LeaseRequest, PREDECESSOR_PARAMETER, Requester, split_identity};
+use crate::clock::Time;
 use crate::proto;
 use crate::proto::capacity_server::Capacity;
 
@@ -132,12 +133,13 @@ fn check_amount(field: &str, v: f64) -> Result<(), Status> {
     Ok(())
 }
 
-fn check_has(field: &str, has: &Option<proto::Lease>) -> Result<Option<f64>, Status> {
+/// The reported lease's capacity and expiry.
+fn check_has(field: &str, has: &Option<proto::Lease>) -> Result<(Option<f64>, Option<Time>), Status> {
     match has {
-        None => Ok(None),
+        None => Ok((None, None)),
         Some(l) => {
             check_amount(&format!("{field}.capacity"), l.capacity)?;
-            Ok(Some(l.capacity))
+            Ok((Some(l.capacity), Some(Time::from_secs(l.expiry_time.max(0) as u64))))
         }
     }
 }
@@ -162,12 +164,13 @@ pub fn client_requests(req: &proto::GetCapacityRequest) -> Result<Vec<LeaseReque
             check_id(&format!("{f}.resource_id"), &r.resource_id)?;
             check_unique(&mut seen, &f, &r.resource_id)?;
             check_amount(&format!("{f}.wants"), r.wants)?;
-            let reported_has = check_has(&format!("{f}.has"), &r.has)?;
+            let (reported_has, reported_expiry) = check_has(&format!("{f}.has"), &r.has)?;
             Ok(LeaseRequest {
                 resource_id: r.resource_id.clone(),
                 wants: r.wants,
                 subclients: 1,
                 reported_has,
+                reported_expiry,
                 requester: Requester::Client { priority: r.priority },
             })
         })
@@ -186,7 +189,7 @@ pub fn server_requests(req: &proto::GetServerCapacityRequest) -> Result<Vec<Leas
             let f = format!("resource[{i}]");
             check_id(&format!("{f}.resource_id"), &r.resource_id)?;
             check_unique(&mut seen, &f, &r.resource_id)?;
-            let reported_has = check_has(&format!("{f}.has"), &r.has)?;
+            let (reported_has, reported_expiry) = check_has(&format!("{f}.has"), &r.has)?;
             check_count(&format!("priority bands for {f}"), r.wants.len(), MAX_BANDS)?;
             let mut wants = 0.0;
             let mut subclients: u64 = 0;
@@ -208,6 +211,7 @@ pub fn server_requests(req: &proto::GetServerCapacityRequest) -> Result<Vec<Leas
                 // A server with no band yet still counts as one subclient.
                 subclients: subclients.max(1),
                 reported_has,
+                reported_expiry,
                 requester: Requester::Server { bands },
             })
         })
@@ -265,15 +269,22 @@ impl Capacity for CapacityService {
                 return Ok(proto::GetServerCapacityResponse { response: vec![], mastership: Some(m) });
             }
             let asks = server_requests(&req)?;
-            self.within_limits(&req.server_id, &asks)?;
+            self.within_limits(split_identity(&req.server_id).0, &asks)?;
             let response = asks
                 .iter()
                 .map(|a| {
                     let g = self.node.store.get_capacity(&req.server_id, a);
+                    let mut algorithm = wire_algorithm(&g.algorithm);
+                    if let Some(n) = g.predecessor_subclients {
+                        algorithm.parameters.push(proto::NamedParameter {
+                            name: PREDECESSOR_PARAMETER.into(),
+                            value: Some(n.to_string()),
+                        });
+                    }
                     proto::ServerCapacityResourceResponse {
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),
-                        algorithm: Some(wire_algorithm(&g.algorithm)),
+                        algorithm: Some(algorithm),
                         safe_capacity: Some(g.safe_capacity),
                     }
                 })

@@ -3,7 +3,13 @@
 //!
 //! A resource is created from the first matching template the first time it
 //! is asked for. Expired leases are dropped on every access and by a periodic
-//! [`Store::sweep`], so status and metrics never count one.
+//! [`Store::sweep`], so status and metrics never count one; what a dropped
+//! lease leaves behind is a *reservation* (see [`Reservation`]).
+//!
+//! Lower usher servers carry their node's identity and epoch in their server
+//! id (`<node>#<epoch>`, see [`split_identity`]): the store keys them by node,
+//! so a node's new master replaces its predecessor's entry instead of standing
+//! beside it, and a stale master can no longer change or release it.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,8 +46,47 @@ pub struct LeaseRequest {
     pub subclients: u64,
     /// The capacity the requester says it holds (its `has` lease).
     pub reported_has: Option<f64>,
+    /// When that lease expires.
+    pub reported_expiry: Option<Time>,
     pub requester: Requester,
 }
+
+/// The separator between a node's identity and its master's epoch in the
+/// server id an usher intermediate sends its parent: `zone-a#1700000000123456`.
+pub const EPOCH_SEPARATOR: char = '#';
+
+/// Splits a requester id into the key the store files it under and the
+/// epoch of the master speaking for that node, if the id carries one (only
+/// ids ending in `#` and digits do; any other id is its own key).
+pub fn split_identity(id: &str) -> (&str, Option<u64>) {
+    match id.rsplit_once(EPOCH_SEPARATOR) {
+        Some((node, e)) if !node.is_empty() && !e.is_empty() && e.bytes().all(|b| b.is_ascii_digit()) => {
+            match e.parse() {
+                Ok(epoch) => (node, Some(epoch)),
+                Err(_) => (id, None),
+            }
+        }
+        _ => (id, None),
+    }
+}
+
+/// The name of the algorithm parameter with which a parent tells a lower
+/// usher server's new master how many subclients its predecessor spoke for
+/// (0: none of the predecessor's leases is still valid). A real Doorman
+/// server ignores parameters it does not know.
+pub const PREDECESSOR_PARAMETER: &str = "usher.predecessor_subclients";
+
+/// How long after a server becomes master its clients have all been heard
+/// from, beyond the refresh interval it hands out (× 7/6 for client jitter):
+/// clients cut off from the old master retry within the lease client's
+/// backoff cap, plus one discovery.
+pub const RECONNECT_ALLOWANCE: Duration = Duration::from_secs(3);
+
+/// The refresh interval of a lease whose client should come back soon: its
+/// grant was cut to what others leave unused, or the resource is new.
+pub const FAST_REFRESH: Duration = Duration::from_secs(1);
+/// A grant this much below the client's share counts as held back.
+pub const HELD_BACK_MARGIN: f64 = 0.03;
 
 /// The answer for one resource.
 #[derive(Debug, Clone)]
@@ -52,6 +97,48 @@ pub struct Grant {
     pub safe_capacity: f64,
     /// The algorithm in force, to hand down to a lower server.
     pub algorithm: Algorithm,
+    /// For a lower usher server's master: how many subclients its
+    /// predecessor spoke for (see [`PREDECESSOR_PARAMETER`]); `None` while
+    /// this server cannot know (in learning mode itself).
+    pub predecessor_subclients: Option<u64>,
+}
+
+/// What a new master knows of the leases its predecessor handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Predecessor {
+    /// Nothing: it learns for as long as learning mode allows.
+    Unknown,
+    /// There was none (a fresh deployment): no learning mode.
+    NoneOutstanding,
+    /// None can still be valid, but clients whose leases lapsed may run on
+    /// their safe capacity: learning mode lasts [`RECONNECT_ALLOWANCE`],
+    /// while they reconnect (they retry within the lease client's backoff
+    /// cap) and are each counted at that safe capacity.
+    Lapsed,
+    /// Some may be valid until then: learning mode ends then at the latest.
+    Until(Time),
+}
+
+const NO_HORIZON: u64 = u64::MAX;
+
+impl Predecessor {
+    fn encode(self) -> u64 {
+        match self {
+            Predecessor::Unknown => u64::MAX,
+            Predecessor::Lapsed => u64::MAX - 1,
+            Predecessor::NoneOutstanding => 0,
+            Predecessor::Until(t) => t.as_nanos().clamp(1, u64::MAX - 2),
+        }
+    }
+
+    fn decode(v: u64) -> Self {
+        match v {
+            u64::MAX => Predecessor::Unknown,
+            n if n == u64::MAX - 1 => Predecessor::Lapsed,
+            0 => Predecessor::NoneOutstanding,
+            n => Predecessor::Until(Time::from_nanos(n)),
+        }
+    }
 }
 
 /// Bounds that keep one server's memory finite whatever its clients send.
@@ -99,6 +186,10 @@ pub struct ParentLease {
     pub refresh_interval: Duration,
     pub algorithm: Option<Algorithm>,
     pub safe_capacity: Option<f64>,
+    /// What the parent said of this node's previous master (see [`PREDECESSOR_PARAMETER`]).
+    pub predecessor_subclients: Option<u64>,
+    /// The subclients this server reported in the request the lease answers.
+    pub answered_subclients: Option<u64>,
 }
 
 /// One resource's demand, as an intermediate server reports it to its parent.
@@ -107,7 +198,8 @@ pub struct ParentDemand {
     pub resource_id: String,
     pub wants: f64,
     pub bands: Vec<Band>,
-    /// What this server's clients hold now, in unexpired leases.
+    /// What this server's clients hold now, in unexpired leases, plus what is
+    /// reserved for clients whose leases lapsed.
     pub handed_out: f64,
 }
 
@@ -128,6 +220,32 @@ struct ClientLease {
     expiry: Time,
     refresh_interval: Duration,
     last_request: Time,
+    /// The epoch of the master speaking for a lower usher node.
+    epoch: Option<u64>,
+    /// What a node's new master inherits from its predecessor: its `has`
+    /// counts as at least this much until then, because the predecessor's
+    /// leases to its clients run until then and the new master may not have
+    /// heard of them all yet.
+    floor: Option<(f64, Time)>,
+    /// What the parent tells a new master of its predecessor.
+    predecessor_subclients: Option<u64>,
+    /// The safe capacity per subclient the last answer carried (< 0: unlimited).
+    safe: f64,
+}
+
+/// What a lease leaves behind when it expires unrenewed: its client now runs
+/// on its safe capacity (or is gone), which is never more than its last lease
+/// (see [`safe_for`]), so that much stays counted as handed out for a grace
+/// period of one lease length. Nobody else can be given the capacity a client
+/// cut off from the tree falls back to.
+#[derive(Debug, Clone, PartialEq)]
+struct Reservation {
+    amount: f64,
+    until: Time,
+    epoch: Option<u64>,
+    /// Subclients that may still hold leases under it: a released lower
+    /// server's; 0 once its leases have expired.
+    holders: u64,
 }
 
 struct Resource {
@@ -140,6 +258,18 @@ struct Resource {
     free_slots: Vec<ClientSlot>,
     index: DemandIndex,
     expiries: BTreeSet<(Time, ClientSlot)>,
+    reservations: HashMap<Arc<str>, Reservation>,
+    reserved: f64,
+    /// Learning mode ended early: every expected client has reported, or
+    /// nothing of a predecessor is outstanding.
+    learned: bool,
+    /// When learning mode ends, as last computed.
+    learning_end: Option<Time>,
+    /// When this master first saw the resource.
+    created: Time,
+    /// The store's [`Predecessor`] and lease horizon, as of this request.
+    predecessor: Predecessor,
+    horizon: Option<Time>,
 }
 
 /// The capacity server's state.
@@ -148,6 +278,10 @@ pub struct Store {
     config: ArcSwap<ResourcesConfig>,
     resources: RwLock<HashMap<String, Arc<Mutex<Resource>>>>,
     master_since: AtomicU64,
+    /// What this master knows of its predecessor's leases ([`Predecessor`], encoded).
+    predecessor: AtomicU64,
+    /// No lease expires after this ([`Store::set_lease_horizon`]; `NO_HORIZON`: none).
+    horizon: AtomicU64,
     min_request_interval: Duration,
     role: Role,
     limits: Limits,
@@ -166,6 +300,8 @@ pub struct ResourceStatus {
     /// Of `clients`, how many are lower servers speaking for their own clients.
     pub server_clients: usize,
     pub subclients: u64,
+    /// Capacity kept for clients whose leases lapsed (they run on their safe capacity).
+    pub reserved: f64,
     pub learning_mode: bool,
     /// Seconds left in learning mode.
     pub learning_left_s: f64,
@@ -196,6 +332,8 @@ impl Store {
             config: ArcSwap::from_pointee(config),
             resources: RwLock::new(HashMap::new()),
             master_since: AtomicU64::new(now.as_nanos()),
+            predecessor: AtomicU64::new(Predecessor::Unknown.encode()),
+            horizon: AtomicU64::new(NO_HORIZON),
             min_request_interval,
             role: Role::Root,
             limits: Limits::default(),
@@ -261,7 +399,7 @@ impl Store {
             .filter_map(|(id, res)| {
                 let mut r = res.lock().expect("resource lock poisoned");
                 r.expire(now);
-                if r.clients.is_empty() {
+                if r.clients.is_empty() && r.reserved <= 0.0 {
                     return None;
                 }
                 let bands = r
@@ -278,7 +416,11 @@ impl Store {
                     resource_id: id.clone(),
                     wants: r.index.total_wants(),
                     bands,
-                    handed_out: r.clients.values().map(|l| l.granted).sum(),
+                    // What every client is counted as holding (a lower
+                    // server's clients may still hold more than it was last
+                    // granted); clients running on their safe capacity use it
+                    // as surely as a lease.
+                    handed_out: r.index.total_has() + r.reserved,
                 })
             })
             .collect();
@@ -295,11 +437,52 @@ impl Store {
     }
 
     /// Marks the moment this server became master: learning mode starts over
-    /// and everything known about leases is forgotten.
+    /// and everything known about leases is forgotten, the predecessor's
+    /// included (until [`Store::set_predecessor`] says otherwise).
     pub fn become_master(&self) {
         let mut map = self.resources.write().expect("store lock poisoned");
         map.clear();
         self.master_since.store(self.clock.now().as_nanos(), Ordering::Release);
+        self.predecessor.store(Predecessor::Unknown.encode(), Ordering::Release);
+        self.horizon.store(NO_HORIZON, Ordering::Release);
+    }
+
+    /// What this master knows of the leases its predecessor handed out
+    /// (from a record the predecessor kept, see `server::horizon`): learning
+    /// mode lasts only while some of them may still be valid.
+    pub fn set_predecessor(&self, p: Predecessor) {
+        self.predecessor.store(p.encode(), Ordering::Release);
+    }
+
+    fn predecessor(&self) -> Predecessor {
+        Predecessor::decode(self.predecessor.load(Ordering::Acquire))
+    }
+
+    /// No lease handed out from now on expires after `until`: the time this
+    /// master has recorded for its successor as the end of its leases.
+    pub fn set_lease_horizon(&self, until: Option<Time>) {
+        self.horizon.store(until.map_or(NO_HORIZON, Time::as_nanos), Ordering::Release);
+    }
+
+    fn lease_horizon(&self) -> Option<Time> {
+        match self.horizon.load(Ordering::Acquire) {
+            NO_HORIZON => None,
+            n => Some(Time::from_nanos(n)),
+        }
+    }
+
+    /// The longest lease this server may hand out: its configuration's, or a
+    /// parent's algorithm's.
+    pub fn longest_lease(&self) -> Duration {
+        let configured = self.config.load().templates.iter().map(|t| t.algorithm.lease_length).max();
+        let map = self.resources.read().expect("store lock poisoned");
+        let adopted = map
+            .values()
+            .filter_map(|r| {
+                r.lock().expect("resource lock poisoned").parent.as_ref()?.algorithm.as_ref().map(|a| a.lease_length)
+            })
+            .max();
+        configured.max(adopted).unwrap_or(Duration::ZERO)
     }
 
     /// Installs a new configuration. Existing leases stay valid; the next
@@ -314,9 +497,14 @@ impl Store {
         self.config.store(Arc::new(config));
     }
 
-    fn learning_until(&self, template: &Template) -> Time {
+    fn master_since(&self) -> Time {
         Time::from_nanos(self.master_since.load(Ordering::Acquire))
-            .saturating_add(template.algorithm.learning_mode_duration)
+    }
+
+    /// This master's epoch, for its node identity towards a parent: the
+    /// moment it became master, in microseconds since the Unix epoch.
+    pub fn master_epoch(&self) -> u64 {
+        self.master_since.load(Ordering::Acquire) / 1000
     }
 
     /// Decides one resource of a request from `client`.
@@ -330,22 +518,32 @@ impl Store {
                 if let Some(res) = map.get(&req.resource_id) {
                     let mut r = res.lock().expect("resource lock poisoned");
                     r.expire(now);
-                    let learning = now < self.learning_until(&r.template);
+                    r.predecessor = self.predecessor();
+                    r.horizon = self.lease_horizon();
+                    let learning = r.learning_until(self.master_since(), now, self.role).is_some();
                     return r.decide(client, req, now, learning, self.min_request_interval, self.role);
                 }
             }
             let cfg = self.config.load();
             let template = cfg.find(&req.resource_id).expect("validated config has a catch-all").clone();
             let mut map = self.resources.write().expect("store lock poisoned");
-            map.entry(req.resource_id.clone()).or_insert_with(|| Arc::new(Mutex::new(Resource::new(template))));
+            map.entry(req.resource_id.clone()).or_insert_with(|| {
+                let mut r = Resource::new(template);
+                r.created = now;
+                Arc::new(Mutex::new(r))
+            });
         }
     }
 
     /// Forgets `client`'s leases on the named resources; unknown ids are ignored.
+    /// A lower server's lease is only released by its node's current master,
+    /// and stays reserved until it would have expired: the leases it handed
+    /// its own clients run until then.
     pub fn release(&self, client: &str, resource_id: &str) {
+        let now = self.clock.now();
         let map = self.resources.read().expect("store lock poisoned");
         if let Some(res) = map.get(resource_id) {
-            res.lock().expect("resource lock poisoned").remove(client);
+            res.lock().expect("resource lock poisoned").release(client, now);
         }
     }
 
@@ -356,7 +554,7 @@ impl Store {
         map.retain(|_, res| {
             let mut r = res.lock().expect("resource lock poisoned");
             r.expire(now);
-            !r.clients.is_empty()
+            !r.clients.is_empty() || !r.reservations.is_empty()
         });
     }
 
@@ -369,7 +567,8 @@ impl Store {
             .map(|(id, res)| {
                 let mut r = res.lock().expect("resource lock poisoned");
                 r.expire(now);
-                let until = self.learning_until(&r.template);
+                r.predecessor = self.predecessor();
+                let until = r.learning_until(self.master_since(), now, self.role);
                 ResourceStatus {
                     id: id.clone(),
                     template: r.template.identifier_glob.clone(),
@@ -384,8 +583,9 @@ impl Store {
                         .filter(|l| matches!(l.requester, Requester::Server { .. }))
                         .count(),
                     subclients: r.index.total_subclients(),
-                    learning_mode: now < until,
-                    learning_left_s: until.since(now).as_secs_f64(),
+                    reserved: r.reserved,
+                    learning_mode: until.is_some(),
+                    learning_left_s: until.map_or(0.0, |u| u.since(now).as_secs_f64()),
                     parent_capacity: r.parent.as_ref().map(|p| p.capacity),
                     parent_expires_in_s: r.parent.as_ref().map(|p| p.expiry.since(now).as_secs_f64()),
                 }
@@ -443,6 +643,13 @@ impl Resource {
             free_slots: Vec::new(),
             index: DemandIndex::new(),
             expiries: BTreeSet::new(),
+            reservations: HashMap::new(),
+            reserved: 0.0,
+            learned: false,
+            learning_end: None,
+            created: Time::from_nanos(0),
+            predecessor: Predecessor::Unknown,
+            horizon: None,
         }
     }
 
@@ -452,8 +659,119 @@ impl Resource {
                 break;
             }
             let owner = self.slot_owner[slot as usize].clone().expect("expiring slot has an owner");
+            let l = self.clients.get(&*owner).expect("expiring slot has a lease");
+            let keep = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
+            let amount = if l.safe < 0.0 { keep } else { keep.min(l.safe * l.subclients as f64) };
+            let until = expiry.saturating_add(self.algorithm().lease_length);
+            let epoch = l.epoch;
             self.remove(&owner);
+            if amount > 0.0 && until > now {
+                self.reserve(owner, Reservation { amount, until, epoch, holders: 0 });
+            }
         }
+        if self.reservations.values().any(|r| r.until <= now) {
+            self.reservations.retain(|_, r| r.until > now);
+            self.reserved = self.reservations.values().map(|r| r.amount).sum();
+        }
+    }
+
+    fn reserve(&mut self, client: Arc<str>, r: Reservation) {
+        self.reserved += r.amount;
+        if let Some(old) = self.reservations.insert(client, r) {
+            self.reserved -= old.amount;
+        }
+    }
+
+    fn unreserve(&mut self, client: &str) -> Option<Reservation> {
+        let r = self.reservations.remove(client)?;
+        self.reserved = if self.reservations.is_empty() { 0.0 } else { (self.reserved - r.amount).max(0.0) };
+        Some(r)
+    }
+
+    /// A release: a client's lease goes at once; a lower server's only when
+    /// its node's current master sends it, and it stays reserved until it
+    /// would have expired.
+    fn release(&mut self, id: &str, now: Time) {
+        let (node, epoch) = split_identity(id);
+        let Some(l) = self.clients.get(node).filter(|l| l.epoch.is_some() && epoch.is_some()) else {
+            self.remove(id);
+            self.unreserve(id);
+            return;
+        };
+        if l.epoch > epoch {
+            return;
+        }
+        let keep = l.has.max(l.floor.filter(|f| f.1 > now).map_or(0.0, |f| f.0));
+        let (until, holders) = (l.expiry, l.subclients);
+        let key: Arc<str> = Arc::from(node);
+        self.remove(node);
+        if keep > 0.0 && until > now {
+            self.reserve(key, Reservation { amount: keep, until, epoch, holders });
+        }
+    }
+
+    /// `Some(end)` while this resource is in learning mode. A new master
+    /// learns until every client that may hold a lease from its predecessor
+    /// has reported: for `learning_mode_duration` at most, and no longer than
+    /// the refresh interval it hands out (× 7/6 for jitter) plus
+    /// [`RECONNECT_ALLOWANCE`]. An intermediate learns until its parent has
+    /// answered, and stops early when the parent says how many subclients
+    /// its predecessor had and all have reported, or that it had none.
+    fn learning_until(&mut self, master_since: Time, now: Time, role: Role) -> Option<Time> {
+        self.learning_end = self.learning_end_at(master_since, now, role);
+        self.learning_end
+    }
+
+    fn learning_end_at(&mut self, master_since: Time, now: Time, role: Role) -> Option<Time> {
+        if self.learned {
+            return None;
+        }
+        // Nothing of a predecessor can be outstanding (a fresh deployment, or
+        // its leases have all expired): nothing to learn.
+        let outstanding_until = match self.predecessor {
+            Predecessor::Unknown => None,
+            Predecessor::NoneOutstanding => Some(now),
+            Predecessor::Lapsed => Some(master_since.saturating_add(RECONNECT_ALLOWANCE)),
+            Predecessor::Until(t) => Some(t),
+        };
+        if outstanding_until.is_some_and(|t| now >= t) {
+            self.learned = true;
+            return None;
+        }
+        let alg = self.algorithm().clone();
+        let mut refresh = alg.refresh_interval;
+        if let Role::Intermediate { decay_factor } = role {
+            match &self.parent {
+                // Nothing to hand out yet: hand back what clients hold.
+                None => return Some(now.saturating_add(Duration::from_secs(1))),
+                Some(p) => {
+                    // Every predecessor subclient is back, and the parent's
+                    // lease counts them all: ending sooner shared a lease
+                    // sized for the first to come back (one of two clients
+                    // of tests/tree_failover.rs at 13 of its 20 for a second).
+                    match p.predecessor_subclients {
+                        Some(n)
+                            if self.index.total_subclients() >= n && p.answered_subclients.is_some_and(|a| a >= n) =>
+                        {
+                            self.learned = true;
+                            return None;
+                        }
+                        _ => {}
+                    }
+                    refresh = p.refresh_interval.mul_f64(decay_factor).max(Duration::from_secs(1));
+                }
+            }
+        }
+        let bound = refresh.mul_f64(7.0 / 6.0) + RECONNECT_ALLOWANCE;
+        let mut until = master_since.saturating_add(alg.learning_mode_duration.min(bound));
+        if let Some(t) = outstanding_until {
+            until = until.min(t);
+        }
+        if now >= until {
+            self.learned = true;
+            return None;
+        }
+        Some(until)
     }
 
     fn remove(&mut self, client: &str) {
@@ -483,6 +801,11 @@ impl Resource {
         }
     }
 
+    /// Never beyond the lease horizon this master has recorded.
+    fn cap_expiry(&self, expiry: Time) -> Time {
+        self.horizon.map_or(expiry, |h| expiry.min(h))
+    }
+
     /// True when the resource's template names it (not the catch-all), so a
     /// local algorithm beats one adopted from the parent.
     fn has_local_template(&self) -> bool {
@@ -507,12 +830,15 @@ impl Resource {
         }
     }
 
-    fn safe_capacity(&self, capacity: f64) -> f64 {
-        let configured = match &self.parent {
+    fn configured_safe_capacity(&self) -> Option<f64> {
+        match &self.parent {
             Some(p) if !self.has_local_template() => p.safe_capacity.or(self.template.safe_capacity),
             _ => self.template.safe_capacity,
-        };
-        match configured {
+        }
+    }
+
+    fn safe_capacity(&self, capacity: f64) -> f64 {
+        match self.configured_safe_capacity() {
             Some(s) => s,
             None => {
                 let n = self.index.total_subclients();
@@ -521,15 +847,96 @@ impl Resource {
         }
     }
 
-    fn decide(
+    /// The grant of `client`'s current lease, unchanged.
+    fn unchanged(&self, client: &str, capacity: Option<f64>, alg: Algorithm) -> Grant {
+        let l = &self.clients[client];
+        Grant {
+            capacity: l.granted,
+            expiry: l.expiry,
+            refresh_interval: l.refresh_interval,
+            safe_capacity: safe_for(&l.requester, self.safe_capacity(capacity.unwrap_or(0.0)), l.granted),
+            algorithm: alg,
+            predecessor_subclients: l.predecessor_subclients,
+        }
+    }
+
+    /// An intermediate with no lease from its parent and a client that holds
+    /// none: the answer is an already expired lease, so the client keeps
+    /// running on its safe capacity (still reserved here) rather than on a
+    /// lease of 0, and asks again in a second. Its demand is recorded, so the
+    /// parent hears of it.
+    fn nothing_to_hand_out(
         &mut self,
         client: &str,
+        req: &LeaseRequest,
+        now: Time,
+        alg: Algorithm,
+        bands: &[(i64, f64, u64)],
+    ) -> Grant {
+        let slot = self.new_slot(client);
+        let expiry = self.cap_expiry(now.saturating_add(Duration::from_secs(2)));
+        self.index.upsert(slot, req.wants, req.subclients, 0.0);
+        self.file_bands(slot, bands, 0.0);
+        self.expiries.insert((expiry, slot));
+        let safe = self.safe_capacity(self.parent.as_ref().map_or(0.0, |p| p.capacity));
+        self.clients.insert(
+            Arc::from(client),
+            ClientLease {
+                slot,
+                granted: 0.0,
+                has: 0.0,
+                bands: bands.to_vec(),
+                wants: req.wants,
+                subclients: req.subclients,
+                requester: req.requester.clone(),
+                expiry,
+                refresh_interval: Duration::from_secs(1),
+                last_request: now,
+                epoch: None,
+                floor: None,
+                predecessor_subclients: None,
+                safe,
+            },
+        );
+        // It may run on what is still reserved for it here, and no more.
+        let held = self.reservations.get(client).map_or(0.0, |r| r.amount);
+        Grant {
+            capacity: 0.0,
+            expiry: now,
+            refresh_interval: Duration::from_secs(1),
+            safe_capacity: safe_for(&req.requester, safe, held),
+            algorithm: alg,
+            predecessor_subclients: None,
+        }
+    }
+
+    /// What learning mode hands a client that reports no lease: the safe
+    /// capacity this server's own configuration gives it (what a client cut
+    /// off from the tree uses anyway), never more than it wants; 0 without
+    /// one (a dynamic safe capacity could hand one newcomer everything).
+    fn learning_grant(&self, req: &LeaseRequest) -> f64 {
+        match req.reported_has {
+            Some(h) => h,
+            None => match self.template.safe_capacity {
+                Some(s) if s >= 0.0 => req.wants.min(s * req.subclients as f64),
+                _ => 0.0,
+            },
+        }
+    }
+
+    fn decide(
+        &mut self,
+        id: &str,
         req: &LeaseRequest,
         now: Time,
         learning: bool,
         min_interval: Duration,
         role: Role,
     ) -> Grant {
+        let (client, epoch) = match req.requester {
+            Requester::Server { .. } => split_identity(id),
+            Requester::Client { .. } => (id, None),
+        };
         let alg = self.algorithm().clone();
         let capacity = self.capacity(now, role);
         let bands: Vec<(i64, f64, u64)> = match &req.requester {
@@ -538,24 +945,68 @@ impl Resource {
                 bands.iter().map(|b| (b.priority, b.wants, b.num_clients.max(1) as u64)).collect()
             }
         };
+        // A node's new master takes its predecessor's place, inheriting what
+        // the predecessor's clients may still hold as a floor; a stale master
+        // changes nothing.
+        let mut inherited: Option<(f64, Time, u64)> = None;
+        if let (Some(e), Some(l)) = (epoch, self.clients.get(client))
+            && let Some(le) = l.epoch
+        {
+            if e < le {
+                return self.unchanged(client, capacity, alg);
+            }
+            if e > le {
+                let floor = l.has.max(l.floor.filter(|f| f.1 > now).map_or(0.0, |f| f.0));
+                inherited = Some((floor, l.expiry, l.subclients));
+                self.remove(client);
+            }
+        }
+        // A client that holds nothing, asking while there is nothing to hand
+        // out, is answered so again, and stays known (with its demand) for
+        // two more seconds: were its entry left to lapse, a lower server
+        // whose clients all lapsed at once would have no demand for an
+        // instant and give its own lease back.
+        if capacity.is_none() && !learning && self.clients.get(client).is_none_or(|l| l.granted <= 0.0 && l.has <= 0.0)
+        {
+            self.remove(client);
+            return self.nothing_to_hand_out(client, req, now, alg, &bands);
+        }
+        if let Some(r) = self.reservations.get(client) {
+            if epoch.is_some() && r.epoch > epoch {
+                // A stale master of a node whose lease lapsed: nothing to give it.
+                return Grant {
+                    capacity: 0.0,
+                    expiry: now,
+                    refresh_interval: alg.refresh_interval,
+                    safe_capacity: self.safe_capacity(capacity.unwrap_or(0.0)),
+                    algorithm: alg,
+                    predecessor_subclients: None,
+                };
+            }
+            let r = self.unreserve(client).expect("checked above");
+            if epoch.is_some() {
+                let (floor, until, holders) = inherited.unwrap_or((0.0, now, 0));
+                inherited = Some((floor.max(r.amount), until.max(r.until), holders.max(r.holders)));
+            }
+        }
         // A too-early request gets its lease back unchanged; only its demand
         // is recorded. So does every request while an intermediate server's
         // own lease has lapsed: granted leases run to their expiry, and no new
-        // capacity is handed out until the parent renews.
+        // capacity is handed out until the parent renews. Not in learning
+        // mode, which hands back what each client holds.
         let too_early = self.clients.get(client).is_some_and(|l| now.since(l.last_request) < min_interval);
-        let lapsed = capacity.is_none() && self.clients.contains_key(client);
+        let lapsed = !learning && capacity.is_none() && self.clients.contains_key(client);
         if too_early || lapsed {
             let l = self.clients.get_mut(client).expect("checked above");
             l.wants = req.wants;
             l.subclients = req.subclients;
             l.requester = req.requester.clone();
             let old_bands = std::mem::replace(&mut l.bands, bands.clone());
-            let (slot, granted, has, expiry, refresh) = (l.slot, l.granted, l.has, l.expiry, l.refresh_interval);
+            let (slot, has) = (l.slot, l.has);
             self.index.upsert(slot, req.wants, req.subclients, has);
             self.unfile_bands(slot, &old_bands);
             self.file_bands(slot, &bands, has);
-            let safe = self.safe_capacity(capacity.unwrap_or(0.0));
-            return Grant { capacity: granted, expiry, refresh_interval: refresh, safe_capacity: safe, algorithm: alg };
+            return self.unchanged(client, capacity, alg);
         }
         let slot = match self.clients.get(client) {
             Some(l) => {
@@ -564,37 +1015,118 @@ impl Resource {
             }
             None => self.new_slot(client),
         };
-        let (old_has, old_bands) = self.clients.get(client).map_or((0.0, Vec::new()), |l| (l.has, l.bands.clone()));
+        let previous = self.clients.get(client);
+        let (old_has, old_bands) = previous.map_or((0.0, Vec::new()), |l| (l.has, l.bands.clone()));
+        // Kept for a lease length past its end: see `lapsed` below.
+        let lease_length = self.algorithm().lease_length;
+        let floor = inherited
+            .map(|(f, until, _)| (f, until))
+            .or(previous.and_then(|l| l.floor))
+            .filter(|f| f.1.saturating_add(lease_length) > now && f.0 > 0.0);
+        let predecessor = match (epoch, learning) {
+            (None, _) | (_, true) => None,
+            (Some(_), false) => match (inherited, previous) {
+                (Some((_, _, n)), _) => Some(n),
+                (None, Some(l)) => l.predecessor_subclients,
+                (None, None) => Some(0),
+            },
+        };
         self.index.upsert(slot, req.wants, req.subclients, old_has);
         self.unfile_bands(slot, &old_bands);
         self.file_bands(slot, &bands, old_has);
+        // Set when others still hold what this client is due: it comes back
+        // soon to collect it, instead of a whole refresh interval later.
+        let mut held_back = false;
         let granted = match capacity {
-            _ if learning => req.reported_has.unwrap_or(0.0),
+            _ if learning => self.learning_grant(req),
             None => 0.0,
             Some(cap) => {
+                // Capacity reserved for lapsed clients is nobody's to share.
+                let cap = (cap - self.reserved).max(0.0);
+                let unused = cap - (self.index.total_has() - old_has);
+                held_back = unused < req.wants - 1e-9 && is_shared(alg.kind);
                 let r = algorithm::Request { wants: req.wants, subclients: req.subclients, has: old_has };
-                if alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind) {
-                    self.strict_priority(cap, &bands, &r)
-                } else {
-                    algorithm::decide(alg.kind, cap, &self.index, &r)
+                let strict = alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind);
+                let decide = |r: &algorithm::Request| {
+                    if strict {
+                        self.strict_priority(cap, &bands, r)
+                    } else {
+                        algorithm::decide(alg.kind, cap, &self.index, r)
+                    }
+                };
+                let mut granted = decide(&r);
+                if held_back {
+                    // The share the algorithm would give if nobody held more
+                    // than theirs: counting everyone's holdings as this
+                    // client's lifts the "never above unused" cap.
+                    let share = decide(&algorithm::Request { has: self.index.total_has(), ..r });
+                    // A client keeps what it holds, up to its share: that
+                    // never adds to what is outstanding. When this server's
+                    // own capacity was cut below what its clients hold, each
+                    // of them comes down to its share at its next request,
+                    // instead of the first to ask dropping to nothing while
+                    // the others still hold theirs.
+                    granted = granted.max(old_has.min(share));
+                    held_back = granted < share * (1.0 - HELD_BACK_MARGIN) - 1e-9;
                 }
+                granted
             }
         };
         let has = match req.requester {
-            Requester::Server { .. } => granted.max(req.reported_has.unwrap_or(0.0)),
+            Requester::Server { .. } => {
+                let reported = granted.max(req.reported_has.unwrap_or(0.0));
+                match floor {
+                    Some((f, until)) if until > now => reported.max(f),
+                    // The predecessor's leases have lapsed: those of its
+                    // subclients that have not come back to the new master
+                    // run on their safe capacity (never above their lease,
+                    // so within the floor) for up to a lease length.
+                    Some((f, _)) => {
+                        let missing = predecessor.unwrap_or(0).saturating_sub(req.subclients);
+                        let safe = self.configured_safe_capacity().unwrap_or(f);
+                        let lapsed = if safe < 0.0 { f } else { (safe * missing as f64).min(f) };
+                        reported + lapsed
+                    }
+                    None => reported,
+                }
+            }
             Requester::Client { .. } => granted,
         };
         let (mut expiry, mut refresh) = (now.saturating_add(alg.lease_length), alg.refresh_interval);
+        let parent = self.parent.as_ref().filter(|p| p.expiry > now);
         if let (Role::Intermediate { decay_factor }, Some(p)) = (role, &self.parent) {
             // Never promise beyond what this server itself holds.
             expiry = expiry.min(p.expiry);
             refresh = p.refresh_interval.mul_f64(decay_factor).max(Duration::from_secs(1));
         }
-        if capacity.is_none() {
+        if learning {
+            // Hand back what the client holds, for at least as long as it holds it.
+            if matches!(role, Role::Intermediate { .. }) && parent.is_none() {
+                expiry = now.saturating_add(Duration::from_secs(2));
+            }
+            if req.reported_has.is_some()
+                && let Some(e) = req.reported_expiry
+            {
+                expiry = expiry.max(e);
+            }
+            // Come back when learning ends, to be given a real share.
+            if let Some(end) = self.learning_end {
+                let left = Duration::from_secs(end.since(now).as_secs_f64().ceil() as u64);
+                refresh = refresh.min(left).max(Duration::from_secs(1));
+            }
+        } else if capacity.is_none() {
             // Nothing to hand out yet (no lease from the parent): come back soon.
             refresh = Duration::from_secs(1);
             expiry = now.saturating_add(Duration::from_secs(2));
+        } else if held_back || now.since(self.created) < alg.refresh_interval {
+            // Adaptive refresh: the grant was cut to what others leave
+            // unused, or the resource is new and its clients are still
+            // arriving (a first-come client must not keep everything for a
+            // whole interval). In steady state neither holds.
+            refresh = refresh.min(FAST_REFRESH);
         }
+        let expiry = self.cap_expiry(expiry);
+        let safe = self.safe_capacity(capacity.unwrap_or(0.0));
         let lease = ClientLease {
             slot,
             granted,
@@ -606,13 +1138,26 @@ impl Resource {
             expiry,
             refresh_interval: refresh,
             last_request: now,
+            epoch,
+            floor,
+            predecessor_subclients: predecessor,
+            safe: match self.configured_safe_capacity() {
+                Some(s) => s,
+                None => safe,
+            },
         };
         self.index.upsert(slot, req.wants, req.subclients, has);
         self.file_bands(slot, &bands, has);
         self.expiries.insert((expiry, slot));
         self.clients.insert(Arc::from(client), lease);
-        let safe = self.safe_capacity(capacity.unwrap_or(0.0));
-        Grant { capacity: granted, expiry, refresh_interval: refresh, safe_capacity: safe, algorithm: alg }
+        Grant {
+            capacity: granted,
+            expiry,
+            refresh_interval: refresh,
+            safe_capacity: safe_for(&req.requester, safe, granted),
+            algorithm: alg,
+            predecessor_subclients: predecessor,
+        }
     }
 
     /// Strict priorities: higher bands are satisfied first, up to their wants;
@@ -643,6 +1188,20 @@ impl Resource {
                 (self.slot_owner.len() - 1) as ClientSlot
             }
         }
+    }
+}
+
+/// The safe capacity to tell a requester that holds `held`: an end client's
+/// is never more than what it holds. A client runs on its safe capacity once
+/// its lease lapses; capped so, it never uses more than is already counted for
+/// it (its lease, then its reservation), so no lapse, however it falls, can
+/// take capacity that was handed to someone else. A lower server gets the
+/// safe capacity per subclient, and caps its own clients the same way.
+/// Unlimited (< 0) stays unlimited: that cannot be covered.
+fn safe_for(requester: &Requester, safe: f64, held: f64) -> f64 {
+    match requester {
+        Requester::Client { .. } if safe >= 0.0 => safe.min(held.max(0.0)),
+        _ => safe,
     }
 }
 

@@ -17,7 +17,8 @@ use crate::config::resources::{Algorithm, ResourcesConfig, Template};
 use crate::lease::core::{Action, Capacity, Core, CoreConfig, KeyDemand, OnExpiry};
 use crate::lease::transport::Transport;
 use crate::server::LocalTransport;
-use crate::server::parent::{ParentAction, ParentSync};
+use crate::server::horizon;
+use crate::server::parent::{ParentAction, ParentSync, current_link};
 use crate::server::store::Role;
 use crate::server::{Mastership, Node};
 pub use scenario::Scenario;
@@ -26,24 +27,69 @@ use scenario::{DemandModel, EventKind, Target};
 /// The simulation's time step.
 pub const STEP: Duration = Duration::from_millis(250);
 /// How often the report samples the tree.
-pub const SAMPLE: Duration = Duration::from_secs(5);
+pub const SAMPLE: Duration = Duration::from_secs(1);
+/// The tree has recovered (from start-up or a mishap) once it hands out at
+/// least this share of min(demand, capacity).
+pub const RECOVERED: f64 = 0.95;
 const RESOURCE: &str = "resource";
 
 /// The figures `usher sim` reports (the keys of `--json`).
+///
+/// "Used" is Σ over clients of min(has, wants): capacity a client holds
+/// beyond its demand is idle, not used. The target is min(Σ wants, capacity).
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Report {
-    /// Mean over samples after the first learning period of handed_out / min(demand, capacity).
+    /// Mean of used / target over the samples after start-up.
     pub utilisation: f64,
-    /// Maximum of handed_out / capacity.
+    /// Start-up: the time until the tree first hands out ≥ 95% of the target.
+    pub startup_s: f64,
+    /// Mean of used / target during start-up (1 when start-up took no sample).
+    pub startup_utilisation: f64,
+    /// Maximum of handed_out / capacity, start-up included.
     pub max_overshoot: f64,
     /// Mean of handed_out / capacity over the samples where it exceeds 1.
     pub mean_overshoot_when_over: f64,
     /// Number of distinct periods during which handed_out exceeded capacity.
     pub shortfall_events: u64,
-    /// Worst time after a demand shift until handed_out ≥ 95% of min(demand, capacity).
-    pub convergence_s: f64,
+    /// Mean over mishaps of the time until the tree is back at ≥ 95% of the
+    /// target for good (see [`KindFigures::convergence_mean_s`]).
+    pub convergence_mean_s: f64,
+    /// The worst of those times.
+    pub convergence_worst_s: f64,
+    /// Capacity RPCs (GetCapacity, GetServerCapacity, Discovery) per second
+    /// over the whole tree, after start-up.
+    pub rpcs_per_s: f64,
     /// Mean Jain's index of has/wants over clients whose demand exceeds their equal share.
     pub fairness: f64,
+    /// The same figures per kind of mishap (`client_spike`, `election`,
+    /// `master_loss`; `none` for the time before the first one).
+    pub mishaps: std::collections::BTreeMap<String, KindFigures>,
+}
+
+/// One kind of mishap's figures. A sample belongs to the last mishap that
+/// started at or before it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct KindFigures {
+    pub count: u64,
+    /// Mean of used / target over the samples after start-up that belong to this kind.
+    pub utilisation: f64,
+    pub max_overshoot: f64,
+    /// From the moment recovery can start (the mishap itself; for a master
+    /// loss, the moment the node is back) to the end of the last sample
+    /// below 95% of the target in the mishap's window: until the next mishap,
+    /// at most a lease and a refresh interval (0 if none dipped; the whole
+    /// window if the tree never came back in it).
+    pub convergence_mean_s: f64,
+    pub convergence_worst_s: f64,
+}
+
+/// A mishap as it happened, for the report.
+#[derive(Debug, Clone, PartialEq)]
+struct Mishap {
+    kind: &'static str,
+    at: f64,
+    /// When the tree can start recovering: the mishap, or the end of an outage.
+    recover_from: f64,
 }
 
 /// One point of the time series.
@@ -53,14 +99,39 @@ pub struct Sample {
     pub capacity: f64,
     pub wants: f64,
     pub has: f64,
+    /// Σ min(has, wants) over clients.
+    pub used: f64,
+    /// Capacity RPCs so far.
+    pub rpcs: u64,
+    pub fairness: Option<f64>,
+}
+
+impl Sample {
+    fn target(&self) -> f64 {
+        self.wants.min(self.capacity)
+    }
+
+    fn ratio(&self) -> f64 {
+        let t = self.target();
+        if t <= 0.0 { 1.0 } else { (self.used / t).min(1.0) }
+    }
+
+    fn recovered(&self) -> bool {
+        self.used >= RECOVERED * self.target() - 1e-9
+    }
 }
 
 struct SimNode {
     addr: String,
     node: Arc<Node>,
-    parent: Option<(String, ParentSync)>,
+    /// The parent's address, and the current master's link to it.
+    parent: Option<(String, Option<(u64, ParentSync)>)>,
     down_until: Option<Time>,
-    generation: u32,
+    /// Seeds the links of this node's masters.
+    seed: u64,
+    /// Until when its master's leases may be outstanding, as recorded next to
+    /// its election key (see `server::horizon`).
+    record: Option<Time>,
 }
 
 struct SimClient {
@@ -81,8 +152,8 @@ pub struct Sim {
     rng: SmallRng,
     rt: tokio::runtime::Runtime,
     pub samples: Vec<Sample>,
-    shifts: Vec<f64>,
-    fairness: Vec<f64>,
+    mishaps: Vec<Mishap>,
+    rpcs: u64,
     /// Print every event to stderr.
     pub trace: bool,
 }
@@ -123,7 +194,7 @@ impl Sim {
             prometheus::Registry::new(),
         ));
         net.add("n0", root.clone());
-        nodes.push(SimNode { addr: "n0".into(), node: root, parent: None, down_until: None, generation: 0 });
+        nodes.push(SimNode { addr: "n0".into(), node: root, parent: None, down_until: None, seed: 0, record: None });
         for fanout in &sc.tree {
             let mut next = Vec::new();
             for &p in &level {
@@ -141,18 +212,22 @@ impl Sim {
                     let node = Arc::new(node);
                     net.add(addr.clone(), node.clone());
                     let parent_addr = nodes[p].addr.clone();
-                    let sync = ParentSync::new(&addr, vec![parent_addr.clone()], start, Some(rng.random()));
                     next.push(nodes.len());
                     nodes.push(SimNode {
                         addr,
                         node,
-                        parent: Some((parent_addr, sync)),
+                        parent: Some((parent_addr, None)),
                         down_until: None,
-                        generation: 0,
+                        seed: rng.random(),
+                        record: None,
                     });
                 }
             }
             level = next;
+        }
+        // A fresh deployment: no master has recorded anything yet.
+        for n in &nodes {
+            n.node.store.set_predecessor(horizon::outstanding(None, start));
         }
         let mut clients = Vec::new();
         for &leaf in &level {
@@ -164,8 +239,6 @@ impl Sim {
             }
         }
         let rt = tokio::runtime::Builder::new_current_thread().build().expect("a current-thread runtime");
-        // The tree starts empty, in learning mode: the first "shift" is its end.
-        let learning_end = sc.learning_mode_duration.as_secs_f64();
         Sim {
             sc,
             clock,
@@ -177,8 +250,8 @@ impl Sim {
             rng,
             rt,
             samples: Vec::new(),
-            shifts: vec![learning_end],
-            fairness: Vec::new(),
+            mishaps: Vec::new(),
+            rpcs: 0,
             trace: false,
         }
     }
@@ -269,12 +342,16 @@ impl Sim {
         }
         match kind {
             EventKind::MasterLoss { node, duration } => {
+                let at = self.elapsed();
+                self.mishaps.push(Mishap { kind: "master_loss", at, recover_from: at + duration.as_secs_f64() });
                 let i = self.pick_node(node);
                 let until = self.clock.now().saturating_add(*duration);
                 self.net.set_up(&self.nodes[i].addr, false);
                 self.nodes[i].down_until = Some(until);
             }
             EventKind::Election { node } => {
+                let at = self.elapsed();
+                self.mishaps.push(Mishap { kind: "election", at, recover_from: at });
                 let i = self.pick_node(node);
                 self.reelect(i);
             }
@@ -288,26 +365,31 @@ impl Sim {
                         (None, None) => cl.wants * 2.0,
                     };
                 }
-                self.shifts.push(self.elapsed());
+                let at = self.elapsed();
+                self.mishaps.push(Mishap { kind: "client_spike", at, recover_from: at });
             }
         }
     }
 
     /// A new master takes over node `i`: empty state, learning mode, and a
-    /// fresh link to its parent.
+    /// fresh link to its parent under the node's identity and a new epoch.
     fn reelect(&mut self, i: usize) {
+        self.nodes[i].seed = self.rng.random();
         let now = self.clock.now();
-        let seed = self.rng.random();
-        // A new master is another process: it speaks to its parent under
-        // its own server id, while the old master's lease runs out there.
-        self.nodes[i].generation += 1;
-        let id = format!("{}~{}", self.nodes[i].addr, self.nodes[i].generation);
-        if let Some((parent, sync)) = self.nodes[i].parent.as_mut() {
-            *sync = ParentSync::new(&id, vec![parent.clone()], now, Some(seed));
-        }
         let n = &self.nodes[i].node;
         n.set_mastership(Mastership { is_master: false, master_address: None });
         n.set_mastership(Mastership { is_master: true, master_address: Some(self.nodes[i].addr.clone()) });
+        n.store.set_predecessor(horizon::outstanding(self.nodes[i].record, now));
+        self.record(i);
+    }
+
+    /// Node `i`'s master records its lease horizon, as at each renewal of
+    /// its election lease (here: every step).
+    fn record(&mut self, i: usize) {
+        let node = &self.nodes[i].node;
+        let h = horizon::horizon(self.clock.now(), node.store.longest_lease(), STEP);
+        node.store.set_lease_horizon(Some(h));
+        self.nodes[i].record = Some(h);
     }
 
     fn heal(&mut self) {
@@ -325,12 +407,21 @@ impl Sim {
     fn tick(&mut self) {
         for i in 0..self.nodes.len() {
             let node = self.nodes[i].node.clone();
-            let Some((_, sync)) = self.nodes[i].parent.as_mut() else { continue };
+            // A lost master is gone: it speaks to nobody.
+            if self.nodes[i].down_until.is_some() {
+                continue;
+            }
+            self.record(i);
+            let now = self.clock.now();
+            let seed = self.nodes[i].seed ^ node.store.master_epoch();
+            let Some((parent, slot)) = self.nodes[i].parent.as_mut() else { continue };
+            let Some(sync) = current_link(slot, &node, std::slice::from_ref(parent), now, Some(seed)) else { continue };
             for _ in 0..8 {
                 let now = self.clock.now();
                 match sync.next_action(&node, now) {
                     ParentAction::Wait(_) => break,
                     ParentAction::Discover(target) => {
+                        self.rpcs += 1;
                         let r = self.rt.block_on(self.net.discovery(&target));
                         sync.on_discovery(now, &target, r);
                     }
@@ -339,6 +430,7 @@ impl Sim {
                         sync.on_release(now, r);
                     }
                     ParentAction::Refresh(target, req) => {
+                        self.rpcs += 1;
                         let r = self.rt.block_on(self.net.get_server_capacity(&target, req));
                         sync.on_refresh(&node, now, r);
                     }
@@ -346,23 +438,29 @@ impl Sim {
             }
         }
         for c in &mut self.clients {
+            // A client refuses what it wants beyond what it may use, and says
+            // so, as a sidecar does.
+            let now = self.clock.now();
+            let pressure = c.wants > client_has(c, now) + 1e-9;
             c.core.set_demand(vec![KeyDemand {
                 resource_id: RESOURCE.into(),
                 priority: 0,
                 wants: c.wants,
                 on_expiry: OnExpiry::Safe,
                 safe_capacity: Some(self.sc.safe_capacity),
-                pressure: false,
+                pressure,
             }]);
             for _ in 0..8 {
                 let now = self.clock.now();
                 match c.core.next_action(now) {
                     Action::Wait { .. } => break,
                     Action::Discover { target } => {
+                        self.rpcs += 1;
                         let r = self.rt.block_on(self.net.discovery(&target));
                         c.core.on_discovery(now, &target, r);
                     }
                     Action::Refresh { target, request } => {
+                        self.rpcs += 1;
                         let r = self.rt.block_on(self.net.get_capacity(&target, request));
                         c.core.on_refresh(now, r);
                     }
@@ -377,40 +475,23 @@ impl Sim {
 
     fn sample(&mut self) {
         let now = self.clock.now();
-        let mut has = 0.0;
-        let mut wants = 0.0;
+        let (mut has, mut wants, mut used) = (0.0, 0.0, 0.0);
         for c in &mut self.clients {
+            let h = client_has(c, now);
             wants += c.wants;
-            has += match c.core.capacities(now).first().map(|(_, cap)| *cap) {
-                Some(Capacity::Limited(v)) => v,
-                Some(Capacity::Unlimited) => c.wants,
-                None => 0.0,
-            };
+            has += h;
+            used += h.min(c.wants);
         }
         let t = self.elapsed();
-        self.samples.push(Sample { t, capacity: self.sc.capacity, wants, has });
-        if t >= self.sc.learning_mode_duration.as_secs_f64()
-            && let Some(f) = self.fairness_now()
-        {
-            self.fairness.push(f);
-        }
+        let fairness = self.fairness_now();
+        self.samples.push(Sample { t, capacity: self.sc.capacity, wants, has, used, rpcs: self.rpcs, fairness });
     }
 
     fn fairness_now(&mut self) -> Option<f64> {
         let now = self.clock.now();
         let share = self.sc.capacity / self.clients.len().max(1) as f64;
-        let ratios: Vec<f64> = self
-            .clients
-            .iter_mut()
-            .filter(|c| c.wants > share)
-            .map(|c| {
-                let has = match c.core.capacities(now).first().map(|(_, cap)| *cap) {
-                    Some(Capacity::Limited(v)) => v,
-                    _ => c.wants,
-                };
-                has / c.wants
-            })
-            .collect();
+        let ratios: Vec<f64> =
+            self.clients.iter_mut().filter(|c| c.wants > share).map(|c| client_has(c, now) / c.wants).collect();
         if ratios.len() < 2 {
             return None;
         }
@@ -420,46 +501,93 @@ impl Sim {
     }
 
     fn report(&mut self) -> Report {
-        let learn = self.sc.learning_mode_duration.as_secs_f64();
-        let cap = self.sc.capacity;
-        let util: Vec<f64> = self
-            .samples
+        let horizon = (self.sc.lease_length + self.sc.refresh_interval).as_secs_f64();
+        report(&self.samples, &self.mishaps, self.sc.duration.as_secs_f64(), horizon)
+    }
+}
+
+/// What a client may use now (its wants when unlimited).
+fn client_has(c: &mut SimClient, now: Time) -> f64 {
+    match c.core.capacities(now).first().map(|(_, cap)| *cap) {
+        Some(Capacity::Limited(v)) => v,
+        Some(Capacity::Unlimited) => c.wants,
+        None => 0.0,
+    }
+}
+
+/// Computes the report from a run's samples and mishaps. A mishap's window
+/// ends at the next mishap, or `horizon` after recovery could start (a lease
+/// and a refresh: every effect of a mishap shows within that), so a dip of
+/// demand much later is not blamed on it.
+fn report(samples: &[Sample], mishaps: &[Mishap], duration: f64, horizon: f64) -> Report {
+    let step = SAMPLE.as_secs_f64();
+    let startup_end = samples.iter().find(|s| s.recovered()).map_or(duration, |s| s.t);
+    let (startup, steady): (Vec<&Sample>, Vec<&Sample>) = samples.iter().partition(|s| s.t < startup_end);
+    let cap_over = |s: &Sample| s.has / s.capacity.max(1e-9);
+    let over: Vec<f64> = samples.iter().map(cap_over).filter(|r| *r > 1.0 + 1e-9).collect();
+    let mut events = 0;
+    let mut was_over = false;
+    for s in samples {
+        let is_over = cap_over(s) > 1.0 + 1e-9;
+        if is_over && !was_over {
+            events += 1;
+        }
+        was_over = is_over;
+    }
+    // Per mishap: the time until the tree is back for good within its window.
+    let mut by_kind: std::collections::BTreeMap<String, (Vec<f64>, Vec<&Sample>)> = Default::default();
+    let mut all_conv = Vec::new();
+    for m in mishaps {
+        let end = mishaps
             .iter()
-            .filter(|s| s.t >= learn)
-            .map(|s| {
-                let target = s.wants.min(cap);
-                if target <= 0.0 { 1.0 } else { s.has / target }
-            })
-            .collect();
-        let over: Vec<f64> = self.samples.iter().map(|s| s.has / cap).filter(|r| *r > 1.0 + 1e-9).collect();
-        let mut events = 0;
-        let mut was_over = false;
-        for s in &self.samples {
-            let is_over = s.has > cap * (1.0 + 1e-9);
-            if is_over && !was_over {
-                events += 1;
-            }
-            was_over = is_over;
-        }
-        let mut convergence: f64 = 0.0;
-        for &shift in &self.shifts {
-            let reached = self
-                .samples
-                .iter()
-                .filter(|s| s.t >= shift)
-                .find(|s| s.has >= 0.95 * s.wants.min(cap))
-                .map(|s| s.t - shift)
-                .unwrap_or(self.sc.duration.as_secs_f64() - shift);
-            convergence = convergence.max(reached);
-        }
-        Report {
-            utilisation: mean(&util),
-            max_overshoot: self.samples.iter().map(|s| s.has / cap).fold(0.0, f64::max),
-            mean_overshoot_when_over: mean(&over),
-            shortfall_events: events,
-            convergence_s: convergence,
-            fairness: if self.fairness.is_empty() { 1.0 } else { mean(&self.fairness) },
-        }
+            .map(|n| n.at)
+            .filter(|&a| a > m.recover_from)
+            .fold(duration.min(m.recover_from + horizon), f64::min);
+        let last_bad = samples.iter().rfind(|s| s.t >= m.recover_from && s.t < end && !s.recovered());
+        let conv = last_bad.map_or(0.0, |s| (s.t + step - m.recover_from).min(end - m.recover_from).max(0.0));
+        all_conv.push(conv);
+        by_kind.entry(m.kind.to_string()).or_default().0.push(conv);
+    }
+    for s in &steady {
+        let kind = mishaps.iter().rfind(|m| m.at <= s.t).map_or("none", |m| m.kind);
+        by_kind.entry(kind.to_string()).or_default().1.push(s);
+    }
+    let figures = by_kind
+        .into_iter()
+        .map(|(kind, (conv, ss))| {
+            let count = mishaps.iter().filter(|m| m.kind == kind).count() as u64;
+            let ratios: Vec<f64> = ss.iter().map(|s| s.ratio()).collect();
+            let fig = KindFigures {
+                count,
+                utilisation: mean(&ratios),
+                max_overshoot: ss.iter().map(|s| cap_over(s)).fold(0.0, f64::max),
+                convergence_mean_s: mean(&conv),
+                convergence_worst_s: conv.iter().copied().fold(0.0, f64::max),
+            };
+            (kind, fig)
+        })
+        .collect();
+    let rpcs_per_s = match (steady.first(), steady.last()) {
+        (Some(a), Some(b)) if b.t > a.t => (b.rpcs - a.rpcs) as f64 / (b.t - a.t),
+        _ => 0.0,
+    };
+    let fair: Vec<f64> = steady.iter().filter_map(|s| s.fairness).collect();
+    Report {
+        utilisation: mean(&steady.iter().map(|s| s.ratio()).collect::<Vec<_>>()),
+        startup_s: startup_end,
+        startup_utilisation: if startup.is_empty() {
+            1.0
+        } else {
+            mean(&startup.iter().map(|s| s.ratio()).collect::<Vec<_>>())
+        },
+        max_overshoot: samples.iter().map(cap_over).fold(0.0, f64::max),
+        mean_overshoot_when_over: mean(&over),
+        shortfall_events: events,
+        convergence_mean_s: mean(&all_conv),
+        convergence_worst_s: all_conv.iter().copied().fold(0.0, f64::max),
+        rpcs_per_s,
+        fairness: if fair.is_empty() { 1.0 } else { mean(&fair) },
+        mishaps: figures,
     }
 }
 
@@ -469,9 +597,9 @@ fn mean(xs: &[f64]) -> f64 {
 
 /// The time series as CSV.
 pub fn csv(samples: &[Sample]) -> String {
-    let mut out = String::from("t_s,capacity,total_wants,total_has\n");
+    let mut out = String::from("t_s,capacity,total_wants,total_has,total_used\n");
     for s in samples {
-        out.push_str(&format!("{:.2},{:.3},{:.3},{:.3}\n", s.t, s.capacity, s.wants, s.has));
+        out.push_str(&format!("{:.2},{:.3},{:.3},{:.3},{:.3}\n", s.t, s.capacity, s.wants, s.has, s.used));
     }
     out
 }
@@ -559,12 +687,31 @@ pub fn run(args: SimArgs) -> Result<(), crate::error::RunError> {
         println!("{}", serde_json::to_string_pretty(&report).expect("report serialises"));
     } else {
         println!("scenario {name} (seed {seed}, {sim_secs} s simulated in {:.1} s)", started.elapsed().as_secs_f64());
-        println!("  utilisation               {:>8.2}%", report.utilisation * 100.0);
+        println!(
+            "  start-up                  {:>8.1} s at {:.2}%",
+            report.startup_s,
+            report.startup_utilisation * 100.0
+        );
+        println!("  utilisation after it      {:>8.2}%", report.utilisation * 100.0);
         println!("  max overshoot             {:>8.2}%", report.max_overshoot * 100.0);
         println!("  mean overshoot when over  {:>8.2}%", report.mean_overshoot_when_over * 100.0);
         println!("  shortfall events          {:>8}", report.shortfall_events);
-        println!("  convergence               {:>8.1} s", report.convergence_s);
+        println!(
+            "  convergence after mishaps {:>8.1} s mean, {:.1} s worst",
+            report.convergence_mean_s, report.convergence_worst_s
+        );
+        println!("  capacity RPCs             {:>8.2} /s", report.rpcs_per_s);
         println!("  fairness (Jain)           {:>8.3}", report.fairness);
+        for (kind, f) in &report.mishaps {
+            println!(
+                "  {kind:<13} x{:<4} utilisation {:>6.2}%, max overshoot {:>6.2}%, convergence {:.1} s mean, {:.1} s worst",
+                f.count,
+                f.utilisation * 100.0,
+                f.max_overshoot * 100.0,
+                f.convergence_mean_s,
+                f.convergence_worst_s
+            );
+        }
     }
     Ok(())
 }

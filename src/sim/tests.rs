@@ -85,7 +85,46 @@ fn the_cli_writes_json_csv_and_a_plot() {
     };
     run(args).unwrap();
     let text = std::fs::read_to_string(&csv_path).unwrap();
-    assert!(text.starts_with("t_s,capacity,total_wants,total_has\n"));
-    assert_eq!(text.lines().count(), 1 + 25, "one sample every 5 s over 120 s, and t = 0");
+    assert!(text.starts_with("t_s,capacity,total_wants,total_has,total_used\n"));
+    assert_eq!(text.lines().count(), 1 + 121, "one sample a second over 120 s, and t = 0");
     assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+}
+
+fn sample(t: f64, wants: f64, has: f64) -> Sample {
+    Sample { t, capacity: 100.0, wants, has, used: has.min(wants), rpcs: t as u64 * 10, fairness: None }
+}
+
+#[test]
+fn the_report_keeps_start_up_apart_and_times_recovery_after_each_mishap() {
+    // 0-2 s start-up (below 95%), then full; an election at 5 s dips at 7-8 s;
+    // a master loss from 12 s to 14 s dips at 16 s; over capacity at 20 s.
+    let has = [
+        0.0, 50.0, 90.0, 100.0, 100.0, 100.0, 100.0, 60.0, 80.0, 100.0, 100.0, 100.0, 100.0, 100.0, 100.0, 100.0, 50.0,
+        100.0, 100.0, 100.0, 110.0, 100.0,
+    ];
+    let samples: Vec<Sample> = has.iter().enumerate().map(|(i, h)| sample(i as f64, 200.0, *h)).collect();
+    let mishaps = vec![
+        Mishap { kind: "election", at: 5.0, recover_from: 5.0 },
+        Mishap { kind: "master_loss", at: 12.0, recover_from: 14.0 },
+    ];
+    let r = report(&samples, &mishaps, 22.0, 60.0);
+    assert_eq!(r.startup_s, 3.0, "{r:?}");
+    assert!((r.startup_utilisation - (0.0 + 0.5 + 0.9) / 3.0).abs() < 1e-9, "{r:?}");
+    let steady = (has.len() - 3) as f64;
+    let expected = (steady - 0.4 - 0.2 - 0.5) / steady;
+    assert!((r.utilisation - expected).abs() < 1e-9, "used is capped at the target: {r:?}");
+    let e = &r.mishaps["election"];
+    assert_eq!((e.count, e.convergence_worst_s), (1, 4.0), "5 s to the end of the 8 s sample: {r:?}");
+    let m = &r.mishaps["master_loss"];
+    assert_eq!(m.convergence_worst_s, 3.0, "counted from the end of the outage (14 s) to 17 s: {r:?}");
+    assert_eq!(r.convergence_mean_s, 3.5);
+    assert_eq!(r.max_overshoot, 1.1);
+    assert_eq!(r.shortfall_events, 1);
+    assert!(r.mishaps["none"].utilisation == 1.0 && r.mishaps["none"].count == 0, "{r:?}");
+    assert_eq!(r.rpcs_per_s, 10.0);
+    // A tree that never recovers within a window is charged the whole window.
+    let r = report(&samples[..17], &mishaps, 17.0, 60.0);
+    assert_eq!(r.mishaps["master_loss"].convergence_worst_s, 3.0, "{r:?}");
+    let r = report(&samples, &mishaps, 22.0, 1.5);
+    assert_eq!(r.mishaps["master_loss"].convergence_worst_s, 0.0, "the dip at 16 s is past the horizon: {r:?}");
 }

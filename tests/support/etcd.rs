@@ -14,9 +14,16 @@ pub struct EtcdServer {
 /// An `usher server` electing its master under `key` on `etcd` (TTL 3 s),
 /// listening on and advertising a fixed loopback address, which it returns.
 pub fn elected_member(etcd: &str, config: &std::path::Path, key: &str) -> (super::Usher, String) {
+    elected_member_with(etcd, config, key, &[])
+}
+
+/// [`elected_member`] with more flags (`--parent`, a TTL of its own, ...).
+pub fn elected_member_with(etcd: &str, config: &std::path::Path, key: &str, more: &[&str]) -> (super::Usher, String) {
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
-    let extra = ["--advertise-addr", &addr, "--etcd-endpoints", etcd, "--election-key", key, "--election-ttl", "3s"];
+    let mut extra =
+        vec!["--advertise-addr", &addr, "--etcd-endpoints", etcd, "--election-key", key, "--election-ttl", "3s"];
+    extra.extend_from_slice(more);
     (super::Usher::server_at(config, port, &extra), addr)
 }
 

@@ -36,7 +36,7 @@ impl Usher {
     pub fn start(args: &[&str], env: &[(&str, &str)], ready_marker: &str) -> Usher {
         let mut cmd = Command::new(usher_bin());
         cmd.args(args)
-            .env("USHER_LOG", "info")
+            .env("USHER_LOG", std::env::var("TEST_USHER_LOG").unwrap_or("info".into()))
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -309,6 +309,7 @@ pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
     p
 }
 
+pub mod deploy;
 pub mod etcd;
 pub mod faultproxy;
 pub mod load;

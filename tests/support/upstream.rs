@@ -110,6 +110,15 @@ impl Stats {
         most
     }
 
+    /// How many requests arrived in each of the `secs` whole seconds from `from`.
+    pub fn per_second(&self, from: Instant, secs: usize) -> Vec<usize> {
+        let mut counts = vec![0; secs];
+        for (t, _) in self.arrivals_between(from, from + Duration::from_secs(secs as u64)) {
+            counts[(t - from).as_secs() as usize] += 1;
+        }
+        counts
+    }
+
     /// The longest time in `[from, to)` with no request arriving (the edges count).
     pub fn longest_gap(&self, from: Instant, to: Instant) -> Duration {
         let mut last = from;
@@ -120,6 +129,16 @@ impl Stats {
         }
         gap.max(to.saturating_duration_since(last))
     }
+}
+
+/// A sidecar's routes file: every request to `upstream`, through one rate or
+/// gauge resource `api` described by `resource` (indented YAML), leased as the
+/// `doorman` section says (empty: embedded mode).
+pub fn routes(upstream: &Upstream, doorman: &str, resource: &str) -> String {
+    format!(
+        "{doorman}upstreams:\n  up: {{ url: \"http://{}\" }}\nresources:\n  api:\n{resource}routes:\n  - name: all\n    match: {{ path_prefix: / }}\n    upstream: up\n    resources: [api]\n",
+        upstream.addr
+    )
 }
 
 pub struct Upstream {

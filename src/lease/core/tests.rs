@@ -76,6 +76,16 @@ impl World {
     fn advance(&self, d: Duration) {
         self.time.advance(d);
     }
+
+    /// Makes `resource` known to `server` for a refresh interval, so its
+    /// leases carry the configured interval, not the short one of a new
+    /// resource whose clients are still arriving.
+    fn settle(&self, server: &str, resource: &str) {
+        let mut warm = self.core("warm-up", &[server]);
+        warm.set_demand(vec![demand(resource, 0.0, OnExpiry::Safe)]);
+        self.step(&mut warm);
+        self.advance(Duration::from_secs(12));
+    }
 }
 
 fn demand(id: &str, wants: f64, on_expiry: OnExpiry) -> KeyDemand {
@@ -89,6 +99,7 @@ fn cap(core: &mut Core, now: Time, id: &str) -> Capacity {
 #[test]
 fn first_refresh_leases_and_schedules_the_next_before_expiry() {
     let w = World::new(&["s1"]);
+    w.settle("s1", "r");
     let mut c = w.core("a", &["s1"]);
     c.set_demand(vec![demand("r", 60.0, OnExpiry::Pessimistic)]);
     assert_eq!(cap(&mut c, w.clock.now(), "r"), Capacity::Limited(0.0), "pending: on_expiry applies");
@@ -170,6 +181,7 @@ fn expiry_follows_on_expiry_per_key() {
 #[test]
 fn refreshes_of_a_fleet_started_together_spread_out() {
     let w = World::new(&["s1"]);
+    w.settle("s1", "r");
     let mut cores: Vec<Core> = (0..50).map(|i| w.core(&format!("client-{i}"), &["s1"])).collect();
     for c in &mut cores {
         c.set_demand(vec![demand("r", 1.0, OnExpiry::Safe)]);
@@ -211,6 +223,86 @@ fn new_keys_refresh_early_but_not_faster_than_the_minimum_interval() {
     c.set_demand(vec![d, demand("r2", 5.0, OnExpiry::Safe)]);
     assert_eq!(w.step(&mut c), 1);
     assert_eq!(cap(&mut c, w.clock.now(), "r1"), Capacity::Limited(50.0));
+}
+
+/// The times (seconds from `start`) at which `core` called, stepping the
+/// clock by 250 ms for `secs` seconds with `demand` set before each step.
+fn calls_over(w: &World, core: &mut Core, secs: u64, demand: impl Fn() -> Vec<KeyDemand>) -> Vec<f64> {
+    let start = w.clock.now();
+    let mut at = Vec::new();
+    while w.clock.now().since(start) < Duration::from_secs(secs) {
+        core.set_demand(demand());
+        if w.step(core) > 0 {
+            at.push(w.clock.now().since(start).as_secs_f64());
+        }
+        w.advance(Duration::from_millis(250));
+    }
+    at
+}
+
+#[test]
+fn early_asks_under_pressure_back_off_when_the_server_has_nothing_more() {
+    let w = World::new(&["s1"]);
+    w.settle("s1", "r");
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("r", 150.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    assert_eq!(cap(&mut c, w.clock.now(), "r"), Capacity::Limited(100.0), "all there is");
+    // Refusing all along: it asks 1 s, 2 s, 4 s and 8 s after its last ask,
+    // then only when its refresh (12 s ± 1/6) is due.
+    let pressed = || {
+        let mut d = demand("r", 150.0, OnExpiry::Safe);
+        d.pressure = true;
+        vec![d]
+    };
+    let at = calls_over(&w, &mut c, 60, pressed);
+    assert_eq!(at[..4], [1.0, 3.0, 7.0, 15.0], "{at:?}");
+    let gaps: Vec<f64> = at.windows(2).map(|p| p[1] - p[0]).collect();
+    assert!(gaps[3..].iter().all(|g| (10.0..=14.25).contains(g)), "then the refresh interval: {at:?}");
+    assert!(at.len() <= 8, "60 s: four early asks and four refreshes at most: {at:?}");
+}
+
+#[test]
+fn an_early_ask_that_gets_more_is_followed_by_another_at_once() {
+    let w = World::new(&["s1"]);
+    w.settle("s1", "r");
+    let mut a = w.core("a", &["s1"]);
+    let mut b = w.core("b", &["s1"]);
+    a.set_demand(vec![demand("r", 70.0, OnExpiry::Safe)]);
+    w.step(&mut a);
+    b.set_demand(vec![demand("r", 70.0, OnExpiry::Safe)]);
+    w.step(&mut b);
+    assert_eq!(cap(&mut b, w.clock.now(), "r"), Capacity::Limited(30.0), "a holds 70");
+    // a's demand falls to 20: it gives the rest back within a second, and
+    // b, refusing, has its fair share (80) a second after that.
+    let pressed = || {
+        let mut d = demand("r", 90.0, OnExpiry::Safe);
+        d.pressure = true;
+        vec![d]
+    };
+    w.advance(Duration::from_secs(1));
+    for _ in 0..12 {
+        a.set_demand(vec![demand("r", 20.0, OnExpiry::Safe)]);
+        w.step(&mut a);
+        b.set_demand(pressed());
+        w.step(&mut b);
+        w.advance(Duration::from_millis(250));
+    }
+    assert_eq!(cap(&mut a, w.clock.now(), "r"), Capacity::Limited(20.0), "a gave back early");
+    assert_eq!(cap(&mut b, w.clock.now(), "r"), Capacity::Limited(80.0), "b took it early");
+}
+
+#[test]
+fn demand_a_little_below_the_lease_waits_for_the_refresh() {
+    let w = World::new(&["s1"]);
+    w.settle("s1", "r");
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("r", 60.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    let at = calls_over(&w, &mut c, 9, || vec![demand("r", 60.0 * (1.0 - GIVE_BACK) + 0.1, OnExpiry::Safe)]);
+    assert!(at.is_empty(), "{at:?}");
+    let at = calls_over(&w, &mut c, 2, || vec![demand("r", 60.0 * (1.0 - GIVE_BACK) - 0.1, OnExpiry::Safe)]);
+    assert_eq!(at, [0.0], "more than {GIVE_BACK} below: at once");
 }
 
 #[test]

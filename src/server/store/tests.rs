@@ -33,6 +33,7 @@ fn req(resource: &str, wants: f64, has: Option<f64>) -> LeaseRequest {
         wants,
         subclients: 1,
         reported_has: has,
+        reported_expiry: None,
         requester: Requester::Client { priority: 0 },
     }
 }
@@ -85,8 +86,33 @@ fn too_early_request_gets_its_lease_back_and_records_wants() {
 #[test]
 fn dynamic_safe_capacity_counts_the_requester() {
     let (s, _clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
-    assert_eq!(s.get_capacity("a", &req("r", 10.0, None)).safe_capacity, 100.0);
-    assert_eq!(s.get_capacity("b", &req("r", 10.0, None)).safe_capacity, 50.0);
+    assert_eq!(s.get_capacity("a", &req("r", 100.0, None)).safe_capacity, 100.0);
+    // A lower server gets it per subclient, uncapped: it caps its own clients.
+    let server = LeaseRequest { requester: Requester::Server { bands: vec![] }, ..req("r", 10.0, None) };
+    let g = s.get_capacity("b", &server);
+    assert_eq!((g.capacity, g.safe_capacity), (0.0, 50.0));
+}
+
+#[test]
+fn an_end_clients_safe_capacity_never_exceeds_its_lease_so_its_lapse_is_covered() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let mut t = (*template(Kind::FairShare, 100.0, 10, 5, 0)).clone();
+    t.safe_capacity = Some(10.0);
+    let s = Store::new(clock, ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
+    let a = s.get_capacity("a", &req("r", 4.0, None));
+    assert_eq!((a.capacity, a.safe_capacity), (4.0, 4.0), "configured 10, but a holds 4");
+    let b = s.get_capacity("b", &req("r", 200.0, None));
+    assert_eq!((b.capacity, b.safe_capacity), (96.0, 10.0));
+    // a lapses and runs on its safe capacity (4): that stays reserved, so b's
+    // next grant and a fit within the capacity.
+    handle.advance(Duration::from_secs(10));
+    let b = s.get_capacity("b", &req("r", 200.0, None));
+    let st = s.status();
+    assert_eq!((b.capacity, st[0].reserved, st[0].clients), (96.0, 4.0, 1), "{st:?}");
+    assert!(b.capacity + a.safe_capacity <= 100.0);
+    // a comes back: its reservation goes, and it is served as before.
+    assert_eq!(s.get_capacity("a", &req("r", 4.0, None)).capacity, 4.0);
+    assert_eq!(s.status()[0].reserved, 0.0);
 }
 
 #[test]
@@ -98,7 +124,152 @@ fn sweep_drops_expired_leases_and_empty_resources() {
     assert_eq!(s.status().len(), 1);
     clock.advance(Duration::from_secs(1));
     s.sweep();
+    // The lapsed client runs on its safe capacity (dynamic: 100), so its
+    // last lease (10) stays reserved for another lease length.
+    let st = s.status();
+    assert_eq!((st.len(), st[0].clients, st[0].reserved), (1, 0, 10.0), "{st:?}");
+    clock.advance(Duration::from_secs(10));
+    s.sweep();
     assert!(s.status().is_empty());
+}
+
+fn server_req(wants: f64, subclients: u64, has: Option<f64>) -> LeaseRequest {
+    LeaseRequest {
+        subclients,
+        requester: Requester::Server { bands: vec![Band { priority: 0, num_clients: subclients as i64, wants }] },
+        ..req("r", wants, has)
+    }
+}
+
+#[test]
+fn a_new_masters_missing_subclients_stay_counted_after_the_predecessors_leases_lapse() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let mut t = (*template(Kind::FairShare, 100.0, 10, 5, 0)).clone();
+    t.safe_capacity = Some(10.0);
+    let s = Store::new(clock, ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
+    // Node n's master speaks for 5 clients holding 50.
+    assert_eq!(s.get_capacity("n#1", &server_req(50.0, 5, None)).capacity, 50.0);
+    // A new master hears from 3 of them (20): the predecessor's 50 stays
+    // counted until its lease would have expired.
+    handle.advance(Duration::from_secs(2));
+    s.get_capacity("n#2", &server_req(20.0, 3, Some(20.0)));
+    assert_eq!(s.get_capacity("c", &req("r", 100.0, None)).capacity, 50.0);
+    // Then the 2 missing clients' leases lapse: they run on their safe
+    // capacity (10 each, never above their leases), so 20 + 20 stays counted.
+    handle.advance(Duration::from_secs(9));
+    s.get_capacity("n#2", &server_req(20.0, 3, Some(20.0)));
+    assert_eq!(s.status()[0].sum_has, 40.0 + 50.0);
+    assert_eq!(s.get_capacity("c", &req("r", 100.0, None)).capacity, 60.0);
+    // Once they are back (5 subclients), only what the master reports counts.
+    s.get_capacity("n#2", &server_req(40.0, 5, Some(40.0)));
+    assert_eq!(s.status()[0].sum_has, 40.0 + 60.0);
+}
+
+fn learning_store(lease: u64, refresh: u64) -> (Store, Arc<crate::clock::ManualClock>) {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, lease, refresh, lease)] };
+    (Store::new(clock, cfg, Duration::ZERO), handle)
+}
+
+#[test]
+fn a_new_master_learns_only_while_a_predecessors_lease_may_be_outstanding() {
+    // Unknown: learning mode for its whole bound (refresh 5 s × 7/6 + 3 s).
+    let (s, _clock) = learning_store(60, 5);
+    s.become_master();
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 0.0, "learning: reports nothing, gets 0");
+    // A fresh deployment (no record): no learning mode at all.
+    let (s, _clock) = learning_store(60, 5);
+    s.become_master();
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 80.0);
+    assert!(!s.status()[0].learning_mode);
+    // A record 4 s ahead: learning ends then, before its bound.
+    let (s, clock) = learning_store(60, 5);
+    s.become_master();
+    s.set_predecessor(Predecessor::Until(clock.now().saturating_add(Duration::from_secs(4))));
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 0.0);
+    assert_eq!(s.status()[0].learning_left_s, 4.0);
+    clock.advance(Duration::from_secs(4));
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 80.0);
+    // A record already past: no lease is outstanding, but clients on their
+    // safe capacity reconnect; learning lasts the reconnect allowance.
+    let (s, clock) = learning_store(60, 5);
+    s.become_master();
+    s.set_predecessor(Predecessor::Lapsed);
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 0.0);
+    assert_eq!(s.status()[0].learning_left_s, RECONNECT_ALLOWANCE.as_secs_f64());
+    clock.advance(RECONNECT_ALLOWANCE);
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 80.0);
+}
+
+#[test]
+fn no_lease_outlives_the_recorded_horizon() {
+    let (s, clock) = learning_store(60, 5);
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    let h = clock.now().saturating_add(Duration::from_secs(20));
+    s.set_lease_horizon(Some(h));
+    assert_eq!(s.get_capacity("a", &req("r", 10.0, None)).expiry, h, "60 s lease cut to the horizon");
+    s.set_lease_horizon(None);
+    let g = s.get_capacity("a", &req("r", 10.0, None));
+    assert_eq!(g.expiry, clock.now().saturating_add(Duration::from_secs(60)));
+    assert_eq!(s.longest_lease(), Duration::from_secs(60));
+}
+
+#[test]
+fn a_cut_capacity_brings_each_client_down_to_its_share_not_to_nothing() {
+    let (s, _clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    assert_eq!(s.get_capacity("a", &req("r", 60.0, None)).capacity, 60.0);
+    assert_eq!(s.get_capacity("b", &req("r", 60.0, None)).capacity, 40.0);
+    s.reload(ResourcesConfig { templates: vec![template(Kind::FairShare, 50.0, 10, 5, 0)] });
+    // Share 25 each; b still holds 40, so nothing is unused for a. It keeps
+    // 25 of its 60 (never more than it held), not the 0 left unused.
+    assert_eq!(s.get_capacity("a", &req("r", 60.0, None)).capacity, 25.0);
+    assert_eq!(s.get_capacity("b", &req("r", 60.0, None)).capacity, 25.0);
+    assert_eq!(s.status()[0].sum_has, 50.0);
+    // A newcomer holding nothing still gets only what is unused.
+    assert_eq!(s.get_capacity("c", &req("r", 60.0, None)).capacity, 0.0);
+}
+
+#[test]
+fn an_intermediate_without_a_parent_lease_keeps_clients_that_hold_nothing_known() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 60, 8, 0)] };
+    let mut s = Store::new(clock, cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    for _ in 0..5 {
+        let g = s.get_capacity("a", &req("r", 30.0, None));
+        assert_eq!((g.capacity, g.expiry), (0.0, handle.now()), "an expired lease: nothing to hand out yet");
+        handle.advance(Duration::from_secs(1));
+        // Its demand stays there for the parent to hear of, without a gap.
+        assert_eq!(s.parent_demand().iter().map(|d| d.wants).sum::<f64>(), 30.0);
+    }
+}
+
+#[test]
+fn an_intermediate_reports_what_its_clients_hold_not_what_it_last_granted() {
+    let (clock, _handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 60, 8, 0)] };
+    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    let lease = |capacity| ParentLease {
+        capacity,
+        expiry: clock.now().saturating_add(Duration::from_secs(60)),
+        refresh_interval: Duration::from_secs(8),
+        algorithm: None,
+        safe_capacity: None,
+        predecessor_subclients: None,
+        answered_subclients: None,
+    };
+    s.get_capacity("leaf#1", &server_req(80.0, 4, None));
+    s.set_parent_lease("r", Some(lease(100.0)));
+    assert_eq!(s.get_capacity("leaf#1", &server_req(80.0, 4, None)).capacity, 80.0);
+    // The parent cuts this server to 40; the leaf is granted 40 but its
+    // clients hold 80 until they refresh: 80 is what is out there.
+    s.set_parent_lease("r", Some(lease(40.0)));
+    assert_eq!(s.get_capacity("leaf#1", &server_req(80.0, 4, Some(80.0))).capacity, 40.0);
+    assert_eq!(s.parent_demand()[0].handed_out, 80.0);
 }
 
 #[test]
