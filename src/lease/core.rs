@@ -24,6 +24,9 @@ pub const GIVE_BACK: f64 = 0.05;
 /// key shortly (usher hands a client 1 s when others still hold its share):
 /// early asks do not back off (see [`Core::set_demand`]).
 pub const SOON: Duration = Duration::from_secs(1);
+/// How soon a client tries the next server after one failed, before it backs
+/// off: long enough not to spin, short against a lease's life.
+pub const NEXT_SERVER: Duration = Duration::from_millis(50);
 
 /// What a key may use once its lease has expired (or before the first one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -224,6 +227,10 @@ pub struct Core {
     to_release: Vec<String>,
     master: Option<String>,
     rotation: usize,
+    /// Servers still to try at once before the next backoff step: a server
+    /// that fails (its master died, say) sends the client straight on to the
+    /// next one, and the backoff grows once per round of all of them.
+    next_at_once: usize,
     redirects: u32,
     backoff: Backoff,
     rng: SmallRng,
@@ -257,6 +264,7 @@ impl Core {
         Core {
             rng: SmallRng::seed_from_u64(cfg.seed),
             backoff: Backoff::new(cfg.backoff),
+            next_at_once: cfg.servers.len().saturating_sub(1),
             cfg,
             keys: BTreeMap::new(),
             to_release: Vec::new(),
@@ -473,11 +481,20 @@ impl Core {
             self.master = None;
             self.rotation = self.rotation.wrapping_add(1);
         }
-        // A permanent error is not retried in a tight loop: wait at least a full backoff step.
-        let delay = self.backoff.on_failure(&mut self.rng);
         let delay = match err {
-            CallError::Permanent(_) => delay.max(super::backoff::PERMANENT_RETRY),
-            CallError::Transient(_) => delay,
+            CallError::Transient(_) if rotate && self.next_at_once > 0 => {
+                self.next_at_once -= 1;
+                NEXT_SERVER
+            }
+            // A permanent error is not retried in a tight loop: wait at least a full backoff step.
+            CallError::Permanent(_) => {
+                self.next_at_once = self.cfg.servers.len().saturating_sub(1);
+                self.backoff.on_failure(&mut self.rng).max(super::backoff::PERMANENT_RETRY)
+            }
+            CallError::Transient(_) => {
+                self.next_at_once = self.cfg.servers.len().saturating_sub(1);
+                self.backoff.on_failure(&mut self.rng)
+            }
         };
         self.next_refresh = now.saturating_add(delay);
         self.last_error = Some(msg);
@@ -536,6 +553,7 @@ impl Core {
         self.in_flight = false;
         self.redirects = 0;
         self.refreshes += 1;
+        self.next_at_once = self.cfg.servers.len().saturating_sub(1);
         self.backoff.on_success();
         self.last_error = None;
         let mut interval: Option<Duration> = None;

@@ -126,6 +126,33 @@ fn fails_over_to_the_next_server_when_one_is_unreachable() {
 }
 
 #[test]
+fn a_dead_master_sends_the_client_to_the_next_server_at_once_and_a_dead_round_backs_off() {
+    let w = World::new(&["s1", "s2"]);
+    let mut c = w.core("a", &["s1", "s2"]);
+    c.set_demand(vec![demand("r", 10.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    assert_eq!(c.master(), Some("s1"));
+    // s1 dies holding the client's lease: the refresh fails, and the next
+    // server is asked NEXT_SERVER later, not a backoff step later.
+    w.net.set_up("s1", false);
+    w.advance(c.next_refresh().since(w.clock.now()));
+    w.step(&mut c);
+    assert_eq!(c.master(), None);
+    assert_eq!(c.next_refresh().since(w.clock.now()), NEXT_SERVER);
+    w.advance(NEXT_SERVER);
+    w.step(&mut c);
+    assert_eq!(c.master(), Some("s2"), "{:?}", c.last_error());
+    // Both down: one quick try of the other server, then the backoff.
+    w.net.set_up("s2", false);
+    w.advance(c.next_refresh().since(w.clock.now()));
+    w.step(&mut c);
+    assert_eq!(c.next_refresh().since(w.clock.now()), NEXT_SERVER);
+    w.advance(NEXT_SERVER);
+    w.step(&mut c);
+    assert!(c.next_refresh().since(w.clock.now()) > NEXT_SERVER * 4, "a round of failures backs off");
+}
+
+#[test]
 fn follows_a_mastership_redirect_at_once() {
     let w = World::new(&["s1", "s2"]);
     w.nodes["s1"].set_mastership(Mastership { is_master: false, master_address: Some("s2".into()) });
