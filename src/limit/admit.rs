@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use super::demand::Outcome;
 use super::gauge::GaugePermit;
-use super::rate::Reservation;
+use super::rate::{Reservation, Ticket};
 use super::table::{Kind, Limiter};
 use crate::clock::{Clock, Time};
 
@@ -114,8 +114,9 @@ impl Drop for Admitted {
     }
 }
 
-/// Rate reservations given back unless disarmed.
-struct Reserved(Vec<(Arc<Limiter>, f64)>);
+/// Rate reservations given back unless disarmed, each with its place in
+/// its key's queue (`tickets`, in the same order).
+struct Reserved(Vec<(Arc<Limiter>, f64)>, Vec<Ticket>);
 
 impl Drop for Reserved {
     fn drop(&mut self) {
@@ -176,20 +177,22 @@ enum Blocked {
 
 /// Reserves every rate key, or none. Returns the reservations and the longest wait.
 fn reserve_rates(plan: &Plan, arrival: Time, now: Time) -> Result<(Reserved, Duration), Blocked> {
-    let mut held = Reserved(Vec::new());
+    let mut held = Reserved(Vec::new(), Vec::new());
     let mut longest = Duration::ZERO;
     let waited = now.since(arrival);
     for (l, cost) in plan.items.iter() {
         let Some(rate) = l.rate() else { continue };
         let spec = l.spec();
         let budget = spec.max_wait.saturating_sub(waited);
-        match rate.reserve(now, *cost, budget) {
+        let (reservation, ticket) = rate.reserve_ticket(now, *cost, budget);
+        match reservation {
             Reservation::Slot { wait, cost } => {
                 if !wait.is_zero() && l.demand().waiters() >= spec.max_queue as i64 {
                     rate.release(cost);
                     return Err(Blocked::Refuse(Box::new(refused(l, Reason::QueueFull, wait, waited))));
                 }
                 held.0.push((l.clone(), cost));
+                held.1.push(ticket);
                 longest = longest.max(wait);
             }
             Reservation::TooLate { wait: Some(wait) } => {
@@ -323,20 +326,49 @@ async fn rates_after_zero(plan: &Plan, clock: &Clock, arrival: Time) -> Result<(
     }
 }
 
+/// Sleeps until every reserved slot has come, following capacity increases
+/// that bring them forward: only the key whose slot is the latest can end
+/// the wait sooner, so its changes are the ones listened to.
+async fn wait_for_slots(clock: &Clock, rates: &[(Arc<Limiter>, f64)], tickets: &mut [Ticket]) {
+    loop {
+        let now = clock.now();
+        let mut latest: Option<(usize, Duration)> = None;
+        for (i, ((l, _), t)) in rates.iter().zip(tickets.iter_mut()).enumerate() {
+            let wait = l.rate().expect("a rate key").retime(t, now);
+            if latest.is_none_or(|(_, w)| wait > w) {
+                latest = Some((i, wait));
+            }
+        }
+        let Some((i, wait)) = latest.filter(|(_, w)| !w.is_zero()) else { return };
+        let rate = rates[i].0.rate().expect("a rate key");
+        let changed = rate.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        // A change just before `enable` was not heard: look once more.
+        if rate.retime(&mut tickets[i], now) < wait {
+            continue;
+        }
+        tokio::select! {
+            _ = changed => {}
+            _ = super::sleep_until(clock, now.saturating_add(wait)) => return,
+        }
+    }
+}
+
 /// With every rate reserved: waits for the latest slot, then takes the
 /// gauges' permits FIFO, in plan order.
 async fn finish(
     plan: &Plan,
     clock: &Clock,
     arrival: Time,
-    reserved: Reserved,
+    mut reserved: Reserved,
     longest: Duration,
     zero_waited: bool,
 ) -> Result<Admitted, Refused> {
     if !longest.is_zero() {
         let rates: Vec<_> = reserved.0.clone();
         let _w = Waiting::begin(&rates);
-        super::sleep_until(clock, clock.now().saturating_add(longest)).await;
+        wait_for_slots(clock, &rates, &mut reserved.1).await;
     }
 
     let mut permits = Vec::new();

@@ -14,11 +14,20 @@
 //! of 256 ns today: at 10M/s its state never advanced and at 1M/s it admitted
 //! about 2.4% too little.)
 //!
+//! A capacity increase brings waiting requests forward: each keeps its place
+//! in the queue, and the time it still had to wait shrinks by the ratio of
+//! the intervals ([`Rate::retime`]), as the backlog does. (Kept at their
+//! old slots, requests queued under a small capacity, such as a sidecar's
+//! on-expiry capacity before its first lease, held a connection for up to
+//! `max_wait` after the lease arrived, and the key stayed far below it.)
+//! A decrease moves nobody: a slot once given is kept.
+//!
 //! Why not governor: a live capacity change must carry the GCRA state across
 //! (no fresh burst) and an all-or-nothing admission must undo a reservation;
 //! governor exposes neither its TAT nor an undo, and a replaced limiter starts
 //! with a full burst.
 
+use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -29,6 +38,9 @@ use crate::clock::{Clock, Time};
 /// Bits of a position below the nanosecond.
 const FRAC: u32 = 32;
 const ONE_NS: u128 = 1 << FRAC;
+/// Capacity increases remembered for [`Rate::retime`]; a waiter that missed
+/// more (it would have to sleep through that many changes) keeps its slot.
+const CHANGES_KEPT: usize = 8;
 
 /// A rate: `capacity` units per second, `burst` units at once from idle.
 pub struct Rate {
@@ -50,6 +62,16 @@ struct State {
     /// `burst` intervals, kept with them (every reservation needs it).
     burst_span: u128,
     capacity: f64,
+    /// At capacity 0: how full the bucket was (units) when the capacity went
+    /// to 0. Nothing refills at rate 0, so the bucket stays as it was: a
+    /// busy key comes back paced, and an idle or never-used one (a sidecar
+    /// whose first lease arrives after a lease of 0) with its burst, as a
+    /// new limiter would.
+    frozen: f64,
+    /// Counts the capacity increases so far.
+    generation: u64,
+    /// The last increases: (generation, position, old interval, new interval).
+    increases: VecDeque<(u64, u128, u128, u128)>,
 }
 
 impl State {
@@ -66,6 +88,15 @@ pub enum Reservation {
     Slot { wait: Duration, cost: f64 },
     /// Not reserved: the earliest the request would pass (never, at capacity 0).
     TooLate { wait: Option<Duration> },
+}
+
+/// Where a reservation's request passes, for [`Rate::retime`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    /// The position the request may pass at.
+    slot: u128,
+    /// The rate's generation when `slot` was last brought up to date.
+    generation: u64,
 }
 
 /// Fixed-point nanoseconds per unit (see [`State::interval`]). A capacity so
@@ -111,7 +142,17 @@ impl Rate {
             state: Mutex::new({
                 let (interval, burst) = (interval_of(capacity), burst.max(1.0));
                 let burst_span = interval.map_or(0, |i| times(i, burst));
-                State { origin: now, tat: 0, interval, burst, burst_span, capacity }
+                State {
+                    origin: now,
+                    tat: 0,
+                    interval,
+                    burst,
+                    burst_span,
+                    capacity,
+                    frozen: 0.0,
+                    generation: 0,
+                    increases: VecDeque::new(),
+                }
             }),
             changed: Notify::new(),
         }
@@ -127,27 +168,54 @@ impl Rate {
 
     /// Reserves `cost` units if they can pass within `max_wait` of `now`.
     pub fn reserve(&self, now: Time, cost: f64, max_wait: Duration) -> Reservation {
+        self.reserve_ticket(now, cost, max_wait).0
+    }
+
+    /// [`reserve`](Self::reserve), with the ticket that keeps a reserved
+    /// request's place up to date through capacity increases ([`Rate::retime`]).
+    pub fn reserve_ticket(&self, now: Time, cost: f64, max_wait: Duration) -> (Reservation, Ticket) {
         let mut s = self.state.lock().expect("rate lock");
+        let now = s.pos(now);
+        let ticket = Ticket { slot: now, generation: s.generation };
         let interval = match s.interval {
-            None => return Reservation::TooLate { wait: None },
-            Some(0) => return Reservation::Slot { wait: Duration::ZERO, cost: 0.0 },
+            None => return (Reservation::TooLate { wait: None }, ticket),
+            Some(0) => return (Reservation::Slot { wait: Duration::ZERO, cost: 0.0 }, ticket),
             Some(i) => i,
         };
-        let now = s.pos(now);
         let new_tat = s.tat.max(now).saturating_add(times(interval, cost));
-        let wait = ceil_duration(new_tat.saturating_sub(now.saturating_add(s.burst_span)));
+        let slot = new_tat.saturating_sub(s.burst_span).max(now);
+        let wait = ceil_duration(slot - now);
         if wait > max_wait {
-            return Reservation::TooLate { wait: Some(wait) };
+            return (Reservation::TooLate { wait: Some(wait) }, ticket);
         }
         s.tat = new_tat;
-        Reservation::Slot { wait, cost }
+        (Reservation::Slot { wait, cost }, Ticket { slot, ..ticket })
+    }
+
+    /// Brings a reservation's slot forward by the capacity increases since
+    /// its ticket was last brought up to date, and returns how long its
+    /// request still waits from `now`.
+    pub fn retime(&self, ticket: &mut Ticket, now: Time) -> Duration {
+        let s = self.state.lock().expect("rate lock");
+        let missed = s.increases.front().is_some_and(|(g, ..)| *g > ticket.generation + 1);
+        if !missed {
+            for &(_, at, old, new) in s.increases.iter().filter(|(g, ..)| *g > ticket.generation) {
+                if ticket.slot > at {
+                    let left = (ticket.slot - at) as f64 * (new as f64 / old as f64);
+                    ticket.slot = at + (left.ceil() as u128).min(ticket.slot - at);
+                }
+            }
+        }
+        ticket.generation = s.generation;
+        ceil_duration(ticket.slot.saturating_sub(s.pos(now)))
     }
 
     /// Gives a reservation of `cost` units back.
     pub fn release(&self, cost: f64) {
         let mut s = self.state.lock().expect("rate lock");
-        if let Some(i) = s.interval {
-            s.tat = s.tat.saturating_sub(times(i, cost));
+        match s.interval {
+            Some(i) => s.tat = s.tat.saturating_sub(times(i, cost)),
+            None => s.frozen = (s.frozen - cost).max(0.0),
         }
     }
 
@@ -166,7 +234,8 @@ impl Rate {
 
     /// Changes capacity and burst live. The backlog (how full the bucket is,
     /// in units) is carried over, so a change never hands out a fresh burst;
-    /// requests already holding a slot keep it.
+    /// requests already holding a slot keep it. Through capacity 0 the
+    /// backlog stays as it was (see [`State::frozen`]).
     pub fn set(&self, now: Time, capacity: f64, burst: f64) {
         let mut s = self.state.lock().expect("rate lock");
         if s.capacity == capacity && s.burst == burst {
@@ -177,10 +246,21 @@ impl Rate {
             // From unlimited: nothing was tracked, so nothing is owed.
             Some(0) => 0.0,
             Some(i) => s.tat.saturating_sub(now) as f64 / i as f64,
-            // From capacity 0: treat the bucket as full, so the new capacity starts paced, not with a burst.
-            None => s.burst,
+            None => s.frozen,
         };
+        s.frozen = backlog_units;
+        let old_interval = s.interval;
         s.interval = interval_of(capacity);
+        if let (Some(old), Some(new)) = (old_interval, s.interval)
+            && new < old
+        {
+            s.generation += 1;
+            let g = s.generation;
+            s.increases.push_back((g, now, old, new));
+            if s.increases.len() > CHANGES_KEPT {
+                s.increases.pop_front();
+            }
+        }
         s.capacity = capacity;
         s.burst = burst.max(1.0);
         s.burst_span = s.interval.map_or(0, |i| times(i, s.burst));
