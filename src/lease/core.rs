@@ -27,6 +27,12 @@ pub const SOON: Duration = Duration::from_secs(1);
 /// How soon a client tries the next server after one failed, before it backs
 /// off: long enough not to spin, short against a lease's life.
 pub const NEXT_SERVER: Duration = Duration::from_millis(50);
+/// Longest wait (before jitter) between rounds of the server list until a
+/// server first answers: a client with no lease yet enforces only its
+/// on-expiry capacity, and a fresh tree (etcd, servers and sidecars started
+/// together) is ready a few seconds in, so a 2 s backoff step there was paid
+/// by every first request.
+pub const FIRST_ANSWER_RETRY: Duration = Duration::from_secs(1);
 
 /// What a key may use once its lease has expired (or before the first one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -237,6 +243,11 @@ pub struct Core {
     next_refresh: Time,
     last_request: Option<Time>,
     in_flight: bool,
+    /// When the call in flight (or the last one) was made: a transient
+    /// failure's backoff counts from there, so a call that hung until its
+    /// timeout (a TLS handshake with a server still starting) is retried
+    /// once the backoff since it began has passed, not a backoff later.
+    attempt_started: Time,
     early: bool,
     last_error: Option<String>,
     transitions: Vec<Transition>,
@@ -273,6 +284,7 @@ impl Core {
             redirects: 0,
             next_refresh: now,
             last_request: None,
+            attempt_started: now,
             in_flight: false,
             early: false,
             last_error: None,
@@ -426,6 +438,7 @@ impl Core {
                 return Action::Wait { until: self.next_refresh };
             }
             self.in_flight = true;
+            self.attempt_started = now;
             return Action::Discover { target };
         }
         if !self.to_release.is_empty() {
@@ -448,6 +461,7 @@ impl Core {
             };
         }
         self.in_flight = true;
+        self.attempt_started = now;
         self.early = false;
         self.last_request = Some(now);
         for k in self.keys.values_mut() {
@@ -481,6 +495,7 @@ impl Core {
             self.master = None;
             self.rotation = self.rotation.wrapping_add(1);
         }
+        let permanent = matches!(err, CallError::Permanent(_));
         let delay = match err {
             CallError::Transient(_) if rotate && self.next_at_once > 0 => {
                 self.next_at_once -= 1;
@@ -493,10 +508,16 @@ impl Core {
             }
             CallError::Transient(_) => {
                 self.next_at_once = self.cfg.servers.len().saturating_sub(1);
-                self.backoff.on_failure(&mut self.rng)
+                let d = self.backoff.on_failure(&mut self.rng);
+                if self.refreshes == 0 {
+                    d.min(super::backoff::jitter(FIRST_ANSWER_RETRY, self.cfg.backoff.randomization, &mut self.rng))
+                } else {
+                    d
+                }
             }
         };
-        self.next_refresh = now.saturating_add(delay);
+        let from = if permanent { now } else { self.attempt_started.min(now) };
+        self.next_refresh = from.saturating_add(delay).max(now);
         self.last_error = Some(msg);
     }
 

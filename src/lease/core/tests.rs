@@ -153,6 +153,55 @@ fn a_dead_master_sends_the_client_to_the_next_server_at_once_and_a_dead_round_ba
 }
 
 #[test]
+fn until_a_server_first_answers_rounds_are_at_most_a_jittered_second_apart() {
+    let w = World::new(&["s1"]);
+    w.net.set_up("s1", false);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("r", 10.0, OnExpiry::Safe)]);
+    let limit = FIRST_ANSWER_RETRY.mul_f64(1.0 + CoreConfig::new("x", vec![]).backoff.randomization);
+    let mut longest = Duration::ZERO;
+    for _ in 0..12 {
+        w.step(&mut c);
+        let wait = c.next_refresh().since(w.clock.now());
+        longest = longest.max(wait);
+        w.advance(wait);
+    }
+    assert!(longest <= limit && longest > FIRST_ANSWER_RETRY / 2, "no lease yet: {longest:?}");
+    // Once a server has answered, failures back off to the full maximum.
+    w.net.set_up("s1", true);
+    w.step(&mut c);
+    assert_eq!(c.master(), Some("s1"));
+    w.net.set_up("s1", false);
+    let mut longest = Duration::ZERO;
+    for _ in 0..12 {
+        w.advance(c.next_refresh().since(w.clock.now()));
+        w.step(&mut c);
+        longest = longest.max(c.next_refresh().since(w.clock.now()));
+    }
+    assert!(longest > limit, "after the first answer the backoff grows past a second: {longest:?}");
+}
+
+#[test]
+fn a_call_that_hung_until_its_timeout_is_retried_by_the_backoff_from_its_start() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("r", 10.0, OnExpiry::Safe)]);
+    let Action::Discover { target } = c.next_action(w.clock.now()) else { panic!("discovers first") };
+    // The call hangs for 2 s (a TLS handshake with a server still starting).
+    w.advance(Duration::from_secs(2));
+    c.on_discovery(w.clock.now(), &target, Err(CallError::Transient("deadline has elapsed".into())));
+    assert_eq!(c.next_refresh(), w.clock.now(), "the backoff since the call began has passed: retry now");
+    // A call that fails at once waits its backoff from now.
+    let Action::Discover { target } = c.next_action(w.clock.now()) else { panic!("discovers again") };
+    c.on_discovery(w.clock.now(), &target, Err(CallError::Transient("refused".into())));
+    assert!(
+        c.next_refresh() > w.clock.now().saturating_add(Duration::from_millis(300)),
+        "{:?}",
+        c.next_refresh().since(w.clock.now())
+    );
+}
+
+#[test]
 fn follows_a_mastership_redirect_at_once() {
     let w = World::new(&["s1", "s2"]);
     w.nodes["s1"].set_mastership(Mastership { is_master: false, master_address: Some("s2".into()) });
