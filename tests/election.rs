@@ -6,7 +6,7 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::etcd::{EtcdServer, elected_member};
+use support::etcd::{EtcdServer, elected_member, elected_member_at};
 use support::{Usher, http_get, metric};
 use usher::clock::Clock;
 use usher::lease::core::CoreConfig;
@@ -291,4 +291,34 @@ async fn a_sidecar_keeps_enforcing_through_a_master_failover() {
         body.contains("app-0") && body.contains("\"has\": 40.0"),
         "the new master learned the sidecar's lease: {body}"
     );
+}
+
+/// A client that reaches a server while it is still starting (a fresh tree
+/// starts etcd, servers and sidecars together) is not refused, nor told "no
+/// master": the gRPC port is bound before etcd is waited for, and Discovery
+/// is held (at most 1.5 s) until the election names a master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_reaches_a_starting_server_is_answered_with_its_master() {
+    let etcd = EtcdServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = support::write_file(dir.path(), "r.yaml", CONFIG);
+    let endpoint = etcd.endpoint.clone();
+    let port = support::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let starting = tokio::task::spawn_blocking(move || elected_member_at(&endpoint, &cfg, "/test/starting", port, &[]));
+    let asked = Instant::now();
+    let client = loop {
+        match CapacityClient::connect(format!("http://{addr}")).await {
+            Ok(c) => break c,
+            Err(_) => {
+                assert!(asked.elapsed() < Duration::from_secs(20), "never bound {addr}");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+    };
+    let mut client = client;
+    let r = client.discovery(proto::DiscoveryRequest {}).await.expect("discovery answered").into_inner();
+    let (member, _) = starting.await.unwrap();
+    assert!(r.is_master, "the first answer names the master (itself): {r:?}\n{}", member.log());
+    assert_eq!(r.mastership.master_address.as_deref(), Some(addr.as_str()));
 }

@@ -212,3 +212,59 @@ async fn four_sidecars_under_two_intermediates_split_the_root_fairly() {
     }
     assert_eq!(tally.other.load(std::sync::atomic::Ordering::Relaxed), 0, "the apps saw only 200 and 429");
 }
+
+/// A capacity request that would hand a newcomer nothing is held (at most
+/// 1.5 s, and never past half the caller's deadline) and decided again as
+/// soon as capacity is freed: at an intermediate with no lease from its parent
+/// yet, when the parent's first lease arrives; at any server, when a client
+/// holding the newcomer's share comes down. Without it the newcomer got a
+/// lease of 0 and asked again a second later (a fresh tree's sidecars refused
+/// everything meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newcomer_is_answered_with_a_share_as_soon_as_one_is_free() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = start_server(dir.path(), "root", Some(ROOT), None);
+    let root_addr = root.addr("grpc").to_string();
+    let ask = |client: &str, resource: &str, wants: f64| GetCapacityRequest {
+        client_id: client.into(),
+        resource: vec![ResourceRequest { resource_id: resource.into(), priority: 0, has: None, wants }],
+    };
+
+    // A fresh intermediate: the first answer carries the parent's share.
+    let i1 = start_server(dir.path(), "i1", None, Some(&root_addr));
+    let mut c = CapacityClient::connect(format!("http://{}", i1.addr("grpc"))).await.unwrap();
+    let started = Instant::now();
+    let r = c.get_capacity(ask("c1", "api", 30.0)).await.unwrap().into_inner();
+    let lease = r.response[0].gets;
+    assert_eq!(lease.capacity, 30.0, "the first answer carries the share: {r:?}");
+    assert!(lease.expiry_time > now_secs(), "and a lease that has not lapsed: {r:?}");
+    assert!(started.elapsed() < Duration::from_secs(2), "answered within the wait: {:?}", started.elapsed());
+
+    // At the root: a first-come client holds all 100; a newcomer's request
+    // is held until that client's next refresh brings it down to its half.
+    let mut a = CapacityClient::connect(format!("http://{root_addr}")).await.unwrap();
+    let r = a.get_capacity(ask("first", "db", 100.0)).await.unwrap().into_inner();
+    assert_eq!(r.response[0].gets.capacity, 100.0);
+    let mut b = a.clone();
+    let newcomer = tokio::spawn(async move {
+        let asked = Instant::now();
+        let r = b.get_capacity(ask("newcomer", "db", 100.0)).await.unwrap().into_inner();
+        (r.response[0].gets.capacity, asked.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut again = ask("first", "db", 100.0);
+    again.resource[0].has = Some(r.response[0].gets);
+    let r = a.get_capacity(again).await.unwrap().into_inner();
+    assert_eq!(r.response[0].gets.capacity, 50.0, "the first-come client comes down to its share: {r:?}");
+    let (got, took) = newcomer.await.unwrap();
+    assert_eq!(got, 50.0, "the newcomer is answered with the freed half");
+    assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(1), "held until it was freed: {took:?}");
+
+    // A deadline shorter than the wait is kept: with no parent to ask, the
+    // answer (nothing yet, come back soon) comes within half of 200 ms.
+    drop(root);
+    let mut req = tonic::Request::new(ask("c2", "other", 30.0));
+    req.set_timeout(Duration::from_millis(200));
+    let r = c.get_capacity(req).await.expect("answered within the caller's deadline").into_inner();
+    assert_eq!(r.response[0].gets.capacity, 0.0, "no parent to ask, nothing to hand out: {r:?}");
+}

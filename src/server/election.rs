@@ -94,12 +94,20 @@ pub async fn run(
     // The first campaign goes at once: a fresh tree (etcd, servers and
     // sidecars started together) waited a whole poll (2 s) for its masters.
     let mut campaigned = false;
+    // Until etcd first answers, campaigns retry 200 ms, 400 ms, ... apart, up
+    // to a poll: in a fresh tree etcd starts with the servers and answers a
+    // second or two later, and a whole poll (2 s) after that was added to
+    // every sidecar's first admitted request. `None` once etcd answered.
+    let mut unreached: Option<u32> = Some(0);
     loop {
         let wait = match (lease, next_try) {
             (Some(_), Some(at)) => at.since(clock.now()),
             (Some((_, renewed)), None) => (renewed.saturating_add(renew_every)).since(clock.now()),
             (None, _) if !campaigned => Duration::ZERO,
-            (None, _) => poll,
+            (None, _) => match unreached {
+                Some(n) => (Duration::from_millis(200) * 2u32.saturating_pow(n.saturating_sub(1))).min(poll),
+                None => poll,
+            },
         };
         tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -162,7 +170,7 @@ pub async fn run(
                     next_try = Some(if soon < deadline { soon } else { deadline });
                 }
             }
-            None => match follow_or_campaign(&etcd, &key, &me, ttl, &clock).await {
+            None => match follow_or_campaign(&etcd, &key, &me, ttl, &clock).await.inspect(|_| unreached = None) {
                 Ok(Outcome::Won { lease: id, revision, at }) => {
                     // Before acting as master: what the predecessor may have
                     // left outstanding, and a record covering this master's leases.
@@ -207,6 +215,9 @@ pub async fn run(
                     });
                 }
                 Err(e) => {
+                    if let Some(n) = unreached.as_mut() {
+                        *n += 1;
+                    }
                     election.set(|s| s.last_error = Some(e.to_string()));
                     tracing::warn!(error = %e, "election: etcd unreachable; keeping the last known master");
                 }

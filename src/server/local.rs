@@ -25,7 +25,10 @@ impl LocalTransport {
     }
 
     pub fn add(&self, addr: impl Into<String>, node: Arc<Node>) {
-        self.servers.lock().expect("server map poisoned").insert(addr.into(), (CapacityService::new(node), true));
+        self.servers
+            .lock()
+            .expect("server map poisoned")
+            .insert(addr.into(), (CapacityService::new(node).without_newcomer_wait(), true));
     }
 
     /// Makes `addr` unreachable (`false`) or reachable again.

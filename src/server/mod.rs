@@ -398,7 +398,12 @@ impl Node {
         if m.is_master != was {
             self.metrics.mastership_changes.inc();
         }
+        let known = m.master_address.is_some() && self.mastership.load().master_address.is_none();
         self.mastership.store(Arc::new(m));
+        if known {
+            // Answers held while no master was known go out now.
+            self.store.wake();
+        }
     }
 
     pub fn config_state(&self) -> ConfigState {
@@ -635,6 +640,11 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     let source = ConfigSource::from_arg(args.config.as_deref(), etcd.as_ref())?;
     let tls = server_tls(&args, Clock::system().now().as_secs())?.map(Arc::new);
     let parent_tls = parent_tls(&args)?;
+    // Bound before etcd and the configuration are waited for: a client that
+    // connects meanwhile (a fresh tree starts sidecars, servers and etcd
+    // together) waits in the listen queue and is answered as soon as the
+    // server serves, instead of being refused and backing off.
+    let grpc = bind("gRPC", args.listen).await?;
     if let Some(e) = &etcd {
         // TLS, client certificate and credentials are checked now, so a mistake
         // in them is one error line and exit 69, not a server that never elects.
@@ -648,7 +658,6 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     }
     let (config, revision) = source.load_initial(!args.parent.is_empty()).await?;
     let source_name = source.name();
-    let grpc = bind("gRPC", args.listen).await?;
     let admin = bind("admin", args.admin_listen).await?;
     let grpc_addr = grpc.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
     let admin_addr = admin.local_addr().map_err(|e| RunError::Other(e.to_string()))?;

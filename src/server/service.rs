@@ -14,15 +14,40 @@ use crate::clock::Time;
 use crate::proto;
 use crate::proto::capacity_server::Capacity;
 
+/// Longest a request is held when its answer would send a newcomer away
+/// empty-handed, so that it can be answered as soon as that changes:
+/// - a capacity request from a requester that holds no lease, wants some and
+///   gets 0 (an intermediate with no lease from its parent yet, or a
+///   first-come client holding the whole share) is decided again as soon as
+///   capacity is freed (the parent's lease arrives or grows, a client comes
+///   down or leaves);
+/// - any request to a server that knows no master yet (its election is under
+///   way) is answered once a master is known.
+///
+/// A fresh tree's sidecars so get a share in the answer to their first
+/// request, instead of a lease of 0 or "no master" and another round trip a
+/// second or two later. A second and a half covers an intermediate's next
+/// request to its parent and a first-come client's next refresh (each at
+/// most a second after the first); never more than half the caller's own
+/// deadline.
+pub const NEWCOMER_WAIT: std::time::Duration = std::time::Duration::from_millis(1500);
+
 /// The tonic service; cheap to clone, all state lives in the shared [`Node`].
 #[derive(Clone)]
 pub struct CapacityService {
     node: Arc<Node>,
+    newcomer_wait: std::time::Duration,
 }
 
 impl CapacityService {
     pub fn new(node: Arc<Node>) -> Self {
-        CapacityService { node }
+        CapacityService { node, newcomer_wait: NEWCOMER_WAIT }
+    }
+
+    /// Never holds an answer (see [`NEWCOMER_WAIT`]): for callers in virtual
+    /// time (the simulator), where nothing can change while a call waits.
+    pub fn without_newcomer_wait(self) -> Self {
+        CapacityService { newcomer_wait: std::time::Duration::ZERO, ..self }
     }
 
     pub fn into_server(self) -> proto::capacity_server::CapacityServer<Self> {
@@ -33,6 +58,38 @@ impl CapacityService {
     fn observe<T>(&self, method: &str, f: impl FnOnce() -> Result<T, Status>) -> Result<Response<T>, Status> {
         let start = Instant::now();
         let out = f();
+        self.record(method, start, out)
+    }
+
+    /// As [`observe`](Self::observe) for a request that may be held.
+    /// `f(again)` answers and says whether the answer sends a newcomer away
+    /// empty-handed; then, within the wait allowed ([`NEWCOMER_WAIT`]), it is
+    /// answered once more (`again`) whenever that may have changed.
+    async fn observe_newcomers<T>(
+        &self,
+        method: &str,
+        deadline: Option<std::time::Duration>,
+        f: impl Fn(bool) -> Result<(T, bool), Status>,
+    ) -> Result<Response<T>, Status> {
+        let start = Instant::now();
+        let wait = deadline.map_or(self.newcomer_wait, |d| self.newcomer_wait.min(d / 2));
+        let until = tokio::time::Instant::now() + wait;
+        let mut again = false;
+        let out = loop {
+            let changed = self.node.store.changed();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let out = f(again);
+            if !matches!(out, Ok((_, true))) || wait.is_zero() || tokio::time::timeout_at(until, changed).await.is_err()
+            {
+                break out;
+            }
+            again = true;
+        };
+        self.record(method, start, out.map(|(t, _)| t))
+    }
+
+    fn record<T>(&self, method: &str, start: Instant, out: Result<T, Status>) -> Result<Response<T>, Status> {
         let m = &self.node.metrics;
         m.rpc_requests.with_label_values(&[method]).inc();
         m.rpc_duration.with_label_values(&[method]).observe(start.elapsed().as_secs_f64());
@@ -41,6 +98,11 @@ impl CapacityService {
             tracing::debug!(method, code = ?s.code(), message = s.message(), "rejected request");
         }
         out.map(Response::new)
+    }
+
+    /// Decides `ask` for `client`; `again` when it was decided before in this call.
+    fn decide(&self, client: &str, ask: &LeaseRequest, again: bool) -> Grant {
+        if again { self.node.store.decide_again(client, ask) } else { self.node.store.get_capacity(client, ask) }
     }
 
     fn within_limits(&self, client: &str, asks: &[LeaseRequest]) -> Result<(), Status> {
@@ -55,6 +117,31 @@ impl CapacityService {
         let m = self.node.mastership();
         (!m.is_master).then(|| proto::Mastership { master_address: m.master_address.clone() })
     }
+}
+
+/// Whether `g` hands nothing to a requester that holds no lease and wants some.
+fn starves_a_newcomer(ask: &LeaseRequest, g: &Grant) -> bool {
+    ask.reported_has.is_none() && ask.wants > 0.0 && g.capacity <= 0.0
+}
+
+/// The caller's deadline from its `grpc-timeout` header (an integer of at
+/// most 8 digits and a unit: H, M, S, m, u or n), if it sent a valid one.
+fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
+    let v = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => std::time::Duration::from_secs(n * 3600),
+        "M" => std::time::Duration::from_secs(n * 60),
+        "S" => std::time::Duration::from_secs(n),
+        "m" => std::time::Duration::from_millis(n),
+        "u" => std::time::Duration::from_micros(n),
+        "n" => std::time::Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 fn code_name(code: tonic::Code) -> &'static str {
@@ -222,32 +309,41 @@ pub fn server_requests(req: &proto::GetServerCapacityRequest) -> Result<Vec<Leas
 impl Capacity for CapacityService {
     async fn discovery(
         &self,
-        _req: Request<proto::DiscoveryRequest>,
+        req: Request<proto::DiscoveryRequest>,
     ) -> Result<Response<proto::DiscoveryResponse>, Status> {
-        self.observe("Discovery", || {
+        self.observe_newcomers("Discovery", grpc_timeout(req.metadata()), |_| {
             let m = self.node.mastership();
-            Ok(proto::DiscoveryResponse {
-                mastership: proto::Mastership { master_address: m.master_address.clone() },
-                is_master: m.is_master,
-            })
+            let unknown = m.master_address.is_none();
+            Ok((
+                proto::DiscoveryResponse {
+                    mastership: proto::Mastership { master_address: m.master_address.clone() },
+                    is_master: m.is_master,
+                },
+                unknown,
+            ))
         })
+        .await
     }
 
     async fn get_capacity(
         &self,
         req: Request<proto::GetCapacityRequest>,
     ) -> Result<Response<proto::GetCapacityResponse>, Status> {
+        let deadline = grpc_timeout(req.metadata());
         let req = req.into_inner();
-        self.observe("GetCapacity", || {
+        self.observe_newcomers("GetCapacity", deadline, |again| {
             if let Some(m) = self.redirect() {
-                return Ok(proto::GetCapacityResponse { response: vec![], mastership: Some(m) });
+                let unknown = m.master_address.is_none();
+                return Ok((proto::GetCapacityResponse { response: vec![], mastership: Some(m) }, unknown));
             }
             let asks = client_requests(&req)?;
             self.within_limits(&req.client_id, &asks)?;
+            let mut starved = false;
             let response = asks
                 .iter()
                 .map(|a| {
-                    let g = self.node.store.get_capacity(&req.client_id, a);
+                    let g = self.decide(&req.client_id, a, again);
+                    starved |= starves_a_newcomer(a, &g);
                     proto::ResourceResponse {
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),
@@ -255,25 +351,30 @@ impl Capacity for CapacityService {
                     }
                 })
                 .collect();
-            Ok(proto::GetCapacityResponse { response, mastership: None })
+            Ok((proto::GetCapacityResponse { response, mastership: None }, starved))
         })
+        .await
     }
 
     async fn get_server_capacity(
         &self,
         req: Request<proto::GetServerCapacityRequest>,
     ) -> Result<Response<proto::GetServerCapacityResponse>, Status> {
+        let deadline = grpc_timeout(req.metadata());
         let req = req.into_inner();
-        self.observe("GetServerCapacity", || {
+        self.observe_newcomers("GetServerCapacity", deadline, |again| {
             if let Some(m) = self.redirect() {
-                return Ok(proto::GetServerCapacityResponse { response: vec![], mastership: Some(m) });
+                let unknown = m.master_address.is_none();
+                return Ok((proto::GetServerCapacityResponse { response: vec![], mastership: Some(m) }, unknown));
             }
             let asks = server_requests(&req)?;
             self.within_limits(split_identity(&req.server_id).0, &asks)?;
+            let mut starved = false;
             let response = asks
                 .iter()
                 .map(|a| {
-                    let g = self.node.store.get_capacity(&req.server_id, a);
+                    let g = self.decide(&req.server_id, a, again);
+                    starved |= starves_a_newcomer(a, &g);
                     let mut algorithm = wire_algorithm(&g.algorithm);
                     if let Some(n) = g.predecessor_subclients {
                         algorithm.parameters.push(proto::NamedParameter {
@@ -289,8 +390,9 @@ impl Capacity for CapacityService {
                     }
                 })
                 .collect();
-            Ok(proto::GetServerCapacityResponse { response, mastership: None })
+            Ok((proto::GetServerCapacityResponse { response, mastership: None }, starved))
         })
+        .await
     }
 
     async fn release_capacity(

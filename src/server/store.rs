@@ -103,6 +103,17 @@ pub struct Grant {
     pub predecessor_subclients: Option<u64>,
 }
 
+/// How a request is decided (see [`Resource::decide`]).
+#[derive(Debug, Clone, Copy)]
+struct Decision {
+    /// Learning mode: hand back what the client holds.
+    learning: bool,
+    /// A request sooner than this after the client's last gets its lease back unchanged.
+    min_interval: Duration,
+    /// The same request decided again after its answer was held ([`Store::decide_again`]).
+    again: bool,
+}
+
 /// What a new master knows of the leases its predecessor handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Predecessor {
@@ -285,6 +296,8 @@ pub struct Store {
     min_request_interval: Duration,
     role: Role,
     limits: Limits,
+    /// Woken when a held answer may come out differently (see [`Store::changed`]).
+    changed: tokio::sync::Notify,
 }
 
 /// What status pages and metrics show of a resource.
@@ -337,6 +350,7 @@ impl Store {
             min_request_interval,
             role: Role::Root,
             limits: Limits::default(),
+            changed: tokio::sync::Notify::new(),
         }
     }
 
@@ -384,10 +398,31 @@ impl Store {
 
     /// Records what the parent granted for a resource (`None`: nothing held).
     pub fn set_parent_lease(&self, resource_id: &str, lease: Option<ParentLease>) {
+        let now = self.clock.now();
         let map = self.resources.read().expect("store lock poisoned");
         if let Some(res) = map.get(resource_id) {
-            res.lock().expect("resource lock poisoned").parent = lease;
+            let mut r = res.lock().expect("resource lock poisoned");
+            let before = r.parent.as_ref().filter(|p| p.expiry > now).map_or(0.0, |p| p.capacity);
+            let grew = lease.as_ref().is_some_and(|p| p.expiry > now && (r.parent.is_none() || p.capacity > before));
+            r.parent = lease;
+            drop(r);
+            if grew {
+                self.wake();
+            }
         }
+    }
+
+    /// Completes when a held answer may come out differently: a lease from
+    /// the parent arrived or grew, a client came down or left, or a master
+    /// became known ([`Store::wake`]). Create it (and `enable` it) before the
+    /// request that depends on it, so a change in between is not missed.
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+
+    /// Wakes every answer held on [`changed`](Self::changed).
+    pub fn wake(&self) {
+        self.changed.notify_waiters();
     }
 
     /// Every resource with demand, aggregated into priority bands, for the parent.
@@ -509,6 +544,16 @@ impl Store {
 
     /// Decides one resource of a request from `client`.
     pub fn get_capacity(&self, client: &str, req: &LeaseRequest) -> Grant {
+        self.decide(client, req, false)
+    }
+
+    /// Decides the same request again, once [`changed`](Self::changed) fired
+    /// while its answer was held (never "too early": it is the same request).
+    pub fn decide_again(&self, client: &str, req: &LeaseRequest) -> Grant {
+        self.decide(client, req, true)
+    }
+
+    fn decide(&self, client: &str, req: &LeaseRequest, again: bool) -> Grant {
         let now = self.clock.now();
         loop {
             {
@@ -521,7 +566,14 @@ impl Store {
                     r.predecessor = self.predecessor();
                     r.horizon = self.lease_horizon();
                     let learning = r.learning_until(self.master_since(), now, self.role).is_some();
-                    return r.decide(client, req, now, learning, self.min_request_interval, self.role);
+                    let held = r.index.total_has();
+                    // The same request again is never "too early".
+                    let min_interval = if again { Duration::ZERO } else { self.min_request_interval };
+                    let grant = r.decide(client, req, now, Decision { learning, min_interval, again }, self.role);
+                    if r.index.total_has() < held - 1e-9 {
+                        self.wake();
+                    }
+                    return grant;
                 }
             }
             let cfg = self.config.load();
@@ -544,6 +596,7 @@ impl Store {
         let map = self.resources.read().expect("store lock poisoned");
         if let Some(res) = map.get(resource_id) {
             res.lock().expect("resource lock poisoned").release(client, now);
+            self.wake();
         }
     }
 
@@ -924,15 +977,8 @@ impl Resource {
         }
     }
 
-    fn decide(
-        &mut self,
-        id: &str,
-        req: &LeaseRequest,
-        now: Time,
-        learning: bool,
-        min_interval: Duration,
-        role: Role,
-    ) -> Grant {
+    fn decide(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
+        let Decision { learning, min_interval, again } = d;
         let (client, epoch) = match req.requester {
             Requester::Server { .. } => split_identity(id),
             Requester::Client { .. } => (id, None),
@@ -1055,6 +1101,14 @@ impl Resource {
                     }
                 };
                 let mut granted = decide(&r);
+                if again {
+                    // A newcomer decided again after its answer was held:
+                    // others held with it are about to be decided too, and
+                    // must find their shares unused, so no more than the
+                    // share it would have if nobody held more than theirs
+                    // (not the others' shares while they still hold nothing).
+                    granted = granted.min(decide(&algorithm::Request { has: self.index.total_has(), ..r }));
+                }
                 if held_back {
                     // The share the algorithm would give if nobody held more
                     // than theirs: counting everyone's holdings as this

@@ -19,7 +19,18 @@ pub fn elected_member(etcd: &str, config: &std::path::Path, key: &str) -> (super
 
 /// [`elected_member`] with more flags (`--parent`, a TTL of its own, ...).
 pub fn elected_member_with(etcd: &str, config: &std::path::Path, key: &str, more: &[&str]) -> (super::Usher, String) {
-    let port = free_port();
+    elected_member_at(etcd, config, key, free_port(), more)
+}
+
+/// [`elected_member_with`] on a port the caller picked (to reach the member
+/// while it is still starting).
+pub fn elected_member_at(
+    etcd: &str,
+    config: &std::path::Path,
+    key: &str,
+    port: u16,
+    more: &[&str],
+) -> (super::Usher, String) {
     let addr = format!("127.0.0.1:{port}");
     let mut extra =
         vec!["--advertise-addr", &addr, "--etcd-endpoints", etcd, "--election-key", key, "--election-ttl", "3s"];

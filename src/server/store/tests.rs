@@ -44,10 +44,28 @@ fn lease_store_sums_cleanup_and_release() {
     // client is granted exactly the has it reports.
     let mut r = Resource::new(template(Kind::FairShare, 100.0, 10, 5, 0));
     let now = Time::from_secs(500);
-    r.decide("a", &req("x", 12.0, Some(10.0)), now, true, Duration::ZERO, Role::Root);
-    r.decide("b", &req("x", 12.0, Some(10.0)), now, true, Duration::ZERO, Role::Root);
+    r.decide(
+        "a",
+        &req("x", 12.0, Some(10.0)),
+        now,
+        Decision { learning: true, min_interval: Duration::ZERO, again: false },
+        Role::Root,
+    );
+    r.decide(
+        "b",
+        &req("x", 12.0, Some(10.0)),
+        now,
+        Decision { learning: true, min_interval: Duration::ZERO, again: false },
+        Role::Root,
+    );
     r.template = template(Kind::FairShare, 100.0, 20, 5, 0);
-    r.decide("c", &req("x", 20.0, Some(15.0)), now, true, Duration::ZERO, Role::Root);
+    r.decide(
+        "c",
+        &req("x", 20.0, Some(15.0)),
+        now,
+        Decision { learning: true, min_interval: Duration::ZERO, again: false },
+        Role::Root,
+    );
     assert_eq!((r.index.total_has(), r.index.total_wants(), r.index.total_subclients()), (35.0, 44.0, 3));
     r.expire(now.saturating_add(Duration::from_secs(10)));
     assert_eq!((r.index.total_has(), r.index.total_wants(), r.clients.len()), (15.0, 20.0, 1));
