@@ -100,14 +100,15 @@ impl TableEnforcer {
                 let measured = match kind {
                     ResourceKind::Rate => {
                         let total = l.demand().arrivals();
-                        // Nothing is recorded before the first arrival: the
-                        // window then starts with the traffic, not with the
-                        // idle time before it (which read a fresh sidecar's
-                        // 45/s as 5/s a tenth of a second in, and gave its
-                        // lease back).
-                        if total > 0.0 {
-                            m.arrivals.push_back((now, total));
+                        // Before the first arrival only the latest sample is
+                        // kept: the window then starts at most one demand poll
+                        // before the traffic, not with the idle time before it
+                        // (which read a fresh sidecar's 45/s as 5/s a tenth of
+                        // a second in, and gave its lease back).
+                        if total == 0.0 {
+                            m.arrivals.clear();
                         }
+                        m.arrivals.push_back((now, total));
                         while m.arrivals.len() > 2
                             && m.arrivals.front().is_some_and(|(t, _)| now.since(*t) > DEMAND_WINDOW)
                         {
@@ -115,7 +116,9 @@ impl TableEnforcer {
                         }
                         // Measured once traffic has been seen over at least half a second.
                         match (m.arrivals.front(), m.arrivals.back()) {
-                            (Some((t0, a0)), Some((t1, a1))) if t1.since(*t0) >= Duration::from_millis(500) => {
+                            (Some((t0, a0)), Some((t1, a1)))
+                                if total > 0.0 && t1.since(*t0) >= Duration::from_millis(500) =>
+                            {
                                 let rate = (a1 - a0) / t1.since(*t0).as_secs_f64();
                                 Some(rate * m.headroom.factor(now, rate, pressure_signal, settings.headroom))
                             }

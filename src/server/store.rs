@@ -963,18 +963,19 @@ impl Resource {
         }
     }
 
-    /// What learning mode hands a client that reports no lease: the safe
-    /// capacity this server's own configuration gives it (what a client cut
-    /// off from the tree uses anyway), never more than it wants; 0 without
-    /// one (a dynamic safe capacity could hand one newcomer everything).
+    /// What learning mode hands a client: what it reports holding, and at
+    /// least the safe capacity this server's own configuration gives it
+    /// (what a client cut off from the tree uses anyway), never more than it
+    /// wants; 0 without one (a dynamic safe capacity could hand one newcomer
+    /// everything). A client holding a lease of 0 got nothing for the whole
+    /// of learning mode before (a sidecar that first asked with a measured
+    /// demand of 0 refused everything for the 14.7 s a lone root learns).
     fn learning_grant(&self, req: &LeaseRequest) -> f64 {
-        match req.reported_has {
-            Some(h) => h,
-            None => match self.template.safe_capacity {
-                Some(s) if s >= 0.0 => req.wants.min(s * req.subclients as f64),
-                _ => 0.0,
-            },
-        }
+        let safe = match self.template.safe_capacity {
+            Some(s) if s >= 0.0 => req.wants.min(s * req.subclients as f64),
+            _ => 0.0,
+        };
+        req.reported_has.map_or(safe, |h| h.max(safe))
     }
 
     fn decide(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {

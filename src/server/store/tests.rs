@@ -362,3 +362,17 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn learning_mode_hands_at_least_the_safe_capacity_to_a_client_holding_less() {
+    let mut t = (*template(Kind::FairShare, 50.0, 60, 10, 60)).clone();
+    t.safe_capacity = Some(2.0);
+    let mut r = Resource::new(Arc::new(t));
+    let learn = Decision { learning: true, min_interval: Duration::ZERO, again: false };
+    let now = Time::from_secs(500);
+    // New, holding 0, holding more than the safe capacity, wanting less than it.
+    assert_eq!(r.decide("new", &req("x", 10.0, None), now, learn, Role::Root).capacity, 2.0);
+    assert_eq!(r.decide("zero", &req("x", 10.0, Some(0.0)), now, learn, Role::Root).capacity, 2.0);
+    assert_eq!(r.decide("more", &req("x", 10.0, Some(7.0)), now, learn, Role::Root).capacity, 7.0);
+    assert_eq!(r.decide("small", &req("x", 0.5, Some(0.0)), now, learn, Role::Root).capacity, 0.5);
+}
