@@ -158,6 +158,18 @@ async fn load(addr: SocketAddr, rate: f64, until: Instant, counts: Arc<Counts>) 
     }
 }
 
+/// Whether the sidecar behind `admin` holds a lease.
+async fn leased(admin: SocketAddr) -> bool {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let Ok(req) = http::Request::get(format!("http://{admin}/debug/status?format=json")).body(Empty::new()) else {
+        return false;
+    };
+    let Ok(resp) = client.request(req).await else { return false };
+    let Ok(body) = resp.into_body().collect().await else { return false };
+    let v: serde_json::Value = serde_json::from_slice(&body.to_bytes()).unwrap_or_default();
+    v["lease"]["keys"][0]["mode"].as_str() == Some("leased")
+}
+
 async fn lease_of(admin: SocketAddr) -> (f64, f64) {
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
     let req = http::Request::get(format!("http://{admin}/debug/status?format=json"))
@@ -207,6 +219,15 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History, 
             if Instant::now() > deadline {
                 return Err(RunError::Other(format!("a demo sidecar did not start on {admin}")));
             }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    // And until each holds its first lease (or 5 s have passed): load sent
+    // earlier queues in the listen backlog and arrives at once, a burst that
+    // reads as twice the offered rate.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for (_, _, _, admin, _) in &sidecars {
+        while !leased(*admin).await && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }

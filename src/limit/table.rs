@@ -5,9 +5,16 @@
 //!
 //! Readers on the request path load arc-swap snapshots: no lock is shared
 //! across resources or keys. A templated resource creates a key on its first
-//! request, copy-on-write, up to `max_keys`; a request for one more is refused.
+//! request, up to `max_keys`; a request for one more is refused. Up to
+//! [`FOLD_SMALL`] keys, a new key replaces the snapshot at once. Beyond, new
+//! keys go into a small locked map first, folded into the snapshot once it
+//! holds a quarter as many keys as the snapshot, or at the next demand poll
+//! a second after its first key came ([`LeaseTable::settle`]): a new key
+//! costs O(1) amortised (a copy of the whole snapshot per new key made
+//! creating n keys O(n²)), and is read lock-free from its fold on.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -145,11 +152,30 @@ fn gauge_units(capacity: f64) -> u64 {
 /// One configured resource and its keys.
 pub struct ResourceLimits {
     spec: Arc<ArcSwap<ResourceSpec>>,
+    /// Settled keys, read lock-free.
     keys: ArcSwap<HashMap<String, Arc<Limiter>>>,
-    /// Serialises key creation (rare); readers never take it.
-    grow: Mutex<()>,
+    /// Keys made since the last fold into `keys`. Its lock also serialises
+    /// every change of `keys`; a lookup takes it only for an id `keys` lacks.
+    recent: Mutex<Recent>,
+    /// Whether `recent` may hold a key: a miss in `keys` is then looked up there.
+    has_recent: AtomicBool,
     clock: Clock,
 }
+
+/// Keys made since the last fold, and when the first of them was.
+#[derive(Default)]
+struct Recent {
+    keys: HashMap<String, Arc<Limiter>>,
+    since: Option<crate::clock::Time>,
+}
+
+/// Up to this many keys, a new key is folded into the snapshot at once (a
+/// copy this small costs less than locking on the request path).
+pub const FOLD_SMALL: usize = 1024;
+/// Otherwise `recent` is folded when it holds a quarter of the snapshot's keys...
+const FOLD_FRACTION: usize = 4;
+/// ... or at the first [`LeaseTable::settle`] this long after its first key.
+pub const FOLD_AFTER: Duration = Duration::from_secs(1);
 
 /// A templated resource already has `max_keys` distinct ids.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -164,7 +190,8 @@ impl ResourceLimits {
         ResourceLimits {
             spec: Arc::new(ArcSwap::from_pointee(spec)),
             keys: ArcSwap::default(),
-            grow: Mutex::new(()),
+            recent: Mutex::new(Recent::default()),
+            has_recent: AtomicBool::new(false),
             clock,
         }
     }
@@ -184,41 +211,109 @@ impl ResourceLimits {
         self.get_or_create(id, self.spec.load().max_keys)
     }
 
+    /// The limiter for `id` if it exists.
+    pub fn get(&self, id: &str) -> Option<Arc<Limiter>> {
+        if let Some(l) = self.keys.load().get(id) {
+            return Some(l.clone());
+        }
+        if !self.has_recent.load(Ordering::Acquire) {
+            return None;
+        }
+        let recent = self.recent.lock().expect("key lock");
+        // A fold may have moved it meanwhile.
+        recent.keys.get(id).cloned().or_else(|| self.keys.load().get(id).cloned())
+    }
+
     fn get_or_create(&self, id: &str, bound: usize) -> Result<Arc<Limiter>, KeysFull> {
         if let Some(l) = self.keys.load().get(id) {
             return Ok(l.clone());
         }
-        let _g = self.grow.lock().expect("key lock");
+        let mut recent = self.recent.lock().expect("key lock");
         let keys = self.keys.load();
-        if let Some(l) = keys.get(id) {
+        if let Some(l) = recent.keys.get(id).or_else(|| keys.get(id)) {
             return Ok(l.clone());
         }
-        if keys.len() >= bound {
+        let count = keys.len() + recent.keys.len();
+        if count >= bound {
             let spec = self.spec.load();
             return Err(KeysFull { resource: spec.name.clone(), max_keys: spec.max_keys });
         }
         let l = Arc::new(Limiter::new(id.to_string(), self.spec.clone(), self.clock.clone()));
-        let mut next = HashMap::clone(&keys);
-        next.insert(id.to_string(), l.clone());
-        self.keys.store(Arc::new(next));
+        recent.keys.insert(id.to_string(), l.clone());
+        recent.since.get_or_insert_with(|| self.clock.now());
+        if count < FOLD_SMALL || recent.keys.len() >= keys.len() / FOLD_FRACTION {
+            self.fold(&mut recent, &keys);
+        } else {
+            self.has_recent.store(true, Ordering::Release);
+        }
         Ok(l)
+    }
+
+    /// Moves the recent keys into a new snapshot.
+    fn fold(&self, recent: &mut Recent, keys: &HashMap<String, Arc<Limiter>>) {
+        let mut next = HashMap::with_capacity(keys.len() + recent.keys.len());
+        next.extend(keys.iter().map(|(k, v)| (k.clone(), v.clone())));
+        next.extend(recent.keys.drain());
+        recent.since = None;
+        self.keys.store(Arc::new(next));
+        self.has_recent.store(false, Ordering::Release);
+    }
+
+    /// Folds the recent keys into the snapshot if the first came at least
+    /// [`FOLD_AFTER`] ago, so that a key set that stops growing ends up read
+    /// lock-free.
+    fn settle(&self) {
+        if !self.has_recent.load(Ordering::Acquire) {
+            return;
+        }
+        let mut recent = self.recent.lock().expect("key lock");
+        if recent.since.is_some_and(|t| self.clock.now().since(t) >= FOLD_AFTER) {
+            let keys = self.keys.load_full();
+            self.fold(&mut recent, &keys);
+        }
     }
 
     /// Forgets a key (an idle templated id); requests holding it finish normally.
     pub fn remove(&self, id: &str) {
-        let _g = self.grow.lock().expect("key lock");
+        self.remove_all(std::iter::once(id));
+    }
+
+    /// Forgets keys at once: one copy of the snapshot, however many.
+    pub fn remove_all<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
+        let mut recent = self.recent.lock().expect("key lock");
         let keys = self.keys.load();
-        if keys.contains_key(id) {
-            let mut next = HashMap::clone(&keys);
-            next.remove(id);
+        let mut next: Option<HashMap<String, Arc<Limiter>>> = None;
+        for id in ids {
+            if recent.keys.remove(id).is_none() && keys.contains_key(id) {
+                next.get_or_insert_with(|| HashMap::clone(&keys)).remove(id);
+            }
+        }
+        if let Some(next) = next {
             self.keys.store(Arc::new(next));
+        }
+        if recent.keys.is_empty() {
+            recent.since = None;
+            self.has_recent.store(false, Ordering::Release);
         }
     }
 
+    /// Every key, by id.
     pub fn limiters(&self) -> Vec<Arc<Limiter>> {
-        let mut v: Vec<_> = self.keys.load().values().cloned().collect();
+        let recent = self.recent.lock().expect("key lock");
+        let mut v: Vec<_> = self.keys.load().values().chain(recent.keys.values()).cloned().collect();
+        drop(recent);
         v.sort_by(|a, b| a.id.cmp(&b.id));
         v
+    }
+
+    /// How many keys there are.
+    pub fn len(&self) -> usize {
+        let recent = self.recent.lock().expect("key lock");
+        self.keys.load().len() + recent.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -250,7 +345,7 @@ impl LeaseTable {
                 Some(r) if r.spec.load().kind == spec.kind => {
                     let prev = r.spec.swap(Arc::new(spec.clone()));
                     if prev.capacity != spec.capacity || prev.burst != spec.burst {
-                        for l in r.keys.load().values() {
+                        for l in r.limiters() {
                             let configured = match spec.kind {
                                 Kind::Rate => prev.capacity,
                                 Kind::Gauge => gauge_units(prev.capacity) as f64,
@@ -281,11 +376,19 @@ impl LeaseTable {
         names.into_iter().flat_map(|n| res[&n].limiters().into_iter().map(move |l| (n.clone(), l))).collect()
     }
 
+    /// Folds each resource's recent keys into its snapshot once they have
+    /// waited [`FOLD_AFTER`]; the lease client calls it at every demand poll.
+    pub fn settle(&self) {
+        for r in self.resources.load().values() {
+            r.settle();
+        }
+    }
+
     /// Sets the capacity of every key whose id is `id`; false if there is none.
     pub fn set_capacity(&self, id: &str, capacity: f64) -> bool {
         let mut found = false;
         for r in self.resources.load().values() {
-            if let Some(l) = r.keys.load().get(id) {
+            if let Some(l) = r.get(id) {
                 l.set_capacity(capacity);
                 found = true;
             }
@@ -343,6 +446,103 @@ mod tests {
         assert_eq!(leased.capacity(), 5.0, "a leased capacity survives a reload");
         assert_eq!(plain.capacity(), 2.0);
         assert_eq!(g.capacity(), 4.0);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Use(u16),
+        Forget(Vec<u16>),
+        Settle,
+    }
+
+    fn ops() -> impl proptest::strategy::Strategy<Value = Vec<Op>> {
+        use proptest::prelude::*;
+        // Ids from a range wide enough to pass FOLD_SMALL, so both ways of
+        // adding a key (folded at once, or recent first) are exercised.
+        let op = prop_oneof![
+            20 => (0u16..3000).prop_map(Op::Use),
+            2 => proptest::collection::vec(0u16..3000, 0..40).prop_map(Op::Forget),
+            1 => Just(Op::Settle),
+        ];
+        proptest::collection::vec(op, 1..4000)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 12, ..Default::default() })]
+
+        /// Against a plain map: every key made is found again (the same
+        /// limiter, whether it is still recent or folded), forgotten keys are
+        /// gone, and the bound counts both.
+        #[test]
+        fn keys_behave_as_one_map_however_they_are_stored(ops in ops(), bound in 900usize..2500) {
+            let (clock, h) = Clock::manual(Time::from_secs(10));
+            let t = LeaseTable::new(clock);
+            t.configure(vec![ResourceSpec { max_keys: bound, ..spec("r", Kind::Rate, 1.0) }]);
+            let r = t.resource("r").unwrap();
+            let mut model: HashMap<String, Arc<Limiter>> = HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Use(i) => {
+                        let id = format!("r/{i}");
+                        match (r.try_limiter(&id), model.get(&id)) {
+                            (Ok(l), Some(m)) => proptest::prop_assert!(Arc::ptr_eq(&l, m), "{id} changed limiter"),
+                            (Ok(l), None) => {
+                                proptest::prop_assert!(model.len() < bound, "{id} made past the bound");
+                                model.insert(id, l);
+                            }
+                            (Err(_), known) => {
+                                proptest::prop_assert!(known.is_none() && model.len() >= bound, "{id} refused")
+                            }
+                        }
+                    }
+                    Op::Forget(ids) => {
+                        let ids: Vec<String> = ids.iter().map(|i| format!("r/{i}")).collect();
+                        r.remove_all(ids.iter().map(String::as_str));
+                        for id in &ids {
+                            model.remove(id);
+                            proptest::prop_assert!(r.get(id).is_none(), "{id} still there");
+                        }
+                    }
+                    Op::Settle => {
+                        h.advance(FOLD_AFTER);
+                        t.settle();
+                    }
+                }
+            }
+            proptest::prop_assert_eq!(r.len(), model.len());
+            let mut ids: Vec<String> = r.limiters().iter().map(|l| l.id().to_string()).collect();
+            let mut want: Vec<String> = model.keys().cloned().collect();
+            ids.sort();
+            want.sort();
+            proptest::prop_assert_eq!(ids, want);
+            for (id, l) in &model {
+                proptest::prop_assert!(Arc::ptr_eq(&r.get(id).unwrap(), l));
+                proptest::prop_assert!(t.set_capacity(id, 3.0));
+            }
+        }
+    }
+
+    #[test]
+    fn past_fold_small_new_keys_wait_in_recent_until_a_quarter_or_a_second() {
+        let (clock, h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![ResourceSpec { max_keys: usize::MAX, ..spec("r", Kind::Rate, 1.0) }]);
+        let r = t.resource("r").unwrap();
+        for i in 0..FOLD_SMALL {
+            r.limiter(&format!("k{i}"));
+        }
+        assert_eq!(r.keys.load().len(), FOLD_SMALL, "small: each key folded at once");
+        r.limiter("late");
+        assert!(r.keys.load().get("late").is_none() && r.get("late").is_some(), "recent first");
+        t.settle();
+        assert!(r.keys.load().get("late").is_none(), "not before FOLD_AFTER");
+        h.advance(FOLD_AFTER);
+        t.settle();
+        assert!(r.keys.load().get("late").is_some(), "folded by the demand poll");
+        for i in 0..FOLD_SMALL / FOLD_FRACTION {
+            r.limiter(&format!("q{i}"));
+        }
+        assert_eq!(r.keys.load().len(), FOLD_SMALL + 1 + FOLD_SMALL / FOLD_FRACTION, "a quarter: folded");
     }
 
     #[test]

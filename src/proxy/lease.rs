@@ -100,15 +100,16 @@ impl TableEnforcer {
                 let measured = match kind {
                     ResourceKind::Rate => {
                         let total = l.demand().arrivals();
-                        // Before the first arrival only the latest sample is
-                        // kept: the window then starts at most one demand poll
-                        // before the traffic, not with the idle time before it
-                        // (which read a fresh sidecar's 45/s as 5/s a tenth of
-                        // a second in, and gave its lease back).
-                        if total == 0.0 {
-                            m.arrivals.clear();
+                        // Nothing is recorded before the first arrival: the
+                        // window starts with the traffic, not with the idle
+                        // time before it (which read a fresh sidecar's 45/s as
+                        // 5/s a tenth of a second in, and gave its lease back),
+                        // and what arrived before its first sample is left out
+                        // (requests queued while a sidecar waited for its first
+                        // lease arrive at once: counted, they doubled the rate).
+                        if total > 0.0 {
+                            m.arrivals.push_back((now, total));
                         }
-                        m.arrivals.push_back((now, total));
                         while m.arrivals.len() > 2
                             && m.arrivals.front().is_some_and(|(t, _)| now.since(*t) > DEMAND_WINDOW)
                         {
@@ -162,8 +163,9 @@ impl TableEnforcer {
         super::pushback::relet_lead(refresh, min_interval(&cfg), jitter)
     }
 
-    /// Forgets a templated key nobody has used for its idle timeout; the
-    /// lease client then releases its lease. Returns whether it was forgotten.
+    /// Whether a templated key nobody has used for its idle timeout is to be
+    /// forgotten (the caller removes such keys together); the lease client
+    /// then releases its lease.
     fn idle(
         &self,
         cfg: &RoutesConfig,
@@ -186,10 +188,6 @@ impl TableEnforcer {
             return false;
         }
         mem.remove(l.id());
-        drop(mem);
-        if let Some(limits) = self.table.resource(resource) {
-            limits.remove(l.id());
-        }
         tracing::info!(resource, id = %l.id(), idle = ?s.key_idle_timeout, "forgot an idle key; releasing its lease");
         true
     }
@@ -212,13 +210,18 @@ impl Enforcer for TableEnforcer {
                 limits.limiter(&r.id.text);
             }
         }
+        self.table.settle();
         let now = self.table.clock().now();
-        self.table
+        // Idle keys, by resource: removed together (one copy of a resource's snapshot).
+        let mut forgotten: HashMap<String, Vec<String>> = HashMap::new();
+        let demand = self
+            .table
             .limiters()
             .into_iter()
             .filter_map(|(resource, l)| {
                 let (settings, kind, capacity) = Self::settings(&cfg, &resource)?;
                 if self.idle(&cfg, &resource, &l, settings, now) {
+                    forgotten.entry(resource).or_default().push(l.id().to_string());
                     return None;
                 }
                 let (wants, pressure) = self.wants(l.id(), &l, kind, settings, capacity, now);
@@ -231,7 +234,13 @@ impl Enforcer for TableEnforcer {
                     pressure,
                 })
             })
-            .collect()
+            .collect();
+        for (resource, ids) in forgotten {
+            if let Some(limits) = self.table.resource(&resource) {
+                limits.remove_all(ids.iter().map(String::as_str));
+            }
+        }
+        demand
     }
 
     fn on_transition(&self, t: &crate::lease::core::Transition) {

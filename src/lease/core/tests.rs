@@ -423,3 +423,30 @@ fn cached_leases_are_enforced_and_reported_as_has() {
     assert_eq!(cap(&mut c, w.clock.now(), "r"), Capacity::Limited(33.0), "learning mode handed has back");
     assert_eq!(w.nodes["s1"].store.leases("r").unwrap()[0].has, 33.0);
 }
+
+#[test]
+fn one_refresh_carries_every_key_whatever_their_number() {
+    // 2,000 tenant keys of one client: one GetCapacity per refresh round,
+    // not one per key, and each key leased by it.
+    let w = World::new(&["s1"]);
+    let mut c = w.core("many", &["s1"]);
+    let keys = 2_000;
+    c.set_demand((0..keys).map(|i| demand(&format!("tenant-{i}"), 1.0, OnExpiry::Safe)).collect());
+    let Action::Discover { target } = c.next_action(w.clock.now()) else { panic!("discovers first") };
+    c.on_discovery(w.clock.now(), &target, w.rt.block_on(w.net.discovery(&target)));
+    let Action::Refresh { target, request } = c.next_action(w.clock.now()) else { panic!("then refreshes") };
+    assert_eq!(request.resource.len(), keys, "every key in one request");
+    // What a key costs on the wire: the server's message limit bounds the keys per client.
+    let per_key = prost::Message::encoded_len(&request) as f64 / keys as f64;
+    assert!(per_key < 40.0, "{per_key} bytes per key");
+    c.on_refresh(w.clock.now(), w.rt.block_on(w.net.get_capacity(&target, request)));
+    assert!(matches!(c.next_action(w.clock.now()), Action::Wait { .. }), "nothing more this round");
+    let leased = c.capacities(w.clock.now()).iter().filter(|(_, cap)| *cap == Capacity::Limited(1.0)).count();
+    assert_eq!(leased, keys);
+    // The next round reports each key's lease too: still one request.
+    w.advance(c.next_refresh().since(w.clock.now()));
+    let Action::Refresh { request, .. } = c.next_action(w.clock.now()) else { panic!("refreshes again") };
+    assert_eq!(request.resource.len(), keys);
+    let per_key = prost::Message::encoded_len(&request) as f64 / keys as f64;
+    assert!(per_key < 64.0, "{per_key} bytes per key with its lease");
+}
