@@ -171,7 +171,7 @@ struct Recent {
 
 /// Up to this many keys, a new key is folded into the snapshot at once (a
 /// copy this small costs less than locking on the request path).
-pub const FOLD_SMALL: usize = 1024;
+pub const FOLD_SMALL: usize = 64;
 /// Otherwise `recent` is folded when it holds a quarter of the snapshot's keys...
 const FOLD_FRACTION: usize = 4;
 /// ... or at the first [`LeaseTable::settle`] this long after its first key.
@@ -457,7 +457,7 @@ mod tests {
 
     fn ops() -> impl proptest::strategy::Strategy<Value = Vec<Op>> {
         use proptest::prelude::*;
-        // Ids from a range wide enough to pass FOLD_SMALL, so both ways of
+        // Ids from a range wide enough to pass FOLD_SMALL many times, so both ways of
         // adding a key (folded at once, or recent first) are exercised.
         let op = prop_oneof![
             20 => (0u16..3000).prop_map(Op::Use),
