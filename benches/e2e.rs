@@ -45,9 +45,10 @@ struct Opts {
     soak: Option<f64>,
     soak_rate: f64,
     usher_env: Vec<(String, String)>,
-    /// Extra usher targets, each with its own environment (`--variant=NAME:ENV=VALUE`) or
-    /// binary (`--variant=NAME:bin=PATH`), for before/after comparisons in one run.
-    variants: Vec<(String, (String, String))>,
+    /// Extra usher targets, each with its own environment (`--variant=NAME:ENV=VALUE`),
+    /// binary (`--variant=NAME:bin=PATH`) or both, comma-separated
+    /// (`--variant=NAME:bin=PATH,ENV=VALUE`), for before/after comparisons in one run.
+    variants: Vec<(String, Vec<(String, String)>)>,
     /// `--callgrind S`: count instructions per request under valgrind for S seconds per target.
     callgrind: Option<f64>,
 }
@@ -105,9 +106,9 @@ fn opts() -> Opts {
             .iter()
             .filter_map(|a| a.strip_prefix("--variant="))
             .filter_map(|v| {
-                let (name, kv) = v.split_once(':')?;
-                let (k, val) = kv.split_once('=')?;
-                Some((name.to_string(), (k.to_string(), val.to_string())))
+                let (name, kvs) = v.split_once(':')?;
+                let kvs = kvs.split(',').map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())));
+                Some((name.to_string(), kvs.collect::<Option<Vec<_>>>()?))
             })
             .collect(),
     }
@@ -477,7 +478,7 @@ async fn compare(o: &Opts) {
         }
     }
     for (name, env) in &o.variants {
-        let (p, addr) = start_usher(o, dir.path(), up, std::slice::from_ref(env));
+        let (p, addr) = start_usher(o, dir.path(), up, env);
         targets.push(Target { name: format!("usher {name}"), addr, proc: Some(p) });
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -820,7 +821,7 @@ async fn instructions(o: &Opts, secs: f64) {
     let (usher, addr) = start_usher(o, dir.path(), up, &[]);
     targets.push(Target { name: "usher".into(), addr, proc: Some(usher) });
     for (name, env) in &o.variants {
-        let (p, addr) = start_usher(o, dir.path(), up, std::slice::from_ref(env));
+        let (p, addr) = start_usher(o, dir.path(), up, env);
         targets.push(Target { name: format!("usher {name}"), addr, proc: Some(p) });
     }
     if o.nginx

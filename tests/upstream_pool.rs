@@ -14,7 +14,7 @@ use std::time::Duration;
 use http::{Method, Request, StatusCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use support::upstream::{Upstream, empty, get, h1, send1};
+use support::upstream::{Got, H1, H2, Upstream, empty, full, get, get_abs, h1, h2, send1, send2};
 use support::{Usher, write_file};
 
 fn routes(dir: &std::path::Path, up: std::net::SocketAddr) -> std::path::PathBuf {
@@ -29,29 +29,99 @@ fn routes(dir: &std::path::Path, up: std::net::SocketAddr) -> std::path::PathBuf
     )
 }
 
+/// Request `i` of a sequence that goes through every kind of body: a
+/// Content-Length answer, a streamed one of 200 kB (chunked), none at all
+/// (HEAD), and a request body (POST). `h2`: for an HTTP/2 connection (absolute URI).
+fn of_every_kind(i: usize, h2: bool) -> Request<support::upstream::TestBody> {
+    let (method, path, body) = match i % 4 {
+        0 => (Method::GET, "/ok", empty()),
+        1 => (Method::GET, "/stream?bytes=200000", empty()),
+        2 => (Method::HEAD, "/ok", empty()),
+        _ => (Method::POST, "/sink", full(vec![b'x'; 70_000])),
+    };
+    let b = if h2 {
+        Request::builder().uri(format!("http://app.test{path}"))
+    } else {
+        Request::builder().uri(path).header("host", "app.test")
+    };
+    b.method(method).body(body).unwrap()
+}
+
+fn check_kind(i: usize, r: &Got) {
+    assert_eq!(r.status, StatusCode::OK, "request {i}: {}", r.text());
+    match i % 4 {
+        1 => assert_eq!(r.body.len(), 200_000, "request {i}"),
+        3 => assert_eq!(r.text(), "70000", "request {i}"),
+        _ => {}
+    }
+}
+
+/// Sends on an HTTP/1.1 connection (the native engine), answered within 10 s.
+async fn via1(c: &mut H1, req: Request<support::upstream::TestBody>) -> Got {
+    tokio::time::timeout(Duration::from_secs(10), send1(c, req)).await.expect("answered in time")
+}
+
+/// Sends on an HTTP/2 connection (the general engine), answered within 10 s.
+async fn via2(c: &mut H2, req: Request<support::upstream::TestBody>) -> Got {
+    tokio::time::timeout(Duration::from_secs(10), send2(c, req)).await.expect("answered in time")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_upstream_connection_serves_sequential_requests_of_every_kind() {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let u = Usher::proxy(&routes(dir.path(), up.addr));
     let mut c = h1(u.addr("listen")).await;
-    for i in 0..30 {
-        let req = match i % 3 {
-            // Content-Length body.
-            0 => get("app.test", "/ok"),
-            // A streamed body of 200 kB (chunked).
-            1 => get("app.test", "/stream?bytes=200000"),
-            // No body at all.
-            _ => Request::builder().method(Method::HEAD).uri("/ok").header("host", "app.test").body(empty()).unwrap(),
-        };
-        let r = tokio::time::timeout(Duration::from_secs(10), send1(&mut c, req)).await.expect("answered in time");
-        assert_eq!(r.status, StatusCode::OK, "request {i}: {}", r.text());
-        if i % 3 == 1 {
-            assert_eq!(r.body.len(), 200_000, "request {i}");
-        }
+    for i in 0..32 {
+        check_kind(i, &via1(&mut c, of_every_kind(i, false)).await);
     }
-    assert_eq!(up.stats.requests(), 30);
+    assert_eq!(up.stats.requests(), 32);
     assert_eq!(up.stats.connections.load(Ordering::SeqCst), 1, "every request reused the first connection");
+}
+
+/// The native engine (HTTP/1.1 apps) and the general one (HTTP/2 apps,
+/// and HTTP/1.1 with `USHER_HTTP1=hyper`) draw on one pool per upstream:
+/// requests alternating between them, and back-to-back requests on the
+/// general engine, all go out on one upstream connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_engines_share_one_pool_per_upstream() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let u = Usher::proxy(&routes(dir.path(), up.addr));
+    let mut native = h1(u.addr("listen")).await;
+    let mut general = h2(u.addr("listen")).await;
+    for i in 0..32 {
+        // Two on one engine, two on the other: every kind on both, and every hand-over both ways.
+        let r = if (i / 2) % 2 == 0 {
+            via1(&mut native, of_every_kind(i, false)).await
+        } else {
+            via2(&mut general, of_every_kind(i, true)).await
+        };
+        check_kind(i, &r);
+    }
+    for i in 0..16 {
+        check_kind(i, &via2(&mut general, of_every_kind(i, true)).await);
+    }
+    assert_eq!(up.stats.requests(), 48);
+    assert_eq!(
+        up.stats.connections.load(Ordering::SeqCst),
+        1,
+        "every request, on either engine, reused the first connection"
+    );
+
+    // The general engine alone, as `USHER_HTTP1=hyper` runs HTTP/1.1 apps.
+    let up = Upstream::start().await;
+    let routes = routes(dir.path(), up.addr);
+    let hyper_only = Usher::start(
+        &["proxy", "--routes", routes.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+        &[("USHER_HTTP1", "hyper")],
+        "usher proxy listening",
+    );
+    let mut c = h1(hyper_only.addr("listen")).await;
+    for i in 0..16 {
+        check_kind(i, &via1(&mut c, of_every_kind(i, false)).await);
+    }
+    assert_eq!(up.stats.connections.load(Ordering::SeqCst), 1, "the general engine reused its connection too");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,13 +150,20 @@ async fn an_upstream_url_with_a_base_path_prefixes_every_request() {
 /// without saying so (no `connection: close`), as a server whose keep-alive
 /// timeout just passed does.
 async fn closing_upstream() -> (std::net::SocketAddr, Arc<AtomicU64>) {
+    one_answer_upstream(|_| (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", true)).await
+}
+
+/// An upstream that reads one request head per connection and writes
+/// `answer(n)`'s bytes on its `n`th connection (counted from 0), then
+/// closes it at once if `answer` says so, or five seconds later.
+async fn one_answer_upstream(answer: fn(u64) -> (&'static [u8], bool)) -> (std::net::SocketAddr, Arc<AtomicU64>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let conns = Arc::new(AtomicU64::new(0));
     let counted = conns.clone();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
-            counted.fetch_add(1, Ordering::SeqCst);
+            let n = counted.fetch_add(1, Ordering::SeqCst);
             tokio::spawn(async move {
                 let mut head = Vec::new();
                 let mut buf = [0u8; 1024];
@@ -96,7 +173,11 @@ async fn closing_upstream() -> (std::net::SocketAddr, Arc<AtomicU64>) {
                         Ok(n) => head.extend_from_slice(&buf[..n]),
                     }
                 }
-                let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+                let (bytes, close) = answer(n);
+                let _ = s.write_all(bytes).await;
+                if !close {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
             });
         }
     });
@@ -108,11 +189,15 @@ async fn a_pooled_connection_the_upstream_closed_is_replaced_without_an_error() 
     let (addr, conns) = closing_upstream().await;
     let dir = tempfile::tempdir().unwrap();
     let u = Usher::proxy(&routes(dir.path(), addr));
-    let mut c = h1(u.addr("listen")).await;
+    let mut native = h1(u.addr("listen")).await;
+    let mut general = h2(u.addr("listen")).await;
     for i in 0..20 {
-        let r = tokio::time::timeout(Duration::from_secs(10), send1(&mut c, get("app.test", "/x")))
-            .await
-            .expect("answered in time");
+        // Both engines, on the upstream's one pool.
+        let r = if i % 2 == 0 {
+            via1(&mut native, get("app.test", "/x")).await
+        } else {
+            via2(&mut general, get_abs("app.test", "/x")).await
+        };
         assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"), "request {i}");
         // The connection went back to the pool and was closed while idle.
         // (A close that crosses a request already on the wire is HTTP/1.1's
@@ -120,6 +205,33 @@ async fn a_pooled_connection_the_upstream_closed_is_replaced_without_an_error() 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(conns.load(Ordering::SeqCst), 20, "one connection per request, as the upstream wants");
+}
+
+/// An upstream that says `connection: close`, or answers in HTTP/1.0, or
+/// sends a body that ends with the connection, gets a new connection for
+/// the next request on either engine (its old one is never reused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_the_answer_ends_is_not_reused_by_either_engine() {
+    // Each answer ends its connection a different way; only the close-delimited body closes it at once.
+    let (addr, conns) = one_answer_upstream(|n| match n % 3 {
+        0 => (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok", false),
+        1 => (b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
+        _ => (b"HTTP/1.1 200 OK\r\n\r\nok", true),
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let u = Usher::proxy(&routes(dir.path(), addr));
+    let mut native = h1(u.addr("listen")).await;
+    let mut general = h2(u.addr("listen")).await;
+    for i in 0..12 {
+        let r = if (i / 3) % 2 == 0 {
+            via1(&mut native, get("app.test", "/x")).await
+        } else {
+            via2(&mut general, get_abs("app.test", "/x")).await
+        };
+        assert_eq!((r.status, r.text().as_str()), (StatusCode::OK, "ok"), "request {i}");
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 12, "a new connection for every request");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,7 @@
 //! The general path (hyper) as the pipeline's engine: its requests as
 //! [`Inbound`]s, its answers as [`Answer`]s, and its forward stage, which
-//! sends a request to its [`Target`] (an upstream's own HTTP/1.1 pool, or
+//! sends a request to its [`Target`] (an upstream's own HTTP/1.1 pool, shared
+//! with the native path, or
 //! hyper-util's client for HTTPS, h2c and passthrough origins) or opens a
 //! CONNECT tunnel. Protocol upgrades (WebSocket) are joined here; the
 //! exchange's admission moves into a [`Hold`] for as long as they last.
@@ -20,7 +21,7 @@ use pin_project_lite::pin_project;
 
 use super::body::{BodyLimit, BodyTooLarge, ClientBody, RequestBody};
 use super::guard;
-use super::h1pool::PoolError;
+use super::h1pool::{self, PoolError};
 use super::pipeline::{Answer, Held, Hold, Inbound};
 use super::respond::{ProxyBody, ProxyError, is_grpc};
 use super::route::{Resolved, Routing};
@@ -151,7 +152,7 @@ fn direct_uri(req: &Request<Incoming>) -> Result<Uri, ProxyError> {
 async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, ProxyError> {
     let target = req.extensions_mut().remove::<Target>().ok_or_else(|| ProxyError::BadRequest("no target".into()))?;
     let (up, uri) = match &target {
-        Target::Upstream(u) => (u.clone(), upstream_uri(&u.config.url, req.uri(), u.pool.is_some())?),
+        Target::Upstream(u) => (u.clone(), upstream_uri(&u.config.url, req.uri(), u.plain.is_some())?),
         Target::Direct(u) => (u.clone(), direct_uri(&req)?),
     };
     // Named in errors only.
@@ -179,8 +180,8 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
     let req = req.map(|inner| RequestBody { inner, limit, seen: 0 });
 
     let started = tokio::time::Instant::now();
-    if let Some(pool) = &up.pool {
-        let sent = tokio::time::timeout(up.config.timeout, pool.send(req)).await;
+    if let Some(plain) = &up.plain {
+        let sent = tokio::time::timeout(up.config.timeout, h1pool::send(&plain.pool, req, upgrade)).await;
         up.observe(started);
         let resp = match sent {
             Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),

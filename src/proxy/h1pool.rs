@@ -1,28 +1,36 @@
-//! The general path's connection pool for a plain-HTTP/1.1 upstream
-//! (`http://`, not `h2c`): idle `hyper::client::conn::http1` senders on the
-//! shared [`Idle`] stack.
+//! The general path's exchanges with a plain-HTTP/1.1 upstream (`http://`,
+//! not `h2c`), on the same pool of bare TCP streams as the native path
+//! ([`super::pool::Pool`]): one pool per upstream, whichever engine serves
+//! the app.
 //!
-//! hyper-util's general pool (kept for HTTPS, h2c and passthrough origins)
-//! hashes its `(scheme, authority)` key twice per request and hands each
-//! connection back through its own future; one upstream needs neither. A
-//! sender goes back on the stack when its response body has ended cleanly
-//! (not after an upgrade, an error, or a body dropped half read), and a
-//! request that a reused connection refused before sending anything (the
-//! upstream had just closed it) is retried once on a fresh connection, as
-//! hyper-util does.
+//! Each exchange takes a stream, puts a `hyper::client::conn::http1`
+//! connection over it, and drives that connection where the exchange is,
+//! not in a task of its own: while waiting for the response head, and then
+//! from the response body's `poll_frame`. When the body ends cleanly the
+//! connection is taken apart again and the stream goes back on the stack
+//! before the body's last frame is handed out, so the app's next request,
+//! whichever engine serves it, finds it idle. A stream is not put back
+//! after an upgrade, an error, a body dropped half read, an answer that
+//! closes the connection (`Connection: close`, HTTP/1.0, a close-delimited
+//! body), or with bytes nobody asked for. A request that a reused stream
+//! refused before sending anything (the upstream had just closed it) is
+//! retried once on a new one, as hyper-util does.
 
+use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::header::{self, HeaderMap};
+use http::{Request, Response, StatusCode, Version};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::client::conn::http1::SendRequest;
+use hyper::client::conn::http1::{Connection, SendRequest};
 use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
 
 use super::body::RequestBody;
-use super::idle::{Conn, Idle};
+use super::pool::Pool;
 
 /// Why a request got no response from the pool.
 #[derive(Debug)]
@@ -33,76 +41,151 @@ pub enum PoolError {
     Http(hyper::Error),
 }
 
-/// A plain-HTTP/1.1 upstream's idle hyper senders.
-pub type H1Pool = Idle<SendRequest<RequestBody>>;
+type Conn = Connection<TokioIo<TcpStream>, RequestBody>;
 
-impl Conn for SendRequest<RequestBody> {
-    fn usable(&self) -> bool {
-        self.is_ready()
-    }
-}
-
-impl H1Pool {
-    /// Sends `req` (origin-form URI, Host set) on an idle connection or a new one.
-    pub async fn send(self: &Arc<Self>, mut req: Request<RequestBody>) -> Result<Response<PooledBody>, PoolError> {
-        loop {
-            let (mut sender, reused) = match self.checkout() {
-                Some(s) => (s, true),
-                None => (self.connect().await?, false),
-            };
-            match sender.try_send_request(req).await {
-                Ok(resp) => {
-                    // A switched protocol owns the connection from now on.
-                    let back =
-                        (resp.status() != StatusCode::SWITCHING_PROTOCOLS).then(|| (sender, Arc::downgrade(self)));
-                    return Ok(resp.map(|inner| PooledBody { inner, back, ended: false }));
-                }
-                Err(mut e) => match e.take_message() {
-                    Some(r) if reused => {
-                        tracing::debug!(upstream = %self.addr(), error = %e.error(), "pooled connection closed before the request; retrying on a new one");
-                        req = r;
-                    }
-                    _ => return Err(PoolError::Http(e.into_error())),
-                },
-            }
-        }
-    }
-
-    /// A new connection with its hyper connection task.
-    async fn connect(self: &Arc<Self>) -> Result<SendRequest<RequestBody>, PoolError> {
-        let stream = self.connect_tcp().await.map_err(PoolError::Connect)?;
-        let (sender, conn) = hyper::client::conn::http1::Builder::new()
+/// Sends `req` (origin-form URI, Host set) on an idle stream of `pool` or a
+/// new one. With `upgrade`, the request asks to switch protocols: its
+/// connection runs in a task of its own, which hyper's upgrade needs, and
+/// never returns to the pool.
+pub async fn send(
+    pool: &Arc<Pool>,
+    mut req: Request<RequestBody>,
+    upgrade: bool,
+) -> Result<Response<PooledBody>, PoolError> {
+    loop {
+        let (stream, reused) = match pool.checkout() {
+            Some(s) => (s, true),
+            None => (pool.connect_tcp().await.map_err(PoolError::Connect)?, false),
+        };
+        let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
             .handshake(TokioIo::new(stream))
             .await
             .map_err(|e| PoolError::Connect(e.to_string()))?;
-        let addr = self.addr().to_string();
-        tokio::spawn(async move {
-            if let Err(e) = conn.with_upgrades().await {
-                tracing::debug!(upstream = %addr, error = %e, "upstream connection ended with an error");
+        let mut conn = if upgrade {
+            let addr = pool.addr().to_string();
+            tokio::spawn(async move {
+                if let Err(e) = conn.with_upgrades().await {
+                    tracing::debug!(upstream = %addr, error = %e, "upstream connection ended with an error");
+                }
+            });
+            None
+        } else {
+            Some(conn)
+        };
+        let mut sent = std::pin::pin!(sender.try_send_request(req));
+        let answered = poll_fn(|cx| {
+            if let Poll::Ready(r) = sent.as_mut().poll(cx) {
+                return Poll::Ready(r);
             }
-        });
-        Ok(sender)
+            // A connection that ended (cleanly or not) answers the request
+            // with an error once it is dropped; until then it drives the exchange.
+            if let Some(c) = &mut conn
+                && c.poll_without_shutdown(cx).is_ready()
+            {
+                conn = None;
+                return sent.as_mut().poll(cx);
+            }
+            Poll::Pending
+        })
+        .await;
+        match answered {
+            Ok(resp) => {
+                let reusable = reusable(&resp);
+                let driven = conn.map(|conn| Box::new(Driven { conn, sender, reusable, pool: Arc::downgrade(pool) }));
+                return Ok(resp.map(|inner| PooledBody { inner, driven }));
+            }
+            Err(mut e) => match e.take_message() {
+                Some(r) if reused => {
+                    tracing::debug!(upstream = %pool.addr(), error = %e.error(), "pooled connection closed before the request; retrying on a new one");
+                    req = r;
+                }
+                _ => return Err(PoolError::Http(e.into_error())),
+            },
+        }
+    }
+}
+
+/// Whether the connection can carry another request once `resp` has ended:
+/// not a switched protocol, not closed by the upstream's answer, and not
+/// a body that ends only when the connection does.
+fn reusable(resp: &Response<Incoming>) -> bool {
+    resp.status() != StatusCode::SWITCHING_PROTOCOLS
+        && resp.version() == Version::HTTP_11
+        && !asks_close(resp.headers())
+        && (resp.body().is_end_stream()
+            || resp.headers().contains_key(header::CONTENT_LENGTH)
+            || resp.headers().contains_key(header::TRANSFER_ENCODING))
+}
+
+fn asks_close(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")))
+}
+
+/// A connection driven by the exchange that uses it.
+struct Driven {
+    conn: Conn,
+    sender: SendRequest<RequestBody>,
+    /// Whether the stream may carry another request once the body has ended.
+    reusable: bool,
+    pool: Weak<Pool>,
+}
+
+impl Driven {
+    /// Ends the exchange after its body ended: with the sender gone, the
+    /// idle connection finishes at once and yields its stream, which goes
+    /// back on the stack unless the upstream sent more than was asked for.
+    /// Should the connection still have work, a task finishes it.
+    fn home(self: Box<Self>) {
+        let Driven { mut conn, sender, reusable, pool } = *self;
+        if !reusable {
+            return;
+        }
+        drop(sender);
+        let put = move |conn: Conn| {
+            let parts = conn.into_parts();
+            if parts.read_buf.is_empty()
+                && let Some(pool) = pool.upgrade()
+            {
+                pool.put(parts.io.into_inner());
+            }
+        };
+        match conn.poll_without_shutdown(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Ok(())) => put(conn),
+            Poll::Ready(Err(_)) => {}
+            Poll::Pending => {
+                tokio::spawn(async move {
+                    if poll_fn(|cx| conn.poll_without_shutdown(cx)).await.is_ok() {
+                        put(conn);
+                    }
+                });
+            }
+        }
     }
 }
 
 pin_project_lite::pin_project! {
-    /// An upstream response body; its connection goes back to the pool once
-    /// the body has ended.
+    /// An upstream response body that drives its connection; the stream
+    /// goes back to the pool once the body has ended cleanly.
     pub struct PooledBody {
         #[pin]
         inner: Incoming,
-        back: Option<(SendRequest<RequestBody>, Weak<H1Pool>)>,
-        ended: bool,
+        // None once the body ended or failed, or when the connection runs in a task.
+        // Boxed: a hyper connection is some 700 bytes.
+        driven: Option<Box<Driven>>,
     }
 
     impl PinnedDrop for PooledBody {
         fn drop(this: Pin<&mut Self>) {
+            // A body with nothing in it may be dropped unread.
             let this = this.project();
-            if (*this.ended || this.inner.is_end_stream())
-                && let Some((sender, pool)) = this.back.take()
-                && let Some(pool) = pool.upgrade()
+            if this.inner.is_end_stream()
+                && let Some(driven) = this.driven.take()
             {
-                pool.put(sender);
+                driven.home();
             }
         }
     }
@@ -113,12 +196,26 @@ impl Body for PooledBody {
     type Error = hyper::Error;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = self.project();
-        let frame = ready!(this.inner.poll_frame(cx));
+        let mut this = self.project();
+        let mut frame = this.inner.as_mut().poll_frame(cx);
+        if frame.is_pending()
+            && let Some(driven) = this.driven
+        {
+            // The connection reads what the body waits for (and writes what
+            // is left of the request's body).
+            if driven.conn.poll_without_shutdown(cx).is_ready() {
+                // It ended: the body has all there is, or the error.
+                *this.driven = None;
+            }
+            frame = this.inner.as_mut().poll_frame(cx);
+        }
+        let Poll::Ready(frame) = frame else { return Poll::Pending };
         match &frame {
-            None => *this.ended = true,
             // A failed body leaves the connection in an unknown state: it is not reused.
-            Some(Err(_)) => *this.back = None,
+            Some(Err(_)) => *this.driven = None,
+            // Home before the last frame is handed out, so the app's next request finds the stream.
+            None => this.driven.take().map_or((), Driven::home),
+            Some(Ok(_)) if this.inner.is_end_stream() => this.driven.take().map_or((), Driven::home),
             Some(Ok(_)) => {}
         }
         Poll::Ready(frame)

@@ -18,7 +18,6 @@ mod general;
 mod guard;
 mod h1;
 mod h1pool;
-mod idle;
 pub mod lease;
 pub mod listener;
 pub mod metrics;

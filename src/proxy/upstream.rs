@@ -1,8 +1,8 @@
 //! Upstreams: their clients and pools, where a request goes ([`Target`]),
 //! the request URI and hop-by-hop rules. The general path's forwarding
-//! service is `super::general`. Per upstream:
-//! per upstream, a pool of its own for plain HTTP/1.1 (`super::h1pool`; the
-//! native path keeps bare streams, `super::h1::Pool`; both on `super::idle`)
+//! service is `super::general`. Per upstream: one pool of bare TCP streams
+//! for plain HTTP/1.1 (`super::pool`), shared by both engines (the native
+//! path's exchange in `super::h1`, the general path's in `super::h1pool`),
 //! or hyper-util's pooled client
 //! (HTTP/2 or HTTP/1.1 by ALPN over rustls, h2c, passthrough origins);
 //! hop-by-hop header removal (RFC 9110 §7.6.1), protocol upgrades, connect
@@ -25,7 +25,7 @@ use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
 use super::body::RequestBody;
-use super::h1pool::{H1Pool, PooledBody};
+use super::h1pool::PooledBody;
 use super::metrics::Metrics;
 use super::pool::Pool;
 use super::respond::ProxyError;
@@ -52,14 +52,12 @@ pub struct Upstream {
     seconds: prometheus::Histogram,
     /// The Host field of a plain-HTTP/1.1 upstream: its host, and its port unless 80.
     pub(super) host: Option<HeaderValue>,
-    /// A plain-HTTP/1.1 upstream's own pool, used instead of `client`.
-    pub(super) pool: Option<Arc<H1Pool>>,
-    /// A plain-HTTP/1.1 upstream's connections for the native path.
-    pub(super) native: Option<Native>,
+    /// A plain-HTTP/1.1 upstream's own pool, used by both engines instead of `client`.
+    pub(super) plain: Option<Plain>,
 }
 
-/// The upstream side of a plain-HTTP/1.1 upstream on the native path.
-pub struct Native {
+/// A plain-HTTP/1.1 upstream's connections, whichever engine serves the app.
+pub struct Plain {
     pub pool: Arc<Pool>,
     /// The upstream URL's path without its trailing `/`, put before every request's path.
     pub prefix: String,
@@ -113,14 +111,13 @@ impl Upstream {
             (Some(_), Some(h)) => Some(format!("{h}:{}", config.url.port_u16().unwrap_or(80))),
             _ => None,
         };
-        let pool = addr.clone().map(|a| H1Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT));
-        let native = addr.map(|a| Native {
+        let plain = addr.map(|a| Plain {
             pool: Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT),
             prefix: config.url.path().trim_end_matches('/').to_string(),
         });
-        let client = if pool.is_some() { None } else { Some(client(roots, config.connect_timeout, config.h2c)?) };
+        let client = if plain.is_some() { None } else { Some(client(roots, config.connect_timeout, config.h2c)?) };
         let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
-        Ok(Upstream { config, client, seconds, host, pool, native })
+        Ok(Upstream { config, client, seconds, host, plain })
     }
 
     /// A client for origins named by the request itself (passthrough).
@@ -135,7 +132,7 @@ impl Upstream {
         };
         let client = Some(client(roots.clone(), config.connect_timeout, false)?);
         let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
-        Ok(Upstream { config, client, seconds, host: None, pool: None, native: None })
+        Ok(Upstream { config, client, seconds, host: None, plain: None })
     }
 
     pub fn name(&self) -> &str {

@@ -336,10 +336,10 @@ impl<'c> Inbound for Request<'_, 'c> {
 
     fn ready(self, target: Target) -> Result<Prepared<'c>, &'static str> {
         let Target::Upstream(upstream) = target else { return Err(why::UPSTREAM) };
-        let Some(native) = &upstream.native else { return Err(why::UPSTREAM) };
+        let Some(plain) = &upstream.plain else { return Err(why::UPSTREAM) };
         self.bufs.req.clear();
         let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
-        self.head.encode(&native.prefix, host, self.body, &mut self.bufs.req);
+        self.head.encode(&plain.prefix, host, self.body, &mut self.bufs.req);
         Ok(Prepared {
             idempotent: self.head.idempotent(),
             head_request: self.head.method == Method::HEAD,
@@ -386,7 +386,7 @@ async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
     let started = Instant::now();
     let timeout = upstream.config.timeout;
     deadline.set(started + timeout);
-    let pool = &upstream.native.as_ref().expect("ready routes only upstreams with a native side").pool;
+    let pool = &upstream.plain.as_ref().expect("ready routes only plain-HTTP/1.1 upstreams").pool;
     let name = || upstream.name().to_string();
     let answered = tokio::select! {
         biased;
@@ -424,7 +424,7 @@ where
     let relayed = relay(&head, stream, &mut bufs.up, io, &mut bufs.out, &mut held).await;
     let open = match relayed {
         Ok(Some(stream)) if head.reusable => {
-            upstream.native.as_ref().expect("a native answer comes from a native upstream").pool.put(stream);
+            upstream.plain.as_ref().expect("a native answer comes from a plain-HTTP/1.1 upstream").pool.put(stream);
             !close
         }
         Ok(_) => !close,
