@@ -51,6 +51,8 @@ struct Opts {
     variants: Vec<(String, Vec<(String, String)>)>,
     /// `--callgrind S`: count instructions per request under valgrind for S seconds per target.
     callgrind: Option<f64>,
+    /// `--idle S`: measure each proxy's cost while idle for S seconds.
+    idle: Option<f64>,
 }
 
 fn opts() -> Opts {
@@ -96,6 +98,7 @@ fn opts() -> Opts {
         ),
         soak: get("--soak").and_then(|v| v.parse().ok()),
         callgrind: get("--callgrind").and_then(|v| v.parse().ok()),
+        idle: get("--idle").and_then(|v| v.parse().ok()),
         soak_rate: num("--soak-rate", 5000.0, 5000.0, 500.0),
         usher_env: args
             .iter()
@@ -456,10 +459,78 @@ fn main() {
             soak(&o, secs).await;
         } else if let Some(secs) = o.callgrind {
             instructions(&o, secs).await;
+        } else if let Some(secs) = o.idle {
+            idle(&o, secs).await;
         } else {
             compare(&o).await;
         }
     });
+}
+
+/// usher, its variants and nginx (if there is one), in that order.
+fn proxies(o: &Opts, dir: &Path, up: SocketAddr) -> Vec<Target> {
+    let mut targets = Vec::new();
+    let (usher, addr) = start_usher(o, dir, up, &[]);
+    targets.push(Target { name: "usher".into(), addr, proc: Some(usher) });
+    for (name, env) in &o.variants {
+        let (p, addr) = start_usher(o, dir, up, env);
+        targets.push(Target { name: format!("usher {name}"), addr, proc: Some(p) });
+    }
+    if o.nginx
+        && let Some((p, addr)) = start_nginx(o, dir, up)
+    {
+        targets.push(Target { name: "nginx".into(), addr, proc: Some(p) });
+    }
+    targets
+}
+
+/// What an idle proxy costs: after a second of traffic (so pools, leases and
+/// caches exist, as in a pod that served a while ago) and 3 s to settle,
+/// each proxy is left alone for `secs`, all of them at once. CPU time comes
+/// from every thread's `/proc/PID/task/TID/schedstat` (nanoseconds, not the
+/// 10 ms ticks of `stat`), wake-ups from their context switches; nginx is
+/// its master and its worker together.
+async fn idle(o: &Opts, secs: f64) {
+    let dir = tempfile::tempdir().unwrap();
+    let (up, _seen) = loadgen::upstream().await;
+    let targets = proxies(o, dir.path(), up);
+    for t in &targets {
+        measure(t, 1000.0, 1.0, 8).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let pids = |t: &Target| -> Vec<u32> {
+        let p = t.proc.as_ref().unwrap();
+        let mut v = vec![p.child.id()];
+        v.extend(p.extra.iter().copied().filter(|x| *x != p.child.id()));
+        v
+    };
+    let reading = |t: &Target| -> (u64, u64) {
+        pids(t).into_iter().filter_map(procfs::sched).fold((0, 0), |(c, w), (c2, w2)| (c + c2, w + w2))
+    };
+    let start: Vec<(u64, u64)> = targets.iter().map(reading).collect();
+    tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+    let end: Vec<(u64, u64)> = targets.iter().map(reading).collect();
+    let mut md = format!(
+        "### Idle cost ({secs} s idle after 1 s of traffic at 1,000 req/s)\n\n\
+         | target | CPU ms per idle hour | wake-ups per second | RSS (MB) | threads | processes |\n|---|---|---|---|---|---|\n"
+    );
+    for (i, t) in targets.iter().enumerate() {
+        let cpu_ns = end[i].0.saturating_sub(start[i].0) as f64;
+        let switches = end[i].1.saturating_sub(start[i].1) as f64;
+        let ps = pids(t);
+        let rss: f64 = ps.iter().filter_map(|p| procfs::status_mb(*p, "VmRSS")).sum();
+        let threads: usize = ps.iter().filter_map(|p| procfs::threads(*p)).sum();
+        let worker_rss = t.proc.as_ref().and_then(|p| procfs::status_mb(p.pid, "VmRSS")).unwrap_or(f64::NAN);
+        let rss = if ps.len() > 1 { format!("{rss:.1} (worker {worker_rss:.1})") } else { format!("{rss:.1}") };
+        md.push_str(&format!(
+            "| {} | {:.1} | {:.2} | {rss} | {threads} | {} |\n",
+            t.name,
+            cpu_ns / 1e6 * 3600.0 / secs,
+            switches / secs,
+            ps.len()
+        ));
+    }
+    print!("{md}");
 }
 
 async fn compare(o: &Opts) {
@@ -817,18 +888,7 @@ async fn soak(o: &Opts, secs: f64) {
 async fn instructions(o: &Opts, secs: f64) {
     let dir = tempfile::tempdir().unwrap();
     let (up, _seen) = loadgen::upstream().await;
-    let mut targets = Vec::new();
-    let (usher, addr) = start_usher(o, dir.path(), up, &[]);
-    targets.push(Target { name: "usher".into(), addr, proc: Some(usher) });
-    for (name, env) in &o.variants {
-        let (p, addr) = start_usher(o, dir.path(), up, env);
-        targets.push(Target { name: format!("usher {name}"), addr, proc: Some(p) });
-    }
-    if o.nginx
-        && let Some((p, addr)) = start_nginx(o, dir.path(), up)
-    {
-        targets.push(Target { name: "nginx".into(), addr, proc: Some(p) });
-    }
+    let targets = proxies(o, dir.path(), up);
     let mut md = format!(
         "### Instructions per request (callgrind, user space, {secs} s of closed-loop load over 4 connections)\n\n\
          | target | requests | instructions per request | ratio to usher |\n|---|---|---|---|\n"

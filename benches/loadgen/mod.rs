@@ -292,6 +292,27 @@ pub mod procfs {
         Some(std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count())
     }
 
+    /// CPU time (ns, from `schedstat`) and context switches (voluntary and
+    /// not) of every thread of `pid`, summed.
+    pub fn sched(pid: u32) -> Option<(u64, u64)> {
+        let mut total = (0, 0);
+        for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten() {
+            let path = task.path();
+            let ns = std::fs::read_to_string(path.join("schedstat"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+                .unwrap_or(0);
+            let status = std::fs::read_to_string(path.join("status")).unwrap_or_default();
+            let switches: u64 = status
+                .lines()
+                .filter(|l| l.starts_with("voluntary_ctxt_switches") || l.starts_with("nonvoluntary_ctxt_switches"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum();
+            total = (total.0 + ns, total.1 + switches);
+        }
+        Some(total)
+    }
+
     /// Threads of `pid`.
     pub fn threads(pid: u32) -> Option<usize> {
         Some(std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.count())

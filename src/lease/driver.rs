@@ -29,10 +29,23 @@ pub trait Enforcer: Send + Sync + 'static {
     fn apply(&self, capacities: &[(String, Capacity)]);
     /// A key changed mode (leased, pending, expired); already logged.
     fn on_transition(&self, _t: &super::core::Transition) {}
+    /// Whether the last [`Enforcer::demand`] found nothing going on (no
+    /// request since the one before, none in flight or waiting, no key
+    /// made or forgotten): demand is then re-read every [`QUIET_POLL`]
+    /// instead of every [`DEMAND_POLL`], and at once on [`Enforcer::activity`].
+    fn quiet(&self) -> bool {
+        false
+    }
+    /// Notified when a quiet enforcer needs its demand read now.
+    fn activity(&self) -> Option<Arc<Notify>> {
+        None
+    }
 }
 
 /// How often demand is re-read while nothing else is due.
 pub const DEMAND_POLL: Duration = Duration::from_millis(100);
+/// How often demand is re-read while the enforcer is quiet.
+pub const QUIET_POLL: Duration = Duration::from_secs(1);
 /// How long shutdown waits for ReleaseCapacity.
 pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -248,6 +261,13 @@ async fn call<T>(fut: impl Future<Output = T>, client: &LeaseClient, shutdown: &
     }
 }
 
+async fn nudged(activity: Option<&Notify>) {
+    match activity {
+        Some(n) => n.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn run(
     client: LeaseClient,
     transport: Arc<dyn Transport>,
@@ -255,6 +275,7 @@ async fn run(
     shutdown: CancellationToken,
 ) {
     let (clock, enforcer) = (client.clock.clone(), client.enforcer.clone());
+    let activity = enforcer.activity();
     loop {
         let demand = enforcer.demand();
         let action = {
@@ -265,11 +286,14 @@ async fn run(
         enforce(&client);
         match action {
             Action::Wait { until } => {
-                let d = until.since(clock.now()).min(DEMAND_POLL);
+                let quiet = enforcer.quiet();
+                let d = until.since(clock.now()).min(if quiet { QUIET_POLL } else { DEMAND_POLL });
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = client.wake.notified() => {}
                     _ = tokio::time::sleep(d) => {}
+                    // A busy enforcer's nudges are not listened to: its demand is read every poll anyway.
+                    _ = nudged(activity.as_deref()), if quiet => {}
                 }
             }
             Action::Discover { target } => {

@@ -135,6 +135,7 @@ impl<'a> Waiting<'a> {
     fn begin(items: &'a [(Arc<Limiter>, f64)]) -> Self {
         for (l, _) in items {
             l.demand().wait_begin();
+            l.nudge();
         }
         Waiting(items)
     }
@@ -150,6 +151,7 @@ impl Drop for Waiting<'_> {
 
 fn refused(l: &Limiter, reason: Reason, retry_after: Duration, waited: Duration) -> Refused {
     l.demand().record(Outcome::Refused);
+    l.nudge();
     let spec = l.spec();
     let quota = match l.kind() {
         Kind::Rate => l.capacity() * spec.window.as_secs_f64(),

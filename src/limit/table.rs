@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use serde::Serialize;
+use tokio::sync::Notify;
 
 use super::demand::DemandMeter;
 use super::gauge::Gauge;
@@ -58,6 +59,8 @@ pub struct Limiter {
     demand: DemandMeter,
     spec: Arc<ArcSwap<ResourceSpec>>,
     clock: Clock,
+    /// The table's [`LeaseTable::activity`].
+    activity: Arc<Notify>,
 }
 
 impl std::fmt::Debug for Limiter {
@@ -71,13 +74,19 @@ impl std::fmt::Debug for Limiter {
 }
 
 impl Limiter {
-    fn new(id: String, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock) -> Self {
+    fn new(id: String, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock, activity: Arc<Notify>) -> Self {
         let s = spec.load();
         let (rate, gauge) = match s.kind {
             Kind::Rate => (Some(Rate::new(s.capacity, s.burst, clock.now())), None),
             Kind::Gauge => (None, Some(Gauge::new(gauge_units(s.capacity)))),
         };
-        Limiter { id, kind: s.kind, rate, gauge, demand: DemandMeter::default(), spec: spec.clone(), clock }
+        Limiter { id, kind: s.kind, rate, gauge, demand: DemandMeter::default(), spec: spec.clone(), clock, activity }
+    }
+
+    /// Tells the lease client that this key needs it now (a request waits
+    /// or is refused): see [`LeaseTable::activity`].
+    pub fn nudge(&self) {
+        self.activity.notify_one();
     }
 
     /// The Doorman resource id this key enforces.
@@ -160,6 +169,7 @@ pub struct ResourceLimits {
     /// Whether `recent` may hold a key: a miss in `keys` is then looked up there.
     has_recent: AtomicBool,
     clock: Clock,
+    activity: Arc<Notify>,
 }
 
 /// Keys made since the last fold, and when the first of them was.
@@ -186,13 +196,14 @@ pub struct KeysFull {
 }
 
 impl ResourceLimits {
-    fn new(spec: ResourceSpec, clock: Clock) -> Self {
+    fn new(spec: ResourceSpec, clock: Clock, activity: Arc<Notify>) -> Self {
         ResourceLimits {
             spec: Arc::new(ArcSwap::from_pointee(spec)),
             keys: ArcSwap::default(),
             recent: Mutex::new(Recent::default()),
             has_recent: AtomicBool::new(false),
             clock,
+            activity,
         }
     }
 
@@ -238,7 +249,8 @@ impl ResourceLimits {
             let spec = self.spec.load();
             return Err(KeysFull { resource: spec.name.clone(), max_keys: spec.max_keys });
         }
-        let l = Arc::new(Limiter::new(id.to_string(), self.spec.clone(), self.clock.clone()));
+        let l = Arc::new(Limiter::new(id.to_string(), self.spec.clone(), self.clock.clone(), self.activity.clone()));
+        self.activity.notify_one();
         recent.keys.insert(id.to_string(), l.clone());
         recent.since.get_or_insert_with(|| self.clock.now());
         if count < FOLD_SMALL || recent.keys.len() >= keys.len() / FOLD_FRACTION {
@@ -321,11 +333,20 @@ impl ResourceLimits {
 pub struct LeaseTable {
     clock: Clock,
     resources: ArcSwap<HashMap<String, Arc<ResourceLimits>>>,
+    activity: Arc<Notify>,
 }
 
 impl LeaseTable {
     pub fn new(clock: Clock) -> Self {
-        LeaseTable { clock, resources: ArcSwap::default() }
+        LeaseTable { clock, resources: ArcSwap::default(), activity: Arc::new(Notify::new()) }
+    }
+
+    /// Notified when the table needs its lease client before the next
+    /// demand poll: a new key, new resources, or a request of a key that
+    /// waits or is refused. An idle sidecar's lease client sleeps until
+    /// then, or its next refresh, instead of polling demand ten times a second.
+    pub fn activity(&self) -> Arc<Notify> {
+        self.activity.clone()
     }
 
     pub fn clock(&self) -> &Clock {
@@ -357,11 +378,12 @@ impl LeaseTable {
                     }
                     r.clone()
                 }
-                _ => Arc::new(ResourceLimits::new(spec.clone(), self.clock.clone())),
+                _ => Arc::new(ResourceLimits::new(spec.clone(), self.clock.clone(), self.activity.clone())),
             };
             next.insert(spec.name, entry);
         }
         self.resources.store(Arc::new(next));
+        self.activity.notify_one();
     }
 
     pub fn resource(&self, name: &str) -> Option<Arc<ResourceLimits>> {

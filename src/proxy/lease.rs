@@ -6,6 +6,7 @@
 //! production path.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -60,6 +61,11 @@ pub struct TableEnforcer {
     /// key's last lease: set once it started, taken at shutdown (the client
     /// holds this enforcer, so keeping it would keep both alive).
     client: Mutex<Option<LeaseClient>>,
+    /// The last demand poll's reading (arrivals of every key, number of
+    /// keys), against which the next one tells whether anything happened.
+    last: Mutex<Option<(f64, usize)>>,
+    /// Nothing happened between the last two demand polls (see [`Enforcer::quiet`]).
+    quiet: AtomicBool,
 }
 
 impl TableEnforcer {
@@ -214,9 +220,14 @@ impl Enforcer for TableEnforcer {
         let now = self.table.clock().now();
         // Idle keys, by resource: removed together (one copy of a resource's snapshot).
         let mut forgotten: HashMap<String, Vec<String>> = HashMap::new();
-        let demand = self
-            .table
-            .limiters()
+        let limiters = self.table.limiters();
+        let (mut arrivals, mut busy) = (0.0, false);
+        for (_, l) in &limiters {
+            arrivals += l.demand().arrivals();
+            busy |= l.demand().in_flight() > 0 || l.demand().waiters() > 0;
+        }
+        let reading = (arrivals, limiters.len());
+        let demand = limiters
             .into_iter()
             .filter_map(|(resource, l)| {
                 let (settings, kind, capacity) = Self::settings(&cfg, &resource)?;
@@ -235,12 +246,24 @@ impl Enforcer for TableEnforcer {
                 })
             })
             .collect();
+        let mut last = self.last.lock().expect("enforcer reading");
+        let quiet = !busy && forgotten.is_empty() && !self.pushback.any() && *last == Some(reading);
+        *last = Some(reading);
+        self.quiet.store(quiet, Ordering::Relaxed);
         for (resource, ids) in forgotten {
             if let Some(limits) = self.table.resource(&resource) {
                 limits.remove_all(ids.iter().map(String::as_str));
             }
         }
         demand
+    }
+
+    fn quiet(&self) -> bool {
+        self.quiet.load(Ordering::Relaxed)
+    }
+
+    fn activity(&self) -> Option<Arc<tokio::sync::Notify>> {
+        Some(self.table.activity())
     }
 
     fn on_transition(&self, t: &crate::lease::core::Transition) {
@@ -402,6 +425,8 @@ pub fn start_with(
         memory: Mutex::new(HashMap::new()),
         seen_config: Mutex::new(None),
         client: Mutex::new(None),
+        last: Mutex::new(None),
+        quiet: AtomicBool::new(false),
     });
     let (client, task) = LeaseClient::start(core_cfg, clock, transport, enforcer.clone(), cache, shutdown.clone());
     *enforcer.client.lock().expect("enforcer client") = Some(client.clone());
@@ -410,4 +435,79 @@ pub fn start_with(
         enforcer.client.lock().expect("enforcer client").take();
     });
     (client, task)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::{Clock, Time};
+
+    /// A sidecar's enforcer with no lease client: `tenant` is templated.
+    fn enforcer() -> TableEnforcer {
+        let yaml = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+                    resources:\n  fixed: { kind: rate, capacity: 10/s }\n  \
+                    tenant: { kind: rate, capacity: 10/s, id: \"t/{header.x-tenant}\" }\n\
+                    routes:\n  - { name: all, upstream: up, resources: [fixed, tenant] }\n";
+        let cfg = Arc::new(RoutesConfig::parse("routes.yaml", yaml).unwrap());
+        let (clock, _time) = Clock::manual(Time::from_secs(1_700_000_000));
+        let table = Arc::new(LeaseTable::new(clock));
+        table.configure(super::super::route::specs(&cfg));
+        let registry = prometheus::Registry::new();
+        TableEnforcer {
+            table,
+            pushback: Arc::new(Pushback::new(&registry)),
+            config: Arc::new(move || cfg.clone()),
+            transitions: prometheus::IntCounterVec::new(prometheus::Opts::new("t", "t"), &["a", "b", "c"]).unwrap(),
+            embedded: None,
+            memory: Mutex::new(HashMap::new()),
+            seen_config: Mutex::new(None),
+            client: Mutex::new(None),
+            last: Mutex::new(None),
+            quiet: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether `activity` was notified since it was last taken.
+    fn notified(activity: &tokio::sync::Notify) -> bool {
+        use std::future::Future;
+        let mut n = std::pin::pin!(activity.notified());
+        n.as_mut().poll(&mut std::task::Context::from_waker(std::task::Waker::noop())).is_ready()
+    }
+
+    #[test]
+    fn the_enforcer_is_quiet_only_when_nothing_happened_between_two_polls() {
+        let e = enforcer();
+        let activity = e.table.activity();
+        e.demand();
+        assert!(!e.quiet(), "the first poll has nothing to compare with");
+        e.demand();
+        assert!(e.quiet(), "no request, no key made");
+        while notified(&activity) {}
+
+        // A request (an arrival) makes the next poll busy, the one after quiet again.
+        let fixed = e.table.resource("fixed").unwrap().limiter("fixed");
+        fixed.demand().arrive(1.0);
+        e.demand();
+        assert!(!e.quiet(), "a request arrived");
+        e.demand();
+        assert!(e.quiet());
+
+        // A request in flight keeps it busy.
+        fixed.demand().enter();
+        e.demand();
+        e.demand();
+        assert!(!e.quiet(), "a request is in flight");
+        fixed.demand().leave();
+        e.demand();
+        assert!(e.quiet());
+        assert!(!notified(&activity), "nothing asked for the lease client");
+
+        // A new tenant key wakes the lease client at once, and is not quiet.
+        e.table.resource("tenant").unwrap().try_limiter("t/acme").unwrap();
+        assert!(notified(&activity), "a new key is activity");
+        e.demand();
+        assert!(!e.quiet(), "a key was made");
+        e.demand();
+        assert!(e.quiet());
+    }
 }

@@ -138,6 +138,11 @@ impl Pushback {
         Pushback { keys: Mutex::new(HashMap::new()), active: Default::default(), events, factor_gauge }
     }
 
+    /// Whether any key is backed off now.
+    pub fn any(&self) -> bool {
+        self.active.load(std::sync::atomic::Ordering::Relaxed) > 0
+    }
+
     /// True when `status` changes nothing: not a pushback, and no key is backed off.
     pub fn is_quiet(&self, status: StatusCode) -> bool {
         status != StatusCode::TOO_MANY_REQUESTS

@@ -69,6 +69,18 @@ impl Enforcer for Recorder {
     }
 }
 
+/// A capacity server `s1` with the resources in `cfg` (YAML).
+fn node(cfg: &str, clock: &Clock) -> Arc<Node> {
+    Arc::new(Node::new(
+        "s1".into(),
+        "test".into(),
+        ResourcesConfig::parse("test", cfg).unwrap(),
+        clock.clone(),
+        Duration::ZERO,
+        prometheus::Registry::new(),
+    ))
+}
+
 async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while !cond() {
@@ -81,14 +93,7 @@ async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
 async fn a_lease_expires_on_time_while_a_renewal_hangs() {
     let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
     let cfg = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    safe_capacity: 4\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 10, learning_mode_duration: 0 }\n";
-    let node = Arc::new(Node::new(
-        "s1".into(),
-        "test".into(),
-        ResourcesConfig::parse("test", cfg).unwrap(),
-        clock.clone(),
-        Duration::ZERO,
-        prometheus::Registry::new(),
-    ));
+    let node = node(cfg, &clock);
     let transport = Arc::new(Hanging { net: LocalTransport::new(), hang: AtomicBool::new(false) });
     transport.net.add("s1", node);
     let enforcer = Arc::new(Recorder::default());
@@ -125,16 +130,27 @@ fn start_hanging(
 ) -> (LeaseClient, Arc<Recorder>, CancellationToken, tokio::task::JoinHandle<()>) {
     let transport = Arc::new(Hanging { net: LocalTransport::new(), hang: AtomicBool::new(true) });
     let enforcer = Arc::new(Recorder::default());
+    let (client, shutdown, task) = client_of(clock, transport, enforcer.clone(), cache);
+    (client, enforcer, shutdown, task)
+}
+
+/// A lease client `c` of `s1` through `transport`.
+fn client_of(
+    clock: Clock,
+    transport: Arc<dyn Transport>,
+    enforcer: Arc<dyn Enforcer>,
+    cache: Option<PathBuf>,
+) -> (LeaseClient, CancellationToken, tokio::task::JoinHandle<()>) {
     let shutdown = CancellationToken::new();
     let (client, task) = LeaseClient::start(
         CoreConfig::new("c", vec!["s1".into()]),
         clock,
         transport,
-        enforcer.clone(),
+        enforcer,
         cache,
         shutdown.clone(),
     );
-    (client, enforcer, shutdown, task)
+    (client, shutdown, task)
 }
 
 #[tokio::test]
@@ -169,6 +185,70 @@ async fn a_key_without_a_lease_follows_on_expiry_once_start_up_stops_waiting() {
     assert_eq!(enforcer.0.lock().unwrap().last(), Some(&Capacity::Limited(0.0)), "on_expiry safe, no safe capacity");
     let key = &client.status().keys[0];
     assert_eq!((key.mode, key.source), (Mode::Pending, Source::OnExpiry));
+    shutdown.cancel();
+    task.await.unwrap();
+}
+
+/// An enforcer that counts its demand polls, quiet or not as the test says.
+struct Polled {
+    polls: std::sync::atomic::AtomicUsize,
+    quiet: AtomicBool,
+    activity: Arc<Notify>,
+}
+
+impl Enforcer for Polled {
+    fn demand(&self) -> Vec<KeyDemand> {
+        self.polls.fetch_add(1, Ordering::SeqCst);
+        Recorder::default().demand()
+    }
+    fn apply(&self, _: &[(String, Capacity)]) {}
+    fn quiet(&self) -> bool {
+        self.quiet.load(Ordering::SeqCst)
+    }
+    fn activity(&self) -> Option<Arc<Notify>> {
+        Some(self.activity.clone())
+    }
+}
+
+/// A quiet enforcer's demand is read once a second, not ten times, and at
+/// once when it signals activity; a busy one's every 100 ms.
+#[tokio::test(start_paused = true)]
+async fn a_quiet_enforcer_is_polled_once_a_second_and_at_once_on_activity() {
+    let (clock, _time) = Clock::manual(Time::from_secs(1_700_000_000));
+    let cfg = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 3600, refresh_interval: 3600, learning_mode_duration: 0 }\n";
+    let node = node(cfg, &clock);
+    let transport = Arc::new(LocalTransport::new());
+    transport.add("s1", node);
+    let enforcer = Arc::new(Polled {
+        polls: Default::default(),
+        quiet: AtomicBool::new(false),
+        activity: Arc::new(Notify::new()),
+    });
+    let (client, shutdown, task) = client_of(clock, transport, enforcer.clone(), None);
+    let mode = |c: &LeaseClient| c.status().keys.first().map(|k| k.mode);
+    eventually("leased", || mode(&client) == Some(Mode::Leased)).await;
+    let polls = || enforcer.polls.load(Ordering::SeqCst);
+
+    // Busy: every 100 ms (the manual clock stands still, so no refresh is due).
+    let before = polls();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let busy = polls() - before;
+    assert!((95..=105).contains(&busy), "{busy} polls in 10 s while busy");
+
+    // Quiet: once a second.
+    enforcer.quiet.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let before = polls();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let quiet = polls() - before;
+    assert!((9..=11).contains(&quiet), "{quiet} polls in 10 s while quiet");
+
+    // Activity wakes it at once, not at the next second.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = polls();
+    enforcer.activity.notify_one();
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(polls() - before, 1, "activity is read at once");
     shutdown.cancel();
     task.await.unwrap();
 }
