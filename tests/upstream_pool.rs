@@ -264,3 +264,97 @@ async fn an_upgraded_connection_is_not_reused() {
     assert_eq!(&echo, b"ping\n", "the tunnel still echoes");
     assert_eq!(up.stats.connections.load(Ordering::SeqCst), 2, "the tunnel's connection and one pooled one");
 }
+
+/// An upstream that answers every request at once, before reading its
+/// chunked body, then reads the body to its end; it records the bodies.
+async fn early_answering_upstream() -> (std::net::SocketAddr, Arc<AtomicU64>, Arc<std::sync::Mutex<Vec<String>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let conns = Arc::new(AtomicU64::new(0));
+    let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (counted, seen) = (conns.clone(), bodies.clone());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                loop {
+                    // One request head, answered at once.
+                    let end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                    buf.drain(..end);
+                    if s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await.is_err() {
+                        return;
+                    }
+                    if !head.contains("transfer-encoding: chunked") {
+                        continue;
+                    }
+                    // Then its chunked body, to the last chunk.
+                    let end = loop {
+                        if let Some(i) = buf.windows(5).position(|w| w == b"0\r\n\r\n") {
+                            break i + 5;
+                        }
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    seen.lock().unwrap().push(String::from_utf8_lossy(&buf[..end]).into_owned());
+                    buf.drain(..end);
+                }
+            });
+        }
+    });
+    (addr, conns, bodies)
+}
+
+/// Reads from `c` until an answer whose body is `ok` has come.
+async fn read_answer(c: &mut tokio::net::TcpStream) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !got.ends_with(b"\r\n\r\nok") {
+        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf)).await.unwrap().unwrap();
+        assert!(n > 0, "closed before the answer: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// An upstream that answers before the request's body has all come (the
+/// general engine forwards chunked bodies): the rest of the body still
+/// reaches it, and its connection then serves the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_answered_before_its_request_body_ended_finishes_the_body_and_is_reused() {
+    let (addr, conns, bodies) = early_answering_upstream().await;
+    let dir = tempfile::tempdir().unwrap();
+    let u = Usher::proxy(&routes(dir.path(), addr));
+    let mut c = tokio::net::TcpStream::connect(u.addr("listen")).await.unwrap();
+    c.write_all(b"POST /up HTTP/1.1\r\nhost: app.test\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        .await
+        .unwrap();
+    let first = read_answer(&mut c).await;
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    // The rest of the body, after the answer.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    c.write_all(b"6\r\n world\r\n0\r\n\r\n").await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while bodies.lock().unwrap().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the rest of the body never reached the upstream");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(bodies.lock().unwrap()[0], "5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n");
+    c.write_all(b"GET /next HTTP/1.1\r\nhost: app.test\r\n\r\n").await.unwrap();
+    let second = read_answer(&mut c).await;
+    assert!(second.starts_with("HTTP/1.1 200"), "{second}");
+    assert_eq!(conns.load(Ordering::SeqCst), 1, "the connection went back to the pool once the body was sent");
+}

@@ -3,34 +3,34 @@
 //! ([`super::pool::Pool`]): one pool per upstream, whichever engine serves
 //! the app.
 //!
-//! Each exchange takes a stream, puts a `hyper::client::conn::http1`
-//! connection over it, and drives that connection where the exchange is,
-//! not in a task of its own: while waiting for the response head, and then
-//! from the response body's `poll_frame`. When the body ends cleanly the
-//! connection is taken apart again and the stream goes back on the stack
-//! before the body's last frame is handed out, so the app's next request,
-//! whichever engine serves it, finds it idle. A stream is not put back
-//! after an upgrade, an error, a body dropped half read, an answer that
-//! closes the connection (`Connection: close`, HTTP/1.0, a close-delimited
-//! body), or with bytes nobody asked for. A request that a reused stream
-//! refused before sending anything (the upstream had just closed it) is
-//! retried once on a new one, as hyper-util does.
+//! Each exchange takes an idle connection: one this path left (a hyper
+//! `http1` client connection, kept whole) or a bare stream, over which it
+//! puts a new one. It drives that connection where the exchange is, not in
+//! a task of its own: while waiting for the response head, and then from
+//! the response body's `poll_frame`. When the body ends cleanly the
+//! connection goes back on the stack before the body's last frame is
+//! handed out, so the app's next request, whichever engine serves it,
+//! finds it idle (the native path takes it apart for its stream). It is
+//! not put back after an upgrade, an error, a body dropped half read, an
+//! answer that closes the connection (`Connection: close`, HTTP/1.0, a
+//! close-delimited body), or with bytes nobody asked for. A request that a
+//! reused connection refused before sending anything (the upstream had just
+//! closed it) is retried once on a new one, as hyper-util does.
 
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap};
 use http::{Request, Response, StatusCode, Version};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::client::conn::http1::{Connection, SendRequest};
+use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
 
 use super::body::RequestBody;
-use super::pool::Pool;
+use super::pool::{HyperConn, Pool, Pooled};
 
 /// Why a request got no response from the pool.
 #[derive(Debug)]
@@ -41,7 +41,16 @@ pub enum PoolError {
     Http(hyper::Error),
 }
 
-type Conn = Connection<TokioIo<TcpStream>, RequestBody>;
+/// Where an exchange's connection runs.
+enum On {
+    /// Driven by the exchange, then by its response body.
+    Here(Box<HyperConn>),
+    /// In a task of its own (a protocol upgrade); its sender is kept until
+    /// the answer, so the connection never sees its user gone mid-request.
+    Task(#[allow(dead_code)] SendRequest<RequestBody>),
+    /// It ended before the answer.
+    Ended,
+}
 
 /// Sends `req` (origin-form URI, Host set) on an idle stream of `pool` or a
 /// new one. With `upgrade`, the request asks to switch protocols: its
@@ -53,45 +62,60 @@ pub async fn send(
     upgrade: bool,
 ) -> Result<Response<PooledBody>, PoolError> {
     loop {
-        let (stream, reused) = match pool.checkout() {
-            Some(s) => (s, true),
-            None => (pool.connect_tcp().await.map_err(PoolError::Connect)?, false),
+        let (pooled, reused) = match pool.checkout_any() {
+            Some(p) => (p, true),
+            None => (Pooled::Bare(pool.connect_tcp().await.map_err(PoolError::Connect)?), false),
         };
-        let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| PoolError::Connect(e.to_string()))?;
-        let mut conn = if upgrade {
+        // Boxed once per connection, never moved again: a hyper connection is some 700 bytes.
+        let hc = match pooled {
+            Pooled::Hyper(h) => h,
+            Pooled::Bare(stream) => {
+                let (sender, conn) = hyper::client::conn::http1::Builder::new()
+                    .handshake(TokioIo::new(stream))
+                    .await
+                    .map_err(|e| PoolError::Connect(e.to_string()))?;
+                Box::new(HyperConn { sender, conn })
+            }
+        };
+        // (The request's future holds no borrow of its sender.)
+        let (mut on, sent) = if upgrade {
+            let HyperConn { mut sender, conn } = *hc;
             let addr = pool.addr().to_string();
             tokio::spawn(async move {
                 if let Err(e) = conn.with_upgrades().await {
                     tracing::debug!(upstream = %addr, error = %e, "upstream connection ended with an error");
                 }
             });
-            None
+            let sent = sender.try_send_request(req);
+            (On::Task(sender), sent)
         } else {
-            Some(conn)
+            let mut hc = hc;
+            let sent = hc.sender.try_send_request(req);
+            (On::Here(hc), sent)
         };
-        let mut sent = std::pin::pin!(sender.try_send_request(req));
+        let mut sent = std::pin::pin!(sent);
         let answered = poll_fn(|cx| {
             if let Poll::Ready(r) = sent.as_mut().poll(cx) {
                 return Poll::Ready(r);
             }
+            let On::Here(hc) = &mut on else { return Poll::Pending };
             // A connection that ended (cleanly or not) answers the request
             // with an error once it is dropped; until then it drives the exchange.
-            if let Some(c) = &mut conn
-                && c.poll_without_shutdown(cx).is_ready()
-            {
-                conn = None;
-                return sent.as_mut().poll(cx);
+            if hc.conn.poll_without_shutdown(cx).is_ready() {
+                on = On::Ended;
             }
-            Poll::Pending
+            // It may have just read the answer: taken now, not on a wake-up
+            // that would poll the whole exchange again.
+            sent.as_mut().poll(cx)
         })
         .await;
         match answered {
             Ok(resp) => {
                 let reusable = reusable(&resp);
-                let driven = conn.map(|conn| Box::new(Driven { conn, sender, reusable, pool: Arc::downgrade(pool) }));
+                let driven = match on {
+                    On::Here(hc) => Some(Driven { hc, reusable, pool: Arc::downgrade(pool) }),
+                    On::Task(_) | On::Ended => None,
+                };
                 return Ok(resp.map(|inner| PooledBody { inner, driven }));
             }
             Err(mut e) => match e.take_message() {
@@ -127,42 +151,19 @@ fn asks_close(headers: &HeaderMap) -> bool {
 
 /// A connection driven by the exchange that uses it.
 struct Driven {
-    conn: Conn,
-    sender: SendRequest<RequestBody>,
-    /// Whether the stream may carry another request once the body has ended.
+    hc: Box<HyperConn>,
+    /// Whether it may carry another request once the body has ended.
     reusable: bool,
     pool: Weak<Pool>,
 }
 
 impl Driven {
-    /// Ends the exchange after its body ended: with the sender gone, the
-    /// idle connection finishes at once and yields its stream, which goes
-    /// back on the stack unless the upstream sent more than was asked for.
-    /// Should the connection still have work, a task finishes it.
-    fn home(self: Box<Self>) {
-        let Driven { mut conn, sender, reusable, pool } = *self;
-        if !reusable {
-            return;
-        }
-        drop(sender);
-        let put = move |conn: Conn| {
-            let parts = conn.into_parts();
-            if parts.read_buf.is_empty()
-                && let Some(pool) = pool.upgrade()
-            {
-                pool.put(parts.io.into_inner());
-            }
-        };
-        match conn.poll_without_shutdown(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(Ok(())) => put(conn),
-            Poll::Ready(Err(_)) => {}
-            Poll::Pending => {
-                tokio::spawn(async move {
-                    if poll_fn(|cx| conn.poll_without_shutdown(cx)).await.is_ok() {
-                        put(conn);
-                    }
-                });
-            }
+    /// Ends the exchange after its body ended: the connection goes back on
+    /// the stack whole (after the rest of the request's body, should the
+    /// upstream have answered before it), to be polled when next checked out.
+    fn home(self) {
+        if let (true, Some(pool)) = (self.reusable, self.pool.upgrade()) {
+            pool.put_hyper(self.hc);
         }
     }
 }
@@ -174,8 +175,7 @@ pin_project_lite::pin_project! {
         #[pin]
         inner: Incoming,
         // None once the body ended or failed, or when the connection runs in a task.
-        // Boxed: a hyper connection is some 700 bytes.
-        driven: Option<Box<Driven>>,
+        driven: Option<Driven>,
     }
 
     impl PinnedDrop for PooledBody {
@@ -203,7 +203,7 @@ impl Body for PooledBody {
         {
             // The connection reads what the body waits for (and writes what
             // is left of the request's body).
-            if driven.conn.poll_without_shutdown(cx).is_ready() {
+            if driven.hc.conn.poll_without_shutdown(cx).is_ready() {
                 // It ended: the body has all there is, or the error.
                 *this.driven = None;
             }

@@ -1,11 +1,12 @@
-//! The connections to one plain-HTTP/1.1 upstream, for both engines: bare
-//! TCP streams on a LIFO stack (the most recently used is the most likely
-//! to still be open). No task per connection: a stream is driven by the
-//! exchange that checked it out (the native path's request loop, or the
-//! general path's response body, `super::h1pool`), and goes back on the
-//! stack once a response has ended cleanly. One that the upstream closed,
-//! or that idled past `idle_timeout`, is never handed out, and a reaper
-//! closes them three times per timeout until the pool is gone.
+//! The connections to one plain-HTTP/1.1 upstream, for both engines, on a
+//! LIFO stack (the most recently used is the most likely to still be open):
+//! bare TCP streams the native path left, and hyper client connections the
+//! general path left (`super::h1pool`), each taken as the other engine
+//! needs it. No task per connection: a connection is driven by the exchange
+//! that checked it out, and goes back on the stack once a response has
+//! ended cleanly. One that the upstream closed, or that idled past
+//! `idle_timeout`, is never handed out, and a reaper closes them three
+//! times per timeout until the pool is gone.
 //!
 //! An idle stream that became readable (the upstream closed it, or sent
 //! bytes nobody asked for) is not reused, and telling costs no system call
@@ -16,19 +17,94 @@ use std::sync::{Arc, Mutex, Once, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use hyper::client::conn::http1::{Connection, SendRequest};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+
+use super::body::RequestBody;
 
 /// Idle connections kept per upstream; more are closed when they come back.
 const MAX_IDLE: usize = 512;
 
-/// A plain-HTTP/1.1 upstream's idle streams, shared by both engines.
+/// A hyper HTTP/1.1 client connection over a pooled stream, as the general
+/// path leaves it after an exchange: kept whole, so its next exchange on
+/// that engine needs no new handshake (and its buffers are reused); the
+/// native path takes it apart for the stream.
+pub struct HyperConn {
+    pub sender: SendRequest<RequestBody>,
+    pub conn: Connection<TokioIo<TcpStream>, RequestBody>,
+}
+
+impl HyperConn {
+    /// Polls it once, so an upstream's close or bytes nobody asked for are
+    /// seen (tokio reads only when the reactor saw the stream readable):
+    /// whether it is open, and whether it waits for a request (one still
+    /// busy finishing a request body that the upstream answered early does not).
+    fn poll_idle(&mut self) -> (bool, bool) {
+        let open = self.conn.poll_without_shutdown(&mut Context::from_waker(Waker::noop())).is_pending();
+        (open, open && self.sender.is_ready())
+    }
+
+    /// The bare stream, unless the upstream sent bytes nobody asked for.
+    fn into_stream(self) -> Option<TcpStream> {
+        let parts = self.conn.into_parts();
+        parts.read_buf.is_empty().then(|| parts.io.into_inner()).filter(quiet)
+    }
+}
+
+/// An idle connection: a bare stream (the native path's), or a hyper
+/// connection (the general path's).
+pub enum Pooled {
+    Bare(TcpStream),
+    Hyper(Box<HyperConn>),
+}
+
+impl Pooled {
+    /// The connection, if it can take a request now. A hyper connection
+    /// still busy goes to a task that finishes its work and then puts it back.
+    fn check(self, pool: &Arc<Pool>) -> Option<Pooled> {
+        let mut h = match self {
+            Pooled::Bare(s) => return quiet(&s).then_some(Pooled::Bare(s)),
+            Pooled::Hyper(h) => h,
+        };
+        match h.poll_idle() {
+            (_, true) => Some(Pooled::Hyper(h)),
+            (false, _) => None,
+            (true, false) => {
+                finish(h, pool);
+                None
+            }
+        }
+    }
+}
+
+/// Drives a hyper connection that still has work (the rest of a request
+/// body that the upstream answered early) in a task, and puts it back on
+/// `pool` once it waits for a request; one that ends is dropped.
+fn finish(mut h: Box<HyperConn>, pool: &Arc<Pool>) {
+    let pool = Arc::downgrade(pool);
+    tokio::spawn(async move {
+        let ready = std::future::poll_fn(|cx| {
+            if h.conn.poll_without_shutdown(cx).is_ready() {
+                return Poll::Ready(false);
+            }
+            h.sender.poll_ready(cx).map(|r| r.is_ok())
+        })
+        .await;
+        if let (true, Some(pool)) = (ready, pool.upgrade()) {
+            pool.push(Pooled::Hyper(h));
+        }
+    });
+}
+
+/// A plain-HTTP/1.1 upstream's idle connections, shared by both engines.
 pub struct Pool {
     /// `host:port` to connect to.
     addr: String,
     connect_timeout: Duration,
     idle_timeout: Duration,
-    stack: Mutex<Vec<(TcpStream, Instant)>>,
+    stack: Mutex<Vec<(Pooled, Instant)>>,
     reaper: Once,
 }
 
@@ -41,22 +117,51 @@ impl Pool {
         &self.addr
     }
 
-    /// The most recently used idle connection that is still usable.
-    pub fn checkout(&self) -> Option<TcpStream> {
-        let mut stack = self.stack.lock().expect("pool lock");
-        while let Some((conn, since)) = stack.pop() {
-            if since.elapsed() < self.idle_timeout && quiet(&conn) {
+    /// The most recently used idle connection that is still usable, as it was left.
+    pub fn checkout_any(self: &Arc<Self>) -> Option<Pooled> {
+        loop {
+            let (conn, since) = self.stack.lock().expect("pool lock").pop()?;
+            if since.elapsed() < self.idle_timeout
+                && let Some(conn) = conn.check(self)
+            {
                 return Some(conn);
             }
         }
-        None
+    }
+
+    /// The most recently used idle connection that is still usable, as a bare stream.
+    pub fn checkout(self: &Arc<Self>) -> Option<TcpStream> {
+        loop {
+            match self.checkout_any()? {
+                Pooled::Bare(s) => return Some(s),
+                Pooled::Hyper(h) => {
+                    if let Some(s) = h.into_stream() {
+                        return Some(s);
+                    }
+                }
+            }
+        }
     }
 
     /// Puts a connection whose last response ended cleanly back on the stack.
     pub fn put(&self, conn: TcpStream) {
-        if !quiet(&conn) {
-            return;
+        if quiet(&conn) {
+            self.push(Pooled::Bare(conn));
         }
+    }
+
+    /// Puts a hyper connection whose last response ended cleanly back on
+    /// the stack, or, while it still sends the request's body, in a task
+    /// that puts it back when it is done. (Closes are seen at checkout.)
+    pub fn put_hyper(self: &Arc<Self>, conn: Box<HyperConn>) {
+        if conn.sender.is_ready() {
+            self.push(Pooled::Hyper(conn));
+        } else {
+            finish(conn, self);
+        }
+    }
+
+    fn push(&self, conn: Pooled) {
         let mut stack = self.stack.lock().expect("pool lock");
         if stack.len() < MAX_IDLE {
             stack.push((conn, Instant::now()));
@@ -92,7 +197,19 @@ fn spawn_reaper(pool: Weak<Pool>, idle_timeout: Duration) {
         loop {
             tick.tick().await;
             let Some(pool) = pool.upgrade() else { return };
-            pool.stack.lock().expect("pool lock").retain(|(c, since)| since.elapsed() < idle_timeout && quiet(c));
+            // Checked outside the lock (a busy hyper connection goes to a task).
+            let idle = std::mem::take(&mut *pool.stack.lock().expect("pool lock"));
+            let kept: Vec<_> = idle
+                .into_iter()
+                .filter(|(_, since)| since.elapsed() < idle_timeout)
+                .filter_map(|(c, since)| c.check(&pool).map(|c| (c, since)))
+                .collect();
+            // Newer ones came back meanwhile: they go on top.
+            let mut stack = pool.stack.lock().expect("pool lock");
+            let newer = std::mem::replace(&mut *stack, kept);
+            stack.extend(newer);
+            let excess = stack.len().saturating_sub(MAX_IDLE);
+            stack.drain(..excess);
         }
     });
 }
