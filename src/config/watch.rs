@@ -1,7 +1,8 @@
 //! Tells when a config file should be read again: on SIGHUP, on any change in
 //! the file's directory (which is how Kubernetes swaps a ConfigMap: it
 //! re-points a `..data` symlink, so the file's own inode never changes), and
-//! on a slow poll as a fallback for filesystems without inotify. Callers
+//! on a slow poll as a fallback for filesystems without inotify (every 5 s;
+//! every 30 s while the directory is watched). Callers
 //! compare contents, so a spurious wake-up costs one read.
 
 use std::path::{Path, PathBuf};
@@ -23,8 +24,12 @@ pub enum Cause {
 /// How long the directory must stay quiet before a changed file is read.
 pub const DEBOUNCE: Duration = Duration::from_millis(200);
 
-/// How often the file is re-read when no event arrives.
+/// How often the file is re-read when no event arrives and the directory
+/// cannot be watched.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
+/// The same while the directory is watched: a safety net only, slow so
+/// that an idle process wakes rarely.
+pub const WATCHED_POLL_INTERVAL: Duration = Duration::from_secs(30);
 
 /// Starts watching `path`. The returned receiver yields a [`Cause`] per
 /// trigger (bursts are coalesced) until `shutdown` is cancelled.
@@ -54,6 +59,7 @@ pub fn watch(path: &Path, shutdown: CancellationToken) -> mpsc::Receiver<Cause> 
         }
     };
 
+    let watching = watcher.is_some();
     tokio::spawn(async move {
         let _watcher = watcher; // dropped (and unwatched) when this task ends
         let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
@@ -63,7 +69,7 @@ pub fn watch(path: &Path, shutdown: CancellationToken) -> mpsc::Receiver<Cause> 
                 None
             }
         };
-        let mut poll = tokio::time::interval(POLL_INTERVAL);
+        let mut poll = tokio::time::interval(if watching { WATCHED_POLL_INTERVAL } else { POLL_INTERVAL });
         poll.tick().await;
         loop {
             let cause = tokio::select! {

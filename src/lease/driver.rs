@@ -44,8 +44,9 @@ pub trait Enforcer: Send + Sync + 'static {
 
 /// How often demand is re-read while nothing else is due.
 pub const DEMAND_POLL: Duration = Duration::from_millis(100);
-/// How often demand is re-read while the enforcer is quiet.
-pub const QUIET_POLL: Duration = Duration::from_secs(1);
+/// How often demand is re-read while the enforcer is quiet. What needs the
+/// lease client sooner (a new key, a request that waits) signals activity.
+pub const QUIET_POLL: Duration = Duration::from_secs(5);
 /// How long shutdown waits for ReleaseCapacity.
 pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -288,6 +289,7 @@ async fn run(
             Action::Wait { until } => {
                 let quiet = enforcer.quiet();
                 let d = until.since(clock.now()).min(if quiet { QUIET_POLL } else { DEMAND_POLL });
+
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = client.wake.notified() => {}
