@@ -53,6 +53,10 @@ struct Opts {
     callgrind: Option<f64>,
     /// `--idle S`: measure each proxy's cost while idle for S seconds.
     idle: Option<f64>,
+    /// `--keys N,N,...`: first requests of N new tenant keys, then N known ones, per proxy.
+    keys: Vec<u64>,
+    /// Requests per second of the `--keys` runs.
+    keys_rate: f64,
 }
 
 fn opts() -> Opts {
@@ -99,6 +103,8 @@ fn opts() -> Opts {
         soak: get("--soak").and_then(|v| v.parse().ok()),
         callgrind: get("--callgrind").and_then(|v| v.parse().ok()),
         idle: get("--idle").and_then(|v| v.parse().ok()),
+        keys: list("--keys", "").into_iter().map(|n| n as u64).collect(),
+        keys_rate: num("--keys-rate", 5000.0, 5000.0, 1000.0),
         soak_rate: num("--soak-rate", 5000.0, 5000.0, 500.0),
         usher_env: args
             .iter()
@@ -176,8 +182,17 @@ fn record_pid(out: &Path, pid: u32) {
 }
 
 /// usher's routes: a non-limiting route for the overhead runs, a rate of
-/// 1,000/s under `/rate` and a gauge of 50 under `/gauge` for accuracy.
-fn usher_routes(up: SocketAddr) -> String {
+/// 1,000/s under `/rate` and a gauge of 50 under `/gauge` for accuracy;
+/// with `tenants`, also a rate of 1,000/s per `x-tenant` under `/tenant`.
+fn usher_routes(up: SocketAddr, tenants: bool) -> String {
+    let (resource, route) = if tenants {
+        (
+            "  tenant: { kind: rate, capacity: 1000/s, burst: 50, id: \"t/{header.x-tenant}\", max_keys: 250000 }\n",
+            "  - { name: tenant, match: { path_prefix: /tenant }, upstream: up, resources: [tenant] }\n",
+        )
+    } else {
+        ("", "")
+    };
     format!(
         "upstreams:\n  up: {{ url: \"http://{up}\" }}\n\
          resources:\n  \
@@ -185,7 +200,9 @@ fn usher_routes(up: SocketAddr) -> String {
            open-gauge: {{ kind: gauge, capacity: 100000 }}\n  \
            acc-rate: {{ kind: rate, capacity: 1000/s, burst: {BURST} }}\n  \
            acc-gauge: {{ kind: gauge, capacity: 50, max_wait: 1s }}\n\
-         routes:\n  \
+         {resource}\
+         routes:\n\
+         {route}  \
            - {{ name: rate, match: {{ path_prefix: /rate }}, upstream: up, resources: [acc-rate] }}\n  \
            - {{ name: gauge, match: {{ path_prefix: /gauge }}, upstream: up, resources: [acc-gauge] }}\n  \
            - {{ name: open, upstream: up, resources: [open-rate, open-gauge] }}\n"
@@ -196,7 +213,7 @@ const BURST: u64 = 50;
 
 fn start_usher(o: &Opts, dir: &Path, up: SocketAddr, extra_env: &[(String, String)]) -> (Proc, SocketAddr) {
     let routes = dir.join("routes.yaml");
-    std::fs::write(&routes, usher_routes(up)).unwrap();
+    std::fs::write(&routes, usher_routes(up, !o.keys.is_empty())).unwrap();
     let bin = extra_env.iter().find(|(k, _)| k == "bin").map_or(env!("CARGO_BIN_EXE_usher"), |(_, v)| v.as_str());
     let mut cmd = pinned(o, Path::new(bin));
     cmd.args([
@@ -240,8 +257,17 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn nginx_conf(dir: &Path, port: u16, up: SocketAddr, single_process: bool) -> String {
+fn nginx_conf(dir: &Path, port: u16, up: SocketAddr, single_process: bool, tenants: bool) -> String {
     let d = dir.display();
+    // As usher's `/tenant` route: 1,000/s per `x-tenant` (a 64 MB zone holds some 500,000 keys).
+    let (zone, location) = if tenants {
+        (
+            "limit_req_zone $http_x_tenant zone=tenants:64m rate=1000r/s;",
+            "location /tenant { limit_req zone=tenants burst=50 nodelay; proxy_pass http://up; }",
+        )
+    } else {
+        ("", "")
+    };
     // Under valgrind, the process that serves must be the one started.
     let master = if single_process { "off" } else { "on" };
     format!(
@@ -265,6 +291,7 @@ http {{
   limit_req_zone $binary_remote_addr zone=open:1m rate=10000000r/s;
   limit_req_zone $binary_remote_addr zone=acc:1m rate=1000r/s;
   limit_conn_zone $binary_remote_addr zone=conc:1m;
+  {zone}
   limit_req_status 429;
   limit_conn_status 429;
   proxy_http_version 1.1;
@@ -274,6 +301,7 @@ http {{
     location / {{ limit_req zone=open burst=100000 nodelay; proxy_pass http://up; }}
     location /rate {{ limit_req zone=acc burst={BURST} nodelay; proxy_pass http://up; }}
     location /gauge {{ limit_conn conc 50; proxy_pass http://up; }}
+    {location}
   }}
 }}
 "#
@@ -287,7 +315,7 @@ fn start_nginx(o: &Opts, dir: &Path, up: SocketAddr) -> Option<(Proc, SocketAddr
         .find(|p| p.exists())?;
     let port = free_port();
     let conf = dir.join("nginx.conf");
-    std::fs::write(&conf, nginx_conf(dir, port, up, o.callgrind.is_some())).unwrap();
+    std::fs::write(&conf, nginx_conf(dir, port, up, o.callgrind.is_some(), !o.keys.is_empty())).unwrap();
     let child = pinned(o, bin)
         .args(["-c", conf.to_str().unwrap(), "-p", dir.to_str().unwrap(), "-e", "stderr"])
         .stderr(Stdio::inherit())
@@ -461,10 +489,65 @@ fn main() {
             instructions(&o, secs).await;
         } else if let Some(secs) = o.idle {
             idle(&o, secs).await;
+        } else if !o.keys.is_empty() {
+            keys(&o).await;
         } else {
             compare(&o).await;
         }
     });
+}
+
+/// Many tenant keys: for each count N, each proxy gets N requests at
+/// `--keys-rate`, each naming a tenant it has not seen (its first request
+/// makes the key: in usher a limiter and, at the lease client's next read,
+/// a lease; in nginx a node of its `limit_req` zone), then the same N
+/// tenants again. Latency is added over nothing (no direct call here),
+/// from each request's intended send time; CPU per request from `/proc`.
+async fn keys(o: &Opts) {
+    let dir = tempfile::tempdir().unwrap();
+    let (up, _seen) = loadgen::upstream().await;
+    let targets = proxies(o, dir.path(), up);
+    let mut md = format!(
+        "### Many tenant keys ({} req/s over {} connections, a rate of 1,000/s per tenant)\n\n\
+         | keys | target | new keys p50 (µs) | p99 | CPU ms / 1k req | known keys p50 (µs) | p99 | CPU ms / 1k req | errors | RSS after (MB) |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+        o.keys_rate, o.conns
+    );
+    for &n in &o.keys {
+        for t in &targets {
+            let pid = t.proc.as_ref().unwrap().pid;
+            let secs = n as f64 / o.keys_rate;
+            let prefix: std::sync::Arc<str> = format!("{n}-").into();
+            let mut row = format!("| {n} | {} ", t.name);
+            let mut errors = 0;
+            for pass in ["new", "known"] {
+                let cpu0 = procfs::cpu_ms(pid).unwrap_or(0);
+                let r = loadgen::open_loop_keyed(
+                    t.addr,
+                    "/tenant",
+                    o.keys_rate,
+                    Duration::from_secs_f64(secs),
+                    o.conns,
+                    Some(prefix.clone()),
+                )
+                .await;
+                let cpu = procfs::cpu_ms(pid).unwrap_or(0).saturating_sub(cpu0) as f64;
+                let per_k = cpu / (r.scheduled as f64 / 1000.0);
+                eprintln!(
+                    "keys {n} {} {pass}: p50 {:.0} µs p99 {:.0} µs cpu/1k {per_k:.1} ms errors {}",
+                    t.name,
+                    r.pct_us(0.5),
+                    r.pct_us(0.99),
+                    r.errors
+                );
+                row.push_str(&format!("| {:.0} | {:.0} | {per_k:.1} ", r.pct_us(0.5), r.pct_us(0.99)));
+                errors += r.errors;
+            }
+            let rss = t.proc.as_ref().and_then(|p| procfs::status_mb(p.pid, "VmRSS")).unwrap_or(f64::NAN);
+            md.push_str(&format!("{row}| {errors} | {rss:.1} |\n"));
+        }
+    }
+    print!("{md}");
 }
 
 /// usher, its variants and nginx (if there is one), in that order.

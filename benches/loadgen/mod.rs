@@ -100,8 +100,12 @@ fn request(path: &str) -> Request<Empty<Bytes>> {
 
 /// Sends one request; `Ok(status)` once the whole body has arrived.
 async fn once(send: &mut Sender, path: &str) -> Result<u16, ()> {
+    send_one(send, request(path)).await
+}
+
+async fn send_one(send: &mut Sender, req: Request<Empty<Bytes>>) -> Result<u16, ()> {
     send.ready().await.map_err(|_| ())?;
-    let resp = send.send_request(request(path)).await.map_err(|_| ())?;
+    let resp = send.send_request(req).await.map_err(|_| ())?;
     let status = resp.status().as_u16();
     resp.into_body().collect().await.map_err(|_| ())?;
     Ok(status)
@@ -149,26 +153,44 @@ impl OpenLoop {
 /// keep-alive connections to `addr`. A request that finds every connection
 /// busy waits for one, and that wait counts in its latency.
 pub async fn open_loop(addr: SocketAddr, path: &'static str, rate: f64, dur: Duration, conns: usize) -> OpenLoop {
+    open_loop_keyed(addr, path, rate, dur, conns, None).await
+}
+
+/// [`open_loop`], with request `i` naming tenant `{prefix}{i}` in an
+/// `x-tenant` field when `tenants` is `Some(prefix)`.
+pub async fn open_loop_keyed(
+    addr: SocketAddr,
+    path: &'static str,
+    rate: f64,
+    dur: Duration,
+    conns: usize,
+    tenants: Option<Arc<str>>,
+) -> OpenLoop {
     let n = (rate * dur.as_secs_f64()).round() as u64;
     let interval = Duration::from_secs_f64(1.0 / rate);
     let (idle_tx, mut idle_rx) = tokio::sync::mpsc::unbounded_channel::<usize>();
     let mut txs = Vec::with_capacity(conns);
     let mut workers = Vec::with_capacity(conns);
     for id in 0..conns {
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<Instant>(1);
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<(Instant, u64)>(1);
         txs.push(tx);
         let idle_tx = idle_tx.clone();
+        let tenants = tenants.clone();
         let mut send = connect(addr).await.ok();
         workers.push(tokio::spawn(async move {
             let mut lat = Vec::new();
             let mut errors = 0u64;
             let _ = idle_tx.send(id);
-            while let Some(due) = rx.recv().await {
+            while let Some((due, i)) = rx.recv().await {
                 if send.is_none() {
                     send = connect(addr).await.ok();
                 }
+                let mut req = request(path);
+                if let Some(prefix) = &tenants {
+                    req.headers_mut().insert("x-tenant", format!("{prefix}{i}").parse().unwrap());
+                }
                 let ok = match send.as_mut() {
-                    Some(s) => once(s, path).await,
+                    Some(s) => send_one(s, req).await,
                     None => Err(()),
                 };
                 match ok {
@@ -197,7 +219,7 @@ pub async fn open_loop(addr: SocketAddr, path: &'static str, rate: f64, dur: Dur
             abandoned = n - i;
             break;
         }
-        txs[id].send(due).await.expect("worker alive");
+        txs[id].send((due, i)).await.expect("worker alive");
     }
     drop(txs);
     let mut out =

@@ -242,6 +242,7 @@ pub fn start(plan: &Plan, clock: &Clock) -> Admission {
     let arrival = clock.now();
     for (l, cost) in plan.items.iter() {
         l.demand().arrive(*cost);
+        l.arrived();
     }
     let waiting = |f: Pin<Box<dyn Future<Output = Result<Admitted, Refused>> + Send>>| Admission::Waiting(f);
     match reserve_rates(plan, arrival, arrival) {

@@ -60,7 +60,7 @@ pub struct Limiter {
     spec: Arc<ArcSwap<ResourceSpec>>,
     clock: Clock,
     /// The table's [`LeaseTable::activity`].
-    activity: Arc<Notify>,
+    activity: Arc<Activity>,
 }
 
 impl std::fmt::Debug for Limiter {
@@ -74,7 +74,7 @@ impl std::fmt::Debug for Limiter {
 }
 
 impl Limiter {
-    fn new(id: String, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock, activity: Arc<Notify>) -> Self {
+    fn new(id: String, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock, activity: Arc<Activity>) -> Self {
         let s = spec.load();
         let (rate, gauge) = match s.kind {
             Kind::Rate => (Some(Rate::new(s.capacity, s.burst, clock.now())), None),
@@ -86,7 +86,13 @@ impl Limiter {
     /// Tells the lease client that this key needs it now (a request waits
     /// or is refused): see [`LeaseTable::activity`].
     pub fn nudge(&self) {
-        self.activity.notify_one();
+        self.activity.nudge();
+    }
+
+    /// A request arrived: wakes a lease client that went to sleep.
+    #[inline]
+    pub fn arrived(&self) {
+        self.activity.arrived();
     }
 
     /// The Doorman resource id this key enforces.
@@ -169,7 +175,7 @@ pub struct ResourceLimits {
     /// Whether `recent` may hold a key: a miss in `keys` is then looked up there.
     has_recent: AtomicBool,
     clock: Clock,
-    activity: Arc<Notify>,
+    activity: Arc<Activity>,
 }
 
 /// Keys made since the last fold, and when the first of them was.
@@ -187,6 +193,42 @@ const FOLD_FRACTION: usize = 4;
 /// ... or at the first [`LeaseTable::settle`] this long after its first key.
 pub const FOLD_AFTER: Duration = Duration::from_secs(1);
 
+/// Tells a lease client that sleeps between slow demand polls (see
+/// `lease::driver::QUIET_POLL`) that the table needs it now: a new key, new
+/// resources, a request of a key that waits or is refused, and, once the
+/// client said it goes to sleep, the first request that arrives.
+#[derive(Default)]
+pub struct Activity {
+    notify: Arc<Notify>,
+    asleep: AtomicBool,
+}
+
+impl Activity {
+    /// What the lease client waits on.
+    pub fn notify(&self) -> Arc<Notify> {
+        self.notify.clone()
+    }
+
+    pub fn nudge(&self) {
+        self.notify.notify_one();
+    }
+
+    /// The lease client goes to sleep (or not): while it sleeps, the next
+    /// arrival wakes it. Set before reading demand, so that an arrival
+    /// during the read is not missed.
+    pub fn sleep(&self, asleep: bool) {
+        self.asleep.store(asleep, Ordering::Relaxed);
+    }
+
+    /// On the request path: one relaxed load while the lease client is awake.
+    #[inline]
+    fn arrived(&self) {
+        if self.asleep.load(Ordering::Relaxed) && self.asleep.swap(false, Ordering::Relaxed) {
+            self.notify.notify_one();
+        }
+    }
+}
+
 /// A templated resource already has `max_keys` distinct ids.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("resource `{resource}` already tracks {max_keys} distinct ids (its max_keys)")]
@@ -196,7 +238,7 @@ pub struct KeysFull {
 }
 
 impl ResourceLimits {
-    fn new(spec: ResourceSpec, clock: Clock, activity: Arc<Notify>) -> Self {
+    fn new(spec: ResourceSpec, clock: Clock, activity: Arc<Activity>) -> Self {
         ResourceLimits {
             spec: Arc::new(ArcSwap::from_pointee(spec)),
             keys: ArcSwap::default(),
@@ -250,7 +292,7 @@ impl ResourceLimits {
             return Err(KeysFull { resource: spec.name.clone(), max_keys: spec.max_keys });
         }
         let l = Arc::new(Limiter::new(id.to_string(), self.spec.clone(), self.clock.clone(), self.activity.clone()));
-        self.activity.notify_one();
+        self.activity.nudge();
         recent.keys.insert(id.to_string(), l.clone());
         recent.since.get_or_insert_with(|| self.clock.now());
         if count < FOLD_SMALL || recent.keys.len() >= keys.len() / FOLD_FRACTION {
@@ -333,19 +375,16 @@ impl ResourceLimits {
 pub struct LeaseTable {
     clock: Clock,
     resources: ArcSwap<HashMap<String, Arc<ResourceLimits>>>,
-    activity: Arc<Notify>,
+    activity: Arc<Activity>,
 }
 
 impl LeaseTable {
     pub fn new(clock: Clock) -> Self {
-        LeaseTable { clock, resources: ArcSwap::default(), activity: Arc::new(Notify::new()) }
+        LeaseTable { clock, resources: ArcSwap::default(), activity: Arc::new(Activity::default()) }
     }
 
-    /// Notified when the table needs its lease client before the next
-    /// demand poll: a new key, new resources, or a request of a key that
-    /// waits or is refused. An idle sidecar's lease client sleeps until
-    /// then, or its next refresh, instead of polling demand ten times a second.
-    pub fn activity(&self) -> Arc<Notify> {
+    /// What wakes the lease client before its next demand poll: see [`Activity`].
+    pub fn activity(&self) -> Arc<Activity> {
         self.activity.clone()
     }
 
@@ -383,7 +422,7 @@ impl LeaseTable {
             next.insert(spec.name, entry);
         }
         self.resources.store(Arc::new(next));
-        self.activity.notify_one();
+        self.activity.nudge();
     }
 
     pub fn resource(&self, name: &str) -> Option<Arc<ResourceLimits>> {

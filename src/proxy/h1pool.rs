@@ -1,7 +1,6 @@
 //! The general path's exchanges with a plain-HTTP/1.1 upstream (`http://`,
-//! not `h2c`), on the same pool of bare TCP streams as the native path
-//! ([`super::pool::Pool`]): one pool per upstream, whichever engine serves
-//! the app.
+//! not `h2c`), on the same pool as the native path ([`super::pool::Pool`]):
+//! one pool per upstream, whichever engine serves the app.
 //!
 //! Each exchange takes an idle connection: one this path left (a hyper
 //! `http1` client connection, kept whole) or a bare stream, over which it
@@ -52,8 +51,8 @@ enum On {
     Ended,
 }
 
-/// Sends `req` (origin-form URI, Host set) on an idle stream of `pool` or a
-/// new one. With `upgrade`, the request asks to switch protocols: its
+/// Sends `req` (origin-form URI, Host set) on an idle connection of `pool`
+/// or a new one. With `upgrade`, the request asks to switch protocols: its
 /// connection runs in a task of its own, which hyper's upgrade needs, and
 /// never returns to the pool.
 pub async fn send(

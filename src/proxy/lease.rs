@@ -201,6 +201,9 @@ impl TableEnforcer {
 
 impl Enforcer for TableEnforcer {
     fn demand(&self) -> Vec<KeyDemand> {
+        // Asleep unless this read finds something: an arrival from here on wakes the lease client.
+        let activity = self.table.activity();
+        activity.sleep(true);
         let cfg = self.config();
         if let Some(node) = &self.embedded {
             let mut seen = self.seen_config.lock().expect("enforcer config");
@@ -250,6 +253,7 @@ impl Enforcer for TableEnforcer {
         let quiet = !busy && forgotten.is_empty() && !self.pushback.any() && *last == Some(reading);
         *last = Some(reading);
         self.quiet.store(quiet, Ordering::Relaxed);
+        activity.sleep(quiet);
         for (resource, ids) in forgotten {
             if let Some(limits) = self.table.resource(&resource) {
                 limits.remove_all(ids.iter().map(String::as_str));
@@ -263,7 +267,7 @@ impl Enforcer for TableEnforcer {
     }
 
     fn activity(&self) -> Option<Arc<tokio::sync::Notify>> {
-        Some(self.table.activity())
+        Some(self.table.activity().notify())
     }
 
     fn on_transition(&self, t: &crate::lease::core::Transition) {
@@ -445,7 +449,7 @@ mod tests {
     /// A sidecar's enforcer with no lease client: `tenant` is templated.
     fn enforcer() -> TableEnforcer {
         let yaml = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
-                    resources:\n  fixed: { kind: rate, capacity: 10/s }\n  \
+                    resources:\n  fixed: { kind: rate, capacity: 1000/s, burst: 100 }\n  \
                     tenant: { kind: rate, capacity: 10/s, id: \"t/{header.x-tenant}\" }\n\
                     routes:\n  - { name: all, upstream: up, resources: [fixed, tenant] }\n";
         let cfg = Arc::new(RoutesConfig::parse("routes.yaml", yaml).unwrap());
@@ -477,15 +481,27 @@ mod tests {
     #[test]
     fn the_enforcer_is_quiet_only_when_nothing_happened_between_two_polls() {
         let e = enforcer();
-        let activity = e.table.activity();
+        let activity = e.table.activity().notify();
         e.demand();
         assert!(!e.quiet(), "the first poll has nothing to compare with");
         e.demand();
         assert!(e.quiet(), "no request, no key made");
         while notified(&activity) {}
 
-        // A request (an arrival) makes the next poll busy, the one after quiet again.
+        // Asleep, the first request through admission wakes the lease client, once.
         let fixed = e.table.resource("fixed").unwrap().limiter("fixed");
+        let plan = crate::limit::admit::Plan::new(vec![(fixed.clone(), 1.0)]);
+        let clock = e.table.clock().clone();
+        drop(crate::limit::admit::start(&plan, &clock));
+        assert!(notified(&activity), "the first arrival wakes a sleeping lease client");
+        drop(crate::limit::admit::start(&plan, &clock));
+        assert!(!notified(&activity), "the next ones do not");
+        e.demand();
+        e.demand();
+        assert!(e.quiet());
+        while notified(&activity) {}
+
+        // A request (an arrival) makes the next poll busy, the one after quiet again.
         fixed.demand().arrive(1.0);
         e.demand();
         assert!(!e.quiet(), "a request arrived");

@@ -4,7 +4,8 @@
 //! general path left (`super::h1pool`), each taken as the other engine
 //! needs it. No task per connection: a connection is driven by the exchange
 //! that checked it out, and goes back on the stack once a response has
-//! ended cleanly. One that the upstream closed, or that idled past
+//! ended cleanly (one still sending a request body that the upstream
+//! answered early is finished by a task first). One that the upstream closed, or that idled past
 //! `idle_timeout`, is never handed out, and a reaper closes them three
 //! times per timeout until the pool is gone.
 //!
