@@ -44,6 +44,13 @@ pub trait Enforcer: Send + Sync + 'static {
 
 /// How often demand is re-read while nothing else is due.
 pub const DEMAND_POLL: Duration = Duration::from_millis(100);
+/// The lease client's bookkeeping (reading demand, applying capacities: work
+/// that grows with the number of keys) takes at most one part in this many
+/// of a core: with many keys, demand is read less often than every
+/// [`DEMAND_POLL`] (with 100,000 keys, every 10 ms of bookkeeping stretches
+/// the poll to 200 ms), rather than the poll starving the requests it serves.
+const BOOKKEEPING_SHARE: u32 = 20;
+
 /// How often demand is re-read while the enforcer is quiet. What needs the
 /// lease client sooner (a new key, a request that waits) signals activity.
 pub const QUIET_POLL: Duration = Duration::from_secs(5);
@@ -251,13 +258,18 @@ fn enforce(client: &LeaseClient) {
 /// Waits for one call to the server (None on shutdown). Leases keep expiring
 /// on time meanwhile: a call can hang for the whole RPC timeout against a
 /// blackholed server, longer than what is left of a lease.
-async fn call<T>(fut: impl Future<Output = T>, client: &LeaseClient, shutdown: &CancellationToken) -> Option<T> {
+async fn call<T>(
+    fut: impl Future<Output = T>,
+    client: &LeaseClient,
+    shutdown: &CancellationToken,
+    poll: Duration,
+) -> Option<T> {
     tokio::pin!(fut);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return None,
             r = &mut fut => return Some(r),
-            _ = tokio::time::sleep(DEMAND_POLL) => enforce(client),
+            _ = tokio::time::sleep(poll) => enforce(client),
         }
     }
 }
@@ -278,6 +290,8 @@ async fn run(
     let (clock, enforcer) = (client.clock.clone(), client.enforcer.clone());
     let activity = enforcer.activity();
     loop {
+        // Real time spent, not the lease clock's: what the work costs the process.
+        let started = std::time::Instant::now();
         let demand = enforcer.demand();
         let action = {
             let mut core = client.core.lock().expect("lease core poisoned");
@@ -285,10 +299,11 @@ async fn run(
             core.next_action(clock.now())
         };
         enforce(&client);
+        let poll = DEMAND_POLL.max(started.elapsed() * BOOKKEEPING_SHARE);
         match action {
             Action::Wait { until } => {
                 let quiet = enforcer.quiet();
-                let d = until.since(clock.now()).min(if quiet { QUIET_POLL } else { DEMAND_POLL });
+                let d = until.since(clock.now()).min(if quiet { QUIET_POLL.max(poll) } else { poll });
 
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
@@ -299,7 +314,7 @@ async fn run(
                 }
             }
             Action::Discover { target } => {
-                let Some(r) = call(transport.discovery(&target), &client, &shutdown).await else {
+                let Some(r) = call(transport.discovery(&target), &client, &shutdown, poll).await else {
                     break;
                 };
                 if let Err(e) = &r {
@@ -308,7 +323,7 @@ async fn run(
                 client.core.lock().expect("lease core poisoned").on_discovery(clock.now(), &target, r);
             }
             Action::Refresh { target, request } => {
-                let Some(r) = call(transport.get_capacity(&target, request), &client, &shutdown).await else {
+                let Some(r) = call(transport.get_capacity(&target, request), &client, &shutdown, poll).await else {
                     break;
                 };
                 if let Err(e) = &r {
