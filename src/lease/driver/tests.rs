@@ -189,16 +189,19 @@ async fn a_key_without_a_lease_follows_on_expiry_once_start_up_stops_waiting() {
     task.await.unwrap();
 }
 
-/// An enforcer that counts its demand polls, quiet or not as the test says.
+/// An enforcer that counts its demand polls, quiet or not as the test says,
+/// each taking `cost` of real time (as reading many keys does).
 struct Polled {
     polls: std::sync::atomic::AtomicUsize,
     quiet: AtomicBool,
     activity: Arc<Notify>,
+    cost: Duration,
 }
 
 impl Enforcer for Polled {
     fn demand(&self) -> Vec<KeyDemand> {
         self.polls.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(self.cost);
         Recorder::default().demand()
     }
     fn apply(&self, _: &[(String, Capacity)]) {}
@@ -272,6 +275,7 @@ async fn a_quiet_enforcer_is_polled_every_five_seconds_and_at_once_on_activity()
         polls: Default::default(),
         quiet: AtomicBool::new(false),
         activity: Arc::new(Notify::new()),
+        cost: Duration::ZERO,
     });
     let (client, shutdown, task) = client_of(clock, transport, enforcer.clone(), None);
     let mode = |c: &LeaseClient| c.status().keys.first().map(|k| k.mode);
@@ -298,6 +302,33 @@ async fn a_quiet_enforcer_is_polled_every_five_seconds_and_at_once_on_activity()
     enforcer.activity.notify_one();
     tokio::time::sleep(Duration::from_millis(1)).await;
     assert_eq!(polls() - before, 1, "activity is read at once");
+    shutdown.cancel();
+    task.await.unwrap();
+}
+
+/// Demand that takes 20 ms to read is read every 400 ms, not every 100 ms:
+/// the lease client's bookkeeping takes at most a twentieth of the time.
+#[tokio::test(start_paused = true)]
+async fn costly_demand_is_read_less_often() {
+    let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
+    let transport = Arc::new(Steady(clock.clone()));
+    let enforcer = Arc::new(Polled {
+        polls: Default::default(),
+        quiet: AtomicBool::new(false),
+        activity: Arc::new(Notify::new()),
+        cost: Duration::from_millis(20),
+    });
+    let (client, shutdown, task) = client_of(clock, transport, enforcer.clone(), None);
+    let mode = |c: &LeaseClient| c.status().keys.first().map(|k| k.mode);
+    eventually("leased", || mode(&client) == Some(Mode::Leased)).await;
+    let before = enforcer.polls.load(Ordering::SeqCst);
+    for _ in 0..400 {
+        time.advance(Duration::from_millis(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let polls = enforcer.polls.load(Ordering::SeqCst) - before;
+    // At least 20 × 20 ms apart (real time may run longer than the 20 ms asked).
+    assert!((3..=11).contains(&polls), "{polls} polls in 4 s of 20 ms each");
     shutdown.cancel();
     task.await.unwrap();
 }
