@@ -6,7 +6,7 @@
 #   benches/run.sh --soak     also the 10-minute soak (benches/soak.sh)
 #
 # Results go to $OUT (default benches/out/<UTC time>): machine.md, e2e.md,
-# idle.md, server.md, micro.txt, latency.png, and summary.md which gathers them.
+# idle.md, keys.md, server.md, micro.txt, latency.png, and summary.md which gathers them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -116,6 +116,11 @@ IDLE_SECONDS=$([ "$QUICK" = 1 ] && echo 20 || echo 120)
 bounded $((IDLE_SECONDS + 120)) "${PIN[@]}" cargo bench --locked --bench e2e -- --idle "$IDLE_SECONDS" "${PROXY_ARGS[@]}" ${E2E_ARGS:-} --out "$OUT" \
   > "$OUT/idle.md" 2>> "$OUT/e2e.log" || true
 
+echo "== many tenant keys: new and known tenants through usher and nginx"
+KEYS=$([ "$QUICK" = 1 ] && echo 1000,10000 || echo 1000,10000,100000)
+bounded 900 "${PIN[@]}" cargo bench --locked --bench e2e -- --keys "$KEYS" "${PROXY_ARGS[@]}" ${E2E_ARGS:-} --out "$OUT" \
+  > "$OUT/keys.md" 2>> "$OUT/e2e.log" || true
+
 echo "== capacity server: GetCapacity/s with 10,000 clients"
 : > "$OUT/server.md"
 for run in "${SERVER_RUNS[@]}"; do
@@ -136,7 +141,7 @@ if [ -f "$OUT/latency.png" ] && command -v python3 >/dev/null; then
 fi
 
 { echo "## Machine (at the end)"; machine; } >> "$OUT/machine.md"
-cat "$OUT/machine.md" "$OUT/e2e.md" "$OUT/instructions.md" "$OUT/idle.md" > "$OUT/summary.md"
+cat "$OUT/machine.md" "$OUT/e2e.md" "$OUT/instructions.md" "$OUT/idle.md" "$OUT/keys.md" > "$OUT/summary.md"
 { echo; echo "### Capacity server"; echo; echo '```'; cat "$OUT/server.md"; echo '```'; echo; echo "### Micro-benchmarks"; echo; echo '```'; cat "$OUT/micro.txt"; echo '```'; } >> "$OUT/summary.md"
 echo "results: $OUT/summary.md"
 

@@ -5,9 +5,10 @@
 //! needs it. No task per connection: a connection is driven by the exchange
 //! that checked it out, and goes back on the stack once a response has
 //! ended cleanly (one still sending a request body that the upstream
-//! answered early is finished by a task first). One that the upstream closed, or that idled past
-//! `idle_timeout`, is never handed out, and a reaper closes them three
-//! times per timeout until the pool is gone.
+//! answered early is finished by a task first, for at most `idle_timeout`).
+//! One that the upstream closed, or that idled past `idle_timeout`, is never
+//! handed out, and a reaper closes them three times per timeout until the
+//! pool is gone.
 //!
 //! An idle stream that became readable (the upstream closed it, or sent
 //! bytes nobody asked for) is not reused, and telling costs no system call
@@ -82,17 +83,20 @@ impl Pooled {
 
 /// Drives a hyper connection that still has work (the rest of a request
 /// body that the upstream answered early) in a task, and puts it back on
-/// `pool` once it waits for a request; one that ends is dropped.
+/// `pool` once it waits for a request; one that ends, or is still busy after
+/// the pool's `idle_timeout` (an app that stopped sending its body but kept
+/// its connection), is dropped.
 fn finish(mut h: Box<HyperConn>, pool: &Arc<Pool>) {
+    let patience = pool.idle_timeout;
     let pool = Arc::downgrade(pool);
     tokio::spawn(async move {
-        let ready = std::future::poll_fn(|cx| {
+        let done = std::future::poll_fn(|cx| {
             if h.conn.poll_without_shutdown(cx).is_ready() {
                 return Poll::Ready(false);
             }
             h.sender.poll_ready(cx).map(|r| r.is_ok())
-        })
-        .await;
+        });
+        let ready = tokio::time::timeout(patience, done).await.unwrap_or(false);
         if let (true, Some(pool)) = (ready, pool.upgrade()) {
             pool.push(Pooled::Hyper(h));
         }

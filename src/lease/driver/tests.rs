@@ -286,7 +286,7 @@ async fn a_quiet_enforcer_is_polled_every_five_seconds_and_at_once_on_activity()
     let before = polls();
     pass(Duration::from_secs(10)).await;
     let busy = polls() - before;
-    assert!(busy >= 95, "{busy} polls in 10 s while busy");
+    assert!((95..=120).contains(&busy), "{busy} polls in 10 s while busy");
 
     // Quiet: every QUIET_POLL.
     enforcer.quiet.store(true, Ordering::SeqCst);
