@@ -6,6 +6,7 @@
 mod support;
 
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use http::{Request, StatusCode};
@@ -255,6 +256,70 @@ async fn tls_is_originated_with_system_roots_plus_the_ca_file() {
     assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.text());
     assert_eq!(r.json()["upstream"], "untrusted");
     assert!(r.json()["detail"].as_str().unwrap().contains("certificate"), "{}", r.text());
+}
+
+/// An `https://` upstream that offers h2 and http/1.1 gets HTTP/2 by default,
+/// every request on one connection (concurrent ones multiplexed), and
+/// HTTP/1.1 with `http2: false`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_upstreams_share_one_h2_connection_unless_http2_is_off() {
+    let pki = TestPki::new();
+    let (h2_up, h1_up) = (Upstream::tls_gated(&pki).await, Upstream::tls_gated(&pki).await);
+    let dir = tempfile::tempdir().unwrap();
+    let ca = write_file(dir.path(), "ca.pem", &pki.ca_pem);
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "upstreams:\n  \
+               multiplexed: {{ url: \"https://localhost:{}\", ca_file: \"{ca}\" }}\n  \
+               pooled: {{ url: \"https://localhost:{}\", ca_file: \"{ca}\", http2: false }}\n\
+             routes:\n  - {{ name: m, match: {{ path_prefix: /m }}, upstream: multiplexed }}\n  \
+               - {{ name: p, match: {{ path_prefix: /p }}, upstream: pooled }}\n",
+            h2_up.addr.port(),
+            h1_up.addr.port(),
+            ca = ca.display()
+        ),
+    );
+    let u = start_proxy(&routes);
+    let addr = u.addr("listen");
+    for (prefix, up, version) in [("/m", &h2_up, http::Version::HTTP_2), ("/p", &h1_up, http::Version::HTTP_11)] {
+        // One request first (the connection exists), then 16 held at the upstream at once,
+        // from 16 app connections.
+        up.gate.add_permits(1);
+        let mut c = h1(addr).await;
+        c.ready().await.unwrap();
+        let r = c.send_request(get("app", &format!("{prefix}/first"))).await.unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..16 {
+            let path = format!("{prefix}/held?i={i}");
+            tasks.spawn(async move {
+                let mut c = h1(addr).await;
+                c.ready().await.unwrap();
+                c.send_request(get("app", &path)).await.unwrap().status()
+            });
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while up.stats.in_flight.load(Ordering::SeqCst) < 16 {
+            assert!(std::time::Instant::now() < deadline, "{prefix}: 16 requests never reached the upstream together");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        up.gate.add_permits(16);
+        while let Some(status) = tasks.join_next().await {
+            assert_eq!(status.unwrap(), StatusCode::OK);
+        }
+        let versions = up.stats.versions.lock().unwrap().clone();
+        assert_eq!(versions.len(), 17);
+        assert!(versions.iter().all(|v| *v == version), "{prefix}: {versions:?}");
+        let conns = up.stats.connections.load(Ordering::SeqCst);
+        assert_eq!(up.stats.max_in_flight.load(Ordering::SeqCst), 16, "{prefix}: all 16 in flight at once");
+        if version == http::Version::HTTP_2 {
+            assert_eq!(conns, 1, "h2: one connection carries every request");
+        } else {
+            assert!(conns >= 16, "HTTP/1.1: one connection per request in flight, {conns} made");
+        }
+    }
 }
 
 fn vm_hwm_kib(pid: u32) -> u64 {

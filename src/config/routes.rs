@@ -68,6 +68,8 @@ pub struct UpstreamConfig {
     pub ca_file: Option<PathBuf>,
     /// Speak HTTP/2 with prior knowledge to an `http://` upstream (h2c, e.g. gRPC).
     pub h2c: bool,
+    /// Offer HTTP/2 in ALPN to an `https://` upstream (`http2: false` offers HTTP/1.1 only).
+    pub http2: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -236,7 +238,7 @@ const ROOT_FIELDS: &[&str] = &[
     "routes",
     "limits",
 ];
-const UPSTREAM_FIELDS: &[&str] = &["url", "connect_timeout", "timeout", "ca_file", "h2c"];
+const UPSTREAM_FIELDS: &[&str] = &["url", "connect_timeout", "timeout", "ca_file", "h2c", "http2"];
 const RESOURCE_FIELDS: &[&str] = &[
     "kind",
     "id",
@@ -415,6 +417,15 @@ fn read_upstream(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
             Some("https upstreams negotiate HTTP/2 with ALPN".into()),
         );
     }
+    let http2 = m.get("http2").map_or(Some(true), |n| ck.bool(n, &m.child("http2")));
+    if let (Some(true), Some(false)) = (h2c, http2) {
+        ck.error(
+            m.loc(),
+            &m.child("http2"),
+            "`http2: false` contradicts `h2c: true`",
+            Some("h2c speaks only HTTP/2; drop one of the two".into()),
+        );
+    }
     Some(UpstreamConfig {
         name: name.to_string(),
         url: url?,
@@ -422,6 +433,7 @@ fn read_upstream(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         timeout: timeout?,
         ca_file,
         h2c: h2c?,
+        http2: http2?,
     })
 }
 

@@ -115,7 +115,7 @@ impl Upstream {
             pool: Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT),
             prefix: config.url.path().trim_end_matches('/').to_string(),
         });
-        let client = if plain.is_some() { None } else { Some(client(roots, config.connect_timeout, config.h2c)?) };
+        let client = if plain.is_some() { None } else { Some(client(roots, &config)?) };
         let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
         Ok(Upstream { config, client, seconds, host, plain })
     }
@@ -129,8 +129,9 @@ impl Upstream {
             timeout: DIRECT_TIMEOUT,
             ca_file: None,
             h2c: false,
+            http2: true,
         };
-        let client = Some(client(roots.clone(), config.connect_timeout, false)?);
+        let client = Some(client(roots.clone(), &config)?);
         let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
         Ok(Upstream { config, client, seconds, host: None, plain: None })
     }
@@ -145,7 +146,14 @@ impl Upstream {
     }
 }
 
-fn client(roots: RootCertStore, connect_timeout: Duration, h2c: bool) -> Result<HttpsClient, String> {
+/// hyper-util's pooled client for `config`: over TLS, HTTP/2 when the
+/// upstream picks it in ALPN (offered unless `http2: false`), else HTTP/1.1;
+/// over plain TCP, HTTP/2 with prior knowledge when `h2c`, else HTTP/1.1.
+/// An HTTP/2 upstream carries every request on one connection per upstream
+/// (hyper-util's pool shares it); HTTP/1.1 keeps one connection per request
+/// in flight, each resuming the TLS session of an earlier one (rustls keeps
+/// its tickets in memory, per server name).
+fn client(roots: RootCertStore, config: &UpstreamConfig) -> Result<HttpsClient, String> {
     let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
         .map_err(|e| format!("TLS setup: {e}"))?
@@ -154,18 +162,14 @@ fn client(roots: RootCertStore, connect_timeout: Duration, h2c: bool) -> Result<
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
-    http.set_connect_timeout(Some(connect_timeout));
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_http1()
-        .enable_http2()
-        .wrap_connector(http);
+    http.set_connect_timeout(Some(config.connect_timeout));
+    let https = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http().enable_http1();
+    let https = if config.http2 { https.enable_http2().wrap_connector(http) } else { https.wrap_connector(http) };
     Ok(Client::builder(TokioExecutor::new())
         .timer(TokioTimer::new())
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-        .http2_only(h2c)
+        .http2_only(config.h2c)
         .build(https))
 }
 

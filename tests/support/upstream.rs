@@ -191,6 +191,11 @@ impl Upstream {
         Self::start_with(false, Some(pki)).await
     }
 
+    /// A TLS upstream whose answers wait for permits of `gate`.
+    pub async fn tls_gated(pki: &TestPki) -> Upstream {
+        Self::start_with(true, Some(pki)).await
+    }
+
     async fn start_with(gated: bool, pki: Option<&TestPki>) -> Upstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

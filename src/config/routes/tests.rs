@@ -116,3 +116,20 @@ fn templates() {
     assert!(IdTemplate::parse("a/{host").is_err());
     assert!(IdTemplate::parse("plain").unwrap().is_fixed());
 }
+
+#[test]
+fn http2_is_offered_unless_turned_off_and_cannot_contradict_h2c() {
+    let text = "upstreams:\n  a: { url: \"https://x\" }\n  b: { url: \"https://x\", http2: false }\nroutes:\n  - { name: r, upstream: a }\n";
+    let c = RoutesConfig::parse("r.yaml", text).unwrap();
+    assert!(c.upstreams["a"].http2, "offered by default");
+    assert!(!c.upstreams["b"].http2);
+    let bad = "upstreams:\n  a: { url: \"http://x\", h2c: true, http2: false }\n";
+    let e = RoutesConfig::parse("bad.yaml", bad).unwrap_err();
+    let lines: Vec<String> = e.diagnostics.iter().map(|d| d.to_string()).collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("bad.yaml:2:") && l.contains("upstreams.a.http2: `http2: false` contradicts")),
+        "{lines:?}"
+    );
+}
