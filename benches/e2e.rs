@@ -57,6 +57,9 @@ struct Opts {
     keys: Vec<u64>,
     /// Requests per second of the `--keys` runs.
     keys_rate: f64,
+    /// `--upstream https` (TLS 1.3, ALPN http/1.1) or `--upstream h2` (ALPN h2 and
+    /// http/1.1): each proxy reaches its own TLS upstream; `None` is plain HTTP/1.1.
+    tls: Option<bool>,
 }
 
 fn opts() -> Opts {
@@ -105,6 +108,12 @@ fn opts() -> Opts {
         idle: get("--idle").and_then(|v| v.parse().ok()),
         keys: list("--keys", "").into_iter().map(|n| n as u64).collect(),
         keys_rate: num("--keys-rate", 5000.0, 5000.0, 1000.0),
+        tls: match get("--upstream").as_deref() {
+            None | Some("http") => None,
+            Some("https") => Some(false),
+            Some("h2") => Some(true),
+            Some(other) => panic!("--upstream {other}: expected http, https or h2"),
+        },
         soak_rate: num("--soak-rate", 5000.0, 5000.0, 500.0),
         usher_env: args
             .iter()
@@ -181,10 +190,39 @@ fn record_pid(out: &Path, pid: u32) {
     }
 }
 
+/// The upstream a proxy sends to: the plain one, or (`--upstream https|h2`)
+/// a TLS upstream of its own, so each proxy's connections and handshakes are
+/// counted apart.
+#[derive(Clone)]
+struct Up {
+    addr: SocketAddr,
+    seen: std::sync::Arc<loadgen::Seen>,
+    /// The CA file, for a TLS upstream.
+    ca: Option<PathBuf>,
+}
+
+impl Up {
+    async fn plain() -> Up {
+        let (addr, seen) = loadgen::upstream().await;
+        Up { addr, seen, ca: None }
+    }
+
+    /// A fresh TLS upstream when `o.tls` asks for one, else `plain`.
+    async fn for_proxy(o: &Opts, dir: &Path, plain: &Up) -> Up {
+        let Some(h2) = o.tls else { return plain.clone() };
+        let pki = loadgen::Pki::new();
+        let (addr, seen) = loadgen::tls_upstream(&pki, h2).await;
+        let ca = dir.join(format!("ca-{}.pem", addr.port()));
+        std::fs::write(&ca, &pki.ca_pem).unwrap();
+        Up { addr, seen, ca: Some(ca) }
+    }
+}
+
 /// usher's routes: a non-limiting route for the overhead runs, a rate of
 /// 1,000/s under `/rate` and a gauge of 50 under `/gauge` for accuracy;
 /// with `tenants`, also a rate of 1,000/s per `x-tenant` under `/tenant`.
-fn usher_routes(up: SocketAddr, tenants: bool) -> String {
+/// `http2` is the upstream's setting of that name.
+fn usher_routes(up: &Up, tenants: bool, http2: bool) -> String {
     let (resource, route) = if tenants {
         (
             "  tenant: { kind: rate, capacity: 1000/s, burst: 50, id: \"t/{header.x-tenant}\", max_keys: 250000 }\n",
@@ -193,8 +231,12 @@ fn usher_routes(up: SocketAddr, tenants: bool) -> String {
     } else {
         ("", "")
     };
+    let upstream = match &up.ca {
+        None => format!("url: \"http://{}\"", up.addr),
+        Some(ca) => format!("url: \"https://{}\", ca_file: \"{}\", http2: {http2}", up.addr, ca.display()),
+    };
     format!(
-        "upstreams:\n  up: {{ url: \"http://{up}\" }}\n\
+        "upstreams:\n  up: {{ {upstream} }}\n\
          resources:\n  \
            open-rate: {{ kind: rate, capacity: 10000000/s, burst: 100000 }}\n  \
            open-gauge: {{ kind: gauge, capacity: 100000 }}\n  \
@@ -211,9 +253,13 @@ fn usher_routes(up: SocketAddr, tenants: bool) -> String {
 
 const BURST: u64 = 50;
 
-fn start_usher(o: &Opts, dir: &Path, up: SocketAddr, extra_env: &[(String, String)]) -> (Proc, SocketAddr) {
-    let routes = dir.join("routes.yaml");
-    std::fs::write(&routes, usher_routes(up, !o.keys.is_empty())).unwrap();
+/// Starts `usher proxy` towards `up`. `extra_env` holds environment settings,
+/// and two of the bench's own: `bin=PATH` (another binary) and `h2=off`
+/// (`http2: false` on the upstream).
+fn start_usher(o: &Opts, dir: &Path, up: &Up, extra_env: &[(String, String)]) -> (Proc, SocketAddr) {
+    let routes = dir.join(format!("routes-{}-{}.yaml", up.addr.port(), extra_env.len()));
+    let http2 = !extra_env.iter().any(|(k, v)| k == "h2" && v == "off");
+    std::fs::write(&routes, usher_routes(up, !o.keys.is_empty(), http2)).unwrap();
     let bin = extra_env.iter().find(|(k, _)| k == "bin").map_or(env!("CARGO_BIN_EXE_usher"), |(_, v)| v.as_str());
     let mut cmd = pinned(o, Path::new(bin));
     cmd.args([
@@ -228,7 +274,7 @@ fn start_usher(o: &Opts, dir: &Path, up: SocketAddr, extra_env: &[(String, Strin
     .env("USHER_LOG", "warn,usher=info")
     .env("NO_COLOR", "1")
     .stderr(Stdio::piped());
-    for (k, v) in o.usher_env.iter().chain(extra_env).filter(|(k, _)| k != "bin") {
+    for (k, v) in o.usher_env.iter().chain(extra_env).filter(|(k, _)| k != "bin" && k != "h2") {
         cmd.env(k, v);
     }
     let mut child = cmd.spawn().expect("start usher proxy");
@@ -257,16 +303,29 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn nginx_conf(dir: &Path, port: u16, up: SocketAddr, single_process: bool, tenants: bool) -> String {
+fn nginx_conf(dir: &Path, port: u16, up: &Up, single_process: bool, tenants: bool) -> String {
     let d = dir.display();
+    // To a TLS upstream: verified against its CA, sessions reused, connections kept.
+    let (scheme, tls) = match &up.ca {
+        None => ("http", String::new()),
+        Some(ca) => (
+            "https",
+            format!(
+                "proxy_ssl_trusted_certificate {}; proxy_ssl_verify on; proxy_ssl_name localhost; \
+                 proxy_ssl_server_name on; proxy_ssl_protocols TLSv1.3; proxy_ssl_session_reuse on;",
+                ca.display()
+            ),
+        ),
+    };
+    let up = up.addr;
     // As usher's `/tenant` route: 1,000/s per `x-tenant` (a 64 MB zone holds some 500,000 keys).
     let (zone, location) = if tenants {
         (
             "limit_req_zone $http_x_tenant zone=tenants:64m rate=1000r/s;",
-            "location /tenant { limit_req zone=tenants burst=50 nodelay; proxy_pass http://up; }",
+            format!("location /tenant {{ limit_req zone=tenants burst=50 nodelay; proxy_pass {scheme}://up; }}"),
         )
     } else {
-        ("", "")
+        ("", String::new())
     };
     // Under valgrind, the process that serves must be the one started.
     let master = if single_process { "off" } else { "on" };
@@ -296,11 +355,12 @@ http {{
   limit_conn_status 429;
   proxy_http_version 1.1;
   proxy_set_header Connection "";
+  {tls}
   server {{
     listen 127.0.0.1:{port};
-    location / {{ limit_req zone=open burst=100000 nodelay; proxy_pass http://up; }}
-    location /rate {{ limit_req zone=acc burst={BURST} nodelay; proxy_pass http://up; }}
-    location /gauge {{ limit_conn conc 50; proxy_pass http://up; }}
+    location / {{ limit_req zone=open burst=100000 nodelay; proxy_pass {scheme}://up; }}
+    location /rate {{ limit_req zone=acc burst={BURST} nodelay; proxy_pass {scheme}://up; }}
+    location /gauge {{ limit_conn conc 50; proxy_pass {scheme}://up; }}
     {location}
   }}
 }}
@@ -308,7 +368,7 @@ http {{
     )
 }
 
-fn start_nginx(o: &Opts, dir: &Path, up: SocketAddr) -> Option<(Proc, SocketAddr)> {
+fn start_nginx(o: &Opts, dir: &Path, up: &Up) -> Option<(Proc, SocketAddr)> {
     let bin = ["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"]
         .into_iter()
         .map(Path::new)
@@ -385,10 +445,14 @@ struct Target {
     name: String,
     addr: SocketAddr,
     proc: Option<Proc>,
+    /// The upstream this target sends to.
+    up: Up,
 }
 
 #[derive(Clone)]
 struct Sample {
+    /// Requests scheduled.
+    requests: u64,
     p50: f64,
     p99: f64,
     p999: f64,
@@ -408,6 +472,7 @@ impl Sample {
     fn median_of(samples: &[Sample]) -> Sample {
         let m = |f: fn(&Sample) -> f64| median(&mut samples.iter().map(f).collect::<Vec<_>>());
         Sample {
+            requests: m(|s| s.requests as f64) as u64,
             p50: m(|s| s.p50),
             p99: m(|s| s.p99),
             p999: m(|s| s.p999),
@@ -428,7 +493,15 @@ async fn measure(t: &Target, rate: f64, secs: f64, conns: usize) -> Sample {
         (Some(a), Some(b)) if !r.lat_ns.is_empty() => (per_k(b.0 + b.1 - a.0 - a.1), per_k(b.0 - a.0)),
         _ => (f64::NAN, f64::NAN),
     };
-    Sample { p50: r.pct_us(0.5), p99: r.pct_us(0.99), p999: r.pct_us(0.999), errors: r.errors, cpu_per_k, user_per_k }
+    Sample {
+        requests: r.scheduled,
+        p50: r.pct_us(0.5),
+        p99: r.pct_us(0.99),
+        p999: r.pct_us(0.999),
+        errors: r.errors,
+        cpu_per_k,
+        user_per_k,
+    }
 }
 
 fn rotate<T>(v: &[T], by: usize) -> impl Iterator<Item = (usize, &T)> {
@@ -505,8 +578,8 @@ fn main() {
 /// from each request's intended send time; CPU per request from `/proc`.
 async fn keys(o: &Opts) {
     let dir = tempfile::tempdir().unwrap();
-    let (up, _seen) = loadgen::upstream().await;
-    let targets = proxies(o, dir.path(), up);
+    let up = Up::plain().await;
+    let targets = proxies(o, dir.path(), &up).await;
     let mut md = format!(
         "### Many tenant keys ({} req/s over {} connections, a rate of 1,000/s per tenant)\n\n\
          | keys | target | new keys p50 (µs) | p99 | CPU ms / 1k req | known keys p50 (µs) | p99 | CPU ms / 1k req | errors | RSS after (MB) |\n\
@@ -550,19 +623,26 @@ async fn keys(o: &Opts) {
     print!("{md}");
 }
 
-/// usher, its variants and nginx (if there is one), in that order.
-fn proxies(o: &Opts, dir: &Path, up: SocketAddr) -> Vec<Target> {
+/// usher, its variants and nginx (if there is one), in that order, each
+/// towards `plain` or (`--upstream https|h2`) a TLS upstream of its own.
+async fn proxies(o: &Opts, dir: &Path, plain: &Up) -> Vec<Target> {
     let mut targets = Vec::new();
-    let (usher, addr) = start_usher(o, dir, up, &[]);
-    targets.push(Target { name: "usher".into(), addr, proc: Some(usher) });
+    let up = Up::for_proxy(o, dir, plain).await;
+    let (usher, addr) = start_usher(o, dir, &up, &[]);
+    targets.push(Target { name: "usher".into(), addr, proc: Some(usher), up });
     for (name, env) in &o.variants {
-        let (p, addr) = start_usher(o, dir, up, env);
-        targets.push(Target { name: format!("usher {name}"), addr, proc: Some(p) });
+        let up = Up::for_proxy(o, dir, plain).await;
+        let (p, addr) = start_usher(o, dir, &up, env);
+        targets.push(Target { name: format!("usher {name}"), addr, proc: Some(p), up });
     }
-    if o.nginx
-        && let Some((p, addr)) = start_nginx(o, dir, up)
-    {
-        targets.push(Target { name: "nginx".into(), addr, proc: Some(p) });
+    if o.nginx {
+        let up = Up::for_proxy(o, dir, plain).await;
+        match start_nginx(o, dir, &up) {
+            Some((p, addr)) => targets.push(Target { name: "nginx".into(), addr, proc: Some(p), up }),
+            None => {
+                eprintln!("nginx not found or did not start: install Debian's `nginx` package (run.sh does, as root)")
+            }
+        }
     }
     targets
 }
@@ -575,8 +655,8 @@ fn proxies(o: &Opts, dir: &Path, up: SocketAddr) -> Vec<Target> {
 /// its master and its worker together.
 async fn idle(o: &Opts, secs: f64) {
     let dir = tempfile::tempdir().unwrap();
-    let (up, _seen) = loadgen::upstream().await;
-    let targets = proxies(o, dir.path(), up);
+    let up = Up::plain().await;
+    let targets = proxies(o, dir.path(), &up).await;
     for t in &targets {
         measure(t, 1000.0, 1.0, 8).await;
     }
@@ -618,32 +698,25 @@ async fn idle(o: &Opts, secs: f64) {
 
 async fn compare(o: &Opts) {
     let dir = tempfile::tempdir().unwrap();
-    let (up, seen) = loadgen::upstream().await;
+    let up = Up::plain().await;
     let mut md = String::new();
-    let mut targets = vec![Target { name: "direct".into(), addr: up, proc: None }];
-    let (usher, usher_addr) = start_usher(o, dir.path(), up, &[]);
-    targets.push(Target { name: "usher".into(), addr: usher_addr, proc: Some(usher) });
-    if o.nginx {
-        match start_nginx(o, dir.path(), up) {
-            Some((p, addr)) => targets.push(Target { name: "nginx".into(), addr, proc: Some(p) }),
-            None => {
-                eprintln!("nginx not found or did not start: install Debian's `nginx` package (run.sh does, as root)")
-            }
-        }
-    }
-    for (name, env) in &o.variants {
-        let (p, addr) = start_usher(o, dir.path(), up, env);
-        targets.push(Target { name: format!("usher {name}"), addr, proc: Some(p) });
-    }
+    // Direct is always the plain upstream: with `--upstream https|h2`, "added" includes the TLS leg.
+    let mut targets = vec![Target { name: "direct".into(), addr: up.addr, proc: None, up: up.clone() }];
+    targets.extend(proxies(o, dir.path(), &up).await);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let pids: Vec<Option<u32>> = targets.iter().map(|t| t.proc.as_ref().map(|p| p.pid)).collect();
     let rss_idle: Vec<Option<f64>> = pids.iter().map(|p| p.and_then(|p| procfs::status_mb(p, "VmRSS"))).collect();
     let threads: Vec<Option<usize>> = pids.iter().map(|p| p.and_then(procfs::threads)).collect();
 
-    // Warm up every path (connections, pools, caches).
+    // Warm up every path (connections, pools, caches). Towards a TLS upstream
+    // this is each proxy's cold start: 64 connections' worth of requests at once.
+    let mut cold = Vec::new();
     for t in &targets {
-        measure(t, 2000.0, if o.smoke { 0.2 } else { 1.0 }, o.conns).await;
+        let before = t.up.seen.tls();
+        let s = measure(t, 2000.0, if o.smoke { 0.2 } else { 1.0 }, o.conns).await;
+        cold.push((s.requests, t.up.seen.tls() - before));
     }
+    let mut tls_rounds = vec![(0u64, loadgen::TlsCount::default()); targets.len()];
 
     // 1. Fixed rates, A/B/C rounds with the order rotated each round.
     let nt = targets.len();
@@ -652,7 +725,10 @@ async fn compare(o: &Opts) {
     for round in 0..o.rounds {
         for (ri, &rate) in o.rates.iter().enumerate() {
             for (ti, t) in rotate(&targets, round) {
+                let before = t.up.seen.tls();
                 let s = measure(t, rate, o.seconds, o.conns).await;
+                tls_rounds[ti].0 += s.requests;
+                tls_rounds[ti].1 += t.up.seen.tls() - before;
                 progress(&format!("round {}", round + 1), rate, &t.name, &s);
                 if let Some(pid) = pids[ti]
                     && let Some(rss) = procfs::status_mb(pid, "VmRSS")
@@ -697,6 +773,32 @@ async fn compare(o: &Opts) {
                 mmm(&col(&|s| s.p50)),
                 mmm(&col(&|s| s.p99)),
                 mmm(&col(&|s| s.p999)),
+            ));
+        }
+    }
+    if o.tls.is_some() {
+        md.push_str(&format!(
+            "\n### TLS to the upstream: connections and handshakes counted at the upstream\n\n\
+             Cold start: the warm-up, 2,000 req/s over {} app connections for 1 s against a fresh proxy. \
+             Rounds: every fixed-rate round above. Handshakes per 1,000 requests count full and resumed ones.\n\n\
+             | target | cold start: connections | full | resumed | h2 | rounds: requests | new connections | full | resumed | handshakes / 1k req | connections open at the end |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|\n",
+            o.conns
+        ));
+        for (ti, t) in targets.iter().enumerate().skip(1) {
+            let (c, (n, r)) = (cold[ti].1, tls_rounds[ti]);
+            md.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {n} | {} | {} | {} | {:.2} | {} |\n",
+                t.name,
+                c.conns,
+                c.full,
+                c.resumed,
+                c.h2,
+                r.conns,
+                r.full,
+                r.resumed,
+                (r.full + r.resumed) as f64 * 1000.0 / n.max(1) as f64,
+                t.up.seen.open.load(Ordering::SeqCst),
             ));
         }
     }
@@ -885,6 +987,7 @@ async fn compare(o: &Opts) {
     ));
     for t in targets.iter().filter(|t| t.name == "usher" || t.name == "nginx") {
         tokio::time::sleep(Duration::from_secs(1)).await; // let the burst refill
+        let seen = &t.up.seen;
         seen.reset();
         let r = loadgen::closed_loop(t.addr, "/rate", 64, Duration::from_secs_f64(o.acc_seconds)).await;
         let count = seen.rate.load(Ordering::SeqCst);
@@ -913,8 +1016,8 @@ async fn compare(o: &Opts) {
 /// and threads after each.
 async fn soak(o: &Opts, secs: f64) {
     let dir = tempfile::tempdir().unwrap();
-    let (up, _seen) = loadgen::upstream().await;
-    let (usher, addr) = start_usher(o, dir.path(), up, &[]);
+    let up = Up::plain().await;
+    let (usher, addr) = start_usher(o, dir.path(), &up, &[]);
     let pid = usher.pid;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let sample = || {
@@ -932,7 +1035,7 @@ async fn soak(o: &Opts, secs: f64) {
     );
     let mut rows = Vec::new();
     let started = Instant::now();
-    let target = Target { name: "usher".into(), addr, proc: Some(usher) };
+    let target = Target { name: "usher".into(), addr, proc: Some(usher), up };
     // By wall time: a chunk that falls behind ends early, and the soak still lasts `secs`.
     while started.elapsed().as_secs_f64() < secs - 1.0 {
         let s = measure(&target, o.soak_rate, 10.0, o.conns).await;
@@ -970,8 +1073,8 @@ async fn soak(o: &Opts, secs: f64) {
 /// by the requests answered. The dumps stay in `--out` for `callgrind_annotate`.
 async fn instructions(o: &Opts, secs: f64) {
     let dir = tempfile::tempdir().unwrap();
-    let (up, _seen) = loadgen::upstream().await;
-    let targets = proxies(o, dir.path(), up);
+    let up = Up::plain().await;
+    let targets = proxies(o, dir.path(), &up).await;
     let mut md = format!(
         "### Instructions per request (callgrind, user space, {secs} s of closed-loop load over 4 connections)\n\n\
          | target | requests | instructions per request | ratio to usher |\n|---|---|---|---|\n"

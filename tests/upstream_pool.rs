@@ -3,7 +3,9 @@
 //! connection the upstream closed while idle costs the app nothing (the
 //! request goes out on a new one), an upgraded connection is never
 //! handed to another request, and an upstream URL's base path prefixes the
-//! origin-form target the pool sends.
+//! origin-form target the pool sends. An `https://` upstream that speaks
+//! HTTP/1.1 (`http2: false`, or learned from its ALPN answer) gets the same
+//! pool of TLS connections.
 
 mod support;
 
@@ -14,7 +16,7 @@ use std::time::Duration;
 use http::{Method, Request, StatusCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use support::upstream::{Got, H1, H2, Upstream, empty, full, get, get_abs, h1, h2, send1, send2};
+use support::upstream::{Got, H1, H2, TestPki, Upstream, empty, full, get, get_abs, h1, h2, send1, send2};
 use support::{Usher, write_file};
 
 fn routes(dir: &std::path::Path, up: std::net::SocketAddr) -> std::path::PathBuf {
@@ -122,6 +124,65 @@ async fn both_engines_share_one_pool_per_upstream() {
         check_kind(i, &via1(&mut c, of_every_kind(i, false)).await);
     }
     assert_eq!(up.stats.connections.load(Ordering::SeqCst), 1, "the general engine reused its connection too");
+}
+
+/// Alternates the native and the general engine over 32 requests of every kind.
+async fn both_engines(u: &Usher) {
+    let mut native = h1(u.addr("listen")).await;
+    let mut general = h2(u.addr("listen")).await;
+    for i in 0..32 {
+        let r = if (i / 2) % 2 == 0 {
+            via1(&mut native, of_every_kind(i, false)).await
+        } else {
+            via2(&mut general, of_every_kind(i, true)).await
+        };
+        check_kind(i, &r);
+    }
+}
+
+/// An `https://` upstream with `http2: false` (though it offers h2): every
+/// request, from either engine, goes in HTTP/1.1 on one TLS connection.
+/// With the default (`http2` offered) to an upstream that answers ALPN
+/// with http/1.1: the first request learns it through hyper-util's client,
+/// and every later one goes on the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_upstream_that_speaks_http1_gets_one_pool_of_tls_connections() {
+    let pki = TestPki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = write_file(dir.path(), "ca.pem", &pki.ca_pem);
+    let tls_routes = |up: &Upstream, http2: bool| {
+        write_file(
+            dir.path(),
+            &format!("routes-{http2}.yaml"),
+            &format!(
+                "upstreams:\n  up: {{ url: \"https://localhost:{}\", ca_file: \"{}\", http2: {http2} }}\n\
+                 routes:\n  - {{ name: all, upstream: up }}\n",
+                up.addr.port(),
+                ca.display()
+            ),
+        )
+    };
+
+    let up = Upstream::tls(&pki).await;
+    let u = Usher::proxy(&tls_routes(&up, false));
+    both_engines(&u).await;
+    assert_eq!(up.stats.requests(), 32);
+    let versions = up.stats.versions.lock().unwrap().clone();
+    assert!(versions.iter().all(|v| *v == http::Version::HTTP_11), "{versions:?}");
+    assert_eq!(up.stats.connections.load(Ordering::SeqCst), 1, "one TLS connection for every request");
+    let host = format!("localhost:{}", up.addr.port());
+    assert!(up.stats.hosts.lock().unwrap().iter().all(|h| *h == host), "{:?}", up.stats.hosts.lock().unwrap());
+
+    let up = Upstream::tls_http1(&pki).await;
+    let u = Usher::proxy(&tls_routes(&up, true));
+    both_engines(&u).await;
+    assert_eq!(up.stats.requests(), 32);
+    assert_eq!(
+        up.stats.connections.load(Ordering::SeqCst),
+        2,
+        "hyper-util's client for the first answer, then one pooled connection for the rest"
+    );
+    u.wait_for_log("speaks HTTP/1.1 over TLS", Duration::from_secs(5));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

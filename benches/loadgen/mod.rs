@@ -37,6 +37,43 @@ pub struct Seen {
     pub rate: AtomicU64,
     pub gauge_now: AtomicI64,
     pub gauge_max: AtomicI64,
+    /// TLS upstreams: connections accepted, open now, and handshakes by kind.
+    pub conns: AtomicU64,
+    pub open: AtomicI64,
+    pub full: AtomicU64,
+    pub resumed: AtomicU64,
+    /// Connections that chose h2 in ALPN.
+    pub h2: AtomicU64,
+}
+
+/// TLS counters at one moment; [`Seen::tls`].
+#[derive(Clone, Copy, Default, Debug)]
+pub struct TlsCount {
+    pub conns: u64,
+    pub full: u64,
+    pub resumed: u64,
+    pub h2: u64,
+}
+
+impl std::ops::Sub for TlsCount {
+    type Output = TlsCount;
+    fn sub(self, b: TlsCount) -> TlsCount {
+        TlsCount {
+            conns: self.conns - b.conns,
+            full: self.full - b.full,
+            resumed: self.resumed - b.resumed,
+            h2: self.h2 - b.h2,
+        }
+    }
+}
+
+impl std::ops::AddAssign for TlsCount {
+    fn add_assign(&mut self, b: TlsCount) {
+        self.conns += b.conns;
+        self.full += b.full;
+        self.resumed += b.resumed;
+        self.h2 += b.h2;
+    }
 }
 
 impl Seen {
@@ -44,10 +81,34 @@ impl Seen {
         self.rate.store(0, Ordering::SeqCst);
         self.gauge_max.store(0, Ordering::SeqCst);
     }
+
+    pub fn tls(&self) -> TlsCount {
+        TlsCount {
+            conns: self.conns.load(Ordering::SeqCst),
+            full: self.full.load(Ordering::SeqCst),
+            resumed: self.resumed.load(Ordering::SeqCst),
+            h2: self.h2.load(Ordering::SeqCst),
+        }
+    }
 }
 
 /// How long the upstream holds a `/gauge` request.
 pub const GAUGE_HOLD: Duration = Duration::from_millis(50);
+
+/// The upstream's answer: `ok`, counting `/rate` and holding `/gauge`.
+async fn answer(req: Request<hyper::body::Incoming>, seen: Arc<Seen>) -> Result<Response<Full<Bytes>>, Infallible> {
+    seen.total.fetch_add(1, Ordering::Relaxed);
+    let path = req.uri().path();
+    if path.starts_with("/rate") {
+        seen.rate.fetch_add(1, Ordering::Relaxed);
+    } else if path.starts_with("/gauge") {
+        let now = seen.gauge_now.fetch_add(1, Ordering::SeqCst) + 1;
+        seen.gauge_max.fetch_max(now, Ordering::SeqCst);
+        tokio::time::sleep(GAUGE_HOLD).await;
+        seen.gauge_now.fetch_sub(1, Ordering::SeqCst);
+    }
+    Ok(Response::new(Full::new(Bytes::from_static(b"ok"))))
+}
 
 /// Starts the upstream on 127.0.0.1:0 on the current runtime.
 pub async fn upstream() -> (SocketAddr, Arc<Seen>) {
@@ -61,23 +122,87 @@ pub async fn upstream() -> (SocketAddr, Arc<Seen>) {
             let _ = s.set_nodelay(true);
             let seen = s2.clone();
             tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                    let seen = seen.clone();
-                    async move {
-                        seen.total.fetch_add(1, Ordering::Relaxed);
-                        let path = req.uri().path();
-                        if path.starts_with("/rate") {
-                            seen.rate.fetch_add(1, Ordering::Relaxed);
-                        } else if path.starts_with("/gauge") {
-                            let now = seen.gauge_now.fetch_add(1, Ordering::SeqCst) + 1;
-                            seen.gauge_max.fetch_max(now, Ordering::SeqCst);
-                            tokio::time::sleep(GAUGE_HOLD).await;
-                            seen.gauge_now.fetch_sub(1, Ordering::SeqCst);
-                        }
-                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
-                    }
-                });
+                let svc = hyper::service::service_fn(move |req| answer(req, seen.clone()));
                 let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(s), svc).await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// A CA's PEM and a certificate it signed for `localhost` and 127.0.0.1, with its key.
+pub struct Pki {
+    pub ca_pem: String,
+    cert: rustls::pki_types::CertificateDer<'static>,
+    key: Vec<u8>,
+}
+
+impl Pki {
+    pub fn new() -> Pki {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name.push(DnType::CommonName, "usher bench CA");
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca, ca_key);
+        let key = KeyPair::generate().unwrap();
+        let leaf = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        Pki { ca_pem: ca_cert.pem(), cert: leaf.der().clone(), key: key.serialize_der() }
+    }
+}
+
+/// The same upstream over TLS 1.3 on 127.0.0.1:0, with session tickets
+/// (resumption) and ALPN `http/1.1`, or `h2` and `http/1.1` when `h2`;
+/// [`Seen`] counts connections and full and resumed handshakes.
+pub async fn tls_upstream(pki: &Pki, h2: bool) -> (SocketAddr, Arc<Seen>) {
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(pki.key.clone().into());
+    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![pki.cert.clone()], key)
+        .unwrap();
+    cfg.ticketer = rustls::crypto::ring::Ticketer::new().unwrap();
+    cfg.alpn_protocols = if h2 { vec![b"h2".to_vec(), b"http/1.1".to_vec()] } else { vec![b"http/1.1".to_vec()] };
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Seen::default());
+    let s2 = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = listener.accept().await else { return };
+            let _ = s.set_nodelay(true);
+            let (seen, acceptor) = (s2.clone(), acceptor.clone());
+            tokio::spawn(async move {
+                seen.conns.fetch_add(1, Ordering::SeqCst);
+                let Ok(tls) = acceptor.accept(s).await else { return };
+                let (_, conn) = tls.get_ref();
+                match conn.handshake_kind() {
+                    Some(rustls::HandshakeKind::Resumed) => seen.resumed.fetch_add(1, Ordering::SeqCst),
+                    _ => seen.full.fetch_add(1, Ordering::SeqCst),
+                };
+                let is_h2 = conn.alpn_protocol() == Some(b"h2");
+                if is_h2 {
+                    seen.h2.fetch_add(1, Ordering::SeqCst);
+                }
+                seen.open.fetch_add(1, Ordering::SeqCst);
+                let s3 = seen.clone();
+                let svc = hyper::service::service_fn(move |req| answer(req, s3.clone()));
+                let io = TokioIo::new(tls);
+                let _ = if is_h2 {
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .max_concurrent_streams(1000)
+                        .serve_connection(io, svc)
+                        .await
+                } else {
+                    hyper::server::conn::http1::Builder::new().serve_connection(io, svc).await
+                };
+                seen.open.fetch_sub(1, Ordering::SeqCst);
             });
         }
     });

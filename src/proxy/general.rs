@@ -151,8 +151,13 @@ fn direct_uri(req: &Request<Incoming>) -> Result<Uri, ProxyError> {
 
 async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, ProxyError> {
     let target = req.extensions_mut().remove::<Target>().ok_or_else(|| ProxyError::BadRequest("no target".into()))?;
+    // An HTTP/1.1 upstream's requests go on its own pool (origin form, its Host).
+    let pooled = match &target {
+        Target::Upstream(u) => u.plain.as_ref().is_some_and(|p| p.h1()),
+        Target::Direct(_) => false,
+    };
     let (up, uri) = match &target {
-        Target::Upstream(u) => (u.clone(), upstream_uri(&u.config.url, req.uri(), u.plain.is_some())?),
+        Target::Upstream(u) => (u.clone(), upstream_uri(&u.config.url, req.uri(), pooled)?),
         Target::Direct(u) => (u.clone(), direct_uri(&req)?),
     };
     // Named in errors only.
@@ -165,8 +170,8 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     strip_hop_by_hop(req.headers_mut(), upgrade);
     if let Target::Upstream(u) = &target {
-        match &u.host {
-            // Plain HTTP/1.1: the upstream's Host, built once rather than by the client per request.
+        match u.host.as_ref().filter(|_| pooled) {
+            // HTTP/1.1 on the pool: the upstream's Host, built once rather than by the client per request.
             Some(host) => req.headers_mut().insert(header::HOST, host.clone()),
             // The client sets Host (HTTP/1.1) or :authority (HTTP/2, ALPN) from the URI.
             None => req.headers_mut().remove(header::HOST),
@@ -180,7 +185,7 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
     let req = req.map(|inner| RequestBody { inner, limit, seen: 0 });
 
     let started = tokio::time::Instant::now();
-    if let Some(plain) = &up.plain {
+    if let Some(plain) = up.plain.as_ref().filter(|_| pooled) {
         let sent = tokio::time::timeout(up.config.timeout, h1pool::send(&plain.pool, req, upgrade)).await;
         up.observe(started);
         let resp = match sent {
@@ -204,6 +209,9 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
         Ok(Err(e)) => return Err(failed(&e, name(), reason(&e))),
         Ok(Ok(r)) => r,
     };
+    if let Some(plain) = &up.plain {
+        plain.learn(resp.version(), up.name());
+    }
     Ok(finish(resp.map(UpstreamBody::Shared), client_upgrade))
 }
 
@@ -276,9 +284,7 @@ fn reason(e: &hyper_util::client::legacy::Error) -> String {
         None => error_chain(e),
     };
     if s.contains("invalid peer certificate") {
-        s.push_str(
-            " (the upstream's certificate is not trusted: name the CA that signed it in the upstream's ca_file)",
-        );
+        s.push_str(super::pool::UNTRUSTED);
     }
     s
 }

@@ -63,7 +63,7 @@ pub async fn send(
     loop {
         let (pooled, reused) = match pool.checkout_any() {
             Some(p) => (p, true),
-            None => (Pooled::Bare(pool.connect_tcp().await.map_err(PoolError::Connect)?), false),
+            None => (Pooled::Bare(pool.connect().await.map_err(PoolError::Connect)?), false),
         };
         // Boxed once per connection, never moved again: a hyper connection is some 700 bytes.
         let hc = match pooled {

@@ -1,4 +1,5 @@
-//! The connections to one plain-HTTP/1.1 upstream, for both engines, on a
+//! The connections to one HTTP/1.1 upstream (plain TCP, or TLS when the
+//! upstream is `https://` and speaks HTTP/1.1), for both engines, on a
 //! LIFO stack (the most recently used is the most likely to still be open):
 //! bare TCP streams the native path left, and hyper client connections the
 //! general path left (`super::h1pool`), each taken as the other engine
@@ -12,22 +13,112 @@
 //!
 //! An idle stream that became readable (the upstream closed it, or sent
 //! bytes nobody asked for) is not reused, and telling costs no system call
-//! in the common case: the reactor has already recorded the readiness.
+//! in the common case: the reactor has already recorded the readiness. Over
+//! TLS the look goes through rustls, which takes in what a server sends
+//! unasked and is no fault (TLS 1.3 session tickets) and says whether
+//! anything else came.
+//!
+//! TLS connections resume the session of an earlier one (rustls keeps
+//! session tickets per server name, shared by the upstream's connections).
 
 use std::io;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, Once, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use hyper::client::conn::http1::{Connection, SendRequest};
 use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
 
 use super::body::RequestBody;
 
 /// Idle connections kept per upstream; more are closed when they come back.
 const MAX_IDLE: usize = 512;
+
+/// A connection to an upstream: TCP, or TLS over TCP.
+pub enum Stream {
+    Tcp(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl Stream {
+    /// Whether an idle stream has nothing to read: neither bytes nor EOF
+    /// (over TLS: nor a close_notify; session tickets are taken in).
+    fn quiet(&mut self) -> bool {
+        match self {
+            Stream::Tcp(s) => quiet(s),
+            Stream::Tls(s) => {
+                let mut byte = [0u8; 1];
+                let mut buf = ReadBuf::new(&mut byte);
+                let pending = Pin::new(&mut **s).poll_read(&mut Context::from_waker(Waker::noop()), &mut buf);
+                pending.is_pending()
+            }
+        }
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(&mut **s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(&mut **s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Tls(s) => Pin::new(&mut **s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Stream::Tcp(s) => s.is_write_vectored(),
+            Stream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(&mut **s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(&mut **s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// How a pool's connections are secured: the connector (the upstream's
+/// roots, ALPN `http/1.1`) and the name its certificate must carry.
+pub struct Tls {
+    pub connector: TlsConnector,
+    pub name: ServerName<'static>,
+}
 
 /// A hyper HTTP/1.1 client connection over a pooled stream, as the general
 /// path leaves it after an exchange: kept whole, so its next exchange on
@@ -35,7 +126,7 @@ const MAX_IDLE: usize = 512;
 /// native path takes it apart for the stream.
 pub struct HyperConn {
     pub sender: SendRequest<RequestBody>,
-    pub conn: Connection<TokioIo<TcpStream>, RequestBody>,
+    pub conn: Connection<TokioIo<Stream>, RequestBody>,
 }
 
 impl HyperConn {
@@ -49,16 +140,16 @@ impl HyperConn {
     }
 
     /// The bare stream, unless the upstream sent bytes nobody asked for.
-    fn into_stream(self) -> Option<TcpStream> {
+    fn into_stream(self) -> Option<Stream> {
         let parts = self.conn.into_parts();
-        parts.read_buf.is_empty().then(|| parts.io.into_inner()).filter(quiet)
+        parts.read_buf.is_empty().then(|| parts.io.into_inner()).filter_map_quiet()
     }
 }
 
 /// An idle connection: a bare stream (the native path's), or a hyper
 /// connection (the general path's).
 pub enum Pooled {
-    Bare(TcpStream),
+    Bare(Stream),
     Hyper(Box<HyperConn>),
 }
 
@@ -67,7 +158,7 @@ impl Pooled {
     /// still busy goes to a task that finishes its work and then puts it back.
     fn check(self, pool: &Arc<Pool>) -> Option<Pooled> {
         let mut h = match self {
-            Pooled::Bare(s) => return quiet(&s).then_some(Pooled::Bare(s)),
+            Pooled::Bare(mut s) => return s.quiet().then_some(Pooled::Bare(s)),
             Pooled::Hyper(h) => h,
         };
         match h.poll_idle() {
@@ -103,10 +194,12 @@ fn finish(mut h: Box<HyperConn>, pool: &Arc<Pool>) {
     });
 }
 
-/// A plain-HTTP/1.1 upstream's idle connections, shared by both engines.
+/// An HTTP/1.1 upstream's idle connections, shared by both engines.
 pub struct Pool {
     /// `host:port` to connect to.
     addr: String,
+    /// For an `https://` upstream.
+    tls: Option<Tls>,
     connect_timeout: Duration,
     idle_timeout: Duration,
     stack: Mutex<Vec<(Pooled, Instant)>>,
@@ -114,8 +207,8 @@ pub struct Pool {
 }
 
 impl Pool {
-    pub fn new(addr: String, connect_timeout: Duration, idle_timeout: Duration) -> Arc<Self> {
-        Arc::new(Pool { addr, connect_timeout, idle_timeout, stack: Mutex::new(Vec::new()), reaper: Once::new() })
+    pub fn new(addr: String, tls: Option<Tls>, connect_timeout: Duration, idle_timeout: Duration) -> Arc<Self> {
+        Arc::new(Pool { addr, tls, connect_timeout, idle_timeout, stack: Mutex::new(Vec::new()), reaper: Once::new() })
     }
 
     pub fn addr(&self) -> &str {
@@ -135,7 +228,7 @@ impl Pool {
     }
 
     /// The most recently used idle connection that is still usable, as a bare stream.
-    pub fn checkout(self: &Arc<Self>) -> Option<TcpStream> {
+    pub fn checkout(self: &Arc<Self>) -> Option<Stream> {
         loop {
             match self.checkout_any()? {
                 Pooled::Bare(s) => return Some(s),
@@ -149,8 +242,8 @@ impl Pool {
     }
 
     /// Puts a connection whose last response ended cleanly back on the stack.
-    pub fn put(&self, conn: TcpStream) {
-        if quiet(&conn) {
+    pub fn put(&self, mut conn: Stream) {
+        if conn.quiet() {
             self.push(Pooled::Bare(conn));
         }
     }
@@ -173,17 +266,23 @@ impl Pool {
         }
     }
 
-    /// A new TCP connection to the upstream (`TCP_NODELAY` set), or why
-    /// there is none, for a `502`'s detail. The first one starts the reaper.
-    pub async fn connect_tcp(self: &Arc<Self>) -> Result<TcpStream, String> {
+    /// A new connection to the upstream (TCP with `TCP_NODELAY`, then the
+    /// TLS handshake for an `https://` one, both within `connect_timeout`),
+    /// or why there is none, for a `502`'s detail. The first one starts the reaper.
+    pub async fn connect(self: &Arc<Self>) -> Result<Stream, String> {
         self.reaper.call_once(|| spawn_reaper(Arc::downgrade(self), self.idle_timeout));
-        let stream = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(format!("tcp connect error: {e}")),
-            Err(_) => return Err(format!("tcp connect timed out after {:?}", self.connect_timeout)),
+        let limit = self.connect_timeout;
+        let connecting = async {
+            let tcp = TcpStream::connect(&self.addr).await.map_err(|e| format!("tcp connect error: {e}"))?;
+            let _ = tcp.set_nodelay(true);
+            let Some(tls) = &self.tls else { return Ok(Stream::Tcp(tcp)) };
+            let s = tls.connector.connect(tls.name.clone(), tcp).await.map_err(|e| tls_error(&e))?;
+            Ok(Stream::Tls(Box::new(s)))
         };
-        let _ = stream.set_nodelay(true);
-        Ok(stream)
+        match tokio::time::timeout(limit, connecting).await {
+            Ok(r) => r,
+            Err(_) => Err(format!("connect timed out after {limit:?}")),
+        }
     }
 
     #[cfg(test)]
@@ -219,7 +318,34 @@ fn spawn_reaper(pool: Weak<Pool>, idle_timeout: Duration) {
     });
 }
 
-/// Whether an idle stream has nothing to read: neither bytes nor EOF.
+/// What a `502` adds to a certificate the upstream's roots do not trust.
+pub const UNTRUSTED: &str =
+    " (the upstream's certificate is not trusted: name the CA that signed it in the upstream's ca_file)";
+
+/// A TLS handshake's failure as a `502` names it: rustls's own words (e.g.
+/// `invalid peer certificate: UnknownIssuer`), and what to do about an
+/// untrusted certificate.
+fn tls_error(e: &io::Error) -> String {
+    let mut s = format!("tls handshake: {}", e.get_ref().map_or_else(|| e.to_string(), |i| i.to_string()));
+    if s.contains("invalid peer certificate") {
+        s.push_str(UNTRUSTED);
+    }
+    s
+}
+
+/// Keeps a stream only if it is quiet.
+trait FilterQuiet {
+    fn filter_map_quiet(self) -> Option<Stream>;
+}
+
+impl FilterQuiet for Option<Stream> {
+    fn filter_map_quiet(self) -> Option<Stream> {
+        let mut s = self?;
+        s.quiet().then_some(s)
+    }
+}
+
+/// Whether an idle TCP stream has nothing to read: neither bytes nor EOF.
 fn quiet(stream: &TcpStream) -> bool {
     let mut cx = Context::from_waker(Waker::noop());
     match stream.poll_read_ready(&mut cx) {
@@ -243,9 +369,13 @@ mod tests {
     #[tokio::test]
     async fn a_connection_the_upstream_closed_is_not_handed_out() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let pool =
-            Pool::new(listener.local_addr().unwrap().to_string(), Duration::from_secs(1), Duration::from_secs(60));
-        let (a, b) = (pool.connect_tcp().await.unwrap(), pool.connect_tcp().await.unwrap());
+        let pool = Pool::new(
+            listener.local_addr().unwrap().to_string(),
+            None,
+            Duration::from_secs(1),
+            Duration::from_secs(60),
+        );
+        let (a, b) = (pool.connect().await.unwrap(), pool.connect().await.unwrap());
         let (mut sa, _) = listener.accept().await.unwrap();
         let (sb, _) = listener.accept().await.unwrap();
         pool.put(a);
@@ -257,18 +387,75 @@ mod tests {
         assert!(pool.checkout().is_none(), "neither is quiet");
         assert_eq!(pool.idle_count(), 0);
 
-        let c = pool.connect_tcp().await.unwrap();
+        let c = pool.connect().await.unwrap();
         let _server_side = listener.accept().await.unwrap();
         pool.put(c);
         assert!(pool.checkout().is_some(), "a quiet one is handed out");
+    }
+
+    /// A TLS connection is quiet with only the server's session tickets
+    /// unread, and not once the server has closed it (close_notify, FIN).
+    #[tokio::test]
+    async fn a_tls_connection_is_quiet_after_its_session_tickets_and_not_after_a_close() {
+        use rcgen::{CertificateParams, KeyPair};
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec!["localhost".to_string()]).unwrap().self_signed(&key).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![cert.der().clone()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            )
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(cert.der().clone()).unwrap();
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let tls = Tls {
+            connector: TlsConnector::from(Arc::new(client)),
+            name: ServerName::try_from("localhost".to_string()).unwrap(),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let pool = Pool::new(
+            listener.local_addr().unwrap().to_string(),
+            Some(tls),
+            Duration::from_secs(1),
+            Duration::from_secs(60),
+        );
+        let (accepted, c) =
+            tokio::join!(async { acceptor.accept(listener.accept().await.unwrap().0).await.unwrap() }, pool.connect());
+        let (c, mut server_side) = (c.unwrap(), accepted);
+        assert!(matches!(c, Stream::Tls(_)));
+        server_side.flush().await.unwrap();
+        // The server's TLS 1.3 session tickets arrive after the handshake.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        pool.put(c);
+        let c = pool.checkout().expect("session tickets are no reason to drop a connection");
+        pool.put(c);
+        server_side.shutdown().await.unwrap();
+        drop(server_side);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(pool.checkout().is_none(), "closed by the server");
+        let err = match pool.connect().await {
+            Ok(_) => panic!("the listener accepts, but nobody answers the handshake within the timeout"),
+            Err(e) => e,
+        };
+        assert!(err.contains("timed out"), "{err}");
     }
 
     #[tokio::test]
     async fn idle_connections_expire() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let idle = Duration::from_millis(300);
-        let pool = Pool::new(listener.local_addr().unwrap().to_string(), Duration::from_secs(1), idle);
-        let c = pool.connect_tcp().await.unwrap();
+        let pool = Pool::new(listener.local_addr().unwrap().to_string(), None, Duration::from_secs(1), idle);
+        let c = pool.connect().await.unwrap();
         let _server_side = listener.accept().await.unwrap();
         pool.put(c);
         assert_eq!(pool.idle_count(), 1);

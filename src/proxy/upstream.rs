@@ -10,6 +10,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -21,13 +22,13 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::RootCertStore;
-use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
 
 use super::body::RequestBody;
 use super::h1pool::PooledBody;
 use super::metrics::Metrics;
-use super::pool::Pool;
+use super::pool::{Pool, Tls};
 use super::respond::ProxyError;
 use crate::config::routes::UpstreamConfig;
 
@@ -56,11 +57,47 @@ pub struct Upstream {
     pub(super) plain: Option<Plain>,
 }
 
-/// A plain-HTTP/1.1 upstream's connections, whichever engine serves the app.
+/// An HTTP/1.1 upstream's connections (plain, or TLS to an `https://` one),
+/// whichever engine serves the app.
 pub struct Plain {
     pub pool: Arc<Pool>,
     /// The upstream URL's path without its trailing `/`, put before every request's path.
     pub prefix: String,
+    /// What the upstream speaks: HTTP/1.1 (`http://`, or `https://` with
+    /// `http2: false`, or learned); unknown for an `https://` upstream that
+    /// may pick h2 in ALPN, until hyper-util's client has had its first
+    /// answer; h2 once it picked h2 (the pool is then never used).
+    speaks: AtomicU8,
+}
+
+const H1: u8 = 0;
+const UNKNOWN: u8 = 1;
+const H2: u8 = 2;
+
+impl Plain {
+    /// Whether requests go on this pool.
+    pub fn h1(&self) -> bool {
+        self.speaks.load(Ordering::Relaxed) == H1
+    }
+
+    /// Takes note of the version of an answer that came through hyper-util's
+    /// client: HTTP/1.1 moves the upstream's requests to the pool (with the
+    /// native path's speed), h2 keeps them on the client's shared connection.
+    pub fn learn(&self, version: http::Version, upstream: &str) {
+        let speaks = if version == http::Version::HTTP_2 { H2 } else { H1 };
+        if self.speaks.compare_exchange(UNKNOWN, speaks, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            match speaks {
+                H1 => tracing::info!(
+                    upstream,
+                    "the upstream speaks HTTP/1.1 over TLS: its requests use usher's own connection pool from now on"
+                ),
+                _ => tracing::info!(
+                    upstream,
+                    "the upstream picked h2 in ALPN: its requests share multiplexed connections"
+                ),
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Upstream {
@@ -97,25 +134,43 @@ impl Upstream {
                 roots.add(c).map_err(|e| format!("bad certificate in ca_file {}: {e}", ca.display()))?;
             }
         }
-        let host = (config.url.scheme() == Some(&http::uri::Scheme::HTTP) && !config.h2c)
+        let https = config.url.scheme() == Some(&http::uri::Scheme::HTTPS);
+        let default_port = if https { 443 } else { 80 };
+        let host = (!config.h2c)
             .then(|| {
                 let host = config.url.host()?;
                 let value = match config.url.port_u16() {
-                    Some(port) if port != 80 => format!("{host}:{port}"),
+                    Some(port) if port != default_port => format!("{host}:{port}"),
                     _ => host.to_string(),
                 };
                 HeaderValue::from_str(&value).ok()
             })
             .flatten();
-        let addr = match (&host, config.url.host()) {
-            (Some(_), Some(h)) => Some(format!("{h}:{}", config.url.port_u16().unwrap_or(80))),
+        let plain = match (&host, config.url.host()) {
+            (Some(_), Some(h)) => {
+                let addr = format!("{h}:{}", config.url.port_u16().unwrap_or(default_port));
+                let tls = if https {
+                    let name = ServerName::try_from(h.trim_start_matches('[').trim_end_matches(']').to_string())
+                        .map_err(|e| format!("`{h}` is not a name a TLS certificate can carry: {e}"))?;
+                    let tls = tls_config(roots.clone(), vec![b"http/1.1".to_vec()])?;
+                    Some(Tls { connector: tokio_rustls::TlsConnector::from(Arc::new(tls)), name })
+                } else {
+                    None
+                };
+                Some(Plain {
+                    pool: Pool::new(addr, tls, config.connect_timeout, POOL_IDLE_TIMEOUT),
+                    prefix: config.url.path().trim_end_matches('/').to_string(),
+                    speaks: AtomicU8::new(if https && config.http2 { UNKNOWN } else { H1 }),
+                })
+            }
             _ => None,
         };
-        let plain = addr.map(|a| Plain {
-            pool: Pool::new(a, config.connect_timeout, POOL_IDLE_TIMEOUT),
-            prefix: config.url.path().trim_end_matches('/').to_string(),
-        });
-        let client = if plain.is_some() { None } else { Some(client(roots, &config)?) };
+        // hyper-util's client for what the pool does not serve: h2c, and an
+        // `https://` upstream that may pick h2, until it is known to speak HTTP/1.1.
+        let client = match &plain {
+            Some(p) if p.h1() => None,
+            _ => Some(client(roots, &config)?),
+        };
         let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
         Ok(Upstream { config, client, seconds, host, plain })
     }
@@ -154,11 +209,7 @@ impl Upstream {
 /// in flight, each resuming the TLS session of an earlier one (rustls keeps
 /// its tickets in memory, per server name).
 fn client(roots: RootCertStore, config: &UpstreamConfig) -> Result<HttpsClient, String> {
-    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| format!("TLS setup: {e}"))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let tls = tls_config(roots, vec![])?;
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
@@ -171,6 +222,19 @@ fn client(roots: RootCertStore, config: &UpstreamConfig) -> Result<HttpsClient, 
         .pool_idle_timeout(POOL_IDLE_TIMEOUT)
         .http2_only(config.h2c)
         .build(https))
+}
+
+/// rustls's client settings: ring, TLS 1.2 and 1.3, `roots`, ALPN `alpn`
+/// (hyper-rustls sets its own), and the default resumption (session tickets
+/// kept in memory per server name).
+fn tls_config(roots: RootCertStore, alpn: Vec<Vec<u8>>) -> Result<rustls::ClientConfig, String> {
+    let mut tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS setup: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = alpn;
+    Ok(tls)
 }
 
 /// Where a request goes; set by routing in the request's extensions.

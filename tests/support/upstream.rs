@@ -180,23 +180,29 @@ impl TestPki {
 
 impl Upstream {
     pub async fn start() -> Upstream {
-        Self::start_with(false, None).await
+        Self::start_with(false, None, true).await
     }
 
     pub async fn gated() -> Upstream {
-        Self::start_with(true, None).await
+        Self::start_with(true, None, true).await
     }
 
+    /// A TLS upstream offering h2 and http/1.1 in ALPN.
     pub async fn tls(pki: &TestPki) -> Upstream {
-        Self::start_with(false, Some(pki)).await
+        Self::start_with(false, Some(pki), true).await
+    }
+
+    /// A TLS upstream offering only http/1.1 in ALPN.
+    pub async fn tls_http1(pki: &TestPki) -> Upstream {
+        Self::start_with(false, Some(pki), false).await
     }
 
     /// A TLS upstream whose answers wait for permits of `gate`.
     pub async fn tls_gated(pki: &TestPki) -> Upstream {
-        Self::start_with(true, Some(pki)).await
+        Self::start_with(true, Some(pki), true).await
     }
 
-    async fn start_with(gated: bool, pki: Option<&TestPki>) -> Upstream {
+    async fn start_with(gated: bool, pki: Option<&TestPki>, h2: bool) -> Upstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let stats = Arc::new(Stats::default());
@@ -210,7 +216,8 @@ impl Upstream {
                     .with_no_client_auth()
                     .with_single_cert(vec![p.cert_der.clone().into()], key)
                     .unwrap();
-            cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+            cfg.alpn_protocols =
+                if h2 { vec![b"h2".to_vec(), b"http/1.1".to_vec()] } else { vec![b"http/1.1".to_vec()] };
             tokio_rustls::TlsAcceptor::from(Arc::new(cfg))
         });
         let (s, g) = (stats.clone(), gate.clone());

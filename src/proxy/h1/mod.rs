@@ -38,12 +38,12 @@ use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::task::Poll;
 
+use super::pool::Stream;
 use arc_swap::ArcSwap;
 use bytes::{Buf, BytesMut};
 use http::{Method, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tower::Service;
@@ -336,7 +336,7 @@ impl<'c> Inbound for Request<'_, 'c> {
 
     fn ready(self, target: Target) -> Result<Prepared<'c>, &'static str> {
         let Target::Upstream(upstream) = target else { return Err(why::UPSTREAM) };
-        let Some(plain) = &upstream.plain else { return Err(why::UPSTREAM) };
+        let Some(plain) = upstream.plain.as_ref().filter(|p| p.h1()) else { return Err(why::UPSTREAM) };
         self.bufs.req.clear();
         let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
         self.head.encode(&plain.prefix, host, self.body, &mut self.bufs.req);
@@ -363,7 +363,7 @@ struct Prepared<'c> {
 /// The upstream's answer: its head (the client's version of it is in the
 /// connection's `out` buffer, the body's first bytes in `up`) and its stream.
 struct Answer {
-    stream: TcpStream,
+    stream: Stream,
     head: ResponseHead,
     upstream: std::sync::Arc<Upstream>,
 }
@@ -484,7 +484,7 @@ async fn roundtrip(
     req: &[u8],
     up: &mut BytesMut,
     out: &mut Vec<u8>,
-) -> Result<(TcpStream, ResponseHead), ProxyError> {
+) -> Result<(Stream, ResponseHead), ProxyError> {
     let failed = |reason: String| ProxyError::Upstream { upstream: name(), reason };
     let mut fresh = false;
     'connection: loop {
@@ -493,7 +493,7 @@ async fn roundtrip(
             None => {
                 // Boxed: a new connection is rare on a busy path, and the
                 // connect future would otherwise make every exchange's larger.
-                let s = Box::pin(pool.connect_tcp())
+                let s = Box::pin(pool.connect())
                     .await
                     .map_err(|reason| ProxyError::UpstreamConnect { upstream: name(), reason })?;
                 (s, false)
@@ -553,12 +553,12 @@ enum BodyError {
 /// connection at once, and must find the slot free.
 async fn relay<I>(
     head: &ResponseHead,
-    mut stream: TcpStream,
+    mut stream: Stream,
     up: &mut BytesMut,
     io: &mut I,
     out: &mut Vec<u8>,
     held: &mut Option<pipeline::Held>,
-) -> Result<Option<TcpStream>, BodyError>
+) -> Result<Option<Stream>, BodyError>
 where
     I: AsyncWrite + Unpin,
 {
