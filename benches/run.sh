@@ -6,7 +6,8 @@
 #   benches/run.sh --soak     also the 10-minute soak (benches/soak.sh)
 #
 # Results go to $OUT (default benches/out/<UTC time>): machine.md, e2e.md,
-# idle.md, keys.md, server.md, micro.txt, latency.png, and summary.md which gathers them.
+# https.md, h2.md, idle.md, keys.md, server.md, micro.txt, latency.png, and
+# summary.md which gathers them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,9 +31,9 @@ LOAD_CPU=${LOAD_CPU:-1}
 # Anything the tools started (they list their children's pids in $OUT/pids)
 # is stopped on exit, whatever way the script ends.
 cleanup() {
-  if [ -f "$OUT/pids" ]; then
-    while read -r pid; do kill "$pid" 2>/dev/null || true; done < "$OUT/pids"
-  fi
+  find "$OUT" -name pids -type f 2>/dev/null | while read -r f; do
+    while read -r pid; do kill "$pid" 2>/dev/null || true; done < "$f"
+  done
   if [ -n "${TOOL_PID:-}" ]; then kill "$TOOL_PID" 2>/dev/null || true; fi
 }
 trap cleanup EXIT INT TERM
@@ -111,6 +112,26 @@ else
   echo "valgrind is missing (apt-get install valgrind): skipping the instruction counts" | tee "$OUT/instructions.md" >&2
 fi
 
+echo "== HTTPS upstream (TLS 1.3, ALPN http/1.1): usher vs nginx, each with its own TLS upstream"
+# Shorter than the plain comparison: two rates, a sweep to where the proxies saturate, no accuracy
+# (the limiters are the same whatever the upstream speaks).
+if [ "$QUICK" = 1 ]; then TLS_E2E=(--quick --rates 2000 --sweep 5000,15000); else TLS_E2E=(--rounds 3 --sweep 5000,10000,15000,20000,25000,30000 --sweep-rounds 2); fi
+mkdir -p "$OUT/https" "$OUT/h2"
+bounded "$E2E_LIMIT" "${PIN[@]}" cargo bench --locked --bench e2e -- "${TLS_E2E[@]}" --upstream https --no-accuracy "${PROXY_ARGS[@]}" ${E2E_ARGS:-} --out "$OUT/https" \
+  > "$OUT/https.md" 2>> "$OUT/e2e.log" || true
+if command -v valgrind >/dev/null && command -v callgrind_control >/dev/null; then
+  bounded 300 "${PIN[@]}" cargo bench --locked --bench e2e -- --callgrind 5 --upstream https ${E2E_ARGS:-} --out "$OUT/https" \
+    >> "$OUT/https.md" 2>> "$OUT/e2e.log" || true
+fi
+
+echo "== HTTP/2 upstream (TLS 1.3, ALPN h2): usher multiplexing vs usher in HTTP/1.1 (http2: false) vs nginx"
+bounded "$E2E_LIMIT" "${PIN[@]}" cargo bench --locked --bench e2e -- "${TLS_E2E[@]}" --upstream h2 --no-accuracy --variant=http1:h2=off "${PROXY_ARGS[@]}" ${E2E_ARGS:-} --out "$OUT/h2" \
+  > "$OUT/h2.md" 2>> "$OUT/e2e.log" || true
+if command -v valgrind >/dev/null && command -v callgrind_control >/dev/null; then
+  bounded 300 "${PIN[@]}" cargo bench --locked --bench e2e -- --callgrind 5 --upstream h2 --variant=http1:h2=off ${E2E_ARGS:-} --out "$OUT/h2" \
+    >> "$OUT/h2.md" 2>> "$OUT/e2e.log" || true
+fi
+
 echo "== idle cost: CPU, wake-ups, RSS and threads of each proxy left alone (usher, nginx)"
 IDLE_SECONDS=$([ "$QUICK" = 1 ] && echo 20 || echo 120)
 bounded $((IDLE_SECONDS + 120)) "${PIN[@]}" cargo bench --locked --bench e2e -- --idle "$IDLE_SECONDS" "${PROXY_ARGS[@]}" ${E2E_ARGS:-} --out "$OUT" \
@@ -141,7 +162,9 @@ if [ -f "$OUT/latency.png" ] && command -v python3 >/dev/null; then
 fi
 
 { echo "## Machine (at the end)"; machine; } >> "$OUT/machine.md"
-cat "$OUT/machine.md" "$OUT/e2e.md" "$OUT/instructions.md" "$OUT/idle.md" "$OUT/keys.md" > "$OUT/summary.md"
+cat "$OUT/machine.md" "$OUT/e2e.md" "$OUT/instructions.md" > "$OUT/summary.md"
+{ echo; echo "## HTTPS upstream"; echo; cat "$OUT/https.md"; echo; echo "## HTTP/2 upstream"; echo; cat "$OUT/h2.md"; } >> "$OUT/summary.md"
+cat "$OUT/idle.md" "$OUT/keys.md" >> "$OUT/summary.md"
 { echo; echo "### Capacity server"; echo; echo '```'; cat "$OUT/server.md"; echo '```'; echo; echo "### Micro-benchmarks"; echo; echo '```'; cat "$OUT/micro.txt"; echo '```'; } >> "$OUT/summary.md"
 echo "results: $OUT/summary.md"
 

@@ -93,10 +93,36 @@ pub struct ClientStatus {
     pub keys: Vec<KeyStatus>,
 }
 
+/// Where the client's loop runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Runs {
+    /// A task on the caller's runtime.
+    Here,
+    /// A thread of its own (a current-thread runtime on tokio's blocking
+    /// pool): its work on many keys (reading demand, deciding leases in an
+    /// embedded server) never holds up the request workers, which only share
+    /// the CPU with it, a scheduler's time slice at a time.
+    OwnThread,
+}
+
 impl LeaseClient {
-    /// Starts the client; it runs until `shutdown` is cancelled, then releases
-    /// its leases. The returned handle reports status and takes wake-ups.
+    /// Starts the client as a task on the caller's runtime; it runs until
+    /// `shutdown` is cancelled, then releases its leases. The returned handle
+    /// reports status and takes wake-ups.
     pub fn start(
+        cfg: CoreConfig,
+        clock: Clock,
+        transport: Arc<dyn Transport>,
+        enforcer: Arc<dyn Enforcer>,
+        cache_file: Option<PathBuf>,
+        shutdown: CancellationToken,
+    ) -> (LeaseClient, tokio::task::JoinHandle<()>) {
+        Self::start_on(Runs::Here, cfg, clock, transport, enforcer, cache_file, shutdown)
+    }
+
+    /// [`LeaseClient::start`], with its loop where `runs` says.
+    pub fn start_on(
+        runs: Runs,
         cfg: CoreConfig,
         clock: Clock,
         transport: Arc<dyn Transport>,
@@ -137,7 +163,22 @@ impl LeaseClient {
         };
         // Cached leases hold from the first request on.
         enforce(&client);
-        let task = tokio::spawn(run(client.clone(), transport, cache_file, shutdown));
+        let work = run(client.clone(), transport, cache_file, shutdown);
+        let task = match runs {
+            Runs::Here => tokio::spawn(work),
+            Runs::OwnThread => {
+                let caller = tokio::runtime::Handle::current();
+                tokio::task::spawn_blocking(move || {
+                    match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                        Ok(rt) => rt.block_on(work),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot start the lease client's runtime; it runs on the proxy's");
+                            caller.block_on(work)
+                        }
+                    }
+                })
+            }
+        };
         (client, task)
     }
 

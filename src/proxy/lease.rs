@@ -19,7 +19,7 @@ use crate::config::resources::{Algorithm, ResourcesConfig, Template};
 use crate::config::routes::{ResourceKind, RoutesConfig, Segment};
 use crate::lease::backoff::BackoffConfig;
 use crate::lease::core::{Capacity, CoreConfig, KeyDemand, OnExpiry};
-use crate::lease::driver::{Enforcer, LeaseClient};
+use crate::lease::driver::{Enforcer, LeaseClient, Runs};
 use crate::lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, Transport};
 use crate::limit::LeaseTable;
 use crate::server::{LocalTransport, Node};
@@ -432,7 +432,10 @@ pub fn start_with(
         last: Mutex::new(None),
         quiet: AtomicBool::new(false),
     });
-    let (client, task) = LeaseClient::start(core_cfg, clock, transport, enforcer.clone(), cache, shutdown.clone());
+    // On a thread of its own: with many tenant keys, reading their demand and
+    // (embedded) deciding their leases takes long enough to stall requests.
+    let (client, task) =
+        LeaseClient::start_on(Runs::OwnThread, core_cfg, clock, transport, enforcer.clone(), cache, shutdown.clone());
     *enforcer.client.lock().expect("enforcer client") = Some(client.clone());
     tokio::spawn(async move {
         shutdown.cancelled().await;

@@ -332,3 +332,56 @@ async fn costly_demand_is_read_less_often() {
     shutdown.cancel();
     task.await.unwrap();
 }
+
+/// Demand that takes 300 ms to read, every time (thousands of keys).
+struct Slow;
+
+impl Enforcer for Slow {
+    fn demand(&self) -> Vec<KeyDemand> {
+        std::thread::sleep(Duration::from_millis(300));
+        Recorder::default().demand()
+    }
+    fn apply(&self, _: &[(String, Capacity)]) {}
+}
+
+/// How long the longest of 20 ticks of 10 ms took on the caller's
+/// (current-thread) runtime, with a lease client whose demand is slow to
+/// read running where `runs` says.
+fn longest_tick_beside_a_slow_client(runs: Runs) -> Duration {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let (clock, _time) = Clock::manual(Time::from_secs(1_700_000_000));
+        let transport = Arc::new(LocalTransport::new());
+        let cfg = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 10, learning_mode_duration: 0 }\n";
+        transport.add("s1", node(cfg, &clock));
+        let shutdown = CancellationToken::new();
+        let (_client, task) = LeaseClient::start_on(
+            runs,
+            CoreConfig::new("c", vec!["s1".into()]),
+            clock,
+            transport,
+            Arc::new(Slow),
+            None,
+            shutdown.clone(),
+        );
+        let mut longest = Duration::ZERO;
+        for _ in 0..20 {
+            let t = std::time::Instant::now();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            longest = longest.max(t.elapsed());
+        }
+        shutdown.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        longest
+    })
+}
+
+/// On a thread of its own, a lease client whose every demand read takes
+/// 300 ms leaves the proxy's runtime free; as a task there, it stalls it.
+#[test]
+fn a_client_on_its_own_thread_does_not_stall_the_callers_runtime() {
+    let own = longest_tick_beside_a_slow_client(Runs::OwnThread);
+    assert!(own < Duration::from_millis(200), "a tick took {own:?} beside a client on its own thread");
+    let here = longest_tick_beside_a_slow_client(Runs::Here);
+    assert!(here >= Duration::from_millis(250), "the same client as a task should stall a tick (longest {here:?})");
+}
