@@ -429,6 +429,22 @@ impl LeaseTable {
         self.resources.load().get(name).cloned()
     }
 
+    /// Calls `f` with every key of every resource (its resource's name, its
+    /// limiter), in no particular order: the lease client's demand read,
+    /// which must not sort or copy ids for a hundred thousand keys.
+    pub fn each_limiter(&self, mut f: impl FnMut(&str, &Arc<Limiter>)) {
+        for (name, r) in self.resources.load().iter() {
+            // Under the lock that serialises folds: no key is missed or seen twice.
+            let recent = r.recent.lock().expect("key lock");
+            let keys = r.keys.load();
+            let made: Vec<Arc<Limiter>> = recent.keys.values().cloned().collect();
+            drop(recent);
+            for l in keys.values().chain(&made) {
+                f(name, l);
+            }
+        }
+    }
+
     /// Every key of every resource, by resource name then id.
     pub fn limiters(&self) -> Vec<(String, Arc<Limiter>)> {
         let res = self.resources.load();

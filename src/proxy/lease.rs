@@ -95,7 +95,11 @@ impl TableEnforcer {
     ) -> (f64, bool) {
         let sample = l.demand().sample(now);
         let mut mem = self.memory.lock().expect("enforcer memory");
-        let m = mem.entry(id.to_string()).or_default();
+        // Looked up before it is inserted: no new id string per key and read.
+        if !mem.contains_key(id) {
+            mem.insert(id.to_string(), Default::default());
+        }
+        let m = mem.get_mut(id).expect("inserted above");
         let refused_now = sample.refused > m.refused;
         m.refused = sample.refused;
         let pressure_signal = refused_now || sample.waiters > 0;
@@ -223,32 +227,45 @@ impl Enforcer for TableEnforcer {
         let now = self.table.clock().now();
         // Idle keys, by resource: removed together (one copy of a resource's snapshot).
         let mut forgotten: HashMap<String, Vec<String>> = HashMap::new();
-        let limiters = self.table.limiters();
-        let (mut arrivals, mut busy) = (0.0, false);
-        for (_, l) in &limiters {
+        let (mut arrivals, mut busy, mut keys) = (0.0, false, 0);
+        self.table.each_limiter(|_, l| {
             arrivals += l.demand().arrivals();
             busy |= l.demand().in_flight() > 0 || l.demand().waiters() > 0;
-        }
-        let reading = (arrivals, limiters.len());
-        let demand = limiters
-            .into_iter()
-            .filter_map(|(resource, l)| {
-                let (settings, kind, capacity) = Self::settings(&cfg, &resource)?;
-                if self.idle(&cfg, &resource, &l, settings, now) {
-                    forgotten.entry(resource).or_default().push(l.id().to_string());
-                    return None;
+            keys += 1;
+        });
+        let reading = (arrivals, keys);
+        let mut demand = Vec::with_capacity(keys);
+        // Keys come resource by resource: its settings are looked up once per run of them.
+        let mut current: Option<(&str, Option<(&LeaseSettings, ResourceKind, f64)>)> = None;
+        self.table.each_limiter(|resource, l| {
+            let settings = match current {
+                Some((name, settings)) if name == resource => settings,
+                _ => {
+                    let (name, settings) = cfg
+                        .resources
+                        .get_key_value(resource)
+                        .map_or((None, None), |(name, _)| (Some(name.as_str()), Self::settings(&cfg, resource)));
+                    if let Some(name) = name {
+                        current = Some((name, settings));
+                    }
+                    settings
                 }
-                let (wants, pressure) = self.wants(l.id(), &l, kind, settings, capacity, now);
-                Some(KeyDemand {
-                    resource_id: l.id().to_string(),
-                    priority: settings.priority,
-                    wants,
-                    on_expiry: on_expiry(settings.on_expiry),
-                    safe_capacity: settings.safe_capacity,
-                    pressure,
-                })
-            })
-            .collect();
+            };
+            let Some((settings, kind, capacity)) = settings else { return };
+            if self.idle(&cfg, resource, l, settings, now) {
+                forgotten.entry(resource.to_string()).or_default().push(l.id().to_string());
+                return;
+            }
+            let (wants, pressure) = self.wants(l.id(), l, kind, settings, capacity, now);
+            demand.push(KeyDemand {
+                resource_id: l.id().to_string(),
+                priority: settings.priority,
+                wants,
+                on_expiry: on_expiry(settings.on_expiry),
+                safe_capacity: settings.safe_capacity,
+                pressure,
+            });
+        });
         let mut last = self.last.lock().expect("enforcer reading");
         let quiet = !busy && forgotten.is_empty() && !self.pushback.any() && *last == Some(reading);
         *last = Some(reading);
