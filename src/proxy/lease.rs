@@ -68,12 +68,15 @@ pub struct TableEnforcer {
     quiet: AtomicBool,
 }
 
+/// A resource's lease settings, kind and configured capacity (units per second, or in flight).
+type Settings<'a> = (&'a LeaseSettings, ResourceKind, f64);
+
 impl TableEnforcer {
     fn config(&self) -> Arc<RoutesConfig> {
         (self.config)()
     }
 
-    fn settings<'a>(cfg: &'a RoutesConfig, resource: &str) -> Option<(&'a LeaseSettings, ResourceKind, f64)> {
+    fn settings<'a>(cfg: &'a RoutesConfig, resource: &str) -> Option<Settings<'a>> {
         cfg.resources.get(resource).map(|r| {
             let cap = match r.kind {
                 ResourceKind::Rate => r.capacity.per_second(),
@@ -236,7 +239,7 @@ impl Enforcer for TableEnforcer {
         let reading = (arrivals, keys);
         let mut demand = Vec::with_capacity(keys);
         // Keys come resource by resource: its settings are looked up once per run of them.
-        let mut current: Option<(&str, Option<(&LeaseSettings, ResourceKind, f64)>)> = None;
+        let mut current: Option<(&str, Option<Settings<'_>>)> = None;
         self.table.each_limiter(|resource, l| {
             let settings = match current {
                 Some((name, settings)) if name == resource => settings,
