@@ -22,10 +22,12 @@
 //!
 //! `--refresh S` measures the steady refresh load instead: every client asks
 //! again when the interval the server handed it runs out, reporting what it
-//! holds, as a sidecar does (the resource's `refresh_interval` is
-//! `--refresh-interval R`, default 10 s). After registration the clients run
-//! for 2 R (a new resource hands out 1 s intervals for its first R; see
-//! `server::store`), then S seconds are measured: RPCs per second, how many of
+//! holds, as a sidecar does, with its ±1/6 jitter (the resource's
+//! `refresh_interval` is `--refresh-interval R`, default 10 s). A client's
+//! first full interval is drawn from (0, R], as for a fleet started over an
+//! interval rather than within the second registration takes. After
+//! registration the clients run for 2 R (a new resource hands out 1 s
+//! intervals for its first R; see `server::store`), then S seconds are measured: RPCs per second, how many of
 //! the answers carried the full interval, how late each refresh left against
 //! its due time, and the server's CPU.
 //!
@@ -43,6 +45,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use loadgen::procfs;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 use usher::proto::capacity_client::CapacityClient;
 use usher::proto::{GetCapacityRequest, Lease, ResourceRequest};
 
@@ -309,6 +313,8 @@ async fn refresh(o: &Opts, server: &Server, seconds: u64) {
                 // This caller's clients: n ≡ i (mod callers), each due at once.
                 let mine: Vec<u64> = (i as u64..clients).step_by(callers as usize).collect();
                 let mut leases: Vec<Option<Lease>> = vec![None; mine.len()];
+                let mut spread = vec![false; mine.len()];
+                let mut rng = SmallRng::seed_from_u64(i as u64);
                 let mut due: BinaryHeap<Reverse<(Instant, usize)>> =
                     (0..mine.len()).map(|k| Reverse((t0, k))).collect();
                 let mut unregistered = mine.len();
@@ -346,7 +352,17 @@ async fn refresh(o: &Opts, server: &Server, seconds: u64) {
                         }
                     }
                     leases[k] = Some(lease);
-                    due.push(Reverse((Instant::now() + every, k)));
+                    // A client's first full interval is drawn from (0, R], as if
+                    // the fleet had started over an interval, not within a second
+                    // (so the measured window does not catch a whole fleet's
+                    // refreshes at one edge); after that, the lease client's own
+                    // jitter of ±1/6 (`lease::core`).
+                    let next = if every >= interval && !std::mem::replace(&mut spread[k], true) {
+                        every.mul_f64(rng.random_range(0.0..1.0))
+                    } else {
+                        every.mul_f64(1.0 + rng.random_range(-1.0 / 6.0..=1.0 / 6.0))
+                    };
+                    due.push(Reverse((Instant::now() + next, k)));
                 }
                 late
             })
