@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every usher benchmark in one command; see benches/README.md.
 #
-#   benches/run.sh            full run (about 25 minutes after the build)
-#   benches/run.sh --quick    short shake-out (about 2 minutes)
+#   benches/run.sh            full run (about 30 minutes after the build)
+#   benches/run.sh --quick    short shake-out (about 3 minutes)
 #   benches/run.sh --soak     also the 10-minute soak (benches/soak.sh)
 #
 # Results go to $OUT (default benches/out/<UTC time>): machine.md, e2e.md,
