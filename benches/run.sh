@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Every usher benchmark in one command; see benches/README.md.
 #
-#   benches/run.sh            full run (about 25 minutes after the build)
-#   benches/run.sh --quick    short shake-out (about 2 minutes)
+#   benches/run.sh            full run (about 30 minutes after the build)
+#   benches/run.sh --quick    short shake-out (about 3 minutes)
 #   benches/run.sh --soak     also the 10-minute soak (benches/soak.sh)
 #
 # Results go to $OUT (default benches/out/<UTC time>): machine.md, e2e.md,
-# https.md, h2.md, idle.md, keys.md, server.md, micro.txt, latency.png, and
+# https.md, h2.md, idle.md, keys.md, server.md, scale.md, micro.txt, latency.png, and
 # summary.md which gathers them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,24 +28,8 @@ OUT=$(cd "$OUT" && pwd)
 PROXY_CPU=${PROXY_CPU:-0}
 LOAD_CPU=${LOAD_CPU:-1}
 
-# Anything the tools started (they list their children's pids in $OUT/pids)
-# is stopped on exit, whatever way the script ends.
-cleanup() {
-  find "$OUT" -name pids -type f 2>/dev/null | while read -r f; do
-    while read -r pid; do kill "$pid" 2>/dev/null || true; done < "$f"
-  done
-  if [ -n "${TOOL_PID:-}" ]; then kill "$TOOL_PID" 2>/dev/null || true; fi
-}
-trap cleanup EXIT INT TERM
-
-# Runs a command with a time limit, in the background so the trap can stop it.
-bounded() {
-  local limit=$1; shift
-  timeout --kill-after=10 "$limit" "$@" &
-  TOOL_PID=$!
-  wait "$TOOL_PID"
-  TOOL_PID=
-}
+# cleanup (the trap that stops what the tools started) and bounded (a time limit).
+source benches/lib.sh
 
 if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -150,6 +134,11 @@ for run in "${SERVER_RUNS[@]}"; do
     | tee -a "$OUT/server.md"
 done
 
+echo "== the capacity server at scale: CPU and memory per client, refresh load; the tree's root in usher sim"
+SCALE=()
+[ "$QUICK" = 1 ] && SCALE=(--quick)
+OUT="$OUT" bounded 1800 benches/scale.sh "${SCALE[@]}" || true
+
 echo "== micro-benchmarks (criterion)"
 {
   bounded 300 cargo bench --locked --bench limit -- "${CRIT[@]}"
@@ -165,7 +154,7 @@ fi
 cat "$OUT/machine.md" "$OUT/e2e.md" "$OUT/instructions.md" > "$OUT/summary.md"
 { echo; echo "## HTTPS upstream"; echo; cat "$OUT/https.md"; echo; echo "## HTTP/2 upstream"; echo; cat "$OUT/h2.md"; } >> "$OUT/summary.md"
 cat "$OUT/idle.md" "$OUT/keys.md" >> "$OUT/summary.md"
-{ echo; echo "### Capacity server"; echo; echo '```'; cat "$OUT/server.md"; echo '```'; echo; echo "### Micro-benchmarks"; echo; echo '```'; cat "$OUT/micro.txt"; echo '```'; } >> "$OUT/summary.md"
+{ echo; echo "### Capacity server"; echo; echo '```'; cat "$OUT/server.md"; echo '```'; echo; cat "$OUT/scale.md"; echo; echo "### Micro-benchmarks"; echo; echo '```'; cat "$OUT/micro.txt"; echo '```'; } >> "$OUT/summary.md"
 echo "results: $OUT/summary.md"
 
 if [ "$SOAK" = 1 ]; then

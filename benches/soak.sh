@@ -18,13 +18,7 @@ if [ -z "${RATE:-}" ]; then
   [ "$RATE" -gt 0 ] || RATE=5000
 fi
 
-cleanup() {
-  if [ -f "$OUT/pids" ]; then
-    while read -r pid; do kill "$pid" 2>/dev/null || true; done < "$OUT/pids"
-  fi
-  if [ -n "${TOOL_PID:-}" ]; then kill "$TOOL_PID" 2>/dev/null || true; fi
-}
-trap cleanup EXIT INT TERM
+source benches/lib.sh
 
 PIN=()
 ARGS=()

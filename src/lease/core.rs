@@ -401,6 +401,13 @@ impl Core {
         self.keys.iter().map(|(id, k)| (id.clone(), k.capacity())).collect()
     }
 
+    /// One key's capacity now: [`capacities`](Self::capacities) without
+    /// building the list (`usher sim` asks for it per client and step).
+    pub fn capacity(&mut self, resource_id: &str, now: Time) -> Option<Capacity> {
+        self.expire(now);
+        self.keys.get(resource_id).map(|k| k.capacity())
+    }
+
     /// Mode changes since the last call.
     pub fn take_transitions(&mut self) -> Vec<Transition> {
         std::mem::take(&mut self.transitions)

@@ -59,6 +59,12 @@ pub struct Report {
     /// Capacity RPCs (GetCapacity, GetServerCapacity, Discovery) per second
     /// over the whole tree, after start-up.
     pub rpcs_per_s: f64,
+    /// The same RPCs arriving at each level of the tree (0 = the root), per
+    /// second over the last half of the run (start-up and a new resource's
+    /// 1 s refreshes long past): what the tree's shape spares the root.
+    pub rpcs_per_s_by_level: Vec<f64>,
+    /// Clients in the tree (every leaf has `clients_per_leaf`).
+    pub clients: u64,
     /// Mean Jain's index of has/wants over clients whose demand exceeds their equal share.
     pub fairness: f64,
     /// The same figures per kind of mishap (`client_spike`, `election`,
@@ -103,6 +109,8 @@ pub struct Sample {
     pub used: f64,
     /// Capacity RPCs so far.
     pub rpcs: u64,
+    /// Capacity RPCs so far that arrived at each level (0 = the root).
+    pub rpcs_by_level: Vec<u64>,
     pub fairness: Option<f64>,
 }
 
@@ -134,6 +142,24 @@ struct SimNode {
     record: Option<Time>,
 }
 
+/// Capacity RPCs counted by the level of the node they reach, so the root's
+/// load can be told apart from the tree's.
+#[derive(Default)]
+struct RpcCount {
+    total: u64,
+    by_level: Vec<u64>,
+    level_of: std::collections::HashMap<String, usize>,
+}
+
+impl RpcCount {
+    fn hit(&mut self, target: &str) {
+        self.total += 1;
+        if let Some(&l) = self.level_of.get(target) {
+            self.by_level[l] += 1;
+        }
+    }
+}
+
 struct SimClient {
     core: Core,
     base: f64,
@@ -153,7 +179,7 @@ pub struct Sim {
     rt: tokio::runtime::Runtime,
     pub samples: Vec<Sample>,
     mishaps: Vec<Mishap>,
-    rpcs: u64,
+    rpcs: RpcCount,
     /// Print every event to stderr.
     pub trace: bool,
 }
@@ -195,7 +221,9 @@ impl Sim {
         ));
         net.add("n0", root.clone());
         nodes.push(SimNode { addr: "n0".into(), node: root, parent: None, down_until: None, seed: 0, record: None });
-        for fanout in &sc.tree {
+        let mut rpcs = RpcCount { by_level: vec![0; sc.tree.len() + 1], ..RpcCount::default() };
+        rpcs.level_of.insert("n0".into(), 0);
+        for (depth, fanout) in sc.tree.iter().enumerate() {
             let mut next = Vec::new();
             for &p in &level {
                 for _ in 0..*fanout {
@@ -211,6 +239,7 @@ impl Sim {
                     node.store.set_role(Role::Intermediate { decay_factor: 0.5 });
                     let node = Arc::new(node);
                     net.add(addr.clone(), node.clone());
+                    rpcs.level_of.insert(addr.clone(), depth + 1);
                     let parent_addr = nodes[p].addr.clone();
                     next.push(nodes.len());
                     nodes.push(SimNode {
@@ -251,7 +280,7 @@ impl Sim {
             rt,
             samples: Vec::new(),
             mishaps: Vec::new(),
-            rpcs: 0,
+            rpcs,
             trace: false,
         }
     }
@@ -421,7 +450,7 @@ impl Sim {
                 match sync.next_action(&node, now) {
                     ParentAction::Wait(_) => break,
                     ParentAction::Discover(target) => {
-                        self.rpcs += 1;
+                        self.rpcs.hit(&target);
                         let r = self.rt.block_on(self.net.discovery(&target));
                         sync.on_discovery(now, &target, r);
                     }
@@ -430,7 +459,7 @@ impl Sim {
                         sync.on_release(now, r);
                     }
                     ParentAction::Refresh(target, req) => {
-                        self.rpcs += 1;
+                        self.rpcs.hit(&target);
                         let r = self.rt.block_on(self.net.get_server_capacity(&target, req));
                         sync.on_refresh(&node, now, r);
                     }
@@ -455,12 +484,12 @@ impl Sim {
                 match c.core.next_action(now) {
                     Action::Wait { .. } => break,
                     Action::Discover { target } => {
-                        self.rpcs += 1;
+                        self.rpcs.hit(&target);
                         let r = self.rt.block_on(self.net.discovery(&target));
                         c.core.on_discovery(now, &target, r);
                     }
                     Action::Refresh { target, request } => {
-                        self.rpcs += 1;
+                        self.rpcs.hit(&target);
                         let r = self.rt.block_on(self.net.get_capacity(&target, request));
                         c.core.on_refresh(now, r);
                     }
@@ -484,7 +513,16 @@ impl Sim {
         }
         let t = self.elapsed();
         let fairness = self.fairness_now();
-        self.samples.push(Sample { t, capacity: self.sc.capacity, wants, has, used, rpcs: self.rpcs, fairness });
+        self.samples.push(Sample {
+            t,
+            capacity: self.sc.capacity,
+            wants,
+            has,
+            used,
+            rpcs: self.rpcs.total,
+            rpcs_by_level: self.rpcs.by_level.clone(),
+            fairness,
+        });
     }
 
     fn fairness_now(&mut self) -> Option<f64> {
@@ -502,13 +540,15 @@ impl Sim {
 
     fn report(&mut self) -> Report {
         let horizon = (self.sc.lease_length + self.sc.refresh_interval).as_secs_f64();
-        report(&self.samples, &self.mishaps, self.sc.duration.as_secs_f64(), horizon)
+        let mut r = report(&self.samples, &self.mishaps, self.sc.duration.as_secs_f64(), horizon);
+        r.clients = self.clients.len() as u64;
+        r
     }
 }
 
 /// What a client may use now (its wants when unlimited).
 fn client_has(c: &mut SimClient, now: Time) -> f64 {
-    match c.core.capacities(now).first().map(|(_, cap)| *cap) {
+    match c.core.capacity(RESOURCE, now) {
         Some(Capacity::Limited(v)) => v,
         Some(Capacity::Unlimited) => c.wants,
         None => 0.0,
@@ -571,6 +611,13 @@ fn report(samples: &[Sample], mishaps: &[Mishap], duration: f64, horizon: f64) -
         (Some(a), Some(b)) if b.t > a.t => (b.rpcs - a.rpcs) as f64 / (b.t - a.t),
         _ => 0.0,
     };
+    let second_half = samples.iter().find(|s| s.t >= duration / 2.0);
+    let rpcs_per_s_by_level = match (second_half, samples.last()) {
+        (Some(a), Some(b)) if b.t > a.t => {
+            a.rpcs_by_level.iter().zip(&b.rpcs_by_level).map(|(x, y)| (y - x) as f64 / (b.t - a.t)).collect()
+        }
+        _ => vec![0.0; samples.first().map_or(0, |s| s.rpcs_by_level.len())],
+    };
     let fair: Vec<f64> = steady.iter().filter_map(|s| s.fairness).collect();
     Report {
         utilisation: mean(&steady.iter().map(|s| s.ratio()).collect::<Vec<_>>()),
@@ -586,6 +633,8 @@ fn report(samples: &[Sample], mishaps: &[Mishap], duration: f64, horizon: f64) -
         convergence_mean_s: mean(&all_conv),
         convergence_worst_s: all_conv.iter().copied().fold(0.0, f64::max),
         rpcs_per_s,
+        rpcs_per_s_by_level,
+        clients: 0,
         fairness: if fair.is_empty() { 1.0 } else { mean(&fair) },
         mishaps: figures,
     }
@@ -619,6 +668,10 @@ pub struct SimArgs {
     /// Override the scenario's duration, e.g. 300s (CI runs short forms).
     #[arg(long, value_name = "DURATION", value_parser = crate::server::parse_duration)]
     pub duration: Option<Duration>,
+    /// Override the number of clients: this many in all, shared evenly by the
+    /// leaves (the scenario's `clients_per_leaf` becomes N / leaves, at least 1).
+    #[arg(long, value_name = "N")]
+    pub clients: Option<usize>,
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -646,6 +699,9 @@ pub fn run(args: SimArgs) -> Result<(), crate::error::RunError> {
     };
     if let Some(d) = args.duration {
         sc.duration = d;
+    }
+    if let Some(n) = args.clients {
+        sc.clients_per_leaf = (n / sc.leaves()).max(1);
     }
     let seed = args.seed.unwrap_or(sc.seed);
     let name = sc.name.clone();
@@ -700,7 +756,12 @@ pub fn run(args: SimArgs) -> Result<(), crate::error::RunError> {
             "  convergence after mishaps {:>8.1} s mean, {:.1} s worst",
             report.convergence_mean_s, report.convergence_worst_s
         );
+        println!("  clients                   {:>8} on {} servers", report.clients, sim.nodes.len());
         println!("  capacity RPCs             {:>8.2} /s", report.rpcs_per_s);
+        for (level, r) in report.rpcs_per_s_by_level.iter().enumerate() {
+            let what = if level == 0 { "at the root".to_string() } else { format!("at level {level}") };
+            println!("    {what:<23} {r:>8.2} /s");
+        }
         println!("  fairness (Jain)           {:>8.3}", report.fairness);
         for (kind, f) in &report.mishaps {
             println!(

@@ -124,6 +124,11 @@ impl Scenario {
         }
     }
 
+    /// Number of leaf servers (the ones clients lease from).
+    pub fn leaves(&self) -> usize {
+        self.tree.iter().product::<usize>().max(1)
+    }
+
     /// Total number of nodes in the tree.
     pub fn nodes(&self) -> usize {
         let mut total = 1;

@@ -80,6 +80,7 @@ fn the_cli_writes_json_csv_and_a_plot() {
         duration: Some(Duration::from_secs(120)),
         json: true,
         csv: Some(csv_path.clone()),
+        clients: None,
         trace: false,
         plot: Some(png.clone()),
     };
@@ -91,7 +92,16 @@ fn the_cli_writes_json_csv_and_a_plot() {
 }
 
 fn sample(t: f64, wants: f64, has: f64) -> Sample {
-    Sample { t, capacity: 100.0, wants, has, used: has.min(wants), rpcs: t as u64 * 10, fairness: None }
+    Sample {
+        t,
+        capacity: 100.0,
+        wants,
+        has,
+        used: has.min(wants),
+        rpcs: t as u64 * 10,
+        rpcs_by_level: vec![t as u64 * 2, t as u64 * 8],
+        fairness: None,
+    }
 }
 
 #[test]
@@ -122,9 +132,49 @@ fn the_report_keeps_start_up_apart_and_times_recovery_after_each_mishap() {
     assert_eq!(r.shortfall_events, 1);
     assert!(r.mishaps["none"].utilisation == 1.0 && r.mishaps["none"].count == 0, "{r:?}");
     assert_eq!(r.rpcs_per_s, 10.0);
+    assert_eq!(r.rpcs_per_s_by_level, vec![2.0, 8.0]);
     // A tree that never recovers within a window is charged the whole window.
     let r = report(&samples[..17], &mishaps, 17.0, 60.0);
     assert_eq!(r.mishaps["master_loss"].convergence_worst_s, 3.0, "{r:?}");
     let r = report(&samples, &mishaps, 22.0, 1.5);
     assert_eq!(r.mishaps["master_loss"].convergence_worst_s, 0.0, "the dip at 16 s is past the horizon: {r:?}");
+}
+
+/// The scale scenario with `clients` in all, over `tree`, for 200 s.
+fn scale(tree: Vec<usize>, clients: usize) -> Scenario {
+    let mut sc = Scenario::parse("scale-flat.yaml", include_str!("../../deploy/examples/sim/scale-flat.yaml")).unwrap();
+    sc.tree = tree;
+    sc.clients_per_leaf = clients / sc.leaves();
+    sc.duration = Duration::from_secs(200);
+    sc
+}
+
+#[test]
+fn the_root_of_a_tree_carries_its_intermediates_and_a_flat_root_every_client() {
+    let refresh = scale(vec![], 1).refresh_interval.as_secs_f64();
+    let run = |tree: Vec<usize>, clients| {
+        let mut sim = Sim::new(scale(tree, clients), 1);
+        let r = sim.run(|_| {});
+        let last = sim.samples.last().unwrap();
+        assert_eq!(last.rpcs, last.rpcs_by_level.iter().sum::<u64>(), "every RPC reaches some level");
+        assert_eq!(r.clients, clients as u64);
+        r
+    };
+    let (flat_small, flat_big) = (run(vec![], 40), run(vec![], 160));
+    let (tree_small, tree_big) = (run(vec![4], 40), run(vec![4], 160));
+    for (r, clients) in [(&flat_small, 40.0), (&flat_big, 160.0)] {
+        assert_eq!(r.rpcs_per_s_by_level.len(), 1, "{r:?}");
+        assert!(r.rpcs_per_s_by_level[0] >= 0.9 * clients / refresh, "each client refreshes at the root: {r:?}");
+    }
+    assert!(flat_big.rpcs_per_s_by_level[0] > 3.0 * flat_small.rpcs_per_s_by_level[0], "{flat_small:?} {flat_big:?}");
+    for r in [&tree_small, &tree_big] {
+        let (root, level1) = (r.rpcs_per_s_by_level[0], r.rpcs_per_s_by_level[1]);
+        assert!(root > 0.0 && root <= 1.5 * 4.0 / refresh, "only the 4 intermediates refresh at the root: {r:?}");
+        assert!(level1 > 10.0 * root, "{r:?}");
+    }
+    assert!(
+        tree_big.rpcs_per_s_by_level[0] <= 1.5 * tree_small.rpcs_per_s_by_level[0],
+        "four times the clients leave the root's load bounded: {tree_small:?} {tree_big:?}"
+    );
+    assert!(tree_big.rpcs_per_s_by_level[1] > 3.0 * tree_small.rpcs_per_s_by_level[1]);
 }
