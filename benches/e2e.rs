@@ -233,7 +233,13 @@ fn usher_routes(up: &Up, tenants: bool, http2: bool) -> String {
     };
     let upstream = match &up.ca {
         None => format!("url: \"http://{}\"", up.addr),
-        Some(ca) => format!("url: \"https://{}\", ca_file: \"{}\", http2: {http2}", up.addr, ca.display()),
+        // `http2` only when off: an older binary (`--variant=NAME:bin=...`) may not know the field.
+        Some(ca) => format!(
+            "url: \"https://{}\", ca_file: \"{}\"{}",
+            up.addr,
+            ca.display(),
+            if http2 { "" } else { ", http2: false" }
+        ),
     };
     format!(
         "upstreams:\n  up: {{ {upstream} }}\n\

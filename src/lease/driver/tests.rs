@@ -385,3 +385,50 @@ fn a_client_on_its_own_thread_does_not_stall_the_callers_runtime() {
     let here = longest_tick_beside_a_slow_client(Runs::Here);
     assert!(here >= Duration::from_millis(250), "the same client as a task should stall a tick (longest {here:?})");
 }
+
+/// Demand for `n` keys at once (a sidecar with many tenants).
+struct Many(usize);
+
+impl Enforcer for Many {
+    fn demand(&self) -> Vec<KeyDemand> {
+        (0..self.0)
+            .map(|i| KeyDemand {
+                resource_id: format!("t/{i}"),
+                priority: 0,
+                wants: 1.0,
+                on_expiry: OnExpiry::Safe,
+                safe_capacity: None,
+                pressure: false,
+            })
+            .collect()
+    }
+    fn apply(&self, _: &[(String, Capacity)]) {}
+}
+
+/// 12,000 keys are more than a server takes in one GetCapacity: the refresh
+/// goes in two calls, and every key gets its lease.
+#[tokio::test]
+async fn more_keys_than_one_call_takes_are_leased_in_several() {
+    assert_eq!(MAX_RESOURCES_PER_CALL, crate::server::service::MAX_RESOURCES_PER_REQUEST);
+    let (clock, _time) = Clock::manual(Time::from_secs(1_700_000_000));
+    let transport = Arc::new(LocalTransport::new());
+    let cfg = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 30, learning_mode_duration: 0 }\n";
+    transport.add("s1", node(cfg, &clock));
+    let shutdown = CancellationToken::new();
+    let (client, task) = LeaseClient::start(
+        CoreConfig::new("c", vec!["s1".into()]),
+        clock,
+        transport,
+        Arc::new(Many(12_000)),
+        None,
+        shutdown.clone(),
+    );
+    eventually("every key leased", || {
+        let s = client.status();
+        s.keys.len() == 12_000 && s.keys.iter().all(|k| k.mode == Mode::Leased)
+    })
+    .await;
+    assert!(client.status().last_error.is_none(), "{:?}", client.status().last_error);
+    shutdown.cancel();
+    task.await.unwrap();
+}
