@@ -415,14 +415,21 @@ pub fn start_with(
             (c, Arc::new(transport), None, d.cache_file.clone())
         }
         None => {
-            let node = Arc::new(Node::new(
+            let mut node = Node::new(
                 EMBEDDED.into(),
                 "<embedded: the routes file's capacities>".into(),
                 embedded_resources(&cfg),
                 clock.clone(),
                 Duration::ZERO,
                 prometheus::Registry::new(),
-            ));
+            );
+            // The routes file's max_keys already bound the keys; the embedded server
+            // takes every one of them (a standalone server's --max-resources does not apply).
+            node.store.set_limits(crate::server::store::Limits {
+                max_resources: usize::MAX,
+                ..crate::server::store::Limits::default()
+            });
+            let node = Arc::new(node);
             let local = LocalTransport::new();
             local.add(EMBEDDED, node.clone());
             let mut c = CoreConfig::new(crate::config::doorman::default_client_id(), vec![EMBEDDED.into()]);
