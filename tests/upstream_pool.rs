@@ -90,17 +90,7 @@ async fn both_engines_share_one_pool_per_upstream() {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let u = Usher::proxy(&routes(dir.path(), up.addr));
-    let mut native = h1(u.addr("listen")).await;
-    let mut general = h2(u.addr("listen")).await;
-    for i in 0..32 {
-        // Two on one engine, two on the other: every kind on both, and every hand-over both ways.
-        let r = if (i / 2) % 2 == 0 {
-            via1(&mut native, of_every_kind(i, false)).await
-        } else {
-            via2(&mut general, of_every_kind(i, true)).await
-        };
-        check_kind(i, &r);
-    }
+    let mut general = both_engines(&u).await;
     for i in 0..16 {
         check_kind(i, &via2(&mut general, of_every_kind(i, true)).await);
     }
@@ -126,8 +116,10 @@ async fn both_engines_share_one_pool_per_upstream() {
     assert_eq!(up.stats.connections.load(Ordering::SeqCst), 1, "the general engine reused its connection too");
 }
 
-/// Alternates the native and the general engine over 32 requests of every kind.
-async fn both_engines(u: &Usher) {
+/// Alternates the native and the general engine over 32 requests of every
+/// kind (two on one, two on the other: every kind on both, and every
+/// hand-over both ways); returns the general engine's connection.
+async fn both_engines(u: &Usher) -> H2 {
     let mut native = h1(u.addr("listen")).await;
     let mut general = h2(u.addr("listen")).await;
     for i in 0..32 {
@@ -138,6 +130,7 @@ async fn both_engines(u: &Usher) {
         };
         check_kind(i, &r);
     }
+    general
 }
 
 /// An `https://` upstream with `http2: false` (though it offers h2): every
