@@ -96,6 +96,7 @@ fn the_readme_sim_commands_work() {
     assert_eq!(
         keys,
         [
+            "clients",
             "convergence_mean_s",
             "convergence_worst_s",
             "fairness",
@@ -103,6 +104,7 @@ fn the_readme_sim_commands_work() {
             "mean_overshoot_when_over",
             "mishaps",
             "rpcs_per_s",
+            "rpcs_per_s_by_level",
             "shortfall_events",
             "startup_s",
             "startup_utilisation",
