@@ -2,7 +2,8 @@
 //! [`Inbound`]s, its answers as [`Answer`]s, and its forward stage, which
 //! sends a request to its [`Target`] (an upstream's own HTTP/1.1 pool, shared
 //! with the native path, or
-//! hyper-util's client for HTTPS, h2c and passthrough origins) or opens a
+//! hyper-util's client for h2, h2c and passthrough origins, and for an
+//! `https://` upstream until its first answer says it speaks HTTP/1.1) or opens a
 //! CONNECT tunnel. Protocol upgrades (WebSocket) are joined here; the
 //! exchange's admission moves into a [`Hold`] for as long as they last.
 

@@ -1,5 +1,5 @@
-//! The general path's exchanges with a plain-HTTP/1.1 upstream (`http://`,
-//! not `h2c`), on the same pool as the native path ([`super::pool::Pool`]):
+//! The general path's exchanges with an HTTP/1.1 upstream (`http://`, not
+//! `h2c`, or `https://` speaking HTTP/1.1), on the same pool as the native path ([`super::pool::Pool`]):
 //! one pool per upstream, whichever engine serves the app.
 //!
 //! Each exchange takes an idle connection: one this path left (a hyper

@@ -37,8 +37,8 @@ pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 256;
 /// What serves HTTP/1.1 connections (`--http1`, `USHER_HTTP1`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum Http1 {
-    /// usher's own request loop for everyday requests to plain-HTTP/1.1
-    /// upstreams; a connection moves to hyper at its first other request.
+    /// usher's own request loop for everyday requests to HTTP/1.1
+    /// upstreams (plain or TLS); a connection moves to hyper at its first other request.
     #[default]
     Native,
     /// hyper for every request.

@@ -62,7 +62,7 @@ pub struct ProxyArgs {
     #[arg(long, env = "USHER_ADMIN_LISTEN", value_name = "ADDR")]
     pub admin_listen: Option<SocketAddr>,
     /// What serves HTTP/1.1: `native` (usher's own request loop for everyday requests to
-    /// plain-HTTP/1.1 upstreams, hyper for the rest) or `hyper` (hyper for everything).
+    /// HTTP/1.1 upstreams, plain or TLS, hyper for the rest) or `hyper` (hyper for everything).
     #[arg(long, env = "USHER_HTTP1", value_enum, default_value_t = Http1::Native)]
     pub http1: Http1,
 }

@@ -142,7 +142,8 @@ impl HyperConn {
     /// The bare stream, unless the upstream sent bytes nobody asked for.
     fn into_stream(self) -> Option<Stream> {
         let parts = self.conn.into_parts();
-        parts.read_buf.is_empty().then(|| parts.io.into_inner()).filter_map_quiet()
+        let mut stream = parts.read_buf.is_empty().then(|| parts.io.into_inner())?;
+        stream.quiet().then_some(stream)
     }
 }
 
@@ -331,18 +332,6 @@ fn tls_error(e: &io::Error) -> String {
         s.push_str(UNTRUSTED);
     }
     s
-}
-
-/// Keeps a stream only if it is quiet.
-trait FilterQuiet {
-    fn filter_map_quiet(self) -> Option<Stream>;
-}
-
-impl FilterQuiet for Option<Stream> {
-    fn filter_map_quiet(self) -> Option<Stream> {
-        let mut s = self?;
-        s.quiet().then_some(s)
-    }
 }
 
 /// Whether an idle TCP stream has nothing to read: neither bytes nor EOF.

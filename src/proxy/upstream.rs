@@ -1,10 +1,11 @@
 //! Upstreams: their clients and pools, where a request goes ([`Target`]),
 //! the request URI and hop-by-hop rules. The general path's forwarding
-//! service is `super::general`. Per upstream: one pool of bare TCP streams
-//! for plain HTTP/1.1 (`super::pool`), shared by both engines (the native
-//! path's exchange in `super::h1`, the general path's in `super::h1pool`),
-//! or hyper-util's pooled client
-//! (HTTP/2 or HTTP/1.1 by ALPN over rustls, h2c, passthrough origins);
+//! service is `super::general`. Per upstream: one pool of streams (TCP, or
+//! TLS to an `https://` upstream that speaks HTTP/1.1) for HTTP/1.1
+//! (`super::pool`), shared by both engines (the native path's exchange in
+//! `super::h1`, the general path's in `super::h1pool`), or hyper-util's
+//! pooled client (h2 by ALPN over rustls, h2c, passthrough origins, and an
+//! `https://` upstream until its first answer says what it speaks);
 //! hop-by-hop header removal (RFC 9110 §7.6.1), protocol upgrades, connect
 //! and response-header timeouts. Bodies stream both ways.
 
@@ -47,13 +48,14 @@ pub(super) type HttpsClient = Client<HttpsConnector<HttpConnector>, RequestBody>
 pub struct Upstream {
     pub config: UpstreamConfig,
     /// hyper-util's client, for what the upstream's own pool does not serve
-    /// (HTTPS, h2c, passthrough origins); none for a plain-HTTP/1.1 upstream.
+    /// (h2c, passthrough origins, an `https://` upstream that may pick h2); none
+    /// for an upstream known to speak HTTP/1.1.
     pub(super) client: Option<HttpsClient>,
     /// `usher_proxy_upstream_seconds` for this upstream.
     seconds: prometheus::Histogram,
-    /// The Host field of a plain-HTTP/1.1 upstream: its host, and its port unless 80.
+    /// The Host field of a pooled upstream: its host, and its port unless the scheme's default.
     pub(super) host: Option<HeaderValue>,
-    /// A plain-HTTP/1.1 upstream's own pool, used by both engines instead of `client`.
+    /// An HTTP/1.1 upstream's own pool (plain or TLS), used by both engines instead of `client`.
     pub(super) plain: Option<Plain>,
 }
 
@@ -340,9 +342,9 @@ pub(super) fn upstream_uri(base: &Uri, req: &Uri, origin_form: bool) -> Result<U
 
 /// A response body from either kind of client.
 pub enum UpstreamBody {
-    /// From a plain-HTTP/1.1 upstream's own pool.
+    /// From an HTTP/1.1 upstream's own pool.
     Own(PooledBody),
-    /// From hyper-util's pool (HTTPS, h2c, passthrough).
+    /// From hyper-util's pool (h2, h2c, passthrough).
     Shared(Incoming),
     /// None (the answer to CONNECT).
     Empty,

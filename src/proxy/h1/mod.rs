@@ -1,5 +1,5 @@
 //! The native HTTP/1.1 path: usher's own request loop for the everyday
-//! exchange between an app and a plain-HTTP/1.1 upstream.
+//! exchange between an app and an HTTP/1.1 upstream (plain or TLS).
 //!
 //! hyper serves every request through two tasks (the client connection's
 //! and the upstream connection's), channels between them, a header map per
@@ -38,7 +38,6 @@ use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::task::Poll;
 
-use super::pool::Stream;
 use arc_swap::ArcSwap;
 use bytes::{Buf, BytesMut};
 use http::{Method, Response, StatusCode};
@@ -51,6 +50,7 @@ use tower::Service;
 pub use head::why;
 
 use super::pipeline::{self, Exchange, Inbound, Pipeline, Reply};
+use super::pool::Stream;
 use super::respond::{ProxyBody, ProxyError};
 use super::route::RequestView;
 use super::upstream::{Target, Upstream};
@@ -350,7 +350,7 @@ impl<'c> Inbound for Request<'_, 'c> {
     }
 }
 
-/// A request encoded for its plain-HTTP/1.1 upstream.
+/// A request encoded for its HTTP/1.1 upstream.
 struct Prepared<'c> {
     /// An upstream with a native side (`ready` checked).
     upstream: std::sync::Arc<Upstream>,
@@ -386,7 +386,7 @@ async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
     let started = Instant::now();
     let timeout = upstream.config.timeout;
     deadline.set(started + timeout);
-    let pool = &upstream.plain.as_ref().expect("ready routes only plain-HTTP/1.1 upstreams").pool;
+    let pool = &upstream.plain.as_ref().expect("ready routes only HTTP/1.1 upstreams").pool;
     let name = || upstream.name().to_string();
     let answered = tokio::select! {
         biased;
@@ -424,7 +424,7 @@ where
     let relayed = relay(&head, stream, &mut bufs.up, io, &mut bufs.out, &mut held).await;
     let open = match relayed {
         Ok(Some(stream)) if head.reusable => {
-            upstream.plain.as_ref().expect("a native answer comes from a plain-HTTP/1.1 upstream").pool.put(stream);
+            upstream.plain.as_ref().expect("a native answer comes from an HTTP/1.1 upstream").pool.put(stream);
             !close
         }
         Ok(_) => !close,
