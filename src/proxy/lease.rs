@@ -230,17 +230,16 @@ impl Enforcer for TableEnforcer {
         let now = self.table.clock().now();
         // Idle keys, by resource: removed together (one copy of a resource's snapshot).
         let mut forgotten: HashMap<String, Vec<String>> = HashMap::new();
+        // One pass over every key: what changed since the last read (to tell a quiet
+        // table), and each key's demand.
         let (mut arrivals, mut busy, mut keys) = (0.0, false, 0);
-        self.table.each_limiter(|_, l| {
-            arrivals += l.demand().arrivals();
-            busy |= l.demand().in_flight() > 0 || l.demand().waiters() > 0;
-            keys += 1;
-        });
-        let reading = (arrivals, keys);
-        let mut demand = Vec::with_capacity(keys);
+        let mut demand = Vec::new();
         // Keys come resource by resource: its settings are looked up once per run of them.
         let mut current: Option<(&str, Option<Settings<'_>>)> = None;
         self.table.each_limiter(|resource, l| {
+            arrivals += l.demand().arrivals();
+            busy |= l.demand().in_flight() > 0 || l.demand().waiters() > 0;
+            keys += 1;
             let settings = match current {
                 Some((name, settings)) if name == resource => settings,
                 _ => {
@@ -269,6 +268,7 @@ impl Enforcer for TableEnforcer {
                 pressure,
             });
         });
+        let reading = (arrivals, keys);
         let mut last = self.last.lock().expect("enforcer reading");
         let quiet = !busy && forgotten.is_empty() && !self.pushback.any() && *last == Some(reading);
         *last = Some(reading);
