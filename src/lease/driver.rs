@@ -16,11 +16,10 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::cache;
-use super::core::{Action, CallError, Capacity, Core, CoreConfig, KeyDemand, KeyStatus, Lease, Mode, Source};
+use super::core::{Action, Capacity, Core, CoreConfig, KeyDemand, KeyStatus, Lease, Mode, Source};
 use super::transport::Transport;
+use super::{batch, cache};
 use crate::clock::Clock;
-use crate::proto;
 
 /// The enforcement side, as the lease client sees it.
 pub trait Enforcer: Send + Sync + 'static {
@@ -300,35 +299,7 @@ fn enforce(client: &LeaseClient) {
 /// Waits for one call to the server (None on shutdown). Leases keep expiring
 /// on time meanwhile: a call can hang for the whole RPC timeout against a
 /// blackholed server, longer than what is left of a lease.
-/// Most resources in one GetCapacity or ReleaseCapacity: what usher's server
-/// accepts in one request (`server::service::MAX_RESOURCES_PER_REQUEST`), and
-/// at most a few MB, within real Doorman servers' 4 MiB message limit.
-pub const MAX_RESOURCES_PER_CALL: usize = 10_000;
-
-/// One refresh of every key: one GetCapacity per [`MAX_RESOURCES_PER_CALL`]
-/// keys, one after the other, their answers merged. The first failure, or
-/// an answer that only says who the master is, ends it.
-async fn get_capacity(
-    transport: &dyn Transport,
-    target: &str,
-    mut request: proto::GetCapacityRequest,
-) -> Result<proto::GetCapacityResponse, CallError> {
-    if request.resource.len() <= MAX_RESOURCES_PER_CALL {
-        return transport.get_capacity(target, request).await;
-    }
-    let all = std::mem::take(&mut request.resource);
-    let mut merged = proto::GetCapacityResponse::default();
-    for part in all.chunks(MAX_RESOURCES_PER_CALL) {
-        let req = proto::GetCapacityRequest { client_id: request.client_id.clone(), resource: part.to_vec() };
-        let r = transport.get_capacity(target, req).await?;
-        if r.response.is_empty() && r.mastership.is_some() {
-            return Ok(r);
-        }
-        merged.response.extend(r.response);
-        merged.mastership = merged.mastership.or(r.mastership);
-    }
-    Ok(merged)
-}
+pub use super::batch::MAX_RESOURCES_PER_CALL;
 
 async fn call<T>(
     fut: impl Future<Output = T>,
@@ -395,7 +366,8 @@ async fn run(
                 client.core.lock().expect("lease core poisoned").on_discovery(clock.now(), &target, r);
             }
             Action::Refresh { target, request } => {
-                let Some(r) = call(get_capacity(&*transport, &target, request), &client, &shutdown, poll).await else {
+                let Some(r) = call(batch::get_capacity(&*transport, &target, request), &client, &shutdown, poll).await
+                else {
                     break;
                 };
                 if let Err(e) = &r {
@@ -417,7 +389,7 @@ async fn run(
                 }
             }
             Action::Release { target, request } => {
-                let r = transport.release_capacity(&target, request).await;
+                let r = batch::release_capacity(&*transport, &target, request).await;
                 client.core.lock().expect("lease core poisoned").on_release(clock.now(), r);
             }
         }
@@ -425,15 +397,7 @@ async fn run(
     let release = client.core.lock().expect("lease core poisoned").release_all();
     if let Some((target, req)) = release {
         let n = req.resource_id.len();
-        let released = async {
-            for ids in req.resource_id.chunks(MAX_RESOURCES_PER_CALL) {
-                let part =
-                    proto::ReleaseCapacityRequest { client_id: req.client_id.clone(), resource_id: ids.to_vec() };
-                transport.release_capacity(&target, part).await?;
-            }
-            Ok::<_, CallError>(())
-        };
-        match tokio::time::timeout(RELEASE_TIMEOUT, released).await {
+        match tokio::time::timeout(RELEASE_TIMEOUT, batch::release_capacity(&*transport, &target, req)).await {
             Ok(Ok(_)) => tracing::info!(server = %target, resources = n, "released every lease"),
             Ok(Err(e)) => {
                 tracing::warn!(server = %target, error = ?e, "releasing leases failed; they will expire on the server")

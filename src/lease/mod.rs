@@ -4,10 +4,12 @@
 //!
 //! [`core`] is the sans-I/O state machine (refresh schedule with jitter,
 //! discovery and failover, backoff, expiry modes); [`driver`] runs it against
-//! a [`transport`] in real time; [`cache`] keeps leases across restarts;
+//! a [`transport`] in real time, in calls [`batch`] keeps within what a
+//! server accepts; [`cache`] keeps leases across restarts;
 //! [`headroom`] sizes the margin over a measured rate.
 
 pub mod backoff;
+pub mod batch;
 pub mod cache;
 pub mod core;
 pub mod driver;

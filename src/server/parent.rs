@@ -26,6 +26,7 @@ use super::Node;
 use super::store::{Band, EPOCH_SEPARATOR, PREDECESSOR_PARAMETER, ParentLease};
 use crate::clock::{Clock, Time};
 use crate::config::resources::Algorithm;
+use crate::lease::batch;
 use crate::lease::core::{Action, CallError, Core, CoreConfig, KeyDemand, OnExpiry};
 use crate::lease::transport::Transport;
 use crate::proto;
@@ -292,13 +293,13 @@ pub async fn run(
                 sync.on_discovery(clock.now(), &target, r);
             }
             ParentAction::Release(target, request) => {
-                let r = transport.release_capacity(&target, request).await;
+                let r = batch::release_capacity(&*transport, &target, request).await;
                 sync.on_release(clock.now(), r);
             }
             ParentAction::Refresh(target, req) => {
                 let r = tokio::select! {
                     _ = shutdown.cancelled() => break,
-                    r = transport.get_server_capacity(&target, req) => r,
+                    r = batch::get_server_capacity(&*transport, &target, req) => r,
                 };
                 if let Err(e) = &r {
                     tracing::warn!(parent = %target, error = ?e, "refresh from parent failed");
@@ -310,7 +311,7 @@ pub async fn run(
     if let Some((target, req)) =
         current_link(&mut slot, &node, &parents, clock.now(), None).and_then(|s| s.release_all())
     {
-        let _ = tokio::time::timeout(Duration::from_secs(2), transport.release_capacity(&target, req)).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), batch::release_capacity(&*transport, &target, req)).await;
     }
 }
 
@@ -362,3 +363,6 @@ fn client_response(resp: proto::GetServerCapacityResponse) -> proto::GetCapacity
         mastership: resp.mastership,
     }
 }
+
+#[cfg(test)]
+mod tests;
