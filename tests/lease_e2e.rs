@@ -145,7 +145,7 @@ async fn fails_over_to_the_second_server_and_releases_on_sigterm() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn server_loss_falls_back_to_safe_capacity_and_recovers() {
+async fn server_loss_holds_the_lease_then_falls_back_to_safe_capacity_and_recovers() {
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
@@ -173,23 +173,32 @@ async fn server_loss_falls_back_to_safe_capacity_and_recovers() {
     assert!((r - 40.0).abs() <= 4.0, "leased rate {r:.1}/s");
     server.child.kill().unwrap();
     let killed = Instant::now();
-    // The lease is honoured until it expires (4 s), then safe mode: 5/s.
+    // The lease is honoured until it expires (4 s), then held for another
+    // lease length (the server keeps it reserved), then safe mode: 5/s.
     let r = rate_over(&up, Duration::from_secs(2)).await;
     assert!(r >= 36.0, "still the lease while it is valid: {r:.1}/s");
-    tokio::time::sleep(Duration::from_secs(5).saturating_sub(killed.elapsed())).await;
+    // The lease (valid for up to 4 s, granted within a refresh before the
+    // kill) has expired by 4.4 s, and its hold lasts as long again: still
+    // the whole rate, not the 5/s an expired lease would give.
+    let r = rate_over(&up, Duration::from_millis(4400).saturating_sub(killed.elapsed())).await;
+    assert!(r >= 34.0, "the held lease is enforced: {r:.1}/s\n{}", status(&p));
+    assert_eq!(status(&p)["lease"]["keys"][0]["mode"], "held", "{}", status(&p));
+    tokio::time::sleep(Duration::from_secs(9).saturating_sub(killed.elapsed())).await;
     let r = rate_over(&up, Duration::from_secs(3)).await;
-    assert!((r - 5.0).abs() <= 1.5, "safe capacity after expiry: {r:.1}/s\n{}", status(&p));
+    assert!((r - 5.0).abs() <= 1.5, "safe capacity after the hold: {r:.1}/s\n{}", status(&p));
     assert_eq!(status(&p)["lease"]["keys"][0]["mode"], "expired");
     let (_, metrics) = http_get(p.addr("admin"), "/metrics");
-    assert_eq!(
-        support::metric(
-            &metrics,
-            "usher_lease_transitions_total",
-            &[("resource_id", "api"), ("from", "leased"), ("to", "expired")]
-        ),
-        Some(1.0),
-        "the transition is counted"
-    );
+    for (from, to) in [("leased", "held"), ("held", "expired")] {
+        assert_eq!(
+            support::metric(
+                &metrics,
+                "usher_lease_transitions_total",
+                &[("resource_id", "api"), ("from", from), ("to", to)]
+            ),
+            Some(1.0),
+            "the transition {from} -> {to} is counted"
+        );
+    }
     // The server comes back (learning mode): the lease returns.
     let _server2 = start_server(dir.path(), "server2", config, port);
     let mut back = false;

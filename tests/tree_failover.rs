@@ -74,6 +74,20 @@ async fn killing_an_intermediates_master_under_load_keeps_the_tree_full() {
     let master = a.iter().position(|(u, _)| u.is_master()).unwrap();
     let killed = Instant::now();
     a[master].0.child.kill().unwrap();
+    // What every server and sidecar holds near the end, for the failure
+    // messages below (read once, after the figures that are checked began).
+    tokio::time::sleep_until((killed + Duration::from_secs(after - 5)).into()).await;
+    let mut state = String::from("state 35 s after the kill:");
+    let alive = [("root", &root), ("b", &b), ("a (new master)", &a[1 - master].0)];
+    for (name, u) in alive {
+        let (_, body) = support::http_get(u.addr("admin"), "/debug/resources?resource=api&format=json");
+        state += &format!("\n{name}: {body}");
+    }
+    for (name, s) in ["a0", "a1", "b0", "b1"].iter().zip(&sidecars) {
+        let (_, body) = support::http_get(s.addr("admin"), "/debug/status?format=json");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        state += &format!("\n{name}: {}", v["lease"]["keys"]);
+    }
     for l in loads {
         l.await.unwrap();
     }
@@ -81,7 +95,7 @@ async fn killing_an_intermediates_master_under_load_keeps_the_tree_full() {
     let per: Vec<Vec<usize>> = ups.iter().map(|u| u.stats.per_second(killed, after as usize)).collect();
     let total: Vec<usize> = (0..after as usize).map(|s| per.iter().map(|p| p[s]).sum()).collect();
     let report = format!(
-        "per second after the kill: a0 {:?}\na1 {:?}\nb0 {:?}\nb1 {:?}\ntotal {total:?}",
+        "per second after the kill: a0 {:?}\na1 {:?}\nb0 {:?}\nb1 {:?}\ntotal {total:?}\n{state}",
         per[0], per[1], per[2], per[3]
     );
     // No second above capacity plus the four sidecars' bursts, from the start.

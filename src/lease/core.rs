@@ -71,8 +71,24 @@ pub enum Mode {
     Leased,
     /// No lease has arrived yet: `on_expiry` applies.
     Pending,
+    /// The lease expired unrenewed and is held: still enforced, for as long
+    /// again as it was granted for, because the server that granted it keeps
+    /// it reserved that long (see `server::store::Reservation`). A server
+    /// outage shorter than that costs nothing; after it, `on_expiry` applies.
+    Held,
     /// The lease expired: `on_expiry` applies.
     Expired,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Leased => "leased",
+            Mode::Pending => "pending",
+            Mode::Held => "held",
+            Mode::Expired => "expired",
+        }
+    }
 }
 
 /// Where the capacity a key may use comes from, for status pages and logs.
@@ -118,6 +134,10 @@ fn ser_time<S: serde::Serializer>(t: &Time, s: S) -> Result<S::Ok, S::Error> {
 struct KeyState {
     demand: KeyDemand,
     lease: Option<Lease>,
+    /// Until when an expired `lease` is held (see [`Mode::Held`]): its
+    /// expiry plus the time it was granted for; `None` for a lease from the
+    /// cache or one that arrived already expired.
+    hold_until: Option<Time>,
     server_safe: Option<f64>,
     mode: Mode,
     last_error: Option<String>,
@@ -135,7 +155,7 @@ struct KeyState {
 impl KeyState {
     fn capacity(&self) -> Capacity {
         match (self.mode, self.lease) {
-            (Mode::Leased, Some(l)) => Capacity::Limited(l.capacity),
+            (Mode::Leased | Mode::Held, Some(l)) => Capacity::Limited(l.capacity),
             _ => match self.demand.on_expiry {
                 OnExpiry::Optimistic => Capacity::Limited(self.demand.wants),
                 OnExpiry::Pessimistic => Capacity::Limited(0.0),
@@ -326,6 +346,7 @@ impl Core {
             KeyState {
                 demand,
                 lease: Some(lease),
+                hold_until: None,
                 server_safe: None,
                 mode: Mode::Leased,
                 last_error: None,
@@ -381,6 +402,7 @@ impl Core {
                         KeyState {
                             demand: d,
                             lease: None,
+                            hold_until: None,
                             server_safe: None,
                             mode: Mode::Pending,
                             last_error: None,
@@ -415,14 +437,21 @@ impl Core {
 
     fn expire(&mut self, now: Time) {
         for (id, k) in self.keys.iter_mut() {
-            if k.mode == Mode::Leased && k.lease.is_some_and(|l| l.expiry <= now) {
-                k.mode = Mode::Expired;
-                self.transitions.push(Transition {
-                    resource_id: id.clone(),
-                    from: Mode::Leased,
-                    to: Mode::Expired,
-                    capacity: k.capacity(),
-                });
+            let from = k.mode;
+            let held = k.hold_until.is_some_and(|h| h > now);
+            k.mode = match from {
+                Mode::Leased if k.lease.is_some_and(|l| l.expiry <= now) => {
+                    if held {
+                        Mode::Held
+                    } else {
+                        Mode::Expired
+                    }
+                }
+                Mode::Held if !held => Mode::Expired,
+                m => m,
+            };
+            if k.mode != from {
+                self.transitions.push(Transition { resource_id: id.clone(), from, to: k.mode, capacity: k.capacity() });
             }
         }
     }
@@ -484,10 +513,14 @@ impl Core {
             .map(|(id, k)| proto::ResourceRequest {
                 resource_id: id.clone(),
                 priority: k.demand.priority,
-                has: k.lease.filter(|l| k.mode == Mode::Leased && l.expiry > now).map(|l| proto::Lease {
-                    expiry_time: l.expiry.as_secs(),
-                    refresh_interval: l.refresh_interval.as_secs() as i64,
-                    capacity: l.capacity,
+                // A held lease is reported too (its expiry past): a server
+                // learning what its predecessor's clients hold must count it.
+                has: k.lease.filter(|l| (k.mode == Mode::Leased && l.expiry > now) || k.mode == Mode::Held).map(|l| {
+                    proto::Lease {
+                        expiry_time: l.expiry.as_secs(),
+                        refresh_interval: l.refresh_interval.as_secs() as i64,
+                        capacity: l.capacity,
+                    }
                 }),
                 wants: if k.demand.wants.is_finite() { k.demand.wants.max(0.0) } else { 0.0 },
             })
@@ -607,6 +640,7 @@ impl Core {
                 };
             }
             k.lease = Some(lease);
+            k.hold_until = (lease.expiry > now).then(|| lease.expiry.saturating_add(lease.expiry.since(now)));
             k.cached = false;
             k.last_error = None;
             let from = k.mode;
@@ -641,7 +675,7 @@ impl Core {
                 mode: k.mode,
                 source: match (k.mode, k.cached) {
                     (Mode::Leased, true) => Source::Cache,
-                    (Mode::Leased, false) => Source::Lease,
+                    (Mode::Leased | Mode::Held, false) => Source::Lease,
                     _ => Source::OnExpiry,
                 },
                 on_expiry: k.demand.on_expiry,

@@ -291,12 +291,7 @@ impl Enforcer for TableEnforcer {
     }
 
     fn on_transition(&self, t: &crate::lease::core::Transition) {
-        let mode = |m: crate::lease::Mode| match m {
-            crate::lease::Mode::Leased => "leased",
-            crate::lease::Mode::Pending => "pending",
-            crate::lease::Mode::Expired => "expired",
-        };
-        self.transitions.with_label_values(&[&t.resource_id, mode(t.from), mode(t.to)]).inc();
+        self.transitions.with_label_values(&[&t.resource_id, t.from.name(), t.to.name()]).inc();
     }
 
     fn apply(&self, capacities: &[(String, Capacity)]) {

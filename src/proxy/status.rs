@@ -70,13 +70,14 @@ fn status(p: &Proxy) -> Status {
 
 /// `usher_proxy_lease_state{resource_id, state}`: 1 for the state a lease key
 /// is in, 0 for the others (a state set, so an alert on `expired` or `safe`
-/// has a series to watch before it ever fires). `safe`: no lease, and the key
-/// enforces its safe capacity.
+/// has a series to watch before it ever fires). `held`: the lease expired
+/// unrenewed and is still enforced (see `lease::Mode::Held`); `safe`: no
+/// lease, and the key enforces its safe capacity.
 fn lease_state_gauge(proxy: &Proxy) -> prometheus::IntGaugeVec {
     let g = prometheus::IntGaugeVec::new(
         prometheus::Opts::new(
             "usher_proxy_lease_state",
-            "1 for the lease state of a resource key (leased, pending, expired, safe), 0 for the others.",
+            "1 for the lease state of a resource key (leased, held, pending, expired, safe), 0 for the others.",
         ),
         &["resource_id", "state"],
     )
@@ -91,12 +92,11 @@ fn observe_lease_states(g: &prometheus::IntGaugeVec, proxy: &Proxy) {
     let Some(status) = proxy.lease.get().map(|c| c.status()) else { return };
     for k in &status.keys {
         let state = match (k.mode, k.on_expiry) {
-            (Mode::Leased, _) => "leased",
+            (Mode::Leased | Mode::Held, _) => k.mode.name(),
             (_, OnExpiry::Safe) => "safe",
-            (Mode::Pending, _) => "pending",
-            (Mode::Expired, _) => "expired",
+            (Mode::Pending | Mode::Expired, _) => k.mode.name(),
         };
-        for s in ["leased", "pending", "expired", "safe"] {
+        for s in ["leased", "held", "pending", "expired", "safe"] {
             g.with_label_values(&[&k.resource_id, s]).set(i64::from(s == state));
         }
     }

@@ -50,21 +50,25 @@ pub fn encode(t: Time) -> String {
     (t.as_nanos() / 1_000_000).to_string()
 }
 
-/// What a new master makes of the record it found at `now`.
-pub fn predecessor(record: Option<&str>, now: Time) -> Predecessor {
+/// What a new master makes of the record it found at `now`, when clients
+/// hold an expired lease for up to `hold` (the longest lease: see
+/// `lease::Mode::Held`).
+pub fn predecessor(record: Option<&str>, now: Time, hold: Duration) -> Predecessor {
     match record.map(|v| v.trim().parse::<u64>()) {
-        None => outstanding(None, now),
-        Some(Ok(ms)) => outstanding(Some(Time::from_nanos(ms.saturating_mul(1_000_000))), now),
+        None => outstanding(None, now, hold),
+        Some(Ok(ms)) => outstanding(Some(Time::from_nanos(ms.saturating_mul(1_000_000))), now, hold),
         // Not ours to read: learn, as without a record.
         Some(Err(_)) => Predecessor::Unknown,
     }
 }
 
-/// What a new master makes of a recorded time (`None`: no record) at `now`.
-pub fn outstanding(recorded: Option<Time>, now: Time) -> Predecessor {
-    match recorded.map(|t| t.saturating_add(CLOCK_SKEW)) {
+/// What a new master makes of a recorded time (`None`: no record) at `now`:
+/// a lease that lapsed unrenewed is still held by its client for up to
+/// `hold` after the recorded time, so until then something is outstanding.
+pub fn outstanding(recorded: Option<Time>, now: Time, hold: Duration) -> Predecessor {
+    match recorded.map(|t| t.saturating_add(CLOCK_SKEW + hold)) {
         Some(until) if until > now => Predecessor::Until(until),
-        // Leases lapsed: their clients may run on their safe capacity.
+        // Leases and their holds lapsed: their clients may run on their safe capacity.
         Some(_) => Predecessor::Lapsed,
         None => Predecessor::NoneOutstanding,
     }
@@ -84,7 +88,7 @@ pub async fn take_over(
     let key = record_key(election_key);
     let found = etcd.get(&key).await?;
     let now = clock.now();
-    let before = predecessor(found.as_deref(), now);
+    let before = predecessor(found.as_deref(), now, node.store.longest_lease());
     if before == Predecessor::Unknown {
         tracing::warn!(key = %key, value = ?found, "unreadable lease record; learning as if nothing were known");
     }
@@ -130,14 +134,31 @@ mod tests {
     #[test]
     fn a_record_says_whether_anything_can_be_outstanding() {
         let now = Time::from_secs(1_800_000_000);
-        assert_eq!(predecessor(None, now), Predecessor::NoneOutstanding, "no record: a fresh deployment");
+        let zero = Duration::ZERO;
+        assert_eq!(predecessor(None, now, zero), Predecessor::NoneOutstanding, "no record: a fresh deployment");
         let passed = encode(now.saturating_sub(CLOCK_SKEW));
-        assert_eq!(predecessor(Some(&passed), now), Predecessor::Lapsed, "expired leases, clients on safe capacity");
+        assert_eq!(
+            predecessor(Some(&passed), now, zero),
+            Predecessor::Lapsed,
+            "expired leases, clients on safe capacity"
+        );
         let later = now.saturating_add(Duration::from_secs(30));
-        assert_eq!(predecessor(Some(&encode(later)), now), Predecessor::Until(later.saturating_add(CLOCK_SKEW)));
+        assert_eq!(predecessor(Some(&encode(later)), now, zero), Predecessor::Until(later.saturating_add(CLOCK_SKEW)));
         let just = encode(now.saturating_sub(Duration::from_secs(1)));
-        assert!(matches!(predecessor(Some(&just), now), Predecessor::Until(_)), "within the clock skew");
-        assert_eq!(predecessor(Some("soon"), now), Predecessor::Unknown);
+        assert!(matches!(predecessor(Some(&just), now, zero), Predecessor::Until(_)), "within the clock skew");
+        assert_eq!(predecessor(Some("soon"), now, zero), Predecessor::Unknown);
+        // Clients hold lapsed leases for up to a lease length: a record 50 s
+        // past still has leases outstanding with leases of 60 s, until the
+        // record plus the skew plus the hold.
+        let hold = Duration::from_secs(60);
+        let ago = now.saturating_sub(Duration::from_secs(50));
+        assert_eq!(
+            predecessor(Some(&encode(ago)), now, hold),
+            Predecessor::Until(ago.saturating_add(CLOCK_SKEW + hold)),
+            "held leases are outstanding"
+        );
+        let long_ago = encode(now.saturating_sub(Duration::from_secs(70)));
+        assert_eq!(predecessor(Some(&long_ago), now, hold), Predecessor::Lapsed, "holds lapsed too");
         assert_eq!(record_key("/usher/election/root"), "/usher/election/root/leases-until");
         let h = horizon(now, Duration::from_secs(60), Duration::from_secs(2));
         assert_eq!(h, now.saturating_add(Duration::from_secs(62)));

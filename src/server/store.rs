@@ -240,8 +240,6 @@ struct ClientLease {
     floor: Option<(f64, Time)>,
     /// What the parent tells a new master of its predecessor.
     predecessor_subclients: Option<u64>,
-    /// The safe capacity per subclient the last answer carried (< 0: unlimited).
-    safe: f64,
 }
 
 /// What a lease leaves behind when it expires unrenewed: its client now runs
@@ -713,8 +711,7 @@ impl Resource {
             }
             let owner = self.slot_owner[slot as usize].clone().expect("expiring slot has an owner");
             let l = self.clients.get(&*owner).expect("expiring slot has a lease");
-            let keep = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
-            let amount = if l.safe < 0.0 { keep } else { keep.min(l.safe * l.subclients as f64) };
+            let amount = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
             let until = expiry.saturating_add(self.algorithm().lease_length);
             let epoch = l.epoch;
             self.remove(&owner);
@@ -948,7 +945,6 @@ impl Resource {
                 epoch: None,
                 floor: None,
                 predecessor_subclients: None,
-                safe,
             },
         );
         // It may run on what is still reserved for it here, and no more.
@@ -975,7 +971,11 @@ impl Resource {
             Some(s) if s >= 0.0 => req.wants.min(s * req.subclients as f64),
             _ => 0.0,
         };
-        req.reported_has.map_or(safe, |h| h.max(safe))
+        match req.reported_has {
+            // More than it holds is not covered by what the parent counts.
+            Some(h) if h > 0.0 => h,
+            _ => safe,
+        }
     }
 
     fn decide(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
@@ -1134,8 +1134,13 @@ impl Resource {
                     Some((f, until)) if until > now => reported.max(f),
                     // The predecessor's leases have lapsed: those of its
                     // subclients that have not come back to the new master
-                    // run on their safe capacity (never above their lease,
-                    // so within the floor) for up to a lease length.
+                    // are counted at their safe capacity (at most the floor)
+                    // for up to a lease length. They may hold more (a lapsed
+                    // lease is held: see `lease::Mode::Held`), but counting
+                    // their part of the floor instead let the new master keep
+                    // it as its own grant (a cut grant keeps min(has, share))
+                    // and hand it out again: scenario seven reached 110.55%
+                    // (benches/RESULTS.md, step 13).
                     Some((f, _)) => {
                         let missing = predecessor.unwrap_or(0).saturating_sub(req.subclients);
                         let safe = self.configured_safe_capacity().unwrap_or(f);
@@ -1196,10 +1201,6 @@ impl Resource {
             epoch,
             floor,
             predecessor_subclients: predecessor,
-            safe: match self.configured_safe_capacity() {
-                Some(s) => s,
-                None => safe,
-            },
         };
         self.index.upsert(slot, req.wants, req.subclients, has);
         self.file_bands(slot, &bands, has);

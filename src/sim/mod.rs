@@ -256,7 +256,7 @@ impl Sim {
         }
         // A fresh deployment: no master has recorded anything yet.
         for n in &nodes {
-            n.node.store.set_predecessor(horizon::outstanding(None, start));
+            n.node.store.set_predecessor(horizon::outstanding(None, start, Duration::ZERO));
         }
         let mut clients = Vec::new();
         for &leaf in &level {
@@ -408,7 +408,7 @@ impl Sim {
         let n = &self.nodes[i].node;
         n.set_mastership(Mastership { is_master: false, master_address: None });
         n.set_mastership(Mastership { is_master: true, master_address: Some(self.nodes[i].addr.clone()) });
-        n.store.set_predecessor(horizon::outstanding(self.nodes[i].record, now));
+        n.store.set_predecessor(horizon::outstanding(self.nodes[i].record, now, n.store.longest_lease()));
         self.record(i);
     }
 

@@ -237,14 +237,31 @@ fn expiry_follows_on_expiry_per_key() {
         w.step(&mut c);
     }
     assert_eq!(cap(&mut c, w.clock.now(), "pes"), Capacity::Limited(50.0), "still within the lease");
+    // Expired unrenewed: each lease is held for as long again as it was
+    // granted for (the server keeps it reserved that long), and reported.
+    w.advance(Duration::from_secs(3));
+    w.step(&mut c);
+    let now = w.clock.now();
+    for k in ["opt", "pes", "safe"] {
+        assert_eq!(cap(&mut c, now, k), Capacity::Limited(50.0), "{k} is held");
+    }
+    assert!(c.status().iter().all(|k| k.mode == Mode::Held && k.source == Source::Lease), "{:?}", c.status());
+    let tr = c.take_transitions();
+    assert_eq!(tr.iter().filter(|t| (t.from, t.to) == (Mode::Leased, Mode::Held)).count(), 3);
+    assert!(c.request(now).resource.iter().all(|r| r.has.as_ref().is_some_and(|h| h.capacity == 50.0)));
+    // The hold ends 30 s after the expiry: on_expiry applies.
+    w.advance(Duration::from_secs(27));
+    w.step(&mut c);
+    assert_eq!(c.status()[0].mode, Mode::Held, "the hold lasts as long as the lease did");
     w.advance(Duration::from_secs(3));
     w.step(&mut c);
     let now = w.clock.now();
     assert_eq!(cap(&mut c, now, "opt"), Capacity::Limited(50.0));
     assert_eq!(cap(&mut c, now, "pes"), Capacity::Limited(0.0));
     assert_eq!(cap(&mut c, now, "safe"), Capacity::Limited(4.0), "the server's safe capacity beats the configured 2");
+    assert!(c.request(now).resource.iter().all(|r| r.has.is_none()), "an expired lease is not reported");
     let tr = c.take_transitions();
-    assert_eq!(tr.iter().filter(|t| t.to == Mode::Expired).count(), 3);
+    assert_eq!(tr.iter().filter(|t| (t.from, t.to) == (Mode::Held, Mode::Expired)).count(), 3);
     // The server comes back: leases return.
     w.net.set_up("s1", true);
     for _ in 0..40 {

@@ -113,8 +113,12 @@ async fn a_lease_expires_on_time_while_a_renewal_hangs() {
     time.advance(Duration::from_secs(12));
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(mode(&client), Some(Mode::Leased), "the lease is still valid");
-    // Past the lease's expiry: the key falls to its safe capacity although the call still hangs.
+    // Past the lease's expiry the lease is held, for as long again as it was
+    // granted for; then the key falls to its safe capacity although the call still hangs.
     time.advance(Duration::from_secs(20));
+    eventually("the lease is held while the renewal hangs", || mode(&client) == Some(Mode::Held)).await;
+    assert_ne!(enforcer.0.lock().unwrap().last(), Some(&Capacity::Limited(4.0)), "the held lease is enforced");
+    time.advance(Duration::from_secs(30));
     eventually("the lease expires while the renewal hangs", || mode(&client) == Some(Mode::Expired)).await;
     eventually("the safe capacity applies", || enforcer.0.lock().unwrap().last() == Some(&Capacity::Limited(4.0)))
         .await;
