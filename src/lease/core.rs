@@ -456,12 +456,37 @@ impl Core {
         }
     }
 
+    /// When the next key changes mode by itself (a lease expires, a hold
+    /// ends): a driver that sleeps until an action is due must wake then to
+    /// apply it.
+    fn next_lapse(&self) -> Option<Time> {
+        self.keys
+            .values()
+            .filter_map(|k| match k.mode {
+                Mode::Leased => k.lease.map(|l| l.expiry),
+                Mode::Held => k.hold_until,
+                Mode::Pending | Mode::Expired => None,
+            })
+            .min()
+    }
+
     fn target(&self) -> Option<String> {
         self.master.clone().or_else(|| self.cfg.servers.get(self.rotation % self.cfg.servers.len().max(1)).cloned())
     }
 
-    /// What to do now. Call again after every result and whenever demand changes.
+    /// What to do now. Call again after every result and whenever demand
+    /// changes. A wait ends no later than the next lease expiry or end of a
+    /// hold, when the capacities change by themselves.
     pub fn next_action(&mut self, now: Time) -> Action {
+        match self.next_action_unbounded(now) {
+            Action::Wait { until } => {
+                Action::Wait { until: self.next_lapse().map_or(until, |t| until.min(t).max(now)) }
+            }
+            a => a,
+        }
+    }
+
+    fn next_action_unbounded(&mut self, now: Time) -> Action {
         self.expire(now);
         if self.in_flight {
             return Action::Wait { until: self.next_refresh.max(now.saturating_add(Duration::from_millis(100))) };

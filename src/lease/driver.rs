@@ -31,8 +31,9 @@ pub trait Enforcer: Send + Sync + 'static {
     fn on_transition(&self, _t: &super::core::Transition) {}
     /// Whether the last [`Enforcer::demand`] found nothing going on (no
     /// request since the one before, none in flight or waiting, no key
-    /// made or forgotten): demand is then re-read every [`QUIET_POLL`]
-    /// instead of every [`DEMAND_POLL`], and at once on [`Enforcer::activity`].
+    /// made or forgotten): demand is then re-read when an action is due (at
+    /// most [`QUIET_POLL`] apart) instead of every [`DEMAND_POLL`], and at
+    /// once on [`Enforcer::activity`].
     fn quiet(&self) -> bool {
         false
     }
@@ -51,9 +52,12 @@ pub const DEMAND_POLL: Duration = Duration::from_millis(100);
 /// the poll to 200 ms), rather than the poll starving the requests it serves.
 const BOOKKEEPING_SHARE: u32 = 20;
 
-/// How often demand is re-read while the enforcer is quiet. What needs the
-/// lease client sooner (a new key, a request that waits) signals activity.
-pub const QUIET_POLL: Duration = Duration::from_secs(5);
+/// The longest a quiet enforcer's demand goes unread. Otherwise it is read
+/// only when something is due (a refresh, a lease's expiry or the end of its
+/// hold: each one re-reads demand first) and when the enforcer signals
+/// activity (a new key, a request that waits or is refused, the first
+/// request after a quiet spell): an idle sidecar wakes for its refreshes only.
+pub const QUIET_POLL: Duration = Duration::from_secs(60);
 /// How long shutdown waits for ReleaseCapacity.
 pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
 

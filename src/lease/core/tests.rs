@@ -271,6 +271,31 @@ fn expiry_follows_on_expiry_per_key() {
     assert!(c.status().iter().all(|k| k.mode == Mode::Leased), "{:?}", c.status());
 }
 
+/// A driver sleeps until the action a wait names: the wait ends when a lease
+/// expires or its hold ends, whatever the refresh schedule, so the new
+/// capacity is applied on time by a sidecar that reads nothing in between.
+#[test]
+fn a_wait_ends_when_a_lease_lapses_and_when_its_hold_ends() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("r", 50.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    let now = w.clock.now();
+    let lease = c.lease_of("r").expect("leased");
+    let hold_end = lease.expiry.saturating_add(lease.expiry.since(now));
+    // Nothing else due for a long time (as with a refresh that backed off).
+    c.next_refresh = hold_end.saturating_add(Duration::from_secs(3600));
+    assert_eq!(c.next_action(now), Action::Wait { until: lease.expiry });
+    w.advance(lease.expiry.since(now));
+    let now = w.clock.now();
+    assert_eq!(c.next_action(now), Action::Wait { until: hold_end });
+    assert_eq!(c.status()[0].mode, Mode::Held);
+    w.advance(hold_end.since(now));
+    let now = w.clock.now();
+    assert_eq!(c.next_action(now), Action::Wait { until: c.next_refresh });
+    assert_eq!(c.status()[0].mode, Mode::Expired);
+}
+
 #[test]
 fn refreshes_of_a_fleet_started_together_spread_out() {
     let w = World::new(&["s1"]);
