@@ -49,7 +49,21 @@ impl EtcdServer {
         EtcdServer::launch(Some(ca))
     }
 
+    /// Starts etcd on free ports; a port taken between `free_port` and
+    /// etcd's bind (tests run in parallel) is retried on new ones.
     fn launch(ca: Option<&super::pki::Ca>) -> EtcdServer {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match EtcdServer::try_launch(ca) {
+                Ok(server) => return server,
+                Err(log) if attempt < 5 && log.contains("address already in use") => continue,
+                Err(log) => panic!("etcd did not become healthy:\n{log}"),
+            }
+        }
+    }
+
+    fn try_launch(ca: Option<&super::pki::Ca>) -> Result<EtcdServer, String> {
         let dir = tempfile::tempdir().unwrap();
         let (client, peer) = (free_port(), free_port());
         let scheme = if ca.is_some() { "https" } else { "http" };
@@ -70,7 +84,7 @@ impl EtcdServer {
             cmd.arg("--trusted-ca-file").arg(&ca.pem).arg("--client-cert-auth");
         }
         let child = cmd.spawn().expect("etcd is installed (Debian package etcd-server; .ci/test installs it)");
-        let server = EtcdServer { child, _dir: dir, endpoint };
+        let mut server = EtcdServer { child, _dir: dir, endpoint };
         let deadline = Instant::now() + Duration::from_secs(20);
         let addr = format!("127.0.0.1:{client}").parse().unwrap();
         loop {
@@ -81,13 +95,12 @@ impl EtcdServer {
                 up && super::http_get(addr, "/health").1.contains("true")
             };
             if healthy {
-                return server;
+                return Ok(server);
             }
-            assert!(
-                Instant::now() < deadline,
-                "etcd did not become healthy:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
+            // Exited (a port taken, say), or not healthy in time: the log says why.
+            if server.child.try_wait().ok().flatten().is_some() || Instant::now() >= deadline {
+                return Err(std::fs::read_to_string(&log).unwrap_or_default());
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
     }
