@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use support::load::{Tally, drive};
 use support::upstream::Upstream;
 use support::{Usher, free_port, http_get, write_file};
+use usher::server::percent_encode;
 
 const RULES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/usher/files/prometheus-rules.yaml");
 const DASHBOARD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/usher/files/grafana-dashboard.json");
@@ -81,7 +82,7 @@ impl Prometheus {
 
     /// `/api/v1/query`: the result vector (an error answer fails the test).
     fn query(&self, expr: &str) -> Vec<serde_json::Value> {
-        let (code, body) = http_get(self.addr, &format!("/api/v1/query?query={}", encode(expr)));
+        let (code, body) = http_get(self.addr, &format!("/api/v1/query?query={}", percent_encode(expr)));
         let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
         assert!(code == 200 && v["status"] == "success", "prometheus refused `{expr}`: {code} {body}");
         v["data"]["result"].as_array().cloned().unwrap_or_default()
@@ -91,7 +92,7 @@ impl Prometheus {
     /// (legend, points with x in seconds since `start`).
     fn range(&self, expr: &str, start: f64, legend: &str) -> Vec<(String, Vec<(f64, f64)>)> {
         let end = unix_now();
-        let path = format!("/api/v1/query_range?query={}&start={start}&end={end}&step=1", encode(expr));
+        let path = format!("/api/v1/query_range?query={}&start={start}&end={end}&step=1", percent_encode(expr));
         let (_, body) = http_get(self.addr, &path);
         let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
         let mut out = Vec::new();
@@ -111,15 +112,6 @@ impl Prometheus {
         }
         out
     }
-}
-
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }
 
 /// Every metric selector in a PromQL expression (`usher_…` or `usher:…`, with its matchers).

@@ -29,6 +29,7 @@ use crate::error::{RunError, bind};
 pub use local::LocalTransport;
 pub use metrics::Metrics;
 pub use service::CapacityService;
+pub use status::percent_encode;
 pub use store::Store;
 
 /// Default gRPC listen address.

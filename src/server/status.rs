@@ -192,7 +192,9 @@ fn leases_html(r: &ResourceLeases) -> String {
     admin::page(&format!("usher server: {}", r.resource), &b)
 }
 
-fn percent_encode(s: &str) -> String {
+/// Percent-encodes everything outside RFC 3986's unreserved characters, for
+/// a value in a URL's query or path.
+pub fn percent_encode(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
             b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
