@@ -51,7 +51,7 @@ async fn two_sidecars_split_a_fair_share_and_follow_a_demand_shift() {
     let pa = start_proxy(dir.path(), "a", &routes(&ua, &doorman("sidecar-a"), res));
     let pb = start_proxy(dir.path(), "b", &routes(&ub, &doorman("sidecar-b"), res));
     let (ta, tb) = (Arc::new(Tally::default()), Arc::new(Tally::default()));
-    let load_a = tokio::spawn(drive(pa.addr("listen"), 200.0, Duration::from_secs(22), ta.clone()));
+    let load_a = tokio::spawn(drive(pa.addr("listen"), 200.0, Duration::from_secs(25), ta.clone()));
     let load_b = tokio::spawn(drive(pb.addr("listen"), 200.0, Duration::from_secs(12), tb.clone()));
     // Let the leases settle, then measure 5 s at the upstreams.
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -67,12 +67,22 @@ async fn two_sidecars_split_a_fair_share_and_follow_a_demand_shift() {
     );
     assert!(ra + rb <= 100.0 + 10.0 / secs + 1e-9, "the total stays within capacity + burst: {:.1}/s", ra + rb);
     load_b.await.unwrap();
-    // b goes idle: within two refresh intervals (4 s) a reaches ≥ 95/s.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // b goes idle: b's next refresh reads its fallen demand and gives its
+    // share back (or the one after, if its measured demand has not yet
+    // fallen 5% below its lease), and a's next refresh takes it: within three
+    // refresh intervals (2 s, + 1/6 jitter each; 2.5-4.5 s in five runs). Then
+    // a admits ≥ 95/s.
+    let idle = Instant::now();
+    let lease_a = || status(&pa)["lease"]["keys"][0]["has"].as_f64().unwrap_or(0.0);
+    while lease_a() < 95.0 {
+        assert!(idle.elapsed() < Duration::from_millis(7000), "a's lease after b went idle: {}", status(&pa));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("figures: a's lease reached {} {:?} after b went idle", lease_a(), idle.elapsed());
     let a1 = ua.stats.requests();
     let t1 = Instant::now();
-    // 5 s (load a runs until 22 s), so one stall of the load weighs less.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // 4 s (load a runs until 25 s), so one stall of the load weighs less.
+    tokio::time::sleep(Duration::from_secs(4)).await;
     let ra = (ua.stats.requests() - a1) as f64 / t1.elapsed().as_secs_f64();
     assert!(ra >= 95.0, "a takes over the idle share: {ra:.1}/s\n{}", status(&pa));
     load_a.await.unwrap();
