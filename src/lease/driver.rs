@@ -27,7 +27,7 @@ pub trait Enforcer: Send + Sync + 'static {
     fn demand(&self) -> Vec<KeyDemand>;
     /// The capacity each key may use now.
     fn apply(&self, capacities: &[(String, Capacity)]);
-    /// A key changed mode (leased, pending, expired); already logged.
+    /// A key changed mode (leased, held, pending, expired); already logged.
     fn on_transition(&self, _t: &super::core::Transition) {}
     /// Whether the last [`Enforcer::demand`] found nothing going on (no
     /// request since the one before, none in flight or waiting, no key

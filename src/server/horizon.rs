@@ -15,10 +15,11 @@
 //! anything) and again at every renewal. The store never hands out a lease
 //! expiring after the last time written ([`Store::set_lease_horizon`]), so a
 //! late write shortens leases rather than leaving one uncovered. A new master
-//! that finds no record skips learning; one that finds a time already past
-//! (allowing [`CLOCK_SKEW`] between the servers' clocks) learns only for the
-//! reconnect allowance; one that finds a later time learns until then at the
-//! latest.
+//! that finds no record skips learning; one that finds a time more than the
+//! longest lease past (clients hold a lapsed lease that long; allowing
+//! [`CLOCK_SKEW`] between the servers' clocks) learns only for the reconnect
+//! allowance; one that finds a later time learns until that time plus the
+//! longest lease at the latest.
 //!
 //! [`Store::set_lease_horizon`]: super::store::Store::set_lease_horizon
 

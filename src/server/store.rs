@@ -121,8 +121,8 @@ pub enum Predecessor {
     Unknown,
     /// There was none (a fresh deployment): no learning mode.
     NoneOutstanding,
-    /// None can still be valid, but clients whose leases lapsed may run on
-    /// their safe capacity: learning mode lasts [`RECONNECT_ALLOWANCE`],
+    /// None can still be valid or held, but clients whose holds ended may run
+    /// on their safe capacity: learning mode lasts [`RECONNECT_ALLOWANCE`],
     /// while they reconnect (they retry within the lease client's backoff
     /// cap) and are each counted at that safe capacity.
     Lapsed,
@@ -242,11 +242,13 @@ struct ClientLease {
     predecessor_subclients: Option<u64>,
 }
 
-/// What a lease leaves behind when it expires unrenewed: its client now runs
-/// on its safe capacity (or is gone), which is never more than its last lease
-/// (see [`safe_for`]), so that much stays counted as handed out for a grace
-/// period of one lease length. Nobody else can be given the capacity a client
-/// cut off from the tree falls back to.
+/// What a lease leaves behind when it expires unrenewed: its client now holds
+/// it for as long again as it was granted for (`lease::Mode::Held`), then
+/// runs on its safe capacity, never more than its last lease (see
+/// [`safe_for`]), or is gone. The whole lease (a lower server's: at least
+/// what its clients hold) stays counted as handed out for one lease length
+/// after the expiry, so nobody else can be given what a client cut off from
+/// the tree goes on using.
 #[derive(Debug, Clone, PartialEq)]
 struct Reservation {
     amount: f64,
