@@ -48,7 +48,14 @@ pub enum Http1 {
 /// Serves connections with one set of limits. Cheap to clone.
 #[derive(Clone)]
 pub struct ConnServer {
+    /// For HTTP/2 prior-knowledge connections.
     builder: Arc<auto::Builder<TokioExecutor>>,
+    /// For connections whose first bytes are HTTP/1.1: hyper's own builder,
+    /// so its first read takes every byte already read (the auto builder's
+    /// protocol detection hands it only 24 bytes first, and hyper parses a
+    /// partial head again only once it ends in an empty line: a malformed
+    /// head was then never answered `400`, only timed out).
+    h1: Arc<hyper::server::conn::http1::Builder>,
     limits: ListenerLimits,
     /// Once cancelled, every HTTP/1.1 answer carries `connection: close`.
     draining: CancellationToken,
@@ -59,15 +66,14 @@ pub struct ConnServer {
 
 impl ConnServer {
     pub fn new(limits: ListenerLimits) -> Self {
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
+        let mut h1 = hyper::server::conn::http1::Builder::new();
+        h1.timer(TokioTimer::new())
             .header_read_timeout(limits.header_timeout)
             // No half-close: a client's EOF cancels its request, so a client that
             // gives up while waiting for capacity frees its place at once.
             .max_buf_size(limits.max_header_bytes)
             .max_headers(limits.max_headers);
+        let mut builder = auto::Builder::new(TokioExecutor::new());
         builder
             .http2()
             .timer(TokioTimer::new())
@@ -77,6 +83,7 @@ impl ConnServer {
             .max_local_error_reset_streams(MAX_LOCAL_ERROR_RESET_STREAMS);
         ConnServer {
             builder: Arc::new(builder),
+            h1: Arc::new(h1),
             limits,
             draining: CancellationToken::new(),
             closing: CancellationToken::new(),
@@ -134,7 +141,8 @@ impl ConnServer {
         if buf.is_empty() {
             return Ok(());
         }
-        let (buf, io) = if self.http1 == Http1::Native && buf[..] != *H2_PREFACE {
+        let h2 = buf[..] == *H2_PREFACE;
+        let (buf, io) = if self.http1 == Http1::Native && !h2 {
             let services = Services { pipeline: &proxy.pipeline, handoffs: &proxy.metrics.http1_handoffs };
             match h1::serve(self, &services, io, buf, deadline).await? {
                 Served::Closed => return Ok(()),
@@ -143,11 +151,12 @@ impl ConnServer {
         } else {
             (buf, io)
         };
-        self.serve_hyper(proxy, Prefixed { prefix: buf.freeze(), io }).await
+        self.serve_hyper(proxy, Prefixed { prefix: buf.freeze(), io }, h2).await
     }
 
-    /// Serves a connection with hyper (HTTP/1.1 or HTTP/2, detected from `io`'s first bytes).
-    async fn serve_hyper<I>(&self, proxy: Arc<Proxy>, io: Prefixed<I>) -> Result<(), BoxError>
+    /// Serves a connection with hyper: HTTP/2 when `h2` (its first bytes
+    /// were the preface), else HTTP/1.1.
+    async fn serve_hyper<I>(&self, proxy: Arc<Proxy>, io: Prefixed<I>, h2: bool) -> Result<(), BoxError>
     where
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -163,14 +172,24 @@ impl ConnServer {
                 Ok::<_, Infallible>(resp)
             }
         });
-        let conn = self.builder.serve_connection_with_upgrades(TokioIo::new(io), svc);
+        if h2 {
+            let conn = self.builder.serve_connection_with_upgrades(TokioIo::new(io), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                done = conn.as_mut() => return done,
+                _ = self.closing.cancelled() => {}
+            }
+            conn.as_mut().graceful_shutdown();
+            return conn.await;
+        }
+        let conn = self.h1.serve_connection(TokioIo::new(io), svc).with_upgrades();
         tokio::pin!(conn);
         tokio::select! {
-            done = conn.as_mut() => return done,
+            done = conn.as_mut() => return done.map_err(Into::into),
             _ = self.closing.cancelled() => {}
         }
         conn.as_mut().graceful_shutdown();
-        conn.await
+        conn.await.map_err(Into::into)
     }
 }
 
