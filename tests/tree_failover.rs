@@ -11,12 +11,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::etcd::{EtcdServer, elected_member_with};
-use support::load::{Tally, drive};
+use support::load::{Tally, drive_strict};
 use support::upstream::{Upstream, routes};
 use support::{Usher, write_file};
 
 const CAPACITY: f64 = 80.0;
-const OFFERED: f64 = 30.0;
+/// Twice the fair share: with 1.5 times it, a load whose timer ticks bunch up on
+/// this busy 2-core machine left slots of the 20/s unused, and a sidecar holding a
+/// lease of 20 admitted 16/s before the kill.
+const OFFERED: f64 = 40.0;
 const BURST: f64 = 2.0;
 const REFRESH: Duration = Duration::from_secs(2);
 const TTL: Duration = Duration::from_secs(3);
@@ -57,13 +60,32 @@ async fn killing_an_intermediates_master_under_load_keeps_the_tree_full() {
     ];
     let (warm, after) = (10u64, 40u64);
     let start = Instant::now();
+    let tallies: Vec<Arc<Tally>> = (0..4).map(|_| Arc::new(Tally::default())).collect();
     let loads: Vec<_> = sidecars
         .iter()
-        .map(|s| {
+        .zip(&tallies)
+        .map(|(s, t)| {
             let dur = Duration::from_secs(warm + after + 2);
-            tokio::spawn(drive(s.addr("listen"), OFFERED, dur, Arc::new(Tally::default())))
+            tokio::spawn(drive_strict(s.addr("listen"), OFFERED, dur, t.clone()))
         })
         .collect();
+    // Each sidecar's lease, every 250 ms, read off its status page on a
+    // thread of its own (blocking reads on the runtime would stall the loads).
+    let admins: Vec<std::net::SocketAddr> = sidecars.iter().map(|s| s.addr("admin")).collect();
+    let sampling = std::thread::spawn(move || {
+        let mut leases: Vec<Vec<(Instant, f64)>> = vec![Vec::new(); admins.len()];
+        while start.elapsed() < Duration::from_secs(warm + after) {
+            for (i, a) in admins.iter().enumerate() {
+                let (_, body) = support::http_get(*a, "/debug/status?format=json");
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                if let Some(c) = v["lease"]["keys"][0]["capacity"]["Limited"].as_f64() {
+                    leases[i].push((Instant::now(), c));
+                }
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        leases
+    });
     tokio::time::sleep(Duration::from_secs(warm)).await;
     let steady: Vec<usize> =
         ups.iter().map(|u| u.stats.per_second(start + Duration::from_secs(6), 4).iter().sum()).collect();
@@ -77,19 +99,33 @@ async fn killing_an_intermediates_master_under_load_keeps_the_tree_full() {
     // What every server and sidecar holds near the end, for the failure
     // messages below (read once, after the figures that are checked began).
     tokio::time::sleep_until((killed + Duration::from_secs(after - 5)).into()).await;
-    let mut state = String::from("state 35 s after the kill:");
-    let alive = [("root", &root), ("b", &b), ("a (new master)", &a[1 - master].0)];
-    for (name, u) in alive {
-        let (_, body) = support::http_get(u.addr("admin"), "/debug/resources?resource=api&format=json");
-        state += &format!("\n{name}: {body}");
-    }
-    for (name, s) in ["a0", "a1", "b0", "b1"].iter().zip(&sidecars) {
-        let (_, body) = support::http_get(s.addr("admin"), "/debug/status?format=json");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-        state += &format!("\n{name}: {}", v["lease"]["keys"]);
-    }
+    let admins: Vec<(&str, std::net::SocketAddr)> =
+        [("root", &root), ("b", &b), ("a (new master)", &a[1 - master].0)].map(|(n, u)| (n, u.addr("admin"))).into();
+    let mut state = tokio::task::spawn_blocking(move || {
+        let mut state = String::from("servers 35 s after the kill:");
+        for (name, addr) in admins {
+            let (_, body) = support::http_get(addr, "/debug/resources?resource=api&format=json");
+            state += &format!("\n{name}: {body}");
+        }
+        state
+    })
+    .await
+    .unwrap();
     for l in loads {
         l.await.unwrap();
+    }
+    let leases = sampling.join().unwrap();
+    for ((name, t), l) in ["a0", "a1", "b0", "b1"].iter().zip(&tallies).zip(&leases) {
+        // Each change of lease after the kill, as `seconds:capacity`.
+        let mut last = None;
+        let mut changes = Vec::new();
+        for (t, c) in l.iter().filter(|(t, _)| *t >= killed) {
+            if last != Some(*c) {
+                changes.push(format!("{:.1}s:{c:.1}", t.duration_since(killed).as_secs_f64()));
+                last = Some(*c);
+            }
+        }
+        state += &format!("\n{name}: load {}; lease after the kill {}", t.summary(), changes.join(" "));
     }
 
     let per: Vec<Vec<usize>> = ups.iter().map(|u| u.stats.per_second(killed, after as usize)).collect();
@@ -107,10 +143,19 @@ async fn killing_an_intermediates_master_under_load_keeps_the_tree_full() {
     let mean = total.iter().sum::<usize>() as f64 / after as f64;
     assert!(mean >= 0.95 * CAPACITY, "mean {mean:.1}/s over the 40 s after the kill\n{report}");
     // A's sidecars are back at 90% of their fair share (20/s) within two
-    // refresh intervals plus the election TTL, and stay there.
-    let back = (2 * REFRESH + TTL).as_secs() as usize;
-    for p in &per[..2] {
-        assert!(p[back..].iter().all(|n| *n as f64 >= 0.9 * 20.0), "not back by {back} s\n{report}");
+    // refresh intervals plus the election TTL, and stay there: their leases
+    // at every reading, and their admitted rate on average (a single second
+    // at the upstream moves with the load's timing on a busy machine).
+    let back = 2 * REFRESH + TTL;
+    for (p, l) in per[..2].iter().zip(&leases) {
+        let low = l.iter().find(|(t, c)| *t >= killed + back && *c < 0.9 * 20.0);
+        assert!(low.is_none(), "a lease below 18 after {back:?}: {low:?}\n{report}");
+        let rest = &p[back.as_secs() as usize..];
+        let mean = rest.iter().sum::<usize>() as f64 / rest.len() as f64;
+        assert!(mean >= 0.9 * 20.0, "not back at 18/s on average from {back:?}: {mean:.1}\n{report}");
+    }
+    for t in &tallies {
+        assert_eq!(t.errors.load(std::sync::atomic::Ordering::Relaxed), 0, "requests unanswered\n{report}");
     }
     eprintln!("mean {mean:.1}/s over the 40 s after the kill; {report}");
 }

@@ -240,18 +240,31 @@ struct ClientLease {
     floor: Option<(f64, Time)>,
     /// What the parent tells a new master of its predecessor.
     predecessor_subclients: Option<u64>,
+    /// The safe capacity per subclient the last answer carried (< 0: unlimited).
+    safe: f64,
 }
 
 /// What a lease leaves behind when it expires unrenewed: its client now holds
 /// it for as long again as it was granted for (`lease::Mode::Held`), then
 /// runs on its safe capacity, never more than its last lease (see
-/// [`safe_for`]), or is gone. The whole lease (a lower server's: at least
-/// what its clients hold) stays counted as handed out for one lease length
-/// after the expiry, so nobody else can be given what a client cut off from
-/// the tree goes on using.
+/// [`safe_for`]), or is gone. What the client may use stays counted as handed
+/// out, so nobody else can be given what a client cut off from the tree goes
+/// on using: the whole lease (a lower server's: at least what its clients
+/// hold) while the client holds it, then its safe capacity, until one lease
+/// length after the expiry.
+///
+/// Reserving the whole lease for the whole lease length instead held back
+/// capacity nobody used: a new intermediate master's 2 s leases from before
+/// its parent answered, lapsing, kept their whole amount counted (and
+/// reported to the parent) for a full lease length, and the tree's other
+/// clients were cut for seconds after a failover (tests/tree_failover.rs).
 #[derive(Debug, Clone, PartialEq)]
 struct Reservation {
+    /// What is reserved now.
     amount: f64,
+    /// Until when the whole lease is held; `then` is reserved after it.
+    hold_until: Time,
+    then: f64,
     until: Time,
     epoch: Option<u64>,
     /// Subclients that may still hold leases under it: a released lower
@@ -714,15 +727,24 @@ impl Resource {
             let owner = self.slot_owner[slot as usize].clone().expect("expiring slot has an owner");
             let l = self.clients.get(&*owner).expect("expiring slot has a lease");
             let amount = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
-            let until = expiry.saturating_add(self.algorithm().lease_length);
+            let lease_length = self.algorithm().lease_length;
+            let until = expiry.saturating_add(lease_length);
+            // The client holds its lease for as long again as it was granted for.
+            let hold_until = expiry.saturating_add(expiry.since(l.last_request).min(lease_length));
+            let then = if l.safe < 0.0 { amount } else { amount.min(l.safe * l.subclients as f64) };
             let epoch = l.epoch;
             self.remove(&owner);
             if amount > 0.0 && until > now {
-                self.reserve(owner, Reservation { amount, until, epoch, holders: 0 });
+                self.reserve(owner, Reservation { amount, hold_until, then, until, epoch, holders: 0 });
             }
         }
-        if self.reservations.values().any(|r| r.until <= now) {
-            self.reservations.retain(|_, r| r.until > now);
+        if self.reservations.values().any(|r| r.until <= now || (r.hold_until <= now && r.amount > r.then)) {
+            self.reservations.retain(|_, r| {
+                if r.hold_until <= now {
+                    r.amount = r.amount.min(r.then);
+                }
+                r.until > now && r.amount > 0.0
+            });
             self.reserved = self.reservations.values().map(|r| r.amount).sum();
         }
     }
@@ -758,7 +780,7 @@ impl Resource {
         let key: Arc<str> = Arc::from(node);
         self.remove(node);
         if keep > 0.0 && until > now {
-            self.reserve(key, Reservation { amount: keep, until, epoch, holders });
+            self.reserve(key, Reservation { amount: keep, hold_until: until, then: keep, until, epoch, holders });
         }
     }
 
@@ -947,6 +969,7 @@ impl Resource {
                 epoch: None,
                 floor: None,
                 predecessor_subclients: None,
+                safe,
             },
         );
         // It may run on what is still reserved for it here, and no more.
@@ -1203,6 +1226,7 @@ impl Resource {
             epoch,
             floor,
             predecessor_subclients: predecessor,
+            safe: self.configured_safe_capacity().unwrap_or(safe),
         };
         self.index.upsert(slot, req.wants, req.subclients, has);
         self.file_bands(slot, &bands, has);

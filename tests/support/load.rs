@@ -15,6 +15,8 @@ pub struct Tally {
     pub other: AtomicU64,
     /// Requests that got no response at all (connection refused, reset or closed).
     pub errors: AtomicU64,
+    /// Connections the proxy closed after an answer (replaced by the strict loads).
+    pub closed: AtomicU64,
 }
 
 impl Tally {
@@ -25,11 +27,12 @@ impl Tally {
     /// `ok / refused / other / errors`, for messages.
     pub fn summary(&self) -> String {
         format!(
-            "ok {} refused {} other {} errors {}",
+            "ok {} refused {} other {} errors {} closed {}",
             self.ok.load(Ordering::Relaxed),
             self.refused.load(Ordering::Relaxed),
             self.other.load(Ordering::Relaxed),
-            self.errors.load(Ordering::Relaxed)
+            self.errors.load(Ordering::Relaxed),
+            self.closed.load(Ordering::Relaxed)
         )
     }
 }
@@ -45,11 +48,15 @@ pub async fn drive(addr: std::net::SocketAddr, rate: f64, dur: Duration, tally: 
             while ticks.next().await {
                 if c.ready().await.is_err() {
                     // The proxy closed the connection (it is shutting down): not an answer.
+                    tally.closed.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
                 let status = match c.send_request(get("app.local", "/x")).await {
                     Ok(r) => r.status().as_u16(),
-                    Err(e) if e.is_incomplete_message() || e.is_closed() => return,
+                    Err(e) if e.is_incomplete_message() || e.is_closed() => {
+                        tally.closed.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
                     Err(e) => panic!("request failed: {e}"),
                 };
                 let counter = match status {
@@ -108,6 +115,7 @@ async fn strict(
                 if let Some(c) = conn.as_mut()
                     && c.ready().await.is_err()
                 {
+                    tally.closed.fetch_add(1, Ordering::Relaxed);
                     conn = None;
                 }
                 let c = match conn.as_mut() {

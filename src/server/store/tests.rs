@@ -402,3 +402,41 @@ fn a_lapsed_lease_stays_reserved_in_full_for_a_lease_length() {
     let b = s.get_capacity("b", &req("r", 200.0, Some(40.0)));
     assert_eq!((b.capacity, s.status()[0].reserved), (100.0, 0.0));
 }
+
+#[test]
+fn a_short_lapsed_lease_is_reserved_in_full_while_held_then_at_its_safe_capacity() {
+    // An intermediate's leases end with its parent's: a 20 s lease out of a
+    // 60 s lease length. Its client holds it 20 s more, then runs on its
+    // safe capacity (10): that much stays reserved up to a lease length
+    // after the lapse, and no more.
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let mut t = (*template(Kind::FairShare, 100.0, 60, 8, 0)).clone();
+    t.safe_capacity = Some(10.0);
+    let mut s = Store::new(clock.clone(), ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    let lease = |secs| ParentLease {
+        capacity: 100.0,
+        expiry: clock.now().saturating_add(Duration::from_secs(secs)),
+        refresh_interval: Duration::from_secs(8),
+        algorithm: None,
+        safe_capacity: None,
+        predecessor_subclients: None,
+        answered_subclients: None,
+    };
+    s.get_capacity("a", &req("r", 60.0, None));
+    s.set_parent_lease("r", Some(lease(20)));
+    let a = s.get_capacity("a", &req("r", 60.0, None));
+    assert_eq!((a.capacity, a.expiry), (60.0, handle.now().saturating_add(Duration::from_secs(20))));
+    handle.advance(Duration::from_secs(19));
+    s.set_parent_lease("r", Some(lease(120)));
+    handle.advance(Duration::from_secs(2));
+    let reserved = |s: &Store| s.status()[0].reserved;
+    assert_eq!(reserved(&s), 60.0, "held: the whole lease");
+    assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 40.0);
+    handle.advance(Duration::from_secs(20));
+    assert_eq!(reserved(&s), 10.0, "after the hold: the safe capacity");
+    assert_eq!(s.parent_demand()[0].handed_out, 50.0, "b's 40 and the 10 reserved");
+    handle.advance(Duration::from_secs(39));
+    assert_eq!(reserved(&s), 0.0, "a lease length after the lapse");
+}
