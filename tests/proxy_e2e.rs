@@ -415,6 +415,57 @@ async fn reload_keeps_connections_and_limiter_state() {
     assert_eq!(metric(&body, "usher_proxy_config_reloads_total", &[]), Some(1.0));
 }
 
+/// The embedded server's lease of `api`: (capacity, refresh interval in seconds).
+fn embedded_lease(admin: std::net::SocketAddr) -> Option<(f64, f64)> {
+    let (_, body) = http_get(admin, "/debug/status?format=json");
+    let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+    let key = v["lease"]["keys"].as_array()?.iter().find(|k| k["resource_id"] == "api")?.clone();
+    Some((key["capacity"]["Limited"].as_f64()?, key["refresh_interval_s"].as_f64()?))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_lease_is_refreshed_rarely_and_follows_a_reloaded_capacity_at_once() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = |capacity: &str| {
+        format!(
+            "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  api: {{ kind: rate, capacity: {capacity} }}\n\
+             routes:\n  - {{ name: api, upstream: up, resources: [api] }}\n",
+            up.addr
+        )
+    };
+    let routes = write_file(dir.path(), "routes.yaml", &file("10/s"));
+    let u = start_proxy(&routes);
+    let admin = u.addr("admin");
+    // The sidecar is its embedded server's only client: it refreshes every
+    // 5 minutes (an idle sidecar wakes rarely), and asks early when it must.
+    assert_eventually!(
+        embedded_lease(admin) == Some((10.0, 300.0)),
+        Duration::from_secs(10),
+        "{:?}",
+        embedded_lease(admin)
+    );
+    // A raised capacity, with no request at all (no pressure to ask early):
+    // leased at once, not at the next refresh.
+    replace(&routes, &file("50/s"));
+    u.wait_for_log("routes reloaded", Duration::from_secs(20));
+    assert_eventually!(
+        embedded_lease(admin).is_some_and(|l| l.0 == 50.0),
+        Duration::from_secs(5),
+        "{:?}",
+        embedded_lease(admin)
+    );
+    // And a lowered one.
+    replace(&routes, &file("5/s"));
+    assert_eventually!(
+        embedded_lease(admin).is_some_and(|l| l.0 == 5.0),
+        Duration::from_secs(25),
+        "{:?}",
+        embedded_lease(admin)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests() {
     let up = Upstream::gated().await;

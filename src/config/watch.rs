@@ -2,7 +2,7 @@
 //! the file's directory (which is how Kubernetes swaps a ConfigMap: it
 //! re-points a `..data` symlink, so the file's own inode never changes), and
 //! on a slow poll as a fallback for filesystems without inotify (every 5 s;
-//! every 30 s while the directory is watched). Callers
+//! every 5 min while the directory is watched). Callers
 //! compare contents, so a spurious wake-up costs one read.
 
 use std::path::{Path, PathBuf};
@@ -29,7 +29,7 @@ pub const DEBOUNCE: Duration = Duration::from_millis(200);
 pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
 /// The same while the directory is watched: a safety net only, slow so
 /// that an idle process wakes rarely.
-pub const WATCHED_POLL_INTERVAL: Duration = Duration::from_secs(30);
+pub const WATCHED_POLL_INTERVAL: Duration = Duration::from_secs(300);
 
 /// Starts watching `path`. The returned receiver yields a [`Cause`] per
 /// trigger (bursts are coalesced) until `shutdown` is cancelled.

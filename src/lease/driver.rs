@@ -57,7 +57,7 @@ const BOOKKEEPING_SHARE: u32 = 20;
 /// hold: each one re-reads demand first) and when the enforcer signals
 /// activity (a new key, a request that waits or is refused, the first
 /// request after a quiet spell): an idle sidecar wakes for its refreshes only.
-pub const QUIET_POLL: Duration = Duration::from_secs(60);
+pub const QUIET_POLL: Duration = Duration::from_secs(300);
 /// How long shutdown waits for ReleaseCapacity.
 pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
 

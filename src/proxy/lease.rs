@@ -28,6 +28,13 @@ use crate::server::{LocalTransport, Node};
 pub const EMBEDDED: &str = "embedded";
 /// How often the lease client may refresh early from the embedded server.
 const EMBEDDED_MIN_INTERVAL: Duration = Duration::from_millis(100);
+/// The embedded server's refresh interval and lease length. Its only client
+/// is this sidecar, so a refresh changes nothing that an early ask would not
+/// (new keys and demand away from the lease ask at once, a reloaded
+/// capacity by [`TableEnforcer::demand`]): long, so an idle
+/// sidecar wakes for its leases a few times an hour.
+pub const EMBEDDED_REFRESH_INTERVAL: Duration = Duration::from_secs(300);
+pub const EMBEDDED_LEASE_LENGTH: Duration = Duration::from_secs(900);
 /// The window over which a rate resource's demand is measured: short, so
 /// that wants follow demand up and down within a refresh or two.
 pub const DEMAND_WINDOW: Duration = Duration::from_secs(2);
@@ -212,10 +219,14 @@ impl Enforcer for TableEnforcer {
         let activity = self.table.activity();
         activity.sleep(true);
         let cfg = self.config();
+        // A routes file reloaded into the embedded server: every key asks for
+        // its (maybe raised) capacity now, not at its next refresh.
+        let mut reloaded = false;
         if let Some(node) = &self.embedded {
             let mut seen = self.seen_config.lock().expect("enforcer config");
             if !seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &cfg)) {
                 node.store.reload(embedded_resources(&cfg));
+                reloaded = seen.is_some();
                 *seen = Some(cfg.clone());
             }
         }
@@ -265,7 +276,7 @@ impl Enforcer for TableEnforcer {
                 wants,
                 on_expiry: on_expiry(settings.on_expiry),
                 safe_capacity: settings.safe_capacity,
-                pressure,
+                pressure: pressure || reloaded,
             });
         });
         let reading = (arrivals, keys);
@@ -321,8 +332,8 @@ fn on_expiry(o: crate::config::doorman::OnExpiry) -> OnExpiry {
 pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
     let algorithm = Algorithm {
         kind: crate::algorithm::Kind::FairShare,
-        lease_length: Duration::from_secs(60),
-        refresh_interval: Duration::from_secs(10),
+        lease_length: EMBEDDED_LEASE_LENGTH,
+        refresh_interval: EMBEDDED_REFRESH_INTERVAL,
         learning_mode_duration: Duration::ZERO,
         parameters: vec![],
     };
@@ -419,11 +430,10 @@ pub fn start_with(
                 prometheus::Registry::new(),
             );
             // The routes file's max_keys already bound the keys; the embedded server
-            // takes every one of them (a standalone server's --max-resources does not apply).
-            node.store.set_limits(crate::server::store::Limits {
-                max_resources: usize::MAX,
-                ..crate::server::store::Limits::default()
-            });
+            // takes every one of them (a standalone server's --max-resources does not
+            // apply), from its one client, this sidecar.
+            node.store
+                .set_limits(crate::server::store::Limits { max_resources: usize::MAX, max_clients_per_resource: 1 });
             let node = Arc::new(node);
             let local = LocalTransport::new();
             local.add(EMBEDDED, node.clone());

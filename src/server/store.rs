@@ -112,6 +112,9 @@ struct Decision {
     min_interval: Duration,
     /// The same request decided again after its answer was held ([`Store::decide_again`]).
     again: bool,
+    /// Other clients may come (a resource may have more than one): a new
+    /// resource's leases carry a fast refresh during its first interval.
+    arrivals: bool,
 }
 
 /// What a new master knows of the leases its predecessor handed out.
@@ -582,7 +585,9 @@ impl Store {
                     let held = r.index.total_has();
                     // The same request again is never "too early".
                     let min_interval = if again { Duration::ZERO } else { self.min_request_interval };
-                    let grant = r.decide(client, req, now, Decision { learning, min_interval, again }, self.role);
+                    let arrivals = self.limits.max_clients_per_resource > 1;
+                    let d = Decision { learning, min_interval, again, arrivals };
+                    let grant = r.decide(client, req, now, d, self.role);
                     if r.index.total_has() < held - 1e-9 {
                         self.wake();
                     }
@@ -1004,7 +1009,7 @@ impl Resource {
     }
 
     fn decide(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
-        let Decision { learning, min_interval, again } = d;
+        let Decision { learning, min_interval, again, arrivals } = d;
         let (client, epoch) = match req.requester {
             Requester::Server { .. } => split_identity(id),
             Requester::Client { .. } => (id, None),
@@ -1203,11 +1208,12 @@ impl Resource {
             // Nothing to hand out yet (no lease from the parent): come back soon.
             refresh = Duration::from_secs(1);
             expiry = now.saturating_add(Duration::from_secs(2));
-        } else if held_back || now.since(self.created) < alg.refresh_interval {
+        } else if held_back || (arrivals && now.since(self.created) < alg.refresh_interval) {
             // Adaptive refresh: the grant was cut to what others leave
             // unused, or the resource is new and its clients are still
             // arriving (a first-come client must not keep everything for a
-            // whole interval). In steady state neither holds.
+            // whole interval). In steady state neither holds, and neither
+            // ever does on a sidecar's embedded server (its one client).
             refresh = refresh.min(FAST_REFRESH);
         }
         let expiry = self.cap_expiry(expiry);

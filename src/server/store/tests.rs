@@ -48,14 +48,14 @@ fn lease_store_sums_cleanup_and_release() {
         "a",
         &req("x", 12.0, Some(10.0)),
         now,
-        Decision { learning: true, min_interval: Duration::ZERO, again: false },
+        Decision { learning: true, min_interval: Duration::ZERO, again: false, arrivals: true },
         Role::Root,
     );
     r.decide(
         "b",
         &req("x", 12.0, Some(10.0)),
         now,
-        Decision { learning: true, min_interval: Duration::ZERO, again: false },
+        Decision { learning: true, min_interval: Duration::ZERO, again: false, arrivals: true },
         Role::Root,
     );
     r.template = template(Kind::FairShare, 100.0, 20, 5, 0);
@@ -63,7 +63,7 @@ fn lease_store_sums_cleanup_and_release() {
         "c",
         &req("x", 20.0, Some(15.0)),
         now,
-        Decision { learning: true, min_interval: Duration::ZERO, again: false },
+        Decision { learning: true, min_interval: Duration::ZERO, again: false, arrivals: true },
         Role::Root,
     );
     assert_eq!((r.index.total_has(), r.index.total_wants(), r.index.total_subclients()), (35.0, 44.0, 3));
@@ -368,7 +368,7 @@ fn learning_mode_hands_the_safe_capacity_to_a_client_holding_nothing_and_echoes_
     let mut t = (*template(Kind::FairShare, 50.0, 60, 10, 60)).clone();
     t.safe_capacity = Some(2.0);
     let mut r = Resource::new(Arc::new(t));
-    let learn = Decision { learning: true, min_interval: Duration::ZERO, again: false };
+    let learn = Decision { learning: true, min_interval: Duration::ZERO, again: false, arrivals: true };
     let now = Time::from_secs(500);
     // New, holding 0, holding more than the safe capacity, wanting less than it.
     assert_eq!(r.decide("new", &req("x", 10.0, None), now, learn, Role::Root).capacity, 2.0);
