@@ -8,8 +8,9 @@
 //! ended cleanly (one still sending a request body that the upstream
 //! answered early is finished by a task first, for at most `idle_timeout`).
 //! One that the upstream closed, or that idled past `idle_timeout`, is never
-//! handed out, and a reaper closes them three times per timeout until the
-//! pool is gone.
+//! handed out, and a reaper closes them three times per timeout while any
+//! connection is idle (it ends when none is, so an idle sidecar's pools
+//! wake nobody, and starts again with the next one put back).
 //!
 //! An idle stream that became readable (the upstream closed it, or sent
 //! bytes nobody asked for) is not reused, and telling costs no system call
@@ -23,7 +24,7 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, Once, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -203,13 +204,28 @@ pub struct Pool {
     tls: Option<Tls>,
     connect_timeout: Duration,
     idle_timeout: Duration,
-    stack: Mutex<Vec<(Pooled, Instant)>>,
-    reaper: Once,
+    stack: Mutex<Idle>,
+    /// Itself, for the reaper it starts.
+    me: Weak<Pool>,
+}
+
+/// The idle connections, and whether a reaper runs for them.
+#[derive(Default)]
+struct Idle {
+    conns: Vec<(Pooled, Instant)>,
+    reaping: bool,
 }
 
 impl Pool {
     pub fn new(addr: String, tls: Option<Tls>, connect_timeout: Duration, idle_timeout: Duration) -> Arc<Self> {
-        Arc::new(Pool { addr, tls, connect_timeout, idle_timeout, stack: Mutex::new(Vec::new()), reaper: Once::new() })
+        Arc::new_cyclic(|me| Pool {
+            addr,
+            tls,
+            connect_timeout,
+            idle_timeout,
+            stack: Mutex::new(Idle::default()),
+            me: me.clone(),
+        })
     }
 
     pub fn addr(&self) -> &str {
@@ -219,7 +235,7 @@ impl Pool {
     /// The most recently used idle connection that is still usable, as it was left.
     pub fn checkout_any(self: &Arc<Self>) -> Option<Pooled> {
         loop {
-            let (conn, since) = self.stack.lock().expect("pool lock").pop()?;
+            let (conn, since) = self.stack.lock().expect("pool lock").conns.pop()?;
             if since.elapsed() < self.idle_timeout
                 && let Some(conn) = conn.check(self)
             {
@@ -261,17 +277,22 @@ impl Pool {
     }
 
     fn push(&self, conn: Pooled) {
-        let mut stack = self.stack.lock().expect("pool lock");
-        if stack.len() < MAX_IDLE {
-            stack.push((conn, Instant::now()));
+        let mut idle = self.stack.lock().expect("pool lock");
+        if idle.conns.len() < MAX_IDLE {
+            idle.conns.push((conn, Instant::now()));
+        }
+        if !idle.reaping
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            idle.reaping = true;
+            rt.spawn(reap(self.me.clone(), self.idle_timeout));
         }
     }
 
     /// A new connection to the upstream (TCP with `TCP_NODELAY`, then the
     /// TLS handshake for an `https://` one, both within `connect_timeout`),
-    /// or why there is none, for a `502`'s detail. The first one starts the reaper.
+    /// or why there is none, for a `502`'s detail.
     pub async fn connect(self: &Arc<Self>) -> Result<Stream, String> {
-        self.reaper.call_once(|| spawn_reaper(Arc::downgrade(self), self.idle_timeout));
         let limit = self.connect_timeout;
         let connecting = async {
             let tcp = TcpStream::connect(&self.addr).await.map_err(|e| format!("tcp connect error: {e}"))?;
@@ -288,35 +309,43 @@ impl Pool {
 
     #[cfg(test)]
     pub fn idle_count(&self) -> usize {
-        self.stack.lock().expect("pool lock").len()
+        self.stack.lock().expect("pool lock").conns.len()
+    }
+
+    #[cfg(test)]
+    fn reaping(&self) -> bool {
+        self.stack.lock().expect("pool lock").reaping
     }
 }
 
 /// Closes connections idle for longer than `idle_timeout`, or no longer
 /// usable, three times per `idle_timeout` (so none outlives it by more than
-/// a third), until the pool is gone.
-fn spawn_reaper(pool: Weak<Pool>, idle_timeout: Duration) {
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(idle_timeout / 3);
+/// a third), until none is idle or the pool is gone.
+async fn reap(pool: Weak<Pool>, idle_timeout: Duration) {
+    let mut tick = tokio::time::interval(idle_timeout / 3);
+    tick.tick().await;
+    loop {
         tick.tick().await;
-        loop {
-            tick.tick().await;
-            let Some(pool) = pool.upgrade() else { return };
-            // Checked outside the lock (a busy hyper connection goes to a task).
-            let idle = std::mem::take(&mut *pool.stack.lock().expect("pool lock"));
-            let kept: Vec<_> = idle
-                .into_iter()
-                .filter(|(_, since)| since.elapsed() < idle_timeout)
-                .filter_map(|(c, since)| c.check(&pool).map(|c| (c, since)))
-                .collect();
-            // Newer ones came back meanwhile: they go on top.
-            let mut stack = pool.stack.lock().expect("pool lock");
-            let newer = std::mem::replace(&mut *stack, kept);
-            stack.extend(newer);
-            let excess = stack.len().saturating_sub(MAX_IDLE);
-            stack.drain(..excess);
+        let Some(pool) = pool.upgrade() else { return };
+        // Checked outside the lock (a busy hyper connection goes to a task).
+        let idle = std::mem::take(&mut pool.stack.lock().expect("pool lock").conns);
+        let kept: Vec<_> = idle
+            .into_iter()
+            .filter(|(_, since)| since.elapsed() < idle_timeout)
+            .filter_map(|(c, since)| c.check(&pool).map(|c| (c, since)))
+            .collect();
+        // Newer ones came back meanwhile: they go on top.
+        let mut idle = pool.stack.lock().expect("pool lock");
+        let newer = std::mem::replace(&mut idle.conns, kept);
+        idle.conns.extend(newer);
+        let excess = idle.conns.len().saturating_sub(MAX_IDLE);
+        idle.conns.drain(..excess);
+        if idle.conns.is_empty() {
+            // The next connection put back starts another.
+            idle.reaping = false;
+            return;
         }
-    });
+    }
 }
 
 /// What a `502` adds to a certificate the upstream's roots do not trust.
@@ -450,5 +479,14 @@ mod tests {
         assert_eq!(pool.idle_count(), 1);
         tokio::time::sleep(idle * 2).await;
         assert_eq!(pool.idle_count(), 0, "the reaper closed it");
+        // With nothing idle the reaper has ended (an idle sidecar's timers
+        // stay quiet); the next connection put back starts another.
+        assert!(!pool.reaping());
+        let c = pool.connect().await.unwrap();
+        let _server_side = listener.accept().await.unwrap();
+        pool.put(c);
+        assert!(pool.reaping());
+        tokio::time::sleep(idle * 2).await;
+        assert_eq!((pool.idle_count(), pool.reaping()), (0, false), "closed by a new reaper, which ended too");
     }
 }
