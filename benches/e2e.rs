@@ -53,6 +53,9 @@ struct Opts {
     callgrind: Option<f64>,
     /// `--idle S`: measure each proxy's cost while idle for S seconds.
     idle: Option<f64>,
+    /// `--idle-settle S`: seconds between the traffic and the idle measurement
+    /// (default 3; past the pools' 90 s idle timeout to see the steady state).
+    idle_settle: f64,
     /// `--keys N,N,...`: first requests of N new tenant keys, then N known ones, per proxy.
     keys: Vec<u64>,
     /// Requests per second of the `--keys` runs.
@@ -106,6 +109,7 @@ fn opts() -> Opts {
         soak: get("--soak").and_then(|v| v.parse().ok()),
         callgrind: get("--callgrind").and_then(|v| v.parse().ok()),
         idle: get("--idle").and_then(|v| v.parse().ok()),
+        idle_settle: get("--idle-settle").and_then(|v| v.parse().ok()).unwrap_or(3.0),
         keys: list("--keys", "").into_iter().map(|n| n as u64).collect(),
         keys_rate: num("--keys-rate", 5000.0, 5000.0, 1000.0),
         tls: match get("--upstream").as_deref() {
@@ -654,7 +658,7 @@ async fn proxies(o: &Opts, dir: &Path, plain: &Up) -> Vec<Target> {
 }
 
 /// What an idle proxy costs: after a second of traffic (so pools, leases and
-/// caches exist, as in a pod that served a while ago) and 3 s to settle,
+/// caches exist, as in a pod that served a while ago) and `--idle-settle` s,
 /// each proxy is left alone for `secs`, all of them at once. CPU time comes
 /// from every thread's `/proc/PID/task/TID/schedstat` (nanoseconds, not the
 /// 10 ms ticks of `stat`), wake-ups from their context switches; nginx is
@@ -666,7 +670,7 @@ async fn idle(o: &Opts, secs: f64) {
     for t in &targets {
         measure(t, 1000.0, 1.0, 8).await;
     }
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs_f64(o.idle_settle)).await;
     let pids = |t: &Target| -> Vec<u32> {
         let p = t.proc.as_ref().unwrap();
         let mut v = vec![p.child.id()];
@@ -680,8 +684,9 @@ async fn idle(o: &Opts, secs: f64) {
     tokio::time::sleep(Duration::from_secs_f64(secs)).await;
     let end: Vec<(u64, u64)> = targets.iter().map(reading).collect();
     let mut md = format!(
-        "### Idle cost ({secs} s idle after 1 s of traffic at 1,000 req/s)\n\n\
-         | target | CPU ms per idle hour | wake-ups per second | RSS (MB) | threads | processes |\n|---|---|---|---|---|---|\n"
+        "### Idle cost ({secs} s idle, from {} s after 1 s of traffic at 1,000 req/s)\n\n\
+         | target | CPU ms per idle hour | wake-ups per second | RSS (MB) | threads | processes |\n|---|---|---|---|---|---|\n",
+        o.idle_settle
     );
     for (i, t) in targets.iter().enumerate() {
         let cpu_ns = end[i].0.saturating_sub(start[i].0) as f64;
