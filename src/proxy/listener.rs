@@ -141,7 +141,7 @@ impl ConnServer {
         if buf.is_empty() {
             return Ok(());
         }
-        let h2 = buf[..] == *H2_PREFACE;
+        let h2 = buf.starts_with(H2_PREFACE);
         let (buf, io) = if self.http1 == Http1::Native && !h2 {
             let services = Services { pipeline: &proxy.pipeline, handoffs: &proxy.metrics.http1_handoffs };
             match h1::serve(self, &services, io, buf, deadline).await? {
