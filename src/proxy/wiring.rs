@@ -150,6 +150,11 @@ impl Proxy {
                     self.accounts.clone(),
                     self.clock.clone(),
                 )));
+                // The lease client reads the routes file in force with the
+                // demand: woken again now that it is stored (the table's own
+                // nudge above came before, and a read in between saw the old
+                // file and may have gone quiet for minutes).
+                self.table.activity().nudge();
                 self.metrics.config_reloads.inc();
                 state.loaded_at = Some(self.clock.now());
                 state.last_error = None;
