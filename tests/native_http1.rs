@@ -1829,6 +1829,87 @@ async fn requests_the_native_path_does_not_serve_go_to_hyper_with_their_reason()
     assert_eq!(up.seen().len(), 5);
 }
 
+/// Requests for an HTTP/2 upstream (h2c, or an `https://` one whose ALPN
+/// picked h2) stay on the native path once the upstream is known to speak
+/// h2 (an `https://` upstream's first request goes to hyper, whose answer
+/// tells), all on the upstream's one multiplexed connection, and come back
+/// as hyper's would: the same status, fields and body for a body of known
+/// length, a streamed one (chunked), an answer to HEAD, and a small POST body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_for_an_h2_upstream_stay_on_the_native_path() {
+    let pki = support::upstream::TestPki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &pki.ca_pem).unwrap();
+    let exchanges = [
+        ("GET", "/x", ""),
+        ("GET", "/stream?bytes=70000", ""),
+        ("GET", "/hold-body", ""),
+        ("HEAD", "/x", ""),
+        ("POST", "/sink", "hello"),
+    ];
+    let mut by_engine = Vec::new();
+    for engine in [Http1::Native, Http1::Hyper] {
+        let (h2c, tls) = (Upstream::start().await, Upstream::tls(&pki).await);
+        let yaml = format!(
+            "upstreams:\n  c: {{ url: \"http://{}\", h2c: true }}\n  \
+               t: {{ url: \"https://localhost:{}\", ca_file: \"{}\" }}\n\
+             routes:\n  - {{ name: c, match: {{ host: c.test }}, upstream: c }}\n  \
+               - {{ name: t, match: {{ host: t.test }}, upstream: t }}\n",
+            h2c.addr,
+            tls.addr.port(),
+            ca.display()
+        );
+        // `/hold-body` sends its second part once it has a permit: at once.
+        h2c.gate.add_permits(1);
+        tls.gate.add_permits(1);
+        let side = sidecar(&yaml, engine).await;
+        // The TLS upstream's first answer, on a connection of its own, tells what it speaks.
+        let mut first = Client::connect(side.addr).await;
+        first.send("GET /first HTTP/1.1\r\nHost: t.test\r\n\r\n").await;
+        assert_eq!(first.response(false).await.status, 200);
+
+        let mut c = Client::connect(side.addr).await;
+        let mut got = Vec::new();
+        for host in ["c.test", "t.test"] {
+            for (method, path, body) in exchanges {
+                let length =
+                    if body.is_empty() { String::new() } else { format!("Content-Length: {}\r\n", body.len()) };
+                c.send(format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\n{length}\r\n{body}")).await;
+                let r = c.response(method == "HEAD").await;
+                got.push((host, method, path, r.status, multiset(&r.headers), r.text()));
+            }
+        }
+        for (up, requests) in [(&h2c, 5), (&tls, 6)] {
+            let versions = up.stats.versions.lock().unwrap().clone();
+            assert_eq!(versions, vec![http::Version::HTTP_2; requests], "{engine:?}");
+            assert_eq!(up.stats.connections.load(std::sync::atomic::Ordering::SeqCst), 1, "{engine:?}");
+        }
+        let expected = match engine {
+            Http1::Native => reasons(&[("upstream", 1)]),
+            Http1::Hyper => BTreeMap::new(),
+        };
+        assert_eq!(handoffs(&side.proxy), expected, "{engine:?}: only the TLS upstream's first request went to hyper");
+        by_engine.push(got);
+    }
+    let native = &by_engine[0];
+    for (host, method, path, status, headers, text) in native {
+        let framing = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str());
+        assert_eq!(*status, 200, "{method} {host}{path}");
+        match (*method, *path) {
+            ("GET", "/x") => assert_eq!((text.as_str(), framing("content-length")), ("ok", Some("2"))),
+            ("GET", "/stream?bytes=70000") => {
+                assert_eq!((text.len(), framing("content-length")), (70000, Some("70000")));
+            }
+            // No length known: chunked.
+            ("GET", _) => assert_eq!((text.as_str(), framing("transfer-encoding")), ("first last", Some("chunked"))),
+            ("HEAD", _) => assert_eq!(text, ""),
+            _ => assert_eq!(text, "5", "the upstream got the 5-byte body"),
+        }
+    }
+    assert_eq!(by_engine[0], by_engine[1], "the native path answers as hyper does");
+}
+
 // === Http1::Hyper ===
 
 /// With `Http1::Hyper`, hyper serves every request, the everyday ones and

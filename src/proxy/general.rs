@@ -26,7 +26,9 @@ use super::h1pool::{self, PoolError};
 use super::pipeline::{Answer, Held, Hold, Inbound};
 use super::respond::{ProxyBody, ProxyError, is_grpc};
 use super::route::{Resolved, Routing};
-use super::upstream::{DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, VIA, strip_hop_by_hop, upstream_uri};
+use super::upstream::{
+    DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, VIA, client_error, error_chain, strip_hop_by_hop, upstream_uri,
+};
 use crate::limit::layer::BoxError;
 
 /// The general path's innermost stage: sends a request to its [`Target`],
@@ -183,7 +185,7 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
     *req.version_mut() = if up.config.h2c { Version::HTTP_2 } else { Version::HTTP_11 };
 
     let limit = req.extensions().get::<BodyLimit>().map(|l| l.0);
-    let req = req.map(|inner| RequestBody { inner, limit, seen: 0 });
+    let req = req.map(|inner| RequestBody::streamed(inner, limit));
 
     let started = tokio::time::Instant::now();
     if let Some(plain) = up.plain.as_ref().filter(|_| pooled) {
@@ -205,9 +207,9 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
     let resp = match sent {
         Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),
         Ok(Err(e)) if e.is_connect() => {
-            return Err(ProxyError::UpstreamConnect { upstream: name(), reason: reason(&e) });
+            return Err(ProxyError::UpstreamConnect { upstream: name(), reason: client_error(&e) });
         }
-        Ok(Err(e)) => return Err(failed(&e, name(), reason(&e))),
+        Ok(Err(e)) => return Err(failed(&e, name(), client_error(&e))),
         Ok(Ok(r)) => r,
     };
     if let Some(plain) = &up.plain {
@@ -274,31 +276,6 @@ fn source_of<'a, T: std::error::Error + 'static>(e: &'a (dyn std::error::Error +
         src = inner.source();
     }
     None
-}
-
-/// Why a request to an upstream failed, for the app and the operator: the
-/// causes under hyper-util's own `client error (Connect)` wrapper, which only
-/// names the stage, and what to do about an untrusted certificate.
-fn reason(e: &hyper_util::client::legacy::Error) -> String {
-    let mut s = match std::error::Error::source(e) {
-        Some(cause) => error_chain(cause),
-        None => error_chain(e),
-    };
-    if s.contains("invalid peer certificate") {
-        s.push_str(super::pool::UNTRUSTED);
-    }
-    s
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(inner) = src {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        src = inner.source();
-    }
-    s
 }
 
 /// The answer hyper sends for an upstream's: its body holds what the request

@@ -197,6 +197,12 @@ impl Upstream {
         &self.config.name
     }
 
+    /// Whether the upstream's requests share hyper-util's multiplexed
+    /// connection: h2c, or an `https://` upstream that picked h2 in ALPN.
+    pub fn multiplexed(&self) -> bool {
+        self.config.h2c || self.plain.as_ref().is_some_and(|p| p.speaks.load(Ordering::Relaxed) == H2)
+    }
+
     /// Records how long the upstream took to send its response head.
     pub fn observe(&self, started: tokio::time::Instant) {
         self.seconds.observe(started.elapsed().as_secs_f64());
@@ -237,6 +243,33 @@ fn tls_config(roots: RootCertStore, alpn: Vec<Vec<u8>>) -> Result<rustls::Client
         .with_no_client_auth();
     tls.alpn_protocols = alpn;
     Ok(tls)
+}
+
+/// Why a request to an upstream through hyper-util's client failed, for the
+/// app and the operator: the causes under hyper-util's own `client error
+/// (Connect)` wrapper, which only names the stage, and what to do about an
+/// untrusted certificate.
+pub(super) fn client_error(e: &hyper_util::client::legacy::Error) -> String {
+    let mut s = match std::error::Error::source(e) {
+        Some(cause) => error_chain(cause),
+        None => error_chain(e),
+    };
+    if s.contains("invalid peer certificate") {
+        s.push_str(super::pool::UNTRUSTED);
+    }
+    s
+}
+
+/// An error and its causes, joined by `: `.
+pub(super) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
 }
 
 /// Where a request goes; set by routing in the request's extensions.

@@ -11,10 +11,13 @@
 
 use std::mem::MaybeUninit;
 
-use http::Method;
+use http::header::{HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
+use http::{Method, Uri, Version};
 
 use super::fields::{eq_name, list_has, parse_length, push_field};
 use crate::config::limits::ListenerLimits;
+use crate::proxy::body::RequestBody;
 use crate::proxy::route::RequestView;
 use crate::proxy::upstream::{VIA, hop_by_hop};
 
@@ -201,19 +204,53 @@ impl Head<'_> {
         out.extend_from_slice(self.target.as_bytes());
         out.extend_from_slice(b" HTTP/1.1\r\n");
         push_field(out, b"host", host);
-        let named = &self.connection[..self.connections];
-        for h in self.headers {
-            // Content-Length frames the body sent below: it stays, whatever Connection names.
-            let skip = (h.name.len() == 4 && eq_name(h.name, "host"))
-                || hop_by_hop(h.name)
-                || (!eq_name(h.name, "content-length") && named.iter().any(|c| list_has(c, h.name.as_bytes())));
-            if !skip {
-                push_field(out, h.name.as_bytes(), h.value);
-            }
+        for h in self.forwarded() {
+            push_field(out, h.name.as_bytes(), h.value);
         }
         push_field(out, b"via", VIA.as_bytes());
         out.extend_from_slice(b"\r\n");
         out.extend_from_slice(body);
+    }
+
+    /// The client's fields that go upstream: all but Host (the upstream's
+    /// replaces it) and the hop-by-hop ones, standard or named by Connection.
+    fn forwarded(&self) -> impl Iterator<Item = &httparse::Header<'_>> {
+        let named = &self.connection[..self.connections];
+        self.headers.iter().filter(move |h| {
+            // Content-Length frames the body sent with it: it stays, whatever Connection names.
+            !((h.name.len() == 4 && eq_name(h.name, "host"))
+                || hop_by_hop(h.name)
+                || (!eq_name(h.name, "content-length") && named.iter().any(|c| list_has(c, h.name.as_bytes()))))
+        })
+    }
+
+    /// The request as hyper-util's client sends it to a multiplexed (h2)
+    /// upstream at `base`: the same target under the base path, the same
+    /// fields as [`Head::encode`] writes (the authority comes from `base`),
+    /// `via`, and `body`. `None` if a field is not one `http` accepts; the
+    /// general path then serves the request and answers for it.
+    pub fn request(&self, base: &Uri, h2c: bool, body: &[u8]) -> Option<http::Request<RequestBody>> {
+        let prefix = base.path().trim_end_matches('/');
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = base.scheme().cloned();
+        parts.authority = base.authority().cloned();
+        parts.path_and_query = Some(if prefix.is_empty() {
+            PathAndQuery::from_maybe_shared(bytes::Bytes::copy_from_slice(self.target.as_bytes())).ok()?
+        } else {
+            PathAndQuery::try_from(format!("{prefix}{}", self.target)).ok()?
+        });
+        let mut req = http::Request::new(RequestBody::whole(bytes::Bytes::copy_from_slice(body)));
+        *req.method_mut() = self.method.clone();
+        *req.uri_mut() = Uri::from_parts(parts).ok()?;
+        *req.version_mut() = if h2c { Version::HTTP_2 } else { Version::HTTP_11 };
+        let headers = req.headers_mut();
+        headers.reserve(self.headers.len() + 1);
+        for h in self.forwarded() {
+            let name = HeaderName::from_bytes(h.name.as_bytes()).ok()?;
+            headers.append(name, HeaderValue::from_bytes(h.value).ok()?);
+        }
+        headers.append(http::header::VIA, HeaderValue::from_static(VIA));
+        Some(req)
     }
 
     /// Safe to send twice (RFC 9110 §9.2.2): a reused connection that

@@ -42,6 +42,7 @@ use arc_swap::ArcSwap;
 use bytes::{Buf, BytesMut};
 use http::{Method, Response, StatusCode};
 use http_body_util::BodyExt;
+use hyper::body::{Body, Incoming};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
@@ -49,11 +50,12 @@ use tower::Service;
 
 pub use head::why;
 
+use super::body::RequestBody;
 use super::pipeline::{self, Exchange, Inbound, Pipeline, Reply};
 use super::pool::Stream;
 use super::respond::{ProxyBody, ProxyError};
 use super::route::RequestView;
-use super::upstream::{Target, Upstream};
+use super::upstream::{Target, Upstream, client_error};
 use crate::config::limits::ListenerLimits;
 use crate::limit::layer::BoxError;
 use head::Parsed;
@@ -336,11 +338,24 @@ impl<'c> Inbound for Request<'_, 'c> {
 
     fn ready(self, target: Target) -> Result<Prepared<'c>, &'static str> {
         let Target::Upstream(upstream) = target else { return Err(why::UPSTREAM) };
-        let Some(plain) = upstream.plain.as_ref().filter(|p| p.h1()) else { return Err(why::UPSTREAM) };
-        self.bufs.req.clear();
-        let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
-        self.head.encode(&plain.prefix, host, self.body, &mut self.bufs.req);
+        let send = match upstream.plain.as_ref() {
+            Some(plain) if plain.h1() => {
+                self.bufs.req.clear();
+                let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
+                self.head.encode(&plain.prefix, host, self.body, &mut self.bufs.req);
+                Send::Pool
+            }
+            _ if upstream.multiplexed() => Send::Shared(
+                self.head
+                    .request(&upstream.config.url, upstream.config.h2c, self.body)
+                    .map(Box::new)
+                    .ok_or(why::UPSTREAM)?,
+            ),
+            // An `https://` upstream before its first answer said what it speaks, or none.
+            _ => return Err(why::UPSTREAM),
+        };
         Ok(Prepared {
+            send,
             idempotent: self.head.idempotent(),
             head_request: self.head.method == Method::HEAD,
             upstream,
@@ -350,9 +365,19 @@ impl<'c> Inbound for Request<'_, 'c> {
     }
 }
 
-/// A request encoded for its HTTP/1.1 upstream.
+/// How a prepared request goes upstream.
+enum Send {
+    /// On a stream of the upstream's HTTP/1.1 pool, as encoded in the connection's `req` buffer.
+    Pool,
+    /// Through hyper-util's client, on the upstream's multiplexed connection
+    /// (boxed: the everyday HTTP/1.1 exchange's futures stay small).
+    Shared(Box<http::Request<RequestBody>>),
+}
+
+/// A request made ready for its upstream.
 struct Prepared<'c> {
-    /// An upstream with a native side (`ready` checked).
+    send: Send,
+    /// An upstream the native path forwards to (`ready` checked).
     upstream: std::sync::Arc<Upstream>,
     bufs: &'c mut Buffers,
     deadline: &'c mut Lazy,
@@ -361,11 +386,19 @@ struct Prepared<'c> {
 }
 
 /// The upstream's answer: its head (the client's version of it is in the
-/// connection's `out` buffer, the body's first bytes in `up`) and its stream.
+/// connection's `out` buffer) and where its body comes from.
 struct Answer {
-    stream: Stream,
+    body: Carried,
     head: ResponseHead,
     upstream: std::sync::Arc<Upstream>,
+}
+
+/// An answer's body.
+enum Carried {
+    /// The rest of it on the pooled stream (its first bytes in the connection's `up` buffer).
+    Stream(Stream),
+    /// Frames from the multiplexed connection.
+    Shared(Incoming),
 }
 
 impl pipeline::Answer for Answer {
@@ -378,27 +411,61 @@ impl pipeline::Answer for Answer {
     }
 }
 
-/// The pipeline's innermost stage on the native path: sends the encoded
-/// request on a pooled connection and reads the answer's head, within the
-/// upstream's `timeout`.
+/// The pipeline's innermost stage on the native path: sends the request
+/// (on a pooled connection, or on the upstream's multiplexed one) and reads
+/// the answer's head, within the upstream's `timeout`.
 async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
-    let Prepared { upstream, bufs, deadline, head_request, idempotent } = p;
+    let Prepared { send, upstream, bufs, deadline, head_request, idempotent } = p;
     let started = Instant::now();
     let timeout = upstream.config.timeout;
     deadline.set(started + timeout);
-    let pool = &upstream.plain.as_ref().expect("ready routes only HTTP/1.1 upstreams").pool;
     let name = || upstream.name().to_string();
-    let answered = tokio::select! {
-        biased;
-        r = roundtrip(pool, &name, head_request, idempotent, &bufs.req, &mut bufs.up, &mut bufs.out) => Some(r),
-        () = deadline.expired() => None,
+    let answered = match send {
+        Send::Pool => {
+            let pool = &upstream.plain.as_ref().expect("ready pools only for HTTP/1.1 upstreams").pool;
+            tokio::select! {
+                biased;
+                r = roundtrip(pool, &name, head_request, idempotent, &bufs.req, &mut bufs.up, &mut bufs.out) => {
+                    Some(r.map(|(stream, head)| (Carried::Stream(stream), head)))
+                }
+                () = deadline.expired() => None,
+            }
+        }
+        Send::Shared(req) => tokio::select! {
+            biased;
+            r = shared(&upstream, *req, head_request, &mut bufs.out) => Some(r),
+            () = deadline.expired() => None,
+        },
     };
     upstream.observe(started);
     match answered {
-        Some(Ok((stream, head))) => Ok(Answer { stream, head, upstream }),
+        Some(Ok((body, head))) => Ok(Answer { body, head, upstream }),
         Some(Err(e)) => Err(e),
         None => Err(ProxyError::UpstreamTimeout { upstream: name(), after: timeout }),
     }
+}
+
+/// Sends `req` through the upstream's multiplexed connection (hyper-util's
+/// client: h2 by ALPN, or h2c) and puts the client's version of the answer's
+/// head in `out`.
+async fn shared(
+    upstream: &Upstream,
+    req: http::Request<RequestBody>,
+    head_request: bool,
+    out: &mut Vec<u8>,
+) -> Result<(Carried, ResponseHead), ProxyError> {
+    let client = upstream.client.as_ref().expect("a multiplexed upstream has hyper-util's client");
+    let resp = client.request(req).await.map_err(|e| {
+        let upstream = upstream.name().to_string();
+        match e.is_connect() {
+            true => ProxyError::UpstreamConnect { upstream, reason: client_error(&e) },
+            false => ProxyError::Upstream { upstream, reason: client_error(&e) },
+        }
+    })?;
+    let (parts, body) = resp.into_parts();
+    out.clear();
+    let head = response::from_parts(&parts, head_request, body.size_hint().exact(), out);
+    Ok((Carried::Shared(body), head))
 }
 
 /// Sends the client an upstream's answer (head and body); returns whether
@@ -414,14 +481,17 @@ async fn answered<I>(
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
-    let Answer { stream, head, upstream } = answer;
+    let Answer { body, head, upstream } = answer;
     let close = taken.close || server.is_draining();
     if close {
         bufs.out.extend_from_slice(b"connection: close\r\n");
     }
     bufs.out.extend_from_slice(b"\r\n");
     let mut held = Some(held);
-    let relayed = relay(&head, stream, &mut bufs.up, io, &mut bufs.out, &mut held).await;
+    let relayed = match body {
+        Carried::Stream(stream) => relay(&head, stream, &mut bufs.up, io, &mut bufs.out, &mut held).await,
+        Carried::Shared(body) => relay_frames(head.framing, body, io, &mut bufs.out, &mut held).await.map(|()| None),
+    };
     let open = match relayed {
         Ok(Some(stream)) if head.reusable => {
             upstream.plain.as_ref().expect("a native answer comes from an HTTP/1.1 upstream").pool.put(stream);
@@ -646,6 +716,54 @@ where
     io.flush().await.map_err(BodyError::Client)?;
     // Bytes after the body are a broken upstream: its connection is not reused.
     Ok(up.is_empty().then_some(stream))
+}
+
+/// Sends the client the head in `out` and the body of an answer from a
+/// multiplexed upstream, frame by frame (chunked unless its length is
+/// known; trailers are dropped, as the client asked for none). `held` is
+/// released once the last data is in hand, as in [`relay`].
+async fn relay_frames<I>(
+    framing: Framing,
+    mut body: Incoming,
+    io: &mut I,
+    out: &mut Vec<u8>,
+    held: &mut Option<pipeline::Held>,
+) -> Result<(), BodyError>
+where
+    I: AsyncWrite + Unpin,
+{
+    let chunked = framing == Framing::Chunked;
+    if framing != Framing::Empty {
+        while !body.is_end_stream() {
+            match body.frame().await {
+                None => break,
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        if chunked {
+                            response::push_chunk(out, &data);
+                        } else {
+                            out.extend_from_slice(&data);
+                        }
+                    }
+                    if !body.is_end_stream() {
+                        send(io, out).await?;
+                    }
+                }
+                Some(Err(e)) => {
+                    // What came before the fault still goes out, head first.
+                    send(io, out).await?;
+                    io.flush().await.map_err(BodyError::Client)?;
+                    return Err(BodyError::Upstream(super::upstream::error_chain(&e)));
+                }
+            }
+        }
+        if chunked {
+            out.extend_from_slice(b"0\r\n\r\n");
+        }
+    }
+    *held = None;
+    send(io, out).await?;
+    io.flush().await.map_err(BodyError::Client)
 }
 
 /// Writes and empties `out`.

@@ -158,6 +158,58 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>) -> Result<Parsed
             push_field(out, h.name.as_bytes(), h.value);
         }
     }
+    push_framing(out, framing);
+    if !has_date {
+        push_date(out);
+    }
+    Ok(Parsed::Final(len, ResponseHead { status, framing, reusable, retry_after }))
+}
+
+/// The client's head for an answer that came through hyper-util's client
+/// (from a multiplexed h2 upstream), appended to `out` without its closing
+/// blank line, as [`parse`] does for an HTTP/1.1 one. The body is framed by
+/// its length when it is known (`exact`: a `content-length`, or an answer
+/// whose stream ended with its head), else chunked, as hyper's server
+/// frames it on the general path.
+pub fn from_parts(
+    parts: &http::response::Parts,
+    head_request: bool,
+    exact: Option<u64>,
+    out: &mut Vec<u8>,
+) -> ResponseHead {
+    let status = parts.status;
+    let no_body = head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    let framing = match (no_body, exact) {
+        (true, _) => Framing::Empty,
+        (false, Some(n)) => Framing::Length(n),
+        (false, None) => Framing::Chunked,
+    };
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    let mut has_date = false;
+    for (name, value) in &parts.headers {
+        let keep = if name == http::header::CONTENT_LENGTH {
+            framing == Framing::Empty && status != StatusCode::NO_CONTENT
+        } else {
+            !crate::proxy::upstream::hop_by_hop(name.as_str())
+        };
+        if keep {
+            has_date |= name == http::header::DATE;
+            push_field(out, name.as_str().as_bytes(), value.as_bytes());
+        }
+    }
+    push_framing(out, framing);
+    if !has_date {
+        push_date(out);
+    }
+    let retry_after = crate::proxy::pushback::retry_after(&parts.headers);
+    ResponseHead { status, framing, reusable: false, retry_after }
+}
+
+fn push_framing(out: &mut Vec<u8>, framing: Framing) {
     match framing {
         Framing::Length(n) => {
             out.extend_from_slice(b"content-length: ");
@@ -167,10 +219,6 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>) -> Result<Parsed
         Framing::Chunked | Framing::Close => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
         Framing::Empty => {}
     }
-    if !has_date {
-        push_date(out);
-    }
-    Ok(Parsed::Final(len, ResponseHead { status, framing, reusable, retry_after }))
 }
 
 /// Appends `date: <now>`, formatted once a second per thread (as hyper does).
