@@ -439,9 +439,9 @@ async fn an_embedded_lease_is_refreshed_rarely_and_follows_a_reloaded_capacity_a
     let u = start_proxy(&routes);
     let admin = u.addr("admin");
     // The sidecar is its embedded server's only client: it refreshes every
-    // 5 minutes (an idle sidecar wakes rarely), and asks early when it must.
+    // hour (an idle sidecar wakes rarely), and asks early when it must.
     assert_eventually!(
-        embedded_lease(admin) == Some((10.0, 300.0)),
+        embedded_lease(admin) == Some((10.0, 3600.0)),
         Duration::from_secs(10),
         "{:?}",
         embedded_lease(admin)
@@ -464,6 +464,43 @@ async fn an_embedded_lease_is_refreshed_rarely_and_follows_a_reloaded_capacity_a
         "{:?}",
         embedded_lease(admin)
     );
+}
+
+/// A templated key nobody uses is forgotten at its `key_idle_timeout`, and
+/// its lease released, on a sidecar where nothing else happens (its lease
+/// client otherwise sleeps until the next hourly refresh).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  tenant: {{ kind: rate, capacity: 10/s, id: \"t/{{header.x-tenant}}\", key_idle_timeout: 2s }}\n\
+             routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
+            up.addr
+        ),
+    );
+    let u = start_proxy(&routes);
+    let keys = || {
+        let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let ids = v["lease"]["keys"].as_array().map(|k| k.iter().map(|k| k["resource_id"].to_string()).collect());
+        ids.unwrap_or_else(Vec::new)
+    };
+    let mut c = h1(u.addr("listen")).await;
+    let req = Request::get("/x").header("host", "app").header("x-tenant", "acme").body(upstream::empty()).unwrap();
+    let sent = std::time::Instant::now();
+    assert_eq!(send1(&mut c, req).await.status, StatusCode::OK);
+    assert_eventually!(keys() == ["\"t/acme\""], Duration::from_secs(5), "{:?}", keys());
+    // Nothing more happens: the key goes at 2 s after its last use (the
+    // lease client's reads between then and now end in a quiet wait).
+    assert_eventually!(keys().is_empty(), Duration::from_secs(10), "{:?}", keys());
+    let took = sent.elapsed();
+    assert!(took >= Duration::from_secs(2), "forgotten after {took:?}, before its idle timeout");
+    u.wait_for_log("forgot an idle key", Duration::from_secs(5));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,9 +27,10 @@ pub const DEBOUNCE: Duration = Duration::from_millis(200);
 /// How often the file is re-read when no event arrives and the directory
 /// cannot be watched.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
-/// The same while the directory is watched: a safety net only, slow so
-/// that an idle process wakes rarely.
-pub const WATCHED_POLL_INTERVAL: Duration = Duration::from_secs(300);
+/// The same while the directory is watched: a safety net only (inotify
+/// reports every change, a Kubernetes ConfigMap's swap included), slow so
+/// that an idle process wakes once an hour.
+pub const WATCHED_POLL_INTERVAL: Duration = Duration::from_secs(3600);
 
 /// Starts watching `path`. The returned receiver yields a [`Cause`] per
 /// trigger (bursts are coalesced) until `shutdown` is cancelled.

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use super::core::{Action, Capacity, Core, CoreConfig, KeyDemand, KeyStatus, Lease, Mode, Source};
 use super::transport::Transport;
 use super::{batch, cache};
-use crate::clock::Clock;
+use crate::clock::{Clock, Time};
 
 /// The enforcement side, as the lease client sees it.
 pub trait Enforcer: Send + Sync + 'static {
@@ -41,6 +41,12 @@ pub trait Enforcer: Send + Sync + 'static {
     fn activity(&self) -> Option<Arc<Notify>> {
         None
     }
+    /// When a quiet enforcer's demand must be read again even if nothing
+    /// happens (a templated key's idle timeout ends then), as of the last
+    /// [`Enforcer::demand`]; `None`: only when an action is due.
+    fn due(&self) -> Option<Time> {
+        None
+    }
 }
 
 /// How often demand is re-read while nothing else is due.
@@ -52,12 +58,14 @@ pub const DEMAND_POLL: Duration = Duration::from_millis(100);
 /// the poll to 200 ms), rather than the poll starving the requests it serves.
 const BOOKKEEPING_SHARE: u32 = 20;
 
-/// The longest a quiet enforcer's demand goes unread. Otherwise it is read
-/// only when something is due (a refresh, a lease's expiry or the end of its
-/// hold: each one re-reads demand first) and when the enforcer signals
-/// activity (a new key, a request that waits or is refused, the first
-/// request after a quiet spell): an idle sidecar wakes for its refreshes only.
-pub const QUIET_POLL: Duration = Duration::from_secs(300);
+/// The longest a quiet enforcer's demand goes unread (a safety net). Otherwise
+/// it is read only when something is due (a refresh, a lease's expiry or the
+/// end of its hold: each one re-reads demand first; the enforcer's own
+/// [`Enforcer::due`], when an idle key is to be forgotten) and when the
+/// enforcer signals activity (a new key, a request that waits or is refused,
+/// the first request after a quiet spell): an idle sidecar wakes for its
+/// refreshes only.
+pub const QUIET_POLL: Duration = Duration::from_secs(3600);
 /// How long shutdown waits for ReleaseCapacity.
 pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -350,7 +358,11 @@ async fn run(
         match action {
             Action::Wait { until } => {
                 let quiet = enforcer.quiet();
-                let d = until.since(clock.now()).min(if quiet { QUIET_POLL.max(poll) } else { poll });
+                let now = clock.now();
+                let d = until.since(now).min(match quiet {
+                    true => QUIET_POLL.min(enforcer.due().map_or(Duration::MAX, |t| t.since(now))).max(poll),
+                    false => poll,
+                });
 
                 tokio::select! {
                     _ = shutdown.cancelled() => break,

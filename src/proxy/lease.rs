@@ -32,9 +32,9 @@ const EMBEDDED_MIN_INTERVAL: Duration = Duration::from_millis(100);
 /// is this sidecar, so a refresh changes nothing that an early ask would not
 /// (new keys and demand away from the lease ask at once, a reloaded
 /// capacity by [`TableEnforcer::demand`]): long, so an idle
-/// sidecar wakes for its leases a few times an hour.
-pub const EMBEDDED_REFRESH_INTERVAL: Duration = Duration::from_secs(300);
-pub const EMBEDDED_LEASE_LENGTH: Duration = Duration::from_secs(900);
+/// sidecar wakes for its leases once an hour.
+pub const EMBEDDED_REFRESH_INTERVAL: Duration = Duration::from_secs(3600);
+pub const EMBEDDED_LEASE_LENGTH: Duration = Duration::from_secs(3 * 3600);
 /// The window over which a rate resource's demand is measured: short, so
 /// that wants follow demand up and down within a refresh or two.
 pub const DEMAND_WINDOW: Duration = Duration::from_secs(2);
@@ -73,6 +73,9 @@ pub struct TableEnforcer {
     last: Mutex<Option<(f64, usize)>>,
     /// Nothing happened between the last two demand polls (see [`Enforcer::quiet`]).
     quiet: AtomicBool,
+    /// When the next templated key, unused from the last poll on, becomes
+    /// idle and is to be forgotten (see [`Enforcer::due`]).
+    next_idle: Mutex<Option<Time>>,
 }
 
 /// A resource's lease settings, kind and configured capacity (units per second, or in flight).
@@ -183,18 +186,21 @@ impl TableEnforcer {
         super::pushback::relet_lead(refresh, min_interval(&cfg), jitter)
     }
 
-    /// Whether a templated key nobody has used for its idle timeout is to be
-    /// forgotten (the caller removes such keys together); the lease client
-    /// then releases its lease.
-    fn idle(
+    /// When a templated key becomes idle if nobody uses it from now on (its
+    /// last use plus its idle timeout); `None` for a fixed id. A key whose
+    /// time has come is forgotten here (the caller removes such keys
+    /// together), and the lease client then releases its lease.
+    fn idle_at(
         &self,
         cfg: &RoutesConfig,
         resource: &str,
         l: &crate::limit::Limiter,
         s: &LeaseSettings,
         now: Time,
-    ) -> bool {
-        let fixed = cfg.resources.get(resource).is_some_and(|r| r.id.is_fixed());
+    ) -> Option<Time> {
+        if cfg.resources.get(resource).is_some_and(|r| r.id.is_fixed()) {
+            return None;
+        }
         let arrivals = l.demand().arrivals();
         let mut mem = self.memory.lock().expect("enforcer memory");
         let m = mem.entry(l.id().to_string()).or_default();
@@ -203,13 +209,13 @@ impl TableEnforcer {
             Some((_, seen)) if seen == arrivals && !busy => {}
             _ => m.active = Some((now, arrivals)),
         }
-        let since = m.active.map_or(now, |(t, _)| t);
-        if fixed || now.since(since) < s.key_idle_timeout {
-            return false;
+        let at = m.active.map_or(now, |(t, _)| t).saturating_add(s.key_idle_timeout);
+        if at > now {
+            return Some(at);
         }
         mem.remove(l.id());
         tracing::info!(resource, id = %l.id(), idle = ?s.key_idle_timeout, "forgot an idle key; releasing its lease");
-        true
+        Some(at)
     }
 }
 
@@ -244,6 +250,7 @@ impl Enforcer for TableEnforcer {
         // One pass over every key: what changed since the last read (to tell a quiet
         // table), and each key's demand.
         let (mut arrivals, mut busy, mut keys) = (0.0, false, 0);
+        let mut next_idle: Option<Time> = None;
         let mut demand = Vec::new();
         // Keys come resource by resource: its settings are looked up once per run of them.
         let mut current: Option<(&str, Option<Settings<'_>>)> = None;
@@ -265,9 +272,13 @@ impl Enforcer for TableEnforcer {
                 }
             };
             let Some((settings, kind, capacity)) = settings else { return };
-            if self.idle(&cfg, resource, l, settings, now) {
-                forgotten.entry(resource.to_string()).or_default().push(l.id().to_string());
-                return;
+            match self.idle_at(&cfg, resource, l, settings, now) {
+                Some(at) if at <= now => {
+                    forgotten.entry(resource.to_string()).or_default().push(l.id().to_string());
+                    return;
+                }
+                Some(at) => next_idle = Some(next_idle.map_or(at, |n| n.min(at))),
+                None => {}
             }
             let (wants, pressure) = self.wants(l.id(), l, kind, settings, capacity, now);
             demand.push(KeyDemand {
@@ -284,6 +295,7 @@ impl Enforcer for TableEnforcer {
         let quiet = !busy && forgotten.is_empty() && !self.pushback.any() && *last == Some(reading);
         *last = Some(reading);
         self.quiet.store(quiet, Ordering::Relaxed);
+        *self.next_idle.lock().expect("enforcer next idle") = next_idle;
         activity.sleep(quiet);
         for (resource, ids) in forgotten {
             if let Some(limits) = self.table.resource(&resource) {
@@ -295,6 +307,10 @@ impl Enforcer for TableEnforcer {
 
     fn quiet(&self) -> bool {
         self.quiet.load(Ordering::Relaxed)
+    }
+
+    fn due(&self) -> Option<Time> {
+        *self.next_idle.lock().expect("enforcer next idle")
     }
 
     fn activity(&self) -> Option<Arc<tokio::sync::Notify>> {
@@ -463,6 +479,7 @@ pub fn start_with(
         client: Mutex::new(None),
         last: Mutex::new(None),
         quiet: AtomicBool::new(false),
+        next_idle: Mutex::new(None),
     });
     // On a thread of its own: with many tenant keys, reading their demand and
     // (embedded) deciding their leases takes long enough to stall requests.
@@ -503,6 +520,7 @@ mod tests {
             client: Mutex::new(None),
             last: Mutex::new(None),
             quiet: AtomicBool::new(false),
+            next_idle: Mutex::new(None),
         }
     }
 
