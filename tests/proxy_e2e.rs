@@ -487,7 +487,8 @@ async fn an_idle_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
     let keys = || {
         let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let ids = v["lease"]["keys"].as_array().map(|k| k.iter().map(|k| k["resource_id"].to_string()).collect());
+        let ids: Option<Vec<String>> =
+            v["lease"]["keys"].as_array().map(|k| k.iter().map(|k| k["resource_id"].to_string()).collect());
         ids.unwrap_or_default()
     };
     let mut c = h1(u.addr("listen")).await;
