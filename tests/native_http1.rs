@@ -1830,10 +1830,9 @@ async fn requests_the_native_path_does_not_serve_go_to_hyper_with_their_reason()
 }
 
 /// Requests for an HTTP/2 upstream (h2c, or an `https://` one whose ALPN
-/// picked h2) stay on the native path once the upstream is known to speak
-/// h2 (an `https://` upstream's first request goes to hyper, whose answer
-/// tells), all on the upstream's one multiplexed connection, and come back
-/// as hyper's would: the same status, fields and body for a body of known
+/// picks h2: its first request's connection tells) stay on the native path,
+/// all on the upstream's one multiplexed connection, and come back as
+/// hyper's would: the same status, fields and body for a body of known
 /// length, a streamed one (chunked), an answer to HEAD, and a small POST body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_for_an_h2_upstream_stay_on_the_native_path() {
@@ -1880,16 +1879,13 @@ async fn requests_for_an_h2_upstream_stay_on_the_native_path() {
                 got.push((host, method, path, r.status, multiset(&r.headers), r.text()));
             }
         }
+        // One connection each, which the TLS upstream's first request opened and learned h2 on.
         for (up, requests) in [(&h2c, 5), (&tls, 6)] {
             let versions = up.stats.versions.lock().unwrap().clone();
             assert_eq!(versions, vec![http::Version::HTTP_2; requests], "{engine:?}");
             assert_eq!(up.stats.connections.load(std::sync::atomic::Ordering::SeqCst), 1, "{engine:?}");
         }
-        let expected = match engine {
-            Http1::Native => reasons(&[("upstream", 1)]),
-            Http1::Hyper => BTreeMap::new(),
-        };
-        assert_eq!(handoffs(&side.proxy), expected, "{engine:?}: only the TLS upstream's first request went to hyper");
+        assert_eq!(handoffs(&side.proxy), BTreeMap::new(), "{engine:?}: nothing went to hyper");
         by_engine.push(got);
     }
     let native = &by_engine[0];
@@ -1908,6 +1904,78 @@ async fn requests_for_an_h2_upstream_stay_on_the_native_path() {
         }
     }
     assert_eq!(by_engine[0], by_engine[1], "the native path answers as hyper does");
+}
+
+/// An h2c upstream that answers one request per connection, then closes it
+/// gracefully (GOAWAY): `conns` counts its connections.
+async fn one_request_per_h2_connection() -> (SocketAddr, Arc<std::sync::atomic::AtomicU64>) {
+    use std::sync::atomic::Ordering::SeqCst;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let conns = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let n = counted.fetch_add(1, SeqCst) + 1;
+            tokio::spawn(async move {
+                let served = Arc::new(tokio::sync::Notify::new());
+                let notify = served.clone();
+                let svc = hyper::service::service_fn(move |_req| {
+                    notify.notify_one();
+                    async move {
+                        Ok::<_, std::convert::Infallible>(http::Response::new(support::upstream::full(format!(
+                            "conn {n}"
+                        ))))
+                    }
+                });
+                let builder = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+                let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+                let mut conn = std::pin::pin!(conn);
+                tokio::select! {
+                    _ = conn.as_mut() => return,
+                    () = served.notified() => conn.as_mut().graceful_shutdown(),
+                }
+                let _ = conn.await;
+            });
+        }
+    });
+    (addr, conns)
+}
+
+/// The native path's h2 connection, closed by the upstream (GOAWAY after
+/// each answer), is replaced by the next request's, whatever the timing;
+/// an h2c upstream nobody listens on is a 502 naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_h2_upstream_connection_is_replaced_and_a_dead_one_is_a_502() {
+    let (addr, conns) = one_request_per_h2_connection().await;
+    let dead = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    let yaml = format!(
+        "upstreams:\n  c: {{ url: \"http://{addr}\", h2c: true }}\n  gone: {{ url: \"http://{dead_addr}\", h2c: true }}\n\
+         routes:\n  - {{ name: c, match: {{ host: c.test }}, upstream: c }}\n  \
+           - {{ name: gone, match: {{ host: gone.test }}, upstream: gone }}\n"
+    );
+    let side = sidecar(&yaml, Http1::Native).await;
+    let mut c = Client::connect(side.addr).await;
+    let mut bodies = Vec::new();
+    for _ in 0..5 {
+        c.send("GET /x HTTP/1.1\r\nHost: c.test\r\n\r\n").await;
+        let r = c.response(false).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        bodies.push(r.text());
+    }
+    // Each answer came on a connection of its own (a request that met the
+    // closing one went again on the next).
+    let distinct: std::collections::BTreeSet<_> = bodies.iter().collect();
+    assert_eq!(distinct.len(), 5, "{bodies:?}");
+    assert!(conns.load(std::sync::atomic::Ordering::SeqCst) >= 5);
+
+    c.send("GET /x HTTP/1.1\r\nHost: gone.test\r\n\r\n").await;
+    let r = c.response(false).await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.json()["upstream"], "gone", "{}", r.text());
+    assert_eq!(handoffs(&side.proxy), BTreeMap::new());
 }
 
 // === Http1::Hyper ===

@@ -20,29 +20,11 @@ use crate::limit::layer::BoxError;
 pub struct BodyLimit(pub u64);
 
 /// The request body as forwarded: the client's, cut off with an error once
-/// it passes the body limit, or one the native path has already read whole.
+/// it passes the body limit.
 pub struct RequestBody {
-    inner: Source,
-    limit: Option<u64>,
-    seen: u64,
-}
-
-enum Source {
-    Client(Incoming),
-    /// A body read whole (the native path's small one); `None` once sent.
-    Whole(Option<bytes::Bytes>),
-}
-
-impl RequestBody {
-    /// The client's body as it streams in, cut off past `limit`.
-    pub fn streamed(inner: Incoming, limit: Option<u64>) -> Self {
-        RequestBody { inner: Source::Client(inner), limit, seen: 0 }
-    }
-
-    /// A body already read whole (within every limit).
-    pub fn whole(body: bytes::Bytes) -> Self {
-        RequestBody { inner: Source::Whole((!body.is_empty()).then_some(body)), limit: None, seen: 0 }
-    }
+    pub(super) inner: Incoming,
+    pub(super) limit: Option<u64>,
+    pub(super) seen: u64,
 }
 
 /// A request body went past `limits.max_body_bytes` while streaming.
@@ -66,11 +48,7 @@ impl hyper::body::Body for RequestBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
-        let inner = match &mut self.inner {
-            Source::Client(inner) => inner,
-            Source::Whole(body) => return Poll::Ready(body.take().map(|b| Ok(hyper::body::Frame::data(b)))),
-        };
-        let frame = match std::task::ready!(Pin::new(inner).poll_frame(cx)) {
+        let frame = match std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
             None => return Poll::Ready(None),
             Some(Err(e)) => return Poll::Ready(Some(Err(Box::new(ClientBody(e))))),
             Some(Ok(f)) => f,
@@ -85,16 +63,10 @@ impl hyper::body::Body for RequestBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.inner {
-            Source::Client(inner) => inner.is_end_stream(),
-            Source::Whole(body) => body.is_none(),
-        }
+        self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
-        match &self.inner {
-            Source::Client(inner) => inner.size_hint(),
-            Source::Whole(body) => hyper::body::SizeHint::with_exact(body.as_ref().map_or(0, |b| b.len() as u64)),
-        }
+        self.inner.size_hint()
     }
 }

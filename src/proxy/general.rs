@@ -185,7 +185,7 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
     *req.version_mut() = if up.config.h2c { Version::HTTP_2 } else { Version::HTTP_11 };
 
     let limit = req.extensions().get::<BodyLimit>().map(|l| l.0);
-    let req = req.map(|inner| RequestBody::streamed(inner, limit));
+    let req = req.map(|inner| RequestBody { inner, limit, seen: 0 });
 
     let started = tokio::time::Instant::now();
     if let Some(plain) = up.plain.as_ref().filter(|_| pooled) {

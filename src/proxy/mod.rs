@@ -18,6 +18,7 @@ mod general;
 mod guard;
 mod h1;
 mod h1pool;
+mod h2conn;
 pub mod lease;
 pub mod listener;
 pub mod metrics;

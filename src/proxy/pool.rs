@@ -293,18 +293,7 @@ impl Pool {
     /// TLS handshake for an `https://` one, both within `connect_timeout`),
     /// or why there is none, for a `502`'s detail.
     pub async fn connect(self: &Arc<Self>) -> Result<Stream, String> {
-        let limit = self.connect_timeout;
-        let connecting = async {
-            let tcp = TcpStream::connect(&self.addr).await.map_err(|e| format!("tcp connect error: {e}"))?;
-            let _ = tcp.set_nodelay(true);
-            let Some(tls) = &self.tls else { return Ok(Stream::Tcp(tcp)) };
-            let s = tls.connector.connect(tls.name.clone(), tcp).await.map_err(|e| tls_error(&e))?;
-            Ok(Stream::Tls(Box::new(s)))
-        };
-        match tokio::time::timeout(limit, connecting).await {
-            Ok(r) => r,
-            Err(_) => Err(format!("connect timed out after {limit:?}")),
-        }
+        dial(&self.addr, self.tls.as_ref(), self.connect_timeout).await
     }
 
     #[cfg(test)]
@@ -349,6 +338,22 @@ async fn reap(pool: Weak<Pool>, idle_timeout: Duration) {
 }
 
 /// What a `502` adds to a certificate the upstream's roots do not trust.
+/// A new connection to `addr` (TLS over it with `tls`), within `limit`; the
+/// error says what failed, as a `502` names it.
+pub async fn dial(addr: &str, tls: Option<&Tls>, limit: Duration) -> Result<Stream, String> {
+    let connecting = async {
+        let tcp = TcpStream::connect(addr).await.map_err(|e| format!("tcp connect error: {e}"))?;
+        let _ = tcp.set_nodelay(true);
+        let Some(tls) = tls else { return Ok(Stream::Tcp(tcp)) };
+        let s = tls.connector.connect(tls.name.clone(), tcp).await.map_err(|e| tls_error(&e))?;
+        Ok(Stream::Tls(Box::new(s)))
+    };
+    match tokio::time::timeout(limit, connecting).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("connect timed out after {limit:?}")),
+    }
+}
+
 pub const UNTRUSTED: &str =
     " (the upstream's certificate is not trusted: name the CA that signed it in the upstream's ca_file)";
 

@@ -28,6 +28,7 @@ use rustls::pki_types::{CertificateDer, ServerName};
 
 use super::body::RequestBody;
 use super::h1pool::PooledBody;
+use super::h2conn::H2Upstream;
 use super::metrics::Metrics;
 use super::pool::{Pool, Tls};
 use super::respond::ProxyError;
@@ -57,6 +58,9 @@ pub struct Upstream {
     pub(super) host: Option<HeaderValue>,
     /// An HTTP/1.1 upstream's own pool (plain or TLS), used by both engines instead of `client`.
     pub(super) plain: Option<Plain>,
+    /// The native path's multiplexed connection to an upstream that speaks
+    /// h2 (h2c, or an `https://` one that picked h2 in ALPN).
+    pub(super) h2: Option<H2Upstream>,
 }
 
 /// An HTTP/1.1 upstream's connections (plain, or TLS to an `https://` one),
@@ -80,6 +84,11 @@ impl Plain {
     /// Whether requests go on this pool.
     pub fn h1(&self) -> bool {
         self.speaks.load(Ordering::Relaxed) == H1
+    }
+
+    /// Whether what the upstream speaks is still to be learned (from its ALPN answer).
+    pub fn unknown(&self) -> bool {
+        self.speaks.load(Ordering::Relaxed) == UNKNOWN
     }
 
     /// Takes note of the version of an answer that came through hyper-util's
@@ -148,17 +157,25 @@ impl Upstream {
                 HeaderValue::from_str(&value).ok()
             })
             .flatten();
+        let addr = |h: &str| format!("{h}:{}", config.url.port_u16().unwrap_or(default_port));
+        let tls = |h: &str, alpn: &[&[u8]]| -> Result<Option<Tls>, String> {
+            if !https {
+                return Ok(None);
+            }
+            let name = ServerName::try_from(h.trim_start_matches('[').trim_end_matches(']').to_string())
+                .map_err(|e| format!("`{h}` is not a name a TLS certificate can carry: {e}"))?;
+            let tls = tls_config(roots.clone(), alpn.iter().map(|p| p.to_vec()).collect())?;
+            Ok(Some(Tls { connector: tokio_rustls::TlsConnector::from(Arc::new(tls)), name }))
+        };
+        let h2 = match config.url.host() {
+            Some(h) if config.h2c || (https && config.http2) => {
+                Some(H2Upstream::new(addr(h), tls(h, &[b"h2", b"http/1.1"])?, config.connect_timeout))
+            }
+            _ => None,
+        };
         let plain = match (&host, config.url.host()) {
             (Some(_), Some(h)) => {
-                let addr = format!("{h}:{}", config.url.port_u16().unwrap_or(default_port));
-                let tls = if https {
-                    let name = ServerName::try_from(h.trim_start_matches('[').trim_end_matches(']').to_string())
-                        .map_err(|e| format!("`{h}` is not a name a TLS certificate can carry: {e}"))?;
-                    let tls = tls_config(roots.clone(), vec![b"http/1.1".to_vec()])?;
-                    Some(Tls { connector: tokio_rustls::TlsConnector::from(Arc::new(tls)), name })
-                } else {
-                    None
-                };
+                let (addr, tls) = (addr(h), tls(h, &[b"http/1.1"])?);
                 Some(Plain {
                     pool: Pool::new(addr, tls, config.connect_timeout, POOL_IDLE_TIMEOUT),
                     prefix: config.url.path().trim_end_matches('/').to_string(),
@@ -174,7 +191,7 @@ impl Upstream {
             _ => Some(client(roots, &config)?),
         };
         let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
-        Ok(Upstream { config, client, seconds, host, plain })
+        Ok(Upstream { config, client, seconds, host, plain, h2 })
     }
 
     /// A client for origins named by the request itself (passthrough).
@@ -190,17 +207,18 @@ impl Upstream {
         };
         let client = Some(client(roots.clone(), &config)?);
         let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);
-        Ok(Upstream { config, client, seconds, host: None, plain: None })
+        Ok(Upstream { config, client, seconds, host: None, plain: None, h2: None })
     }
 
     pub fn name(&self) -> &str {
         &self.config.name
     }
 
-    /// Whether the upstream's requests share hyper-util's multiplexed
-    /// connection: h2c, or an `https://` upstream that picked h2 in ALPN.
-    pub fn multiplexed(&self) -> bool {
-        self.config.h2c || self.plain.as_ref().is_some_and(|p| p.speaks.load(Ordering::Relaxed) == H2)
+    /// The native path's multiplexed connection, for an upstream known to
+    /// speak h2: h2c, or an `https://` upstream that picked h2 in ALPN.
+    pub(super) fn multiplexed(&self) -> Option<&H2Upstream> {
+        let h2 = self.config.h2c || self.plain.as_ref().is_some_and(|p| p.speaks.load(Ordering::Relaxed) == H2);
+        self.h2.as_ref().filter(|_| h2)
     }
 
     /// Records how long the upstream took to send its response head.

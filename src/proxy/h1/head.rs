@@ -17,7 +17,6 @@ use http::{Method, Uri, Version};
 
 use super::fields::{eq_name, list_has, parse_length, push_field};
 use crate::config::limits::ListenerLimits;
-use crate::proxy::body::RequestBody;
 use crate::proxy::route::RequestView;
 use crate::proxy::upstream::{VIA, hop_by_hop};
 
@@ -224,12 +223,12 @@ impl Head<'_> {
         })
     }
 
-    /// The request as hyper-util's client sends it to a multiplexed (h2)
-    /// upstream at `base`: the same target under the base path, the same
-    /// fields as [`Head::encode`] writes (the authority comes from `base`),
-    /// `via`, and `body`. `None` if a field is not one `http` accepts; the
-    /// general path then serves the request and answers for it.
-    pub fn request(&self, base: &Uri, h2c: bool, body: &[u8]) -> Option<http::Request<RequestBody>> {
+    /// The request's head as it goes to a multiplexed (h2) upstream at
+    /// `base`: the same target under the base path, the same fields as
+    /// [`Head::encode`] writes (the authority comes from `base`), and `via`.
+    /// `None` if a field is not one `http` accepts; the general path then
+    /// serves the request and answers for it.
+    pub fn request(&self, base: &Uri) -> Option<http::Request<()>> {
         let prefix = base.path().trim_end_matches('/');
         let mut parts = http::uri::Parts::default();
         parts.scheme = base.scheme().cloned();
@@ -239,10 +238,10 @@ impl Head<'_> {
         } else {
             PathAndQuery::try_from(format!("{prefix}{}", self.target)).ok()?
         });
-        let mut req = http::Request::new(RequestBody::whole(bytes::Bytes::copy_from_slice(body)));
+        let mut req = http::Request::new(());
         *req.method_mut() = self.method.clone();
         *req.uri_mut() = Uri::from_parts(parts).ok()?;
-        *req.version_mut() = if h2c { Version::HTTP_2 } else { Version::HTTP_11 };
+        *req.version_mut() = Version::HTTP_2;
         let headers = req.headers_mut();
         headers.reserve(self.headers.len() + 1);
         for h in self.forwarded() {

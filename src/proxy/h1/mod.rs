@@ -42,7 +42,6 @@ use arc_swap::ArcSwap;
 use bytes::{Buf, BytesMut};
 use http::{Method, Response, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::{Body, Incoming};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
@@ -50,12 +49,12 @@ use tower::Service;
 
 pub use head::why;
 
-use super::body::RequestBody;
+use super::h2conn::H2Error;
 use super::pipeline::{self, Exchange, Inbound, Pipeline, Reply};
 use super::pool::Stream;
 use super::respond::{ProxyBody, ProxyError};
 use super::route::RequestView;
-use super::upstream::{Target, Upstream, client_error};
+use super::upstream::{Target, Upstream};
 use crate::config::limits::ListenerLimits;
 use crate::limit::layer::BoxError;
 use head::Parsed;
@@ -345,13 +344,19 @@ impl<'c> Inbound for Request<'_, 'c> {
                 self.head.encode(&plain.prefix, host, self.body, &mut self.bufs.req);
                 Send::Pool
             }
-            _ if upstream.multiplexed() => Send::Shared(
-                self.head
-                    .request(&upstream.config.url, upstream.config.h2c, self.body)
-                    .map(Box::new)
-                    .ok_or(why::UPSTREAM)?,
-            ),
-            // An `https://` upstream before its first answer said what it speaks, or none.
+            _ if upstream.multiplexed().is_some() => {
+                let head = self.head.request(&upstream.config.url).ok_or(why::UPSTREAM)?;
+                Send::Shared(Box::new((head, bytes::Bytes::copy_from_slice(self.body))))
+            }
+            // An `https://` upstream whose ALPN answer is still to come: the
+            // request is made ready for either, and the answer picks.
+            Some(plain) if plain.unknown() && upstream.h2.is_some() => {
+                let head = self.head.request(&upstream.config.url).ok_or(why::UPSTREAM)?;
+                self.bufs.req.clear();
+                let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
+                self.head.encode(&plain.prefix, host, self.body, &mut self.bufs.req);
+                Send::Probe(Box::new((head, bytes::Bytes::copy_from_slice(self.body))))
+            }
             _ => return Err(why::UPSTREAM),
         };
         Ok(Prepared {
@@ -369,9 +374,12 @@ impl<'c> Inbound for Request<'_, 'c> {
 enum Send {
     /// On a stream of the upstream's HTTP/1.1 pool, as encoded in the connection's `req` buffer.
     Pool,
-    /// Through hyper-util's client, on the upstream's multiplexed connection
+    /// On the upstream's multiplexed h2 connection: the head and the body
     /// (boxed: the everyday HTTP/1.1 exchange's futures stay small).
-    Shared(Box<http::Request<RequestBody>>),
+    Shared(Box<(http::Request<()>, bytes::Bytes)>),
+    /// To an upstream that may pick h2 or HTTP/1.1 in ALPN: on h2 as
+    /// `Shared`, else on the pool (encoded as for `Pool` too), and it learns which.
+    Probe(Box<(http::Request<()>, bytes::Bytes)>),
 }
 
 /// A request made ready for its upstream.
@@ -397,8 +405,8 @@ struct Answer {
 enum Carried {
     /// The rest of it on the pooled stream (its first bytes in the connection's `up` buffer).
     Stream(Stream),
-    /// Frames from the multiplexed connection.
-    Shared(Incoming),
+    /// Data from the multiplexed connection's stream.
+    Shared(h2::RecvStream),
 }
 
 impl pipeline::Answer for Answer {
@@ -433,7 +441,14 @@ async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
         }
         Send::Shared(req) => tokio::select! {
             biased;
-            r = shared(&upstream, *req, head_request, &mut bufs.out) => Some(r),
+            r = shared(&upstream, *req, head_request, idempotent, &mut bufs.out) => {
+                Some(r.map_err(|e| h2_failed(&upstream, e)))
+            }
+            () = deadline.expired() => None,
+        },
+        Send::Probe(req) => tokio::select! {
+            biased;
+            r = probe(&upstream, *req, head_request, idempotent, bufs) => Some(r),
             () = deadline.expired() => None,
         },
     };
@@ -445,27 +460,70 @@ async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
     }
 }
 
-/// Sends `req` through the upstream's multiplexed connection (hyper-util's
-/// client: h2 by ALPN, or h2c) and puts the client's version of the answer's
-/// head in `out`.
+/// Sends `req` on the upstream's multiplexed h2 connection and puts the
+/// client's version of the answer's head in `out`.
 async fn shared(
     upstream: &Upstream,
-    req: http::Request<RequestBody>,
+    (req, body): (http::Request<()>, bytes::Bytes),
     head_request: bool,
+    idempotent: bool,
     out: &mut Vec<u8>,
-) -> Result<(Carried, ResponseHead), ProxyError> {
-    let client = upstream.client.as_ref().expect("a multiplexed upstream has hyper-util's client");
-    let resp = client.request(req).await.map_err(|e| {
-        let upstream = upstream.name().to_string();
-        match e.is_connect() {
-            true => ProxyError::UpstreamConnect { upstream, reason: client_error(&e) },
-            false => ProxyError::Upstream { upstream, reason: client_error(&e) },
-        }
-    })?;
+) -> Result<(Carried, ResponseHead), H2Error> {
+    let h2 = upstream.h2.as_ref().expect("ready sends only h2 upstreams' requests here");
+    let resp = h2.send(req, body, idempotent).await?;
     let (parts, body) = resp.into_parts();
+    // The length is known from `content-length`, or from a stream that ended with its head.
+    let exact = match body.is_end_stream() {
+        true => Some(0),
+        false => parts.headers.get(http::header::CONTENT_LENGTH).and_then(|v| fields::parse_length(v.as_bytes())),
+    };
     out.clear();
-    let head = response::from_parts(&parts, head_request, body.size_hint().exact(), out);
+    let head = response::from_parts(&parts, head_request, exact, out);
     Ok((Carried::Shared(body), head))
+}
+
+/// Sends a request to an `https://` upstream whose ALPN answer is not yet
+/// known: on h2 if its new connection picks h2, else (the connection goes
+/// to the upstream's HTTP/1.1 pool) on the pool, as encoded in `bufs.req`.
+/// Either way the upstream has learned what it speaks.
+async fn probe(
+    upstream: &Upstream,
+    req: (http::Request<()>, bytes::Bytes),
+    head_request: bool,
+    idempotent: bool,
+    bufs: &mut Buffers,
+) -> Result<(Carried, ResponseHead), ProxyError> {
+    let plain = upstream.plain.as_ref().expect("ready probes only upstreams with a pool");
+    match shared(upstream, req, head_request, idempotent, &mut bufs.out).await {
+        Err(H2Error::Http1(stream)) => {
+            plain.learn(http::Version::HTTP_11, upstream.name());
+            plain.pool.put(stream);
+            let name = || upstream.name().to_string();
+            roundtrip(&plain.pool, &name, head_request, idempotent, &bufs.req, &mut bufs.up, &mut bufs.out)
+                .await
+                .map(|(stream, head)| (Carried::Stream(stream), head))
+        }
+        Ok(answer) => {
+            plain.learn(http::Version::HTTP_2, upstream.name());
+            Ok(answer)
+        }
+        Err(e) => Err(h2_failed(upstream, e)),
+    }
+}
+
+/// An exchange on an h2 upstream's connection that failed, as the app is told.
+fn h2_failed(upstream: &Upstream, e: H2Error) -> ProxyError {
+    let upstream = upstream.name().to_string();
+    match e {
+        H2Error::Connect(reason) => ProxyError::UpstreamConnect { upstream, reason },
+        H2Error::Stream(reason) => ProxyError::Upstream { upstream, reason },
+        H2Error::Http1(_) => ProxyError::Upstream {
+            upstream,
+            reason: "the upstream now picks http/1.1 in ALPN where it picked h2 before: \
+                     set `http2: false` on it, or restart usher"
+                .into(),
+        },
+    }
 }
 
 /// Sends the client an upstream's answer (head and body); returns whether
@@ -719,12 +777,12 @@ where
 }
 
 /// Sends the client the head in `out` and the body of an answer from a
-/// multiplexed upstream, frame by frame (chunked unless its length is
-/// known; trailers are dropped, as the client asked for none). `held` is
-/// released once the last data is in hand, as in [`relay`].
+/// multiplexed upstream, as it comes (chunked unless its length is known;
+/// trailers are dropped, as the client asked for none). `held` is released
+/// once the last data is in hand, as in [`relay`].
 async fn relay_frames<I>(
     framing: Framing,
-    mut body: Incoming,
+    mut body: h2::RecvStream,
     io: &mut I,
     out: &mut Vec<u8>,
     held: &mut Option<pipeline::Held>,
@@ -735,15 +793,15 @@ where
     let chunked = framing == Framing::Chunked;
     if framing != Framing::Empty {
         while !body.is_end_stream() {
-            match body.frame().await {
+            match body.data().await {
                 None => break,
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        if chunked {
-                            response::push_chunk(out, &data);
-                        } else {
-                            out.extend_from_slice(&data);
-                        }
+                Some(Ok(data)) => {
+                    // Read: the upstream may send as much again.
+                    let _ = body.flow_control().release_capacity(data.len());
+                    if chunked {
+                        response::push_chunk(out, &data);
+                    } else {
+                        out.extend_from_slice(&data);
                     }
                     if !body.is_end_stream() {
                         send(io, out).await?;
