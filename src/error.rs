@@ -50,3 +50,15 @@ pub async fn bind(what: &'static str, addr: std::net::SocketAddr) -> Result<toki
     };
     listen().map_err(|source| RunError::Bind { what, addr, source })
 }
+
+/// An error and its causes, joined by `: `.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}

@@ -27,8 +27,9 @@ use super::pipeline::{Answer, Held, Hold, Inbound};
 use super::respond::{ProxyBody, ProxyError, is_grpc};
 use super::route::{Resolved, Routing};
 use super::upstream::{
-    DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, VIA, client_error, error_chain, strip_hop_by_hop, upstream_uri,
+    DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, VIA, client_error, strip_hop_by_hop, upstream_uri,
 };
+use crate::error::error_chain;
 use crate::limit::layer::BoxError;
 
 /// The general path's innermost stage: sends a request to its [`Target`],

@@ -24,7 +24,7 @@ use h2::client::SendRequest;
 use http::{Request, Response};
 
 use super::pool::{Stream, Tls, dial};
-use super::upstream::error_chain;
+use crate::error::error_chain;
 
 /// Flow-control windows and limits, as hyper's h2 client sets them.
 const STREAM_WINDOW: u32 = 2 * 1024 * 1024;

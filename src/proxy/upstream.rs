@@ -33,6 +33,7 @@ use super::metrics::Metrics;
 use super::pool::{Pool, Tls};
 use super::respond::ProxyError;
 use crate::config::routes::UpstreamConfig;
+use crate::error::error_chain;
 
 /// Idle pooled connections are closed after this long.
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -274,18 +275,6 @@ pub(super) fn client_error(e: &hyper_util::client::legacy::Error) -> String {
     };
     if s.contains("invalid peer certificate") {
         s.push_str(super::pool::UNTRUSTED);
-    }
-    s
-}
-
-/// An error and its causes, joined by `: `.
-pub(super) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(inner) = src {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        src = inner.source();
     }
     s
 }

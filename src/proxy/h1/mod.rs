@@ -811,7 +811,7 @@ where
                     // What came before the fault still goes out, head first.
                     send(io, out).await?;
                     io.flush().await.map_err(BodyError::Client)?;
-                    return Err(BodyError::Upstream(super::upstream::error_chain(&e)));
+                    return Err(BodyError::Upstream(crate::error::error_chain(&e)));
                 }
             }
         }
