@@ -12,12 +12,15 @@
 //! every later one (up to the peer's `SETTINGS_MAX_CONCURRENT_STREAMS`;
 //! more wait for a stream to end). A connection that closed (the upstream
 //! went away, sent GOAWAY, or idled it out) is replaced by the next request;
-//! a request the upstream refused unprocessed (`REFUSED_STREAM`, or a
-//! connection that closed before it was sent) goes out once more on a new
-//! one. Nothing runs while the connection is idle.
+//! a request the upstream did not process goes out once more on a new one.
+//! Nothing runs while the connection is idle; one idle for longer than the
+//! upstream pools' idle timeout is replaced by the next request rather than
+//! trusted (a middlebox may have dropped it silently), and closes.
 
 use std::sync::Mutex;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use h2::client::SendRequest;
@@ -48,8 +51,9 @@ pub struct H2Upstream {
     addr: String,
     tls: Option<Tls>,
     connect_timeout: Duration,
-    /// The connection's handle, cloned per request.
-    current: Mutex<Option<SendRequest<Bytes>>>,
+    idle_timeout: Duration,
+    /// The connection's handle, cloned per request, and when it was last used.
+    current: Mutex<Option<(SendRequest<Bytes>, Instant)>>,
     /// Held while a connection is being made, so that a burst of first
     /// requests makes one, not one each.
     dialing: tokio::sync::Mutex<()>,
@@ -58,8 +62,15 @@ pub struct H2Upstream {
 impl H2Upstream {
     /// `tls` offers ALPN `h2` (and `http/1.1`, whose connection a request
     /// gets back, see [`H2Error::Http1`]); `None` for h2c (prior knowledge).
-    pub fn new(addr: String, tls: Option<Tls>, connect_timeout: Duration) -> Self {
-        H2Upstream { addr, tls, connect_timeout, current: Mutex::new(None), dialing: tokio::sync::Mutex::new(()) }
+    pub fn new(addr: String, tls: Option<Tls>, connect_timeout: Duration, idle_timeout: Duration) -> Self {
+        H2Upstream {
+            addr,
+            tls,
+            connect_timeout,
+            idle_timeout,
+            current: Mutex::new(None),
+            dialing: tokio::sync::Mutex::new(()),
+        }
     }
 
     /// Sends `req` with `body` (`end_of_stream` with its head when empty) and
@@ -130,22 +141,26 @@ impl H2Upstream {
                 tracing::debug!(upstream = %addr, error = %e, "h2 upstream connection ended");
             }
         });
-        *self.current.lock().expect("h2 upstream lock") = Some(sender.clone());
+        *self.current.lock().expect("h2 upstream lock") = Some((sender.clone(), Instant::now()));
         Ok(sender)
     }
 
-    /// The current connection's handle, unless it has closed.
+    /// The current connection's handle, unless it has closed or idled too long.
     fn usable(&self) -> Option<SendRequest<Bytes>> {
+        let now = Instant::now();
         let mut current = self.current.lock().expect("h2 upstream lock");
-        let mut s = current.as_ref()?.clone();
+        let (sender, used) = current.as_mut()?;
+        let mut s = sender.clone();
         // A closed connection says so at once; one at its stream limit is still usable (the request waits).
         let open = !matches!(
             s.poll_ready(&mut std::task::Context::from_waker(std::task::Waker::noop())),
             std::task::Poll::Ready(Err(_))
         );
-        if open {
+        if open && now.duration_since(*used) < self.idle_timeout {
+            *used = now;
             Some(s)
         } else {
+            // Dropped: once its last stream ends, the connection closes.
             *current = None;
             None
         }
@@ -204,4 +219,76 @@ async fn send_body(mut stream: h2::SendStream<Bytes>, mut body: Bytes) -> Result
         stream.send_data(chunk, body.is_empty())?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// An h2c server on 127.0.0.1:0 that answers with the request body's
+    /// length; counts its connections.
+    async fn server() -> (String, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let conns = Arc::new(AtomicUsize::new(0));
+        let counted = conns.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(|req: http::Request<hyper::body::Incoming>| async move {
+                        use http_body_util::BodyExt;
+                        let body = req.into_body().collect().await?.to_bytes();
+                        Ok::<_, hyper::Error>(Response::new(http_body_util::Full::new(Bytes::from(
+                            body.len().to_string(),
+                        ))))
+                    });
+                    let builder = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+                    let _ = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), svc).await;
+                });
+            }
+        });
+        (addr, conns)
+    }
+
+    async fn text(resp: Response<h2::RecvStream>) -> String {
+        let mut body = resp.into_body();
+        let mut out = Vec::new();
+        while let Some(data) = body.data().await {
+            let data = data.unwrap();
+            let _ = body.flow_control().release_capacity(data.len());
+            out.extend_from_slice(&data);
+        }
+        String::from_utf8(out).unwrap()
+    }
+
+    /// Twenty first requests at once make one connection; a connection idle
+    /// past the idle timeout is replaced by the next request; a body larger
+    /// than the peer's first stream window (64 KiB) goes out whole.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_burst_shares_one_connection_and_an_idle_one_is_replaced() {
+        let (addr, conns) = server().await;
+        let idle = Duration::from_millis(300);
+        let up = Arc::new(H2Upstream::new(addr, None, Duration::from_secs(5), idle));
+        let get = || Request::get("http://up.test/").body(()).unwrap();
+        let mut burst = tokio::task::JoinSet::new();
+        for _ in 0..20 {
+            let (up, req) = (up.clone(), get());
+            burst.spawn(async move { text(up.send(req, Bytes::new(), true).await.ok().unwrap()).await });
+        }
+        while let Some(got) = burst.join_next().await {
+            assert_eq!(got.unwrap(), "0");
+        }
+        assert_eq!(conns.load(Ordering::SeqCst), 1, "one connection for the burst");
+
+        // Idle for longer than the timeout: the next request opens a new one.
+        tokio::time::sleep(idle + Duration::from_millis(200)).await;
+        let body = Bytes::from(vec![b'x'; 100 * 1024]);
+        let req = Request::post("http://up.test/").body(()).unwrap();
+        assert_eq!(text(up.send(req, body, false).await.ok().unwrap()).await, (100 * 1024).to_string());
+        assert_eq!(conns.load(Ordering::SeqCst), 2, "the idle connection was replaced");
+    }
 }

@@ -169,9 +169,12 @@ impl Upstream {
             Ok(Some(Tls { connector: tokio_rustls::TlsConnector::from(Arc::new(tls)), name }))
         };
         let h2 = match config.url.host() {
-            Some(h) if config.h2c || (https && config.http2) => {
-                Some(H2Upstream::new(addr(h), tls(h, &[b"h2", b"http/1.1"])?, config.connect_timeout))
-            }
+            Some(h) if config.h2c || (https && config.http2) => Some(H2Upstream::new(
+                addr(h),
+                tls(h, &[b"h2", b"http/1.1"])?,
+                config.connect_timeout,
+                POOL_IDLE_TIMEOUT,
+            )),
             _ => None,
         };
         let plain = match (&host, config.url.host()) {

@@ -796,8 +796,6 @@ where
             match body.data().await {
                 None => break,
                 Some(Ok(data)) => {
-                    // Read: the upstream may send as much again.
-                    let _ = body.flow_control().release_capacity(data.len());
                     if chunked {
                         response::push_chunk(out, &data);
                     } else {
@@ -806,6 +804,8 @@ where
                     if !body.is_end_stream() {
                         send(io, out).await?;
                     }
+                    // Written: the upstream may send as much again (a slow app slows it down).
+                    let _ = body.flow_control().release_capacity(data.len());
                 }
                 Some(Err(e)) => {
                     // What came before the fault still goes out, head first.
