@@ -43,13 +43,21 @@ const PEAK_WINDOW: Duration = Duration::from_secs(10);
 
 #[derive(Default)]
 struct KeyMemory {
+    refused: u64,
+    /// Last time the key saw an arrival or had a request in flight.
+    active: Option<(Time, f64)>,
+    /// Boxed, made at the first measurement: a key with a fixed `wants`
+    /// (every key of an embedded server, by default) never needs it.
+    measured: Option<Box<Measured>>,
+}
+
+/// What measuring a key's demand (`wants: auto`) remembers.
+#[derive(Default)]
+struct Measured {
     /// (time, total arrivals) readings over the last second.
     arrivals: VecDeque<(Time, f64)>,
     /// (time, peak in flight + waiters) over the peak window.
     peaks: VecDeque<(Time, f64)>,
-    refused: u64,
-    /// Last time the key saw an arrival or had a request in flight.
-    active: Option<(Time, f64)>,
     headroom: crate::lease::headroom::Headroom,
 }
 
@@ -117,6 +125,7 @@ impl TableEnforcer {
         let wants = match settings.wants.unwrap_or(embedded_default) {
             Wants::Fixed(w) => w,
             Wants::Auto => {
+                let m = m.measured.get_or_insert_default();
                 let measured = match kind {
                     ResourceKind::Rate => {
                         let total = l.demand().arrivals();
