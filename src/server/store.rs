@@ -12,6 +12,7 @@
 //! beside it, and a stale master can no longer change or release it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -289,7 +290,7 @@ struct Resource {
     slot_owner: Vec<Option<Arc<str>>>,
     free_slots: Vec<ClientSlot>,
     index: DemandIndex,
-    expiries: BTreeSet<(Time, ClientSlot)>,
+    expiries: Expiries,
     reservations: HashMap<Arc<str>, Reservation>,
     reserved: f64,
     /// Learning mode ended early: every expected client has reported, or
@@ -302,6 +303,67 @@ struct Resource {
     /// The store's [`Predecessor`] and lease horizon, as of this request.
     predecessor: Predecessor,
     horizon: Option<Time>,
+}
+
+/// A resource's leases by expiry, soonest first: a sorted vector while
+/// there are few (a sidecar's tenant key has one lease, and a tree's
+/// smallest node holds room for eleven), a tree beyond.
+#[derive(Debug)]
+enum Expiries {
+    Few(Vec<(Time, ClientSlot)>),
+    Many(BTreeSet<(Time, ClientSlot)>),
+}
+
+/// Past this many leases a resource's expiries go in a tree.
+const FEW_EXPIRIES: usize = 8;
+
+impl Default for Expiries {
+    fn default() -> Self {
+        Expiries::Few(Vec::new())
+    }
+}
+
+impl Expiries {
+    fn first(&self) -> Option<&(Time, ClientSlot)> {
+        match self {
+            Expiries::Few(v) => v.first(),
+            Expiries::Many(set) => set.first(),
+        }
+    }
+
+    fn insert(&mut self, e: (Time, ClientSlot)) {
+        match self {
+            Expiries::Few(v) if v.len() < FEW_EXPIRIES => {
+                if let Err(i) = v.binary_search(&e) {
+                    if v.len() == v.capacity() {
+                        v.reserve_exact(1);
+                    }
+                    v.insert(i, e);
+                }
+            }
+            Expiries::Few(v) => {
+                let mut set: BTreeSet<_> = mem::take(v).into_iter().collect();
+                set.insert(e);
+                *self = Expiries::Many(set);
+            }
+            Expiries::Many(set) => {
+                set.insert(e);
+            }
+        }
+    }
+
+    fn remove(&mut self, e: &(Time, ClientSlot)) {
+        match self {
+            Expiries::Few(v) => {
+                if let Ok(i) = v.binary_search(e) {
+                    v.remove(i);
+                }
+            }
+            Expiries::Many(set) => {
+                set.remove(e);
+            }
+        }
+    }
 }
 
 /// The capacity server's state.
@@ -718,7 +780,7 @@ impl Resource {
             slot_owner: Vec::new(),
             free_slots: Vec::new(),
             index: DemandIndex::new(),
-            expiries: BTreeSet::new(),
+            expiries: Expiries::default(),
             reservations: HashMap::new(),
             reserved: 0.0,
             learned: false,

@@ -483,3 +483,28 @@ fn a_lower_servers_bands_reach_the_parent_per_priority() {
     s.release("b", "r");
     assert_eq!(bands(&s), vec![band(2, 4, 30.0)]);
 }
+
+proptest! {
+    /// A resource's expiries, a vector while few and a tree beyond, keep
+    /// the order and contents a tree alone would.
+    #[test]
+    fn expiries_keep_a_trees_order(ops in proptest::collection::vec((any::<bool>(), 0u64..6, 0u32..24), 0..200)) {
+        let (mut ours, mut tree) = (Expiries::default(), BTreeSet::new());
+        for (insert, t, slot) in ops {
+            let e = (Time::from_secs(t), slot);
+            if insert {
+                ours.insert(e);
+                tree.insert(e);
+            } else {
+                ours.remove(&e);
+                tree.remove(&e);
+            }
+            prop_assert_eq!(ours.first(), tree.first());
+            let all: Vec<_> = match &ours {
+                Expiries::Few(v) => v.clone(),
+                Expiries::Many(set) => set.iter().copied().collect(),
+            };
+            prop_assert_eq!(all, tree.iter().copied().collect::<Vec<_>>());
+        }
+    }
+}
