@@ -157,9 +157,13 @@ async fn sidecar_bytes_per_key() -> f64 {
     let before = live();
     make_keys(&table, 0..KEYS);
     wait_for(|| leased(0..KEYS)).await;
-    // The refresh's own buffers are gone once its leases are applied.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let grown = live() - before;
+    // The least of a few readings: a demand poll's buffers (the lease
+    // client's thread polls on its own) are gone between polls.
+    let mut grown = isize::MAX;
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        grown = grown.min(live() - before);
+    }
     shutdown.cancel();
     task.await.expect("lease client ends");
     grown as f64 / KEYS as f64
@@ -186,8 +190,12 @@ async fn bytes_per_templated_key_stay_bounded() {
         "bytes per key ({KEYS} keys): store {store:.0}, table {table:.0}, \
          lease client and enforcer {client:.0}, whole sidecar {whole:.0}"
     );
-    assert!(whole > 0.0 && store > 0.0 && table > 0.0);
-    assert!(store < 100_000.0, "store: {store:.0} bytes per key");
-    assert!(table < 100_000.0, "table: {table:.0} bytes per key");
-    assert!(whole < 100_000.0, "whole sidecar: {whole:.0} bytes per key");
+    // Ceilings with room for another allocator's or map's growth policy
+    // (measured on 2026-11-26: 957, 491, 490 and 1,938; before that work,
+    // 3,769, 491, 1,263 and 5,523).
+    assert!(store > 0.0 && table > 0.0 && client > 0.0);
+    assert!(store < 1_500.0, "store: {store:.0} bytes per key");
+    assert!(table < 800.0, "table: {table:.0} bytes per key");
+    assert!(client < 1_000.0, "lease client and enforcer: {client:.0} bytes per key");
+    assert!(whole < 3_000.0, "whole sidecar: {whole:.0} bytes per key");
 }
