@@ -488,8 +488,11 @@ pub fn start_with(
 #[derive(Clone)]
 struct Transitions {
     desc: prometheus::core::Desc,
-    counts: Arc<Mutex<HashMap<Box<str>, Vec<(Mode, Mode, u64)>>>>,
+    counts: Arc<Mutex<HashMap<Box<str>, Changes>>>,
 }
+
+/// One key's mode changes so far: (from, to, how many times).
+type Changes = Vec<(Mode, Mode, u64)>;
 
 impl Default for Transitions {
     fn default() -> Self {
