@@ -505,6 +505,38 @@ async fn an_idle_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_keys_lease_state_and_transitions_show_on_every_scrape() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  tenant: {{ kind: rate, capacity: 10/s, id: \"t/{{header.x-tenant}}\", max_keys: 10 }}\n\
+         routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
+        up.addr
+    );
+    let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
+    let mut c = h1(u.addr("listen")).await;
+    let req = Request::get("/x").header("host", "api.test").header("x-tenant", "acme").body(upstream::empty()).unwrap();
+    assert_eq!(send1(&mut c, req).await.status, StatusCode::OK);
+    let state =
+        |text: &str, s: &str| metric(text, "usher_proxy_lease_state", &[("resource_id", "t/acme"), ("state", s)]);
+    assert_eventually!(
+        state(&http_get(u.addr("admin"), "/metrics").1, "leased") == Some(1.0),
+        Duration::from_secs(10),
+        "the key is leased"
+    );
+    // The lease states are filled for each scrape (and dropped after it): the
+    // next scrape shows them all the same, with the transition counted once.
+    for _ in 0..2 {
+        let (_, text) = http_get(u.addr("admin"), "/metrics");
+        assert_eq!(state(&text, "leased"), Some(1.0), "{text}");
+        assert_eq!(state(&text, "pending"), Some(0.0), "{text}");
+        let labels = [("resource_id", "t/acme"), ("from", "pending"), ("to", "leased")];
+        assert_eq!(metric(&text, "usher_lease_transitions_total", &labels), Some(1.0), "{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests() {
     let up = Upstream::gated().await;
     let dir = tempfile::tempdir().unwrap();

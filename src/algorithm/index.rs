@@ -156,6 +156,11 @@ impl DemandIndex {
                             .ok()
                             .filter(|&id| id != NIL)
                             .expect("DemandIndex holds at most u32::MAX - 1 clients");
+                        // Room for one at first: most indexes (a sidecar's
+                        // tenant keys) never hold a second client.
+                        if self.nodes.capacity() == 0 {
+                            self.nodes.reserve_exact(1);
+                        }
                         self.nodes.push(node);
                         id
                     }

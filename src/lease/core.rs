@@ -132,6 +132,7 @@ fn ser_time<S: serde::Serializer>(t: &Time, s: S) -> Result<S::Ok, S::Error> {
 
 #[derive(Debug, Clone)]
 struct KeyState {
+    /// Its `resource_id` is left empty: the key's id is the map's key.
     demand: KeyDemand,
     lease: Option<Lease>,
     /// Until when an expired `lease` is held (see [`Mode::Held`]): its
@@ -249,7 +250,9 @@ pub struct Transition {
 /// The lease client's state.
 pub struct Core {
     cfg: CoreConfig,
-    keys: BTreeMap<String, KeyState>,
+    /// Boxed: a tree node holds eleven entries and is often half full, so
+    /// with many keys (a sidecar's tenants) a state in place cost twice its size.
+    keys: BTreeMap<String, Box<KeyState>>,
     to_release: Vec<String>,
     master: Option<String>,
     rotation: usize,
@@ -336,14 +339,14 @@ impl Core {
 
     /// Installs a lease known from elsewhere (the on-disk cache): enforced at
     /// once if unexpired, and reported as `has` so a learning server hands it back.
-    pub fn preload(&mut self, demand: KeyDemand, lease: Lease, now: Time) {
+    pub fn preload(&mut self, mut demand: KeyDemand, lease: Lease, now: Time) {
         if lease.expiry <= now {
             return;
         }
-        let id = demand.resource_id.clone();
+        let id = std::mem::take(&mut demand.resource_id);
         self.keys.insert(
             id,
-            KeyState {
+            Box::new(KeyState {
                 demand,
                 lease: Some(lease),
                 hold_until: None,
@@ -354,7 +357,7 @@ impl Core {
                 away: false,
                 early_wait: self.cfg.min_interval,
                 asked_with: None,
-            },
+            }),
         );
     }
 
@@ -376,7 +379,8 @@ impl Core {
     /// past the refresh interval the key waits for its refresh: in a steady
     /// overload the request rate is the one the server asks for.
     pub fn set_demand(&mut self, demand: Vec<KeyDemand>) {
-        let mut fresh: BTreeMap<String, KeyDemand> = demand.into_iter().map(|d| (d.resource_id.clone(), d)).collect();
+        let mut fresh: BTreeMap<String, KeyDemand> =
+            demand.into_iter().map(|mut d| (std::mem::take(&mut d.resource_id), d)).collect();
         let gone: Vec<String> = self.keys.keys().filter(|k| !fresh.contains_key(*k)).cloned().collect();
         for k in gone {
             self.keys.remove(&k);
@@ -399,7 +403,7 @@ impl Core {
                     self.to_release.retain(|r| *r != id);
                     self.keys.insert(
                         id,
-                        KeyState {
+                        Box::new(KeyState {
                             demand: d,
                             lease: None,
                             hold_until: None,
@@ -410,7 +414,7 @@ impl Core {
                             away: false,
                             early_wait: self.cfg.min_interval,
                             asked_with: None,
-                        },
+                        }),
                     );
                 }
             }

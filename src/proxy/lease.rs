@@ -18,7 +18,7 @@ use crate::config::doorman::{LeaseSettings, Wants};
 use crate::config::resources::{Algorithm, ResourcesConfig, Template};
 use crate::config::routes::{ResourceKind, RoutesConfig, Segment};
 use crate::lease::backoff::BackoffConfig;
-use crate::lease::core::{Capacity, CoreConfig, KeyDemand, OnExpiry};
+use crate::lease::core::{Capacity, CoreConfig, KeyDemand, Mode, OnExpiry};
 use crate::lease::driver::{Enforcer, LeaseClient, Runs};
 use crate::lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, Transport};
 use crate::limit::LeaseTable;
@@ -43,13 +43,21 @@ const PEAK_WINDOW: Duration = Duration::from_secs(10);
 
 #[derive(Default)]
 struct KeyMemory {
+    refused: u64,
+    /// Last time the key saw an arrival or had a request in flight.
+    active: Option<(Time, f64)>,
+    /// Boxed, made at the first measurement: a key with a fixed `wants`
+    /// (every key of an embedded server, by default) never needs it.
+    measured: Option<Box<Measured>>,
+}
+
+/// What measuring a key's demand (`wants: auto`) remembers.
+#[derive(Default)]
+struct Measured {
     /// (time, total arrivals) readings over the last second.
     arrivals: VecDeque<(Time, f64)>,
     /// (time, peak in flight + waiters) over the peak window.
     peaks: VecDeque<(Time, f64)>,
-    refused: u64,
-    /// Last time the key saw an arrival or had a request in flight.
-    active: Option<(Time, f64)>,
     headroom: crate::lease::headroom::Headroom,
 }
 
@@ -60,7 +68,7 @@ pub struct TableEnforcer {
     pushback: Arc<Pushback>,
     /// The routes file in force (a reload changes it).
     config: ConfigSource,
-    transitions: prometheus::IntCounterVec,
+    transitions: Transitions,
     embedded: Option<Arc<Node>>,
     memory: Mutex<HashMap<String, KeyMemory>>,
     seen_config: Mutex<Option<Arc<RoutesConfig>>>,
@@ -120,6 +128,7 @@ impl TableEnforcer {
         let wants = match settings.wants.unwrap_or(embedded_default) {
             Wants::Fixed(w) => w,
             Wants::Auto => {
+                let m = m.measured.get_or_insert_default();
                 let measured = match kind {
                     ResourceKind::Rate => {
                         let total = l.demand().arrivals();
@@ -318,7 +327,7 @@ impl Enforcer for TableEnforcer {
     }
 
     fn on_transition(&self, t: &crate::lease::core::Transition) {
-        self.transitions.with_label_values(&[&t.resource_id, t.from.name(), t.to.name()]).inc();
+        self.transitions.count(&t.resource_id, t.from, t.to);
     }
 
     fn apply(&self, capacities: &[(String, Capacity)]) {
@@ -459,14 +468,7 @@ pub fn start_with(
             (c, Arc::new(local), Some(node), None)
         }
     };
-    let transitions = prometheus::IntCounterVec::new(
-        prometheus::Opts::new(
-            "usher_lease_transitions_total",
-            "Lease mode changes of a resource key (leased, pending, expired).",
-        ),
-        &["resource_id", "from", "to"],
-    )
-    .expect("valid metric");
+    let transitions = Transitions::default();
     let _ = registry.register(Box::new(transitions.clone()));
     let enforcer = Arc::new(TableEnforcer {
         table,
@@ -493,6 +495,88 @@ pub fn start_with(
     (client, task)
 }
 
+// === impl Transitions ===
+
+/// `usher_lease_transitions_total{resource_id, from, to}`: how often each
+/// key's lease changed mode. Counted here, a few dozen bytes per key, and
+/// rendered at each scrape: a counter vector's series (each with its own
+/// descriptor and label strings) cost some 570 bytes per templated key, a
+/// fifth of a sidecar's memory per key (tests/key_memory.rs).
+#[derive(Clone)]
+struct Transitions {
+    desc: prometheus::core::Desc,
+    counts: Arc<Mutex<HashMap<Box<str>, Changes>>>,
+}
+
+/// One key's mode changes so far: (from, to, how many times).
+type Changes = Vec<(Mode, Mode, u64)>;
+
+impl Default for Transitions {
+    fn default() -> Self {
+        let desc = prometheus::core::Desc::new(
+            "usher_lease_transitions_total".into(),
+            "Lease mode changes of a resource key (leased, pending, expired).".into(),
+            vec!["resource_id".into(), "from".into(), "to".into()],
+            HashMap::new(),
+        )
+        .expect("valid metric");
+        Transitions { desc, counts: Arc::default() }
+    }
+}
+
+impl Transitions {
+    fn count(&self, id: &str, from: Mode, to: Mode) {
+        let mut counts = self.counts.lock().expect("transition counts");
+        if !counts.contains_key(id) {
+            counts.insert(id.into(), Vec::new());
+        }
+        let key = counts.get_mut(id).expect("inserted above");
+        match key.iter_mut().find(|(f, t, _)| (*f, *t) == (from, to)) {
+            Some((_, _, n)) => *n += 1,
+            None => {
+                // A key sees a few kinds of change at most: room for each as it comes.
+                key.reserve_exact(1);
+                key.push((from, to, 1));
+            }
+        }
+    }
+}
+
+impl prometheus::core::Collector for Transitions {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        use prometheus::proto::{Counter, LabelPair, Metric, MetricFamily, MetricType};
+        let label = |name: &str, value: &str| {
+            let mut l = LabelPair::default();
+            l.set_name(name.into());
+            l.set_value(value.into());
+            l
+        };
+        let counts = self.counts.lock().expect("transition counts");
+        let mut metrics = Vec::new();
+        for (id, changes) in counts.iter() {
+            for (from, to, n) in changes {
+                let mut counter = Counter::default();
+                counter.set_value(*n as f64);
+                let mut m = Metric::default();
+                // In the order of their names, as a counter vector's.
+                m.set_label(vec![label("from", from.name()), label("resource_id", id), label("to", to.name())]);
+                m.set_counter(counter);
+                metrics.push(m);
+            }
+        }
+        let mut family = MetricFamily::default();
+        family.set_name(self.desc.fq_name.clone());
+        family.set_help(self.desc.help.clone());
+        family.set_field_type(MetricType::COUNTER);
+        family.set_metric(metrics);
+        vec![family]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -513,7 +597,7 @@ mod tests {
             table,
             pushback: Arc::new(Pushback::new(&registry)),
             config: Arc::new(move || cfg.clone()),
-            transitions: prometheus::IntCounterVec::new(prometheus::Opts::new("t", "t"), &["a", "b", "c"]).unwrap(),
+            transitions: Transitions::default(),
             embedded: None,
             memory: Mutex::new(HashMap::new()),
             seen_config: Mutex::new(None),
@@ -522,6 +606,46 @@ mod tests {
             quiet: AtomicBool::new(false),
             next_idle: Mutex::new(None),
         }
+    }
+
+    #[test]
+    fn transitions_are_rendered_as_a_counter_vector_renders_them() {
+        use prometheus::core::Collector;
+        let (ours, vector) = (
+            Transitions::default(),
+            prometheus::IntCounterVec::new(
+                prometheus::Opts::new(
+                    "usher_lease_transitions_total",
+                    "Lease mode changes of a resource key (leased, pending, expired).",
+                ),
+                &["resource_id", "from", "to"],
+            )
+            .unwrap(),
+        );
+        // Each registered afresh (a clone shares the counts).
+        fn text(c: &(impl Collector + Clone + 'static)) -> String {
+            let r = prometheus::Registry::new();
+            r.register(Box::new(c.clone())).unwrap();
+            prometheus::TextEncoder::new().encode_to_string(&r.gather()).unwrap()
+        }
+        assert_eq!(text(&ours), "", "nothing counted, nothing rendered");
+        assert_eq!(text(&ours), text(&vector));
+        for (id, from, to) in [
+            ("t/b", Mode::Pending, Mode::Leased),
+            ("t/a", Mode::Pending, Mode::Leased),
+            ("t/a", Mode::Leased, Mode::Held),
+            ("t/a", Mode::Held, Mode::Leased),
+            ("t/a", Mode::Leased, Mode::Held),
+        ] {
+            ours.count(id, from, to);
+            vector.with_label_values(&[id, from.name(), to.name()]).inc();
+        }
+        assert_eq!(text(&ours), text(&vector));
+        assert!(
+            text(&ours).contains("usher_lease_transitions_total{from=\"leased\",resource_id=\"t/a\",to=\"held\"} 2\n"),
+            "{}",
+            text(&ours)
+        );
     }
 
     /// Whether `activity` was notified since it was last taken.

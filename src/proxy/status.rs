@@ -104,13 +104,21 @@ fn observe_lease_states(g: &prometheus::IntGaugeVec, proxy: &Proxy) {
 
 pub fn handler(proxy: Arc<Proxy>) -> Handler {
     let lease_states = lease_state_gauge(&proxy);
+    let scraping = std::sync::Mutex::new(());
     Arc::new(move |req| {
         let json = admin::query_param(&req.uri, "format").as_deref() == Some("json");
         match req.uri.path() {
             "/metrics" => {
+                // The lease states are filled for one scrape and emptied after
+                // it: kept between scrapes, five series per key (each with its
+                // own label strings) held kilobytes per tenant key. One scrape
+                // at a time, so none empties what another is writing out.
+                let _one = scraping.lock().expect("scrape lock");
                 proxy.metrics.observe_table(&proxy.table);
                 observe_lease_states(&lease_states, &proxy);
-                admin::metrics(&proxy.metrics.registry)
+                let answer = admin::metrics(&proxy.metrics.registry);
+                lease_states.reset();
+                answer
             }
             "/healthz" => admin::text(StatusCode::OK, "ok\n"),
             "/readyz" => match readiness(&proxy) {

@@ -11,7 +11,8 @@
 //! so a node's new master replaces its predecessor's entry instead of standing
 //! beside it, and a stale master can no longer change or release it.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -226,8 +227,6 @@ struct ClientLease {
     /// larger of the grant and what it reports having handed out, until it
     /// reports less (this is what keeps a rebalancing tree from overshooting).
     has: f64,
-    /// The priority bands this client's demand is filed under.
-    bands: Vec<(i64, f64, u64)>,
     wants: f64,
     subclients: u64,
     requester: Requester,
@@ -277,14 +276,21 @@ struct Reservation {
 
 struct Resource {
     template: Arc<Template>,
-    parent: Option<ParentLease>,
-    /// Demand per priority, for `priority_mode=strict`.
-    by_priority: std::collections::BTreeMap<i64, DemandIndex>,
-    clients: HashMap<Arc<str>, ClientLease>,
+    /// Boxed: most resources (all of a root's) never have one.
+    parent: Option<Box<ParentLease>>,
+    /// Demand per priority band (see [`bands`]), for `priority_mode=strict`
+    /// and an intermediate's report to its parent; `None` until either asks
+    /// for it (a root's non-strict resources never do), kept up to date from
+    /// then on.
+    by_priority: Option<BTreeMap<i64, DemandIndex>>,
+    /// Boxed: a resource with one client (a sidecar's tenant key) would
+    /// otherwise hold room for four in the map's smallest table.
+    clients: HashMap<Arc<str>, Box<ClientLease>>,
+    /// Each slot's client id, the same `Arc` as its key in `clients`.
     slot_owner: Vec<Option<Arc<str>>>,
     free_slots: Vec<ClientSlot>,
     index: DemandIndex,
-    expiries: BTreeSet<(Time, ClientSlot)>,
+    expiries: Expiries,
     reservations: HashMap<Arc<str>, Reservation>,
     reserved: f64,
     /// Learning mode ended early: every expected client has reported, or
@@ -297,6 +303,67 @@ struct Resource {
     /// The store's [`Predecessor`] and lease horizon, as of this request.
     predecessor: Predecessor,
     horizon: Option<Time>,
+}
+
+/// A resource's leases by expiry, soonest first: a sorted vector while
+/// there are few (a sidecar's tenant key has one lease, and a tree's
+/// smallest node holds room for eleven), a tree beyond.
+#[derive(Debug)]
+enum Expiries {
+    Few(Vec<(Time, ClientSlot)>),
+    Many(BTreeSet<(Time, ClientSlot)>),
+}
+
+/// Past this many leases a resource's expiries go in a tree.
+const FEW_EXPIRIES: usize = 8;
+
+impl Default for Expiries {
+    fn default() -> Self {
+        Expiries::Few(Vec::new())
+    }
+}
+
+impl Expiries {
+    fn first(&self) -> Option<&(Time, ClientSlot)> {
+        match self {
+            Expiries::Few(v) => v.first(),
+            Expiries::Many(set) => set.first(),
+        }
+    }
+
+    fn insert(&mut self, e: (Time, ClientSlot)) {
+        match self {
+            Expiries::Few(v) if v.len() < FEW_EXPIRIES => {
+                if let Err(i) = v.binary_search(&e) {
+                    if v.len() == v.capacity() {
+                        v.reserve_exact(1);
+                    }
+                    v.insert(i, e);
+                }
+            }
+            Expiries::Few(v) => {
+                let mut set: BTreeSet<_> = mem::take(v).into_iter().collect();
+                set.insert(e);
+                *self = Expiries::Many(set);
+            }
+            Expiries::Many(set) => {
+                set.insert(e);
+            }
+        }
+    }
+
+    fn remove(&mut self, e: &(Time, ClientSlot)) {
+        match self {
+            Expiries::Few(v) => {
+                if let Ok(i) = v.binary_search(e) {
+                    v.remove(i);
+                }
+            }
+            Expiries::Many(set) => {
+                set.remove(e);
+            }
+        }
+    }
 }
 
 /// The capacity server's state.
@@ -420,7 +487,7 @@ impl Store {
             let mut r = res.lock().expect("resource lock poisoned");
             let before = r.parent.as_ref().filter(|p| p.expiry > now).map_or(0.0, |p| p.capacity);
             let grew = lease.as_ref().is_some_and(|p| p.expiry > now && (r.parent.is_none() || p.capacity > before));
-            r.parent = lease;
+            r.parent = lease.map(Box::new);
             drop(r);
             if grew {
                 self.wake();
@@ -454,7 +521,7 @@ impl Store {
                     return None;
                 }
                 let bands = r
-                    .by_priority
+                    .by_priority()
                     .iter()
                     .filter(|(_, idx)| !idx.is_empty())
                     .map(|(p, idx)| Band {
@@ -708,12 +775,12 @@ impl Resource {
         Resource {
             template,
             parent: None,
-            by_priority: std::collections::BTreeMap::new(),
+            by_priority: None,
             clients: HashMap::new(),
             slot_owner: Vec::new(),
             free_slots: Vec::new(),
             index: DemandIndex::new(),
-            expiries: BTreeSet::new(),
+            expiries: Expiries::default(),
             reservations: HashMap::new(),
             reserved: 0.0,
             learned: false,
@@ -857,27 +924,43 @@ impl Resource {
         if let Some(l) = self.clients.remove(client) {
             self.expiries.remove(&(l.expiry, l.slot));
             self.index.remove(l.slot);
-            self.unfile_bands(l.slot, &l.bands);
+            self.unfile_bands(l.slot, bands_of(&l.requester, l.wants, l.subclients));
             self.slot_owner[l.slot as usize] = None;
             self.free_slots.push(l.slot);
         }
     }
 
-    fn unfile_bands(&mut self, slot: ClientSlot, bands: &[(i64, f64, u64)]) {
+    fn unfile_bands(&mut self, slot: ClientSlot, bands: impl IntoIterator<Item = (i64, f64, u64)>) {
+        let Some(by_priority) = &mut self.by_priority else { return };
         for (p, _, _) in bands {
-            if let Some(idx) = self.by_priority.get_mut(p) {
+            if let Some(idx) = by_priority.get_mut(&p) {
                 idx.remove(slot);
                 if idx.is_empty() {
-                    self.by_priority.remove(p);
+                    by_priority.remove(&p);
                 }
             }
         }
     }
 
-    fn file_bands(&mut self, slot: ClientSlot, bands: &[(i64, f64, u64)], has: f64) {
+    fn file_bands(&mut self, slot: ClientSlot, bands: impl IntoIterator<Item = (i64, f64, u64)>, has: f64) {
+        let Some(by_priority) = &mut self.by_priority else { return };
         for (p, wants, subs) in bands {
-            self.by_priority.entry(*p).or_default().upsert(slot, *wants, *subs, has);
+            by_priority.entry(p).or_default().upsert(slot, wants, subs, has);
         }
+    }
+
+    /// The demand per priority band, filed from every client's lease the
+    /// first time it is asked for (as [`Resource::file_bands`] keeps it).
+    fn by_priority(&mut self) -> &BTreeMap<i64, DemandIndex> {
+        self.by_priority.get_or_insert_with(|| {
+            let mut by_priority: BTreeMap<i64, DemandIndex> = BTreeMap::new();
+            for l in self.clients.values() {
+                for (p, wants, subs) in bands_of(&l.requester, l.wants, l.subclients) {
+                    by_priority.entry(p).or_default().upsert(l.slot, wants, subs, l.has);
+                }
+            }
+            by_priority
+        })
     }
 
     /// Never beyond the lease horizon this master has recorded.
@@ -893,8 +976,8 @@ impl Resource {
 
     /// The algorithm in force.
     fn algorithm(&self) -> &Algorithm {
-        match &self.parent {
-            Some(ParentLease { algorithm: Some(a), .. }) if !self.has_local_template() => a,
+        match self.parent.as_ref().and_then(|p| p.algorithm.as_ref()) {
+            Some(a) if !self.has_local_template() => a,
             _ => &self.template.algorithm,
         }
     }
@@ -955,16 +1038,15 @@ impl Resource {
         let slot = self.new_slot(client);
         let expiry = self.cap_expiry(now.saturating_add(Duration::from_secs(2)));
         self.index.upsert(slot, req.wants, req.subclients, 0.0);
-        self.file_bands(slot, bands, 0.0);
+        self.file_bands(slot, bands.iter().copied(), 0.0);
         self.expiries.insert((expiry, slot));
         let safe = self.safe_capacity(self.parent.as_ref().map_or(0.0, |p| p.capacity));
         self.clients.insert(
-            Arc::from(client),
-            ClientLease {
+            self.owner(slot),
+            Box::new(ClientLease {
                 slot,
                 granted: 0.0,
                 has: 0.0,
-                bands: bands.to_vec(),
                 wants: req.wants,
                 subclients: req.subclients,
                 requester: req.requester.clone(),
@@ -975,7 +1057,7 @@ impl Resource {
                 floor: None,
                 predecessor_subclients: None,
                 safe,
-            },
+            }),
         );
         // It may run on what is still reserved for it here, and no more.
         let held = self.reservations.get(client).map_or(0.0, |r| r.amount);
@@ -1016,12 +1098,12 @@ impl Resource {
         };
         let alg = self.algorithm().clone();
         let capacity = self.capacity(now, role);
-        let bands: Vec<(i64, f64, u64)> = match &req.requester {
-            Requester::Client { priority } => vec![(*priority, req.wants, req.subclients)],
-            Requester::Server { bands } => {
-                bands.iter().map(|b| (b.priority, b.wants, b.num_clients.max(1) as u64)).collect()
-            }
-        };
+        let bands: Vec<(i64, f64, u64)> = bands_of(&req.requester, req.wants, req.subclients).collect();
+        if alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind) {
+            // Filed before this request changes anything, so the bands hold
+            // what every lease held until now.
+            self.by_priority();
+        }
         // A node's new master takes its predecessor's place, inheriting what
         // the predecessor's clients may still hold as a floor; a stale master
         // changes nothing.
@@ -1075,14 +1157,14 @@ impl Resource {
         let lapsed = !learning && capacity.is_none() && self.clients.contains_key(client);
         if too_early || lapsed {
             let l = self.clients.get_mut(client).expect("checked above");
+            let old_bands: Vec<_> = bands_of(&l.requester, l.wants, l.subclients).collect();
             l.wants = req.wants;
             l.subclients = req.subclients;
             l.requester = req.requester.clone();
-            let old_bands = std::mem::replace(&mut l.bands, bands.clone());
             let (slot, has) = (l.slot, l.has);
             self.index.upsert(slot, req.wants, req.subclients, has);
-            self.unfile_bands(slot, &old_bands);
-            self.file_bands(slot, &bands, has);
+            self.unfile_bands(slot, old_bands);
+            self.file_bands(slot, bands.iter().copied(), has);
             return self.unchanged(client, capacity, alg);
         }
         let slot = match self.clients.get(client) {
@@ -1093,7 +1175,8 @@ impl Resource {
             None => self.new_slot(client),
         };
         let previous = self.clients.get(client);
-        let (old_has, old_bands) = previous.map_or((0.0, Vec::new()), |l| (l.has, l.bands.clone()));
+        let (old_has, old_bands): (f64, Vec<_>) =
+            previous.map_or((0.0, Vec::new()), |l| (l.has, bands_of(&l.requester, l.wants, l.subclients).collect()));
         // Kept for a lease length past its end: see `lapsed` below.
         let lease_length = self.algorithm().lease_length;
         let floor = inherited
@@ -1109,8 +1192,8 @@ impl Resource {
             },
         };
         self.index.upsert(slot, req.wants, req.subclients, old_has);
-        self.unfile_bands(slot, &old_bands);
-        self.file_bands(slot, &bands, old_has);
+        self.unfile_bands(slot, old_bands);
+        self.file_bands(slot, bands.iter().copied(), old_has);
         // Set when others still hold what this client is due: it comes back
         // soon to collect it, instead of a whole refresh interval later.
         let mut held_back = false;
@@ -1222,7 +1305,6 @@ impl Resource {
             slot,
             granted,
             has,
-            bands: bands.clone(),
             wants: req.wants,
             subclients: req.subclients,
             requester: req.requester.clone(),
@@ -1235,9 +1317,9 @@ impl Resource {
             safe: self.configured_safe_capacity().unwrap_or(safe),
         };
         self.index.upsert(slot, req.wants, req.subclients, has);
-        self.file_bands(slot, &bands, has);
+        self.file_bands(slot, bands.iter().copied(), has);
         self.expiries.insert((expiry, slot));
-        self.clients.insert(Arc::from(client), lease);
+        self.clients.insert(self.owner(slot), Box::new(lease));
         Grant {
             capacity: granted,
             expiry,
@@ -1253,7 +1335,8 @@ impl Resource {
     fn strict_priority(&self, capacity: f64, bands: &[(i64, f64, u64)], r: &algorithm::Request) -> f64 {
         let mut left = capacity;
         let mut grant = 0.0;
-        for (p, idx) in self.by_priority.iter().rev() {
+        let by_priority = self.by_priority.as_ref().expect("filed for a strict resource");
+        for (p, idx) in by_priority.iter().rev() {
             if let Some((_, wants, subs)) = bands.iter().find(|(bp, _, _)| bp == p) {
                 let level = idx.water_level(left.max(0.0));
                 grant += wants.min(level * *subs as f64);
@@ -1272,11 +1355,30 @@ impl Resource {
                 s
             }
             None => {
+                // Room for one: most resources never have another client.
+                if self.slot_owner.capacity() == 0 {
+                    self.slot_owner.reserve_exact(1);
+                }
                 self.slot_owner.push(owner);
                 (self.slot_owner.len() - 1) as ClientSlot
             }
         }
     }
+
+    /// The id of the client in `slot`.
+    fn owner(&self, slot: ClientSlot) -> Arc<str> {
+        self.slot_owner[slot as usize].clone().expect("a slot in use has an owner")
+    }
+}
+
+/// A client's demand per priority band: an end client's all in its one
+/// priority, a lower server's in the bands it reported.
+fn bands_of(requester: &Requester, wants: f64, subclients: u64) -> impl Iterator<Item = (i64, f64, u64)> + '_ {
+    let (own, reported) = match requester {
+        Requester::Client { priority } => (Some((*priority, wants, subclients)), &[][..]),
+        Requester::Server { bands } => (None, &bands[..]),
+    };
+    own.into_iter().chain(reported.iter().map(|b| (b.priority, b.wants, b.num_clients.max(1) as u64)))
 }
 
 /// The safe capacity to tell a requester that holds `held`: an end client's

@@ -440,3 +440,71 @@ fn a_short_lapsed_lease_is_reserved_in_full_while_held_then_at_its_safe_capacity
     handle.advance(Duration::from_secs(39));
     assert_eq!(reserved(&s), 0.0, "a lease length after the lapse");
 }
+
+fn strict(mut t: Arc<Template>) -> Arc<Template> {
+    Arc::make_mut(&mut t).algorithm.parameters = vec![("priority_mode".into(), Some("strict".into()))];
+    t
+}
+
+#[test]
+fn strict_priorities_count_every_band_also_when_filed_after_a_reload() {
+    let prio = |p: i64| LeaseRequest { requester: Requester::Client { priority: p }, ..req("r", 80.0, None) };
+    // Strict from the start, and strict only from a reload on, after both
+    // leases were granted: the bands filed then hold both clients.
+    for reloaded in [false, true] {
+        let t = template(Kind::FairShare, 100.0, 10, 5, 0);
+        let (clock, _time) = Clock::manual(Time::from_secs(1_000_000));
+        let first = if reloaded { t.clone() } else { strict(t.clone()) };
+        let s = Store::new(clock, ResourcesConfig { templates: vec![first] }, Duration::ZERO);
+        assert_eq!(s.get_capacity("lo", &prio(0)).capacity, 80.0, "alone");
+        assert_eq!(s.get_capacity("hi", &prio(1)).capacity, 20.0, "what lo leaves unused");
+        if reloaded {
+            s.reload(ResourcesConfig { templates: vec![strict(t)] });
+        }
+        // Strictly, hi's band comes first: lo gets what its 80 leave (fair
+        // share alone would keep lo at 50).
+        assert_eq!(s.get_capacity("lo", &prio(0)).capacity, 20.0, "reloaded: {reloaded}");
+        assert_eq!(s.get_capacity("hi", &prio(1)).capacity, 80.0, "reloaded: {reloaded}");
+    }
+}
+
+#[test]
+fn a_lower_servers_bands_reach_the_parent_per_priority() {
+    let (s, _clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    let band = |priority, num_clients, wants| Band { priority, num_clients, wants };
+    let server = |bands| LeaseRequest { requester: Requester::Server { bands }, ..req("r", 30.0, None) };
+    s.get_capacity("a", &server(vec![band(0, 2, 10.0), band(1, 1, 20.0)]));
+    s.get_capacity("b", &req("r", 5.0, None));
+    let bands = |s: &Store| s.parent_demand()[0].bands.clone();
+    assert_eq!(bands(&s), vec![band(0, 3, 15.0), band(1, 1, 20.0)]);
+    // Once filed, kept up to date: a's new bands replace its old ones.
+    s.get_capacity("a", &server(vec![band(2, 4, 30.0)]));
+    assert_eq!(bands(&s), vec![band(0, 1, 5.0), band(2, 4, 30.0)]);
+    s.release("b", "r");
+    assert_eq!(bands(&s), vec![band(2, 4, 30.0)]);
+}
+
+proptest! {
+    /// A resource's expiries, a vector while few and a tree beyond, keep
+    /// the order and contents a tree alone would.
+    #[test]
+    fn expiries_keep_a_trees_order(ops in proptest::collection::vec((any::<bool>(), 0u64..6, 0u32..24), 0..200)) {
+        let (mut ours, mut tree) = (Expiries::default(), BTreeSet::new());
+        for (insert, t, slot) in ops {
+            let e = (Time::from_secs(t), slot);
+            if insert {
+                ours.insert(e);
+                tree.insert(e);
+            } else {
+                ours.remove(&e);
+                tree.remove(&e);
+            }
+            prop_assert_eq!(ours.first(), tree.first());
+            let all: Vec<_> = match &ours {
+                Expiries::Few(v) => v.clone(),
+                Expiries::Many(set) => set.iter().copied().collect(),
+            };
+            prop_assert_eq!(all, tree.iter().copied().collect::<Vec<_>>());
+        }
+    }
+}
