@@ -520,8 +520,13 @@ async fn a_tenant_keys_lease_state_and_transitions_show_on_every_scrape() {
     assert_eq!(send1(&mut c, req).await.status, StatusCode::OK);
     let state =
         |text: &str, s: &str| metric(text, "usher_proxy_lease_state", &[("resource_id", "t/acme"), ("state", s)]);
+    let labels = [("resource_id", "t/acme"), ("from", "pending"), ("to", "leased")];
+    // The lease client counts the transition just after the key's state changed.
     assert_eventually!(
-        state(&http_get(u.addr("admin"), "/metrics").1, "leased") == Some(1.0),
+        {
+            let text = http_get(u.addr("admin"), "/metrics").1;
+            state(&text, "leased") == Some(1.0) && metric(&text, "usher_lease_transitions_total", &labels).is_some()
+        },
         Duration::from_secs(10),
         "the key is leased"
     );
@@ -531,7 +536,6 @@ async fn a_tenant_keys_lease_state_and_transitions_show_on_every_scrape() {
         let (_, text) = http_get(u.addr("admin"), "/metrics");
         assert_eq!(state(&text, "leased"), Some(1.0), "{text}");
         assert_eq!(state(&text, "pending"), Some(0.0), "{text}");
-        let labels = [("resource_id", "t/acme"), ("from", "pending"), ("to", "leased")];
         assert_eq!(metric(&text, "usher_lease_transitions_total", &labels), Some(1.0), "{text}");
     }
 }
