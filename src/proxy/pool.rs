@@ -337,7 +337,6 @@ async fn reap(pool: Weak<Pool>, idle_timeout: Duration) {
     }
 }
 
-/// What a `502` adds to a certificate the upstream's roots do not trust.
 /// A new connection to `addr` (TLS over it with `tls`), within `limit`; the
 /// error says what failed, as a `502` names it.
 pub async fn dial(addr: &str, tls: Option<&Tls>, limit: Duration) -> Result<Stream, String> {
@@ -354,6 +353,7 @@ pub async fn dial(addr: &str, tls: Option<&Tls>, limit: Duration) -> Result<Stre
     }
 }
 
+/// What a `502` adds to a certificate the upstream's roots do not trust.
 pub const UNTRUSTED: &str =
     " (the upstream's certificate is not trusted: name the CA that signed it in the upstream's ca_file)";
 

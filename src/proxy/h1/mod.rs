@@ -497,7 +497,11 @@ async fn probe(
     match shared(upstream, req, head_request, idempotent, &mut bufs.out).await {
         Err(H2Error::Http1(stream)) => {
             plain.learn(http::Version::HTTP_11, upstream.name());
-            plain.pool.put(stream);
+            // The connection that said so carries this request (a request
+            // that waited meanwhile makes its own, on the pool).
+            if let Some(stream) = stream {
+                plain.pool.put(stream);
+            }
             let name = || upstream.name().to_string();
             roundtrip(&plain.pool, &name, head_request, idempotent, &bufs.req, &mut bufs.up, &mut bufs.out)
                 .await

@@ -165,8 +165,8 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>) -> Result<Parsed
     Ok(Parsed::Final(len, ResponseHead { status, framing, reusable, retry_after }))
 }
 
-/// The client's head for an answer that came through hyper-util's client
-/// (from a multiplexed h2 upstream), appended to `out` without its closing
+/// The client's head for an answer from an h2 upstream (`super::super::h2conn`),
+/// appended to `out` without its closing
 /// blank line, as [`parse`] does for an HTTP/1.1 one. The body is framed by
 /// its length when it is known (`exact`: a `content-length`, or an answer
 /// whose stream ended with its head), else chunked, as hyper's server
