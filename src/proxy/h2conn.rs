@@ -389,22 +389,32 @@ mod tests {
         assert_eq!(got, (200 * 1024).to_string());
     }
 
-    /// A burst of requests to an upstream that accepts TCP and then says
-    /// nothing (the TLS handshake never ends) all get the first attempt's
-    /// failure, rather than each trying again after the one before it.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn waiters_share_a_failed_connect() {
+    /// A listener on 127.0.0.1:0 that counts the connections it accepts and
+    /// holds them open, saying nothing (after the TLS handshake, with `tls`).
+    async fn holding_listener(tls: Option<tokio_rustls::TlsAcceptor>) -> (String, Arc<AtomicUsize>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let conns = Arc::new(AtomicUsize::new(0));
         let counted = conns.clone();
         tokio::spawn(async move {
-            let mut held = Vec::new();
+            let (mut plain, mut secured) = (Vec::new(), Vec::new());
             while let Ok((stream, _)) = listener.accept().await {
                 counted.fetch_add(1, Ordering::SeqCst);
-                held.push(stream);
+                match &tls {
+                    None => plain.push(stream),
+                    Some(acceptor) => secured.extend(acceptor.accept(stream).await.ok()),
+                }
             }
         });
+        (addr, conns)
+    }
+
+    /// A burst of requests to an upstream that accepts TCP and then says
+    /// nothing (the TLS handshake never ends) all get the first attempt's
+    /// failure, rather than each trying again after the one before it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiters_share_a_failed_connect() {
+        let (addr, conns) = holding_listener(None).await;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let config = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
@@ -451,20 +461,7 @@ mod tests {
             )
             .unwrap();
         server.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let conns = Arc::new(AtomicUsize::new(0));
-        let counted = conns.clone();
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((stream, _)) = listener.accept().await {
-                counted.fetch_add(1, Ordering::SeqCst);
-                if let Ok(tls) = acceptor.accept(stream).await {
-                    held.push(tls);
-                }
-            }
-        });
+        let (addr, conns) = holding_listener(Some(tokio_rustls::TlsAcceptor::from(Arc::new(server)))).await;
         let mut roots = rustls::RootCertStore::empty();
         roots.add(cert.der().clone()).unwrap();
         let mut client = rustls::ClientConfig::builder_with_provider(provider)
