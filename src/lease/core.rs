@@ -5,7 +5,7 @@
 //! what capacity each key may use right now. Keeping it sans-I/O is what lets
 //! tests and the simulator run the exact production logic in virtual time.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use rand::SeedableRng;
@@ -253,6 +253,10 @@ pub struct Core {
     /// Boxed: a tree node holds eleven entries and is often half full, so
     /// with many keys (a sidecar's tenants) a state in place cost twice its size.
     keys: BTreeMap<String, Box<KeyState>>,
+    /// Keys whose capacity may have changed since [`Core::take_changes`]
+    /// last returned them: the enforcement side applies these only, not
+    /// every key at every poll. Ids of keys since removed are skipped there.
+    changed: BTreeSet<String>,
     to_release: Vec<String>,
     master: Option<String>,
     rotation: usize,
@@ -301,6 +305,7 @@ impl Core {
             next_at_once: cfg.servers.len().saturating_sub(1),
             cfg,
             keys: BTreeMap::new(),
+            changed: BTreeSet::new(),
             to_release: Vec::new(),
             master: None,
             rotation: 0,
@@ -344,6 +349,7 @@ impl Core {
             return;
         }
         let id = std::mem::take(&mut demand.resource_id);
+        self.changed.insert(id.clone());
         self.keys.insert(
             id,
             Box::new(KeyState {
@@ -396,11 +402,17 @@ impl Core {
                     if !k.away {
                         k.early_wait = min;
                     }
+                    // Without a lease, demand decides the capacity (on_expiry).
+                    let before = k.capacity();
                     k.demand = d;
+                    if k.capacity() != before {
+                        self.changed.insert(id);
+                    }
                 }
                 None => {
                     self.early = true;
                     self.to_release.retain(|r| *r != id);
+                    self.changed.insert(id.clone());
                     self.keys.insert(
                         id,
                         Box::new(KeyState {
@@ -425,6 +437,35 @@ impl Core {
     pub fn capacities(&mut self, now: Time) -> Vec<(String, Capacity)> {
         self.expire(now);
         self.keys.iter().map(|(id, k)| (id.clone(), k.capacity())).collect()
+    }
+
+    /// The capacity of each key whose capacity may have changed since the
+    /// last call (a key was made, a lease arrived, expired or ended its hold,
+    /// demand moved an `on_expiry` capacity), after applying expiries at
+    /// `now`, and of the keys in `also`, changed or not. With `pending`
+    /// false, keys with no lease yet are left out and kept for a later call
+    /// (start-up: they keep their configured capacity until it is over).
+    pub fn take_changes(&mut self, now: Time, also: &[String], pending: bool) -> Vec<(String, Capacity)> {
+        self.expire(now);
+        let changed = std::mem::take(&mut self.changed);
+        let also = also.iter().filter(|id| !changed.contains(*id)).cloned();
+        let mut out = Vec::new();
+        for id in changed.iter().cloned().chain(also) {
+            let Some(k) = self.keys.get(&id) else { continue };
+            if !pending && k.mode == Mode::Pending {
+                self.changed.insert(id);
+            } else {
+                out.push((id, k.capacity()));
+            }
+        }
+        out
+    }
+
+    /// Makes [`take_changes`](Self::take_changes) return every key once more
+    /// (the enforcement side was rebuilt: its keys start from their
+    /// configured capacity).
+    pub fn mark_all_changed(&mut self) {
+        self.changed.extend(self.keys.keys().cloned());
     }
 
     /// One key's capacity now: [`capacities`](Self::capacities) without
@@ -455,6 +496,7 @@ impl Core {
                 m => m,
             };
             if k.mode != from {
+                self.changed.insert(id.clone());
                 self.transitions.push(Transition { resource_id: id.clone(), from, to: k.mode, capacity: k.capacity() });
             }
         }
@@ -650,6 +692,7 @@ impl Core {
         let mut earliest_expiry: Option<Time> = None;
         for r in resp.response {
             let Some(k) = self.keys.get_mut(&r.resource_id) else { continue };
+            let before = k.capacity();
             let lease = Lease {
                 capacity: if r.gets.capacity.is_finite() { r.gets.capacity.max(0.0) } else { 0.0 },
                 expiry: Time::from_secs(r.gets.expiry_time.max(0) as u64),
@@ -681,6 +724,9 @@ impl Core {
                     to: k.mode,
                     capacity: k.capacity(),
                 });
+            }
+            if k.capacity() != before {
+                self.changed.insert(r.resource_id.clone());
             }
             interval = Some(interval.map_or(lease.refresh_interval, |i| i.min(lease.refresh_interval)));
             earliest_expiry = Some(earliest_expiry.map_or(lease.expiry, |e| e.min(lease.expiry)));

@@ -25,8 +25,22 @@ use crate::clock::{Clock, Time};
 pub trait Enforcer: Send + Sync + 'static {
     /// Every key that needs a lease now, with what it wants.
     fn demand(&self) -> Vec<KeyDemand>;
-    /// The capacity each key may use now.
+    /// The capacity each of these keys may use now: those whose capacity
+    /// changed since the last call, those of [`Enforcer::reapply`], and
+    /// every key after [`Enforcer::rebuilt`] said so. The others keep what
+    /// was applied last.
     fn apply(&self, capacities: &[(String, Capacity)]);
+    /// Whether the enforcement side was rebuilt since the last call (a reload
+    /// made keys anew at their configured capacity): every key's capacity is
+    /// then applied again. Asked before each apply; true the first time.
+    fn rebuilt(&self) -> bool {
+        false
+    }
+    /// Keys whose capacity, once applied, the enforcer adjusts by itself
+    /// over time (upstream pushback): applied at every turn, changed or not.
+    fn reapply(&self) -> Vec<String> {
+        Vec::new()
+    }
     /// A key changed mode (leased, held, pending, expired); already logged.
     fn on_transition(&self, _t: &super::core::Transition) {}
     /// Whether the last [`Enforcer::demand`] found nothing going on (no
@@ -281,22 +295,24 @@ fn show(c: Capacity) -> String {
     }
 }
 
-/// Applies the capacities of now (a lease that has just expired falls to its
-/// `on_expiry` capacity) and logs the mode changes.
+/// Applies the capacities of now that changed since the last time (a lease
+/// that has just expired falls to its `on_expiry` capacity) and logs the
+/// mode changes. With many keys only the few that changed are visited.
 fn enforce(client: &LeaseClient) {
     let (clock, enforcer) = (&client.clock, &*client.enforcer);
+    let rebuilt = enforcer.rebuilt();
+    let also = enforcer.reapply();
     let (capacities, transitions) = {
         let mut core = client.core.lock().expect("lease core poisoned");
-        let mut caps = core.capacities(clock.now());
+        if rebuilt {
+            core.mark_all_changed();
+        }
         // During start-up, until the first answer (or failure), keys with no
         // lease keep their configured capacity rather than dropping to
-        // `on_expiry` for a few milliseconds; cached leases apply at once.
+        // `on_expiry` for a few milliseconds (the core keeps them for later);
+        // cached leases apply at once.
         let known = client.started.load(Ordering::SeqCst) || core.refreshes() > 0 || core.last_error().is_some();
-        if !known {
-            let pending: Vec<String> =
-                core.status().into_iter().filter(|k| k.mode == Mode::Pending).map(|k| k.resource_id).collect();
-            caps.retain(|(id, _)| !pending.contains(id));
-        }
+        let caps = core.take_changes(clock.now(), &also, known);
         (caps, core.take_transitions())
     };
     if !capacities.is_empty() {
@@ -390,12 +406,11 @@ async fn run(
                     tracing::warn!(server = %target, error = ?e, "lease refresh failed");
                 }
                 let ok = r.is_ok();
-                let mut core = client.core.lock().expect("lease core poisoned");
-                core.on_refresh(clock.now(), r);
+                client.core.lock().expect("lease core poisoned").on_refresh(clock.now(), r);
                 // New leases apply at once, not at the next turn of the loop.
-                let caps = core.capacities(clock.now());
-                enforcer.apply(&caps);
+                enforce(&client);
                 if ok && let Some(path) = &cache_file {
+                    let core = client.core.lock().expect("lease core poisoned");
                     let leases = core.leases(clock.now());
                     let id = core.client_id().to_string();
                     drop(core);

@@ -72,6 +72,9 @@ pub struct TableEnforcer {
     embedded: Option<Arc<Node>>,
     memory: Mutex<HashMap<String, KeyMemory>>,
     seen_config: Mutex<Option<Arc<RoutesConfig>>>,
+    /// The routes file in force when capacities were last applied to every
+    /// key: a reload may have made keys anew (see [`Enforcer::rebuilt`]).
+    applied_config: Mutex<Option<Arc<RoutesConfig>>>,
     /// The lease client this enforcer serves, for the refresh interval of a
     /// key's last lease: set once it started, taken at shutdown (the client
     /// holds this enforcer, so keeping it would keep both alive).
@@ -330,6 +333,20 @@ impl Enforcer for TableEnforcer {
         self.transitions.count(&t.resource_id, t.from, t.to);
     }
 
+    fn rebuilt(&self) -> bool {
+        // A reload configures the table before it stores the new file: once
+        // the file is seen here, the resources it made are in the table.
+        let cfg = self.config();
+        let mut applied = self.applied_config.lock().expect("enforcer config");
+        let rebuilt = !applied.as_ref().is_some_and(|a| Arc::ptr_eq(a, &cfg));
+        *applied = Some(cfg);
+        rebuilt
+    }
+
+    fn reapply(&self) -> Vec<String> {
+        self.pushback.ids()
+    }
+
     fn apply(&self, capacities: &[(String, Capacity)]) {
         let now = self.table.clock().now();
         for (id, cap) in capacities {
@@ -478,6 +495,7 @@ pub fn start_with(
         embedded,
         memory: Mutex::new(HashMap::new()),
         seen_config: Mutex::new(None),
+        applied_config: Mutex::new(None),
         client: Mutex::new(None),
         last: Mutex::new(None),
         quiet: AtomicBool::new(false),
@@ -601,6 +619,7 @@ mod tests {
             embedded: None,
             memory: Mutex::new(HashMap::new()),
             seen_config: Mutex::new(None),
+            applied_config: Mutex::new(None),
             client: Mutex::new(None),
             last: Mutex::new(None),
             quiet: AtomicBool::new(false),

@@ -143,6 +143,16 @@ impl Pushback {
         self.active.load(std::sync::atomic::Ordering::Relaxed) > 0
     }
 
+    /// The keys backed off now: their capacity changes with time (a hold
+    /// ends, the backoff recovers), so the lease client applies it at every
+    /// turn through [`Pushback::effective`].
+    pub fn ids(&self) -> Vec<String> {
+        if !self.any() {
+            return Vec::new();
+        }
+        self.keys.lock().expect("pushback lock").keys().cloned().collect()
+    }
+
     /// True when `status` changes nothing: not a pushback, and no key is backed off.
     pub fn is_quiet(&self, status: StatusCode) -> bool {
         status != StatusCode::TOO_MANY_REQUESTS

@@ -492,3 +492,49 @@ fn one_refresh_carries_every_key_whatever_their_number() {
     let per_key = prost::Message::encoded_len(&request) as f64 / keys as f64;
     assert!(per_key < 64.0, "{per_key} bytes per key with its lease");
 }
+
+/// `(id, capacity)` pairs as [`Core::take_changes`] returns them.
+fn limited(v: &[(&str, f64)]) -> Vec<(String, Capacity)> {
+    v.iter().map(|(id, c)| (id.to_string(), Capacity::Limited(*c))).collect()
+}
+
+#[test]
+fn only_the_capacities_that_changed_come_back() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    let now = w.clock.now();
+    c.set_demand(vec![demand("a", 10.0, OnExpiry::Pessimistic), demand("b", 20.0, OnExpiry::Optimistic)]);
+    assert_eq!(c.take_changes(now, &[], true), limited(&[("a", 0.0), ("b", 20.0)]), "new keys");
+    assert_eq!(c.take_changes(now, &[], true), vec![], "nothing changed since");
+    // New demand moves the optimistic key's on_expiry capacity, not the pessimistic one's.
+    c.set_demand(vec![demand("a", 11.0, OnExpiry::Pessimistic), demand("b", 25.0, OnExpiry::Optimistic)]);
+    assert_eq!(c.take_changes(now, &[], true), limited(&[("b", 25.0)]));
+    // Keys asked for come back changed or not; unknown ones do not.
+    assert_eq!(c.take_changes(now, &["a".into(), "zz".into()], true), limited(&[("a", 0.0)]));
+    // During start-up a key with no lease yet is kept for a later call.
+    let three = || {
+        vec![
+            demand("a", 11.0, OnExpiry::Pessimistic),
+            demand("b", 25.0, OnExpiry::Optimistic),
+            demand("c", 5.0, OnExpiry::Optimistic),
+        ]
+    };
+    c.set_demand(three());
+    assert_eq!(c.take_changes(now, &[], false), vec![], "pending keys wait");
+    assert_eq!(c.take_changes(now, &[], true), limited(&[("c", 5.0)]), "and come back once it is over");
+    // Leases arrive: only the key whose capacity moved (0 → 11) comes back;
+    // the optimistic ones were already enforcing what they are granted.
+    w.step(&mut c);
+    assert_eq!(c.lease_of("b").map(|l| l.capacity), Some(25.0));
+    assert_eq!(c.take_changes(w.clock.now(), &[], true), limited(&[("a", 11.0)]));
+    c.set_demand(three());
+    assert_eq!(c.take_changes(w.clock.now(), &[], true), vec![], "the same demand again changes nothing");
+    // Past the lease and its hold, every key falls to its on_expiry.
+    let expiry = c.lease_of("a").unwrap().expiry;
+    w.advance(expiry.since(now) * 2 + Duration::from_secs(1));
+    assert_eq!(c.take_changes(w.clock.now(), &[], true), limited(&[("a", 0.0), ("b", 25.0), ("c", 5.0)]));
+    // After a rebuild every key comes back; a key dropped meanwhile does not.
+    c.mark_all_changed();
+    c.set_demand(vec![demand("a", 11.0, OnExpiry::Pessimistic), demand("c", 5.0, OnExpiry::Optimistic)]);
+    assert_eq!(c.take_changes(w.clock.now(), &[], true), limited(&[("a", 0.0), ("c", 5.0)]));
+}

@@ -437,3 +437,71 @@ async fn more_keys_than_one_call_takes_are_leased_in_several() {
     shutdown.cancel();
     task.await.unwrap();
 }
+
+/// Two keys; records every capacity applied, and says it was rebuilt or
+/// has a key to re-apply when the test says so.
+#[derive(Default)]
+struct Applied {
+    applied: Mutex<Vec<(String, Capacity)>>,
+    rebuilt: AtomicBool,
+    reapply: Mutex<Vec<String>>,
+}
+
+impl Enforcer for Applied {
+    fn demand(&self) -> Vec<KeyDemand> {
+        ["a", "b"]
+            .iter()
+            .map(|id| KeyDemand {
+                resource_id: id.to_string(),
+                priority: 0,
+                wants: 10.0,
+                on_expiry: OnExpiry::Pessimistic,
+                safe_capacity: None,
+                pressure: false,
+            })
+            .collect()
+    }
+    fn apply(&self, capacities: &[(String, Capacity)]) {
+        self.applied.lock().unwrap().extend_from_slice(capacities);
+    }
+    fn rebuilt(&self) -> bool {
+        self.rebuilt.swap(false, Ordering::SeqCst)
+    }
+    fn reapply(&self) -> Vec<String> {
+        self.reapply.lock().unwrap().clone()
+    }
+}
+
+/// Each capacity is applied when it changes, not at every poll; every key
+/// again after a rebuild; a key the enforcer asks for at every turn.
+#[tokio::test(start_paused = true)]
+async fn only_changed_capacities_are_applied() {
+    let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
+    let pass = |d: Duration| {
+        let time = time.clone();
+        async move {
+            for _ in 0..d.as_millis() / 10 {
+                time.advance(Duration::from_millis(10));
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    let enforcer = Arc::new(Applied::default());
+    let (client, shutdown, task) = client_of(clock.clone(), Arc::new(Steady(clock)), enforcer.clone(), None);
+    eventually("leased", || client.status().keys.iter().all(|k| k.mode == Mode::Leased)).await;
+    pass(Duration::from_millis(200)).await;
+    let take = || std::mem::take(&mut *enforcer.applied.lock().unwrap());
+    let leased = |ids: &[&str]| ids.iter().map(|id| (id.to_string(), Capacity::Limited(10.0))).collect::<Vec<_>>();
+    assert_eq!(take(), leased(&["a", "b"]), "each lease applied once (pending keys wait during start-up)");
+    pass(Duration::from_secs(2)).await;
+    assert_eq!(take(), vec![], "twenty polls, nothing changed, nothing applied");
+    enforcer.rebuilt.store(true, Ordering::SeqCst);
+    pass(Duration::from_millis(200)).await;
+    assert_eq!(take(), leased(&["a", "b"]), "a rebuilt enforcer gets every key once");
+    *enforcer.reapply.lock().unwrap() = vec!["b".into()];
+    pass(Duration::from_secs(1)).await;
+    let again = take();
+    assert!(again.len() >= 5 && again.iter().all(|(id, _)| id == "b"), "{again:?}");
+    shutdown.cancel();
+    task.await.unwrap();
+}
