@@ -117,6 +117,17 @@ pub struct KeyDemand {
     pub pressure: bool,
 }
 
+/// A change of the demand (see [`Core::update_demand`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DemandUpdate {
+    /// The keys whose demand is new or changed; every key when `complete`.
+    pub changed: Vec<KeyDemand>,
+    /// Keys gone since the last update: their leases are released.
+    pub removed: Vec<String>,
+    /// `changed` holds every key: a key not in it is gone.
+    pub complete: bool,
+}
+
 /// A lease as received.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Lease {
@@ -154,6 +165,16 @@ struct KeyState {
 }
 
 impl KeyState {
+    /// Whether the demand is away from the lease (see [`Core::set_demand`]);
+    /// a key that is not asks early again after the minimum interval.
+    fn restate(&mut self, min: Duration) {
+        let (d, lease) = (&self.demand, self.lease.filter(|_| self.mode == Mode::Leased).map(|l| l.capacity));
+        self.away = lease.is_some_and(|c| (d.pressure && d.wants > c + 1e-9) || d.wants < c * (1.0 - GIVE_BACK) - 1e-9);
+        if !self.away {
+            self.early_wait = min;
+        }
+    }
+
     fn capacity(&self) -> Capacity {
         match (self.mode, self.lease) {
             (Mode::Leased | Mode::Held, Some(l)) => Capacity::Limited(l.capacity),
@@ -257,6 +278,10 @@ pub struct Core {
     /// last returned them: the enforcement side applies these only, not
     /// every key at every poll. Ids of keys since removed are skipped there.
     changed: BTreeSet<String>,
+    /// A lease or a mode changed since the last demand update: whether each
+    /// key is away is worked out again at the next one, for keys it leaves
+    /// out too.
+    restate: bool,
     to_release: Vec<String>,
     master: Option<String>,
     rotation: usize,
@@ -306,6 +331,7 @@ impl Core {
             cfg,
             keys: BTreeMap::new(),
             changed: BTreeSet::new(),
+            restate: false,
             to_release: Vec::new(),
             master: None,
             rotation: 0,
@@ -350,6 +376,7 @@ impl Core {
         }
         let id = std::mem::take(&mut demand.resource_id);
         self.changed.insert(id.clone());
+        self.restate = true;
         self.keys.insert(
             id,
             Box::new(KeyState {
@@ -385,26 +412,39 @@ impl Core {
     /// past the refresh interval the key waits for its refresh: in a steady
     /// overload the request rate is the one the server asks for.
     pub fn set_demand(&mut self, demand: Vec<KeyDemand>) {
-        let mut fresh: BTreeMap<String, KeyDemand> =
-            demand.into_iter().map(|mut d| (std::mem::take(&mut d.resource_id), d)).collect();
-        let gone: Vec<String> = self.keys.keys().filter(|k| !fresh.contains_key(*k)).cloned().collect();
+        self.update_demand(DemandUpdate { changed: demand, removed: Vec::new(), complete: true });
+    }
+
+    /// [`set_demand`](Self::set_demand) for the keys in `update`: a key
+    /// left out of an update that is not `complete` keeps its last demand,
+    /// so a sidecar with many keys reports only those whose demand changed
+    /// and those it forgot.
+    pub fn update_demand(&mut self, update: DemandUpdate) {
+        let DemandUpdate { changed, removed, complete } = update;
+        let fresh: BTreeMap<String, KeyDemand> =
+            changed.into_iter().map(|mut d| (std::mem::take(&mut d.resource_id), d)).collect();
+        let gone: Vec<String> = match complete {
+            true => self.keys.keys().filter(|k| !fresh.contains_key(*k)).cloned().collect(),
+            false => removed.into_iter().filter(|k| !fresh.contains_key(k) && self.keys.contains_key(k)).collect(),
+        };
         for k in gone {
             self.keys.remove(&k);
             self.to_release.push(k);
         }
         let min = self.cfg.min_interval;
-        for (id, d) in std::mem::take(&mut fresh) {
+        // Every key is restated below when the update is complete.
+        if std::mem::take(&mut self.restate) && !complete {
+            for (_, k) in self.keys.iter_mut().filter(|(id, _)| !fresh.contains_key(*id)) {
+                k.restate(min);
+            }
+        }
+        for (id, d) in fresh {
             match self.keys.get_mut(&id) {
                 Some(k) => {
-                    let lease = k.lease.filter(|_| k.mode == Mode::Leased).map(|l| l.capacity);
-                    k.away = lease
-                        .is_some_and(|c| (d.pressure && d.wants > c + 1e-9) || d.wants < c * (1.0 - GIVE_BACK) - 1e-9);
-                    if !k.away {
-                        k.early_wait = min;
-                    }
                     // Without a lease, demand decides the capacity (on_expiry).
                     let before = k.capacity();
                     k.demand = d;
+                    k.restate(min);
                     if k.capacity() != before {
                         self.changed.insert(id);
                     }
@@ -497,6 +537,7 @@ impl Core {
             };
             if k.mode != from {
                 self.changed.insert(id.clone());
+                self.restate = true;
                 self.transitions.push(Transition { resource_id: id.clone(), from, to: k.mode, capacity: k.capacity() });
             }
         }
@@ -692,6 +733,7 @@ impl Core {
         let mut earliest_expiry: Option<Time> = None;
         for r in resp.response {
             let Some(k) = self.keys.get_mut(&r.resource_id) else { continue };
+            self.restate = true;
             let before = k.capacity();
             let lease = Lease {
                 capacity: if r.gets.capacity.is_finite() { r.gets.capacity.max(0.0) } else { 0.0 },

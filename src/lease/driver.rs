@@ -16,7 +16,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::core::{Action, Capacity, Core, CoreConfig, KeyDemand, KeyStatus, Lease, Mode, Source};
+use super::core::{Action, Capacity, Core, CoreConfig, DemandUpdate, KeyDemand, KeyStatus, Lease, Mode, Source};
 use super::transport::Transport;
 use super::{batch, cache};
 use crate::clock::{Clock, Time};
@@ -25,6 +25,13 @@ use crate::clock::{Clock, Time};
 pub trait Enforcer: Send + Sync + 'static {
     /// Every key that needs a lease now, with what it wants.
     fn demand(&self) -> Vec<KeyDemand>;
+    /// What changed since the last read of the demand (this or
+    /// [`Enforcer::demand`]): by default every key's. An enforcer with many
+    /// keys reports only those whose demand changed and those it forgot;
+    /// the others keep what they reported last.
+    fn demand_update(&self) -> DemandUpdate {
+        DemandUpdate { changed: self.demand(), removed: Vec::new(), complete: true }
+    }
     /// The capacity each of these keys may use now: those whose capacity
     /// changed since the last call, those of [`Enforcer::reapply`], and
     /// every key after [`Enforcer::rebuilt`] said so. The others keep what
@@ -363,10 +370,10 @@ async fn run(
     loop {
         // Real time spent, not the lease clock's: what the work costs the process.
         let started = std::time::Instant::now();
-        let demand = enforcer.demand();
+        let update = enforcer.demand_update();
         let action = {
             let mut core = client.core.lock().expect("lease core poisoned");
-            core.set_demand(demand);
+            core.update_demand(update);
             core.next_action(clock.now())
         };
         enforce(&client);

@@ -16,5 +16,5 @@ pub mod driver;
 pub mod headroom;
 pub mod transport;
 
-pub use self::core::{Capacity, CoreConfig, KeyDemand, Mode, OnExpiry};
+pub use self::core::{Capacity, CoreConfig, DemandUpdate, KeyDemand, Mode, OnExpiry};
 pub use driver::{Enforcer, LeaseClient};

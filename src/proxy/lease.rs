@@ -18,7 +18,7 @@ use crate::config::doorman::{LeaseSettings, Wants};
 use crate::config::resources::{Algorithm, ResourcesConfig, Template};
 use crate::config::routes::{ResourceKind, RoutesConfig, Segment};
 use crate::lease::backoff::BackoffConfig;
-use crate::lease::core::{Capacity, CoreConfig, KeyDemand, Mode, OnExpiry};
+use crate::lease::core::{Capacity, CoreConfig, DemandUpdate, KeyDemand, Mode, OnExpiry};
 use crate::lease::driver::{Enforcer, LeaseClient, Runs};
 use crate::lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, Transport};
 use crate::limit::LeaseTable;
@@ -49,6 +49,9 @@ struct KeyMemory {
     /// Boxed, made at the first measurement: a key with a fixed `wants`
     /// (every key of an embedded server, by default) never needs it.
     measured: Option<Box<Measured>>,
+    /// The (wants, pressure) last reported to the lease client: a demand
+    /// read reports the key again only when they change.
+    reported: Option<(f64, bool)>,
 }
 
 /// What measuring a key's demand (`wants: auto`) remembers.
@@ -72,6 +75,9 @@ pub struct TableEnforcer {
     embedded: Option<Arc<Node>>,
     memory: Mutex<HashMap<String, KeyMemory>>,
     seen_config: Mutex<Option<Arc<RoutesConfig>>>,
+    /// The routes file in force at the last demand read: the next one
+    /// reports every key if it changed.
+    read_config: Mutex<Option<Arc<RoutesConfig>>>,
     /// The routes file in force when capacities were last applied to every
     /// key: a reload may have made keys anew (see [`Enforcer::rebuilt`]).
     applied_config: Mutex<Option<Arc<RoutesConfig>>>,
@@ -110,20 +116,14 @@ impl TableEnforcer {
     /// The wants of one key: fixed, or measured (README: "wants: auto").
     fn wants(
         &self,
-        id: &str,
+        m: &mut KeyMemory,
         l: &crate::limit::Limiter,
         kind: ResourceKind,
         settings: &LeaseSettings,
         capacity: f64,
         now: Time,
     ) -> (f64, bool) {
-        let sample = l.demand().sample(now);
-        let mut mem = self.memory.lock().expect("enforcer memory");
-        // Looked up before it is inserted: no new id string per key and read.
-        if !mem.contains_key(id) {
-            mem.insert(id.to_string(), Default::default());
-        }
-        let m = mem.get_mut(id).expect("inserted above");
+        let (id, sample) = (l.id(), l.demand().sample(now));
         let refused_now = sample.refused > m.refused;
         m.refused = sample.refused;
         let pressure_signal = refused_now || sample.waiters > 0;
@@ -200,10 +200,10 @@ impl TableEnforcer {
 
     /// When a templated key becomes idle if nobody uses it from now on (its
     /// last use plus its idle timeout); `None` for a fixed id. A key whose
-    /// time has come is forgotten here (the caller removes such keys
-    /// together), and the lease client then releases its lease.
+    /// time has come is to be forgotten (the caller removes such keys
+    /// together, and their memory), and the lease client then releases its lease.
     fn idle_at(
-        &self,
+        m: &mut KeyMemory,
         cfg: &RoutesConfig,
         resource: &str,
         l: &crate::limit::Limiter,
@@ -214,29 +214,30 @@ impl TableEnforcer {
             return None;
         }
         let arrivals = l.demand().arrivals();
-        let mut mem = self.memory.lock().expect("enforcer memory");
-        let m = mem.entry(l.id().to_string()).or_default();
         let busy = l.demand().in_flight() > 0 || l.demand().waiters() > 0;
         match m.active {
             Some((_, seen)) if seen == arrivals && !busy => {}
             _ => m.active = Some((now, arrivals)),
         }
-        let at = m.active.map_or(now, |(t, _)| t).saturating_add(s.key_idle_timeout);
-        if at > now {
-            return Some(at);
-        }
-        mem.remove(l.id());
-        tracing::info!(resource, id = %l.id(), idle = ?s.key_idle_timeout, "forgot an idle key; releasing its lease");
-        Some(at)
+        Some(m.active.map_or(now, |(t, _)| t).saturating_add(s.key_idle_timeout))
     }
-}
 
-impl Enforcer for TableEnforcer {
-    fn demand(&self) -> Vec<KeyDemand> {
+    /// Reads the demand: every key's when `full` or when the routes file
+    /// changed since the last read (its settings are every key's), else
+    /// only the keys whose (wants, pressure) changed since they were last
+    /// reported, and the keys forgotten. Every key is still visited: a
+    /// measured rate moves while its window slides, with no new request.
+    fn read(&self, full: bool) -> DemandUpdate {
         // Asleep unless this read finds something: an arrival from here on wakes the lease client.
         let activity = self.table.activity();
         activity.sleep(true);
         let cfg = self.config();
+        let full = {
+            let mut read = self.read_config.lock().expect("enforcer config");
+            let same = read.as_ref().is_some_and(|r| Arc::ptr_eq(r, &cfg));
+            *read = Some(cfg.clone());
+            full || !same
+        };
         // A routes file reloaded into the embedded server: every key asks for
         // its (maybe raised) capacity now, not at its next refresh.
         let mut reloaded = false;
@@ -266,6 +267,7 @@ impl Enforcer for TableEnforcer {
         let mut demand = Vec::new();
         // Keys come resource by resource: its settings are looked up once per run of them.
         let mut current: Option<(&str, Option<Settings<'_>>)> = None;
+        let mut mem = self.memory.lock().expect("enforcer memory");
         self.table.each_limiter(|resource, l| {
             arrivals += l.demand().arrivals();
             busy |= l.demand().in_flight() > 0 || l.demand().waiters() > 0;
@@ -284,24 +286,36 @@ impl Enforcer for TableEnforcer {
                 }
             };
             let Some((settings, kind, capacity)) = settings else { return };
-            match self.idle_at(&cfg, resource, l, settings, now) {
+            // Looked up before it is inserted: no new id string per key and read.
+            if !mem.contains_key(l.id()) {
+                mem.insert(l.id().to_string(), KeyMemory::default());
+            }
+            let m = mem.get_mut(l.id()).expect("inserted above");
+            match Self::idle_at(m, &cfg, resource, l, settings, now) {
                 Some(at) if at <= now => {
+                    mem.remove(l.id());
+                    tracing::info!(resource, id = %l.id(), idle = ?settings.key_idle_timeout, "forgot an idle key; releasing its lease");
                     forgotten.entry(resource.to_string()).or_default().push(l.id().to_string());
                     return;
                 }
                 Some(at) => next_idle = Some(next_idle.map_or(at, |n| n.min(at))),
                 None => {}
             }
-            let (wants, pressure) = self.wants(l.id(), l, kind, settings, capacity, now);
-            demand.push(KeyDemand {
-                resource_id: l.id().to_string(),
-                priority: settings.priority,
-                wants,
-                on_expiry: on_expiry(settings.on_expiry),
-                safe_capacity: settings.safe_capacity,
-                pressure: pressure || reloaded,
-            });
+            let (wants, pressure) = self.wants(m, l, kind, settings, capacity, now);
+            let reported = Some((wants, pressure || reloaded));
+            if full || m.reported != reported {
+                m.reported = reported;
+                demand.push(KeyDemand {
+                    resource_id: l.id().to_string(),
+                    priority: settings.priority,
+                    wants,
+                    on_expiry: on_expiry(settings.on_expiry),
+                    safe_capacity: settings.safe_capacity,
+                    pressure: pressure || reloaded,
+                });
+            }
         });
+        drop(mem);
         let reading = (arrivals, keys);
         let mut last = self.last.lock().expect("enforcer reading");
         let quiet = !busy && forgotten.is_empty() && !self.pushback.any() && *last == Some(reading);
@@ -309,12 +323,24 @@ impl Enforcer for TableEnforcer {
         self.quiet.store(quiet, Ordering::Relaxed);
         *self.next_idle.lock().expect("enforcer next idle") = next_idle;
         activity.sleep(quiet);
+        let mut removed = Vec::new();
         for (resource, ids) in forgotten {
             if let Some(limits) = self.table.resource(&resource) {
                 limits.remove_all(ids.iter().map(String::as_str));
             }
+            removed.extend(ids);
         }
-        demand
+        DemandUpdate { changed: demand, removed, complete: full }
+    }
+}
+
+impl Enforcer for TableEnforcer {
+    fn demand(&self) -> Vec<KeyDemand> {
+        self.read(true).changed
+    }
+
+    fn demand_update(&self) -> DemandUpdate {
+        self.read(false)
     }
 
     fn quiet(&self) -> bool {
@@ -495,6 +521,7 @@ pub fn start_with(
         embedded,
         memory: Mutex::new(HashMap::new()),
         seen_config: Mutex::new(None),
+        read_config: Mutex::new(None),
         applied_config: Mutex::new(None),
         client: Mutex::new(None),
         last: Mutex::new(None),
@@ -602,16 +629,21 @@ mod tests {
 
     /// A sidecar's enforcer with no lease client: `tenant` is templated.
     fn enforcer() -> TableEnforcer {
+        enforcer_and_time().0
+    }
+
+    /// [`enforcer`], and the hand on its clock.
+    fn enforcer_and_time() -> (TableEnforcer, Arc<crate::clock::ManualClock>) {
         let yaml = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
                     resources:\n  fixed: { kind: rate, capacity: 1000/s, burst: 100 }\n  \
                     tenant: { kind: rate, capacity: 10/s, id: \"t/{header.x-tenant}\" }\n\
                     routes:\n  - { name: all, upstream: up, resources: [fixed, tenant] }\n";
         let cfg = Arc::new(RoutesConfig::parse("routes.yaml", yaml).unwrap());
-        let (clock, _time) = Clock::manual(Time::from_secs(1_700_000_000));
+        let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
         let table = Arc::new(LeaseTable::new(clock));
         table.configure(super::super::route::specs(&cfg));
         let registry = prometheus::Registry::new();
-        TableEnforcer {
+        let e = TableEnforcer {
             table,
             pushback: Arc::new(Pushback::new(&registry)),
             config: Arc::new(move || cfg.clone()),
@@ -619,12 +651,70 @@ mod tests {
             embedded: None,
             memory: Mutex::new(HashMap::new()),
             seen_config: Mutex::new(None),
+            read_config: Mutex::new(None),
             applied_config: Mutex::new(None),
             client: Mutex::new(None),
             last: Mutex::new(None),
             quiet: AtomicBool::new(false),
             next_idle: Mutex::new(None),
+        };
+        (e, time)
+    }
+
+    /// The ids an update reports as changed, sorted, and its wants by id.
+    fn reported(u: &DemandUpdate) -> (Vec<&str>, HashMap<&str, f64>) {
+        let mut ids: Vec<&str> = u.changed.iter().map(|d| d.resource_id.as_str()).collect();
+        ids.sort();
+        (ids, u.changed.iter().map(|d| (d.resource_id.as_str(), d.wants)).collect())
+    }
+
+    #[test]
+    fn a_demand_read_reports_only_the_keys_whose_demand_moved() {
+        let (e, time) = enforcer_and_time();
+        let acme = e.table.resource("tenant").unwrap().try_limiter("t/acme").unwrap();
+        let u = e.demand_update();
+        assert!(u.complete, "the first read has every key");
+        assert_eq!(reported(&u).0, ["fixed", "t/acme"]);
+        let u = e.demand_update();
+        assert_eq!((u.changed.len(), u.removed.len(), u.complete), (0, 0, false), "nothing moved: {u:?}");
+
+        // Traffic that grows: the tenant's measured wants move at every read,
+        // and only its key is reported (once measured: half a second in).
+        let mut last = 0.0;
+        for i in 1..=20 {
+            acme.demand().arrive(f64::from(i));
+            time.advance(Duration::from_millis(100));
+            let u = e.demand_update();
+            let (ids, wants) = reported(&u);
+            if i > 6 {
+                assert_eq!(ids, ["t/acme"], "read {i}");
+                assert_ne!(wants["t/acme"], last, "read {i}");
+                last = wants["t/acme"];
+            } else {
+                assert!(!ids.contains(&"fixed"), "read {i}: {ids:?}");
+            }
         }
+        // No more requests: the rate is measured again as its window slides.
+        time.advance(Duration::from_millis(100));
+        let u = e.demand_update();
+        assert_eq!(reported(&u).0, ["t/acme"], "no arrival, still re-measured");
+        assert_ne!(reported(&u).1["t/acme"], last);
+
+        // A reload reports every key again.
+        let cfg = e.config();
+        let reloaded = Arc::new(RoutesConfig::clone(&cfg));
+        let e = TableEnforcer { config: Arc::new(move || reloaded.clone()), ..e };
+        let u = e.demand_update();
+        assert!(u.complete);
+        assert_eq!(reported(&u).0, ["fixed", "t/acme"]);
+
+        // An idle key is reported gone, once.
+        time.advance(crate::config::doorman::DEFAULT_KEY_IDLE_TIMEOUT + Duration::from_secs(3));
+        let u = e.demand_update();
+        assert_eq!(u.removed, ["t/acme"]);
+        assert!(e.table.resource("tenant").unwrap().get("t/acme").is_none());
+        let u = e.demand_update();
+        assert!(u.removed.is_empty() && u.changed.is_empty(), "{u:?}");
     }
 
     #[test]

@@ -538,3 +538,54 @@ fn only_the_capacities_that_changed_come_back() {
     c.set_demand(vec![demand("a", 11.0, OnExpiry::Pessimistic), demand("c", 5.0, OnExpiry::Optimistic)]);
     assert_eq!(c.take_changes(w.clock.now(), &[], true), limited(&[("a", 0.0), ("c", 5.0)]));
 }
+
+fn partial(changed: Vec<KeyDemand>, removed: &[&str]) -> DemandUpdate {
+    DemandUpdate { changed, removed: removed.iter().map(|s| s.to_string()).collect(), complete: false }
+}
+
+#[test]
+fn a_partial_update_keeps_the_demand_of_the_keys_it_leaves_out_and_releases_those_it_removes() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("a", 10.0, OnExpiry::Optimistic), demand("b", 20.0, OnExpiry::Optimistic)]);
+    w.step(&mut c);
+    let wants = |c: &Core| c.status().into_iter().map(|k| (k.resource_id, k.wants)).collect::<Vec<_>>();
+    c.update_demand(partial(vec![demand("b", 30.0, OnExpiry::Optimistic)], &[]));
+    assert_eq!(wants(&c), [("a".to_string(), 10.0), ("b".to_string(), 30.0)]);
+    assert!(matches!(c.next_action(w.clock.now()), Action::Wait { .. }), "nothing to release");
+    // A removal releases the key (an unknown one is ignored).
+    c.update_demand(partial(vec![], &["a", "zz"]));
+    assert_eq!(wants(&c), [("b".to_string(), 30.0)]);
+    match c.next_action(w.clock.now()) {
+        Action::Release { request, .. } => assert_eq!(request.resource_id, ["a"]),
+        a => panic!("{a:?}"),
+    }
+    // A complete update drops every key it does not name.
+    c.set_demand(vec![demand("c", 1.0, OnExpiry::Optimistic)]);
+    match c.next_action(w.clock.now()) {
+        Action::Release { request, .. } => assert_eq!(request.resource_id, ["b"]),
+        a => panic!("{a:?}"),
+    }
+}
+
+/// A key asks early while its demand is away from its lease; once the lease
+/// came to it, it stops, though no update named it again.
+#[test]
+fn a_key_left_out_of_updates_stops_asking_early_once_its_lease_follows_its_demand() {
+    let w = World::new(&["s1"]);
+    w.settle("s1", "b");
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("b", 20.0, OnExpiry::Optimistic)]);
+    w.step(&mut c);
+    assert_eq!(c.lease_of("b").map(|l| l.capacity), Some(20.0));
+    // Far below its lease: it gives the rest back after the minimum interval.
+    c.update_demand(partial(vec![demand("b", 5.0, OnExpiry::Optimistic)], &[]));
+    w.advance(Duration::from_secs(1));
+    assert_eq!(w.step(&mut c), 1, "an early ask");
+    assert_eq!(c.lease_of("b").map(|l| l.capacity), Some(5.0));
+    for _ in 0..5 {
+        c.update_demand(partial(vec![], &[]));
+        w.advance(Duration::from_secs(1));
+        assert_eq!(w.step(&mut c), 0, "no more early asks: the lease is what it wants");
+    }
+}
