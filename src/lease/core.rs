@@ -167,11 +167,21 @@ struct KeyState {
 impl KeyState {
     /// Whether the demand is away from the lease (see [`Core::set_demand`]);
     /// a key that is not asks early again after the minimum interval.
-    fn restate(&mut self, min: Duration) {
+    fn restate(&mut self, min: Duration) -> bool {
         let (d, lease) = (&self.demand, self.lease.filter(|_| self.mode == Mode::Leased).map(|l| l.capacity));
         self.away = lease.is_some_and(|c| (d.pressure && d.wants > c + 1e-9) || d.wants < c * (1.0 - GIVE_BACK) - 1e-9);
         if !self.away {
             self.early_wait = min;
+        }
+        self.away
+    }
+
+    /// When the key changes mode by itself (its lease expires, its hold ends).
+    fn lapse(&self) -> Option<Time> {
+        match self.mode {
+            Mode::Leased => self.lease.map(|l| l.expiry),
+            Mode::Held => self.hold_until,
+            Mode::Pending | Mode::Expired => None,
         }
     }
 
@@ -188,6 +198,14 @@ impl KeyState {
                 },
             },
         }
+    }
+}
+
+/// The earlier of two times, `None` being never.
+fn earliest(a: Option<Time>, b: Option<Time>) -> Option<Time> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -282,6 +300,12 @@ pub struct Core {
     /// key is away is worked out again at the next one, for keys it leaves
     /// out too.
     restate: bool,
+    /// The earliest [`KeyState::lapse`] of any key (`None`: no key lapses),
+    /// kept up to date as leases come and keys go: no key changes mode by
+    /// itself before then, so [`Core::expire`] visits every key only then.
+    lapse: Option<Time>,
+    /// How many keys are away: with none, no key is visited for an early ask.
+    away: usize,
     to_release: Vec<String>,
     master: Option<String>,
     rotation: usize,
@@ -332,6 +356,8 @@ impl Core {
             keys: BTreeMap::new(),
             changed: BTreeSet::new(),
             restate: false,
+            lapse: None,
+            away: 0,
             to_release: Vec::new(),
             master: None,
             rotation: 0,
@@ -377,7 +403,7 @@ impl Core {
         let id = std::mem::take(&mut demand.resource_id);
         self.changed.insert(id.clone());
         self.restate = true;
-        self.keys.insert(
+        let before = self.keys.insert(
             id,
             Box::new(KeyState {
                 demand,
@@ -392,6 +418,8 @@ impl Core {
                 asked_with: None,
             }),
         );
+        self.away -= usize::from(before.as_ref().is_some_and(|k| k.away));
+        self.lapsed(before.and_then(|k| k.lapse()), Some(lease.expiry));
     }
 
     /// Spreads the first refresh uniformly over `window` (a fleet restarting
@@ -427,15 +455,22 @@ impl Core {
             true => self.keys.keys().filter(|k| !fresh.contains_key(*k)).cloned().collect(),
             false => removed.into_iter().filter(|k| !fresh.contains_key(k) && self.keys.contains_key(k)).collect(),
         };
-        for k in gone {
-            self.keys.remove(&k);
-            self.to_release.push(k);
+        let mut relapse = false;
+        for id in gone {
+            if let Some(k) = self.keys.remove(&id) {
+                relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
+                self.away -= usize::from(k.away);
+            }
+            self.to_release.push(id);
+        }
+        if relapse {
+            self.lapsed(self.lapse, None);
         }
         let min = self.cfg.min_interval;
         // Every key is restated below when the update is complete.
         if std::mem::take(&mut self.restate) && !complete {
             for (_, k) in self.keys.iter_mut().filter(|(id, _)| !fresh.contains_key(*id)) {
-                k.restate(min);
+                self.away = self.away - usize::from(k.away) + usize::from(k.restate(min));
             }
         }
         for (id, d) in fresh {
@@ -444,7 +479,7 @@ impl Core {
                     // Without a lease, demand decides the capacity (on_expiry).
                     let before = k.capacity();
                     k.demand = d;
-                    k.restate(min);
+                    self.away = self.away - usize::from(k.away) + usize::from(k.restate(min));
                     if k.capacity() != before {
                         self.changed.insert(id);
                     }
@@ -520,7 +555,20 @@ impl Core {
         std::mem::take(&mut self.transitions)
     }
 
+    /// Keeps [`Core::lapse`] true after a key's lapse moved from `before` to `after`.
+    fn lapsed(&mut self, before: Option<Time>, after: Option<Time>) {
+        if before.is_some() && before == self.lapse {
+            self.lapse = self.keys.values().filter_map(|k| k.lapse()).min();
+        } else {
+            self.lapse = earliest(self.lapse, after);
+        }
+    }
+
     fn expire(&mut self, now: Time) {
+        if self.lapse.is_none_or(|t| t > now) {
+            return;
+        }
+        let mut lapse: Option<Time> = None;
         for (id, k) in self.keys.iter_mut() {
             let from = k.mode;
             let held = k.hold_until.is_some_and(|h| h > now);
@@ -540,21 +588,16 @@ impl Core {
                 self.restate = true;
                 self.transitions.push(Transition { resource_id: id.clone(), from, to: k.mode, capacity: k.capacity() });
             }
+            lapse = earliest(lapse, k.lapse());
         }
+        self.lapse = lapse;
     }
 
     /// When the next key changes mode by itself (a lease expires, a hold
     /// ends): a driver that sleeps until an action is due must wake then to
     /// apply it.
     fn next_lapse(&self) -> Option<Time> {
-        self.keys
-            .values()
-            .filter_map(|k| match k.mode {
-                Mode::Leased => k.lease.map(|l| l.expiry),
-                Mode::Held => k.hold_until,
-                Mode::Pending | Mode::Expired => None,
-            })
-            .min()
+        self.lapse
     }
 
     fn target(&self) -> Option<String> {
@@ -598,7 +641,8 @@ impl Core {
         }
         let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(self.cfg.min_interval));
         let mut due = if self.early { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
-        if let Some(last) = self.last_request {
+        debug_assert_eq!(self.away, self.keys.values().filter(|k| k.away).count(), "keys away");
+        if let Some(last) = self.last_request.filter(|_| self.away > 0) {
             for k in self.keys.values().filter(|k| k.away) {
                 due = due.min(last.saturating_add(k.early_wait).max(earliest_allowed).max(now));
             }
@@ -731,10 +775,14 @@ impl Core {
         self.last_error = None;
         let mut interval: Option<Duration> = None;
         let mut earliest_expiry: Option<Time> = None;
+        // The keys' lapses as they were and as they are: `lapse` is worked
+        // out once, at the end, not once a key.
+        let (mut relapse, mut later) = (false, None);
         for r in resp.response {
             let Some(k) = self.keys.get_mut(&r.resource_id) else { continue };
             self.restate = true;
             let before = k.capacity();
+            relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
             let lease = Lease {
                 capacity: if r.gets.capacity.is_finite() { r.gets.capacity.max(0.0) } else { 0.0 },
                 expiry: Time::from_secs(r.gets.expiry_time.max(0) as u64),
@@ -770,8 +818,13 @@ impl Core {
             if k.capacity() != before {
                 self.changed.insert(r.resource_id.clone());
             }
+            later = earliest(later, k.lapse());
             interval = Some(interval.map_or(lease.refresh_interval, |i| i.min(lease.refresh_interval)));
             earliest_expiry = Some(earliest_expiry.map_or(lease.expiry, |e| e.min(lease.expiry)));
+        }
+        match relapse {
+            true => self.lapsed(self.lapse, None),
+            false => self.lapsed(None, later),
         }
         let interval = interval.unwrap_or(Duration::from_secs(5));
         let mut next = now.saturating_add(jitter(interval, self.cfg.jitter, &mut self.rng));

@@ -589,3 +589,30 @@ fn a_key_left_out_of_updates_stops_asking_early_once_its_lease_follows_its_deman
         assert_eq!(w.step(&mut c), 0, "no more early asks: the lease is what it wants");
     }
 }
+
+/// The next lapse is kept as keys come and go: a wait ends when the
+/// earliest remaining lease expires, not when a forgotten one would have.
+#[test]
+fn a_wait_ends_at_the_lapse_of_the_keys_still_there() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    let now = w.clock.now();
+    let lease = |s: u64| Lease {
+        capacity: 5.0,
+        expiry: now.saturating_add(Duration::from_secs(s)),
+        refresh_interval: Duration::from_secs(5),
+    };
+    c.preload(demand("a", 5.0, OnExpiry::Safe), lease(10), now);
+    c.preload(demand("b", 5.0, OnExpiry::Safe), lease(20), now);
+    c.preload(demand("c", 5.0, OnExpiry::Safe), lease(30), now);
+    c.next_refresh = now.saturating_add(Duration::from_secs(3600));
+    assert_eq!(c.next_action(now), Action::Wait { until: lease(10).expiry });
+    c.update_demand(partial(vec![], &["a"]));
+    assert_eq!(c.next_action(now), Action::Wait { until: lease(20).expiry }, "a is gone");
+    // A cached lease is not held: past its expiry the key follows on_expiry.
+    w.advance(Duration::from_secs(20));
+    assert_eq!(c.next_action(w.clock.now()), Action::Wait { until: lease(30).expiry });
+    let modes: Vec<Mode> = c.status().iter().map(|k| k.mode).collect();
+    assert_eq!(modes, [Mode::Expired, Mode::Leased]);
+    assert_eq!(c.take_changes(w.clock.now(), &[], true), limited(&[("b", 2.0), ("c", 5.0)]));
+}
