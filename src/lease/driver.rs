@@ -98,6 +98,10 @@ pub struct LeaseClient {
     /// Start-up is over ([`LeaseClient::ready`] returned): a key with no
     /// lease follows its `on_expiry` even while the first call still hangs.
     started: Arc<AtomicBool>,
+    /// Held while capacities are taken from the core and applied: each
+    /// change is applied once, so two applications (the loop's and
+    /// [`LeaseClient::ready`]'s) must not cross, an older value last.
+    applying: Arc<Mutex<()>>,
     clock: Clock,
     enforcer: Arc<dyn Enforcer>,
 }
@@ -191,6 +195,7 @@ impl LeaseClient {
             core: Arc::new(Mutex::new(core)),
             wake: Arc::new(Notify::new()),
             started: Arc::new(AtomicBool::new(false)),
+            applying: Arc::new(Mutex::new(())),
             clock: clock.clone(),
             enforcer: enforcer.clone(),
         };
@@ -307,6 +312,7 @@ fn show(c: Capacity) -> String {
 /// mode changes. With many keys only the few that changed are visited.
 fn enforce(client: &LeaseClient) {
     let (clock, enforcer) = (&client.clock, &*client.enforcer);
+    let _applying = client.applying.lock().expect("lease apply poisoned");
     let rebuilt = enforcer.rebuilt();
     let also = enforcer.reapply();
     let (capacities, transitions) = {

@@ -114,6 +114,11 @@ pub struct Pushback {
     keys: Mutex<HashMap<String, KeyState>>,
     /// Keys currently backed off: lets the request path skip the lock when none is.
     active: std::sync::atomic::AtomicUsize,
+    /// Keys that recovered on an upstream answer since [`Pushback::ids`]
+    /// last took them: the lease client applies their capacity once more,
+    /// in case its own write of their backed-off capacity crossed the
+    /// request path's write of the full one.
+    recovered: Mutex<Vec<String>>,
     events: IntCounterVec,
     factor_gauge: GaugeVec,
 }
@@ -135,7 +140,13 @@ impl Pushback {
         .expect("valid metric");
         let _ = registry.register(Box::new(events.clone()));
         let _ = registry.register(Box::new(factor_gauge.clone()));
-        Pushback { keys: Mutex::new(HashMap::new()), active: Default::default(), events, factor_gauge }
+        Pushback {
+            keys: Mutex::new(HashMap::new()),
+            active: Default::default(),
+            recovered: Mutex::new(Vec::new()),
+            events,
+            factor_gauge,
+        }
     }
 
     /// Whether any key is backed off now.
@@ -143,14 +154,16 @@ impl Pushback {
         self.active.load(std::sync::atomic::Ordering::Relaxed) > 0
     }
 
-    /// The keys backed off now: their capacity changes with time (a hold
-    /// ends, the backoff recovers), so the lease client applies it at every
-    /// turn through [`Pushback::effective`].
+    /// The keys backed off now, and those that recovered on an answer since
+    /// the last call: their capacity changes with time (a hold ends, the
+    /// backoff recovers), so the lease client applies it at every turn
+    /// through [`Pushback::effective`].
     pub fn ids(&self) -> Vec<String> {
-        if !self.any() {
-            return Vec::new();
+        let mut ids = std::mem::take(&mut *self.recovered.lock().expect("pushback lock"));
+        if self.any() {
+            ids.extend(self.keys.lock().expect("pushback lock").keys().cloned());
         }
-        self.keys.lock().expect("pushback lock").keys().cloned().collect()
+        ids
     }
 
     /// True when `status` changes nothing: not a pushback, and no key is backed off.
@@ -255,6 +268,7 @@ impl Pushback {
                 if k.factor >= 1.0 {
                     let granted = k.granted;
                     keys.remove(id);
+                    self.recovered.lock().expect("pushback lock").push(id.clone());
                     changed.push((id.clone(), granted));
                 } else {
                     changed.push((id.clone(), k.capacity(now)));

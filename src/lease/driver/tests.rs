@@ -259,22 +259,20 @@ impl Transport for Steady {
     }
 }
 
+/// Lets `d` pass on the manual clock and tokio's paused one together, 10 ms at a time.
+async fn pass(time: &crate::clock::ManualClock, d: Duration) {
+    for _ in 0..d.as_millis() / 10 {
+        time.advance(Duration::from_millis(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// A quiet enforcer's demand is read only when something is due (here
 /// nothing is for an hour), not ten times a second, and at once when it
 /// signals activity; a busy one's every 100 ms.
 #[tokio::test(start_paused = true)]
 async fn a_quiet_enforcer_is_read_only_when_something_is_due_and_at_once_on_activity() {
     let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
-    // Both clocks move together.
-    let pass = |d: Duration| {
-        let time = time.clone();
-        async move {
-            for _ in 0..d.as_millis() / 10 {
-                time.advance(Duration::from_millis(10));
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
-    };
     let transport = Arc::new(Steady(clock.clone()));
     let enforcer = Arc::new(Polled {
         polls: Default::default(),
@@ -289,20 +287,20 @@ async fn a_quiet_enforcer_is_read_only_when_something_is_due_and_at_once_on_acti
 
     // Busy: every 100 ms (no refresh is due for an hour).
     let before = polls();
-    pass(Duration::from_secs(10)).await;
+    pass(&time, Duration::from_secs(10)).await;
     let busy = polls() - before;
     assert!((95..=120).contains(&busy), "{busy} polls in 10 s while busy");
 
     // Quiet: not read again within QUIET_POLL while nothing is due.
     enforcer.quiet.store(true, Ordering::SeqCst);
-    pass(Duration::from_millis(150)).await;
+    pass(&time, Duration::from_millis(150)).await;
     let before = polls();
-    pass(Duration::from_secs(30)).await;
+    pass(&time, Duration::from_secs(30)).await;
     let quiet = polls() - before;
     assert_eq!(quiet, 0, "{quiet} polls in 30 s while quiet, with nothing due");
 
     // Activity wakes it at once, not at the next poll.
-    pass(Duration::from_millis(300)).await;
+    pass(&time, Duration::from_millis(300)).await;
     let before = polls();
     enforcer.activity.notify_one();
     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -477,29 +475,20 @@ impl Enforcer for Applied {
 #[tokio::test(start_paused = true)]
 async fn only_changed_capacities_are_applied() {
     let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
-    let pass = |d: Duration| {
-        let time = time.clone();
-        async move {
-            for _ in 0..d.as_millis() / 10 {
-                time.advance(Duration::from_millis(10));
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
-    };
     let enforcer = Arc::new(Applied::default());
     let (client, shutdown, task) = client_of(clock.clone(), Arc::new(Steady(clock)), enforcer.clone(), None);
     eventually("leased", || client.status().keys.iter().all(|k| k.mode == Mode::Leased)).await;
-    pass(Duration::from_millis(200)).await;
+    pass(&time, Duration::from_millis(200)).await;
     let take = || std::mem::take(&mut *enforcer.applied.lock().unwrap());
     let leased = |ids: &[&str]| ids.iter().map(|id| (id.to_string(), Capacity::Limited(10.0))).collect::<Vec<_>>();
     assert_eq!(take(), leased(&["a", "b"]), "each lease applied once (pending keys wait during start-up)");
-    pass(Duration::from_secs(2)).await;
+    pass(&time, Duration::from_secs(2)).await;
     assert_eq!(take(), vec![], "twenty polls, nothing changed, nothing applied");
     enforcer.rebuilt.store(true, Ordering::SeqCst);
-    pass(Duration::from_millis(200)).await;
+    pass(&time, Duration::from_millis(200)).await;
     assert_eq!(take(), leased(&["a", "b"]), "a rebuilt enforcer gets every key once");
     *enforcer.reapply.lock().unwrap() = vec!["b".into()];
-    pass(Duration::from_secs(1)).await;
+    pass(&time, Duration::from_secs(1)).await;
     let again = take();
     assert!(again.len() >= 5 && again.iter().all(|(id, _)| id == "b"), "{again:?}");
     shutdown.cancel();

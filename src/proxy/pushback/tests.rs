@@ -99,3 +99,22 @@ fn retry_after_seconds() {
     h.insert(http::header::RETRY_AFTER, "Wed, 21 Oct 2015 07:28:00 GMT".parse().unwrap());
     assert_eq!(retry_after(&h), None);
 }
+
+/// The lease client re-applies a backed-off key at every turn, and once
+/// more after it recovered on an answer: a write of its backed-off capacity
+/// that crossed the request path's write of the full one does not stay.
+#[test]
+fn backed_off_keys_and_those_just_recovered_are_listed_for_the_lease_client() {
+    let p = Pushback::new(&prometheus::Registry::new());
+    let cfg = PushbackConfig { enabled: true, multiplier: 0.5, recover_after: 1, recover_step: 4.0 };
+    let t0 = Time::from_secs(100);
+    let ids = [("k".to_string(), 40.0)];
+    assert!(p.ids().is_empty(), "nothing backed off");
+    p.on_response(&ids, StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg);
+    assert_eq!(p.ids(), ["k"]);
+    assert_eq!(p.ids(), ["k"], "at every turn while backed off");
+    let ch = p.on_response(&ids, StatusCode::OK, None, t0, &cfg);
+    assert_eq!(ch, [("k".to_string(), 40.0)], "recovered at once (0.5 × 4 ≥ 1 with any jitter)");
+    assert_eq!(p.ids(), ["k"], "once more after it recovered");
+    assert!(p.ids().is_empty());
+}
