@@ -126,6 +126,9 @@ pub struct DemandUpdate {
     pub removed: Vec<String>,
     /// `changed` holds every key: a key not in it is gone.
     pub complete: bool,
+    /// The enforcement side was rebuilt before this read (a reload): its
+    /// keys, all there again now, get their capacity applied once more.
+    pub rebuilt: bool,
 }
 
 /// A lease as received.
@@ -440,7 +443,7 @@ impl Core {
     /// past the refresh interval the key waits for its refresh: in a steady
     /// overload the request rate is the one the server asks for.
     pub fn set_demand(&mut self, demand: Vec<KeyDemand>) {
-        self.update_demand(DemandUpdate { changed: demand, removed: Vec::new(), complete: true });
+        self.update_demand(DemandUpdate { changed: demand, removed: Vec::new(), complete: true, rebuilt: false });
     }
 
     /// [`set_demand`](Self::set_demand) for the keys in `update`: a key
@@ -448,7 +451,7 @@ impl Core {
     /// so a sidecar with many keys reports only those whose demand changed
     /// and those it forgot.
     pub fn update_demand(&mut self, update: DemandUpdate) {
-        let DemandUpdate { changed, removed, complete } = update;
+        let DemandUpdate { changed, removed, complete, rebuilt } = update;
         let fresh: BTreeMap<String, KeyDemand> =
             changed.into_iter().map(|mut d| (std::mem::take(&mut d.resource_id), d)).collect();
         let gone: Vec<String> = match complete {
@@ -457,6 +460,7 @@ impl Core {
         };
         let mut relapse = false;
         for id in gone {
+            self.changed.remove(&id);
             if let Some(k) = self.keys.remove(&id) {
                 relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
                 self.away -= usize::from(k.away);
@@ -505,6 +509,9 @@ impl Core {
                     );
                 }
             }
+        }
+        if rebuilt {
+            self.mark_all_changed();
         }
     }
 

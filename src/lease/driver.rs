@@ -30,7 +30,7 @@ pub trait Enforcer: Send + Sync + 'static {
     /// keys reports only those whose demand changed and those it forgot;
     /// the others keep what they reported last.
     fn demand_update(&self) -> DemandUpdate {
-        DemandUpdate { changed: self.demand(), removed: Vec::new(), complete: true }
+        DemandUpdate { changed: self.demand(), removed: Vec::new(), complete: true, rebuilt: false }
     }
     /// The capacity each of these keys may use now: those whose capacity
     /// changed since the last call, those of [`Enforcer::reapply`], and

@@ -232,12 +232,16 @@ impl TableEnforcer {
         let activity = self.table.activity();
         activity.sleep(true);
         let cfg = self.config();
-        let full = {
+        // A new routes file may have rebuilt resources (and dropped their
+        // keys): the core applies every key again once this read made them
+        // (a re-apply before it, `Enforcer::rebuilt`, can miss keys not made yet).
+        let rebuilt = {
             let mut read = self.read_config.lock().expect("enforcer config");
             let same = read.as_ref().is_some_and(|r| Arc::ptr_eq(r, &cfg));
             *read = Some(cfg.clone());
-            full || !same
+            !same
         };
+        let full = full || rebuilt;
         // A routes file reloaded into the embedded server: every key asks for
         // its (maybe raised) capacity now, not at its next refresh.
         let mut reloaded = false;
@@ -268,6 +272,14 @@ impl TableEnforcer {
         // Keys come resource by resource: its settings are looked up once per run of them.
         let mut current: Option<(&str, Option<Settings<'_>>)> = None;
         let mut mem = self.memory.lock().expect("enforcer memory");
+        if full {
+            // Every key present is reported below; one the core drops now (its
+            // resource rebuilt by a reload) must be reported again when a
+            // request makes it anew, whatever its demand then.
+            for m in mem.values_mut() {
+                m.reported = None;
+            }
+        }
         self.table.each_limiter(|resource, l| {
             arrivals += l.demand().arrivals();
             busy |= l.demand().in_flight() > 0 || l.demand().waiters() > 0;
@@ -330,7 +342,7 @@ impl TableEnforcer {
             }
             removed.extend(ids);
         }
-        DemandUpdate { changed: demand, removed, complete: full }
+        DemandUpdate { changed: demand, removed, complete: full, rebuilt }
     }
 }
 
@@ -715,6 +727,30 @@ mod tests {
         assert!(e.table.resource("tenant").unwrap().get("t/acme").is_none());
         let u = e.demand_update();
         assert!(u.removed.is_empty() && u.changed.is_empty(), "{u:?}");
+    }
+
+    /// A reload that rebuilds a resource (its kind changed) drops its keys
+    /// from the lease client; a key a request then makes anew is reported
+    /// again, though its demand is what it was before the reload.
+    #[test]
+    fn a_key_made_anew_after_a_reload_rebuilt_its_resource_is_reported_again() {
+        let e = enforcer();
+        e.table.resource("tenant").unwrap().try_limiter("t/acme").unwrap();
+        assert_eq!(reported(&e.demand_update()).0, ["fixed", "t/acme"]);
+        let yaml = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+                    resources:\n  fixed: { kind: rate, capacity: 1000/s, burst: 100 }\n  \
+                    tenant: { kind: gauge, capacity: 10, id: \"t/{header.x-tenant}\" }\n\
+                    routes:\n  - { name: all, upstream: up, resources: [fixed, tenant] }\n";
+        let gauge = Arc::new(RoutesConfig::parse("routes.yaml", yaml).unwrap());
+        e.table.configure(super::super::route::specs(&gauge));
+        let e = TableEnforcer { config: Arc::new(move || gauge.clone()), ..e };
+        let u = e.demand_update();
+        assert!(u.complete && u.rebuilt, "{u:?}");
+        assert_eq!(reported(&u).0, ["fixed"], "the rebuilt resource has no key yet");
+        e.table.resource("tenant").unwrap().try_limiter("t/acme").unwrap();
+        let u = e.demand_update();
+        assert!(!u.complete && !u.rebuilt, "{u:?}");
+        assert_eq!(reported(&u), (vec!["t/acme"], HashMap::from([("t/acme", 10.0)])));
     }
 
     #[test]

@@ -539,8 +539,26 @@ fn only_the_capacities_that_changed_come_back() {
     assert_eq!(c.take_changes(w.clock.now(), &[], true), limited(&[("a", 0.0), ("c", 5.0)]));
 }
 
+/// An update that follows a rebuild of the enforcement side brings every
+/// key's capacity back once more, changed or not; a key removed before it
+/// is taken was does not come back.
+#[test]
+fn a_rebuilt_update_brings_every_capacity_back() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    let now = w.clock.now();
+    let ab = || vec![demand("a", 10.0, OnExpiry::Optimistic), demand("b", 20.0, OnExpiry::Optimistic)];
+    c.set_demand(ab());
+    assert_eq!(c.take_changes(now, &[], true), limited(&[("a", 10.0), ("b", 20.0)]));
+    c.update_demand(DemandUpdate { changed: ab(), removed: vec![], complete: true, rebuilt: false });
+    assert_eq!(c.take_changes(now, &[], true), vec![], "the same demand, nothing rebuilt");
+    c.update_demand(DemandUpdate { changed: ab(), removed: vec![], complete: true, rebuilt: true });
+    c.update_demand(partial(vec![], &["b"]));
+    assert_eq!(c.take_changes(now, &[], true), limited(&[("a", 10.0)]));
+}
+
 fn partial(changed: Vec<KeyDemand>, removed: &[&str]) -> DemandUpdate {
-    DemandUpdate { changed, removed: removed.iter().map(|s| s.to_string()).collect(), complete: false }
+    DemandUpdate { changed, removed: removed.iter().map(|s| s.to_string()).collect(), complete: false, rebuilt: false }
 }
 
 #[test]
