@@ -6,7 +6,7 @@
 //! [`super::yaml`], so every error is reported with its `file:line:column`.
 //! Defaults are the `DEFAULT_*` constants below, documented in docs/routes.md.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -308,10 +308,28 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
     if let Some(n) = top.get("resources")
         && let Some(m) = ck.map(n, "resources", &[])
     {
+        // A lease id is one resource's: two limiters on one id would each enforce the whole lease.
+        let mut fixed_ids: HashMap<String, String> = HashMap::new();
         for (k, v) in m.entries() {
             let Some(name) = k.as_str() else { continue };
             res_names.push(name.to_string());
             if let Some(r) = read_resource(ck, name, v, &m.child(name)) {
+                if r.id.is_fixed()
+                    && let Some(other) = fixed_ids.insert(r.id.text.clone(), name.to_string())
+                {
+                    let at = match &v.value {
+                        Value::Map(entries) => {
+                            entries.iter().find(|(k, _)| k.as_str() == Some("id")).map(|(_, n)| n.loc)
+                        }
+                        _ => None,
+                    };
+                    ck.error(
+                        at.unwrap_or(k.loc),
+                        &format!("{}.id", m.child(name)),
+                        format!("id `{}` is already resource `{other}`'s", r.id.text),
+                        Some("each resource leases its own id; routes can share one resource".into()),
+                    );
+                }
                 resources.insert(name.to_string(), r);
             }
         }

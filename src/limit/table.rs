@@ -461,6 +461,11 @@ impl LeaseTable {
         }
     }
 
+    /// Whether any resource has a key whose id is `id`.
+    pub fn contains(&self, id: &str) -> bool {
+        self.resources.load().values().any(|r| r.get(id).is_some())
+    }
+
     /// Sets the capacity of every key whose id is `id`; false if there is none.
     pub fn set_capacity(&self, id: &str, capacity: f64) -> bool {
         let mut found = false;

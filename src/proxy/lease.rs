@@ -340,7 +340,8 @@ impl TableEnforcer {
             if let Some(limits) = self.table.resource(&resource) {
                 limits.remove_all(ids.iter().map(String::as_str));
             }
-            removed.extend(ids);
+            // A templated id another resource also made keeps its lease for that one.
+            removed.extend(ids.into_iter().filter(|id| !self.table.contains(id)));
         }
         DemandUpdate { changed: demand, removed, complete: full, rebuilt }
     }
@@ -392,7 +393,9 @@ impl Enforcer for TableEnforcer {
                 Capacity::Limited(c) => *c,
                 Capacity::Unlimited => f64::INFINITY,
             };
-            self.table.set_capacity(id, self.pushback.effective(id, c, now));
+            self.pushback.apply(id, c, now, |c| {
+                self.table.set_capacity(id, c);
+            });
         }
     }
 }

@@ -526,10 +526,11 @@ impl Accounts {
         }
         let ids: Vec<(String, f64)> = plan.items.iter().map(|(l, _)| (l.id().to_string(), l.capacity())).collect();
         let now = self.table.clock().now();
-        for (id, capacity) in self.pushback.on_response(&ids, status, retry_after(), now, &route.pushback) {
+        // Written under the pushback lock: the lease client's write of a new lease cannot cross it.
+        self.pushback.on_response(&ids, status, retry_after(), now, &route.pushback, |id, capacity| {
             tracing::debug!(route = %route.name, resource_id = %id, capacity, %status, "upstream pushback");
-            self.table.set_capacity(&id, capacity);
-        }
+            self.table.set_capacity(id, capacity);
+        });
     }
 
     /// Appends one line to the access log, if there is one.

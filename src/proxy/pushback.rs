@@ -114,11 +114,6 @@ pub struct Pushback {
     keys: Mutex<HashMap<String, KeyState>>,
     /// Keys currently backed off: lets the request path skip the lock when none is.
     active: std::sync::atomic::AtomicUsize,
-    /// Keys that recovered on an upstream answer since [`Pushback::ids`]
-    /// last took them: the lease client applies their capacity once more,
-    /// in case its own write of their backed-off capacity crossed the
-    /// request path's write of the full one.
-    recovered: Mutex<Vec<String>>,
     events: IntCounterVec,
     factor_gauge: GaugeVec,
 }
@@ -140,13 +135,7 @@ impl Pushback {
         .expect("valid metric");
         let _ = registry.register(Box::new(events.clone()));
         let _ = registry.register(Box::new(factor_gauge.clone()));
-        Pushback {
-            keys: Mutex::new(HashMap::new()),
-            active: Default::default(),
-            recovered: Mutex::new(Vec::new()),
-            events,
-            factor_gauge,
-        }
+        Pushback { keys: Mutex::new(HashMap::new()), active: Default::default(), events, factor_gauge }
     }
 
     /// Whether any key is backed off now.
@@ -154,16 +143,14 @@ impl Pushback {
         self.active.load(std::sync::atomic::Ordering::Relaxed) > 0
     }
 
-    /// The keys backed off now, and those that recovered on an answer since
-    /// the last call: their capacity changes with time (a hold ends, the
-    /// backoff recovers), so the lease client applies it at every turn
-    /// through [`Pushback::effective`].
+    /// The keys backed off now: their capacity changes with time (a hold
+    /// ends, the backoff recovers), so the lease client applies it at every
+    /// turn through [`Pushback::apply`].
     pub fn ids(&self) -> Vec<String> {
-        let mut ids = std::mem::take(&mut *self.recovered.lock().expect("pushback lock"));
-        if self.any() {
-            ids.extend(self.keys.lock().expect("pushback lock").keys().cloned());
+        if !self.any() {
+            return Vec::new();
         }
-        ids
+        self.keys.lock().expect("pushback lock").keys().cloned().collect()
     }
 
     /// True when `status` changes nothing: not a pushback, and no key is backed off.
@@ -195,9 +182,23 @@ impl Pushback {
     }
 
     /// Records the capacity granted to `id` and returns what it may use now.
+    #[cfg(test)]
     pub fn effective(&self, id: &str, granted: f64, now: Time) -> f64 {
-        use std::sync::atomic::Ordering;
         let mut keys = self.keys.lock().expect("pushback lock");
+        self.effective_in(&mut keys, id, granted, now)
+    }
+
+    /// Records the capacity granted to `id` and writes what it may use now
+    /// with `write`, under the lock [`Pushback::on_response`] writes under:
+    /// the lease client's write and the request path's cannot cross and
+    /// leave the older value last (each capacity is applied once).
+    pub fn apply(&self, id: &str, granted: f64, now: Time, write: impl FnOnce(f64)) {
+        let mut keys = self.keys.lock().expect("pushback lock");
+        write(self.effective_in(&mut keys, id, granted, now));
+    }
+
+    fn effective_in(&self, keys: &mut HashMap<String, KeyState>, id: &str, granted: f64, now: Time) -> f64 {
+        use std::sync::atomic::Ordering;
         match keys.get_mut(id) {
             None => granted,
             Some(k) if k.recovered(now) => {
@@ -214,7 +215,9 @@ impl Pushback {
     }
 
     /// Takes one upstream answer for the keys of a route, with the capacity
-    /// each enforces now. Returns the keys whose capacity changed, with the new value.
+    /// each enforces now. Each key whose capacity changed is written with
+    /// `write` under the pushback lock (see [`Pushback::apply`]) and returned
+    /// with its new value.
     pub fn on_response(
         &self,
         ids: &[(String, f64)],
@@ -222,6 +225,7 @@ impl Pushback {
         retry_after: Option<Duration>,
         now: Time,
         cfg: &PushbackConfig,
+        mut write: impl FnMut(&str, f64),
     ) -> Vec<(String, f64)> {
         use std::sync::atomic::Ordering;
         if !cfg.enabled {
@@ -254,7 +258,9 @@ impl Pushback {
                 }
                 self.events.with_label_values(&[id]).inc();
                 self.factor_gauge.with_label_values(&[id]).set(k.factor);
-                changed.push((id.clone(), k.capacity(now)));
+                let c = k.capacity(now);
+                write(id, c);
+                changed.push((id.clone(), c));
             } else if status.is_success() {
                 let Some(k) = keys.get_mut(id) else { continue };
                 k.successes += 1;
@@ -265,14 +271,15 @@ impl Pushback {
                 let step = cfg.recover_step * rand::rng().random_range(0.9..=1.1);
                 k.factor = (k.factor * step).min(1.0);
                 self.factor_gauge.with_label_values(&[id]).set(k.factor);
-                if k.factor >= 1.0 {
+                let c = if k.factor >= 1.0 {
                     let granted = k.granted;
                     keys.remove(id);
-                    self.recovered.lock().expect("pushback lock").push(id.clone());
-                    changed.push((id.clone(), granted));
+                    granted
                 } else {
-                    changed.push((id.clone(), k.capacity(now)));
-                }
+                    k.capacity(now)
+                };
+                write(id, c);
+                changed.push((id.clone(), c));
             }
         }
         self.active.store(keys.len(), Ordering::Relaxed);

@@ -133,3 +133,36 @@ fn http2_is_offered_unless_turned_off_and_cannot_contradict_h2c() {
         "{lines:?}"
     );
 }
+
+/// Two resources on one fixed lease id would each enforce the whole lease:
+/// the second is refused at its `id` (or its name: an id defaults to the name).
+#[test]
+fn a_fixed_id_belongs_to_one_resource() {
+    let text = "\
+resources:
+  a:
+    kind: rate
+    id: shared
+    capacity: 5/s
+  b:
+    kind: rate
+    capacity: 5/s
+    id: shared
+  shared:
+    kind: gauge
+    capacity: 3
+  t:
+    kind: rate
+    id: \"shared/{header.x}\"
+    capacity: 5/s
+";
+    let e = RoutesConfig::parse("ids.yaml", text).unwrap_err();
+    let lines: Vec<String> = e.diagnostics.iter().map(|d| d.to_string()).collect();
+    assert_eq!(
+        lines,
+        [
+            "ids.yaml:9:9: resources.b.id: id `shared` is already resource `a`'s (hint: each resource leases its own id; routes can share one resource)",
+            "ids.yaml:10:3: resources.shared.id: id `shared` is already resource `b`'s (hint: each resource leases its own id; routes can share one resource)",
+        ],
+    );
+}

@@ -11,7 +11,7 @@ fn backs_off_holds_and_recovers() {
     let t0 = Time::from_secs(100);
     let ids = vec![("k".to_string(), 40.0)];
     assert_eq!(p.effective("k", 40.0, t0), 40.0, "no pushback: the full lease");
-    let ch = p.on_response(&ids, StatusCode::TOO_MANY_REQUESTS, Some(Duration::from_secs(2)), t0, &cfg);
+    let ch = p.on_response(&ids, StatusCode::TOO_MANY_REQUESTS, Some(Duration::from_secs(2)), t0, &cfg, |_, _| {});
     assert_eq!(ch, vec![("k".to_string(), 0.0)], "held until Retry-After");
     assert_eq!(p.hold_left("k", at(t0, 500)), Some(Duration::from_millis(1500)));
     assert_eq!(p.effective("k", 40.0, at(t0, 1000)), 0.0);
@@ -20,18 +20,18 @@ fn backs_off_holds_and_recovers() {
     assert_eq!(p.effective("k", 40.0, t3), 20.0, "its share of what it had");
     assert_eq!(p.effective("k", 12.0, t3), 12.0, "never more than the lease grants");
     assert_eq!(p.effective("k", 40.0, t3), 20.0);
-    p.on_response(&ids, StatusCode::SERVICE_UNAVAILABLE, None, t3, &cfg);
+    p.on_response(&ids, StatusCode::SERVICE_UNAVAILABLE, None, t3, &cfg, |_, _| {});
     assert_eq!(p.effective("k", 40.0, t3), 10.0);
-    assert!(p.on_response(&ids, StatusCode::OK, None, t3, &cfg).is_empty(), "one success is not enough");
-    let ch = p.on_response(&ids, StatusCode::OK, None, t3, &cfg);
+    assert!(p.on_response(&ids, StatusCode::OK, None, t3, &cfg, |_, _| {}).is_empty(), "one success is not enough");
+    let ch = p.on_response(&ids, StatusCode::OK, None, t3, &cfg, |_, _| {});
     assert!(ch[0].1 > 10.0 && ch[0].1 < 40.0, "{ch:?}");
     for _ in 0..20 {
-        p.on_response(&ids, StatusCode::OK, None, t3, &cfg);
+        p.on_response(&ids, StatusCode::OK, None, t3, &cfg, |_, _| {});
     }
     assert_eq!(p.effective("k", 40.0, t3), 40.0, "fully recovered");
     assert!(p.status(t3).is_empty());
     let off = PushbackConfig { enabled: false, ..cfg };
-    assert!(p.on_response(&ids, StatusCode::TOO_MANY_REQUESTS, None, t3, &off).is_empty());
+    assert!(p.on_response(&ids, StatusCode::TOO_MANY_REQUESTS, None, t3, &off, |_, _| {}).is_empty());
 }
 
 #[test]
@@ -41,7 +41,14 @@ fn a_hold_gives_the_lease_back_and_asks_for_it_again_before_it_ends() {
     let t0 = Time::from_secs(100);
     let lead = Duration::from_secs(1);
     assert_eq!(p.lease_wants("k", 55.0, t0, || lead), None, "not pushed back");
-    p.on_response(&[("k".to_string(), 40.0)], StatusCode::TOO_MANY_REQUESTS, Some(Duration::from_secs(5)), t0, &cfg);
+    p.on_response(
+        &[("k".to_string(), 40.0)],
+        StatusCode::TOO_MANY_REQUESTS,
+        Some(Duration::from_secs(5)),
+        t0,
+        &cfg,
+        |_, _| {},
+    );
     assert_eq!(p.lease_wants("k", 55.0, at(t0, 100), || lead), Some((0.0, true)), "gives its lease back, early");
     // The lease client applies the 0 it asked for: that is not what it recovers to.
     assert_eq!(p.effective("k", 0.0, at(t0, 600)), 0.0);
@@ -57,7 +64,7 @@ fn a_hold_gives_the_lease_back_and_asks_for_it_again_before_it_ends() {
     );
     assert_eq!(p.status(at(t0, 5000))[0].before, 40.0);
     // A pushback without Retry-After: it asks only for its share.
-    p.on_response(&[("k".to_string(), 20.0)], StatusCode::SERVICE_UNAVAILABLE, None, at(t0, 5100), &cfg);
+    p.on_response(&[("k".to_string(), 20.0)], StatusCode::SERVICE_UNAVAILABLE, None, at(t0, 5100), &cfg, |_, _| {});
     assert_eq!(p.lease_wants("k", 55.0, at(t0, 5200), || lead), Some((10.0, true)));
     assert_eq!(p.effective("k", 10.0, at(t0, 5300)), 10.0);
     assert_eq!(p.lease_wants("k", 55.0, at(t0, 5400), || lead), Some((10.0, false)));
@@ -70,7 +77,14 @@ fn a_hold_shorter_than_a_relet_keeps_the_lease() {
     let p = Pushback::new(&prometheus::Registry::new());
     let t0 = Time::from_secs(100);
     let ids = [("k".to_string(), 40.0)];
-    p.on_response(&ids, StatusCode::TOO_MANY_REQUESTS, Some(Duration::from_secs(2)), t0, &PushbackConfig::default());
+    p.on_response(
+        &ids,
+        StatusCode::TOO_MANY_REQUESTS,
+        Some(Duration::from_secs(2)),
+        t0,
+        &PushbackConfig::default(),
+        |_, _| {},
+    );
     let lead = relet_lead(Duration::from_secs(2), Duration::from_millis(500), 1.0 / 6.0);
     assert_eq!(lead.as_millis(), 3333);
     assert_eq!(p.lease_wants("k", 55.0, t0, || lead), Some((40.0, false)));
@@ -83,7 +97,7 @@ fn a_quiet_key_recovers_without_traffic() {
     let p = Pushback::new(&prometheus::Registry::new());
     let cfg = PushbackConfig::default();
     let t0 = Time::from_secs(100);
-    p.on_response(&[("k".to_string(), 40.0)], StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg);
+    p.on_response(&[("k".to_string(), 40.0)], StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg, |_, _| {});
     assert_eq!(p.effective("k", 40.0, t0.saturating_add(Duration::from_secs(1))), 20.0);
     let later = t0.saturating_add(QUIET_RECOVERY);
     assert_eq!(p.effective("k", 40.0, later), 40.0);
@@ -100,21 +114,51 @@ fn retry_after_seconds() {
     assert_eq!(retry_after(&h), None);
 }
 
-/// The lease client re-applies a backed-off key at every turn, and once
-/// more after it recovered on an answer: a write of its backed-off capacity
-/// that crossed the request path's write of the full one does not stay.
+/// The lease client re-applies a backed-off key at every turn; a recovered
+/// one is no longer listed (its full capacity was written on the answer).
 #[test]
-fn backed_off_keys_and_those_just_recovered_are_listed_for_the_lease_client() {
+fn backed_off_keys_are_listed_for_the_lease_client() {
     let p = Pushback::new(&prometheus::Registry::new());
     let cfg = PushbackConfig { enabled: true, multiplier: 0.5, recover_after: 1, recover_step: 4.0 };
     let t0 = Time::from_secs(100);
     let ids = [("k".to_string(), 40.0)];
     assert!(p.ids().is_empty(), "nothing backed off");
-    p.on_response(&ids, StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg);
+    p.on_response(&ids, StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg, |_, _| {});
     assert_eq!(p.ids(), ["k"]);
     assert_eq!(p.ids(), ["k"], "at every turn while backed off");
-    let ch = p.on_response(&ids, StatusCode::OK, None, t0, &cfg);
+    let mut wrote = Vec::new();
+    let ch = p.on_response(&ids, StatusCode::OK, None, t0, &cfg, |id, c| wrote.push((id.to_string(), c)));
     assert_eq!(ch, [("k".to_string(), 40.0)], "recovered at once (0.5 × 4 ≥ 1 with any jitter)");
-    assert_eq!(p.ids(), ["k"], "once more after it recovered");
+    assert_eq!(wrote, ch, "each change is written");
     assert!(p.ids().is_empty());
+}
+
+/// A lease applied while an upstream answer is being written waits for that
+/// write: the newer lease is what the key is left with (each capacity is
+/// applied once, so a crossed write would stay until the lease changes).
+#[test]
+fn a_lease_applied_while_an_answer_writes_comes_after_it() {
+    use std::sync::{Arc, Mutex, mpsc};
+    let p = Arc::new(Pushback::new(&prometheus::Registry::new()));
+    let cfg = PushbackConfig { enabled: true, multiplier: 0.5, recover_after: 1, recover_step: 4.0 };
+    let t0 = Time::from_secs(100);
+    let ids = [("k".to_string(), 40.0)];
+    p.on_response(&ids, StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg, |_, _| {});
+    let table = Arc::new(Mutex::new(Vec::new()));
+    let (inside, writing) = mpsc::channel();
+    let lease = {
+        let (p, table) = (p.clone(), table.clone());
+        std::thread::spawn(move || {
+            writing.recv().unwrap();
+            // A new lease of 10 arrives while the answer's recovery is being written.
+            p.apply("k", 10.0, t0, |c| table.lock().unwrap().push(c));
+        })
+    };
+    p.on_response(&ids, StatusCode::OK, None, t0, &cfg, |_, c| {
+        inside.send(()).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        table.lock().unwrap().push(c);
+    });
+    lease.join().unwrap();
+    assert_eq!(*table.lock().unwrap(), [40.0, 10.0], "the recovery's write, then the newer lease's");
 }
