@@ -416,3 +416,70 @@ async fn a_sidecar_that_wakes_up_reaches_its_share_within_two_seconds() {
     load_b.await.unwrap();
     load_a.await.unwrap();
 }
+
+/// A reload that changes a templated resource's kind rebuilds it and drops
+/// its keys (their leases are released). A request that makes a key anew
+/// gets it leased again, whatever its demand was before: the lease client
+/// hears only of keys whose demand moved, and this one's did not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_made_anew_after_a_reload_rebuilt_its_resource_is_leased_again() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    // The server grants 4 of the 10 each key wants: a key left out of the
+    // lease client's demand would run at its file's 10 instead.
+    let server = start_server(dir.path(), "server", &FAIR.replace("capacity: 100", "capacity: 4"), port);
+    let up = Upstream::start().await;
+    let doorman =
+        format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: sidecar-r\n  min_interval: 200ms\n");
+    let res = |kind: &str| {
+        format!(
+            "    kind: {kind}\n    id: \"tenant/{{header.x-tenant}}\"\n    capacity: 10\n    wants: 10\n    key_idle_timeout: 60s\n"
+        )
+    };
+    let path = write_file(dir.path(), "p.yaml", &routes(&up, &doorman, &res("rate")));
+    let p = Usher::proxy(&path);
+    let acme = || {
+        http::Request::get("/x")
+            .header("host", "app.local")
+            .header("x-tenant", "acme")
+            .body(support::upstream::empty())
+            .unwrap()
+    };
+    let mut c = h1(p.addr("listen")).await;
+    assert_eq!(send1(&mut c, acme()).await.status, 200);
+    let held = || {
+        let (code, body) = http_get(server.addr("admin"), "/debug/resources?resource=tenant/acme&format=json");
+        code == 200 && body.contains("sidecar-r")
+    };
+    let key =
+        || status(&p)["lease"]["keys"].as_array().unwrap().iter().find(|k| k["resource_id"] == "tenant/acme").cloned();
+    let leased = || key().is_some_and(|k| k["mode"] == "leased" && k["has"] == 4.0);
+    assert_eventually!(held() && leased(), Duration::from_secs(5), "the key is leased: {:?}", key());
+
+    // Same wants, another kind: the resource is rebuilt, its key dropped and released.
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, routes(&up, &doorman, &res("gauge"))).unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
+    p.wait_for_log("routes reloaded", Duration::from_secs(20));
+    assert_eventually!(!held(), Duration::from_secs(5), "the rebuilt resource's key is released");
+
+    // The tenant comes back: its key is made anew and leased again.
+    let mut c = h1(p.addr("listen")).await;
+    let r = send1(&mut c, acme()).await;
+    assert_eq!(r.status, 200, "{:?} {}", r.body, status(&p));
+    assert_eventually!(held() && leased(), Duration::from_secs(5), "the key made anew is leased again: {:?}", key());
+
+    // A new tenant's first request is admitted at the file's capacity, not
+    // refused at `on_expiry` (safe, 0 here) when the lease client reads the
+    // new key before the request is admitted: its lease is a round trip away.
+    for i in 0..20 {
+        let req = http::Request::get("/x")
+            .header("host", "app.local")
+            .header("x-tenant", format!("new-{i}"))
+            .body(support::upstream::empty())
+            .unwrap();
+        let r = send1(&mut c, req).await;
+        assert_eq!(r.status, 200, "tenant new-{i}: {:?}", r.body);
+    }
+}

@@ -165,6 +165,12 @@ struct KeyState {
     early_wait: Duration,
     /// The lease it held when a request went out while it was away.
     asked_with: Option<f64>,
+    /// A request to the servers carried it and has not been answered yet.
+    asked: bool,
+    /// A request that carried it was answered, or a call to the servers
+    /// failed, since it was made: until then a key with no lease keeps the
+    /// capacity it was made with (see [`Core::take_changes`]).
+    settled: bool,
 }
 
 impl KeyState {
@@ -419,6 +425,8 @@ impl Core {
                 away: false,
                 early_wait: self.cfg.min_interval,
                 asked_with: None,
+                asked: false,
+                settled: false,
             }),
         );
         self.away -= usize::from(before.as_ref().is_some_and(|k| k.away));
@@ -505,6 +513,8 @@ impl Core {
                             away: false,
                             early_wait: self.cfg.min_interval,
                             asked_with: None,
+                            asked: false,
+                            settled: false,
                         }),
                     );
                 }
@@ -524,17 +534,20 @@ impl Core {
     /// The capacity of each key whose capacity may have changed since the
     /// last call (a key was made, a lease arrived, expired or ended its hold,
     /// demand moved an `on_expiry` capacity), after applying expiries at
-    /// `now`, and of the keys in `also`, changed or not. With `pending`
-    /// false, keys with no lease yet are left out and kept for a later call
-    /// (start-up: they keep their configured capacity until it is over).
-    pub fn take_changes(&mut self, now: Time, also: &[String], pending: bool) -> Vec<(String, Capacity)> {
+    /// `now`, and of the keys in `also`, changed or not. A key with no lease
+    /// yet is left out and kept for a later call until a request that carried
+    /// it was answered or a call failed (it keeps the capacity it was made
+    /// with: a new key is not refused for the round trip its lease takes, nor
+    /// is the request that made it, whenever the demand is read), unless
+    /// `force_pending` (the start-up wait is over while the first call hangs).
+    pub fn take_changes(&mut self, now: Time, also: &[String], force_pending: bool) -> Vec<(String, Capacity)> {
         self.expire(now);
         let changed = std::mem::take(&mut self.changed);
         let also = also.iter().filter(|id| !changed.contains(*id)).cloned();
         let mut out = Vec::new();
         for id in changed.iter().cloned().chain(also) {
             let Some(k) = self.keys.get(&id) else { continue };
-            if !pending && k.mode == Mode::Pending {
+            if k.mode == Mode::Pending && !k.settled && !force_pending {
                 self.changed.insert(id);
             } else {
                 out.push((id, k.capacity()));
@@ -665,6 +678,7 @@ impl Core {
         self.last_request = Some(now);
         for k in self.keys.values_mut() {
             k.asked_with = k.away.then(|| k.lease.map_or(0.0, |l| l.capacity));
+            k.asked = true;
         }
         Action::Refresh { target, request: self.request(now) }
     }
@@ -693,6 +707,9 @@ impl Core {
 
     fn fail(&mut self, now: Time, err: CallError, rotate: bool) {
         self.in_flight = false;
+        for k in self.keys.values_mut() {
+            (k.asked, k.settled) = (false, true);
+        }
         let msg = err.message().to_string();
         if rotate {
             self.master = None;
@@ -828,6 +845,10 @@ impl Core {
             later = earliest(later, k.lapse());
             interval = Some(interval.map_or(lease.refresh_interval, |i| i.min(lease.refresh_interval)));
             earliest_expiry = Some(earliest_expiry.map_or(lease.expiry, |e| e.min(lease.expiry)));
+        }
+        // Every key the request carried was answered, with a lease or without.
+        for k in self.keys.values_mut().filter(|k| k.asked) {
+            (k.asked, k.settled) = (false, true);
         }
         match relapse {
             true => self.lapsed(self.lapse, None),

@@ -320,12 +320,13 @@ fn enforce(client: &LeaseClient) {
         if rebuilt {
             core.mark_all_changed();
         }
-        // During start-up, until the first answer (or failure), keys with no
-        // lease keep their configured capacity rather than dropping to
-        // `on_expiry` for a few milliseconds (the core keeps them for later);
-        // cached leases apply at once.
-        let known = client.started.load(Ordering::SeqCst) || core.refreshes() > 0 || core.last_error().is_some();
-        let caps = core.take_changes(clock.now(), &also, known);
+        // A key with no lease keeps its configured capacity until the first
+        // answer to a request that carried it (or a failure), rather than
+        // dropping to `on_expiry` for a round trip; cached leases apply at
+        // once. Once the start-up wait is over while the first call still
+        // hangs, `on_expiry` applies.
+        let hanging = client.started.load(Ordering::SeqCst) && core.refreshes() == 0 && core.last_error().is_none();
+        let caps = core.take_changes(clock.now(), &also, hanging);
         (caps, core.take_transitions())
     };
     if !capacities.is_empty() {

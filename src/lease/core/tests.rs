@@ -634,3 +634,34 @@ fn a_wait_ends_at_the_lapse_of_the_keys_still_there() {
     assert_eq!(modes, [Mode::Expired, Mode::Leased]);
     assert_eq!(c.take_changes(w.clock.now(), &[], true), limited(&[("b", 2.0), ("c", 5.0)]));
 }
+
+/// A key with no lease keeps the capacity it was made with until a request
+/// that carried it is answered (or a call fails): a new key, or the request
+/// that made it, is not refused at `on_expiry` for the round trip its lease
+/// takes. A key made while a request is in flight waits for its own.
+#[test]
+fn a_new_key_falls_to_on_expiry_only_once_a_request_for_it_was_answered() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("a", 10.0, OnExpiry::Pessimistic)]);
+    assert_eq!(c.take_changes(w.clock.now(), &[], false), vec![], "not asked yet");
+    w.step(&mut c);
+    assert_eq!(c.take_changes(w.clock.now(), &[], false), limited(&[("a", 10.0)]), "leased");
+
+    // b arrives while a request (carrying a only) is in flight.
+    w.advance(Duration::from_secs(15));
+    let Action::Refresh { target, request } = c.next_action(w.clock.now()) else { panic!("a refresh is due") };
+    c.set_demand(vec![demand("a", 10.0, OnExpiry::Pessimistic), demand("b", 5.0, OnExpiry::Pessimistic)]);
+    assert_eq!(c.take_changes(w.clock.now(), &[], false), vec![], "b waits for a request of its own");
+    let answer = w.rt.block_on(w.net.get_capacity(&target, request));
+    c.on_refresh(w.clock.now(), answer);
+    assert_eq!(c.take_changes(w.clock.now(), &[], false), vec![], "an answer that did not carry b");
+    // b's own request (after the minimum interval) fails: b falls to its on_expiry.
+    w.advance(Duration::from_secs(2));
+    let Action::Refresh { target, .. } = c.next_action(w.clock.now()) else { panic!("b asks at once") };
+    c.on_refresh(w.clock.now(), Err(CallError::Transient(format!("{target}: refused"))));
+    assert_eq!(c.take_changes(w.clock.now(), &[], false), limited(&[("b", 0.0)]), "settled by the failure");
+    // `force_pending`: the start-up wait is over while the first call hangs.
+    c.set_demand(vec![demand("c", 5.0, OnExpiry::Pessimistic)]);
+    assert_eq!(c.take_changes(w.clock.now(), &[], true), limited(&[("c", 0.0)]));
+}
