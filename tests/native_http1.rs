@@ -1874,13 +1874,24 @@ async fn requests_for_an_h2_upstream_stay_on_the_native_path() {
             for (method, path, body) in exchanges {
                 let length =
                     if body.is_empty() { String::new() } else { format!("Content-Length: {}\r\n", body.len()) };
-                c.send(format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\n{length}\r\n{body}")).await;
+                // Fields around Host (which the upstream's authority replaces) arrive as sent.
+                c.send(format!(
+                    "{method} {path} HTTP/1.1\r\nAccept: text/plain; q=0.9\r\nHost: {host}\r\n\
+                     X-Seq: {method} {path}\r\n{length}\r\n{body}"
+                ))
+                .await;
                 let r = c.response(method == "HEAD").await;
                 got.push((host, method, path, r.status, multiset(&r.headers), r.text()));
             }
         }
-        // One connection each, which the TLS upstream's first request opened and learned h2 on.
+        // One connection each, which the TLS upstream's first request opened and learned h2 on;
+        // every target and field value as the client sent it.
+        let sent: Vec<String> = exchanges.iter().map(|(m, p, _)| format!("{m} {p}")).collect();
         for (up, requests) in [(&h2c, 5), (&tls, 6)] {
+            let targets = up.stats.targets.lock().unwrap().clone();
+            let paths: Vec<String> = exchanges.iter().map(|(_, p, _)| p.to_string()).collect();
+            assert_eq!(targets[requests - 5..], paths[..], "{engine:?}");
+            assert_eq!(*up.stats.seq.lock().unwrap(), sent, "{engine:?}");
             let versions = up.stats.versions.lock().unwrap().clone();
             assert_eq!(versions, vec![http::Version::HTTP_2; requests], "{engine:?}");
             assert_eq!(up.stats.connections.load(std::sync::atomic::Ordering::SeqCst), 1, "{engine:?}");

@@ -81,6 +81,9 @@ pub enum Parsed<'b> {
 /// A parsed request head, borrowing the connection's buffer.
 pub struct Head<'b> {
     pub method: Method,
+    /// The whole head as received: [`Head::request`] copies it once and
+    /// shares the copy among the target and the field values.
+    raw: &'b [u8],
     /// Origin-form: path and query.
     target: &'b str,
     path_len: usize,
@@ -181,6 +184,7 @@ pub fn parse<'b>(
     }
     Parsed::Ready(Head {
         method,
+        raw: &buf[..head_len],
         target,
         path_len: target.find('?').unwrap_or(target.len()),
         headers,
@@ -229,12 +233,19 @@ impl Head<'_> {
     /// `None` if a field is not one `http` accepts; the general path then
     /// serves the request and answers for it.
     pub fn request(&self, base: &Uri) -> Option<http::Request<()>> {
+        // One copy of the head; the target and every value are views of it
+        // (a copy of each made an allocation per field).
+        let raw = bytes::Bytes::copy_from_slice(self.raw);
+        let view = |s: &[u8]| {
+            let at = s.as_ptr() as usize - self.raw.as_ptr() as usize;
+            raw.slice(at..at + s.len())
+        };
         let prefix = base.path().trim_end_matches('/');
         let mut parts = http::uri::Parts::default();
         parts.scheme = base.scheme().cloned();
         parts.authority = base.authority().cloned();
         parts.path_and_query = Some(if prefix.is_empty() {
-            PathAndQuery::from_maybe_shared(bytes::Bytes::copy_from_slice(self.target.as_bytes())).ok()?
+            PathAndQuery::from_maybe_shared(view(self.target.as_bytes())).ok()?
         } else {
             PathAndQuery::try_from(format!("{prefix}{}", self.target)).ok()?
         });
@@ -246,7 +257,7 @@ impl Head<'_> {
         headers.reserve(self.headers.len() + 1);
         for h in self.forwarded() {
             let name = HeaderName::from_bytes(h.name.as_bytes()).ok()?;
-            headers.append(name, HeaderValue::from_bytes(h.value).ok()?);
+            headers.append(name, HeaderValue::from_maybe_shared(view(h.value)).ok()?);
         }
         headers.append(http::header::VIA, HeaderValue::from_static(VIA));
         Some(req)
