@@ -263,6 +263,23 @@ impl Head<'_> {
         Some(req)
     }
 
+    /// [`Head::encode`] for a request already made for an h2 upstream
+    /// ([`Head::request`]: its target under the base path, its fields with
+    /// `via`), for the upstream's HTTP/1.1 pool once the upstream turned out
+    /// to pick `http/1.1` in ALPN after all.
+    pub fn encode_made(req: &http::Request<()>, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
+        out.extend_from_slice(req.method().as_str().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(req.uri().path_and_query().map_or("/", |p| p.as_str()).as_bytes());
+        out.extend_from_slice(b" HTTP/1.1\r\n");
+        push_field(out, b"host", host);
+        for (name, value) in req.headers() {
+            push_field(out, name.as_str().as_bytes(), value.as_bytes());
+        }
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(body);
+    }
+
     /// Safe to send twice (RFC 9110 §9.2.2): a reused connection that
     /// closed before answering may be retried on a new one.
     pub fn idempotent(&self) -> bool {
