@@ -55,10 +55,15 @@ async fn fifty_clients_started_together_spread_their_refreshes() {
     let expiries: Vec<f64> =
         v["leases"].as_array().unwrap().iter().map(|l| l["expires_in_s"].as_f64().unwrap()).collect();
     assert_eq!(expiries.len(), 50, "{body}");
-    // Each lease expires 10 s after that client's latest request, so the spread
-    // of expiries, seen at the server, is the spread of the refreshes.
+    // Each lease expires 10 s after the server took that client's latest
+    // request, so the spread of expiries is the spread of the refreshes as the
+    // server saw them. Unjittered they would all come within milliseconds; the
+    // jitter spreads them over about 1.6 s here (third requests in [5 s, 7 s]),
+    // and a busy machine, whose server takes queued requests in bursts,
+    // narrows what the server sees (0.96 s in one CI run): half a second is
+    // far from both.
     let spread = expiries.iter().cloned().fold(f64::MIN, f64::max) - expiries.iter().cloned().fold(f64::MAX, f64::min);
-    assert!(spread >= 1.0, "refreshes spread over {spread:.2} s, at least a third of the 3 s interval: {expiries:?}");
+    assert!(spread >= 0.5, "refreshes spread over {spread:.2} s, not apart: {expiries:?}");
     shutdown.cancel();
     for t in tasks {
         t.await.unwrap();

@@ -1874,13 +1874,24 @@ async fn requests_for_an_h2_upstream_stay_on_the_native_path() {
             for (method, path, body) in exchanges {
                 let length =
                     if body.is_empty() { String::new() } else { format!("Content-Length: {}\r\n", body.len()) };
-                c.send(format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\n{length}\r\n{body}")).await;
+                // Fields around Host (which the upstream's authority replaces) arrive as sent.
+                c.send(format!(
+                    "{method} {path} HTTP/1.1\r\nAccept: text/plain; q=0.9\r\nHost: {host}\r\n\
+                     X-Seq: {method} {path}\r\n{length}\r\n{body}"
+                ))
+                .await;
                 let r = c.response(method == "HEAD").await;
                 got.push((host, method, path, r.status, multiset(&r.headers), r.text()));
             }
         }
-        // One connection each, which the TLS upstream's first request opened and learned h2 on.
+        // One connection each, which the TLS upstream's first request opened and learned h2 on;
+        // every target and field value as the client sent it.
+        let sent: Vec<String> = exchanges.iter().map(|(m, p, _)| format!("{m} {p}")).collect();
         for (up, requests) in [(&h2c, 5), (&tls, 6)] {
+            let targets = up.stats.targets.lock().unwrap().clone();
+            let paths: Vec<String> = exchanges.iter().map(|(_, p, _)| p.to_string()).collect();
+            assert_eq!(targets[requests - 5..], paths[..], "{engine:?}");
+            assert_eq!(*up.stats.seq.lock().unwrap(), sent, "{engine:?}");
             let versions = up.stats.versions.lock().unwrap().clone();
             assert_eq!(versions, vec![http::Version::HTTP_2; requests], "{engine:?}");
             assert_eq!(up.stats.connections.load(std::sync::atomic::Ordering::SeqCst), 1, "{engine:?}");
@@ -1976,6 +1987,113 @@ async fn a_closed_h2_upstream_connection_is_replaced_and_a_dead_one_is_a_502() {
     assert_eq!(r.status, 502, "{}", r.text());
     assert_eq!(r.json()["upstream"], "gone", "{}", r.text());
     assert_eq!(handoffs(&side.proxy), BTreeMap::new());
+}
+
+/// A TLS upstream on 127.0.0.1:0 whose ALPN answer can change: `h2` (and
+/// `http/1.1`) while `h2` is true, only `http/1.1` after. Each answer's body
+/// is the version and method and target it came with ("HTTP/2.0 GET /x");
+/// `closing` sends every open connection a graceful close (GOAWAY, or
+/// `Connection: close`); `open` counts the connections still open.
+struct SwitchingAlpn {
+    addr: SocketAddr,
+    h2: Arc<std::sync::atomic::AtomicBool>,
+    closing: Arc<tokio::sync::Notify>,
+    open: Arc<std::sync::atomic::AtomicI64>,
+    accepted: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SwitchingAlpn {
+    async fn start(pki: &support::upstream::TestPki) -> SwitchingAlpn {
+        use std::sync::atomic::Ordering::SeqCst;
+        let (with_h2, http1_only) = (pki.acceptor(&[b"h2", b"http/1.1"]), pki.acceptor(&[b"http/1.1"]));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let up = SwitchingAlpn {
+            addr: listener.local_addr().unwrap(),
+            h2: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            closing: Arc::new(tokio::sync::Notify::new()),
+            open: Arc::new(std::sync::atomic::AtomicI64::new(0)),
+            accepted: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        };
+        let (h2, closing, open, accepted) = (up.h2.clone(), up.closing.clone(), up.open.clone(), up.accepted.clone());
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                accepted.fetch_add(1, SeqCst);
+                let acceptor = if h2.load(SeqCst) { with_h2.clone() } else { http1_only.clone() };
+                let (closing, open) = (closing.clone(), open.clone());
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(tcp).await else { return };
+                    open.fetch_add(1, SeqCst);
+                    let svc = hyper::service::service_fn(|req: http::Request<hyper::body::Incoming>| async move {
+                        let text = format!("{:?} {} {}", req.version(), req.method(), req.uri().path());
+                        Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                            bytes::Bytes::from(text),
+                        )))
+                    });
+                    let builder = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+                    let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(tls), svc);
+                    let mut conn = std::pin::pin!(conn);
+                    tokio::select! {
+                        _ = conn.as_mut() => {}
+                        () = closing.notified() => {
+                            conn.as_mut().graceful_shutdown();
+                            let _ = conn.await;
+                        }
+                    }
+                    open.fetch_sub(1, SeqCst);
+                });
+            }
+        });
+        up
+    }
+}
+
+/// An `https://` upstream that picked h2 and, behind the same address, now
+/// picks `http/1.1` (a new server, a load balancer reconfigured) is followed
+/// to the HTTP/1.1 pool: the request that finds out goes there on the new
+/// connection, and every later one too; no 502, nothing handed off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_drops_h2_for_http1_is_followed_to_the_pool() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let pki = support::upstream::TestPki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &pki.ca_pem).unwrap();
+    for engine in [Http1::Native, Http1::Hyper] {
+        let up = SwitchingAlpn::start(&pki).await;
+        let yaml = format!(
+            "upstreams:\n  t: {{ url: \"https://localhost:{}\", ca_file: \"{}\" }}\n\
+             routes:\n  - {{ name: t, match: {{ host: t.test }}, upstream: t }}\n",
+            up.addr.port(),
+            ca.display()
+        );
+        let side = sidecar(&yaml, engine).await;
+        let mut c = Client::connect(side.addr).await;
+        let mut ask = async |path: &str| {
+            c.send(format!("GET {path} HTTP/1.1\r\nHost: t.test\r\n\r\n")).await;
+            let r = c.response(false).await;
+            (r.status, r.text())
+        };
+        for path in ["/a", "/b"] {
+            assert_eq!(ask(path).await, (200, format!("HTTP/2.0 GET {path}")), "{engine:?}");
+        }
+        // The upstream turns to HTTP/1.1 only and closes the h2 connection.
+        up.h2.store(false, SeqCst);
+        up.closing.notify_waiters();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while up.open.load(SeqCst) > 0 {
+            assert!(std::time::Instant::now() < deadline, "{engine:?}: the h2 connection did not close");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for path in ["/c", "/d", "/e"] {
+            assert_eq!(ask(path).await, (200, format!("HTTP/1.1 GET {path}")), "{engine:?}");
+        }
+        // One h2 connection, then one HTTP/1.1 connection that carried every
+        // later request (hyper's engine: hyper-util's client finds out on a
+        // connection of its own, and the pool then dials one).
+        let connections = if engine == Http1::Native { 2 } else { 3 };
+        assert_eq!(up.accepted.load(SeqCst), connections, "{engine:?}");
+        assert_eq!(handoffs(&side.proxy), BTreeMap::new(), "{engine:?}: nothing went to hyper");
+    }
 }
 
 // === Http1::Hyper ===

@@ -50,7 +50,14 @@ pub enum H2Error {
     Stream(String),
     /// The upstream picks `http/1.1` in ALPN: the new connection, for the
     /// upstream's HTTP/1.1 pool (`None` for a request that waited while
-    /// another one learned it: it dials on the pool itself).
+    /// another one learned it: it dials on the pool itself), and the
+    /// request, never sent, to send there.
+    Http1(Option<Stream>, Box<(Request<()>, Bytes)>),
+}
+
+/// Why no connection is at hand: as [`H2Error`], before a request is attached.
+enum NoSender {
+    Connect(String),
     Http1(Option<Stream>),
 }
 
@@ -113,7 +120,11 @@ impl H2Upstream {
         let mut again = Some(req.clone());
         let mut req = req;
         loop {
-            let (sender, generation) = self.sender().await?;
+            let (sender, generation) = match self.sender().await {
+                Ok(s) => s,
+                Err(NoSender::Connect(e)) => return Err(H2Error::Connect(e)),
+                Err(NoSender::Http1(stream)) => return Err(H2Error::Http1(stream, Box::new((req, body)))),
+            };
             let e = match exchange(sender, req, body.clone(), self.idle_timeout).await {
                 Ok(resp) => return Ok(resp),
                 Err(e) => e,
@@ -136,12 +147,12 @@ impl H2Upstream {
 
     /// The connection's handle and generation (a new connection's when
     /// there is none, or it closed).
-    async fn sender(&self) -> Result<(SendRequest<Bytes>, u64), H2Error> {
+    async fn sender(&self) -> Result<(SendRequest<Bytes>, u64), NoSender> {
         if let Some(s) = self.usable() {
             return Ok(s);
         }
         if self.http1.load(Ordering::Relaxed) {
-            return Err(H2Error::Http1(None));
+            return Err(NoSender::Http1(None));
         }
         let asked = Instant::now();
         let _dialing = self.dialing.lock().await;
@@ -150,32 +161,32 @@ impl H2Upstream {
             return Ok(s);
         }
         if self.http1.load(Ordering::Relaxed) {
-            return Err(H2Error::Http1(None));
+            return Err(NoSender::Http1(None));
         }
         if let Some((at, e)) = self.failed.lock().expect("h2 upstream lock").as_ref()
             && *at >= asked
         {
-            return Err(H2Error::Connect(e.clone()));
+            return Err(NoSender::Connect(e.clone()));
         }
         // One deadline for the whole of it: TCP, TLS and the h2 handshake.
         let made = match tokio::time::timeout(self.connect_timeout, self.connect()).await {
             Ok(made) => made,
-            Err(_) => Err(H2Error::Connect(format!("connect timed out after {:?}", self.connect_timeout))),
+            Err(_) => Err(NoSender::Connect(format!("connect timed out after {:?}", self.connect_timeout))),
         };
-        if let Err(H2Error::Connect(e)) = &made {
+        if let Err(NoSender::Connect(e)) = &made {
             *self.failed.lock().expect("h2 upstream lock") = Some((Instant::now(), e.clone()));
         }
         made
     }
 
     /// A new connection (TCP, TLS, the h2 handshake), made the current one.
-    async fn connect(&self) -> Result<(SendRequest<Bytes>, u64), H2Error> {
-        let io = dial(&self.addr, self.tls.as_ref(), self.connect_timeout).await.map_err(H2Error::Connect)?;
+    async fn connect(&self) -> Result<(SendRequest<Bytes>, u64), NoSender> {
+        let io = dial(&self.addr, self.tls.as_ref(), self.connect_timeout).await.map_err(NoSender::Connect)?;
         if let Stream::Tls(tls) = &io
             && tls.get_ref().1.alpn_protocol() != Some(b"h2")
         {
             self.http1.store(true, Ordering::Relaxed);
-            return Err(H2Error::Http1(Some(io)));
+            return Err(NoSender::Http1(Some(io)));
         }
         let (sender, conn) = h2::client::Builder::new()
             .enable_push(false)
@@ -185,7 +196,7 @@ impl H2Upstream {
             .max_header_list_size(MAX_HEADER_LIST)
             .handshake::<_, Bytes>(io)
             .await
-            .map_err(|e| H2Error::Connect(format!("h2 handshake: {}", error_chain(&e))))?;
+            .map_err(|e| NoSender::Connect(format!("h2 handshake: {}", error_chain(&e))))?;
         let addr = self.addr.clone();
         tokio::spawn(async move {
             if let Err(e) = conn.await {
@@ -476,8 +487,8 @@ mod tests {
         };
         let up = H2Upstream::new(addr, Some(tls), Duration::from_secs(5), Duration::from_secs(90));
         let get = || Request::get("https://localhost/").body(()).unwrap();
-        assert!(matches!(up.send(get(), Bytes::new(), true).await, Err(H2Error::Http1(Some(_)))));
-        assert!(matches!(up.send(get(), Bytes::new(), true).await, Err(H2Error::Http1(None))));
+        assert!(matches!(up.send(get(), Bytes::new(), true).await, Err(H2Error::Http1(Some(_), _))));
+        assert!(matches!(up.send(get(), Bytes::new(), true).await, Err(H2Error::Http1(None, _))));
         assert_eq!(conns.load(Ordering::SeqCst), 1);
     }
 }

@@ -72,8 +72,9 @@ pub struct Plain {
     pub prefix: String,
     /// What the upstream speaks: HTTP/1.1 (`http://`, or `https://` with
     /// `http2: false`, or learned); unknown for an `https://` upstream that
-    /// may pick h2 in ALPN, until hyper-util's client has had its first
-    /// answer; h2 once it picked h2 (the pool is then never used).
+    /// may pick h2 in ALPN, until its first answer (or its first new
+    /// connection's ALPN answer) tells; h2 once it picked h2 (the pool is
+    /// then unused, unless a later connection's ALPN answer is `http/1.1`).
     speaks: AtomicU8,
 }
 
@@ -92,14 +93,27 @@ impl Plain {
         self.speaks.load(Ordering::Relaxed) == UNKNOWN
     }
 
-    /// Takes note of the version of an answer that came through hyper-util's
-    /// client: HTTP/1.1 moves the upstream's requests to the pool (with the
-    /// native path's speed), h2 keeps them on the client's shared connection.
+    /// Takes note of what the upstream speaks, from the version of an answer
+    /// (through hyper-util's client) or its ALPN answer on a new connection:
+    /// HTTP/1.1 moves the upstream's requests to the pool (with the native
+    /// path's speed), h2 keeps them on its multiplexed connection. An
+    /// upstream that picked h2 and now picks `http/1.1` (a new server or load
+    /// balancer behind the same name) is followed to the pool; one known to
+    /// speak HTTP/1.1 stays on it (the pool offers nothing else).
     pub fn learn(&self, version: http::Version, upstream: &str) {
         let speaks = if version == http::Version::HTTP_2 { H2 } else { H1 };
-        if self.speaks.compare_exchange(UNKNOWN, speaks, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
-            match speaks {
-                H1 => tracing::info!(
+        let before = self.speaks.load(Ordering::Relaxed);
+        if before == speaks || before == H1 {
+            return;
+        }
+        if self.speaks.compare_exchange(before, speaks, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            match (before, speaks) {
+                (H2, _) => tracing::warn!(
+                    upstream,
+                    "the upstream picked h2 in ALPN before and picks http/1.1 now: its requests use usher's \
+                     HTTP/1.1 connection pool from now on"
+                ),
+                (_, H1) => tracing::info!(
                     upstream,
                     "the upstream speaks HTTP/1.1 over TLS: its requests use usher's own connection pool from now on"
                 ),

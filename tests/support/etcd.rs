@@ -92,7 +92,7 @@ impl EtcdServer {
             let healthy = if ca.is_some() {
                 up && std::fs::read_to_string(&log).unwrap_or_default().contains("ready to serve client requests")
             } else {
-                up && super::http_get(addr, "/health").1.contains("true")
+                up && health_says_true(addr)
             };
             if healthy {
                 return Ok(server);
@@ -139,4 +139,16 @@ impl Drop for EtcdServer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Whether etcd's `/health` answers `true`; false on any connection error
+/// (etcd still starting can reset a connection it accepted).
+fn health_says_true(addr: std::net::SocketAddr) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut raw = Vec::new();
+    write!(s, "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").is_ok()
+        && s.read_to_end(&mut raw).is_ok()
+        && String::from_utf8_lossy(&raw).contains("true")
 }

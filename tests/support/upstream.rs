@@ -176,6 +176,19 @@ impl TestPki {
             CertificateParams::new(vec!["localhost".to_string()]).unwrap().signed_by(&leaf_key, &issuer).unwrap();
         TestPki { ca_pem: ca_cert.pem(), cert_der: leaf.der().to_vec(), key_der: leaf_key.serialize_der() }
     }
+
+    /// A TLS acceptor for the `localhost` certificate, offering `alpn`.
+    pub fn acceptor(&self, alpn: &[&[u8]]) -> tokio_rustls::TlsAcceptor {
+        let key = rustls::pki_types::PrivateKeyDer::Pkcs8(self.key_der.clone().into());
+        let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![self.cert_der.clone().into()], key)
+            .unwrap();
+        cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        tokio_rustls::TlsAcceptor::from(Arc::new(cfg))
+    }
 }
 
 impl Upstream {
@@ -207,19 +220,7 @@ impl Upstream {
         let addr = listener.local_addr().unwrap();
         let stats = Arc::new(Stats::default());
         let gate = Arc::new(Semaphore::new(0));
-        let acceptor = pki.map(|p| {
-            let key = rustls::pki_types::PrivateKeyDer::Pkcs8(p.key_der.clone().into());
-            let mut cfg =
-                rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-                    .with_safe_default_protocol_versions()
-                    .unwrap()
-                    .with_no_client_auth()
-                    .with_single_cert(vec![p.cert_der.clone().into()], key)
-                    .unwrap();
-            cfg.alpn_protocols =
-                if h2 { vec![b"h2".to_vec(), b"http/1.1".to_vec()] } else { vec![b"http/1.1".to_vec()] };
-            tokio_rustls::TlsAcceptor::from(Arc::new(cfg))
-        });
+        let acceptor = pki.map(|p| p.acceptor(if h2 { &[b"h2", b"http/1.1"] } else { &[b"http/1.1"] }));
         let (s, g) = (stats.clone(), gate.clone());
         let task = tokio::spawn(async move {
             loop {

@@ -81,6 +81,9 @@ pub enum Parsed<'b> {
 /// A parsed request head, borrowing the connection's buffer.
 pub struct Head<'b> {
     pub method: Method,
+    /// The whole head as received: [`Head::request`] copies it once and
+    /// shares the copy among the target and the field values.
+    raw: &'b [u8],
     /// Origin-form: path and query.
     target: &'b str,
     path_len: usize,
@@ -181,6 +184,7 @@ pub fn parse<'b>(
     }
     Parsed::Ready(Head {
         method,
+        raw: &buf[..head_len],
         target,
         path_len: target.find('?').unwrap_or(target.len()),
         headers,
@@ -229,12 +233,19 @@ impl Head<'_> {
     /// `None` if a field is not one `http` accepts; the general path then
     /// serves the request and answers for it.
     pub fn request(&self, base: &Uri) -> Option<http::Request<()>> {
+        // One copy of the head; the target and every value are views of it
+        // (a copy of each made an allocation per field).
+        let raw = bytes::Bytes::copy_from_slice(self.raw);
+        let view = |s: &[u8]| {
+            let at = s.as_ptr() as usize - self.raw.as_ptr() as usize;
+            raw.slice(at..at + s.len())
+        };
         let prefix = base.path().trim_end_matches('/');
         let mut parts = http::uri::Parts::default();
         parts.scheme = base.scheme().cloned();
         parts.authority = base.authority().cloned();
         parts.path_and_query = Some(if prefix.is_empty() {
-            PathAndQuery::from_maybe_shared(bytes::Bytes::copy_from_slice(self.target.as_bytes())).ok()?
+            PathAndQuery::from_maybe_shared(view(self.target.as_bytes())).ok()?
         } else {
             PathAndQuery::try_from(format!("{prefix}{}", self.target)).ok()?
         });
@@ -246,10 +257,27 @@ impl Head<'_> {
         headers.reserve(self.headers.len() + 1);
         for h in self.forwarded() {
             let name = HeaderName::from_bytes(h.name.as_bytes()).ok()?;
-            headers.append(name, HeaderValue::from_bytes(h.value).ok()?);
+            headers.append(name, HeaderValue::from_maybe_shared(view(h.value)).ok()?);
         }
         headers.append(http::header::VIA, HeaderValue::from_static(VIA));
         Some(req)
+    }
+
+    /// [`Head::encode`] for a request already made for an h2 upstream
+    /// ([`Head::request`]: its target under the base path, its fields with
+    /// `via`), for the upstream's HTTP/1.1 pool once the upstream turned out
+    /// to pick `http/1.1` in ALPN after all.
+    pub fn encode_made(req: &http::Request<()>, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
+        out.extend_from_slice(req.method().as_str().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(req.uri().path_and_query().map_or("/", |p| p.as_str()).as_bytes());
+        out.extend_from_slice(b" HTTP/1.1\r\n");
+        push_field(out, b"host", host);
+        for (name, value) in req.headers() {
+            push_field(out, name.as_str().as_bytes(), value.as_bytes());
+        }
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(body);
     }
 
     /// Safe to send twice (RFC 9110 §9.2.2): a reused connection that

@@ -441,9 +441,7 @@ async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
         }
         Send::Shared(req) => tokio::select! {
             biased;
-            r = shared(&upstream, *req, head_request, idempotent, &mut bufs.out) => {
-                Some(r.map_err(|e| h2_failed(&upstream, e)))
-            }
+            r = shared_or_pool(&upstream, *req, head_request, idempotent, bufs) => Some(r),
             () = deadline.expired() => None,
         },
         Send::Probe(req) => tokio::select! {
@@ -482,6 +480,28 @@ async fn shared(
     Ok((Carried::Shared(body), head))
 }
 
+/// Sends `req` on the upstream's multiplexed h2 connection; if a new
+/// connection's ALPN answer says the upstream now picks `http/1.1` (it picked
+/// h2 before), on its HTTP/1.1 pool instead, encoded for it here.
+async fn shared_or_pool(
+    upstream: &Upstream,
+    req: (http::Request<()>, bytes::Bytes),
+    head_request: bool,
+    idempotent: bool,
+    bufs: &mut Buffers,
+) -> Result<(Carried, ResponseHead), ProxyError> {
+    match shared(upstream, req, head_request, idempotent, &mut bufs.out).await {
+        Err(H2Error::Http1(stream, unsent)) if upstream.plain.is_some() => {
+            let (req, body) = *unsent;
+            bufs.req.clear();
+            let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
+            head::Head::encode_made(&req, host, &body, &mut bufs.req);
+            on_pool(upstream, stream, head_request, idempotent, bufs).await
+        }
+        r => r.map_err(|e| h2_failed(upstream, e)),
+    }
+}
+
 /// Sends a request to an `https://` upstream whose ALPN answer is not yet
 /// known: on h2 if its new connection picks h2, else (the connection goes
 /// to the upstream's HTTP/1.1 pool) on the pool, as encoded in `bufs.req`.
@@ -495,18 +515,7 @@ async fn probe(
 ) -> Result<(Carried, ResponseHead), ProxyError> {
     let plain = upstream.plain.as_ref().expect("ready probes only upstreams with a pool");
     match shared(upstream, req, head_request, idempotent, &mut bufs.out).await {
-        Err(H2Error::Http1(stream)) => {
-            plain.learn(http::Version::HTTP_11, upstream.name());
-            // The connection that said so carries this request (a request
-            // that waited meanwhile makes its own, on the pool).
-            if let Some(stream) = stream {
-                plain.pool.put(stream);
-            }
-            let name = || upstream.name().to_string();
-            roundtrip(&plain.pool, &name, head_request, idempotent, &bufs.req, &mut bufs.up, &mut bufs.out)
-                .await
-                .map(|(stream, head)| (Carried::Stream(stream), head))
-        }
+        Err(H2Error::Http1(stream, _)) => on_pool(upstream, stream, head_request, idempotent, bufs).await,
         Ok(answer) => {
             plain.learn(http::Version::HTTP_2, upstream.name());
             Ok(answer)
@@ -515,18 +524,36 @@ async fn probe(
     }
 }
 
+/// Sends the request encoded in `bufs.req` on the HTTP/1.1 pool of an
+/// upstream whose new connection (`stream`, which carries it) just picked
+/// `http/1.1` in ALPN, and takes note that it speaks HTTP/1.1 (a request
+/// that waited meanwhile has no connection: it dials on the pool itself).
+async fn on_pool(
+    upstream: &Upstream,
+    stream: Option<Stream>,
+    head_request: bool,
+    idempotent: bool,
+    bufs: &mut Buffers,
+) -> Result<(Carried, ResponseHead), ProxyError> {
+    let plain = upstream.plain.as_ref().expect("only an upstream with a pool picks http/1.1 in ALPN");
+    plain.learn(http::Version::HTTP_11, upstream.name());
+    if let Some(stream) = stream {
+        plain.pool.put(stream);
+    }
+    let name = || upstream.name().to_string();
+    roundtrip(&plain.pool, &name, head_request, idempotent, &bufs.req, &mut bufs.up, &mut bufs.out)
+        .await
+        .map(|(stream, head)| (Carried::Stream(stream), head))
+}
+
 /// An exchange on an h2 upstream's connection that failed, as the app is told.
 fn h2_failed(upstream: &Upstream, e: H2Error) -> ProxyError {
     let upstream = upstream.name().to_string();
     match e {
         H2Error::Connect(reason) => ProxyError::UpstreamConnect { upstream, reason },
         H2Error::Stream(reason) => ProxyError::Upstream { upstream, reason },
-        H2Error::Http1(_) => ProxyError::Upstream {
-            upstream,
-            reason: "the upstream now picks http/1.1 in ALPN where it picked h2 before: \
-                     set `http2: false` on it, or restart usher"
-                .into(),
-        },
+        // An h2c upstream has no ALPN: only an `https://` one (which has a pool) answers so.
+        H2Error::Http1(..) => ProxyError::Upstream { upstream, reason: "the upstream picks http/1.1 in ALPN".into() },
     }
 }
 

@@ -355,6 +355,58 @@ fn encode_keeps_the_body_length_when_connection_names_content_length() {
     }
 }
 
+/// The request made for an h2 upstream ([`Head::request`]) carries the
+/// target under the base path and the forwarded fields as received, and,
+/// encoded for HTTP/1.1 after all ([`Head::encode_made`]), is the request
+/// [`Head::encode`] writes (field names lower-cased, as h2 has them).
+#[test]
+fn a_request_made_for_h2_is_the_encoded_one() {
+    let input = b"POST /items?id=7 HTTP/1.1\r\n\
+        Accept: */*\r\n\
+        Host: client.local\r\n\
+        Connection: X-Secret\r\n\
+        x-secret: s3cr3t\r\n\
+        Keep-Alive: timeout=5\r\n\
+        X-Request-ID: AbC\r\n\
+        Content-Length: 5\r\n\
+        \r\n\
+        hello";
+    let mut storage = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let Parsed::Ready(h) = parse(input, &mut storage, &ListenerLimits::default()) else { panic!("not Ready") };
+    let req = h.request(&Uri::from_static("https://api.example.com:8080/v2/")).expect("a request http accepts");
+    assert_eq!(
+        (req.method(), req.uri().to_string()),
+        (&Method::POST, "https://api.example.com:8080/v2/items?id=7".into())
+    );
+    let fields: Vec<(&str, &[u8])> = req.headers().iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
+    assert_eq!(
+        fields,
+        [("accept", &b"*/*"[..]), ("x-request-id", b"AbC"), ("content-length", b"5"), ("via", VIA.as_bytes())]
+    );
+    let mut made = Vec::new();
+    Head::encode_made(&req, b"api.example.com:8080", b"hello", &mut made);
+    let made = String::from_utf8(made).unwrap();
+    assert_eq!(
+        made,
+        "POST /v2/items?id=7 HTTP/1.1\r\nhost: api.example.com:8080\r\naccept: */*\r\nx-request-id: AbC\r\n\
+         content-length: 5\r\nvia: 1.1 usher\r\n\r\nhello"
+    );
+    // Field names aside, what `encode` writes.
+    let names_lowered = |s: String| -> String {
+        let (head, body) = s.split_once("\r\n\r\n").unwrap();
+        let mut lines = head.split("\r\n");
+        let first = lines.next().unwrap().to_string();
+        let fields = lines.map(|l| {
+            let (n, v) = l.split_once(':').unwrap();
+            format!("{}:{v}", n.to_ascii_lowercase())
+        });
+        let mut out = std::iter::once(first).chain(fields).collect::<Vec<_>>().join("\r\n");
+        out.push_str("\r\n\r\n");
+        out + body
+    };
+    assert_eq!(made, names_lowered(encoded(input, "/v2", "api.example.com:8080")));
+}
+
 // === RequestView and idempotence ===
 
 #[test]
