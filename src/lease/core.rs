@@ -185,6 +185,13 @@ impl KeyState {
         self.away
     }
 
+    /// Whether an early refresh carries it: a key made since the last
+    /// answer with no lease yet, or one whose demand is away from its lease.
+    /// The others wait for the refresh of every key, when it is due.
+    fn asks_early(&self) -> bool {
+        self.away || (self.mode == Mode::Pending && self.lease.is_none())
+    }
+
     /// When the key changes mode by itself (its lease expires, its hold ends).
     fn lapse(&self) -> Option<Time> {
         match self.mode {
@@ -334,6 +341,10 @@ pub struct Core {
     /// once the backoff since it began has passed, not a backoff later.
     attempt_started: Time,
     early: bool,
+    /// The call in flight is an early one and carries only the keys that
+    /// ask early ([`KeyState::asks_early`]): its answer can bring the next
+    /// refresh of every key forward, never put it back.
+    partial: bool,
     last_error: Option<String>,
     transitions: Vec<Transition>,
     refreshes: u64,
@@ -376,6 +387,7 @@ impl Core {
             attempt_started: now,
             in_flight: false,
             early: false,
+            partial: false,
             last_error: None,
             transitions: Vec::new(),
             refreshes: 0,
@@ -672,21 +684,39 @@ impl Core {
                 until: if self.keys.is_empty() { now.saturating_add(Duration::from_secs(3600)) } else { due },
             };
         }
+        // Before every key's refresh is due, only the keys that ask early
+        // are carried: a new tenant among 100,000 costs one resource on the
+        // wire and at the server, not 100,000.
+        let mut partial = now < self.next_refresh;
+        if partial {
+            match self.keys.values().filter(|k| k.asks_early()).count() {
+                0 => {
+                    self.early = false;
+                    return Action::Wait { until: self.next_refresh };
+                }
+                // Every key asks early: this is every key's refresh.
+                n if n == self.keys.len() => partial = false,
+                _ => {}
+            }
+        }
+        let carried = |k: &KeyState| !partial || k.asks_early();
         self.in_flight = true;
+        self.partial = partial;
         self.attempt_started = now;
         self.early = false;
         self.last_request = Some(now);
-        for k in self.keys.values_mut() {
+        for k in self.keys.values_mut().filter(|k| carried(k)) {
             k.asked_with = k.away.then(|| k.lease.map_or(0.0, |l| l.capacity));
             k.asked = true;
         }
-        Action::Refresh { target, request: self.request(now) }
+        Action::Refresh { target, request: self.request(now, partial) }
     }
 
-    fn request(&self, now: Time) -> proto::GetCapacityRequest {
+    fn request(&self, now: Time, partial: bool) -> proto::GetCapacityRequest {
         let resource = self
             .keys
             .iter()
+            .filter(|(_, k)| !partial || k.asks_early())
             .map(|(id, k)| proto::ResourceRequest {
                 resource_id: id.clone(),
                 priority: k.demand.priority,
@@ -861,7 +891,9 @@ impl Core {
             let margin = (exp.since(now) / 10).max(Duration::from_millis(500));
             next = next.min(exp.saturating_sub(margin));
         }
-        self.next_refresh = next.max(now.saturating_add(self.cfg.min_interval));
+        let next = next.max(now.saturating_add(self.cfg.min_interval));
+        // The keys an early call left out keep the refresh they had.
+        self.next_refresh = if self.partial { self.next_refresh.min(next) } else { next };
     }
 
     /// Everything, for status pages.

@@ -248,7 +248,7 @@ fn expiry_follows_on_expiry_per_key() {
     assert!(c.status().iter().all(|k| k.mode == Mode::Held && k.source == Source::Lease), "{:?}", c.status());
     let tr = c.take_transitions();
     assert_eq!(tr.iter().filter(|t| (t.from, t.to) == (Mode::Leased, Mode::Held)).count(), 3);
-    assert!(c.request(now).resource.iter().all(|r| r.has.as_ref().is_some_and(|h| h.capacity == 50.0)));
+    assert!(c.request(now, false).resource.iter().all(|r| r.has.as_ref().is_some_and(|h| h.capacity == 50.0)));
     // The hold ends 30 s after the expiry: on_expiry applies.
     w.advance(Duration::from_secs(27));
     w.step(&mut c);
@@ -259,7 +259,7 @@ fn expiry_follows_on_expiry_per_key() {
     assert_eq!(cap(&mut c, now, "opt"), Capacity::Limited(50.0));
     assert_eq!(cap(&mut c, now, "pes"), Capacity::Limited(0.0));
     assert_eq!(cap(&mut c, now, "safe"), Capacity::Limited(4.0), "the server's safe capacity beats the configured 2");
-    assert!(c.request(now).resource.iter().all(|r| r.has.is_none()), "an expired lease is not reported");
+    assert!(c.request(now, false).resource.iter().all(|r| r.has.is_none()), "an expired lease is not reported");
     let tr = c.take_transitions();
     assert_eq!(tr.iter().filter(|t| (t.from, t.to) == (Mode::Held, Mode::Expired)).count(), 3);
     // The server comes back: leases return.
@@ -664,4 +664,65 @@ fn a_new_key_falls_to_on_expiry_only_once_a_request_for_it_was_answered() {
     // `force_pending`: the start-up wait is over while the first call hangs.
     c.set_demand(vec![demand("c", 5.0, OnExpiry::Pessimistic)]);
     assert_eq!(c.take_changes(w.clock.now(), &[], true), limited(&[("c", 0.0)]));
+}
+
+/// An early refresh carries only the keys that ask early (a new key, a key
+/// whose demand moved); the regular refresh carries every key, when it is
+/// due: an early answer never puts it back.
+#[test]
+fn an_early_refresh_carries_only_the_keys_that_ask_early() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    let keys = |n: usize| (0..n).map(|i| demand(&format!("k{i}"), 5.0, OnExpiry::Safe)).collect::<Vec<_>>();
+    // Resources the server has known for a refresh interval: their leases
+    // carry the interval of 12 s, not the second of new ones.
+    let mut warm = w.core("warm-up", &["s1"]);
+    warm.set_demand(keys(51));
+    w.step(&mut warm);
+    w.advance(Duration::from_secs(12));
+    c.set_demand(keys(50));
+    w.step(&mut c);
+    let first = c.lease_of("k0").unwrap();
+    assert_eq!(first.refresh_interval, Duration::from_secs(12));
+    let carried = |a: &Action| match a {
+        Action::Refresh { request, .. } => request.resource.iter().map(|r| r.resource_id.clone()).collect::<Vec<_>>(),
+        other => panic!("expected a refresh, got {other:?}"),
+    };
+    // A new key, after the minimum interval: asked for alone.
+    w.advance(Duration::from_secs(2));
+    c.set_demand(keys(51));
+    let a = c.next_action(w.clock.now());
+    assert_eq!(carried(&a), ["k50"]);
+    let Action::Refresh { target, request } = a else { unreachable!() };
+    let answer = w.rt.block_on(w.net.get_capacity(&target, request));
+    c.on_refresh(w.clock.now(), answer);
+    assert_eq!(c.lease_of("k50").map(|l| l.capacity), Some(5.0));
+    // A key whose demand moved asks early, alone too.
+    w.advance(Duration::from_secs(2));
+    let mut moved = keys(51);
+    moved[7].wants = 1.0;
+    c.set_demand(moved.clone());
+    let a = c.next_action(w.clock.now());
+    assert_eq!(carried(&a), ["k7"]);
+    let Action::Refresh { target, request } = a else { unreachable!() };
+    let answer = w.rt.block_on(w.net.get_capacity(&target, request));
+    c.on_refresh(w.clock.now(), answer);
+    assert_eq!(c.lease_of("k7").map(|l| l.capacity), Some(1.0));
+    // The regular refresh, due by the first lease's refresh interval (not
+    // pushed back by the early answers), carries every key.
+    let until = w.clock.now().saturating_add(Duration::from_secs(13));
+    while w.clock.now() < until {
+        w.advance(Duration::from_millis(500));
+        c.set_demand(moved.clone());
+        match c.next_action(w.clock.now()) {
+            Action::Wait { .. } => {}
+            a @ Action::Refresh { .. } => {
+                assert_eq!(carried(&a).len(), 51, "every key");
+                assert!(w.clock.now() < first.expiry, "every key refreshed before its lease ran out");
+                return;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    panic!("no refresh of every key within the refresh interval");
 }
