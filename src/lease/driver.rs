@@ -374,32 +374,54 @@ async fn run(
 ) {
     let (clock, enforcer) = (client.clock.clone(), client.enforcer.clone());
     let activity = enforcer.activity();
+    // When demand was last read (the runtime's time), and the poll that
+    // reading set (from what it cost in real time, not the lease clock's:
+    // what the work costs the process).
+    let mut last_read: Option<(tokio::time::Instant, Duration)> = None;
+    // Woken by activity or `LeaseClient::wake`: demand is read at once.
+    let mut woken = true;
     loop {
-        // Real time spent, not the lease clock's: what the work costs the process.
-        let started = std::time::Instant::now();
-        let update = enforcer.demand_update();
-        let action = {
-            let mut core = client.core.lock().expect("lease core poisoned");
-            core.update_demand(update);
-            core.next_action(clock.now())
+        // Demand is read once a poll (and at once when woken), not after
+        // every call: with many keys a read is the costly part, and new keys
+        // with a short minimum interval (the embedded server's 100 ms) would
+        // otherwise have it read after every early refresh.
+        let read = woken || last_read.is_none_or(|(at, poll)| at.elapsed() >= poll);
+        let action = if read {
+            let started = std::time::Instant::now();
+            let update = enforcer.demand_update();
+            let action = {
+                let mut core = client.core.lock().expect("lease core poisoned");
+                core.update_demand(update);
+                core.next_action(clock.now())
+            };
+            enforce(&client);
+            let poll = DEMAND_POLL.max(started.elapsed() * BOOKKEEPING_SHARE);
+            last_read = Some((tokio::time::Instant::now(), poll));
+            action
+        } else {
+            let action = client.core.lock().expect("lease core poisoned").next_action(clock.now());
+            enforce(&client);
+            action
         };
-        enforce(&client);
-        let poll = DEMAND_POLL.max(started.elapsed() * BOOKKEEPING_SHARE);
+        woken = false;
+        let (read_at, poll) = last_read.expect("demand is read at the first turn");
+        // Until the next read is due.
+        let poll_left = poll.saturating_sub(read_at.elapsed());
         match action {
             Action::Wait { until } => {
                 let quiet = enforcer.quiet();
                 let now = clock.now();
                 let d = until.since(now).min(match quiet {
-                    true => QUIET_POLL.min(enforcer.due().map_or(Duration::MAX, |t| t.since(now))).max(poll),
-                    false => poll,
+                    true => QUIET_POLL.min(enforcer.due().map_or(Duration::MAX, |t| t.since(now))).max(poll_left),
+                    false => poll_left,
                 });
 
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
-                    _ = client.wake.notified() => {}
+                    _ = client.wake.notified() => woken = true,
                     _ = tokio::time::sleep(d) => {}
                     // A busy enforcer's nudges are not listened to: its demand is read every poll anyway.
-                    _ = nudged(activity.as_deref()), if quiet => {}
+                    _ = nudged(activity.as_deref()), if quiet => woken = true,
                 }
             }
             Action::Discover { target } => {

@@ -96,7 +96,8 @@ pub struct TableEnforcer {
 }
 
 /// A resource's lease settings, kind and configured capacity (units per second, or in flight).
-type Settings<'a> = (&'a LeaseSettings, ResourceKind, f64);
+/// A resource's lease settings, kind, capacity, and whether its id is fixed.
+type Settings<'a> = (&'a LeaseSettings, ResourceKind, f64, bool);
 
 impl TableEnforcer {
     fn config(&self) -> Arc<RoutesConfig> {
@@ -109,7 +110,7 @@ impl TableEnforcer {
                 ResourceKind::Rate => r.capacity.per_second(),
                 ResourceKind::Gauge => r.capacity.per_window,
             };
-            (&r.lease, r.kind, cap)
+            (&r.lease, r.kind, cap, r.id.is_fixed())
         })
     }
 
@@ -204,13 +205,12 @@ impl TableEnforcer {
     /// together, and their memory), and the lease client then releases its lease.
     fn idle_at(
         m: &mut KeyMemory,
-        cfg: &RoutesConfig,
-        resource: &str,
+        fixed: bool,
         l: &crate::limit::Limiter,
         s: &LeaseSettings,
         now: Time,
     ) -> Option<Time> {
-        if cfg.resources.get(resource).is_some_and(|r| r.id.is_fixed()) {
+        if fixed {
             return None;
         }
         let arrivals = l.demand().arrivals();
@@ -297,13 +297,13 @@ impl TableEnforcer {
                     settings
                 }
             };
-            let Some((settings, kind, capacity)) = settings else { return };
+            let Some((settings, kind, capacity, fixed)) = settings else { return };
             // Looked up before it is inserted: no new id string per key and read.
             if !mem.contains_key(l.id()) {
                 mem.insert(l.id().to_string(), KeyMemory::default());
             }
             let m = mem.get_mut(l.id()).expect("inserted above");
-            match Self::idle_at(m, &cfg, resource, l, settings, now) {
+            match Self::idle_at(m, fixed, l, settings, now) {
                 Some(at) if at <= now => {
                     mem.remove(l.id());
                     tracing::info!(resource, id = %l.id(), idle = ?settings.key_idle_timeout, "forgot an idle key; releasing its lease");

@@ -336,6 +336,53 @@ async fn costly_demand_is_read_less_often() {
     task.await.unwrap();
 }
 
+/// Keys that keep arriving (one more at every read), each read taking 20 ms.
+struct Arriving {
+    reads: std::sync::atomic::AtomicUsize,
+}
+
+impl Enforcer for Arriving {
+    fn demand(&self) -> Vec<KeyDemand> {
+        let n = self.reads.fetch_add(1, Ordering::SeqCst) + 1;
+        std::thread::sleep(Duration::from_millis(20));
+        (0..n)
+            .map(|i| KeyDemand {
+                resource_id: format!("k{i}"),
+                priority: 0,
+                wants: 1.0,
+                on_expiry: OnExpiry::Safe,
+                safe_capacity: None,
+                pressure: false,
+            })
+            .collect()
+    }
+    fn apply(&self, _: &[(String, Capacity)]) {}
+}
+
+/// While keys keep arriving with a short minimum interval (the embedded
+/// server's 100 ms), each early refresh is not followed by a read of every
+/// key: demand is still read once a poll (here 400 ms, for 20 ms reads).
+#[tokio::test(start_paused = true)]
+async fn demand_is_read_once_a_poll_while_keys_arrive_and_refresh_early() {
+    let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
+    let mut cfg = CoreConfig::new("c", vec!["s1".into()]);
+    cfg.min_interval = Duration::from_millis(100);
+    let enforcer = Arc::new(Arriving { reads: Default::default() });
+    let shutdown = CancellationToken::new();
+    let (client, task) =
+        LeaseClient::start(cfg, clock.clone(), Arc::new(Steady(clock)), enforcer.clone(), None, shutdown.clone());
+    eventually("leased", || client.status().keys.iter().any(|k| k.mode == Mode::Leased)).await;
+    let before = (enforcer.reads.load(Ordering::SeqCst), client.status().keys.len());
+    pass(&time, Duration::from_secs(4)).await;
+    let reads = enforcer.reads.load(Ordering::SeqCst) - before.0;
+    assert!((3..=11).contains(&reads), "{reads} reads in 4 s of 20 ms each");
+    // The keys read are still asked for: every one has a lease.
+    eventually("every key leased", || client.status().keys.iter().all(|k| k.mode == Mode::Leased)).await;
+    assert!(client.status().keys.len() > before.1);
+    shutdown.cancel();
+    task.await.unwrap();
+}
+
 /// Demand that takes 300 ms to read, every time (thousands of keys).
 struct Slow;
 
