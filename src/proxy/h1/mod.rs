@@ -608,26 +608,31 @@ where
 /// Runs `fut` while reading whatever the client sends meanwhile into `buf`
 /// (a pipelined request), up to `room` bytes. The client's EOF, or a read
 /// error, cancels `fut` (returns `None`): a client that gives up frees its
-/// place in the queue at once.
+/// place in the queue at once. `fut` is polled first, and the client read
+/// only while `fut` waits: a `fut` that is ready at once costs no read.
 async fn watching<I, F>(io: &mut I, buf: &mut BytesMut, room: usize, mut fut: Pin<&mut F>) -> Option<F::Output>
 where
     I: AsyncRead + Unpin,
     F: Future,
 {
-    loop {
-        if buf.len() >= room {
-            return Some(fut.await);
+    std::future::poll_fn(|cx| {
+        loop {
+            if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+                return Poll::Ready(Some(out));
+            }
+            // Full: what else comes waits unread (the client's EOF too) until `fut` is done.
+            if buf.len() >= room {
+                return Poll::Pending;
+            }
+            buf.reserve(READ_CHUNK);
+            match std::pin::pin!(io.read_buf(buf)).poll(cx) {
+                Poll::Ready(Ok(0) | Err(_)) => return Poll::Ready(None),
+                Poll::Ready(Ok(_)) => {}
+                Poll::Pending => return Poll::Pending,
+            }
         }
-        buf.reserve(READ_CHUNK);
-        tokio::select! {
-            biased;
-            out = &mut fut => return Some(out),
-            r = io.read_buf(buf) => match r {
-                Ok(0) | Err(_) => return None,
-                Ok(_) => {}
-            },
-        }
-    }
+    })
+    .await
 }
 
 /// Sends `req` to the upstream and reads its final response head, whose
