@@ -155,6 +155,19 @@ fn waiters(p: &Proxy, resource: &str) -> i64 {
 
 // === HTTP/1.1 messages, parsed strictly ===
 
+/// Reads from `s` until a request head is in (`None`: it closed or failed first): the bytes read.
+async fn read_head(s: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while find(&got, b"\r\n\r\n").is_none() {
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => got.extend_from_slice(&chunk[..n]),
+        }
+    }
+    Some(got)
+}
+
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
@@ -1646,13 +1659,8 @@ async fn a_close_delimited_body_is_relayed_as_it_trickles() {
         while let Ok((mut s, _)) = listener.accept().await {
             let go = go_rx.clone();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 1024];
-                while find(&buf, b"\r\n\r\n").is_none() {
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
+                if read_head(&mut s).await.is_none() {
+                    return;
                 }
                 let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: one\n\n").await;
                 // Bounded: the test releases it, or it gives up after PATIENCE.
@@ -2447,14 +2455,10 @@ async fn idle_body_http1() -> (SocketAddr, Ended) {
         while let Ok((mut stream, _)) = listener.accept().await {
             let noted = noted.clone();
             tokio::spawn(async move {
-                let mut got = Vec::new();
-                let mut chunk = [0u8; 4096];
-                while find(&got, b"\r\n\r\n").is_none() {
-                    match stream.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => got.extend_from_slice(&chunk[..n]),
-                    }
+                if read_head(&mut stream).await.is_none() {
+                    return;
                 }
+                let mut chunk = [0u8; 4096];
                 let event = format!("{FIRST_EVENT}\n\n");
                 let head = format!(
                     "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
