@@ -18,6 +18,10 @@
 //!   serving everything without a hand-off.
 //! - A gauge slot is free once an answer's last bytes went out, on both
 //!   engines and every response framing.
+//! - A client that leaves while its answer's body is idle (a stream of
+//!   events) frees its slot at once and ends the upstream's connection or
+//!   h2 stream: the real binary, on both engines, for HTTP/1.1, h2c and h2
+//!   over TLS upstreams.
 //!
 //! Which engine served a request is visible on the wire: the native path
 //! forwards header names as it received them (`X-Served-By-Case`), hyper
@@ -150,6 +154,19 @@ fn waiters(p: &Proxy, resource: &str) -> i64 {
 }
 
 // === HTTP/1.1 messages, parsed strictly ===
+
+/// Reads from `s` until a request head is in (`None`: it closed or failed first): the bytes read.
+async fn read_head(s: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while find(&got, b"\r\n\r\n").is_none() {
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => got.extend_from_slice(&chunk[..n]),
+        }
+    }
+    Some(got)
+}
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
@@ -1642,13 +1659,8 @@ async fn a_close_delimited_body_is_relayed_as_it_trickles() {
         while let Ok((mut s, _)) = listener.accept().await {
             let go = go_rx.clone();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 1024];
-                while find(&buf, b"\r\n\r\n").is_none() {
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
+                if read_head(&mut s).await.is_none() {
+                    return;
                 }
                 let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: one\n\n").await;
                 // Bounded: the test releases it, or it gives up after PATIENCE.
@@ -2419,4 +2431,181 @@ async fn the_binary_s_http1_flag_and_env_choose_the_engine() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("invalid value 'fast' for '--http1 <HTTP1>'"), "{err}");
     assert!(err.contains("[possible values: native, hyper]"), "{err}");
+}
+
+// === a client leaving while the answer's body is idle ===
+
+/// What an upstream whose answers never end saw: one entry per answer the
+/// sidecar gave up on, as the upstream learned it (`closed` for an
+/// HTTP/1.1 connection, the `RST_STREAM` reason for an h2 stream).
+type Ended = Arc<Mutex<Vec<String>>>;
+
+/// The first event of every never-ending answer.
+const FIRST_EVENT: &str = "data: first";
+
+/// An HTTP/1.1 upstream on 127.0.0.1:0 that answers every request with a
+/// chunked stream of events that sends its first and then nothing more,
+/// noting when the sidecar closes the connection.
+async fn idle_body_http1() -> (SocketAddr, Ended) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ended = Ended::default();
+    let noted = ended.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let noted = noted.clone();
+            tokio::spawn(async move {
+                if read_head(&mut stream).await.is_none() {
+                    return;
+                }
+                let mut chunk = [0u8; 4096];
+                let event = format!("{FIRST_EVENT}\n\n");
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
+                    event.len()
+                );
+                stream.write_all(head.as_bytes()).await.unwrap();
+                // Until the sidecar closes the connection (no request comes while the answer lasts).
+                while let Ok(n) = stream.read(&mut chunk).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+                noted.lock().unwrap().push("closed".to_string());
+            });
+        }
+    });
+    (addr, ended)
+}
+
+/// An h2 upstream on 127.0.0.1:0 (h2c, or TLS with `tls`) that answers every
+/// request with a stream of events that sends its first and then nothing
+/// more, noting how the sidecar ends each stream.
+async fn idle_body_h2(tls: Option<tokio_rustls::TlsAcceptor>) -> (SocketAddr, Ended) {
+    async fn serve<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(io: T, noted: Ended) {
+        let Ok(mut conn) = h2::server::handshake(io).await else { return };
+        while let Some(Ok((_req, mut respond))) = conn.accept().await {
+            let noted = noted.clone();
+            tokio::spawn(async move {
+                let head = http::Response::builder().header("content-type", "text/event-stream").body(()).unwrap();
+                let mut body = respond.send_response(head, false).unwrap();
+                body.send_data(bytes::Bytes::from(format!("{FIRST_EVENT}\n\n")), false).unwrap();
+                let how = match std::future::poll_fn(|cx| body.poll_reset(cx)).await {
+                    Ok(reason) => format!("{reason:?}"),
+                    Err(e) => format!("error: {e}"),
+                };
+                noted.lock().unwrap().push(how);
+            });
+        }
+        // The connection closed: streams still open end with it.
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ended = Ended::default();
+    let noted = ended.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (noted, tls) = (noted.clone(), tls.clone());
+            tokio::spawn(async move {
+                match tls {
+                    None => serve(stream, noted).await,
+                    Some(acceptor) => {
+                        if let Ok(stream) = acceptor.accept(stream).await {
+                            serve(stream, noted).await;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, ended)
+}
+
+/// The sidecar's `usher_proxy_in_flight` for `route` (0 when absent), from its admin listener.
+async fn in_flight(admin: SocketAddr, route: &'static str) -> f64 {
+    let (code, text) = tokio::task::spawn_blocking(move || support::http_get(admin, "/metrics")).await.unwrap();
+    assert_eq!(code, 200);
+    support::metric(&text, "usher_proxy_in_flight", &[("route", route)]).unwrap_or(0.0)
+}
+
+/// An app asks for a stream of events (server-sent events, a long poll)
+/// and closes its connection while the answer's body is idle: the real
+/// `usher proxy` notices within a couple of seconds, not at the next
+/// event, whatever the upstream speaks (HTTP/1.1, h2c, h2 over TLS): the
+/// route's in-flight count and its gauge slot (capacity 1, no waiting) are
+/// free again, and the upstream saw its connection closed (HTTP/1.1) or
+/// its stream reset with `CANCEL` (h2, whose connection stays and serves
+/// the next request). The same on both engines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_during_an_idle_body_frees_its_slot_and_the_upstream() {
+    let pki = support::upstream::TestPki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = support::write_file(dir.path(), "ca.pem", &pki.ca_pem);
+    let (h1, h1_ended) = idle_body_http1().await;
+    let (h2c, h2c_ended) = idle_body_h2(None).await;
+    let (tls, tls_ended) = idle_body_h2(Some(pki.acceptor(&[b"h2"]))).await;
+    let yaml = format!(
+        "upstreams:\n  a: {{ url: \"http://{h1}\" }}\n  c: {{ url: \"http://{h2c}\", h2c: true }}\n  \
+           t: {{ url: \"https://localhost:{}\", ca_file: \"{}\" }}\n\
+         resources:\n  ga: {{ kind: gauge, capacity: 1, max_wait: 0s }}\n  \
+           gc: {{ kind: gauge, capacity: 1, max_wait: 0s }}\n  gt: {{ kind: gauge, capacity: 1, max_wait: 0s }}\n\
+         routes:\n  - {{ name: a, match: {{ host: a.test }}, upstream: a, resources: [ga] }}\n  \
+           - {{ name: c, match: {{ host: c.test }}, upstream: c, resources: [gc] }}\n  \
+           - {{ name: t, match: {{ host: t.test }}, upstream: t, resources: [gt] }}\n",
+        tls.port(),
+        ca.display()
+    );
+    let routes = support::write_file(dir.path(), "routes.yaml", &yaml);
+    let routes = routes.to_str().unwrap();
+    let base = ["proxy", "--routes", routes, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
+    let mut missed = Vec::new();
+    for (engine, flags) in [("native", &[][..]), ("hyper", &["--http1", "hyper"][..])] {
+        let args: Vec<&str> = base.iter().chain(flags).copied().collect();
+        let u = support::Usher::start(&args, &[], "usher proxy listening");
+        let (listen, admin) = (u.addr("listen"), u.addr("admin"));
+        for (route, ended, gone) in
+            [("a", &h1_ended, "closed"), ("c", &h2c_ended, "CANCEL"), ("t", &tls_ended, "CANCEL")]
+        {
+            ended.lock().unwrap().clear();
+            let what = format!("{engine}, route {route}");
+            // Twice: the slot the first left must take the second at once (an h2 upstream's on the same connection).
+            for round in 1..=2 {
+                let mut app = Client::connect(listen).await;
+                app.send(format!("GET /events HTTP/1.1\r\nHost: {route}.test\r\n\r\n")).await;
+                let mut got = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while find(&got, FIRST_EVENT.as_bytes()).is_none() {
+                    match tokio::time::timeout(PATIENCE, app.stream.read(&mut chunk)).await {
+                        Ok(Ok(n)) if n > 0 => got.extend_from_slice(&chunk[..n]),
+                        r => panic!("{what}: no first event ({r:?}); got {:?}", shown(&got)),
+                    }
+                }
+                assert!(got.starts_with(b"HTTP/1.1 200 "), "{what}: {:?}", shown(&got));
+                assert_eq!(in_flight(admin, route).await, 1.0, "{what}");
+
+                drop(app);
+                let left = std::time::Instant::now();
+                // Bounded: a couple of seconds, then it counts as missed.
+                let noticed = loop {
+                    let seen = ended.lock().unwrap().clone();
+                    let count = in_flight(admin, route).await;
+                    if count == 0.0 && seen.len() == round {
+                        assert_eq!(seen, vec![gone; round], "{what}");
+                        break true;
+                    }
+                    if left.elapsed() > Duration::from_secs(2) {
+                        missed.push(format!(
+                            "{what}: 2 s after the app left, in flight {count}, the upstream saw {seen:?}"
+                        ));
+                        break false;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                };
+                if !noticed {
+                    break;
+                }
+            }
+        }
+    }
+    assert!(missed.is_empty(), "the app's leaving went unnoticed:\n{}", missed.join("\n"));
 }

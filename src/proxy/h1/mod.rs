@@ -27,7 +27,10 @@
 //! metrics, access log, pushback, error responses, header and body limits,
 //! header timeout (an idle keep-alive connection is closed after it),
 //! `connection: close` while draining, and a client's EOF cancelling its
-//! request while it waits for capacity or for the upstream.
+//! request while it waits for capacity or for the upstream, or while its
+//! answer's body is idle (a stream of events between two events: the
+//! upstream's connection is closed, or its h2 stream reset, and the
+//! request's permits are freed at once, not when the next event comes).
 
 mod fields;
 mod head;
@@ -263,7 +266,10 @@ where
             Reply::Made(resp) => {
                 write_generated(server, &mut io, resp, framing.close, framing.head_request, &mut bufs.out).await?
             }
-            Reply::Upstream { answer, held } => answered(server, &mut io, &mut bufs, answer, held, framing).await?,
+            Reply::Upstream { answer, held } => {
+                let mut app = App { io: &mut io, buf: &mut buf, room };
+                answered(server, &mut app, &mut bufs, answer, held, framing).await?
+            }
         };
         if !open {
             break;
@@ -561,7 +567,7 @@ fn h2_failed(upstream: &Upstream, e: H2Error) -> ProxyError {
 /// the connection stays open for another request.
 async fn answered<I>(
     server: &impl Connection,
-    io: &mut I,
+    app: &mut App<'_, I>,
     bufs: &mut Buffers,
     answer: Answer,
     held: pipeline::Held,
@@ -578,8 +584,8 @@ where
     bufs.out.extend_from_slice(b"\r\n");
     let mut held = Some(held);
     let relayed = match body {
-        Carried::Stream(stream) => relay(&head, stream, &mut bufs.up, io, &mut bufs.out, &mut held).await,
-        Carried::Shared(body) => relay_frames(head.framing, body, io, &mut bufs.out, &mut held).await.map(|()| None),
+        Carried::Stream(stream) => relay(&head, stream, &mut bufs.up, app, &mut bufs.out, &mut held).await,
+        Carried::Shared(body) => relay_frames(head.framing, body, app, &mut bufs.out, &mut held).await.map(|()| None),
     };
     let open = match relayed {
         Ok(Some(stream)) if head.reusable => {
@@ -608,25 +614,54 @@ where
 /// Runs `fut` while reading whatever the client sends meanwhile into `buf`
 /// (a pipelined request), up to `room` bytes. The client's EOF, or a read
 /// error, cancels `fut` (returns `None`): a client that gives up frees its
-/// place in the queue at once.
+/// place in the queue at once. `fut` is polled first, and the client read
+/// only while `fut` waits: a `fut` that is ready at once costs no read.
 async fn watching<I, F>(io: &mut I, buf: &mut BytesMut, room: usize, mut fut: Pin<&mut F>) -> Option<F::Output>
 where
     I: AsyncRead + Unpin,
     F: Future,
 {
-    loop {
-        if buf.len() >= room {
-            return Some(fut.await);
+    std::future::poll_fn(|cx| {
+        loop {
+            if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+                return Poll::Ready(Some(out));
+            }
+            // Full: what else comes waits unread (the client's EOF too) until `fut` is done.
+            if buf.len() >= room {
+                return Poll::Pending;
+            }
+            buf.reserve(READ_CHUNK);
+            match std::pin::pin!(io.read_buf(buf)).poll(cx) {
+                Poll::Ready(Ok(0) | Err(_)) => return Poll::Ready(None),
+                Poll::Ready(Ok(_)) => {}
+                Poll::Pending => return Poll::Pending,
+            }
         }
-        buf.reserve(READ_CHUNK);
-        tokio::select! {
-            biased;
-            out = &mut fut => return Some(out),
-            r = io.read_buf(buf) => match r {
-                Ok(0) | Err(_) => return None,
-                Ok(_) => {}
-            },
-        }
+    })
+    .await
+}
+
+/// The client's connection while an answer's body goes out to it: written
+/// to, and read (see [`watching`]) while the body is idle, so that a client
+/// that leaves between two events of a stream ends the exchange then, not
+/// when the next event comes.
+struct App<'a, I> {
+    io: &'a mut I,
+    /// The client's buffer: what it sends meanwhile (a pipelined request) is kept there.
+    buf: &'a mut BytesMut,
+    room: usize,
+}
+
+impl<I: AsyncRead + Unpin> App<'_, I> {
+    /// Waits for `body` (the body's next bytes), unless the client leaves first.
+    async fn wait<F: Future>(&mut self, body: F) -> Result<F::Output, BodyError> {
+        let body = std::pin::pin!(body);
+        watching(self.io, self.buf, self.room, body).await.ok_or_else(|| {
+            BodyError::Client(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "the client closed its connection while the body was idle",
+            ))
+        })
     }
 }
 
@@ -714,18 +749,18 @@ async fn relay<I>(
     head: &ResponseHead,
     mut stream: Stream,
     up: &mut BytesMut,
-    io: &mut I,
+    app: &mut App<'_, I>,
     out: &mut Vec<u8>,
     held: &mut Option<pipeline::Held>,
 ) -> Result<Option<Stream>, BodyError>
 where
-    I: AsyncWrite + Unpin,
+    I: AsyncRead + AsyncWrite + Unpin,
 {
     let cut = |what: &str| BodyError::Upstream(format!("the upstream closed the connection {what}"));
     match head.framing {
         Framing::Empty => {
             *held = None;
-            send(io, out).await?
+            send(app.io, out).await?
         }
         Framing::Length(n) => {
             let first = up.len().min(usize::try_from(n).unwrap_or(usize::MAX));
@@ -735,11 +770,11 @@ where
             if left == 0 {
                 *held = None;
             }
-            send(io, out).await?;
+            send(app.io, out).await?;
             while left > 0 {
                 up.clear();
                 up.reserve(READ_CHUNK);
-                match stream.read_buf(up).await {
+                match app.wait(stream.read_buf(up)).await? {
                     Ok(0) => return Err(cut(&format!("{left} bytes before the end of the body"))),
                     Ok(_) => {}
                     Err(e) => return Err(BodyError::Upstream(e.to_string())),
@@ -749,7 +784,7 @@ where
                 if left == 0 {
                     *held = None;
                 }
-                io.write_all(&up[..take]).await.map_err(BodyError::Client)?;
+                app.io.write_all(&up[..take]).await.map_err(BodyError::Client)?;
                 up.advance(take);
             }
         }
@@ -762,8 +797,8 @@ where
                         // The head and what decoded before the fault still go
                         // out, so the client always sees the same cut answer,
                         // however the upstream's bytes were split into reads.
-                        send(io, out).await?;
-                        io.flush().await.map_err(BodyError::Client)?;
+                        send(app.io, out).await?;
+                        app.io.flush().await.map_err(BodyError::Client)?;
                         return Err(BodyError::Upstream(e.to_string()));
                     }
                 };
@@ -772,13 +807,13 @@ where
                 if done {
                     *held = None;
                 }
-                send(io, out).await?;
+                send(app.io, out).await?;
                 if done {
                     break;
                 }
                 up.clear();
                 up.reserve(READ_CHUNK);
-                match stream.read_buf(up).await {
+                match app.wait(stream.read_buf(up)).await? {
                     Ok(0) => return Err(cut("in the middle of a chunked body")),
                     Ok(_) => {}
                     Err(e) => return Err(BodyError::Upstream(e.to_string())),
@@ -789,20 +824,20 @@ where
             // What has come goes out before the next read: a body that
             // trickles (a stream of events) is not held back by the wait.
             response::push_chunk(out, up);
-            send(io, out).await?;
+            send(app.io, out).await?;
             up.clear();
             up.reserve(READ_CHUNK);
-            let n = stream.read_buf(up).await.map_err(|e| BodyError::Upstream(e.to_string()))?;
+            let n = app.wait(stream.read_buf(up)).await?.map_err(|e| BodyError::Upstream(e.to_string()))?;
             if n == 0 {
                 *held = None;
                 out.extend_from_slice(b"0\r\n\r\n");
-                send(io, out).await?;
-                io.flush().await.map_err(BodyError::Client)?;
+                send(app.io, out).await?;
+                app.io.flush().await.map_err(BodyError::Client)?;
                 return Ok(None);
             }
         },
     }
-    io.flush().await.map_err(BodyError::Client)?;
+    app.io.flush().await.map_err(BodyError::Client)?;
     // Bytes after the body are a broken upstream: its connection is not reused.
     Ok(up.is_empty().then_some(stream))
 }
@@ -814,17 +849,17 @@ where
 async fn relay_frames<I>(
     framing: Framing,
     mut body: h2::RecvStream,
-    io: &mut I,
+    app: &mut App<'_, I>,
     out: &mut Vec<u8>,
     held: &mut Option<pipeline::Held>,
 ) -> Result<(), BodyError>
 where
-    I: AsyncWrite + Unpin,
+    I: AsyncRead + AsyncWrite + Unpin,
 {
     let chunked = framing == Framing::Chunked;
     if framing != Framing::Empty {
         while !body.is_end_stream() {
-            match body.data().await {
+            match app.wait(body.data()).await? {
                 None => break,
                 Some(Ok(data)) => {
                     if chunked {
@@ -833,15 +868,15 @@ where
                         out.extend_from_slice(&data);
                     }
                     if !body.is_end_stream() {
-                        send(io, out).await?;
+                        send(app.io, out).await?;
                     }
                     // Written: the upstream may send as much again (a slow app slows it down).
                     let _ = body.flow_control().release_capacity(data.len());
                 }
                 Some(Err(e)) => {
                     // What came before the fault still goes out, head first.
-                    send(io, out).await?;
-                    io.flush().await.map_err(BodyError::Client)?;
+                    send(app.io, out).await?;
+                    app.io.flush().await.map_err(BodyError::Client)?;
                     return Err(BodyError::Upstream(crate::error::error_chain(&e)));
                 }
             }
@@ -851,8 +886,8 @@ where
         }
     }
     *held = None;
-    send(io, out).await?;
-    io.flush().await.map_err(BodyError::Client)
+    send(app.io, out).await?;
+    app.io.flush().await.map_err(BodyError::Client)
 }
 
 /// Writes and empties `out`.
