@@ -345,16 +345,7 @@ impl Enforcer for Arriving {
     fn demand(&self) -> Vec<KeyDemand> {
         let n = self.reads.fetch_add(1, Ordering::SeqCst) + 1;
         std::thread::sleep(Duration::from_millis(20));
-        (0..n)
-            .map(|i| KeyDemand {
-                resource_id: format!("k{i}"),
-                priority: 0,
-                wants: 1.0,
-                on_expiry: OnExpiry::Safe,
-                safe_capacity: None,
-                pressure: false,
-            })
-            .collect()
+        Many(n).demand()
     }
     fn apply(&self, _: &[(String, Capacity)]) {}
 }
