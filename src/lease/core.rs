@@ -526,7 +526,9 @@ impl Core {
                             early_wait: self.cfg.min_interval,
                             asked_with: None,
                             asked: false,
-                            settled: false,
+                            // While the servers fail, a new key follows its
+                            // `on_expiry` at once, as every other key does.
+                            settled: self.last_error.is_some(),
                         }),
                     );
                 }
@@ -686,8 +688,12 @@ impl Core {
         }
         // Before every key's refresh is due, only the keys that ask early
         // are carried: a new tenant among 100,000 costs one resource on the
-        // wire and at the server, not 100,000.
-        let mut partial = now < self.next_refresh;
+        // wire and at the server, not 100,000. Not when every key's refresh
+        // is due within the minimum interval anyway (it would follow at
+        // once, and the server would call the keys carried twice too
+        // early), nor after a failed call (keys that lost their lease get
+        // it back with the first call that succeeds).
+        let mut partial = now.saturating_add(self.cfg.min_interval) < self.next_refresh && self.last_error.is_none();
         if partial {
             match self.keys.values().filter(|k| k.asks_early()).count() {
                 0 => {

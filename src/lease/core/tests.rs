@@ -661,9 +661,14 @@ fn a_new_key_falls_to_on_expiry_only_once_a_request_for_it_was_answered() {
     let Action::Refresh { target, .. } = c.next_action(w.clock.now()) else { panic!("b asks at once") };
     c.on_refresh(w.clock.now(), Err(CallError::Transient(format!("{target}: refused"))));
     assert_eq!(c.take_changes(w.clock.now(), &[], false), limited(&[("b", 0.0)]), "settled by the failure");
-    // `force_pending`: the start-up wait is over while the first call hangs.
+    // A key made while the servers fail follows its on_expiry at once.
     c.set_demand(vec![demand("c", 5.0, OnExpiry::Pessimistic)]);
-    assert_eq!(c.take_changes(w.clock.now(), &[], true), limited(&[("c", 0.0)]));
+    assert_eq!(c.take_changes(w.clock.now(), &[], false), limited(&[("c", 0.0)]), "made during an outage");
+    // `force_pending`: the start-up wait is over while the first call hangs.
+    let mut fresh = w.core("f", &["s1"]);
+    fresh.set_demand(vec![demand("d", 5.0, OnExpiry::Pessimistic)]);
+    assert_eq!(fresh.take_changes(w.clock.now(), &[], false), vec![]);
+    assert_eq!(fresh.take_changes(w.clock.now(), &[], true), limited(&[("d", 0.0)]));
 }
 
 /// An early refresh carries only the keys that ask early (a new key, a key
@@ -684,6 +689,7 @@ fn an_early_refresh_carries_only_the_keys_that_ask_early() {
     w.step(&mut c);
     let first = c.lease_of("k0").unwrap();
     assert_eq!(first.refresh_interval, Duration::from_secs(12));
+    let regular = c.next_refresh();
     let carried = |a: &Action| match a {
         Action::Refresh { request, .. } => request.resource.iter().map(|r| r.resource_id.clone()).collect::<Vec<_>>(),
         other => panic!("expected a refresh, got {other:?}"),
@@ -697,6 +703,7 @@ fn an_early_refresh_carries_only_the_keys_that_ask_early() {
     let answer = w.rt.block_on(w.net.get_capacity(&target, request));
     c.on_refresh(w.clock.now(), answer);
     assert_eq!(c.lease_of("k50").map(|l| l.capacity), Some(5.0));
+    assert_eq!(c.next_refresh(), regular, "an early answer does not move every key's refresh");
     // A key whose demand moved asks early, alone too.
     w.advance(Duration::from_secs(2));
     let mut moved = keys(51);
@@ -708,21 +715,12 @@ fn an_early_refresh_carries_only_the_keys_that_ask_early() {
     let answer = w.rt.block_on(w.net.get_capacity(&target, request));
     c.on_refresh(w.clock.now(), answer);
     assert_eq!(c.lease_of("k7").map(|l| l.capacity), Some(1.0));
-    // The regular refresh, due by the first lease's refresh interval (not
-    // pushed back by the early answers), carries every key.
-    let until = w.clock.now().saturating_add(Duration::from_secs(13));
-    while w.clock.now() < until {
-        w.advance(Duration::from_millis(500));
-        c.set_demand(moved.clone());
-        match c.next_action(w.clock.now()) {
-            Action::Wait { .. } => {}
-            a @ Action::Refresh { .. } => {
-                assert_eq!(carried(&a).len(), 51, "every key");
-                assert!(w.clock.now() < first.expiry, "every key refreshed before its lease ran out");
-                return;
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-    panic!("no refresh of every key within the refresh interval");
+    assert_eq!(c.next_refresh(), regular, "nor does a second one");
+    // A new key within the minimum interval of every key's refresh: that
+    // refresh goes now, with every key.
+    w.advance(regular.since(w.clock.now()).saturating_sub(Duration::from_millis(500)));
+    moved.push(demand("k51", 5.0, OnExpiry::Safe));
+    c.set_demand(moved.clone());
+    assert_eq!(carried(&c.next_action(w.clock.now())).len(), 52, "every key, half a second early");
+    assert!(w.clock.now() < first.expiry, "every key refreshed before its lease ran out");
 }
