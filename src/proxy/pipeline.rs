@@ -524,10 +524,10 @@ impl Accounts {
         if plan.is_empty() || self.pushback.is_quiet(status) {
             return;
         }
-        let ids: Vec<(String, f64)> = plan.items.iter().map(|(l, _)| (l.id().to_string(), l.capacity())).collect();
         let now = self.table.clock().now();
-        // Written under the pushback lock: the lease client's write of a new lease cannot cross it.
-        self.pushback.on_response(&ids, status, retry_after(), now, &route.pushback, |id, capacity| {
+        // Read and written under the pushback lock: the lease client's write of a new lease cannot cross it.
+        let keys = plan.items.iter().map(|(l, _)| &**l);
+        self.pushback.on_response(keys, status, retry_after(), now, &route.pushback, |id, capacity| {
             tracing::debug!(route = %route.name, resource_id = %id, capacity, %status, "upstream pushback");
             self.table.set_capacity(id, capacity);
         });

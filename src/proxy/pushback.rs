@@ -25,6 +25,7 @@ use serde::Serialize;
 
 use crate::clock::Time;
 use crate::config::doorman::PushbackConfig;
+use crate::limit::Limiter;
 
 /// The smallest factor a key backs off to.
 pub const MIN_FACTOR: f64 = 0.01;
@@ -107,6 +108,24 @@ pub struct KeyPushback {
     pub hold_s: f64,
     /// The capacity the key had when the pushback began, which it recovers to.
     pub before: f64,
+}
+
+/// A key an upstream answer is for, as [`Pushback::on_response`] reads it.
+pub trait Key {
+    /// Its lease id.
+    fn id(&self) -> &str;
+    /// The capacity it enforces now; read under the pushback lock.
+    fn capacity(&self) -> f64;
+}
+
+impl Key for Limiter {
+    fn id(&self) -> &str {
+        Limiter::id(self)
+    }
+
+    fn capacity(&self) -> f64 {
+        Limiter::capacity(self)
+    }
 }
 
 /// Pushback state of every key; shared by the request path and the lease client.
@@ -214,13 +233,17 @@ impl Pushback {
         }
     }
 
-    /// Takes one upstream answer for the keys of a route, with the capacity
-    /// each enforces now. Each key whose capacity changed is written with
-    /// `write` under the pushback lock (see [`Pushback::apply`]) and returned
-    /// with its new value.
-    pub fn on_response(
+    /// Takes one upstream answer for the keys of a route. Each key whose
+    /// capacity changed is written with `write` under the pushback lock (see
+    /// [`Pushback::apply`]) and returned with its new value.
+    ///
+    /// A key's first pushback reads the capacity it enforces, what it
+    /// recovers to, under that lock too: read before it, a lease applied in
+    /// between would be backed off from the older capacity (and recovered
+    /// to) until the lease changes again.
+    pub fn on_response<'k, K: Key + ?Sized + 'k>(
         &self,
-        ids: &[(String, f64)],
+        keys: impl IntoIterator<Item = &'k K>,
         status: StatusCode,
         retry_after: Option<Duration>,
         now: Time,
@@ -235,18 +258,22 @@ impl Pushback {
         if !pushed && self.active.load(Ordering::Relaxed) == 0 {
             return Vec::new();
         }
-        let mut keys = self.keys.lock().expect("pushback lock");
+        let mut state = self.keys.lock().expect("pushback lock");
         let mut changed = Vec::new();
-        for (id, current) in ids {
+        for key in keys {
+            let id = key.id();
             if pushed {
-                let k = keys.entry(id.clone()).or_insert_with(|| KeyState {
-                    factor: 1.0,
-                    successes: 0,
-                    hold_until: None,
-                    before: *current,
-                    granted: *current,
-                    held: false,
-                    last_pushback: now,
+                let k = state.entry(id.to_string()).or_insert_with(|| {
+                    let current = key.capacity();
+                    KeyState {
+                        factor: 1.0,
+                        successes: 0,
+                        hold_until: None,
+                        before: current,
+                        granted: current,
+                        held: false,
+                        last_pushback: now,
+                    }
                 });
                 k.last_pushback = now;
                 k.factor = (k.factor * cfg.multiplier).max(MIN_FACTOR);
@@ -260,9 +287,9 @@ impl Pushback {
                 self.factor_gauge.with_label_values(&[id]).set(k.factor);
                 let c = k.capacity(now);
                 write(id, c);
-                changed.push((id.clone(), c));
+                changed.push((id.to_string(), c));
             } else if status.is_success() {
-                let Some(k) = keys.get_mut(id) else { continue };
+                let Some(k) = state.get_mut(id) else { continue };
                 k.successes += 1;
                 if k.successes < cfg.recover_after {
                     continue;
@@ -273,16 +300,16 @@ impl Pushback {
                 self.factor_gauge.with_label_values(&[id]).set(k.factor);
                 let c = if k.factor >= 1.0 {
                     let granted = k.granted;
-                    keys.remove(id);
+                    state.remove(id);
                     granted
                 } else {
                     k.capacity(now)
                 };
                 write(id, c);
-                changed.push((id.clone(), c));
+                changed.push((id.to_string(), c));
             }
         }
-        self.active.store(keys.len(), Ordering::Relaxed);
+        self.active.store(state.len(), Ordering::Relaxed);
         changed
     }
 

@@ -1,5 +1,16 @@
 use super::*;
 
+/// A key with the capacity given with it.
+impl Key for (String, f64) {
+    fn id(&self) -> &str {
+        &self.0
+    }
+
+    fn capacity(&self) -> f64 {
+        self.1
+    }
+}
+
 fn at(t0: Time, ms: u64) -> Time {
     t0.saturating_add(Duration::from_millis(ms))
 }
@@ -161,4 +172,56 @@ fn a_lease_applied_while_an_answer_writes_comes_after_it() {
     });
     lease.join().unwrap();
     assert_eq!(*table.lock().unwrap(), [40.0, 10.0], "the recovery's write, then the newer lease's");
+}
+
+/// A key's first pushback backs off from the capacity in force when it takes
+/// the pushback lock: a lease applied after the request path read the
+/// capacity but before it took the lock is the base, not the older one. The
+/// key's capacity tells the lease's write (which holds the lock) that it was
+/// read; read under the lock, that tells nothing until the write is done.
+#[test]
+fn a_pushback_backs_off_from_the_lease_in_force_at_the_lock() {
+    use std::sync::{Arc, Mutex, mpsc};
+    struct Shared {
+        capacity: Arc<Mutex<f64>>,
+        read: Mutex<mpsc::Sender<()>>,
+    }
+    impl Key for Shared {
+        fn id(&self) -> &str {
+            "k"
+        }
+        fn capacity(&self) -> f64 {
+            let c = *self.capacity.lock().unwrap();
+            let _ = self.read.lock().unwrap().send(());
+            c
+        }
+    }
+    let p = Arc::new(Pushback::new(&prometheus::Registry::new()));
+    let cfg = PushbackConfig { enabled: true, multiplier: 0.5, recover_after: 1, recover_step: 4.0 };
+    let t0 = Time::from_secs(100);
+    let capacity = Arc::new(Mutex::new(40.0));
+    let (read_tx, read_rx) = mpsc::channel();
+    let (inside_tx, inside_rx) = mpsc::channel();
+    let lease = {
+        let (p, capacity) = (p.clone(), capacity.clone());
+        std::thread::spawn(move || {
+            // A new lease of 10, written under the lock: it waits until the
+            // answer read the capacity (at once if that read does not wait
+            // for the lock), or gives up after a while.
+            p.apply("k", 10.0, t0, |c| {
+                inside_tx.send(()).unwrap();
+                let _ = read_rx.recv_timeout(Duration::from_millis(300));
+                *capacity.lock().unwrap() = c;
+            });
+        })
+    };
+    inside_rx.recv().unwrap();
+    let key = Shared { capacity: capacity.clone(), read: Mutex::new(read_tx) };
+    let ch = p.on_response([&key], StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg, |_, c| {
+        *capacity.lock().unwrap() = c;
+    });
+    lease.join().unwrap();
+    assert_eq!(p.status(t0)[0].before, 10.0, "the lease in force at the lock is what the key recovers to");
+    assert_eq!(ch, [("k".to_string(), 5.0)], "half the lease in force");
+    assert_eq!(*capacity.lock().unwrap(), 5.0);
 }
