@@ -6,7 +6,7 @@
 //! [`super::yaml`], so every error is reported with its `file:line:column`.
 //! Defaults are the `DEFAULT_*` constants below, documented in docs/routes.md.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -175,6 +175,59 @@ impl IdTemplate {
         }
         Ok(IdTemplate { text: text.to_string(), segments })
     }
+
+    /// The literal text between placeholders: one piece more than there are
+    /// placeholders (a fixed id is one piece), each maybe empty.
+    fn pieces(&self) -> Vec<String> {
+        let mut pieces = vec![String::new()];
+        for s in &self.segments {
+            match s {
+                Segment::Literal(l) => pieces.last_mut().expect("one piece at least").push_str(l),
+                _ => pieces.push(String::new()),
+            }
+        }
+        pieces
+    }
+
+    /// Whether `id` is one this template can make. Any placeholder is taken
+    /// to make any text, the empty text too (a missing header does).
+    pub fn can_make(&self, id: &str) -> bool {
+        let pieces = self.pieces();
+        let [first, middle @ .., last] = &pieces[..] else {
+            return pieces[0] == id;
+        };
+        let Some(mut rest) = id.strip_prefix(first.as_str()).and_then(|r| r.strip_suffix(last.as_str())) else {
+            return false;
+        };
+        for m in middle {
+            match rest.find(m.as_str()) {
+                Some(at) => rest = &rest[at + m.len()..],
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Whether this id and `other` could be the same lease id for some
+    /// request. Two templates can if, and only if, the literal prefix of one
+    /// begins the other's and the literal suffix of one ends the other's
+    /// (with any placeholder making any text, the longer prefix, both
+    /// templates' middle literals and the longer suffix, in that order, are
+    /// made by both).
+    pub fn could_meet(&self, other: &IdTemplate) -> bool {
+        match (self.is_fixed(), other.is_fixed()) {
+            (true, true) => self.text == other.text,
+            (true, false) => other.can_make(&self.text),
+            (false, true) => self.can_make(&other.text),
+            (false, false) => {
+                let (a, b) = (self.pieces(), other.pieces());
+                let (pa, pb) = (&a[0], &b[0]);
+                let (sa, sb) = (&a[a.len() - 1], &b[b.len() - 1]);
+                (pa.starts_with(pb.as_str()) || pb.starts_with(pa.as_str()))
+                    && (sa.ends_with(sb.as_str()) || sb.ends_with(sa.as_str()))
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -308,28 +361,40 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
     if let Some(n) = top.get("resources")
         && let Some(m) = ck.map(n, "resources", &[])
     {
-        // A lease id is one resource's: two limiters on one id would each enforce the whole lease.
-        let mut fixed_ids: HashMap<String, String> = HashMap::new();
+        // A lease id is one resource's: two limiters on one id would each
+        // enforce the whole lease (and the server grants one), so no two
+        // resources may have ids that could make the same lease id.
+        let mut ids: Vec<(String, IdTemplate)> = Vec::new();
         for (k, v) in m.entries() {
             let Some(name) = k.as_str() else { continue };
             res_names.push(name.to_string());
             if let Some(r) = read_resource(ck, name, v, &m.child(name)) {
-                if r.id.is_fixed()
-                    && let Some(other) = fixed_ids.insert(r.id.text.clone(), name.to_string())
-                {
+                // The latest resource it meets, as the one named.
+                if let Some((other, id)) = ids.iter().rev().find(|(_, id)| id.could_meet(&r.id)) {
                     let at = match &v.value {
                         Value::Map(entries) => {
                             entries.iter().find(|(k, _)| k.as_str() == Some("id")).map(|(_, n)| n.loc)
                         }
                         _ => None,
                     };
-                    ck.error(
-                        at.unwrap_or(k.loc),
-                        &format!("{}.id", m.child(name)),
-                        format!("id `{}` is already resource `{other}`'s", r.id.text),
-                        Some("each resource leases its own id; routes can share one resource".into()),
-                    );
+                    let (this, that) = (&r.id.text, &id.text);
+                    let message = match (r.id.is_fixed(), id.is_fixed()) {
+                        (true, true) => format!("id `{this}` is already resource `{other}`'s"),
+                        (true, false) => format!("id `{this}` is one resource `{other}`'s id `{that}` could make"),
+                        (false, true) => format!("id `{this}` could make resource `{other}`'s id `{that}`"),
+                        (false, false) => {
+                            format!("id `{this}` could make the same lease id as resource `{other}`'s id `{that}`")
+                        }
+                    };
+                    let hint = if r.id.is_fixed() && id.is_fixed() {
+                        "each resource leases its own id; routes can share one resource"
+                    } else {
+                        "each resource leases its own ids: give the two literal prefixes neither of which begins \
+                         the other (e.g. `a/{header.x}` and `b/{header.x}`), or let the routes share one resource"
+                    };
+                    ck.error(at.unwrap_or(k.loc), &format!("{}.id", m.child(name)), message, Some(hint.into()));
                 }
+                ids.push((name.to_string(), r.id.clone()));
                 resources.insert(name.to_string(), r);
             }
         }

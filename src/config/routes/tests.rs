@@ -166,3 +166,122 @@ resources:
         ],
     );
 }
+
+/// Two resources whose ids could make the same lease id, templated or not,
+/// would each enforce that one lease: the second is refused at its `id`
+/// (or its name, which a missing id defaults to).
+#[test]
+fn templated_ids_that_could_meet_belong_to_one_resource() {
+    let text = "\
+resources:
+  a:
+    kind: rate
+    id: \"t/{header.x}\"
+    capacity: 5/s
+  b:
+    kind: rate
+    capacity: 5/s
+    id: \"t/{header.y}\"
+  c:
+    kind: gauge
+    id: \"t/{path.1}/{method}\"
+    capacity: 3
+  t/1:
+    kind: rate
+    capacity: 5/s
+  e:
+    kind: rate
+    id: u-1
+    capacity: 5/s
+  f:
+    kind: rate
+    id: \"u-{header.x}\"
+    capacity: 5/s
+  g:
+    kind: rate
+    id: \"v/{header.x}/in\"
+    capacity: 5/s
+  h:
+    kind: rate
+    id: \"v/{header.x}/out\"
+    capacity: 5/s
+  i:
+    kind: rate
+    id: \"w/{header.x}\"
+    capacity: 5/s
+  j:
+    kind: rate
+    id: w/
+    capacity: 5/s
+  k:
+    kind: rate
+    id: w
+    capacity: 5/s
+  l:
+    kind: rate
+    id: \"{host}/in\"
+    capacity: 5/s
+";
+    let e = RoutesConfig::parse("ids.yaml", text).unwrap_err();
+    let lines: Vec<String> = e.diagnostics.iter().map(|d| d.to_string()).collect();
+    let hint = "(hint: each resource leases its own ids: give the two literal prefixes neither of which begins the \
+                other (e.g. `a/{header.x}` and `b/{header.x}`), or let the routes share one resource)";
+    assert_eq!(
+        lines,
+        [
+            format!(
+                "ids.yaml:9:9: resources.b.id: id `t/{{header.y}}` could make the same lease id as resource `a`'s id `t/{{header.x}}` {hint}"
+            ),
+            format!(
+                "ids.yaml:12:9: resources.c.id: id `t/{{path.1}}/{{method}}` could make the same lease id as resource `b`'s id `t/{{header.y}}` {hint}"
+            ),
+            format!(
+                "ids.yaml:14:3: resources.t/1.id: id `t/1` is one resource `b`'s id `t/{{header.y}}` could make {hint}"
+            ),
+            format!("ids.yaml:23:9: resources.f.id: id `u-{{header.x}}` could make resource `e`'s id `u-1` {hint}"),
+            format!(
+                "ids.yaml:39:9: resources.j.id: id `w/` is one resource `i`'s id `w/{{header.x}}` could make {hint}"
+            ),
+            format!(
+                "ids.yaml:47:9: resources.l.id: id `{{host}}/in` could make the same lease id as resource `i`'s id `w/{{header.x}}` {hint}"
+            ),
+        ],
+        "g and h differ in their suffixes, i and k in their prefixes, c cannot make `t/1`",
+    );
+}
+
+/// When two ids could be the same lease id: the literal prefix of one begins
+/// the other's and the literal suffix of one ends the other's; a fixed id is
+/// matched against the template, each placeholder making any text.
+#[test]
+fn when_two_ids_could_meet() {
+    let id = |t: &str| IdTemplate::parse(t).unwrap();
+    let meet = |a: &str, b: &str| {
+        let (a, b) = (id(a), id(b));
+        assert_eq!(a.could_meet(&b), b.could_meet(&a), "symmetric");
+        a.could_meet(&b)
+    };
+    for (a, b) in [
+        ("x", "x"),
+        ("t/{header.a}", "t/{header.b}"),
+        ("t/{header.a}", "t/x/{path.1}"),
+        ("{host}", "anything/{method}"),
+        ("a{header.x}b{header.y}c", "a{header.z}c"),
+        ("ab{header.x}", "{header.y}bc"),
+        ("t/{header.x}", "t/"),
+        ("t/{header.x}/{path.2}", "t//"),
+        ("t/{header.x}-{header.y}/z", "t/1-2/z"),
+    ] {
+        assert!(meet(a, b), "`{a}` and `{b}` could meet");
+    }
+    for (a, b) in [
+        ("x", "y"),
+        ("a/{header.x}", "b/{header.x}"),
+        ("{header.x}/in", "{header.x}/out"),
+        ("t/{header.x}", "t"),
+        ("t/{header.x}-{header.y}/z", "t/12/z"),
+        ("ab{header.x}b", "ab"),
+    ] {
+        assert!(!meet(a, b), "`{a}` and `{b}` could not meet");
+    }
+}
