@@ -13,7 +13,7 @@ use http::{Request, StatusCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use support::upstream::{self, Generated, TestPki, Upstream, get, h1, h2, send1, send2};
-use support::{Usher, http_get, metric, run_usher, write_file};
+use support::{Usher, http_get, metric, run_usher, run_usher_for, write_file};
 
 /// Awaits a spawned task for at most 20 s of wall time.
 async fn within<T>(task: tokio::task::JoinHandle<T>) -> T {
@@ -60,6 +60,45 @@ routes:
     let (code, _out, err) = run_usher(&["proxy", "--routes", dir.path().join("absent.yaml").to_str().unwrap()]);
     assert_eq!(code, 64, "{err}");
     assert!(err.contains("absent.yaml:1:1: cannot read routes file"), "{err}");
+}
+
+/// Two resources on one lease id would each enforce the whole lease: a
+/// routes file with a fixed id twice, or with two templates that could make
+/// the same id, is refused at start with its position and the field.
+#[test]
+fn two_resources_on_one_lease_id_exit_64_naming_the_second_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let resources = |a: &str, b: &str| {
+        format!(
+            "upstreams:\n  api: {{ url: \"http://127.0.0.1:9\" }}\n\
+             resources:\n  a:\n    kind: rate\n    capacity: 5/s\n    id: {a}\n  \
+             b:\n    kind: gauge\n    capacity: 3\n    id: {b}\n\
+             routes:\n  - {{ name: r, upstream: api, resources: [a, b] }}\n"
+        )
+    };
+    for (file, text, want) in [
+        (
+            "fixed.yaml",
+            resources("shared", "shared"),
+            ":11:9: resources.b.id: id `shared` is already resource `a`'s \
+             (hint: each resource leases its own id; routes can share one resource)",
+        ),
+        (
+            "templated.yaml",
+            resources("\"t/{header.x-tenant}\"", "\"t/{path.1}\""),
+            ":11:9: resources.b.id: id `t/{path.1}` could make the same lease id as resource `a`'s id \
+             `t/{header.x-tenant}` (hint: each resource leases its own ids: give the two literal prefixes \
+             neither of which begins the other (e.g. `a/{header.x}` and `b/{header.x}`), or let the routes \
+             share one resource)",
+        ),
+    ] {
+        let path = write_file(dir.path(), file, &text);
+        // Bounded: a file taken would have the proxy serve until killed.
+        let (code, err) = run_usher_for(&["proxy", "--routes", path.to_str().unwrap()], &[], Duration::from_secs(20));
+        assert_eq!(code, Some(64), "{file}: stderr:\n{err}");
+        let want = format!("{}{want}", path.display());
+        assert!(err.contains(&want), "{file}: missing {want:?} in:\n{err}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -413,6 +452,78 @@ async fn reload_keeps_connections_and_limiter_state() {
     let (_, body) = tokio::task::spawn_blocking(move || http_get(admin, "/metrics")).await.unwrap();
     assert_eq!(metric(&body, "usher_proxy_config_reload_errors_total", &[]), Some(1.0));
     assert_eq!(metric(&body, "usher_proxy_config_reloads_total", &[]), Some(1.0));
+}
+
+/// A reload into a routes file with two resources on one lease id (a fixed
+/// id twice, or two templates that could make the same id) is rejected like
+/// any bad file: the previous routes and limiter state stay, the error is
+/// logged with its position and shown on the status page, and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_into_two_resources_on_one_lease_id_keeps_the_last_good_routes() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    // The last good file; a bad one adds resources, and a route to `/other` through `other`.
+    let file = |extra: &str, other: &str| {
+        let route = match other {
+            "" => String::new(),
+            r => format!("  - {{ name: other, match: {{ path_prefix: /other }}, upstream: up, resources: [{r}] }}\n"),
+        };
+        format!(
+            "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  core: {{ kind: rate, capacity: 1/day, burst: 2 }}\n{extra}\
+             routes:\n  - {{ name: api, match: {{ path_prefix: /api }}, upstream: up, resources: [core] }}\n{route}",
+            up.addr
+        )
+    };
+    let routes = write_file(dir.path(), "routes.yaml", &file("", ""));
+    let f = routes.display().to_string();
+    let u = start_proxy(&routes);
+    let admin = u.addr("admin");
+    let mut c = h1(u.addr("listen")).await;
+    for _ in 0..2 {
+        assert_eq!(send1(&mut c, get("x", "/api")).await.status, StatusCode::OK);
+    }
+    assert_eq!(send1(&mut c, get("x", "/api")).await.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(send1(&mut c, get("x", "/other")).await.status, StatusCode::FORBIDDEN);
+
+    let bad = [
+        (
+            "  extra:\n    kind: rate\n    capacity: 100/s\n    id: core\n",
+            "extra",
+            format!("{f}:8:9: resources.extra.id: id `core` is already resource `core`'s"),
+        ),
+        (
+            "  t1: { kind: rate, capacity: 100/s, id: \"t/{header.x-tenant}\" }\n  \
+             t2:\n    kind: rate\n    capacity: 100/s\n    id: \"t/{path.1}\"\n",
+            "t2",
+            format!(
+                "{f}:9:9: resources.t2.id: id `t/{{path.1}}` could make the same lease id as resource `t1`'s id \
+                 `t/{{header.x-tenant}}`"
+            ),
+        ),
+    ];
+    for (i, (extra, other, want)) in bad.into_iter().enumerate() {
+        replace(&routes, &file(extra, other));
+        u.wait_for_log(&want, Duration::from_secs(20));
+        assert_eq!(send1(&mut c, get("x", "/other")).await.status, StatusCode::FORBIDDEN, "no route to /other yet");
+        assert_eq!(
+            send1(&mut c, get("x", "/api")).await.status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "the last good routes and their spent budget stay"
+        );
+        let (status, metrics) = tokio::task::spawn_blocking(move || {
+            (http_get(admin, "/debug/status?format=json").1, http_get(admin, "/metrics").1)
+        })
+        .await
+        .unwrap();
+        let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+        assert!(status["config_error"].as_str().is_some_and(|e| e.contains(&want)), "{status}");
+        assert_eq!(status["routes"], serde_json::json!(["api"]), "{status}");
+        let errors = metric(&metrics, "usher_proxy_config_reload_errors_total", &[]);
+        assert_eq!(errors, Some(i as f64 + 1.0));
+        assert_eq!(metric(&metrics, "usher_proxy_config_reloads_total", &[]), Some(0.0));
+    }
+    assert!(!u.log().contains("routes reloaded"), "{}", u.log());
 }
 
 /// The embedded server's lease of `api`: (capacity, refresh interval in seconds).
