@@ -248,7 +248,7 @@ fn expiry_follows_on_expiry_per_key() {
     assert!(c.status().iter().all(|k| k.mode == Mode::Held && k.source == Source::Lease), "{:?}", c.status());
     let tr = c.take_transitions();
     assert_eq!(tr.iter().filter(|t| (t.from, t.to) == (Mode::Leased, Mode::Held)).count(), 3);
-    assert!(c.request(now, false).resource.iter().all(|r| r.has.as_ref().is_some_and(|h| h.capacity == 50.0)));
+    assert!(c.request(now, None).resource.iter().all(|r| r.has.as_ref().is_some_and(|h| h.capacity == 50.0)));
     // The hold ends 30 s after the expiry: on_expiry applies.
     w.advance(Duration::from_secs(27));
     w.step(&mut c);
@@ -259,7 +259,7 @@ fn expiry_follows_on_expiry_per_key() {
     assert_eq!(cap(&mut c, now, "opt"), Capacity::Limited(50.0));
     assert_eq!(cap(&mut c, now, "pes"), Capacity::Limited(0.0));
     assert_eq!(cap(&mut c, now, "safe"), Capacity::Limited(4.0), "the server's safe capacity beats the configured 2");
-    assert!(c.request(now, false).resource.iter().all(|r| r.has.is_none()), "an expired lease is not reported");
+    assert!(c.request(now, None).resource.iter().all(|r| r.has.is_none()), "an expired lease is not reported");
     let tr = c.take_transitions();
     assert_eq!(tr.iter().filter(|t| (t.from, t.to) == (Mode::Held, Mode::Expired)).count(), 3);
     // The server comes back: leases return.
@@ -723,4 +723,60 @@ fn an_early_refresh_carries_only_the_keys_that_ask_early() {
     c.set_demand(moved.clone());
     assert_eq!(carried(&c.next_action(w.clock.now())).len(), 52, "every key, half a second early");
     assert!(w.clock.now() < first.expiry, "every key refreshed before its lease ran out");
+}
+
+/// A lease that asks to hear from its key within a second (a server that
+/// has just met the resource, while its clients are arriving) brings that
+/// key's next ask forward, not the refresh of every key: tenants new to a
+/// shared server cost one resource a call each, and join the refresh of
+/// every key once the server settles on them.
+#[test]
+fn a_lease_that_asks_soon_brings_forward_its_own_key_only() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    let keys = |n: usize| (0..n).map(|i| demand(&format!("k{i}"), 5.0, OnExpiry::Safe)).collect::<Vec<_>>();
+    let mut warm = w.core("warm-up", &["s1"]);
+    warm.set_demand(keys(50));
+    w.step(&mut warm);
+    w.advance(Duration::from_secs(12));
+    // The first refresh carries fifty keys the server knows and one it does not.
+    c.set_demand(keys(51));
+    w.step(&mut c);
+    assert_eq!(c.lease_of("k0").unwrap().refresh_interval, Duration::from_secs(12));
+    assert_eq!(c.lease_of("k50").unwrap().refresh_interval, Duration::from_secs(1));
+    let regular = c.next_refresh();
+    assert!(
+        regular.since(w.clock.now()) >= Duration::from_secs(9),
+        "every key's refresh follows the 12 s leases, not the new key's second: {:?}",
+        regular.since(w.clock.now())
+    );
+    // Until then only the new keys ask, on their own; a second one comes
+    // with an early call.
+    let mut calls: Vec<Vec<String>> = Vec::new();
+    let last = loop {
+        assert!(calls.len() < 40, "too many calls: {calls:?}");
+        if calls.len() == 3 && c.lease_of("k51").is_none() {
+            c.set_demand(keys(52));
+        }
+        match c.next_action(w.clock.now()) {
+            Action::Wait { until } => w.advance(until.since(w.clock.now()).max(Duration::from_millis(1))),
+            Action::Refresh { target, request } => {
+                let ids: Vec<String> = request.resource.iter().map(|r| r.resource_id.clone()).collect();
+                let answer = w.rt.block_on(w.net.get_capacity(&target, request));
+                c.on_refresh(w.clock.now(), answer);
+                if ids.len() > 2 {
+                    break ids;
+                }
+                calls.push(ids);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    assert!(calls.len() >= 5, "the new keys asked about once a second: {calls:?}");
+    assert!(calls.iter().flatten().all(|id| id == "k50" || id == "k51"), "only the new keys asked early: {calls:?}");
+    assert!(calls.iter().flatten().any(|id| id == "k51"), "{calls:?}");
+    assert_eq!(last.len(), 52, "then every key's refresh carries every key");
+    // (A key due within the minimum interval of it brings it that much forward.)
+    assert!(w.clock.now().saturating_add(Duration::from_secs(1)) >= regular, "and it came when it was due, not before");
+    assert_eq!(c.lease_of("k50").unwrap().refresh_interval, Duration::from_secs(12), "the server settled on k50");
 }
