@@ -173,9 +173,10 @@ struct KeyState {
     settled: bool,
     /// When its lease asks to hear from it again, if that is before the
     /// refresh of every key (a server that has just met the resource, or
-    /// that expects to have more for it soon, asks within a second): an
-    /// early call carries it then, alone or with the others due (see
-    /// [`Core::on_refresh`]). Kept in [`Core::dues`] too.
+    /// that expects to have more for it soon, asks within a second; or an
+    /// early answer's lease that wants renewing before every key's refresh
+    /// comes): an early call carries it then, with any other key due by
+    /// then (see [`Core::on_refresh`]). Kept in [`Core::dues`] too.
     due: Option<Time>,
 }
 
@@ -352,10 +353,16 @@ pub struct Core {
     attempt_started: Time,
     early: bool,
     /// The call in flight is an early one and carries only the keys that
-    /// ask early ([`KeyState::asks_early`]): its answer can bring the next
-    /// refresh of every key forward, never put it back.
+    /// ask early ([`KeyState::asks_early`]): its answer leaves the refresh
+    /// of every key where it was, and gives a key it carried a refresh of
+    /// its own if its lease asks for one sooner ([`KeyState::due`]).
     partial: bool,
     last_error: Option<String>,
+    /// The last call to the servers (a refresh or a discovery; not a
+    /// release) failed: until a refresh succeeds, calls follow the backoff
+    /// alone (no early asks), each carries every key, and a new key follows
+    /// its `on_expiry` at once.
+    failing: bool,
     transitions: Vec<Transition>,
     refreshes: u64,
 }
@@ -400,6 +407,7 @@ impl Core {
             early: false,
             partial: false,
             last_error: None,
+            failing: false,
             transitions: Vec::new(),
             refreshes: 0,
         }
@@ -415,6 +423,12 @@ impl Core {
 
     pub fn last_error(&self) -> Option<&str> {
         self.last_error.as_deref()
+    }
+
+    /// Whether the last call to the servers failed (a failed release does
+    /// not count: its leases simply expire on the server).
+    pub fn failing(&self) -> bool {
+        self.failing
     }
 
     pub fn next_refresh(&self) -> Time {
@@ -546,7 +560,7 @@ impl Core {
                             asked: false,
                             // While the servers fail, a new key follows its
                             // `on_expiry` at once, as every other key does.
-                            settled: self.last_error.is_some(),
+                            settled: self.failing,
                             due: None,
                         }),
                     );
@@ -693,16 +707,20 @@ impl Core {
             };
         }
         let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(self.cfg.min_interval));
-        let mut due = if self.early { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
+        // While the servers fail, the backoff alone says when to call again.
+        let asking = !self.failing;
+        let mut due =
+            if self.early && asking { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
         debug_assert_eq!(self.away, self.keys.values().filter(|k| k.away).count(), "keys away");
         debug_assert_eq!(self.dues.len(), self.keys.values().filter(|k| k.due.is_some()).count(), "own refreshes");
-        if let Some(last) = self.last_request.filter(|_| self.away > 0) {
+        debug_assert!(self.dues.iter().all(|(t, id)| self.keys.get(id).is_some_and(|k| k.due == Some(*t))));
+        if let Some(last) = self.last_request.filter(|_| self.away > 0 && asking) {
             for k in self.keys.values().filter(|k| k.away) {
                 due = due.min(last.saturating_add(k.early_wait).max(earliest_allowed).max(now));
             }
         }
-        // A key's own refresh; not while the servers fail (the backoff holds).
-        let own = self.dues.first().map(|(t, _)| *t).filter(|_| self.last_error.is_none());
+        // A key's own refresh.
+        let own = self.dues.first().map(|(t, _)| *t).filter(|_| asking);
         if let Some(t) = own {
             due = due.min(t.max(earliest_allowed).max(now));
         }
@@ -719,7 +737,7 @@ impl Core {
         // early), nor after a failed call (keys that lost their lease get
         // it back with the first call that succeeds).
         let by = now.saturating_add(self.cfg.min_interval);
-        let mut partial = by < self.next_refresh && self.last_error.is_none();
+        let mut partial = by < self.next_refresh && asking;
         if partial {
             match self.keys.values().filter(|k| k.asks_early(by)).count() {
                 0 => {
@@ -802,6 +820,7 @@ impl Core {
         let from = if permanent { now } else { self.attempt_started.min(now) };
         self.next_refresh = from.saturating_add(delay).max(now);
         self.last_error = Some(msg);
+        self.failing = true;
     }
 
     pub fn on_discovery(&mut self, now: Time, target: &str, result: Result<proto::DiscoveryResponse, CallError>) {
@@ -860,6 +879,7 @@ impl Core {
         self.next_at_once = self.cfg.servers.len().saturating_sub(1);
         self.backoff.on_success();
         self.last_error = None;
+        self.failing = false;
         // Every key the request carried was answered, with a lease or
         // without; its own refresh, if it had one, is worked out anew.
         for (id, k) in self.keys.iter_mut().filter(|(_, k)| k.asked) {
@@ -948,7 +968,10 @@ impl Core {
         }
         for (id, t) in own.into_iter().filter(|(_, t)| *t < self.next_refresh) {
             if let Some(k) = self.keys.get_mut(&id) {
-                k.due = Some(t);
+                // (An answer that names a key twice replaces its first time.)
+                if let Some(old) = k.due.replace(t) {
+                    self.dues.remove(&(old, id.clone()));
+                }
                 self.dues.insert((t, id));
             }
         }

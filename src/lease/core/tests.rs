@@ -439,6 +439,39 @@ fn dropped_keys_are_released_and_permanent_errors_back_off() {
     w.step(&mut bad);
     assert!(bad.last_error().unwrap().contains("InvalidArgument"), "{:?}", bad.last_error());
     assert!(bad.next_refresh().since(w.clock.now()) >= Duration::from_secs(15), "no tight retry loop");
+    // Nor does a key made meanwhile bring the retry forward.
+    w.advance(Duration::from_secs(2));
+    bad.set_demand(vec![demand("r", 1.0, OnExpiry::Safe), demand("new", 1.0, OnExpiry::Safe)]);
+    assert_eq!(w.step(&mut bad), 0, "a new key waits for the backoff while the servers refuse");
+    let now = w.clock.now();
+    assert_eq!(cap(&mut bad, now, "new"), cap(&mut bad, now, "r"), "and follows on_expiry at once, as the others");
+}
+
+/// A release that fails (its leases simply expire on the server) does not
+/// count as the servers failing: keys still ask early.
+#[test]
+fn a_failed_release_does_not_hold_back_early_asks() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    let keys = |n: usize| (0..n).map(|i| demand(&format!("k{i}"), 5.0, OnExpiry::Safe)).collect::<Vec<_>>();
+    let mut warm = w.core("warm-up", &["s1"]);
+    warm.set_demand(keys(5));
+    w.step(&mut warm);
+    w.advance(Duration::from_secs(12));
+    c.set_demand(keys(6));
+    w.step(&mut c);
+    assert_eq!(c.lease_of("k5").unwrap().refresh_interval, Duration::from_secs(1), "a resource the server just met");
+    c.on_release(w.clock.now(), Err(CallError::Transient("timed out".into())));
+    assert!(c.last_error().unwrap().contains("release failed"));
+    assert!(!c.failing());
+    w.advance(Duration::from_millis(1200));
+    match c.next_action(w.clock.now()) {
+        Action::Refresh { request, .. } => {
+            let ids: Vec<&str> = request.resource.iter().map(|r| r.resource_id.as_str()).collect();
+            assert_eq!(ids, ["k5"], "the key whose lease asked for it, alone");
+        }
+        other => panic!("the key's own refresh waited: {other:?}"),
+    }
 }
 
 #[test]
@@ -729,54 +762,77 @@ fn an_early_refresh_carries_only_the_keys_that_ask_early() {
 /// has just met the resource, while its clients are arriving) brings that
 /// key's next ask forward, not the refresh of every key: tenants new to a
 /// shared server cost one resource a call each, and join the refresh of
-/// every key once the server settles on them.
+/// every key once the server settles on them. Three clients, three draws of
+/// the jitter.
 #[test]
 fn a_lease_that_asks_soon_brings_forward_its_own_key_only() {
-    let w = World::new(&["s1"]);
-    let mut c = w.core("a", &["s1"]);
-    let keys = |n: usize| (0..n).map(|i| demand(&format!("k{i}"), 5.0, OnExpiry::Safe)).collect::<Vec<_>>();
-    let mut warm = w.core("warm-up", &["s1"]);
-    warm.set_demand(keys(50));
-    w.step(&mut warm);
-    w.advance(Duration::from_secs(12));
-    // The first refresh carries fifty keys the server knows and one it does not.
-    c.set_demand(keys(51));
-    w.step(&mut c);
-    assert_eq!(c.lease_of("k0").unwrap().refresh_interval, Duration::from_secs(12));
-    assert_eq!(c.lease_of("k50").unwrap().refresh_interval, Duration::from_secs(1));
-    let regular = c.next_refresh();
-    assert!(
-        regular.since(w.clock.now()) >= Duration::from_secs(9),
-        "every key's refresh follows the 12 s leases, not the new key's second: {:?}",
-        regular.since(w.clock.now())
-    );
-    // Until then only the new keys ask, on their own; a second one comes
-    // with an early call.
-    let mut calls: Vec<Vec<String>> = Vec::new();
-    let last = loop {
-        assert!(calls.len() < 40, "too many calls: {calls:?}");
-        if calls.len() == 3 && c.lease_of("k51").is_none() {
-            c.set_demand(keys(52));
-        }
-        match c.next_action(w.clock.now()) {
-            Action::Wait { until } => w.advance(until.since(w.clock.now()).max(Duration::from_millis(1))),
-            Action::Refresh { target, request } => {
-                let ids: Vec<String> = request.resource.iter().map(|r| r.resource_id.clone()).collect();
-                let answer = w.rt.block_on(w.net.get_capacity(&target, request));
-                c.on_refresh(w.clock.now(), answer);
-                if ids.len() > 2 {
-                    break ids;
-                }
-                calls.push(ids);
+    for client in ["a", "b", "c"] {
+        let w = World::new(&["s1"]);
+        let mut c = w.core(client, &["s1"]);
+        let keys = |n: usize| (0..n).map(|i| demand(&format!("k{i}"), 5.0, OnExpiry::Safe)).collect::<Vec<_>>();
+        let mut warm = w.core("warm-up", &["s1"]);
+        warm.set_demand(keys(50));
+        w.step(&mut warm);
+        w.advance(Duration::from_secs(12));
+        // The first refresh carries fifty keys the server knows and one it does not.
+        let start = w.clock.now();
+        c.set_demand(keys(51));
+        w.step(&mut c);
+        assert_eq!(c.lease_of("k0").unwrap().refresh_interval, Duration::from_secs(12));
+        assert_eq!(c.lease_of("k50").unwrap().refresh_interval, Duration::from_secs(1));
+        let regular = c.next_refresh();
+        assert!(
+            regular.since(w.clock.now()) >= Duration::from_secs(9),
+            "{client}: every key's refresh follows the 12 s leases, not the new key's second: {:?}",
+            regular.since(w.clock.now())
+        );
+        // For 40 s: the new keys ask on their own (a second one comes with
+        // an early call) until every key's refresh comes, when it is due.
+        let mut calls: Vec<(Duration, Vec<String>)> = Vec::new();
+        while w.clock.now().since(start) < Duration::from_secs(40) {
+            assert!(calls.len() < 80, "{client}: too many calls: {calls:?}");
+            if calls.len() == 3 && c.lease_of("k51").is_none() {
+                c.set_demand(keys(52));
             }
-            other => panic!("unexpected {other:?}"),
+            match c.next_action(w.clock.now()) {
+                Action::Wait { until } => {
+                    assert!(until > w.clock.now(), "{client}: a wait that is over before it starts");
+                    w.advance(until.since(w.clock.now()));
+                }
+                Action::Refresh { target, request } => {
+                    let ids: Vec<String> = request.resource.iter().map(|r| r.resource_id.clone()).collect();
+                    let answer = w.rt.block_on(w.net.get_capacity(&target, request));
+                    c.on_refresh(w.clock.now(), answer);
+                    calls.push((w.clock.now().since(start), ids));
+                }
+                other => panic!("{client}: unexpected {other:?}"),
+            }
         }
-    };
-    assert!(calls.len() >= 5, "the new keys asked about once a second: {calls:?}");
-    assert!(calls.iter().flatten().all(|id| id == "k50" || id == "k51"), "only the new keys asked early: {calls:?}");
-    assert!(calls.iter().flatten().any(|id| id == "k51"), "{calls:?}");
-    assert_eq!(last.len(), 52, "then every key's refresh carries every key");
-    // (A key due within the minimum interval of it brings it that much forward.)
-    assert!(w.clock.now().saturating_add(Duration::from_secs(1)) >= regular, "and it came when it was due, not before");
-    assert_eq!(c.lease_of("k50").unwrap().refresh_interval, Duration::from_secs(12), "the server settled on k50");
+        let full = calls.iter().position(|(_, ids)| ids.len() == 52).expect("a refresh of every key");
+        let (before, after) = calls.split_at(full);
+        assert!(before.len() >= 5, "{client}: the new keys asked about once a second: {calls:?}");
+        assert!(
+            before.iter().all(|(_, ids)| ids.iter().all(|id| id == "k50" || id == "k51")),
+            "{client}: only the new keys asked early: {calls:?}"
+        );
+        assert!(before.iter().any(|(_, ids)| ids.iter().any(|id| id == "k51")), "{client}: {calls:?}");
+        // Within the minimum interval of when it was due (a key due by then
+        // brings it that much forward), not later.
+        let due = regular.since(start);
+        assert!(
+            after[0].0 + Duration::from_secs(1) >= due && after[0].0 <= due,
+            "{client}: every key's refresh at {:?}, due at {due:?}",
+            after[0].0
+        );
+        // Once the server has settled on them (it has known k51, made at
+        // about 3 s, for 12 s), the new keys ask with the others: from 20 s
+        // on every call carries every key.
+        let late: Vec<_> = after.iter().filter(|(t, _)| *t >= Duration::from_secs(20)).collect();
+        assert!(!late.is_empty(), "{client}: {calls:?}");
+        assert!(
+            late.iter().all(|(_, ids)| ids.len() == 52),
+            "{client}: the new keys joined every key's refresh: {calls:?}"
+        );
+        assert_eq!(c.lease_of("k50").unwrap().refresh_interval, Duration::from_secs(12), "{client}");
+    }
 }
