@@ -891,14 +891,18 @@ impl Core {
         // When each lease asks to be refreshed: one draw of the jitter for
         // the whole answer, so the keys it carried stay together.
         let (min, spread) = (self.cfg.min_interval, jitter(Duration::from_secs(1), self.cfg.jitter, &mut self.rng));
+        // And whether it is sooner than the lease's interval says (it asks
+        // within a second, or runs out before its interval is over).
         let next_of = |l: &Lease| {
             // Always before the lease runs out, leaving room for one retry.
             let margin = (l.expiry.since(now) / 10).max(Duration::from_millis(500));
             let next = now.saturating_add(l.refresh_interval.mul_f64(spread.as_secs_f64()));
-            next.min(l.expiry.saturating_sub(margin)).max(now.saturating_add(min))
+            let by_expiry = l.expiry.saturating_sub(margin);
+            (next.min(by_expiry).max(now.saturating_add(min)), l.refresh_interval <= SOON || by_expiry < next)
         };
         // The refresh of every key: the first a lease asks for, leaving out
-        // leases that ask within a second (their keys ask on their own).
+        // leases that ask sooner than their interval or within a second
+        // (their keys ask on their own).
         let (mut regular, mut first): (Option<Time>, Option<Time>) = (None, None);
         let mut own: Vec<(String, Time)> = Vec::new();
         // The keys' lapses as they were and as they are: `lapse` is worked
@@ -945,9 +949,9 @@ impl Core {
                 self.changed.insert(r.resource_id.clone());
             }
             later = earliest(later, k.lapse());
-            let next = next_of(&lease);
+            let (next, soon) = next_of(&lease);
             first = earliest(first, Some(next));
-            if self.partial || lease.refresh_interval <= SOON {
+            if self.partial || soon {
                 own.push((r.resource_id, next));
             } else {
                 regular = earliest(regular, Some(next));

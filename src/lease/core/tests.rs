@@ -836,3 +836,43 @@ fn a_lease_that_asks_soon_brings_forward_its_own_key_only() {
         assert_eq!(c.lease_of("k50").unwrap().refresh_interval, Duration::from_secs(12), "{client}");
     }
 }
+
+/// A lease that runs out before its refresh interval is over (an
+/// intermediate caps its clients' leases at its own lease's expiry; a server
+/// with no lease from its parent answers with one already expired) makes
+/// its own key ask before then, not every key.
+#[test]
+fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("a", 5.0, OnExpiry::Safe), demand("b", 5.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    w.advance(c.next_refresh().since(w.clock.now()));
+    let Action::Refresh { request, .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
+    assert_eq!(request.resource.len(), 2);
+    let now = w.clock.now();
+    let lease = |id: &str, expires_in: u64| proto::ResourceResponse {
+        resource_id: id.into(),
+        gets: proto::Lease {
+            capacity: 5.0,
+            expiry_time: now.saturating_add(Duration::from_secs(expires_in)).as_secs(),
+            refresh_interval: 12,
+        },
+        safe_capacity: None,
+    };
+    let answer = proto::GetCapacityResponse { response: vec![lease("a", 30), lease("b", 4)], mastership: None };
+    c.on_refresh(now, Ok(answer));
+    assert!(
+        c.next_refresh().since(now) >= Duration::from_secs(9),
+        "every key's refresh follows a's 12 s, not b's expiry: {:?}",
+        c.next_refresh().since(now)
+    );
+    w.advance(Duration::from_millis(3600));
+    match c.next_action(w.clock.now()) {
+        Action::Refresh { request, .. } => {
+            let ids: Vec<&str> = request.resource.iter().map(|r| r.resource_id.as_str()).collect();
+            assert_eq!(ids, ["b"], "b asks before its lease runs out, alone");
+        }
+        other => panic!("b waited past its lease's end: {other:?}"),
+    }
+}
