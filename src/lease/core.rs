@@ -381,6 +381,10 @@ pub struct KeyStatus {
     pub refresh_interval_s: Option<u64>,
     pub safe_capacity: Option<f64>,
     pub last_error: Option<String>,
+    /// When it asks on its own, before every key's refresh (unix seconds;
+    /// see [`KeyState::due`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub asks_at: Option<i64>,
 }
 
 impl Core {
@@ -1001,6 +1005,7 @@ impl Core {
                 refresh_interval_s: k.lease.map(|l| l.refresh_interval.as_secs()),
                 safe_capacity: k.server_safe.or(k.demand.safe_capacity),
                 last_error: k.last_error.clone(),
+                asks_at: k.due.map(|t| t.as_secs()),
             })
             .collect()
     }

@@ -781,6 +781,9 @@ fn a_lease_that_asks_soon_brings_forward_its_own_key_only() {
         assert_eq!(c.lease_of("k0").unwrap().refresh_interval, Duration::from_secs(12));
         assert_eq!(c.lease_of("k50").unwrap().refresh_interval, Duration::from_secs(1));
         let regular = c.next_refresh();
+        let asks_at = |c: &Core, id: &str| c.status().into_iter().find(|k| k.resource_id == id).unwrap().asks_at;
+        assert!(asks_at(&c, "k50").is_some_and(|t| t < regular.as_secs()), "status shows k50's own refresh");
+        assert_eq!(asks_at(&c, "k0"), None);
         assert!(
             regular.since(w.clock.now()) >= Duration::from_secs(9),
             "{client}: every key's refresh follows the 12 s leases, not the new key's second: {:?}",
