@@ -171,6 +171,13 @@ struct KeyState {
     /// failed, since it was made: until then a key with no lease keeps the
     /// capacity it was made with (see [`Core::take_changes`]).
     settled: bool,
+    /// When its lease asks to hear from it again, if that is before the
+    /// refresh of every key (a server that has just met the resource, or
+    /// that expects to have more for it soon, asks within a second; or an
+    /// early answer's lease that wants renewing before every key's refresh
+    /// comes): an early call carries it then, with any other key due by
+    /// then (see [`Core::on_refresh`]). Kept in [`Core::dues`] too.
+    due: Option<Time>,
 }
 
 impl KeyState {
@@ -185,11 +192,12 @@ impl KeyState {
         self.away
     }
 
-    /// Whether an early refresh carries it: a key made since the last
-    /// answer with no lease yet, or one whose demand is away from its lease.
-    /// The others wait for the refresh of every key, when it is due.
-    fn asks_early(&self) -> bool {
-        self.away || (self.mode == Mode::Pending && self.lease.is_none())
+    /// Whether an early refresh made before `by` carries it: a key made
+    /// since the last answer with no lease yet, one whose demand is away
+    /// from its lease, or one whose own refresh is due by then. The others
+    /// wait for the refresh of every key, when it is due.
+    fn asks_early(&self, by: Time) -> bool {
+        self.away || (self.mode == Mode::Pending && self.lease.is_none()) || self.due.is_some_and(|d| d <= by)
     }
 
     /// When the key changes mode by itself (its lease expires, its hold ends).
@@ -322,6 +330,9 @@ pub struct Core {
     lapse: Option<Time>,
     /// How many keys are away: with none, no key is visited for an early ask.
     away: usize,
+    /// The keys whose own refresh comes before every key's, by time (see
+    /// [`KeyState::due`]): an early call is due at the first.
+    dues: BTreeSet<(Time, String)>,
     to_release: Vec<String>,
     master: Option<String>,
     rotation: usize,
@@ -342,10 +353,16 @@ pub struct Core {
     attempt_started: Time,
     early: bool,
     /// The call in flight is an early one and carries only the keys that
-    /// ask early ([`KeyState::asks_early`]): its answer can bring the next
-    /// refresh of every key forward, never put it back.
+    /// ask early ([`KeyState::asks_early`]): its answer leaves the refresh
+    /// of every key where it was, and gives a key it carried a refresh of
+    /// its own if its lease asks for one sooner ([`KeyState::due`]).
     partial: bool,
     last_error: Option<String>,
+    /// The last call to the servers (a refresh or a discovery; not a
+    /// release) failed: until a refresh succeeds, calls follow the backoff
+    /// alone (no early asks), each carries every key, and a new key follows
+    /// its `on_expiry` at once.
+    failing: bool,
     transitions: Vec<Transition>,
     refreshes: u64,
 }
@@ -364,6 +381,10 @@ pub struct KeyStatus {
     pub refresh_interval_s: Option<u64>,
     pub safe_capacity: Option<f64>,
     pub last_error: Option<String>,
+    /// When it asks on its own, before every key's refresh (unix seconds;
+    /// see [`KeyState::due`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub asks_at: Option<i64>,
 }
 
 impl Core {
@@ -378,6 +399,7 @@ impl Core {
             restate: false,
             lapse: None,
             away: 0,
+            dues: BTreeSet::new(),
             to_release: Vec::new(),
             master: None,
             rotation: 0,
@@ -389,6 +411,7 @@ impl Core {
             early: false,
             partial: false,
             last_error: None,
+            failing: false,
             transitions: Vec::new(),
             refreshes: 0,
         }
@@ -404,6 +427,12 @@ impl Core {
 
     pub fn last_error(&self) -> Option<&str> {
         self.last_error.as_deref()
+    }
+
+    /// Whether the last call to the servers failed (a failed release does
+    /// not count: its leases simply expire on the server).
+    pub fn failing(&self) -> bool {
+        self.failing
     }
 
     pub fn next_refresh(&self) -> Time {
@@ -425,7 +454,7 @@ impl Core {
         self.changed.insert(id.clone());
         self.restate = true;
         let before = self.keys.insert(
-            id,
+            id.clone(),
             Box::new(KeyState {
                 demand,
                 lease: Some(lease),
@@ -439,9 +468,13 @@ impl Core {
                 asked_with: None,
                 asked: false,
                 settled: false,
+                due: None,
             }),
         );
         self.away -= usize::from(before.as_ref().is_some_and(|k| k.away));
+        if let Some(d) = before.as_ref().and_then(|k| k.due) {
+            self.dues.remove(&(d, id));
+        }
         self.lapsed(before.and_then(|k| k.lapse()), Some(lease.expiry));
     }
 
@@ -484,6 +517,9 @@ impl Core {
             if let Some(k) = self.keys.remove(&id) {
                 relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
                 self.away -= usize::from(k.away);
+                if let Some(d) = k.due {
+                    self.dues.remove(&(d, id.clone()));
+                }
             }
             self.to_release.push(id);
         }
@@ -528,7 +564,8 @@ impl Core {
                             asked: false,
                             // While the servers fail, a new key follows its
                             // `on_expiry` at once, as every other key does.
-                            settled: self.last_error.is_some(),
+                            settled: self.failing,
+                            due: None,
                         }),
                     );
                 }
@@ -674,12 +711,22 @@ impl Core {
             };
         }
         let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(self.cfg.min_interval));
-        let mut due = if self.early { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
+        // While the servers fail, the backoff alone says when to call again.
+        let asking = !self.failing;
+        let mut due =
+            if self.early && asking { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
         debug_assert_eq!(self.away, self.keys.values().filter(|k| k.away).count(), "keys away");
-        if let Some(last) = self.last_request.filter(|_| self.away > 0) {
+        debug_assert_eq!(self.dues.len(), self.keys.values().filter(|k| k.due.is_some()).count(), "own refreshes");
+        debug_assert!(self.dues.iter().all(|(t, id)| self.keys.get(id).is_some_and(|k| k.due == Some(*t))));
+        if let Some(last) = self.last_request.filter(|_| self.away > 0 && asking) {
             for k in self.keys.values().filter(|k| k.away) {
                 due = due.min(last.saturating_add(k.early_wait).max(earliest_allowed).max(now));
             }
+        }
+        // A key's own refresh.
+        let own = self.dues.first().map(|(t, _)| *t).filter(|_| asking);
+        if let Some(t) = own {
+            due = due.min(t.max(earliest_allowed).max(now));
         }
         if self.keys.is_empty() || now < due {
             return Action::Wait {
@@ -693,19 +740,20 @@ impl Core {
         // once, and the server would call the keys carried twice too
         // early), nor after a failed call (keys that lost their lease get
         // it back with the first call that succeeds).
-        let mut partial = now.saturating_add(self.cfg.min_interval) < self.next_refresh && self.last_error.is_none();
+        let by = now.saturating_add(self.cfg.min_interval);
+        let mut partial = by < self.next_refresh && asking;
         if partial {
-            match self.keys.values().filter(|k| k.asks_early()).count() {
+            match self.keys.values().filter(|k| k.asks_early(by)).count() {
                 0 => {
                     self.early = false;
-                    return Action::Wait { until: self.next_refresh };
+                    return Action::Wait { until: own.map_or(self.next_refresh, |t| t.min(self.next_refresh)) };
                 }
                 // Every key asks early: this is every key's refresh.
                 n if n == self.keys.len() => partial = false,
                 _ => {}
             }
         }
-        let carried = |k: &KeyState| !partial || k.asks_early();
+        let carried = |k: &KeyState| !partial || k.asks_early(by);
         self.in_flight = true;
         self.partial = partial;
         self.attempt_started = now;
@@ -715,14 +763,15 @@ impl Core {
             k.asked_with = k.away.then(|| k.lease.map_or(0.0, |l| l.capacity));
             k.asked = true;
         }
-        Action::Refresh { target, request: self.request(now, partial) }
+        Action::Refresh { target, request: self.request(now, partial.then_some(by)) }
     }
 
-    fn request(&self, now: Time, partial: bool) -> proto::GetCapacityRequest {
+    /// The request for every key, or for those that ask early by `early`.
+    fn request(&self, now: Time, early: Option<Time>) -> proto::GetCapacityRequest {
         let resource = self
             .keys
             .iter()
-            .filter(|(_, k)| !partial || k.asks_early())
+            .filter(|(_, k)| early.is_none_or(|by| k.asks_early(by)))
             .map(|(id, k)| proto::ResourceRequest {
                 resource_id: id.clone(),
                 priority: k.demand.priority,
@@ -775,6 +824,7 @@ impl Core {
         let from = if permanent { now } else { self.attempt_started.min(now) };
         self.next_refresh = from.saturating_add(delay).max(now);
         self.last_error = Some(msg);
+        self.failing = true;
     }
 
     pub fn on_discovery(&mut self, now: Time, target: &str, result: Result<proto::DiscoveryResponse, CallError>) {
@@ -833,8 +883,32 @@ impl Core {
         self.next_at_once = self.cfg.servers.len().saturating_sub(1);
         self.backoff.on_success();
         self.last_error = None;
-        let mut interval: Option<Duration> = None;
-        let mut earliest_expiry: Option<Time> = None;
+        self.failing = false;
+        // Every key the request carried was answered, with a lease or
+        // without; its own refresh, if it had one, is worked out anew.
+        for (id, k) in self.keys.iter_mut().filter(|(_, k)| k.asked) {
+            (k.asked, k.settled) = (false, true);
+            if let Some(d) = k.due.take() {
+                self.dues.remove(&(d, id.clone()));
+            }
+        }
+        // When each lease asks to be refreshed: one draw of the jitter for
+        // the whole answer, so the keys it carried stay together.
+        let (min, spread) = (self.cfg.min_interval, jitter(Duration::from_secs(1), self.cfg.jitter, &mut self.rng));
+        // And whether it is sooner than the lease's interval says (it asks
+        // within a second, or runs out before its interval is over).
+        let next_of = |l: &Lease| {
+            // Always before the lease runs out, leaving room for one retry.
+            let margin = (l.expiry.since(now) / 10).max(Duration::from_millis(500));
+            let next = now.saturating_add(l.refresh_interval.mul_f64(spread.as_secs_f64()));
+            let by_expiry = l.expiry.saturating_sub(margin);
+            (next.min(by_expiry).max(now.saturating_add(min)), l.refresh_interval <= SOON || by_expiry < next)
+        };
+        // The refresh of every key: the first a lease asks for, leaving out
+        // leases that ask sooner than their interval or within a second
+        // (their keys ask on their own).
+        let (mut regular, mut first): (Option<Time>, Option<Time>) = (None, None);
+        let mut own: Vec<(String, Time)> = Vec::new();
         // The keys' lapses as they were and as they are: `lapse` is worked
         // out once, at the end, not once a key.
         let (mut relapse, mut later) = (false, None);
@@ -879,27 +953,36 @@ impl Core {
                 self.changed.insert(r.resource_id.clone());
             }
             later = earliest(later, k.lapse());
-            interval = Some(interval.map_or(lease.refresh_interval, |i| i.min(lease.refresh_interval)));
-            earliest_expiry = Some(earliest_expiry.map_or(lease.expiry, |e| e.min(lease.expiry)));
-        }
-        // Every key the request carried was answered, with a lease or without.
-        for k in self.keys.values_mut().filter(|k| k.asked) {
-            (k.asked, k.settled) = (false, true);
+            let (next, soon) = next_of(&lease);
+            first = earliest(first, Some(next));
+            if self.partial || soon {
+                own.push((r.resource_id, next));
+            } else {
+                regular = earliest(regular, Some(next));
+            }
         }
         match relapse {
             true => self.lapsed(self.lapse, None),
             false => self.lapsed(None, later),
         }
-        let interval = interval.unwrap_or(Duration::from_secs(5));
-        let mut next = now.saturating_add(jitter(interval, self.cfg.jitter, &mut self.rng));
-        if let Some(exp) = earliest_expiry {
-            // Always refresh before the lease runs out, leaving room for one retry.
-            let margin = (exp.since(now) / 10).max(Duration::from_millis(500));
-            next = next.min(exp.saturating_sub(margin));
+        // The keys an early call left out keep the refresh they had, and
+        // a key it carried asks on its own if its lease wants it sooner.
+        if !self.partial {
+            let fallback = || {
+                now.saturating_add(jitter(Duration::from_secs(5), self.cfg.jitter, &mut self.rng))
+                    .max(now.saturating_add(min))
+            };
+            self.next_refresh = regular.or(first).unwrap_or_else(fallback);
         }
-        let next = next.max(now.saturating_add(self.cfg.min_interval));
-        // The keys an early call left out keep the refresh they had.
-        self.next_refresh = if self.partial { self.next_refresh.min(next) } else { next };
+        for (id, t) in own.into_iter().filter(|(_, t)| *t < self.next_refresh) {
+            if let Some(k) = self.keys.get_mut(&id) {
+                // (An answer that names a key twice replaces its first time.)
+                if let Some(old) = k.due.replace(t) {
+                    self.dues.remove(&(old, id.clone()));
+                }
+                self.dues.insert((t, id));
+            }
+        }
     }
 
     /// Everything, for status pages.
@@ -922,6 +1005,7 @@ impl Core {
                 refresh_interval_s: k.lease.map(|l| l.refresh_interval.as_secs()),
                 safe_capacity: k.server_safe.or(k.demand.safe_capacity),
                 last_error: k.last_error.clone(),
+                asks_at: k.due.map(|t| t.as_secs()),
             })
             .collect()
     }

@@ -231,7 +231,7 @@ impl LeaseClient {
                 let c = self.core.lock().expect("lease core poisoned");
                 if c.refreshes() > 0 {
                     Some(Start::Answered)
-                } else if c.last_error().is_some() {
+                } else if c.failing() {
                     Some(Start::Failed)
                 } else if c.status().iter().all(|k| k.mode == Mode::Leased) {
                     Some(Start::Leased)
@@ -325,7 +325,7 @@ fn enforce(client: &LeaseClient) {
         // dropping to `on_expiry` for a round trip; cached leases apply at
         // once. Once the start-up wait is over while the first call still
         // hangs, `on_expiry` applies.
-        let hanging = client.started.load(Ordering::SeqCst) && core.refreshes() == 0 && core.last_error().is_none();
+        let hanging = client.started.load(Ordering::SeqCst) && core.refreshes() == 0 && !core.failing();
         let caps = core.take_changes(clock.now(), &also, hanging);
         (caps, core.take_transitions())
     };

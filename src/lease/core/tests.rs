@@ -248,7 +248,7 @@ fn expiry_follows_on_expiry_per_key() {
     assert!(c.status().iter().all(|k| k.mode == Mode::Held && k.source == Source::Lease), "{:?}", c.status());
     let tr = c.take_transitions();
     assert_eq!(tr.iter().filter(|t| (t.from, t.to) == (Mode::Leased, Mode::Held)).count(), 3);
-    assert!(c.request(now, false).resource.iter().all(|r| r.has.as_ref().is_some_and(|h| h.capacity == 50.0)));
+    assert!(c.request(now, None).resource.iter().all(|r| r.has.as_ref().is_some_and(|h| h.capacity == 50.0)));
     // The hold ends 30 s after the expiry: on_expiry applies.
     w.advance(Duration::from_secs(27));
     w.step(&mut c);
@@ -259,7 +259,7 @@ fn expiry_follows_on_expiry_per_key() {
     assert_eq!(cap(&mut c, now, "opt"), Capacity::Limited(50.0));
     assert_eq!(cap(&mut c, now, "pes"), Capacity::Limited(0.0));
     assert_eq!(cap(&mut c, now, "safe"), Capacity::Limited(4.0), "the server's safe capacity beats the configured 2");
-    assert!(c.request(now, false).resource.iter().all(|r| r.has.is_none()), "an expired lease is not reported");
+    assert!(c.request(now, None).resource.iter().all(|r| r.has.is_none()), "an expired lease is not reported");
     let tr = c.take_transitions();
     assert_eq!(tr.iter().filter(|t| (t.from, t.to) == (Mode::Held, Mode::Expired)).count(), 3);
     // The server comes back: leases return.
@@ -439,6 +439,39 @@ fn dropped_keys_are_released_and_permanent_errors_back_off() {
     w.step(&mut bad);
     assert!(bad.last_error().unwrap().contains("InvalidArgument"), "{:?}", bad.last_error());
     assert!(bad.next_refresh().since(w.clock.now()) >= Duration::from_secs(15), "no tight retry loop");
+    // Nor does a key made meanwhile bring the retry forward.
+    w.advance(Duration::from_secs(2));
+    bad.set_demand(vec![demand("r", 1.0, OnExpiry::Safe), demand("new", 1.0, OnExpiry::Safe)]);
+    assert_eq!(w.step(&mut bad), 0, "a new key waits for the backoff while the servers refuse");
+    let now = w.clock.now();
+    assert_eq!(cap(&mut bad, now, "new"), cap(&mut bad, now, "r"), "and follows on_expiry at once, as the others");
+}
+
+/// A release that fails (its leases simply expire on the server) does not
+/// count as the servers failing: keys still ask early.
+#[test]
+fn a_failed_release_does_not_hold_back_early_asks() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    let keys = |n: usize| (0..n).map(|i| demand(&format!("k{i}"), 5.0, OnExpiry::Safe)).collect::<Vec<_>>();
+    let mut warm = w.core("warm-up", &["s1"]);
+    warm.set_demand(keys(5));
+    w.step(&mut warm);
+    w.advance(Duration::from_secs(12));
+    c.set_demand(keys(6));
+    w.step(&mut c);
+    assert_eq!(c.lease_of("k5").unwrap().refresh_interval, Duration::from_secs(1), "a resource the server just met");
+    c.on_release(w.clock.now(), Err(CallError::Transient("timed out".into())));
+    assert!(c.last_error().unwrap().contains("release failed"));
+    assert!(!c.failing());
+    w.advance(Duration::from_millis(1200));
+    match c.next_action(w.clock.now()) {
+        Action::Refresh { request, .. } => {
+            let ids: Vec<&str> = request.resource.iter().map(|r| r.resource_id.as_str()).collect();
+            assert_eq!(ids, ["k5"], "the key whose lease asked for it, alone");
+        }
+        other => panic!("the key's own refresh waited: {other:?}"),
+    }
 }
 
 #[test]
@@ -723,4 +756,126 @@ fn an_early_refresh_carries_only_the_keys_that_ask_early() {
     c.set_demand(moved.clone());
     assert_eq!(carried(&c.next_action(w.clock.now())).len(), 52, "every key, half a second early");
     assert!(w.clock.now() < first.expiry, "every key refreshed before its lease ran out");
+}
+
+/// A lease that asks to hear from its key within a second (a server that
+/// has just met the resource, while its clients are arriving) brings that
+/// key's next ask forward, not the refresh of every key: tenants new to a
+/// shared server cost one resource a call each, and join the refresh of
+/// every key once the server settles on them. Three clients, three draws of
+/// the jitter.
+#[test]
+fn a_lease_that_asks_soon_brings_forward_its_own_key_only() {
+    for client in ["a", "b", "c"] {
+        let w = World::new(&["s1"]);
+        let mut c = w.core(client, &["s1"]);
+        let keys = |n: usize| (0..n).map(|i| demand(&format!("k{i}"), 5.0, OnExpiry::Safe)).collect::<Vec<_>>();
+        let mut warm = w.core("warm-up", &["s1"]);
+        warm.set_demand(keys(50));
+        w.step(&mut warm);
+        w.advance(Duration::from_secs(12));
+        // The first refresh carries fifty keys the server knows and one it does not.
+        let start = w.clock.now();
+        c.set_demand(keys(51));
+        w.step(&mut c);
+        assert_eq!(c.lease_of("k0").unwrap().refresh_interval, Duration::from_secs(12));
+        assert_eq!(c.lease_of("k50").unwrap().refresh_interval, Duration::from_secs(1));
+        let regular = c.next_refresh();
+        let asks_at = |c: &Core, id: &str| c.status().into_iter().find(|k| k.resource_id == id).unwrap().asks_at;
+        assert!(asks_at(&c, "k50").is_some_and(|t| t < regular.as_secs()), "status shows k50's own refresh");
+        assert_eq!(asks_at(&c, "k0"), None);
+        assert!(
+            regular.since(w.clock.now()) >= Duration::from_secs(9),
+            "{client}: every key's refresh follows the 12 s leases, not the new key's second: {:?}",
+            regular.since(w.clock.now())
+        );
+        // For 40 s: the new keys ask on their own (a second one comes with
+        // an early call) until every key's refresh comes, when it is due.
+        let mut calls: Vec<(Duration, Vec<String>)> = Vec::new();
+        while w.clock.now().since(start) < Duration::from_secs(40) {
+            assert!(calls.len() < 80, "{client}: too many calls: {calls:?}");
+            if calls.len() == 3 && c.lease_of("k51").is_none() {
+                c.set_demand(keys(52));
+            }
+            match c.next_action(w.clock.now()) {
+                Action::Wait { until } => {
+                    assert!(until > w.clock.now(), "{client}: a wait that is over before it starts");
+                    w.advance(until.since(w.clock.now()));
+                }
+                Action::Refresh { target, request } => {
+                    let ids: Vec<String> = request.resource.iter().map(|r| r.resource_id.clone()).collect();
+                    let answer = w.rt.block_on(w.net.get_capacity(&target, request));
+                    c.on_refresh(w.clock.now(), answer);
+                    calls.push((w.clock.now().since(start), ids));
+                }
+                other => panic!("{client}: unexpected {other:?}"),
+            }
+        }
+        let full = calls.iter().position(|(_, ids)| ids.len() == 52).expect("a refresh of every key");
+        let (before, after) = calls.split_at(full);
+        assert!(before.len() >= 5, "{client}: the new keys asked about once a second: {calls:?}");
+        assert!(
+            before.iter().all(|(_, ids)| ids.iter().all(|id| id == "k50" || id == "k51")),
+            "{client}: only the new keys asked early: {calls:?}"
+        );
+        assert!(before.iter().any(|(_, ids)| ids.iter().any(|id| id == "k51")), "{client}: {calls:?}");
+        // Within the minimum interval of when it was due (a key due by then
+        // brings it that much forward), not later.
+        let due = regular.since(start);
+        assert!(
+            after[0].0 + Duration::from_secs(1) >= due && after[0].0 <= due,
+            "{client}: every key's refresh at {:?}, due at {due:?}",
+            after[0].0
+        );
+        // Once the server has settled on them (it has known k51, made at
+        // about 3 s, for 12 s), the new keys ask with the others: from 20 s
+        // on every call carries every key.
+        let late: Vec<_> = after.iter().filter(|(t, _)| *t >= Duration::from_secs(20)).collect();
+        assert!(!late.is_empty(), "{client}: {calls:?}");
+        assert!(
+            late.iter().all(|(_, ids)| ids.len() == 52),
+            "{client}: the new keys joined every key's refresh: {calls:?}"
+        );
+        assert_eq!(c.lease_of("k50").unwrap().refresh_interval, Duration::from_secs(12), "{client}");
+    }
+}
+
+/// A lease that runs out before its refresh interval is over (an
+/// intermediate caps its clients' leases at its own lease's expiry; a server
+/// with no lease from its parent answers with one already expired) makes
+/// its own key ask before then, not every key.
+#[test]
+fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("a", 5.0, OnExpiry::Safe), demand("b", 5.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    w.advance(c.next_refresh().since(w.clock.now()));
+    let Action::Refresh { request, .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
+    assert_eq!(request.resource.len(), 2);
+    let now = w.clock.now();
+    let lease = |id: &str, expires_in: u64| proto::ResourceResponse {
+        resource_id: id.into(),
+        gets: proto::Lease {
+            capacity: 5.0,
+            expiry_time: now.saturating_add(Duration::from_secs(expires_in)).as_secs(),
+            refresh_interval: 12,
+        },
+        safe_capacity: None,
+    };
+    let answer = proto::GetCapacityResponse { response: vec![lease("a", 30), lease("b", 4)], mastership: None };
+    c.on_refresh(now, Ok(answer));
+    assert!(
+        c.next_refresh().since(now) >= Duration::from_secs(9),
+        "every key's refresh follows a's 12 s, not b's expiry: {:?}",
+        c.next_refresh().since(now)
+    );
+    w.advance(Duration::from_millis(3600));
+    match c.next_action(w.clock.now()) {
+        Action::Refresh { request, .. } => {
+            let ids: Vec<&str> = request.resource.iter().map(|r| r.resource_id.as_str()).collect();
+            assert_eq!(ids, ["b"], "b asks before its lease runs out, alone");
+        }
+        other => panic!("b waited past its lease's end: {other:?}"),
+    }
 }
