@@ -615,6 +615,34 @@ async fn an_idle_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
     u.wait_for_log("forgot an idle key", Duration::from_secs(5));
 }
 
+/// A resource whose id is a placeholder alone (the tenant's name is the
+/// lease id) is leased its capacity by the embedded server, not the
+/// catch-all's nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_that_is_a_placeholder_alone_is_leased_its_capacity() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  tenant: {{ kind: rate, capacity: 10/s, burst: 5, id: \"{{header.x-tenant}}\" }}\n\
+         routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
+        up.addr
+    );
+    let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
+    let lease = || {
+        let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let keys = v["lease"]["keys"].as_array().cloned().unwrap_or_default();
+        keys.iter().find(|k| k["resource_id"] == "acme").map(|k| (k["mode"].to_string(), k["capacity"].to_string()))
+    };
+    let mut c = h1(u.addr("listen")).await;
+    let req = || Request::get("/x").header("host", "app").header("x-tenant", "acme").body(upstream::empty()).unwrap();
+    assert_eq!(send1(&mut c, req()).await.status, StatusCode::OK);
+    assert_eventually!(lease().is_some_and(|(mode, _)| mode == "\"leased\""), Duration::from_secs(5), "{:?}", lease());
+    assert_eq!(lease().unwrap().1, r#"{"Limited":10.0}"#, "the resource's capacity, not the catch-all's 0");
+    assert_eq!(send1(&mut c, req()).await.status, StatusCode::OK, "and requests pass under the lease");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_keys_lease_state_and_transitions_show_on_every_scrape() {
     let up = Upstream::start().await;

@@ -421,6 +421,16 @@ pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
         parameters: vec![],
     };
     let mut templates: Vec<Arc<Template>> = Vec::new();
+    // Keys that match no resource's glob (there should be none) get nothing,
+    // unless a resource's id is a placeholder alone: its glob is `*`, and the
+    // routes file lets no other resource's id meet it.
+    let mut catch_all = Template {
+        identifier_glob: "*".into(),
+        capacity: 0.0,
+        safe_capacity: Some(0.0),
+        description: Some("catch-all".into()),
+        algorithm: algorithm.clone(),
+    };
     let mut fixed: Vec<_> = cfg.resources.values().filter(|r| r.id.is_fixed()).collect();
     fixed.extend(cfg.resources.values().filter(|r| !r.id.is_fixed()));
     for r in fixed {
@@ -432,29 +442,26 @@ pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
                     _ => "*".to_string(),
                 })
                 .collect();
-        if templates.iter().any(|t| t.identifier_glob == glob) || glob == "*" {
+        if templates.iter().any(|t| t.identifier_glob == glob) {
             continue;
         }
         let capacity = match r.kind {
             ResourceKind::Rate => r.capacity.per_second(),
             ResourceKind::Gauge => r.capacity.per_window,
         };
-        templates.push(Arc::new(Template {
+        let template = Template {
             identifier_glob: glob,
             capacity,
             safe_capacity: r.lease.safe_capacity,
             description: Some(format!("routes-file resource `{}`", r.name)),
             algorithm: algorithm.clone(),
-        }));
+        };
+        match template.identifier_glob == "*" {
+            true => catch_all = template,
+            false => templates.push(Arc::new(template)),
+        }
     }
-    // Keys that match no resource's glob (there should be none) get nothing.
-    templates.push(Arc::new(Template {
-        identifier_glob: "*".into(),
-        capacity: 0.0,
-        safe_capacity: Some(0.0),
-        description: Some("catch-all".into()),
-        algorithm,
-    }));
+    templates.push(Arc::new(catch_all));
     ResourcesConfig { templates }
 }
 
