@@ -358,10 +358,10 @@ pub struct Core {
     /// its own if its lease asks for one sooner ([`KeyState::due`]).
     partial: bool,
     last_error: Option<String>,
-    /// The last call to the servers (a refresh or a discovery; not a
-    /// release) failed: until a refresh succeeds, calls follow the backoff
-    /// alone (no early asks), each carries every key, and a new key follows
-    /// its `on_expiry` at once.
+    /// A call to the servers (a refresh or a discovery; not a release)
+    /// failed and no refresh has succeeded since: until one does, calls
+    /// follow the backoff alone (no early asks), each carries every key,
+    /// and a new key follows its `on_expiry` at once.
     failing: bool,
     transitions: Vec<Transition>,
     refreshes: u64,
@@ -429,8 +429,9 @@ impl Core {
         self.last_error.as_deref()
     }
 
-    /// Whether the last call to the servers failed (a failed release does
-    /// not count: its leases simply expire on the server).
+    /// Whether a call to the servers failed and no refresh has succeeded
+    /// since (a failed release does not count: its leases simply expire on
+    /// the server).
     pub fn failing(&self) -> bool {
         self.failing
     }
@@ -746,7 +747,9 @@ impl Core {
             match self.keys.values().filter(|k| k.asks_early(by)).count() {
                 0 => {
                     self.early = false;
-                    return Action::Wait { until: own.map_or(self.next_refresh, |t| t.min(self.next_refresh)) };
+                    // (Never a wait that is already over: that would spin.)
+                    let until = own.map_or(self.next_refresh, |t| t.min(self.next_refresh));
+                    return Action::Wait { until: until.max(now.saturating_add(Duration::from_millis(1))) };
                 }
                 // Every key asks early: this is every key's refresh.
                 n if n == self.keys.len() => partial = false,
@@ -895,19 +898,22 @@ impl Core {
         // When each lease asks to be refreshed: one draw of the jitter for
         // the whole answer, so the keys it carried stay together.
         let (min, spread) = (self.cfg.min_interval, jitter(Duration::from_secs(1), self.cfg.jitter, &mut self.rng));
-        // And whether it is sooner than the lease's interval says (it asks
-        // within a second, or runs out before its interval is over).
+        // Also when it must be renewed by (before it runs out, leaving room
+        // for one retry), and whether it is cut short: it runs out before
+        // even the shortest draw of its interval (capped at an intermediate's
+        // own expiry, or answered already expired).
+        let shortest = 1.0 - self.cfg.jitter.clamp(0.0, 1.0);
         let next_of = |l: &Lease| {
-            // Always before the lease runs out, leaving room for one retry.
             let margin = (l.expiry.since(now) / 10).max(Duration::from_millis(500));
             let next = now.saturating_add(l.refresh_interval.mul_f64(spread.as_secs_f64()));
             let by_expiry = l.expiry.saturating_sub(margin);
-            (next.min(by_expiry).max(now.saturating_add(min)), l.refresh_interval <= SOON || by_expiry < next)
+            let cut = by_expiry < now.saturating_add(l.refresh_interval.mul_f64(shortest));
+            (next.min(by_expiry).max(now.saturating_add(min)), by_expiry, cut)
         };
         // The refresh of every key: the first a lease asks for, leaving out
-        // leases that ask sooner than their interval or within a second
-        // (their keys ask on their own).
-        let (mut regular, mut first): (Option<Time>, Option<Time>) = (None, None);
+        // leases that ask within a second or are cut short (their keys ask
+        // on their own), unless every lease is such.
+        let (mut regular, mut cut_first, mut first): (Option<Time>, Option<Time>, Option<Time>) = (None, None, None);
         let mut own: Vec<(String, Time)> = Vec::new();
         // The keys' lapses as they were and as they are: `lapse` is worked
         // out once, at the end, not once a key.
@@ -953,11 +959,18 @@ impl Core {
                 self.changed.insert(r.resource_id.clone());
             }
             later = earliest(later, k.lapse());
-            let (next, soon) = next_of(&lease);
+            let (next, by_expiry, cut) = next_of(&lease);
+            let soon = lease.refresh_interval <= SOON;
             first = earliest(first, Some(next));
-            if self.partial || soon {
+            if cut && !soon {
+                cut_first = earliest(cut_first, Some(next));
+            }
+            // An early answer gives a key a refresh of its own only if it
+            // cannot wait for every key's (it would ask within a second, or
+            // its lease would run out first); the others join that refresh.
+            if soon || cut || (self.partial && by_expiry < self.next_refresh) {
                 own.push((r.resource_id, next));
-            } else {
+            } else if !self.partial {
                 regular = earliest(regular, Some(next));
             }
         }
@@ -972,7 +985,7 @@ impl Core {
                 now.saturating_add(jitter(Duration::from_secs(5), self.cfg.jitter, &mut self.rng))
                     .max(now.saturating_add(min))
             };
-            self.next_refresh = regular.or(first).unwrap_or_else(fallback);
+            self.next_refresh = regular.or(cut_first).or(first).unwrap_or_else(fallback);
         }
         for (id, t) in own.into_iter().filter(|(_, t)| *t < self.next_refresh) {
             if let Some(k) = self.keys.get_mut(&id) {

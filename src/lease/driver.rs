@@ -251,7 +251,10 @@ impl LeaseClient {
         enforce(self);
         let status = self.status();
         let now = self.clock.now().as_secs();
-        let why = status.last_error.clone().unwrap_or_else(|| format!("no answer within {limit:?}"));
+        let why = match self.core.lock().expect("lease core poisoned").failing() {
+            true => status.last_error.clone().unwrap_or_default(),
+            false => format!("no answer within {limit:?}"),
+        };
         for k in &status.keys {
             let capacity = show(k.capacity);
             match k.source {
