@@ -55,6 +55,28 @@ fn every_error_of_every_file_is_reported_and_the_exit_code_is_64() {
     }
 }
 
+/// A routes file of a kilobyte whose nested aliases would expand to 43
+/// million nodes (an "alias bomb") is refused with its position, not
+/// expanded until memory runs out.
+#[test]
+fn an_alias_bomb_is_refused_with_its_position() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut text =
+        String::from("resources:\n  api: { kind: rate, capacity: 5 }\nbomb:\n  a0: &a0 [x, x, x, x, x, x, x, x, x]\n");
+    for i in 1..=8 {
+        text.push_str(&format!("  a{i}: &a{i} [{}]\n", vec![format!("*a{}", i - 1); 9].join(", ")));
+    }
+    let routes = write_file(dir.path(), "routes.yaml", &text);
+    let started = std::time::Instant::now();
+    let (code, out, err) = run_usher(&["check", routes.to_str().unwrap()]);
+    assert_eq!(code, 64, "{out}{err}");
+    assert!(
+        err.contains(&format!("{}:9:17: this alias would make the document more than 200000 nodes", routes.display())),
+        "{err}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "took {:?}", started.elapsed());
+}
+
 #[test]
 fn completions_and_man_page_come_from_the_cli_definitions() {
     for shell in ["bash", "zsh", "fish"] {
