@@ -225,10 +225,8 @@ impl Resource {
         if let Some(p) = &self.fixed {
             return Ok(p.clone());
         }
-        let limiter: Arc<Limiter> = self
-            .limits
-            .try_limiter(&route::render_id(&self.template, req))
-            .map_err(|e| ProxyError::TooManyKeys { resource: e.resource, max_keys: e.max_keys })?;
+        let limiter: Arc<Limiter> =
+            self.limits.try_limiter(&route::render_id(&self.template, req)).map_err(ProxyError::from)?;
         Ok(Plan::new(vec![(limiter, self.cost)]))
     }
 }

@@ -382,6 +382,48 @@ async fn idle_templated_keys_are_released_and_forgotten() {
     assert!(p.log().contains("forgot an idle key"), "{}", p.log());
 }
 
+/// A request whose header would make a lease id longer than capacity
+/// servers accept is refused (400, naming the resource) instead of making a
+/// key: that id in the sidecar's GetCapacity had the server refuse every
+/// call, and every key of the sidecar lost its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_too_long_for_a_lease_id_is_refused_and_other_keys_keep_their_leases() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let server = start_server(dir.path(), "server", FAIR, port);
+    let up = Upstream::start().await;
+    let doorman =
+        format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: sidecar-l\n  min_interval: 200ms\n");
+    let res = "    kind: rate\n    id: \"tenant/{header.x-tenant}\"\n    capacity: 10\n    wants: 10\n";
+    let p = start_proxy(dir.path(), "p", &routes(&up, &doorman, res));
+    let mut c = h1(p.addr("listen")).await;
+    let req = |tenant: &str| {
+        http::Request::get("/x")
+            .header("host", "app.local")
+            .header("x-tenant", tenant)
+            .body(support::upstream::empty())
+            .unwrap()
+    };
+    let held = |t: &str| {
+        let (code, body) = http_get(server.addr("admin"), &format!("/debug/resources?resource=tenant/{t}&format=json"));
+        code == 200 && body.contains("sidecar-l")
+    };
+    assert_eq!(send1(&mut c, req("acme")).await.status, 200);
+    assert_eventually!(held("acme"), Duration::from_secs(5), "the first key is leased");
+    let long = "A".repeat(2000);
+    let refused = send1(&mut c, req(&long)).await;
+    assert_eq!(refused.status, 400);
+    let body = String::from_utf8_lossy(&refused.body);
+    assert!(body.contains("resource `api`") && body.contains("2007 bytes") && body.contains("1024"), "{body}");
+    // A tenant made after it is leased, and the lease client reports no error.
+    assert_eq!(send1(&mut c, req("globex")).await.status, 200);
+    assert_eventually!(held("globex"), Duration::from_secs(5), "a later key is leased: {}", status(&p));
+    assert!(held("acme"));
+    assert!(status(&p)["last_error"].is_null(), "{}", status(&p));
+    assert!(!server.log().contains("at most 1024"), "{}", server.log());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sidecar_that_wakes_up_reaches_its_share_within_two_seconds() {
     let _serial = SERIAL.lock().await;

@@ -565,11 +565,18 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
     let id = match m.get("id") {
         None => Some(IdTemplate { text: name.to_string(), segments: vec![Segment::Literal(name.to_string())] }),
         Some(n) => ck.string(n, &m.child("id")).and_then(|s| match IdTemplate::parse(&s) {
-            Ok(t) if !t.text.is_empty() => Some(t),
-            Ok(_) => {
+            Ok(t) if t.text.is_empty() => {
                 ck.error(n.loc, &m.child("id"), "must not be empty", None);
                 None
             }
+            Ok(t) if literal_bytes(&t) > crate::limit::table::MAX_ID_BYTES => {
+                let max = crate::limit::table::MAX_ID_BYTES;
+                let what = if t.is_fixed() { "" } else { " without its placeholders" };
+                let msg = format!("is {} bytes long{what}; capacity servers accept at most {max}", literal_bytes(&t));
+                ck.error(n.loc, &m.child("id"), msg, None);
+                None
+            }
+            Ok(t) => Some(t),
             Err(e) => {
                 ck.error(n.loc, &m.child("id"), e, None);
                 None
@@ -791,6 +798,11 @@ fn read_match(ck: &mut Checker, node: &Node, path: &str) -> Option<Match> {
         }
     }
     Some(Match { host, path_prefix, methods, headers })
+}
+
+/// The bytes of an id template's literal text: the least any id it makes has.
+fn literal_bytes(t: &IdTemplate) -> usize {
+    t.segments.iter().map(|s| if let Segment::Literal(l) = s { l.len() } else { 0 }).sum()
 }
 
 #[cfg(test)]

@@ -229,12 +229,22 @@ impl Activity {
     }
 }
 
-/// A templated resource already has `max_keys` distinct ids.
+/// The most bytes a lease id may have: what capacity servers accept (usher's
+/// refuses a longer one, and with it the whole call that carries it: every
+/// key of the sidecar).
+pub const MAX_ID_BYTES: usize = 1024;
+
+/// Why a templated resource makes no key for an id.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("resource `{resource}` already tracks {max_keys} distinct ids (its max_keys)")]
-pub struct KeysFull {
-    pub resource: String,
-    pub max_keys: usize,
+pub enum KeyRefused {
+    /// It already has `max_keys` distinct ids.
+    #[error("resource `{resource}` already tracks {max_keys} distinct ids (its max_keys)")]
+    Full { resource: String, max_keys: usize },
+    /// The id, rendered from the request, is longer than [`MAX_ID_BYTES`].
+    #[error(
+        "resource `{resource}`: this request makes a lease id of {bytes} bytes; capacity servers accept at most {MAX_ID_BYTES}"
+    )]
+    TooLong { resource: String, bytes: usize },
 }
 
 impl ResourceLimits {
@@ -260,7 +270,7 @@ impl ResourceLimits {
 
     /// The limiter for a templated `id`, created on first use unless the
     /// resource already has `max_keys` keys.
-    pub fn try_limiter(&self, id: &str) -> Result<Arc<Limiter>, KeysFull> {
+    pub fn try_limiter(&self, id: &str) -> Result<Arc<Limiter>, KeyRefused> {
         self.get_or_create(id, self.spec.load().max_keys)
     }
 
@@ -277,9 +287,12 @@ impl ResourceLimits {
         recent.keys.get(id).cloned().or_else(|| self.keys.load().get(id).cloned())
     }
 
-    fn get_or_create(&self, id: &str, bound: usize) -> Result<Arc<Limiter>, KeysFull> {
+    fn get_or_create(&self, id: &str, bound: usize) -> Result<Arc<Limiter>, KeyRefused> {
         if let Some(l) = self.keys.load().get(id) {
             return Ok(l.clone());
+        }
+        if id.len() > MAX_ID_BYTES {
+            return Err(KeyRefused::TooLong { resource: self.spec.load().name.clone(), bytes: id.len() });
         }
         let mut recent = self.recent.lock().expect("key lock");
         let keys = self.keys.load();
@@ -289,7 +302,7 @@ impl ResourceLimits {
         let count = keys.len() + recent.keys.len();
         if count >= bound {
             let spec = self.spec.load();
-            return Err(KeysFull { resource: spec.name.clone(), max_keys: spec.max_keys });
+            return Err(KeyRefused::Full { resource: spec.name.clone(), max_keys: spec.max_keys });
         }
         let l = Arc::new(Limiter::new(id.to_string(), self.spec.clone(), self.clock.clone(), self.activity.clone()));
         self.activity.nudge();
@@ -637,7 +650,7 @@ mod tests {
             assert_eq!(r.try_limiter(&format!("r/{i}")).unwrap().id(), format!("r/{i}"));
         }
         let full = r.try_limiter("r/3").unwrap_err();
-        assert_eq!(full, KeysFull { resource: "r".into(), max_keys: 3 });
+        assert_eq!(full, KeyRefused::Full { resource: "r".into(), max_keys: 3 });
         assert_eq!(full.to_string(), "resource `r` already tracks 3 distinct ids (its max_keys)");
         assert_eq!(r.try_limiter("r/1").unwrap().id(), "r/1", "known ids are still served");
         assert_eq!(r.limiters().len(), 3);

@@ -45,6 +45,16 @@ pub enum ProxyError {
     TooManyKeys { resource: String, max_keys: usize },
 }
 
+impl From<crate::limit::table::KeyRefused> for ProxyError {
+    fn from(e: crate::limit::table::KeyRefused) -> Self {
+        use crate::limit::table::KeyRefused;
+        match e {
+            KeyRefused::Full { resource, max_keys } => ProxyError::TooManyKeys { resource, max_keys },
+            e @ KeyRefused::TooLong { .. } => ProxyError::BadRequest(e.to_string()),
+        }
+    }
+}
+
 impl ProxyError {
     fn status(&self) -> StatusCode {
         match self {

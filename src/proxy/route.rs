@@ -239,9 +239,7 @@ fn resolved<R: RequestView>(route: &Arc<Route>, req: &R, host: &str, target: Tar
         let limiter = if r.template.is_fixed() {
             r.fixed_limiter()
         } else {
-            r.limits
-                .try_limiter(&render(&r.template, req, host))
-                .map_err(|e| ProxyError::TooManyKeys { resource: e.resource, max_keys: e.max_keys })?
+            r.limits.try_limiter(&render(&r.template, req, host)).map_err(ProxyError::from)?
         };
         items.push((limiter, r.cost));
     }

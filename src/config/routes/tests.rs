@@ -285,3 +285,23 @@ fn when_two_ids_could_meet() {
         assert!(!meet(a, b), "`{a}` and `{b}` could not meet");
     }
 }
+
+/// An id that capacity servers would refuse (over 1,024 bytes) is refused
+/// here, at its position: in a GetCapacity it would fail every key's lease.
+#[test]
+fn an_id_longer_than_servers_accept_is_refused() {
+    let long = "x".repeat(1100);
+    let text = format!(
+        "resources:\n  a:\n    kind: rate\n    id: {long}\n    capacity: 5/s\n  b:\n    kind: rate\n    id: \"{long}/{{header.x}}\"\n    capacity: 5/s\n  ok:\n    kind: rate\n    id: \"{}/{{header.x}}\"\n    capacity: 5/s\n",
+        "y".repeat(1000)
+    );
+    let e = RoutesConfig::parse("long.yaml", &text).unwrap_err();
+    let lines: Vec<String> = e.diagnostics.iter().map(|d| d.to_string()).collect();
+    assert_eq!(
+        lines,
+        [
+            "long.yaml:4:9: resources.a.id: is 1100 bytes long; capacity servers accept at most 1024",
+            "long.yaml:8:9: resources.b.id: is 1101 bytes long without its placeholders; capacity servers accept at most 1024",
+        ]
+    );
+}
