@@ -1078,13 +1078,17 @@ impl Resource {
     /// everything). A client holding a lease of 0 got nothing for the whole
     /// of learning mode before (a sidecar that first asked with a measured
     /// demand of 0 refused everything for the 14.7 s a lone root learns).
-    fn learning_grant(&self, req: &LeaseRequest) -> f64 {
+    /// What it reports is believed up to the resource's capacity (`limit`:
+    /// the parent's grant, else the configured one): no predecessor handed
+    /// out more, and a client that claims more must not keep it.
+    fn learning_grant(&self, req: &LeaseRequest, limit: f64) -> f64 {
         let safe = match self.template.safe_capacity {
             Some(s) if s >= 0.0 => req.wants.min(s * req.subclients as f64),
             _ => 0.0,
         };
         match req.reported_has {
             // More than it holds is not covered by what the parent counts.
+            Some(h) if h > 0.0 && limit >= 0.0 => h.min(limit),
             Some(h) if h > 0.0 => h,
             _ => safe,
         }
@@ -1198,7 +1202,7 @@ impl Resource {
         // soon to collect it, instead of a whole refresh interval later.
         let mut held_back = false;
         let granted = match capacity {
-            _ if learning => self.learning_grant(req),
+            _ if learning => self.learning_grant(req, capacity.unwrap_or(self.template.capacity)),
             None => 0.0,
             Some(cap) => {
                 // Capacity reserved for lapsed clients is nobody's to share.
@@ -1277,10 +1281,12 @@ impl Resource {
             if matches!(role, Role::Intermediate { .. }) && parent.is_none() {
                 expiry = now.saturating_add(Duration::from_secs(2));
             }
+            // (No predecessor's lease lasted longer than a lease length from
+            // now: a reported expiry beyond that is not believed.)
             if req.reported_has.is_some()
                 && let Some(e) = req.reported_expiry
             {
-                expiry = expiry.max(e);
+                expiry = expiry.max(e.min(now.saturating_add(alg.lease_length)));
             }
             // Come back when learning ends, to be given a real share.
             if let Some(end) = self.learning_end {

@@ -87,6 +87,26 @@ fn learning_mode_hands_back_has_then_ends() {
     assert!(!s.status()[0].learning_mode);
 }
 
+/// Learning mode believes what a client reports holding up to the
+/// resource's capacity and for at most a lease length: a client that claims
+/// everything for ever must not keep it once learning ends.
+#[test]
+fn learning_mode_believes_a_reported_lease_only_within_the_capacity_and_a_lease_length() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 5, Duration::ZERO);
+    let now = clock.now();
+    let liar = LeaseRequest {
+        reported_expiry: Some(now.saturating_add(Duration::from_secs(1_000_000_000))),
+        ..req("r", 1e300, Some(1e300))
+    };
+    let g = s.get_capacity("liar", &liar);
+    assert_eq!(g.capacity, 100.0, "at most the capacity");
+    assert!(g.expiry <= now.saturating_add(Duration::from_secs(10)), "at most a lease length: {:?}", g.expiry);
+    // After learning mode and the liar's lease (reserved as long again once
+    // lapsed: the liar may still hold it), an honest client gets its share.
+    clock.advance(Duration::from_secs(21));
+    assert_eq!(s.get_capacity("honest", &req("r", 10.0, None)).capacity, 10.0);
+}
+
 #[test]
 fn too_early_request_gets_its_lease_back_and_records_wants() {
     let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::from_secs(1));
