@@ -454,6 +454,34 @@ async fn reload_keeps_connections_and_limiter_state() {
     assert_eq!(metric(&body, "usher_proxy_config_reloads_total", &[]), Some(1.0));
 }
 
+/// `limits.max_body_bytes` lowered by a reload applies to the next request
+/// on a connection the sidecar already had, a small declared body included
+/// (the native path checked it against the limit its connection began with).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_body_limit_applies_to_small_bodies_on_open_connections() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let base = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         routes:\n  - {{ name: api, upstream: up }}\n",
+        up.addr
+    );
+    let routes = write_file(dir.path(), "routes.yaml", &base);
+    let u = start_proxy(&routes);
+    let mut c = h1(u.addr("listen")).await;
+    let post = |n: usize| Request::post("/sink").header("host", "app").body(upstream::full(vec![b'a'; n])).unwrap();
+    assert_eq!(send1(&mut c, post(20)).await.status, StatusCode::OK);
+    replace(&routes, &format!("limits: {{ max_body_bytes: 10 }}\n{base}"));
+    u.wait_for_log("routes reloaded", Duration::from_secs(20));
+    let before = up.stats.requests();
+    for mut conn in [c, h1(u.addr("listen")).await] {
+        let got = send1(&mut conn, post(20)).await;
+        assert_eq!(got.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", String::from_utf8_lossy(&got.body));
+        assert_eq!(send1(&mut conn, post(10)).await.status, StatusCode::OK, "a body within the limit passes");
+    }
+    assert_eq!(up.stats.requests(), before + 2, "nothing over the limit was forwarded");
+}
+
 /// A reload into a routes file with two resources on one lease id (a fixed
 /// id twice, or two templates that could make the same id) is rejected like
 /// any bad file: the previous routes and limiter state stay, the error is

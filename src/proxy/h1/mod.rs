@@ -335,10 +335,15 @@ impl<'c> Inbound for Request<'_, 'c> {
         false
     }
 
-    fn guard(&mut self, _max_body: Option<u64>) -> Result<(), ProxyError> {
-        // Parsing handed off every request these checks could refuse (a
-        // `Via` of ours, no Host or several, a body over the limit, an Upgrade).
-        Ok(())
+    fn guard(&mut self, max_body: Option<u64>) -> Result<(), ProxyError> {
+        // Parsing handed off every other request these checks could refuse
+        // (a `Via` of ours, no Host or several, an Upgrade) and bodies over
+        // the limit in force when the connection came; a reload since may
+        // have lowered it.
+        match max_body {
+            Some(limit) if self.body.len() as u64 > limit => Err(ProxyError::BodyTooLarge { limit }),
+            _ => Ok(()),
+        }
     }
 
     fn ready(self, target: Target) -> Result<Prepared<'c>, &'static str> {
