@@ -42,7 +42,18 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // `--help` and `--version` print and succeed; a usage error exits 64
+        // (EX_USAGE), as an invalid configuration does, not clap's 2.
+        Err(e) => {
+            let _ = e.print();
+            return match e.use_stderr() {
+                true => ExitCode::from(64),
+                false => ExitCode::SUCCESS,
+            };
+        }
+    };
     // The demo's sidecars would drown its live table in their info logs.
     init_logging(if matches!(cli.command, Command::Demo(_)) { "warn" } else { "info" });
     let result = match cli.command {

@@ -77,6 +77,22 @@ fn an_alias_bomb_is_refused_with_its_position() {
     assert!(started.elapsed() < std::time::Duration::from_secs(30), "took {:?}", started.elapsed());
 }
 
+/// A usage error (an unknown flag, a value that does not parse) exits 64
+/// like an invalid configuration, with clap's message; `--help` exits 0.
+#[test]
+fn usage_errors_exit_64_and_help_exits_0() {
+    for args in [&["server", "--bogus"][..], &["server", "--min-request-interval", "-1s"], &["nonsense"]] {
+        let (code, out, err) = run_usher(args);
+        assert_eq!(code, 64, "{args:?}: {out}{err}");
+        assert!(err.contains("error:"), "{args:?}: {err}");
+    }
+    let (code, out, _) = run_usher(&["server", "--help"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("Usage:"), "{out}");
+    let (code, out, _) = run_usher(&["--version"]);
+    assert_eq!((code, out.starts_with("usher ")), (0, true), "{out}");
+}
+
 #[test]
 fn completions_and_man_page_come_from_the_cli_definitions() {
     for shell in ["bash", "zsh", "fish"] {

@@ -2428,7 +2428,7 @@ async fn the_binary_s_http1_flag_and_env_choose_the_engine() {
     }
 
     let (code, _, err) = support::run_usher(&["proxy", "--routes", routes, "--http1", "fast"]);
-    assert_eq!(code, 2, "{err}");
+    assert_eq!(code, 64, "{err}");
     assert!(err.contains("invalid value 'fast' for '--http1 <HTTP1>'"), "{err}");
     assert!(err.contains("[possible values: native, hyper]"), "{err}");
 }
