@@ -197,6 +197,13 @@ fn refusal(r: &Refused, hold: Option<Duration>, grpc: bool) -> Response<ProxyBod
     let retry = ceil_secs(r.retry_after);
     let (policy, state) = ratelimit_fields(r);
     let detail = match r.reason {
+        Reason::Held => format!(
+            "resource `{}` (id `{}`) is held: its upstream asked to wait (Retry-After) {}, longer than max_wait {}; retry in {retry} s",
+            r.resource,
+            r.id,
+            fmt_ms(hold.unwrap_or(r.retry_after)),
+            fmt_ms(r.max_wait)
+        ),
         _ if hold.is_some() => format!(
             "resource `{}` (id `{}`) is held: its upstream asked to wait (Retry-After); retry in {retry} s",
             r.resource, r.id

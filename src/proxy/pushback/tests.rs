@@ -225,3 +225,49 @@ fn a_pushback_backs_off_from_the_lease_in_force_at_the_lock() {
     assert_eq!(ch, [("k".to_string(), 5.0)], "half the lease in force");
     assert_eq!(*capacity.lock().unwrap(), 5.0);
 }
+
+/// A gauge key: it admits whole requests, and is told its hold.
+struct GaugeKey {
+    capacity: f64,
+    hold: Mutex<Option<Time>>,
+}
+
+impl Key for GaugeKey {
+    fn id(&self) -> &str {
+        "g"
+    }
+
+    fn capacity(&self) -> f64 {
+        self.capacity
+    }
+
+    fn whole(&self) -> bool {
+        true
+    }
+
+    fn set_hold(&self, until: Option<Time>) {
+        *self.hold.lock().unwrap() = until;
+    }
+}
+
+#[test]
+fn a_gauge_backs_off_to_no_less_than_one_once_its_hold_ends() {
+    let p = Pushback::new(&prometheus::Registry::new());
+    let cfg = PushbackConfig { enabled: true, multiplier: 0.5, recover_after: 10, recover_step: 1.5 };
+    let t0 = Time::from_secs(100);
+    let one = GaugeKey { capacity: 1.0, hold: Mutex::new(None) };
+    let ch = p.on_response([&one], StatusCode::TOO_MANY_REQUESTS, Some(Duration::from_secs(2)), t0, &cfg, |_, _| {});
+    assert_eq!(ch, [("g".to_string(), 0.0)], "nothing during the hold");
+    assert_eq!(*one.hold.lock().unwrap(), Some(at(t0, 2000)), "the key is told when its hold ends");
+    assert_eq!(p.effective("g", 1.0, at(t0, 2000)), 1.0, "0.5 of 1 would admit nothing: one probe at a time");
+    assert_eq!(p.effective("g", 0.0, at(t0, 2000)), 0.0, "never more than the lease grants");
+    for _ in 0..5 {
+        p.on_response([&one], StatusCode::SERVICE_UNAVAILABLE, None, at(t0, 2500), &cfg, |_, _| {});
+    }
+    assert_eq!(p.effective("g", 1.0, at(t0, 2500)), 1.0, "however far it backs off");
+
+    let p = Pushback::new(&prometheus::Registry::new());
+    let five = GaugeKey { capacity: 5.0, hold: Mutex::new(None) };
+    p.on_response([&five], StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg, |_, _| {});
+    assert_eq!(p.effective("g", 5.0, t0), 2.5, "above 1 it backs off as a rate does (the gauge admits 2)");
+}
