@@ -29,6 +29,10 @@ pub enum ProxyError {
     ConnectDenied { authority: String, host: String },
     #[error("upstream `{upstream}` did not send response headers within {after:?}")]
     UpstreamTimeout { upstream: String, after: Duration },
+    #[error(
+        "route `{route}`: the client stopped sending its request body (nothing for {after:?}, the upstream's timeout)"
+    )]
+    ClientStalled { route: String, after: Duration },
     #[error("cannot connect to upstream `{upstream}`: {reason}")]
     UpstreamConnect { upstream: String, reason: String },
     #[error("upstream `{upstream}` failed before sending response headers: {reason}")]
@@ -60,6 +64,7 @@ impl ProxyError {
         match self {
             ProxyError::NoRoute { .. } | ProxyError::ConnectDenied { .. } => StatusCode::FORBIDDEN,
             ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::ClientStalled { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::UpstreamConnect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Loop => StatusCode::LOOP_DETECTED,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
@@ -73,6 +78,7 @@ impl ProxyError {
             ProxyError::NoRoute { .. } => "no-route",
             ProxyError::ConnectDenied { .. } => "connect-denied",
             ProxyError::UpstreamTimeout { .. } => "upstream-timeout",
+            ProxyError::ClientStalled { .. } => "client-timeout",
             ProxyError::UpstreamConnect { .. } => "upstream-connect",
             ProxyError::Upstream { .. } => "upstream-error",
             ProxyError::Loop => "loop",
@@ -85,7 +91,7 @@ impl ProxyError {
     fn grpc_code(&self) -> u8 {
         match self {
             ProxyError::NoRoute { .. } | ProxyError::ConnectDenied { .. } => 7, // PERMISSION_DENIED
-            ProxyError::UpstreamTimeout { .. } => 4,                            // DEADLINE_EXCEEDED
+            ProxyError::UpstreamTimeout { .. } | ProxyError::ClientStalled { .. } => 4, // DEADLINE_EXCEEDED
             ProxyError::BadRequest(_) => 3,                                     // INVALID_ARGUMENT
             ProxyError::TooManyKeys { .. } | ProxyError::BodyTooLarge { .. } => 8, // RESOURCE_EXHAUSTED
             _ => 14,                                                            // UNAVAILABLE
