@@ -505,6 +505,16 @@ impl LeaseTable {
         self.resources.load().values().any(|r| r.get(id).is_some())
     }
 
+    /// Records the end of the upstream's hold on every key whose id is `id`
+    /// (see [`Limiter::set_hold`]).
+    pub fn set_hold(&self, id: &str, until: Option<Time>) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.set_hold(until);
+            }
+        }
+    }
+
     /// Sets the capacity of every key whose id is `id`; false if there is none.
     pub fn set_capacity(&self, id: &str, capacity: f64) -> bool {
         let mut found = false;

@@ -234,9 +234,12 @@ impl Pushback {
     /// with `write`, under the lock [`Pushback::on_response`] writes under:
     /// the lease client's write and the request path's cannot cross and
     /// leave the older value last (each capacity is applied once).
-    pub fn apply(&self, id: &str, granted: f64, now: Time, write: impl FnOnce(f64)) {
+    /// `write` is also given the end of the key's hold, while one runs: a
+    /// key made anew (a reload) learns it too.
+    pub fn apply(&self, id: &str, granted: f64, now: Time, write: impl FnOnce(f64, Option<Time>)) {
         let mut keys = self.keys.lock().expect("pushback lock");
-        write(self.effective_in(&mut keys, id, granted, now));
+        let c = self.effective_in(&mut keys, id, granted, now);
+        write(c, keys.get(id).and_then(|k| k.hold_until.filter(|t| *t > now)));
     }
 
     fn effective_in(&self, keys: &mut HashMap<String, KeyState>, id: &str, granted: f64, now: Time) -> f64 {
