@@ -52,6 +52,8 @@ pub enum Reason {
     QueueFull,
     /// The capacity is 0.
     ZeroCapacity,
+    /// The upstream's `Retry-After` holds the key past `max_wait`.
+    Held,
 }
 
 /// A refusal: enough to write the 429 and its headers.
@@ -81,6 +83,7 @@ impl fmt::Display for Refused {
             Reason::Exhausted => "no capacity within max_wait",
             Reason::QueueFull => "too many requests waiting",
             Reason::ZeroCapacity => "capacity is 0",
+            Reason::Held => "its upstream's Retry-After holds it past max_wait",
         };
         write!(
             f,
@@ -248,6 +251,9 @@ pub fn start(plan: &Plan, clock: &Clock) -> Admission {
     match reserve_rates(plan, arrival, arrival) {
         Err(Blocked::Refuse(r)) => Admission::Done(Some(Err(*r))),
         Err(Blocked::Zero(_)) => {
+            if let Some(r) = held(plan, arrival) {
+                return Admission::Done(Some(Err(r)));
+            }
             let (plan, clock) = (plan.clone(), clock.clone());
             waiting(Box::pin(async move {
                 let (reserved, longest) = rates_after_zero(&plan, &clock, arrival).await?;
@@ -259,6 +265,9 @@ pub fn start(plan: &Plan, clock: &Clock) -> Admission {
             Err(r) => Admission::Done(Some(Err(*r))),
             // A gauge is full: wait for it.
             Ok(None) => {
+                if let Some(r) = held(plan, arrival) {
+                    return Admission::Done(Some(Err(r)));
+                }
                 let (plan, clock) = (plan.clone(), clock.clone());
                 waiting(Box::pin(async move { finish(&plan, &clock, arrival, reserved, longest, false).await }))
             }
@@ -268,6 +277,18 @@ pub fn start(plan: &Plan, clock: &Clock) -> Admission {
             waiting(Box::pin(async move { finish(&plan, &clock, arrival, reserved, longest, false).await }))
         }
     }
+}
+
+/// A refusal when a key of the plan is held by its upstream's `Retry-After`
+/// (upstream pushback) until after its `max_wait`: nothing is admitted before
+/// the hold ends, so waiting for it would only end in a later refusal. Only
+/// an admission that has to wait asks: its key is at capacity 0 or full.
+fn held(plan: &Plan, arrival: Time) -> Option<Refused> {
+    plan.items.iter().find_map(|(l, _)| {
+        let until = l.hold_until()?;
+        (until > arrival.saturating_add(l.spec().max_wait))
+            .then(|| refused(l, Reason::Held, until.since(arrival), Duration::ZERO))
+    })
 }
 
 /// Every gauge's permits at once (`Ok(None)`: one is full, nothing kept),

@@ -14,7 +14,7 @@
 //! creating n keys O(n²)), and is read lock-free from its fold on.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,7 +25,7 @@ use tokio::sync::Notify;
 use super::demand::DemandMeter;
 use super::gauge::Gauge;
 use super::rate::Rate;
-use crate::clock::Clock;
+use crate::clock::{Clock, Time};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -61,6 +61,9 @@ pub struct Limiter {
     clock: Clock,
     /// The table's [`LeaseTable::activity`].
     activity: Arc<Activity>,
+    /// When an upstream's `Retry-After` ends (nanoseconds of [`Time`], 0:
+    /// none): read only by an admission that has to wait.
+    hold_until: AtomicU64,
 }
 
 impl std::fmt::Debug for Limiter {
@@ -80,7 +83,30 @@ impl Limiter {
             Kind::Rate => (Some(Rate::new(s.capacity, s.burst, clock.now())), None),
             Kind::Gauge => (None, Some(Gauge::new(gauge_units(s.capacity)))),
         };
-        Limiter { id, kind: s.kind, rate, gauge, demand: DemandMeter::default(), spec: spec.clone(), clock, activity }
+        Limiter {
+            id,
+            kind: s.kind,
+            rate,
+            gauge,
+            demand: DemandMeter::default(),
+            spec: spec.clone(),
+            clock,
+            activity,
+            hold_until: AtomicU64::new(0),
+        }
+    }
+
+    /// Records when the upstream's `Retry-After` for this key ends (upstream
+    /// pushback): an admission that would have to wait past it and past
+    /// `max_wait` is refused at once.
+    pub fn set_hold(&self, until: Option<Time>) {
+        self.hold_until.store(until.map_or(0, Time::as_nanos), Ordering::Relaxed);
+    }
+
+    /// When the upstream's `Retry-After` for this key ends, if it was given.
+    pub fn hold_until(&self) -> Option<Time> {
+        let n = self.hold_until.load(Ordering::Relaxed);
+        (n > 0).then(|| Time::from_nanos(n))
     }
 
     /// Tells the lease client that this key needs it now (a request waits
@@ -477,6 +503,16 @@ impl LeaseTable {
     /// Whether any resource has a key whose id is `id`.
     pub fn contains(&self, id: &str) -> bool {
         self.resources.load().values().any(|r| r.get(id).is_some())
+    }
+
+    /// Records the end of the upstream's hold on every key whose id is `id`
+    /// (see [`Limiter::set_hold`]).
+    pub fn set_hold(&self, id: &str, until: Option<Time>) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.set_hold(until);
+            }
+        }
     }
 
     /// Sets the capacity of every key whose id is `id`; false if there is none.

@@ -7,9 +7,18 @@
 //! aborted (never completed) and the client gets a 400; holding bodies back
 //! would delay every upload and stall clients that stream while reading the
 //! answer (README, Security).
+//!
+//! It also says how far it got ([`Progress`]): the upstream's `timeout` for
+//! response headers runs from the body's end, and a client that sends no
+//! body bytes for that long is told so (408), not the upstream blamed.
 
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use hyper::body::Incoming;
 
@@ -25,6 +34,53 @@ pub struct RequestBody {
     pub(super) inner: Incoming,
     pub(super) limit: Option<u64>,
     pub(super) seen: u64,
+    /// Set for a body not known to be empty: how far it got.
+    pub(super) progress: Option<Arc<Progress>>,
+}
+
+/// How far a streamed request body got, as [`RequestBody`] records it.
+pub struct Progress {
+    start: Instant,
+    /// Nanoseconds from `start` to the last frame from the client, or the body's end.
+    last: AtomicU64,
+    state: AtomicU8,
+}
+
+/// Where a streamed request body stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sending {
+    /// Not asked for more since its last frame (the upstream is not taking it yet).
+    Streaming,
+    /// Asked for more, and the client has not sent it.
+    AwaitingClient,
+    /// Sent whole.
+    Done,
+}
+
+impl Progress {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Progress { start: Instant::now(), last: AtomicU64::new(0), state: AtomicU8::new(0) })
+    }
+
+    /// Where the body stands, and since when (its last frame, or its end).
+    pub fn read(&self) -> (Sending, Instant) {
+        let state = match self.state.load(Ordering::Acquire) {
+            0 => Sending::Streaming,
+            1 => Sending::AwaitingClient,
+            _ => Sending::Done,
+        };
+        (state, self.start + Duration::from_nanos(self.last.load(Ordering::Acquire)))
+    }
+
+    fn moved(&self, state: Sending) {
+        let at = Instant::now().saturating_duration_since(self.start).as_nanos() as u64;
+        self.last.store(at, Ordering::Release);
+        self.set(state);
+    }
+
+    fn set(&self, state: Sending) {
+        self.state.store(state as u8, Ordering::Release);
+    }
 }
 
 /// A request body went past `limits.max_body_bytes` while streaming.
@@ -48,7 +104,17 @@ impl hyper::body::Body for RequestBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
-        let frame = match std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Some(p) = &self.progress {
+            match &polled {
+                Poll::Pending => p.set(Sending::AwaitingClient),
+                Poll::Ready(None) => p.moved(Sending::Done),
+                // A Content-Length body ends with its last bytes: hyper asks no further.
+                Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => p.moved(Sending::Done),
+                Poll::Ready(_) => p.moved(Sending::Streaming),
+            }
+        }
+        let frame = match std::task::ready!(polled) {
             None => return Poll::Ready(None),
             Some(Err(e)) => return Poll::Ready(Some(Err(Box::new(ClientBody(e))))),
             Some(Ok(f)) => f,

@@ -20,7 +20,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
 use pin_project_lite::pin_project;
 
-use super::body::{BodyLimit, BodyTooLarge, ClientBody, RequestBody};
+use super::body::{BodyLimit, BodyTooLarge, ClientBody, Progress, RequestBody, Sending};
 use super::guard;
 use super::h1pool::{self, PoolError};
 use super::pipeline::{Answer, Held, Hold, Inbound};
@@ -186,14 +186,21 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
     *req.version_mut() = if up.config.h2c { Version::HTTP_2 } else { Version::HTTP_11 };
 
     let limit = req.extensions().get::<BodyLimit>().map(|l| l.0);
-    let req = req.map(|inner| RequestBody { inner, limit, seen: 0 });
+    let progress = (!req.body().is_end_stream()).then(Progress::new);
+    let req = req.map(|inner| RequestBody { inner, limit, seen: 0, progress: progress.clone() });
+    let timeout = up.config.timeout;
+    let late = |late: Late| match late {
+        Late::Upstream => ProxyError::UpstreamTimeout { upstream: name(), after: timeout },
+        // The route is named where the failure is accounted for (pipeline).
+        Late::Client => ProxyError::ClientStalled { route: String::new(), after: timeout },
+    };
 
     let started = tokio::time::Instant::now();
     if let Some(plain) = up.plain.as_ref().filter(|_| pooled) {
-        let sent = tokio::time::timeout(up.config.timeout, h1pool::send(&plain.pool, req, upgrade)).await;
+        let sent = within(timeout, progress.as_deref(), h1pool::send(&plain.pool, req, upgrade)).await;
         up.observe(started);
         let resp = match sent {
-            Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),
+            Err(l) => return Err(late(l)),
             Ok(Err(PoolError::Connect(reason))) => {
                 return Err(ProxyError::UpstreamConnect { upstream: name(), reason });
             }
@@ -203,10 +210,10 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
         return Ok(finish(resp.map(UpstreamBody::Own), client_upgrade));
     }
     let client = up.client.as_ref().expect("an upstream without a pool of its own has a client");
-    let sent = tokio::time::timeout(up.config.timeout, client.request(req)).await;
+    let sent = within(timeout, progress.as_deref(), client.request(req)).await;
     up.observe(started);
     let resp = match sent {
-        Err(_) => return Err(ProxyError::UpstreamTimeout { upstream: name(), after: up.config.timeout }),
+        Err(l) => return Err(late(l)),
         Ok(Err(e)) if e.is_connect() => {
             return Err(ProxyError::UpstreamConnect { upstream: name(), reason: client_error(&e) });
         }
@@ -217,6 +224,37 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
         plain.learn(resp.version(), up.name());
     }
     Ok(finish(resp.map(UpstreamBody::Shared), client_upgrade))
+}
+
+/// Who kept the response headers from coming within the upstream's `timeout`.
+enum Late {
+    Upstream,
+    /// The client stopped sending its request body.
+    Client,
+}
+
+/// Awaits the upstream's response headers: within `timeout` of the request
+/// body's end (the upstream cannot be expected to answer before it has it
+/// all), and while the body streams, within `timeout` of the client's last
+/// bytes. A body the upstream stopped taking counts against the upstream.
+async fn within<F: Future>(timeout: Duration, progress: Option<&Progress>, sent: F) -> Result<F::Output, Late> {
+    tokio::pin!(sent);
+    let mut deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Ok(out) = tokio::time::timeout_at(deadline, sent.as_mut()).await {
+            return Ok(out);
+        }
+        let Some(p) = progress else { return Err(Late::Upstream) };
+        let (state, since) = p.read();
+        if since + timeout > tokio::time::Instant::now() {
+            deadline = since + timeout;
+            continue;
+        }
+        return Err(match state {
+            Sending::AwaitingClient => Late::Client,
+            Sending::Streaming | Sending::Done => Late::Upstream,
+        });
+    }
 }
 
 /// An exchange that failed after connecting: the client's body (too large,

@@ -393,8 +393,11 @@ impl Enforcer for TableEnforcer {
                 Capacity::Limited(c) => *c,
                 Capacity::Unlimited => f64::INFINITY,
             };
-            self.pushback.apply(id, c, now, |c| {
+            self.pushback.apply(id, c, now, |c, hold| {
                 self.table.set_capacity(id, c);
+                if hold.is_some() {
+                    self.table.set_hold(id, hold);
+                }
             });
         }
     }

@@ -482,6 +482,9 @@ impl Accounts {
 
     /// A request that got no upstream answer.
     fn failed(&self, f: &mut Failure) {
+        if let (Error::Proxy(ProxyError::ClientStalled { route, .. }), Some(r)) = (&mut f.error, &f.meta.route) {
+            route.clone_from(&r.name);
+        }
         if let Error::Refused(_) = f.error {
             // While an upstream's Retry-After holds a key of the request, the 429 says when that ends.
             let now = self.table.clock().now();

@@ -55,6 +55,8 @@ struct KeyState {
     granted: f64,
     /// The latest pushback came with a `Retry-After`.
     held: bool,
+    /// A gauge: it admits whole requests.
+    whole: bool,
     last_pushback: Time,
 }
 
@@ -80,9 +82,15 @@ impl KeyState {
     }
 
     /// What the key may admit now: its share of what it had before the
-    /// pushback, never more than its lease grants.
+    /// pushback, never more than its lease grants. A gauge backed off below
+    /// 1 would admit nothing until fully recovered (a gauge admits whole
+    /// requests): once its hold is over it keeps 1, so one probe at a time
+    /// goes out and its successes can recover it.
     fn capacity(&self, now: Time) -> f64 {
-        self.granted.min(self.before * self.share(now))
+        let share = self.share(now);
+        let backed = self.before * share;
+        let backed = if self.whole && share > 0.0 && self.before >= 1.0 { backed.max(1.0) } else { backed };
+        self.granted.min(backed)
     }
 
     /// What the key should lease now, when it would otherwise want `wants`.
@@ -116,6 +124,13 @@ pub trait Key {
     fn id(&self) -> &str;
     /// The capacity it enforces now; read under the pushback lock.
     fn capacity(&self) -> f64;
+    /// Whether it admits whole requests (a gauge).
+    fn whole(&self) -> bool {
+        false
+    }
+    /// Told when the upstream's `Retry-After` ends, so that its admission
+    /// can refuse at once a request that could not wait that long.
+    fn set_hold(&self, _until: Option<Time>) {}
 }
 
 impl Key for Limiter {
@@ -125,6 +140,14 @@ impl Key for Limiter {
 
     fn capacity(&self) -> f64 {
         Limiter::capacity(self)
+    }
+
+    fn whole(&self) -> bool {
+        self.kind() == crate::limit::Kind::Gauge
+    }
+
+    fn set_hold(&self, until: Option<Time>) {
+        Limiter::set_hold(self, until)
     }
 }
 
@@ -211,9 +234,12 @@ impl Pushback {
     /// with `write`, under the lock [`Pushback::on_response`] writes under:
     /// the lease client's write and the request path's cannot cross and
     /// leave the older value last (each capacity is applied once).
-    pub fn apply(&self, id: &str, granted: f64, now: Time, write: impl FnOnce(f64)) {
+    /// `write` is also given the end of the key's hold, while one runs: a
+    /// key made anew (a reload) learns it too.
+    pub fn apply(&self, id: &str, granted: f64, now: Time, write: impl FnOnce(f64, Option<Time>)) {
         let mut keys = self.keys.lock().expect("pushback lock");
-        write(self.effective_in(&mut keys, id, granted, now));
+        let c = self.effective_in(&mut keys, id, granted, now);
+        write(c, keys.get(id).and_then(|k| k.hold_until.filter(|t| *t > now)));
     }
 
     fn effective_in(&self, keys: &mut HashMap<String, KeyState>, id: &str, granted: f64, now: Time) -> f64 {
@@ -272,6 +298,7 @@ impl Pushback {
                         before: current,
                         granted: current,
                         held: false,
+                        whole: key.whole(),
                         last_pushback: now,
                     }
                 });
@@ -282,6 +309,7 @@ impl Pushback {
                 if let Some(d) = retry_after {
                     let until = now.saturating_add(d);
                     k.hold_until = Some(k.hold_until.map_or(until, |t| t.max(until)));
+                    key.set_hold(k.hold_until);
                 }
                 self.events.with_label_values(&[id]).inc();
                 self.factor_gauge.with_label_values(&[id]).set(k.factor);

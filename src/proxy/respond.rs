@@ -29,6 +29,10 @@ pub enum ProxyError {
     ConnectDenied { authority: String, host: String },
     #[error("upstream `{upstream}` did not send response headers within {after:?}")]
     UpstreamTimeout { upstream: String, after: Duration },
+    #[error(
+        "route `{route}`: the client stopped sending its request body (nothing for {after:?}, the upstream's timeout)"
+    )]
+    ClientStalled { route: String, after: Duration },
     #[error("cannot connect to upstream `{upstream}`: {reason}")]
     UpstreamConnect { upstream: String, reason: String },
     #[error("upstream `{upstream}` failed before sending response headers: {reason}")]
@@ -60,6 +64,7 @@ impl ProxyError {
         match self {
             ProxyError::NoRoute { .. } | ProxyError::ConnectDenied { .. } => StatusCode::FORBIDDEN,
             ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::ClientStalled { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::UpstreamConnect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Loop => StatusCode::LOOP_DETECTED,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
@@ -73,6 +78,7 @@ impl ProxyError {
             ProxyError::NoRoute { .. } => "no-route",
             ProxyError::ConnectDenied { .. } => "connect-denied",
             ProxyError::UpstreamTimeout { .. } => "upstream-timeout",
+            ProxyError::ClientStalled { .. } => "client-timeout",
             ProxyError::UpstreamConnect { .. } => "upstream-connect",
             ProxyError::Upstream { .. } => "upstream-error",
             ProxyError::Loop => "loop",
@@ -85,7 +91,7 @@ impl ProxyError {
     fn grpc_code(&self) -> u8 {
         match self {
             ProxyError::NoRoute { .. } | ProxyError::ConnectDenied { .. } => 7, // PERMISSION_DENIED
-            ProxyError::UpstreamTimeout { .. } => 4,                            // DEADLINE_EXCEEDED
+            ProxyError::UpstreamTimeout { .. } | ProxyError::ClientStalled { .. } => 4, // DEADLINE_EXCEEDED
             ProxyError::BadRequest(_) => 3,                                     // INVALID_ARGUMENT
             ProxyError::TooManyKeys { .. } | ProxyError::BodyTooLarge { .. } => 8, // RESOURCE_EXHAUSTED
             _ => 14,                                                            // UNAVAILABLE
@@ -197,6 +203,13 @@ fn refusal(r: &Refused, hold: Option<Duration>, grpc: bool) -> Response<ProxyBod
     let retry = ceil_secs(r.retry_after);
     let (policy, state) = ratelimit_fields(r);
     let detail = match r.reason {
+        Reason::Held => format!(
+            "resource `{}` (id `{}`) is held: its upstream asked to wait (Retry-After) {}, longer than max_wait {}; retry in {retry} s",
+            r.resource,
+            r.id,
+            fmt_ms(hold.unwrap_or(r.retry_after)),
+            fmt_ms(r.max_wait)
+        ),
         _ if hold.is_some() => format!(
             "resource `{}` (id `{}`) is held: its upstream asked to wait (Retry-After); retry in {retry} s",
             r.resource, r.id

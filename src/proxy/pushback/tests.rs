@@ -162,7 +162,7 @@ fn a_lease_applied_while_an_answer_writes_comes_after_it() {
         std::thread::spawn(move || {
             writing.recv().unwrap();
             // A new lease of 10 arrives while the answer's recovery is being written.
-            p.apply("k", 10.0, t0, |c| table.lock().unwrap().push(c));
+            p.apply("k", 10.0, t0, |c, _| table.lock().unwrap().push(c));
         })
     };
     p.on_response(&ids, StatusCode::OK, None, t0, &cfg, |_, c| {
@@ -208,7 +208,7 @@ fn a_pushback_backs_off_from_the_lease_in_force_at_the_lock() {
             // A new lease of 10, written under the lock: it waits until the
             // answer read the capacity (at once if that read does not wait
             // for the lock), or gives up after a while.
-            p.apply("k", 10.0, t0, |c| {
+            p.apply("k", 10.0, t0, |c, _| {
                 inside_tx.send(()).unwrap();
                 let _ = read_rx.recv_timeout(Duration::from_millis(300));
                 *capacity.lock().unwrap() = c;
@@ -224,4 +224,52 @@ fn a_pushback_backs_off_from_the_lease_in_force_at_the_lock() {
     assert_eq!(p.status(t0)[0].before, 10.0, "the lease in force at the lock is what the key recovers to");
     assert_eq!(ch, [("k".to_string(), 5.0)], "half the lease in force");
     assert_eq!(*capacity.lock().unwrap(), 5.0);
+}
+
+/// A gauge key: it admits whole requests, and is told its hold.
+struct GaugeKey {
+    capacity: f64,
+    hold: Mutex<Option<Time>>,
+}
+
+impl Key for GaugeKey {
+    fn id(&self) -> &str {
+        "g"
+    }
+
+    fn capacity(&self) -> f64 {
+        self.capacity
+    }
+
+    fn whole(&self) -> bool {
+        true
+    }
+
+    fn set_hold(&self, until: Option<Time>) {
+        *self.hold.lock().unwrap() = until;
+    }
+}
+
+#[test]
+fn a_gauge_backs_off_to_no_less_than_one_once_its_hold_ends() {
+    let p = Pushback::new(&prometheus::Registry::new());
+    let cfg = PushbackConfig { enabled: true, multiplier: 0.5, recover_after: 10, recover_step: 1.5 };
+    let t0 = Time::from_secs(100);
+    let one = GaugeKey { capacity: 1.0, hold: Mutex::new(None) };
+    let ch = p.on_response([&one], StatusCode::TOO_MANY_REQUESTS, Some(Duration::from_secs(2)), t0, &cfg, |_, _| {});
+    assert_eq!(ch, [("g".to_string(), 0.0)], "nothing during the hold");
+    assert_eq!(*one.hold.lock().unwrap(), Some(at(t0, 2000)), "the key is told when its hold ends");
+    p.apply("g", 1.0, at(t0, 500), |c, hold| assert_eq!((c, hold), (0.0, Some(at(t0, 2000))), "a key made anew too"));
+    p.apply("g", 1.0, at(t0, 2000), |_, hold| assert_eq!(hold, None, "over"));
+    assert_eq!(p.effective("g", 1.0, at(t0, 2000)), 1.0, "0.5 of 1 would admit nothing: one probe at a time");
+    assert_eq!(p.effective("g", 0.0, at(t0, 2000)), 0.0, "never more than the lease grants");
+    for _ in 0..5 {
+        p.on_response([&one], StatusCode::SERVICE_UNAVAILABLE, None, at(t0, 2500), &cfg, |_, _| {});
+    }
+    assert_eq!(p.effective("g", 1.0, at(t0, 2500)), 1.0, "however far it backs off");
+
+    let p = Pushback::new(&prometheus::Registry::new());
+    let five = GaugeKey { capacity: 5.0, hold: Mutex::new(None) };
+    p.on_response([&five], StatusCode::SERVICE_UNAVAILABLE, None, t0, &cfg, |_, _| {});
+    assert_eq!(p.effective("g", 5.0, t0), 2.5, "above 1 it backs off as a rate does (the gauge admits 2)");
 }
