@@ -231,6 +231,17 @@ where
                 }
                 Parsed::HandOff(why) => return Ok(hand_off(services, why, buf, io)),
                 Parsed::Ready(h) => {
+                    let current = services.pipeline.load();
+                    if !std::sync::Arc::ptr_eq(&current, &snapshot) {
+                        snapshot = arc_swap::Guard::into_inner(current);
+                        stack = snapshot.stack(tower::service_fn(forward));
+                    }
+                    // A reload since the connection came may have lowered
+                    // the body limit parsing checked: the general path
+                    // refuses such a body (413), as it does any over it.
+                    if snapshot.config.limits.max_body_bytes.is_some_and(|max| h.body_len as u64 > max) {
+                        return Ok(hand_off(services, why::BODY, buf, io));
+                    }
                     let framing = Taken {
                         consumed: h.head_len + h.body_len,
                         close: h.close,
@@ -238,11 +249,6 @@ where
                     };
                     let body = &buf[h.head_len..framing.consumed];
                     let req = Request { head: h, body, bufs: &mut bufs, deadline: &mut timers.upstream };
-                    let current = services.pipeline.load();
-                    if !std::sync::Arc::ptr_eq(&current, &snapshot) {
-                        snapshot = arc_swap::Guard::into_inner(current);
-                        stack = snapshot.stack(tower::service_fn(forward));
-                    }
                     (stack.call(Exchange::new(req)), framing)
                 }
             }
@@ -335,15 +341,11 @@ impl<'c> Inbound for Request<'_, 'c> {
         false
     }
 
-    fn guard(&mut self, max_body: Option<u64>) -> Result<(), ProxyError> {
-        // Parsing handed off every other request these checks could refuse
-        // (a `Via` of ours, no Host or several, an Upgrade) and bodies over
-        // the limit in force when the connection came; a reload since may
-        // have lowered it.
-        match max_body {
-            Some(limit) if self.body.len() as u64 > limit => Err(ProxyError::BodyTooLarge { limit }),
-            _ => Ok(()),
-        }
+    fn guard(&mut self, _max_body: Option<u64>) -> Result<(), ProxyError> {
+        // Parsing handed off every request these checks could refuse (a
+        // `Via` of ours, no Host or several, a body over the limit in force,
+        // an Upgrade): see `serve`.
+        Ok(())
     }
 
     fn ready(self, target: Target) -> Result<Prepared<'c>, &'static str> {
