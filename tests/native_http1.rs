@@ -1988,11 +1988,18 @@ async fn a_closed_h2_upstream_connection_is_replaced_and_a_dead_one_is_a_502() {
         assert_eq!(r.status, 200, "{}", r.text());
         bodies.push(r.text());
     }
-    // Each answer came on a connection of its own (a request that met the
-    // closing one went again on the next).
-    let distinct: std::collections::BTreeSet<_> = bodies.iter().collect();
-    assert_eq!(distinct.len(), 5, "{bodies:?}");
-    assert!(conns.load(std::sync::atomic::Ordering::SeqCst) >= 5);
+    // The upstream closed each connection after its first request, so the
+    // answers came on several connections, in order: a connection once
+    // replaced is never used again. (A graceful h2 close still takes streams
+    // opened before the upstream's final GOAWAY, so two answers can share a
+    // connection: the count of connections is not fixed.)
+    let numbers: Vec<u64> = bodies
+        .iter()
+        .map(|b| b.strip_prefix("conn ").and_then(|n| n.parse().ok()).expect("conn N"))
+        .collect();
+    assert!(numbers.windows(2).all(|w| w[0] <= w[1]), "{bodies:?}");
+    assert!(numbers[4] > numbers[0], "the closed connection was replaced: {bodies:?}");
+    assert!(conns.load(std::sync::atomic::Ordering::SeqCst) >= numbers[4]);
 
     c.send("GET /x HTTP/1.1\r\nHost: gone.test\r\n\r\n").await;
     let r = c.response(false).await;
