@@ -226,7 +226,7 @@ impl Resource {
             return Ok(p.clone());
         }
         let limiter: Arc<Limiter> =
-            self.limits.try_limiter(&route::render_id(&self.template, req)).map_err(ProxyError::from)?;
+            route::templated_limiter(&self.limits, &self.template, req, &route::request_host(req))?;
         Ok(Plan::new(vec![(limiter, self.cost)]))
     }
 }

@@ -643,6 +643,53 @@ async fn an_idle_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
     u.wait_for_log("forgot an idle key", Duration::from_secs(5));
 }
 
+/// A header whose value is not UTF-8 makes no lease id: two such values
+/// would both become U+FFFD and share one budget. The request gets a 400
+/// naming the resource and the header, makes no key, and UTF-8 beyond ASCII
+/// is a key as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_that_is_not_utf8_makes_no_key() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  tenant: {{ kind: rate, capacity: 10/s, burst: 5, id: \"t/{{header.x-tenant}}\" }}\n\
+         routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
+        up.addr
+    );
+    let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
+    let keys = || {
+        let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let keys = v["lease"]["keys"].as_array().cloned().unwrap_or_default();
+        keys.iter().map(|k| k["resource_id"].as_str().unwrap_or_default().to_string()).collect::<Vec<_>>()
+    };
+    // Raw bytes on the wire, one request per connection.
+    let listen = u.addr("listen");
+    let send = |tenant: &'static [u8]| async move {
+        let mut s = tokio::net::TcpStream::connect(listen).await.unwrap();
+        let mut req = b"GET /x HTTP/1.1\r\nHost: app\r\nConnection: close\r\nX-Tenant: ".to_vec();
+        req.extend_from_slice(tenant);
+        req.extend_from_slice(b"\r\n\r\n");
+        tokio::io::AsyncWriteExt::write_all(&mut s, &req).await.unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read_to_end(&mut s, &mut out))
+            .await
+            .expect("answered")
+            .unwrap();
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    for tenant in [&b"\xff"[..], b"ac\xfeme"] {
+        let got = send(tenant).await;
+        assert!(got.starts_with("HTTP/1.1 400"), "{got}");
+        assert!(got.contains("resource `tenant`") && got.contains("`x-tenant` is not UTF-8"), "{got}");
+    }
+    assert_eq!(up.stats.requests(), 0, "nothing went upstream");
+    let got = send("café".as_bytes()).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eventually!(keys() == ["t/café"], Duration::from_secs(5), "{:?}", keys());
+}
+
 /// A resource whose id is a placeholder alone (the tenant's name is the
 /// lease id) is leased its capacity by the embedded server, not the
 /// catch-all's nothing.

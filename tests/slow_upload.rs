@@ -11,7 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use support::upstream::{Upstream, get, h1, send1};
-use support::{Usher, write_file};
+use support::{Usher, http_get, metric, write_file};
 
 /// A proxy to `up` (`timeout: 1s`, HTTP/1.1 or h2c) through a gauge of 1.
 fn proxy(dir: &std::path::Path, up: &Upstream, h2c: bool) -> Usher {
@@ -86,5 +86,13 @@ async fn a_client_that_stalls_mid_body_gets_408_and_frees_its_permit() {
         let mut c = h1(p.addr("listen")).await;
         let r = send1(&mut c, get("app", "/")).await;
         assert_eq!(r.status, StatusCode::OK, "h2c {h2c}: the stalled upload's permit is free: {}", r.text());
+
+        // Counted as the client's doing, not the upstream's.
+        let text = http_get(p.addr("admin"), "/metrics").1;
+        let count =
+            |outcome| metric(&text, "usher_proxy_requests_total", &[("route", "uploads"), ("outcome", outcome)]);
+        assert_eq!(count("client_timeout"), Some(1.0), "h2c {h2c}: {text}");
+        assert_eq!(count("upstream_error"), Some(0.0), "h2c {h2c}: {text}");
+        assert_eq!(count("admitted"), Some(1.0), "h2c {h2c}: {text}");
     }
 }

@@ -454,6 +454,12 @@ fn corpus() -> Vec<(&'static str, Vec<u8>, Expect)> {
         ),
         ("two Host headers", c("GET /x HTTP/1.1\r\nHost: api.test\r\nHost: evil.test\r\n\r\n"), Expect::Reject),
         ("no Host in HTTP/1.1", c("GET /x HTTP/1.1\r\n\r\n"), Expect::Status(400)),
+        // RFC 9112 §3.2: a Host that is not host[:port] is a 400.
+        ("Host with a port that is no number", c("GET /x HTTP/1.1\r\nHost: api.test:abc\r\n\r\n"), Expect::Status(400)),
+        ("Host with a port over 65535", c("GET /x HTTP/1.1\r\nHost: api.test:65536\r\n\r\n"), Expect::Status(400)),
+        ("Host with user info", c("GET /x HTTP/1.1\r\nHost: evil@api.test\r\n\r\n"), Expect::Status(400)),
+        ("Host with two ports", c("GET /x HTTP/1.1\r\nHost: api.test:1:2\r\n\r\n"), Expect::Status(400)),
+        ("Host with a port", c("GET /x HTTP/1.1\r\nHost: api.test:65535\r\n\r\n"), Expect::Forward(GET)),
         // An HTTP/2 upgrade would take the requests after it past usher: it is stripped.
         (
             "h2c upgrade with HTTP2-Settings",

@@ -34,7 +34,7 @@ pub struct Entry {
     pub client: String,
     pub route: String,
     pub resources: Vec<KeyEntry>,
-    /// admitted, paced, refused, upstream_error or no_route.
+    /// admitted, paced, refused, upstream_error, client_timeout or no_route.
     pub outcome: String,
     pub wait_ms: f64,
     pub status: u16,

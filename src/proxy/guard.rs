@@ -1,5 +1,5 @@
 //! What every request must pass before it is routed: not a loop (a `Via`
-//! of ours), one `Host` at most, and on HTTP/1.1 one at least unless the
+//! of ours), one `Host` at most, a valid one, and on HTTP/1.1 one at least unless the
 //! target names the host (RFC 9112 §3.2: a 400), a declared body within `limits.max_body_bytes`; and
 //! no HTTP/2 upgrade (`Upgrade: h2c`), which is stripped.
 //!
@@ -31,6 +31,14 @@ pub fn check<B>(req: &Request<B>) -> Result<(), ProxyError> {
     match (hosts.next(), hosts.next()) {
         // RFC 9110 §7.2: more than one Host is a 400, whatever routing would make of it.
         (Some(_), Some(_)) => return Err(ProxyError::BadRequest("more than one Host header".into())),
+        // RFC 9112 §3.2: a Host that is not `host[:port]` is a 400 too (an
+        // empty one is allowed: a target with no authority).
+        (Some(v), None) if !v.is_empty() && !valid_host(v.as_bytes()) => {
+            return Err(ProxyError::BadRequest(format!(
+                "the Host header {:?} is not host[:port] (RFC 9112 §3.2)",
+                String::from_utf8_lossy(v.as_bytes())
+            )));
+        }
         // An absolute-form target (or CONNECT's authority) names the host
         // itself, and a proxy goes by it (RFC 9112 §3.2.2): only a request
         // that names no host at all is refused.
@@ -40,6 +48,25 @@ pub fn check<B>(req: &Request<B>) -> Result<(), ProxyError> {
         _ => {}
     }
     Ok(())
+}
+
+/// Whether a Host value is `uri-host [":" port]` (RFC 9110 §7.2): an
+/// authority without user info, whose port, if any, is a number up to 65535.
+pub fn valid_host(v: &[u8]) -> bool {
+    let port = match v.strip_prefix(b"[") {
+        // An IP literal: whatever follows its `]`.
+        Some(rest) => rest.iter().position(|&b| b == b']').map(|end| &rest[end + 1..]),
+        None => Some(v.iter().position(|&b| b == b':').map_or(&b""[..], |i| &v[i..])),
+    };
+    let port_ok = |p: &[u8]| match p.strip_prefix(b":") {
+        // An empty port is allowed (RFC 3986 §3.2.3), a number only up to 65535.
+        Some(digits) => {
+            digits.iter().all(u8::is_ascii_digit)
+                && (digits.len() < 5 || (digits.len() == 5 && digits <= &b"65535"[..]))
+        }
+        None => p.is_empty(),
+    };
+    !v.contains(&b'@') && port.is_some_and(port_ok) && http::uri::Authority::try_from(v).is_ok()
 }
 
 /// Removes an offer to switch to HTTP/2 (`h2c`) from `Upgrade` (and the
@@ -136,5 +163,17 @@ mod tests {
         let absolute = Request::get("http://api.test/x").body(()).unwrap();
         assert!(check(&absolute).is_ok(), "the target names the host");
         assert!(check(&req(Version::HTTP_2, &[])).is_ok(), "HTTP/2 has :authority");
+    }
+
+    #[test]
+    fn hosts_are_host_and_port() {
+        for ok in ["a.test", "a.test:80", "a.test:", "a.test:65535", "127.0.0.1:8080", "[::1]", "[::1]:443", "a~b.test"]
+        {
+            assert!(valid_host(ok.as_bytes()), "{ok}");
+        }
+        for bad in ["a.test:abc", "a.test:65536", "a.test:123456", "a:1:2", "u@a.test", "::1", "[::1", "[::1]x", "a b"]
+        {
+            assert!(!valid_host(bad.as_bytes()), "{bad}");
+        }
     }
 }

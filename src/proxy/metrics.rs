@@ -10,7 +10,8 @@ use crate::limit::LeaseTable;
 
 pub struct Metrics {
     pub registry: Registry,
-    /// By route and outcome: admitted, paced, refused, upstream_error, no_route.
+    /// By route and outcome: admitted, paced, refused, upstream_error,
+    /// client_timeout, no_route.
     pub requests: IntCounterVec,
     /// By resource and outcome: admitted, paced, refused.
     pub resource_requests: IntCounterVec,
@@ -146,6 +147,7 @@ impl Metrics {
             paced: outcome("paced"),
             refused: outcome("refused"),
             upstream_error: outcome("upstream_error"),
+            client_timeout: outcome("client_timeout"),
             in_flight: self.in_flight.with_label_values(&[route]),
             body_errors: self.body_errors.with_label_values(&[route]),
         }
@@ -190,6 +192,8 @@ pub struct RouteMetrics {
     pub paced: IntCounter,
     pub refused: IntCounter,
     pub upstream_error: IntCounter,
+    /// The app stopped sending its request body (a 408).
+    pub client_timeout: IntCounter,
     pub in_flight: IntGauge,
     pub body_errors: IntCounter,
 }

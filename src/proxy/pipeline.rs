@@ -501,6 +501,11 @@ impl Accounts {
                 }
                 self.log(&route.name, meta, "refused", r.waited, respond::refused_status(meta.grpc));
             }
+            (Error::Proxy(e @ ProxyError::ClientStalled { .. }), Some(route)) => {
+                route.metrics.client_timeout.inc();
+                tracing::debug!(route = %route.name, error = %e, "client stalled");
+                self.log(&route.name, meta, "client_timeout", Duration::ZERO, respond::status(e, meta.grpc));
+            }
             (Error::Proxy(e), Some(route)) => {
                 route.metrics.upstream_error.inc();
                 tracing::debug!(route = %route.name, error = %e, "upstream error");
@@ -541,7 +546,8 @@ impl Accounts {
         let Some(log) = &self.access_log else { return };
         let now = self.table.clock().now();
         let total = now.since(meta.arrived);
-        let upstream = matches!(outcome, "admitted" | "paced" | "upstream_error").then(|| total.saturating_sub(waited));
+        let upstream = matches!(outcome, "admitted" | "paced" | "upstream_error" | "client_timeout")
+            .then(|| total.saturating_sub(waited));
         log.record(&access_log::Entry {
             time: now.as_secs_f64(),
             client: self.client_id.clone(),

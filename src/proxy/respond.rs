@@ -33,6 +33,10 @@ pub enum ProxyError {
         "route `{route}`: the client stopped sending its request body (nothing for {after:?}, the upstream's timeout)"
     )]
     ClientStalled { route: String, after: Duration },
+    /// The native HTTP/1.1 path waits for a small body before it routes the
+    /// request; this one did not come within `limits.header_timeout`.
+    #[error("the client did not send its whole request body within {after:?} (limits.header_timeout)")]
+    BodyTimeout { after: Duration },
     #[error("cannot connect to upstream `{upstream}`: {reason}")]
     UpstreamConnect { upstream: String, reason: String },
     #[error("upstream `{upstream}` failed before sending response headers: {reason}")]
@@ -64,7 +68,7 @@ impl ProxyError {
         match self {
             ProxyError::NoRoute { .. } | ProxyError::ConnectDenied { .. } => StatusCode::FORBIDDEN,
             ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
-            ProxyError::ClientStalled { .. } => StatusCode::REQUEST_TIMEOUT,
+            ProxyError::ClientStalled { .. } | ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::UpstreamConnect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Loop => StatusCode::LOOP_DETECTED,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
@@ -78,7 +82,7 @@ impl ProxyError {
             ProxyError::NoRoute { .. } => "no-route",
             ProxyError::ConnectDenied { .. } => "connect-denied",
             ProxyError::UpstreamTimeout { .. } => "upstream-timeout",
-            ProxyError::ClientStalled { .. } => "client-timeout",
+            ProxyError::ClientStalled { .. } | ProxyError::BodyTimeout { .. } => "client-timeout",
             ProxyError::UpstreamConnect { .. } => "upstream-connect",
             ProxyError::Upstream { .. } => "upstream-error",
             ProxyError::Loop => "loop",
@@ -91,10 +95,10 @@ impl ProxyError {
     fn grpc_code(&self) -> u8 {
         match self {
             ProxyError::NoRoute { .. } | ProxyError::ConnectDenied { .. } => 7, // PERMISSION_DENIED
-            ProxyError::UpstreamTimeout { .. } | ProxyError::ClientStalled { .. } => 4, // DEADLINE_EXCEEDED
-            ProxyError::BadRequest(_) => 3,                                     // INVALID_ARGUMENT
+            ProxyError::UpstreamTimeout { .. } | ProxyError::ClientStalled { .. } | ProxyError::BodyTimeout { .. } => 4, // DEADLINE_EXCEEDED
+            ProxyError::BadRequest(_) => 3, // INVALID_ARGUMENT
             ProxyError::TooManyKeys { .. } | ProxyError::BodyTooLarge { .. } => 8, // RESOURCE_EXHAUSTED
-            _ => 14,                                                            // UNAVAILABLE
+            _ => 14,                        // UNAVAILABLE
         }
     }
 

@@ -239,7 +239,7 @@ fn resolved<R: RequestView>(route: &Arc<Route>, req: &R, host: &str, target: Tar
         let limiter = if r.template.is_fixed() {
             r.fixed_limiter()
         } else {
-            r.limits.try_limiter(&render(&r.template, req, host)).map_err(ProxyError::from)?
+            templated_limiter(&r.limits, &r.template, req, host)?
         };
         items.push((limiter, r.cost));
     }
@@ -285,13 +285,30 @@ fn matches<R: RequestView>(m: &Match, req: &R, host: &str, path: &str) -> bool {
         })
 }
 
-/// A templated resource id rendered for one request.
-pub fn render_id<R: RequestView>(t: &IdTemplate, req: &R) -> String {
-    render(t, req, &request_host(req))
+/// The limiter of a templated resource for one request (`host` is
+/// [`request_host`]): its id rendered, the key found or made. A 400 when the
+/// id cannot be made (a header that is not UTF-8, an id over the servers'
+/// limit), a 429 when the resource already tracks `max_keys` ids.
+pub fn templated_limiter<R: RequestView>(
+    limits: &ResourceLimits,
+    t: &IdTemplate,
+    req: &R,
+    host: &str,
+) -> Result<Arc<Limiter>, ProxyError> {
+    let id = render(t, req, host).map_err(|header| {
+        ProxyError::BadRequest(format!(
+            "resource `{}`: the header `{header}` is not UTF-8 text, so no lease id can be made of it",
+            limits.spec().name
+        ))
+    })?;
+    limits.try_limiter(&id).map_err(ProxyError::from)
 }
 
-/// Renders a templated resource id for one request.
-fn render<R: RequestView>(t: &IdTemplate, req: &R, host: &str) -> String {
+/// Renders a templated resource id for one request; the error is a header
+/// the id takes whose value is not UTF-8. (Replacing its bytes, as a lossy
+/// conversion would, could give two clients' different values one id: one
+/// budget.)
+fn render<'t, R: RequestView>(t: &'t IdTemplate, req: &R, host: &str) -> Result<String, &'t str> {
     let mut out = String::new();
     for s in &t.segments {
         match s {
@@ -299,10 +316,12 @@ fn render<R: RequestView>(t: &IdTemplate, req: &R, host: &str) -> String {
             Segment::Host => out.push_str(host),
             Segment::Method => out.push_str(req.method().as_str()),
             Segment::Path(n) => out.push_str(req.path().split('/').filter(|p| !p.is_empty()).nth(n - 1).unwrap_or("")),
-            Segment::Header(h) => out.push_str(&String::from_utf8_lossy(req.header(h).unwrap_or_default())),
+            Segment::Header(h) => {
+                out.push_str(std::str::from_utf8(req.header(h).unwrap_or_default()).map_err(|_| h.as_str())?)
+            }
         }
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -323,6 +342,18 @@ mod tests {
         let host = request_host(&req);
         assert_eq!(host, "api.example.com");
         let t = IdTemplate::parse("gh/{header.x-tenant}/{method}/{path.2}/{host}").unwrap();
-        assert_eq!(render(&t, &req, &host), "gh/acme/POST/repos/api.example.com");
+        assert_eq!(render(&t, &req, &host), Ok("gh/acme/POST/repos/api.example.com".to_string()));
+        let other = |v: &[u8]| {
+            let req = Request::builder()
+                .uri("/")
+                .header("x-tenant", http::HeaderValue::from_bytes(v).unwrap())
+                .body(())
+                .unwrap();
+            render(&t, &req, "h").map_err(str::to_string)
+        };
+        // UTF-8 beyond ASCII is kept as it is; other bytes make no id.
+        assert_eq!(other("café".as_bytes()), Ok("gh/café/GET//h".to_string()));
+        assert_eq!(other(b"\xff"), Err("x-tenant".to_string()));
+        assert_eq!(other(b"\xfe"), Err("x-tenant".to_string()));
     }
 }

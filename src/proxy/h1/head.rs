@@ -139,7 +139,14 @@ pub fn parse<'b>(
     for h in headers {
         let (name, v) = (h.name, h.value);
         match name.len() {
-            4 if eq_name(name, "host") => hosts += 1,
+            4 if eq_name(name, "host") => {
+                // Anything but a plain name or address with a port is left
+                // to the general path, which refuses what is not host[:port].
+                if !plain_host(v) {
+                    return Parsed::HandOff(why::HOST);
+                }
+                hosts += 1;
+            }
             14 if eq_name(name, "content-length") => {
                 if length.is_some() {
                     return Parsed::HandOff(why::CONTENT_LENGTH);
@@ -308,6 +315,22 @@ impl RequestView for Head<'_> {
 /// A byte the native path forwards in a request target as it is: RFC 3986's
 /// `pchar`, `/` and `?`. Any other (`#`, `"`, `{`, `\`, non-ASCII ...) sends
 /// the request to the general path, whose URI parser decides.
+/// A Host value the native path takes as it is: a name or IPv4 address of
+/// letters, digits, `-`, `.` and `_`, and at most a port of up to five digits
+/// (the general path checks the rest: IPv6 literals, other characters, a
+/// port over 65535).
+fn plain_host(v: &[u8]) -> bool {
+    let (name, port) = match v.iter().position(|&b| b == b':') {
+        Some(i) => (&v[..i], &v[i + 1..]),
+        None => (v, &b"0"[..]),
+    };
+    !name.is_empty()
+        && name.iter().all(|&b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+        && port.iter().all(u8::is_ascii_digit)
+        && (port.len() < 5 || (port.len() == 5 && port <= &b"65535"[..]))
+        && !port.is_empty()
+}
+
 fn target_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@%/?".contains(&b)
 }

@@ -55,7 +55,7 @@ pub use head::why;
 use super::h2conn::H2Error;
 use super::pipeline::{self, Exchange, Inbound, Pipeline, Reply};
 use super::pool::Stream;
-use super::respond::{ProxyBody, ProxyError};
+use super::respond::{self, ProxyBody, ProxyError};
 use super::route::RequestView;
 use super::upstream::{Target, Upstream};
 use crate::config::limits::ListenerLimits;
@@ -214,11 +214,15 @@ where
                         () = timers.closing.as_mut(), if idle => return Ok(Served::Closed),
                         r = read => r,
                         () = timers.head.expired() => {
-                            return Err(if head_complete {
-                                "request body not received within the header timeout".into()
-                            } else {
-                                "no complete request head within the header timeout".into()
-                            });
+                            if !head_complete {
+                                return Err("no complete request head within the header timeout".into());
+                            }
+                            // A request whose body stalled is answered (408), as on the general path.
+                            let e = ProxyError::BodyTimeout { after: limits.header_timeout };
+                            let answer = respond::proxy_error(&e, false);
+                            let write = write_generated(server, &mut io, answer, true, false, &mut bufs.out);
+                            let _ = tokio::time::timeout(limits.header_timeout, write).await;
+                            return Err(e.into());
                         }
                     };
                     match got {

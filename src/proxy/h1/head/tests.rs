@@ -184,6 +184,18 @@ fn zero_or_two_hosts_are_handed_off() {
 }
 
 #[test]
+fn hosts_other_than_a_plain_name_and_port_are_handed_off() {
+    for host in ["a.test", "A-b_c.test", "127.0.0.1", "a.test:8", "127.0.0.1:65535", "a:00080"] {
+        let input = format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n");
+        assert_eq!(run(input.as_bytes()), ready_get(input.as_bytes()), "{host}");
+    }
+    for host in ["", "x:abc", "x:", "x:65536", "x:123456", ":80", "[::1]:80", "u@x", "a b", "x:8:9", "x;y"] {
+        let input = format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n");
+        assert_default_hand_off(input.as_bytes(), why::HOST);
+    }
+}
+
+#[test]
 fn doubtful_content_lengths_are_handed_off() {
     // Two fields, even when they agree.
     assert_default_hand_off(&get_with("Content-Length: 5\r\nContent-Length: 5\r\n"), why::CONTENT_LENGTH);
