@@ -5,7 +5,7 @@ mod support;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use support::{Usher, http_get, metric, write_file};
+use support::{Usher, alias_bomb, http_get, metric, peak_rss_kib, write_file};
 use usher::proto::capacity_client::CapacityClient;
 use usher::proto::{self, GetCapacityRequest, ResourceRequest};
 
@@ -377,6 +377,43 @@ async fn reload_on_file_change_and_sighup_keeps_old_config_when_invalid() {
     }
     assert_eq!(got, 50.0);
     assert!(s.status()["config_error"].is_null());
+}
+
+/// A live reload into a resources file of a kilobyte whose nested aliases
+/// would expand to 43 million nodes is refused at once, naming the file and
+/// the alias, without the memory the expansion would take; the server keeps
+/// serving its last good configuration and still applies the next good file.
+#[tokio::test]
+async fn a_reload_into_an_alias_bomb_is_refused_at_once_and_the_old_config_stays() {
+    let mut s = Server::start(CONFIG, &[]);
+    let path = s.dir.path().join("resources.yaml");
+    let mut c = s.client().await;
+    assert_eq!(grant(&mut c, "a", "other", 5000.0).await, 1000.0);
+    let peak = peak_rss_kib(s.usher.child.id());
+
+    let tmp = s.dir.path().join("next.yaml");
+    std::fs::write(&tmp, format!("resources: []\n{}", alias_bomb())).unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
+    let want = format!("{}:8:17: this alias would make the document more than 200000 nodes", path.display());
+    let started = std::time::Instant::now();
+    s.usher.wait_for_log(&want, Duration::from_secs(10));
+    let took = started.elapsed();
+    assert!(s.usher.log().contains("configuration rejected, keeping the previous one"), "{}", s.usher.log());
+    assert_eq!(s.usher.child.try_wait().unwrap(), None, "the server is still running");
+    let grown = peak_rss_kib(s.usher.child.id()).saturating_sub(peak);
+    eprintln!("figures: refused {took:?} after it was written; peak resident memory +{grown} KiB");
+    assert!(grown < 64 * 1024, "the peak resident memory grew by {grown} KiB");
+    assert_eq!(grant(&mut c, "a", "other", 5000.0).await, 1000.0, "the last good configuration stays");
+    let (_, text) = s.admin("/metrics");
+    assert_eq!(metric(&text, "usher_config_reload_errors_total", &[]), Some(1.0));
+    assert!(s.status()["config_error"].as_str().is_some_and(|e| e.contains(&want)), "{}", s.status());
+
+    // The reloader lives on: the next good file is applied.
+    std::fs::write(&tmp, CONFIG.replace("capacity: 1000", "capacity: 300")).unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
+    s.usher.wait_for_log("configuration reloaded", Duration::from_secs(10));
+    assert_eq!(grant(&mut c, "a", "other", 5000.0).await, 300.0);
+    assert!(s.status()["config_error"].is_null(), "{}", s.status());
 }
 
 #[tokio::test]
