@@ -1993,10 +1993,8 @@ async fn a_closed_h2_upstream_connection_is_replaced_and_a_dead_one_is_a_502() {
     // replaced is never used again. (A graceful h2 close still takes streams
     // opened before the upstream's final GOAWAY, so two answers can share a
     // connection: the count of connections is not fixed.)
-    let numbers: Vec<u64> = bodies
-        .iter()
-        .map(|b| b.strip_prefix("conn ").and_then(|n| n.parse().ok()).expect("conn N"))
-        .collect();
+    let numbers: Vec<u64> =
+        bodies.iter().map(|b| b.strip_prefix("conn ").and_then(|n| n.parse().ok()).expect("conn N")).collect();
     assert!(numbers.windows(2).all(|w| w[0] <= w[1]), "{bodies:?}");
     assert!(numbers[4] > numbers[0], "the closed connection was replaced: {bodies:?}");
     assert!(conns.load(std::sync::atomic::Ordering::SeqCst) >= numbers[4]);
