@@ -482,6 +482,20 @@ async fn a_reloaded_body_limit_applies_to_small_bodies_on_open_connections() {
     assert_eq!(up.stats.requests(), before + 2, "nothing over the limit was forwarded");
 }
 
+/// The sidecar's status page, which shows `want` as its configuration
+/// error, and its counts of rejected and of applied reloads.
+async fn rejected(admin: std::net::SocketAddr, want: &str) -> (serde_json::Value, Option<f64>, Option<f64>) {
+    let (status, metrics) = tokio::task::spawn_blocking(move || {
+        (http_get(admin, "/debug/status?format=json").1, http_get(admin, "/metrics").1)
+    })
+    .await
+    .unwrap();
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert!(status["config_error"].as_str().is_some_and(|e| e.contains(want)), "{status}");
+    let errors = metric(&metrics, "usher_proxy_config_reload_errors_total", &[]);
+    (status, errors, metric(&metrics, "usher_proxy_config_reloads_total", &[]))
+}
+
 /// A reload into a routes file with two resources on one lease id (a fixed
 /// id twice, or two templates that could make the same id) is rejected like
 /// any bad file: the previous routes and limiter state stay, the error is
@@ -539,17 +553,10 @@ async fn a_reload_into_two_resources_on_one_lease_id_keeps_the_last_good_routes(
             StatusCode::TOO_MANY_REQUESTS,
             "the last good routes and their spent budget stay"
         );
-        let (status, metrics) = tokio::task::spawn_blocking(move || {
-            (http_get(admin, "/debug/status?format=json").1, http_get(admin, "/metrics").1)
-        })
-        .await
-        .unwrap();
-        let status: serde_json::Value = serde_json::from_str(&status).unwrap();
-        assert!(status["config_error"].as_str().is_some_and(|e| e.contains(&want)), "{status}");
+        let (status, errors, reloads) = rejected(admin, &want).await;
         assert_eq!(status["routes"], serde_json::json!(["api"]), "{status}");
-        let errors = metric(&metrics, "usher_proxy_config_reload_errors_total", &[]);
         assert_eq!(errors, Some(i as f64 + 1.0));
-        assert_eq!(metric(&metrics, "usher_proxy_config_reloads_total", &[]), Some(0.0));
+        assert_eq!(reloads, Some(0.0));
     }
     assert!(!u.log().contains("routes reloaded"), "{}", u.log());
 }
@@ -591,15 +598,9 @@ async fn a_reload_into_an_alias_bomb_is_refused_at_once_and_the_last_good_routes
         assert_eq!(send1(&mut conn, get("x", "/other")).await.status, StatusCode::FORBIDDEN);
     }
     assert_eq!(up.stats.requests(), before + 2);
-    let (status, metrics) = tokio::task::spawn_blocking(move || {
-        (http_get(admin, "/debug/status?format=json").1, http_get(admin, "/metrics").1)
-    })
-    .await
-    .unwrap();
-    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
-    assert!(status["config_error"].as_str().is_some_and(|e| e.contains(&want)), "{status}");
-    assert_eq!(metric(&metrics, "usher_proxy_config_reload_errors_total", &[]), Some(1.0));
-    assert_eq!(metric(&metrics, "usher_proxy_config_reloads_total", &[]), Some(0.0));
+    let (status, errors, reloads) = rejected(admin, &want).await;
+    assert_eq!(status["routes"], serde_json::json!(["api"]), "{status}");
+    assert_eq!((errors, reloads), (Some(1.0), Some(0.0)), "one reload rejected, none applied");
 
     // The reloader lives on: the next good file is applied.
     replace(&routes, &format!("{base}  - {{ name: other, match: {{ path_prefix: /other }}, upstream: up }}\n"));
