@@ -352,33 +352,60 @@ async fn upstream_pushback_frees_the_lease_for_the_other_sidecar() {
     load_b.await.unwrap();
 }
 
+/// A capacity server (FAIR) and a sidecar leasing from it, as `client_id`,
+/// the templated resource `api` (`tenant/{header.x-tenant}`, 10 a key),
+/// with `extra` lines added to the resource.
+struct Tenants {
+    server: Usher,
+    proxy: Usher,
+    client_id: String,
+    _up: Upstream,
+    _dir: tempfile::TempDir,
+}
+
+impl Tenants {
+    async fn start(client_id: &str, extra: &str) -> Tenants {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let server = start_server(dir.path(), "server", FAIR, port);
+        let up = Upstream::start().await;
+        let doorman =
+            format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: {client_id}\n  min_interval: 200ms\n");
+        let res =
+            format!("    kind: rate\n    id: \"tenant/{{header.x-tenant}}\"\n    capacity: 10\n    wants: 10\n{extra}");
+        let proxy = start_proxy(dir.path(), "p", &routes(&up, &doorman, &res));
+        Tenants { server, proxy, client_id: client_id.into(), _up: up, _dir: dir }
+    }
+
+    /// A request of `tenant`'s.
+    fn request(tenant: &str) -> http::Request<support::upstream::TestBody> {
+        http::Request::get("/x")
+            .header("host", "app.local")
+            .header("x-tenant", tenant)
+            .body(support::upstream::empty())
+            .unwrap()
+    }
+
+    /// Whether the server holds a lease of `tenant`'s key for the sidecar.
+    fn held(&self, tenant: &str) -> bool {
+        let (code, body) =
+            http_get(self.server.addr("admin"), &format!("/debug/resources?resource=tenant/{tenant}&format=json"));
+        code == 200 && body.contains(&self.client_id)
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_templated_keys_are_released_and_forgotten() {
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let server = start_server(dir.path(), "server", FAIR, port);
-    let up = Upstream::start().await;
-    let doorman =
-        format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: sidecar-t\n  min_interval: 200ms\n");
-    let res = "    kind: rate\n    id: \"tenant/{header.x-tenant}\"\n    capacity: 10\n    wants: 10\n    key_idle_timeout: 1s\n";
-    let p = start_proxy(dir.path(), "p", &routes(&up, &doorman, res));
+    let t = Tenants::start("sidecar-t", "    key_idle_timeout: 1s\n").await;
+    let p = &t.proxy;
     let mut c = h1(p.addr("listen")).await;
-    let req = http::Request::get("/x")
-        .header("host", "app.local")
-        .header("x-tenant", "acme")
-        .body(support::upstream::empty())
-        .unwrap();
-    assert_eq!(send1(&mut c, req).await.status, 200);
-    let held = || {
-        let (code, body) = http_get(server.addr("admin"), "/debug/resources?resource=tenant/acme&format=json");
-        code == 200 && body.contains("sidecar-t")
-    };
-    assert_eventually!(held(), Duration::from_secs(5), "the new key is leased");
+    assert_eq!(send1(&mut c, Tenants::request("acme")).await.status, 200);
+    assert_eventually!(t.held("acme"), Duration::from_secs(5), "the new key is leased");
     // No more requests for that tenant: after the idle timeout the key is released and forgotten.
-    assert_eventually!(!held(), Duration::from_secs(6), "the idle key's lease is released");
-    let keys = status(&p)["keys"].as_array().unwrap().len();
-    assert_eq!(keys, 0, "the key is forgotten: {}", status(&p));
+    assert_eventually!(!t.held("acme"), Duration::from_secs(6), "the idle key's lease is released");
+    let keys = status(p)["keys"].as_array().unwrap().len();
+    assert_eq!(keys, 0, "the key is forgotten: {}", status(p));
     assert!(p.log().contains("forgot an idle key"), "{}", p.log());
 }
 
@@ -389,39 +416,22 @@ async fn idle_templated_keys_are_released_and_forgotten() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_header_too_long_for_a_lease_id_is_refused_and_other_keys_keep_their_leases() {
     let _serial = SERIAL.lock().await;
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let server = start_server(dir.path(), "server", FAIR, port);
-    let up = Upstream::start().await;
-    let doorman =
-        format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: sidecar-l\n  min_interval: 200ms\n");
-    let res = "    kind: rate\n    id: \"tenant/{header.x-tenant}\"\n    capacity: 10\n    wants: 10\n";
-    let p = start_proxy(dir.path(), "p", &routes(&up, &doorman, res));
+    let t = Tenants::start("sidecar-l", "").await;
+    let p = &t.proxy;
     let mut c = h1(p.addr("listen")).await;
-    let req = |tenant: &str| {
-        http::Request::get("/x")
-            .header("host", "app.local")
-            .header("x-tenant", tenant)
-            .body(support::upstream::empty())
-            .unwrap()
-    };
-    let held = |t: &str| {
-        let (code, body) = http_get(server.addr("admin"), &format!("/debug/resources?resource=tenant/{t}&format=json"));
-        code == 200 && body.contains("sidecar-l")
-    };
-    assert_eq!(send1(&mut c, req("acme")).await.status, 200);
-    assert_eventually!(held("acme"), Duration::from_secs(5), "the first key is leased");
+    assert_eq!(send1(&mut c, Tenants::request("acme")).await.status, 200);
+    assert_eventually!(t.held("acme"), Duration::from_secs(5), "the first key is leased");
     let long = "A".repeat(2000);
-    let refused = send1(&mut c, req(&long)).await;
+    let refused = send1(&mut c, Tenants::request(&long)).await;
     assert_eq!(refused.status, 400);
     let body = String::from_utf8_lossy(&refused.body);
     assert!(body.contains("resource `api`") && body.contains("2007 bytes") && body.contains("1024"), "{body}");
     // A tenant made after it is leased, and the lease client reports no error.
-    assert_eq!(send1(&mut c, req("globex")).await.status, 200);
-    assert_eventually!(held("globex"), Duration::from_secs(5), "a later key is leased: {}", status(&p));
-    assert!(held("acme"));
-    assert!(status(&p)["last_error"].is_null(), "{}", status(&p));
-    assert!(!server.log().contains("at most 1024"), "{}", server.log());
+    assert_eq!(send1(&mut c, Tenants::request("globex")).await.status, 200);
+    assert_eventually!(t.held("globex"), Duration::from_secs(5), "a later key is leased: {}", status(p));
+    assert!(t.held("acme"));
+    assert!(status(p)["last_error"].is_null(), "{}", status(p));
+    assert!(!t.server.log().contains("at most 1024"), "{}", t.server.log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

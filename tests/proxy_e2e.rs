@@ -482,6 +482,20 @@ async fn a_reloaded_body_limit_applies_to_small_bodies_on_open_connections() {
     assert_eq!(up.stats.requests(), before + 2, "nothing over the limit was forwarded");
 }
 
+/// The sidecar's status page, which shows `want` as its configuration
+/// error, and its counts of rejected and of applied reloads.
+async fn rejected(admin: std::net::SocketAddr, want: &str) -> (serde_json::Value, Option<f64>, Option<f64>) {
+    let (status, metrics) = tokio::task::spawn_blocking(move || {
+        (http_get(admin, "/debug/status?format=json").1, http_get(admin, "/metrics").1)
+    })
+    .await
+    .unwrap();
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert!(status["config_error"].as_str().is_some_and(|e| e.contains(want)), "{status}");
+    let errors = metric(&metrics, "usher_proxy_config_reload_errors_total", &[]);
+    (status, errors, metric(&metrics, "usher_proxy_config_reloads_total", &[]))
+}
+
 /// A reload into a routes file with two resources on one lease id (a fixed
 /// id twice, or two templates that could make the same id) is rejected like
 /// any bad file: the previous routes and limiter state stay, the error is
@@ -539,19 +553,59 @@ async fn a_reload_into_two_resources_on_one_lease_id_keeps_the_last_good_routes(
             StatusCode::TOO_MANY_REQUESTS,
             "the last good routes and their spent budget stay"
         );
-        let (status, metrics) = tokio::task::spawn_blocking(move || {
-            (http_get(admin, "/debug/status?format=json").1, http_get(admin, "/metrics").1)
-        })
-        .await
-        .unwrap();
-        let status: serde_json::Value = serde_json::from_str(&status).unwrap();
-        assert!(status["config_error"].as_str().is_some_and(|e| e.contains(&want)), "{status}");
+        let (status, errors, reloads) = rejected(admin, &want).await;
         assert_eq!(status["routes"], serde_json::json!(["api"]), "{status}");
-        let errors = metric(&metrics, "usher_proxy_config_reload_errors_total", &[]);
         assert_eq!(errors, Some(i as f64 + 1.0));
-        assert_eq!(metric(&metrics, "usher_proxy_config_reloads_total", &[]), Some(0.0));
+        assert_eq!(reloads, Some(0.0));
     }
     assert!(!u.log().contains("routes reloaded"), "{}", u.log());
+}
+
+/// A live reload into a routes file of a kilobyte whose nested aliases would
+/// expand to 43 million nodes (an "alias bomb") is refused at once, naming
+/// the file and the alias, without the memory the expansion would take: the
+/// sidecar keeps serving its last good routes, counts the error, and still
+/// applies the next good file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_into_an_alias_bomb_is_refused_at_once_and_the_last_good_routes_keep_serving() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let base = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         routes:\n  - {{ name: api, match: {{ path_prefix: /api }}, upstream: up }}\n",
+        up.addr
+    );
+    let routes = write_file(dir.path(), "routes.yaml", &base);
+    let mut u = start_proxy(&routes);
+    let admin = u.addr("admin");
+    let mut c = h1(u.addr("listen")).await;
+    assert_eq!(send1(&mut c, get("x", "/api")).await.status, StatusCode::OK);
+    let peak = support::peak_rss_kib(u.child.id());
+
+    replace(&routes, &support::alias_bomb());
+    let want = format!("{}:7:17: this alias would make the document more than 200000 nodes", routes.display());
+    let started = std::time::Instant::now();
+    u.wait_for_log(&want, Duration::from_secs(10));
+    let took = started.elapsed();
+    assert!(u.log().contains("routes file rejected, keeping the previous one"), "{}", u.log());
+    assert_eq!(u.child.try_wait().unwrap(), None, "the sidecar is still running");
+    let grown = support::peak_rss_kib(u.child.id()).saturating_sub(peak);
+    eprintln!("figures: refused {took:?} after it was written; peak resident memory +{grown} KiB");
+    assert!(grown < 64 * 1024, "the peak resident memory grew by {grown} KiB");
+    let before = up.stats.requests();
+    for mut conn in [c, h1(u.addr("listen")).await] {
+        assert_eq!(send1(&mut conn, get("x", "/api")).await.status, StatusCode::OK, "the last good routes serve");
+        assert_eq!(send1(&mut conn, get("x", "/other")).await.status, StatusCode::FORBIDDEN);
+    }
+    assert_eq!(up.stats.requests(), before + 2);
+    let (status, errors, reloads) = rejected(admin, &want).await;
+    assert_eq!(status["routes"], serde_json::json!(["api"]), "{status}");
+    assert_eq!((errors, reloads), (Some(1.0), Some(0.0)), "one reload rejected, none applied");
+
+    // The reloader lives on: the next good file is applied.
+    replace(&routes, &format!("{base}  - {{ name: other, match: {{ path_prefix: /other }}, upstream: up }}\n"));
+    u.wait_for_log("routes reloaded", Duration::from_secs(10));
+    assert_eq!(send1(&mut h1(u.addr("listen")).await, get("x", "/other")).await.status, StatusCode::OK);
 }
 
 /// The embedded server's lease of `api`: (capacity, refresh interval in seconds).

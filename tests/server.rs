@@ -3,9 +3,9 @@
 
 mod support;
 
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use support::{Usher, http_get, metric, write_file};
+use support::{Usher, alias_bomb, http_get, metric, peak_rss_kib, write_file};
 use usher::proto::capacity_client::CapacityClient;
 use usher::proto::{self, GetCapacityRequest, ResourceRequest};
 
@@ -181,6 +181,78 @@ async fn learning_mode_hands_back_has() {
     assert_eq!(metric(&text, "usher_server_resource_has", &[("resource", "learn")]), Some(40.0));
 }
 
+/// Learning mode believes the lease a client reports (`has`) only up to the
+/// resource's capacity, and its expiry only up to a lease length from now
+/// (`learning_grant` and the reported expiry's cap in server/store.rs): a
+/// client that claims 1e300 until 30 years from now is handed back the
+/// capacity for one lease length, and once that lease has lapsed (and been
+/// held as long again: the liar may still run on it) an honest client gets
+/// what it asks for.
+#[tokio::test]
+async fn learning_mode_believes_a_liar_only_up_to_the_capacity_and_a_lease_length() {
+    const LEASE: i64 = 8;
+    // Learning lasts 3 s (less than its bound, refresh × 7/6 + 3 s), so the
+    // liar's lease is still running when it ends.
+    let config = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 8, refresh_interval: 2, learning_mode_duration: 3 }\n";
+    let s = Server::start(config, &[]);
+    let mut c = s.client().await;
+    let unix_now = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
+
+    let (asked, before) = (Instant::now(), unix_now());
+    let liar = ResourceRequest {
+        resource_id: "r".into(),
+        priority: 0,
+        has: Some(proto::Lease { expiry_time: before + 1_000_000_000, refresh_interval: 2, capacity: 1e300 }),
+        wants: 5.0,
+    };
+    let resp = c
+        .get_capacity(GetCapacityRequest { client_id: "liar".into(), resource: vec![liar] })
+        .await
+        .unwrap()
+        .into_inner();
+    let after = unix_now();
+    let lease = &resp.response[0].gets;
+    // Outside learning mode a client wanting 5 gets 5: 100 is its report, capped.
+    assert_eq!(lease.capacity, 100.0, "the reported 1e300 is believed up to the capacity");
+    assert!(
+        (before + LEASE..=after + LEASE).contains(&lease.expiry_time),
+        "the reported expiry is believed up to a lease length from now: {} not in {}..={}",
+        lease.expiry_time,
+        before + LEASE,
+        after + LEASE
+    );
+    let (_, text) = s.admin("/metrics");
+    assert_eq!(metric(&text, "usher_server_resource_has", &[("resource", "r")]), Some(100.0));
+
+    // Learning ends; the liar's capped lease still holds the whole capacity.
+    assert_eventually!(
+        metric(&s.admin("/metrics").1, "usher_server_resource_learning_mode", &[("resource", "r")]) == Some(0.0),
+        Duration::from_secs(10),
+        "learning mode ends"
+    );
+    let ended = asked.elapsed();
+    assert!(ended < Duration::from_secs(LEASE as u64 - 1), "learning ended {ended:?} after the liar asked");
+    // Decided before the answer came back, so before the liar's lease ends.
+    while asked.elapsed() < Duration::from_secs(LEASE as u64) {
+        let got = grant(&mut c, "honest", "r", 60.0).await;
+        if asked.elapsed() < Duration::from_secs(LEASE as u64) {
+            assert_eq!(got, 0.0, "the liar's lease is believed until it ends ({:?})", asked.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The lapsed lease is held for as long again; then the honest client
+    // gets all it wants. A believed expiry 30 years out would never lapse.
+    let mut got = 0.0;
+    while asked.elapsed() < Duration::from_secs(2 * LEASE as u64 + 5) {
+        got = grant(&mut c, "honest", "r", 60.0).await;
+        if got == 60.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(got, 60.0, "the honest client's share, {:?} after the liar asked", asked.elapsed());
+}
+
 #[tokio::test]
 async fn server_capacity_sums_bands_and_carries_the_algorithm() {
     let config = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 10, learning_mode_duration: 0 }\n";
@@ -305,6 +377,43 @@ async fn reload_on_file_change_and_sighup_keeps_old_config_when_invalid() {
     }
     assert_eq!(got, 50.0);
     assert!(s.status()["config_error"].is_null());
+}
+
+/// A live reload into a resources file of a kilobyte whose nested aliases
+/// would expand to 43 million nodes is refused at once, naming the file and
+/// the alias, without the memory the expansion would take; the server keeps
+/// serving its last good configuration and still applies the next good file.
+#[tokio::test]
+async fn a_reload_into_an_alias_bomb_is_refused_at_once_and_the_old_config_stays() {
+    let mut s = Server::start(CONFIG, &[]);
+    let path = s.dir.path().join("resources.yaml");
+    let mut c = s.client().await;
+    assert_eq!(grant(&mut c, "a", "other", 5000.0).await, 1000.0);
+    let peak = peak_rss_kib(s.usher.child.id());
+
+    let tmp = s.dir.path().join("next.yaml");
+    std::fs::write(&tmp, format!("resources: []\n{}", alias_bomb())).unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
+    let want = format!("{}:8:17: this alias would make the document more than 200000 nodes", path.display());
+    let started = Instant::now();
+    s.usher.wait_for_log(&want, Duration::from_secs(10));
+    let took = started.elapsed();
+    assert!(s.usher.log().contains("configuration rejected, keeping the previous one"), "{}", s.usher.log());
+    assert_eq!(s.usher.child.try_wait().unwrap(), None, "the server is still running");
+    let grown = peak_rss_kib(s.usher.child.id()).saturating_sub(peak);
+    eprintln!("figures: refused {took:?} after it was written; peak resident memory +{grown} KiB");
+    assert!(grown < 64 * 1024, "the peak resident memory grew by {grown} KiB");
+    assert_eq!(grant(&mut c, "a", "other", 5000.0).await, 1000.0, "the last good configuration stays");
+    let (_, text) = s.admin("/metrics");
+    assert_eq!(metric(&text, "usher_config_reload_errors_total", &[]), Some(1.0));
+    assert!(s.status()["config_error"].as_str().is_some_and(|e| e.contains(&want)), "{}", s.status());
+
+    // The reloader lives on: the next good file is applied.
+    std::fs::write(&tmp, CONFIG.replace("capacity: 1000", "capacity: 300")).unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
+    s.usher.wait_for_log("configuration reloaded", Duration::from_secs(10));
+    assert_eq!(grant(&mut c, "a", "other", 5000.0).await, 300.0);
+    assert!(s.status()["config_error"].is_null(), "{}", s.status());
 }
 
 #[tokio::test]

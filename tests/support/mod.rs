@@ -309,6 +309,30 @@ pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
     p
 }
 
+/// A YAML block of nine lines (`bomb:` and eight anchored lists) whose
+/// nested aliases would expand to 43 million nodes: nine aliases of nine
+/// aliases, eight deep. usher's parser refuses it before expanding it, at
+/// the second alias of the block's seventh line (column 17), when the text
+/// before the block holds only a few nodes.
+pub fn alias_bomb() -> String {
+    let mut text = String::from("bomb:\n  a0: &a0 [x, x, x, x, x, x, x, x, x]\n");
+    for i in 1..=8 {
+        text.push_str(&format!("  a{i}: &a{i} [{}]\n", vec![format!("*a{}", i - 1); 9].join(", ")));
+    }
+    text
+}
+
+/// The most memory process `pid` has held resident so far, in KiB (Linux's
+/// `VmHWM` in `/proc/PID/status`).
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status (Linux)");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no VmHWM in:\n{status}"))
+}
+
 pub mod deploy;
 pub mod etcd;
 pub mod faultproxy;
