@@ -18,7 +18,8 @@
 //! after another. Nothing runs while the connection is idle; one idle for
 //! longer than the upstream pools' idle timeout is replaced by the next
 //! request rather than trusted (a middlebox may have dropped it silently),
-//! and closes. Over TLS, ALPN offers `h2` and `http/1.1`: an upstream that
+//! and closes. One in use that went silent is found when a request on it
+//! times out: a PING it does not answer within [`PING_TIMEOUT`] closes it. Over TLS, ALPN offers `h2` and `http/1.1`: an upstream that
 //! picks `http/1.1` gets its connection handed back for the HTTP/1.1 pool.
 
 use std::sync::Mutex;
@@ -41,6 +42,9 @@ const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
 const CONNECTION_WINDOW: u32 = 5 * 1024 * 1024;
 /// Largest response head accepted (decoded), as on the native HTTP/1.1 path.
 const MAX_HEADER_LIST: u32 = 256 * 1024;
+/// How long a connection under suspicion (a request on it timed out) has
+/// to answer a PING before it is closed.
+pub const PING_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why an exchange failed.
 pub enum H2Error {
@@ -64,6 +68,8 @@ enum NoSender {
 /// The connection in use.
 struct Current {
     sender: SendRequest<Bytes>,
+    /// Asks the connection's task to check it with a PING.
+    check: std::sync::Arc<tokio::sync::Notify>,
     /// When a request last took it.
     used: Instant,
     /// Which connection this is, so that a late failure of an old one does
@@ -197,15 +203,11 @@ impl H2Upstream {
             .handshake::<_, Bytes>(io)
             .await
             .map_err(|e| NoSender::Connect(format!("h2 handshake: {}", error_chain(&e))))?;
-        let addr = self.addr.clone();
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(upstream = %addr, error = %e, "h2 upstream connection ended");
-            }
-        });
+        let check = std::sync::Arc::new(tokio::sync::Notify::new());
+        tokio::spawn(drive(conn, self.addr.clone(), check.clone()));
         let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
         *self.current.lock().expect("h2 upstream lock") =
-            Some(Current { sender: sender.clone(), used: Instant::now(), generation });
+            Some(Current { sender: sender.clone(), check, used: Instant::now(), generation });
         *self.failed.lock().expect("h2 upstream lock") = None;
         Ok((sender, generation))
     }
@@ -231,6 +233,18 @@ impl H2Upstream {
         }
     }
 
+    /// A request on the current connection got no answer within the
+    /// upstream's `timeout`: the connection's task sends a PING, and closes
+    /// the connection (failing the requests still on it) if no answer comes
+    /// within [`PING_TIMEOUT`], so that later requests do not go on waiting
+    /// on a connection a middlebox or a frozen upstream silently dropped.
+    /// Nothing else times an open connection: nothing runs while it is idle.
+    pub fn timed_out(&self) {
+        if let Some(c) = self.current.lock().expect("h2 upstream lock").as_ref() {
+            c.check.notify_one();
+        }
+    }
+
     /// Drops connection `generation`'s handle if it is still the current
     /// one: the next request makes a new one.
     fn forget(&self, generation: u64) {
@@ -238,6 +252,43 @@ impl H2Upstream {
         if current.as_ref().is_some_and(|c| c.generation == generation) {
             *current = None;
         }
+    }
+}
+
+/// Drives a connection until it ends; when asked (see
+/// [`H2Upstream::timed_out`]), checks it with a PING, and drops it (which
+/// fails its streams at once) if no answer comes within [`PING_TIMEOUT`].
+async fn drive(
+    mut conn: h2::client::Connection<Stream, Bytes>,
+    addr: String,
+    check: std::sync::Arc<tokio::sync::Notify>,
+) {
+    let mut pinger = conn.ping_pong();
+    let ended = loop {
+        tokio::select! {
+            r = &mut conn => break r,
+            () = check.notified() => {}
+        }
+        let Some(pinger) = pinger.as_mut() else { continue };
+        let pong = tokio::time::timeout(PING_TIMEOUT, pinger.ping(h2::Ping::opaque()));
+        tokio::select! {
+            r = &mut conn => break r,
+            answered = pong => match answered {
+                Ok(Ok(_)) => tracing::debug!(upstream = %addr, "h2 upstream connection answered a PING after a timeout; kept"),
+                Ok(Err(e)) => break Err(e),
+                Err(_) => {
+                    tracing::warn!(
+                        upstream = %addr,
+                        "h2 upstream connection did not answer a PING within {PING_TIMEOUT:?} after a request on it timed out; \
+                         closed (the next request opens a new one)"
+                    );
+                    return;
+                }
+            },
+        }
+    };
+    if let Err(e) = ended {
+        tracing::debug!(upstream = %addr, error = %e, "h2 upstream connection ended");
     }
 }
 

@@ -471,7 +471,13 @@ async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
     match answered {
         Some(Ok((body, head))) => Ok(Answer { body, head, upstream }),
         Some(Err(e)) => Err(e),
-        None => Err(ProxyError::UpstreamTimeout { upstream: name(), after: timeout }),
+        None => {
+            // The upstream's multiplexed connection may be dead: it is checked.
+            if let Some(h2) = &upstream.h2 {
+                h2.timed_out();
+            }
+            Err(ProxyError::UpstreamTimeout { upstream: name(), after: timeout })
+        }
     }
 }
 
