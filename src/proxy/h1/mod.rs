@@ -54,7 +54,7 @@ pub use head::why;
 
 use super::h2conn::H2Error;
 use super::pipeline::{self, Exchange, Inbound, Pipeline, Reply};
-use super::pool::Stream;
+use super::pool::{Pool, Stream};
 use super::respond::{self, ProxyBody, ProxyError};
 use super::route::RequestView;
 use super::upstream::{Target, Upstream};
@@ -601,15 +601,14 @@ where
     bufs.out.extend_from_slice(b"\r\n");
     let mut held = Some(held);
     let relayed = match body {
-        Carried::Stream(stream) => relay(&head, stream, &mut bufs.up, app, &mut bufs.out, &mut held).await,
-        Carried::Shared(body) => relay_frames(head.framing, body, app, &mut bufs.out, &mut held).await.map(|()| None),
+        Carried::Stream(stream) => {
+            let pool = upstream.plain.as_ref().filter(|_| head.reusable).map(|p| &*p.pool);
+            relay(&head, stream, &mut bufs.up, app, &mut bufs.out, &mut held, pool).await
+        }
+        Carried::Shared(body) => relay_frames(head.framing, body, app, &mut bufs.out, &mut held).await,
     };
     let open = match relayed {
-        Ok(Some(stream)) if head.reusable => {
-            upstream.plain.as_ref().expect("a native answer comes from an HTTP/1.1 upstream").pool.put(stream);
-            !close
-        }
-        Ok(_) => !close,
+        Ok(()) => !close,
         Err(BodyError::Upstream(e)) => {
             // The status is already sent: the client sees its body cut.
             if let Some(held) = &held {
@@ -755,13 +754,15 @@ enum BodyError {
 }
 
 /// Sends the client the head in `out` and the body that follows `head` on
-/// `stream` (its first bytes already in `up`). Returns the stream when the
-/// body ended cleanly with nothing after it, so it can carry another request.
+/// `stream` (its first bytes already in `up`). When the body ended cleanly
+/// with nothing after it, the stream goes back to `pool` (if given: the
+/// answer left the connection reusable) to carry another request.
 ///
-/// `held` (the admission's gauge permits, the in-flight count) is released
-/// once the body's last bytes are in hand, before they are written: a client
-/// that has the whole answer may send its next request on another
-/// connection at once, and must find the slot free.
+/// `held` (the admission's gauge permits, the in-flight count) is released,
+/// and the stream put back, once the body's last bytes are in hand, before
+/// they are written: a client that has the whole answer may send its next
+/// request on another connection at once, and must find the slot free and
+/// the upstream connection in the pool (as hyper's body does, `h1pool`).
 async fn relay<I>(
     head: &ResponseHead,
     mut stream: Stream,
@@ -769,14 +770,22 @@ async fn relay<I>(
     app: &mut App<'_, I>,
     out: &mut Vec<u8>,
     held: &mut Option<pipeline::Held>,
-) -> Result<Option<Stream>, BodyError>
+    pool: Option<&Pool>,
+) -> Result<(), BodyError>
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
+    // The body is all in hand: bytes after it are a broken upstream, whose connection is not reused.
+    let home = |stream: Stream, clean: bool, held: &mut Option<pipeline::Held>| {
+        *held = None;
+        if let (true, Some(pool)) = (clean, pool) {
+            pool.put(stream);
+        }
+    };
     let cut = |what: &str| BodyError::Upstream(format!("the upstream closed the connection {what}"));
     match head.framing {
         Framing::Empty => {
-            *held = None;
+            home(stream, up.is_empty(), held);
             send(app.io, out).await?
         }
         Framing::Length(n) => {
@@ -785,24 +794,29 @@ where
             up.advance(first);
             let mut left = n - first as u64;
             if left == 0 {
-                *held = None;
-            }
-            send(app.io, out).await?;
-            while left > 0 {
-                up.clear();
-                up.reserve(READ_CHUNK);
-                match app.wait(stream.read_buf(up)).await? {
-                    Ok(0) => return Err(cut(&format!("{left} bytes before the end of the body"))),
-                    Ok(_) => {}
-                    Err(e) => return Err(BodyError::Upstream(e.to_string())),
+                home(stream, up.is_empty(), held);
+                send(app.io, out).await?;
+            } else {
+                send(app.io, out).await?;
+                loop {
+                    up.clear();
+                    up.reserve(READ_CHUNK);
+                    match app.wait(stream.read_buf(up)).await? {
+                        Ok(0) => return Err(cut(&format!("{left} bytes before the end of the body"))),
+                        Ok(_) => {}
+                        Err(e) => return Err(BodyError::Upstream(e.to_string())),
+                    }
+                    let take = up.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                    left -= take as u64;
+                    if left == 0 {
+                        home(stream, up.len() == take, held);
+                        app.io.write_all(&up[..take]).await.map_err(BodyError::Client)?;
+                        up.advance(take);
+                        break;
+                    }
+                    app.io.write_all(&up[..take]).await.map_err(BodyError::Client)?;
+                    up.advance(take);
                 }
-                let take = up.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-                left -= take as u64;
-                if left == 0 {
-                    *held = None;
-                }
-                app.io.write_all(&up[..take]).await.map_err(BodyError::Client)?;
-                up.advance(take);
             }
         }
         Framing::Chunked => {
@@ -820,14 +834,12 @@ where
                     }
                 };
                 up.advance(used);
-                let done = chunks.is_done();
-                if done {
-                    *held = None;
-                }
-                send(app.io, out).await?;
-                if done {
+                if chunks.is_done() {
+                    home(stream, up.is_empty(), held);
+                    send(app.io, out).await?;
                     break;
                 }
+                send(app.io, out).await?;
                 up.clear();
                 up.reserve(READ_CHUNK);
                 match app.wait(stream.read_buf(up)).await? {
@@ -850,13 +862,11 @@ where
                 out.extend_from_slice(b"0\r\n\r\n");
                 send(app.io, out).await?;
                 app.io.flush().await.map_err(BodyError::Client)?;
-                return Ok(None);
+                return Ok(());
             }
         },
     }
-    app.io.flush().await.map_err(BodyError::Client)?;
-    // Bytes after the body are a broken upstream: its connection is not reused.
-    Ok(up.is_empty().then_some(stream))
+    app.io.flush().await.map_err(BodyError::Client)
 }
 
 /// Sends the client the head in `out` and the body of an answer from a
