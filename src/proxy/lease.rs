@@ -125,7 +125,8 @@ impl TableEnforcer {
         now: Time,
     ) -> (f64, bool) {
         let (id, sample) = (l.id(), l.demand().sample(now));
-        let refused_now = sample.refused > m.refused;
+        let refused_since = sample.refused.saturating_sub(m.refused);
+        let refused_now = refused_since > 0;
         m.refused = sample.refused;
         let pressure_signal = refused_now || sample.waiters > 0;
         let embedded_default = if self.embedded.is_some() { Wants::Fixed(capacity) } else { Wants::Auto };
@@ -163,7 +164,14 @@ impl TableEnforcer {
                         }
                     }
                     ResourceKind::Gauge => {
-                        let peak = (l.demand().take_peak() + sample.waiters.max(0)) as f64;
+                        let held = (l.demand().take_peak() + sample.waiters.max(0)) as f64;
+                        // A refused request wanted a slot the lease did not
+                        // have, as a refused arrival counts in a rate's wants:
+                        // each counts, up to the configured capacity. (A gauge
+                        // leased 0 after an idle spell, with `max_wait: 0`,
+                        // refuses every request at once: counting only what
+                        // was in flight, it would ask for 0 for ever.)
+                        let peak = held + (refused_since as f64).min((capacity - held).max(0.0));
                         m.peaks.push_back((now, peak));
                         while m.peaks.front().is_some_and(|(t, _)| now.since(*t) > PEAK_WINDOW) {
                             m.peaks.pop_front();
@@ -659,10 +667,16 @@ mod tests {
 
     /// [`enforcer`], and the hand on its clock.
     fn enforcer_and_time() -> (TableEnforcer, Arc<crate::clock::ManualClock>) {
-        let yaml = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
-                    resources:\n  fixed: { kind: rate, capacity: 1000/s, burst: 100 }\n  \
-                    tenant: { kind: rate, capacity: 10/s, id: \"t/{header.x-tenant}\" }\n\
-                    routes:\n  - { name: all, upstream: up, resources: [fixed, tenant] }\n";
+        enforcer_of(
+            "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+             resources:\n  fixed: { kind: rate, capacity: 1000/s, burst: 100 }\n  \
+             tenant: { kind: rate, capacity: 10/s, id: \"t/{header.x-tenant}\" }\n\
+             routes:\n  - { name: all, upstream: up, resources: [fixed, tenant] }\n",
+        )
+    }
+
+    /// [`enforcer_and_time`] for the routes file `yaml`.
+    fn enforcer_of(yaml: &str) -> (TableEnforcer, Arc<crate::clock::ManualClock>) {
         let cfg = Arc::new(RoutesConfig::parse("routes.yaml", yaml).unwrap());
         let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
         let table = Arc::new(LeaseTable::new(clock));
@@ -740,6 +754,52 @@ mod tests {
         assert!(e.table.resource("tenant").unwrap().get("t/acme").is_none());
         let u = e.demand_update();
         assert!(u.removed.is_empty() && u.changed.is_empty(), "{u:?}");
+    }
+
+    /// A gauge leased nothing (after an idle spell) whose requests are
+    /// refused at once (`max_wait: 0`) asks for what the refusals show it
+    /// wants, up to its configured capacity, and says it is short (an early
+    /// refresh): counting only what was in flight, it asked for 0 for ever.
+    #[test]
+    fn refused_requests_are_a_gauge_s_demand() {
+        let (e, time) = enforcer_of(
+            "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+             resources:\n  slots: { kind: gauge, capacity: 5 }\n\
+             routes:\n  - { name: all, upstream: up, resources: [slots] }\n",
+        );
+        let slots = e.table.resource("slots").unwrap().try_limiter("slots").unwrap();
+        let wants = |e: &TableEnforcer| {
+            let cfg = e.config();
+            let (settings, kind, capacity, _) = TableEnforcer::settings(&cfg, "slots").unwrap();
+            let mut memory = e.memory.lock().unwrap();
+            let m = memory.entry("slots".to_string()).or_default();
+            e.wants(m, &slots, kind, settings, capacity, e.table.clock().now())
+        };
+        // One request in flight, then none for longer than the peak window: wants 0.
+        slots.demand().record(crate::limit::demand::Outcome::Admitted);
+        slots.demand().enter();
+        assert_eq!(wants(&e), (1.0, false));
+        slots.demand().leave();
+        for _ in 0..12 {
+            time.advance(Duration::from_secs(1));
+            wants(&e);
+        }
+        assert_eq!(wants(&e), (0.0, false), "idle: nothing wanted");
+        slots.set_capacity(0.0);
+        // Requests come and are refused at once: each is a slot wanted.
+        for _ in 0..2 {
+            slots.demand().record(crate::limit::demand::Outcome::Refused);
+        }
+        time.advance(Duration::from_millis(100));
+        assert_eq!(wants(&e), (2.0, true), "two refused: two slots wanted, and short of them");
+        for _ in 0..20 {
+            slots.demand().record(crate::limit::demand::Outcome::Refused);
+        }
+        time.advance(Duration::from_millis(100));
+        assert_eq!(wants(&e), (5.0, true), "never more than the configured capacity for refusals");
+        // The peak stays for the window, then goes.
+        time.advance(Duration::from_secs(11));
+        assert_eq!(wants(&e), (0.0, false));
     }
 
     /// A reload that rebuilds a resource (its kind changed) drops its keys
