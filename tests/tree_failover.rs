@@ -159,3 +159,48 @@ async fn killing_an_intermediates_master_under_load_keeps_the_tree_full() {
     }
     eprintln!("mean {mean:.1}/s over the 40 s after the kill; {report}");
 }
+
+/// The root goes away for good: a sidecar behind a live intermediate keeps
+/// its lease while it lasts, then runs on the safe capacity the root
+/// configured, as one whose servers were all gone would, not on 0 (it was
+/// told a safe capacity of 0 once its reservation at the intermediate
+/// lapsed, and refused everything until the root came back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_behind_an_intermediate_runs_on_its_safe_capacity_while_the_root_is_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let root_config = "resources:\n  - identifier_glob: '*'\n    capacity: 20\n    safe_capacity: 2\n    algorithm: { kind: FAIR_SHARE, lease_length: 3, refresh_interval: 1, learning_mode_duration: 0 }\n";
+    let mut root = Usher::server(&["--config", write_file(dir.path(), "root.yaml", root_config).to_str().unwrap()]);
+    let root_addr = root.addr("grpc").to_string();
+    let middle = Usher::server(&["--parent", &root_addr, "--min-request-interval", "0s"]);
+    let middle_addr = middle.addr("grpc").to_string();
+    let up = Upstream::start().await;
+    let doorman = format!("doorman:\n  servers: [\"{middle_addr}\"]\n  client_id: behind\n  min_interval: 200ms\n");
+    let res = "    kind: rate\n    capacity: 10\n    burst: 2\n    wants: 10\n";
+    let p = Usher::proxy(&write_file(dir.path(), "p.yaml", &routes(&up, &doorman, res)));
+    let tally = Arc::new(Tally::default());
+    let load = tokio::spawn(drive_strict(p.addr("listen"), 20.0, Duration::from_secs(20), tally.clone()));
+    let rate = |from: Instant, secs: usize| {
+        let per = up.stats.per_second(from, secs);
+        per.iter().sum::<usize>() as f64 / secs as f64
+    };
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let leased = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let r = rate(leased, 2);
+    assert!(r >= 7.0, "the lease, 10/s, before the root goes: {r}/s\n{}", p.log());
+    root.child.kill().unwrap();
+    let killed = Instant::now();
+    // The intermediate's lease (3 s), the sidecar's (never longer) and its
+    // reservation there (3 s more) are over by 7 s: from 8 s on, the safe capacity.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let safe_from = Instant::now();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let r = rate(safe_from, 4);
+    assert!(
+        (1.0..=3.5).contains(&r),
+        "the safe capacity, 2/s, {:?} after the root went: {r}/s\n{}",
+        safe_from - killed,
+        p.log()
+    );
+    load.await.unwrap();
+}

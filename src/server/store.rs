@@ -1024,9 +1024,15 @@ impl Resource {
 
     /// An intermediate with no lease from its parent and a client that holds
     /// none: the answer is an already expired lease, so the client keeps
-    /// running on its safe capacity (still reserved here) rather than on a
-    /// lease of 0, and asks again in a second. Its demand is recorded, so the
-    /// parent hears of it.
+    /// running on its safe capacity rather than on a lease of 0, and asks
+    /// again in a second. Its demand is recorded, so the parent hears of it.
+    /// The safe capacity is capped at what is still reserved for the client
+    /// here while that reservation lasts; once it has lapsed, the client
+    /// gets the whole of it, as a client cut off from the tree would use it
+    /// (this node, cut off from its parent, hands nothing to anyone): capped
+    /// at nothing, a root outage of two lease lengths left every client
+    /// behind a live intermediate on 0, worse off than one whose servers
+    /// were all gone.
     fn nothing_to_hand_out(
         &mut self,
         client: &str,
@@ -1059,13 +1065,16 @@ impl Resource {
                 safe,
             }),
         );
-        // It may run on what is still reserved for it here, and no more.
-        let held = self.reservations.get(client).map_or(0.0, |r| r.amount);
+        // While its reservation lasts, it may run on that and no more.
+        let safe_capacity = match self.reservations.get(client) {
+            Some(r) => safe_for(&req.requester, safe, r.amount),
+            None => safe,
+        };
         Grant {
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
-            safe_capacity: safe_for(&req.requester, safe, held),
+            safe_capacity,
             algorithm: alg,
             predecessor_subclients: None,
         }

@@ -284,6 +284,45 @@ fn an_intermediate_without_a_parent_lease_keeps_clients_that_hold_nothing_known(
     }
 }
 
+/// An intermediate cut off from its parent for longer than its clients'
+/// leases and their reservations tells them the whole safe capacity, as a
+/// client cut off from the tree would use it; while a client's reservation
+/// lasts, no more than that. (It told them 0 once the reservation lapsed:
+/// a root outage of two lease lengths cut every client behind it to 0.)
+#[test]
+fn an_intermediate_cut_off_from_its_parent_tells_clients_the_safe_capacity() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 10, 5, 0)] };
+    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    s.get_capacity("a", &req("r", 10.0, None));
+    s.set_parent_lease(
+        "r",
+        Some(ParentLease {
+            capacity: 20.0,
+            expiry: clock.now().saturating_add(Duration::from_secs(10)),
+            refresh_interval: Duration::from_secs(5),
+            algorithm: None,
+            safe_capacity: Some(2.0),
+            predecessor_subclients: None,
+            answered_subclients: None,
+        }),
+    );
+    let g = s.get_capacity("a", &req("r", 10.0, None));
+    assert_eq!((g.capacity, g.safe_capacity), (10.0, 2.0));
+    // The parent is gone: its lease, the client's (never longer) and the
+    // client's reservation (a lease length more) run out in turn.
+    let mut told = Vec::new();
+    for _ in 0..30 {
+        handle.advance(Duration::from_secs(1));
+        let g = s.get_capacity("a", &req("r", 10.0, Some(0.0)));
+        assert!(g.capacity == 0.0 || g.expiry > clock.now(), "no new capacity: {g:?}");
+        told.push(g.safe_capacity);
+    }
+    assert!(told.iter().all(|&safe| safe == 2.0), "the safe capacity throughout: {told:?}");
+}
+
 #[test]
 fn an_intermediate_reports_what_its_clients_hold_not_what_it_last_granted() {
     let (clock, _handle) = Clock::manual(Time::from_secs(1_000_000));
