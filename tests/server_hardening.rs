@@ -63,6 +63,50 @@ async fn giant_ids_and_huge_requests_are_refused() {
     assert_eq!(c.get_capacity(ask("a", vec!["ok".into()])).await.unwrap().into_inner().response.len(), 1);
 }
 
+/// A lower server's bands weigh as many clients as they claim: claiming
+/// more than a resource may have here is refused, naming the field, and
+/// leaves the honest clients' shares alone (one request claiming 2^63 - 1
+/// clients cut them to ~1e-18).
+#[tokio::test]
+async fn a_lower_server_cannot_claim_more_clients_than_a_resource_may_have() {
+    use usher::proto::{GetServerCapacityRequest, PriorityBandAggregate, ServerCapacityResourceRequest};
+    let (u, _dir) = start(&["--max-clients-per-resource", "1000"]);
+    let mut c = CapacityClient::connect(format!("http://{}", u.addr("grpc"))).await.unwrap();
+    let honest = |c: &mut CapacityClient<tonic::transport::Channel>| {
+        let mut c = c.clone();
+        async move {
+            let mut r = ask("honest", vec!["api".into()]);
+            r.resource[0].wants = 60.0;
+            c.get_capacity(r).await.unwrap().into_inner().response[0].gets.capacity
+        }
+    };
+    assert_eq!(honest(&mut c).await, 60.0);
+    let claim = |n: i64| GetServerCapacityRequest {
+        server_id: "liar".into(),
+        resource: vec![ServerCapacityResourceRequest {
+            resource_id: "api".into(),
+            has: None,
+            wants: vec![
+                PriorityBandAggregate { priority: 0, num_clients: n, wants: 100.0 },
+                PriorityBandAggregate { priority: 1, num_clients: n, wants: 100.0 },
+            ],
+        }],
+    };
+    for n in [i64::MAX, 501] {
+        let err = c.get_server_capacity(claim(n)).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{n}: {err:?}");
+        assert!(
+            err.message().contains("resource[0]: its bands count")
+                && err.message().contains("at most 1000 (the server's --max-clients-per-resource)"),
+            "{}",
+            err.message()
+        );
+    }
+    assert_eq!(honest(&mut c).await, 60.0, "the honest client's share is untouched");
+    // A claim within the bound is served.
+    assert!(c.get_server_capacity(claim(500)).await.is_ok());
+}
+
 #[tokio::test]
 async fn clients_and_resources_are_bounded() {
     let (u, _dir) = start(&["--max-clients-per-resource", "3", "--max-resources", "5"]);

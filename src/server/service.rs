@@ -369,6 +369,17 @@ impl Capacity for CapacityService {
                 return Ok((proto::GetServerCapacityResponse { response: vec![], mastership: Some(m) }, unknown));
             }
             let asks = server_requests(&req)?;
+            // A lower server's bands weigh as many clients as they say: no
+            // more than one resource may have here (else one request could
+            // claim 2^63 clients and leave every other client ~nothing).
+            let max = self.node.store.max_clients_per_resource() as u64;
+            if let Some((i, a)) = asks.iter().enumerate().find(|(_, a)| a.subclients > max) {
+                return Err(invalid(format!(
+                    "resource[{i}]: its bands count {} clients; a resource here has at most {max} \
+                     (the server's --max-clients-per-resource)",
+                    a.subclients
+                )));
+            }
             self.within_limits(split_identity(&req.server_id).0, &asks)?;
             let mut starved = false;
             let response = asks

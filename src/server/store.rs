@@ -443,6 +443,12 @@ impl Store {
 
     /// Checks that serving `client` on `resource_ids` stays within the limits.
     /// Checked before anything is stored, so a refused request changes nothing.
+    /// The most clients one resource may have (`--max-clients-per-resource`);
+    /// a lower server's bands count towards it.
+    pub fn max_clients_per_resource(&self) -> usize {
+        self.limits.max_clients_per_resource
+    }
+
     pub fn check_limits<'a>(
         &self,
         client: &str,
