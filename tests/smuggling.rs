@@ -223,7 +223,8 @@ fn show(b: &[u8]) -> String {
 /// What RFC 9112 makes of an input.
 #[derive(Debug, Clone, Copy)]
 enum Expect {
-    /// Must be refused with a 4xx; nothing may reach the upstream.
+    /// Must be refused with a 4xx (or a 501: a coding usher does not
+    /// forward); nothing may reach the upstream.
     Reject,
     /// Bad framing inside the body, found only while the body streams: a 400,
     /// and the upstream gets no complete request (at most one cut off by EOF).
@@ -311,6 +312,18 @@ fn corpus() -> Vec<(&'static str, Vec<u8>, Expect)> {
         ("xchunked", c(&format!("{h}Transfer-Encoding: xchunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")), Expect::Reject),
         ("chunkedx", c(&format!("{h}Transfer-Encoding: chunkedx\r\n\r\n5\r\nhello\r\n0\r\n\r\n")), Expect::Reject),
         ("gzip alone", c(&format!("{h}Transfer-Encoding: gzip\r\n\r\n5\r\nhello\r\n0\r\n\r\n")), Expect::Reject),
+        // A coding before `chunked` would be dropped unseen (the upstream got
+        // gzip bytes as a plain body): 501 (RFC 9112 §6.1).
+        (
+            "gzip, chunked",
+            c(&format!("{h}Transfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")),
+            Expect::Status(501),
+        ),
+        (
+            "gzip then chunked on two lines",
+            c(&format!("{h}Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")),
+            Expect::Status(501),
+        ),
         (
             "chunked twice on two lines",
             c(&format!("{h}Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")),
@@ -620,7 +633,7 @@ async fn run_case(name: &'static str, raw: Vec<u8>, expect: Expect, http1: Http1
     let rejected = forwarded.is_empty()
         && upstream_raw.iter().all(String::is_empty)
         && !statuses.is_empty()
-        && (400..500).contains(&statuses[0]);
+        && ((400..500).contains(&statuses[0]) || statuses[0] == 501);
     // Nothing may ask the upstream to switch to HTTP/2: what follows would bypass usher.
     if let Some(s) = r.requests.iter().find(|s| {
         s.headers

@@ -47,6 +47,16 @@ pub fn check<B>(req: &Request<B>) -> Result<(), ProxyError> {
         }
         _ => {}
     }
+    // Framing (the last coding, `chunked`) is hyper's; a coding before it
+    // would be dropped unseen when usher frames the body for the upstream.
+    for v in headers.get_all(header::TRANSFER_ENCODING) {
+        let codings = String::from_utf8_lossy(v.as_bytes());
+        if let Some(other) =
+            codings.split(',').map(str::trim).find(|c| !c.is_empty() && !c.eq_ignore_ascii_case("chunked"))
+        {
+            return Err(ProxyError::UnsupportedCoding(other.chars().take(64).collect()));
+        }
+    }
     Ok(())
 }
 

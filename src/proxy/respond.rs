@@ -45,6 +45,10 @@ pub enum ProxyError {
     Loop,
     #[error("bad request: {0}")]
     BadRequest(String),
+    #[error(
+        "transfer coding `{0}` is not supported: usher forwards request bodies chunked or with a length, never otherwise coded (RFC 9112 §6.1)"
+    )]
+    UnsupportedCoding(String),
     #[error("request body larger than {limit} bytes (limits.max_body_bytes)")]
     BodyTooLarge { limit: u64 },
     #[error(
@@ -72,6 +76,7 @@ impl ProxyError {
             ProxyError::UpstreamConnect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Loop => StatusCode::LOOP_DETECTED,
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::UnsupportedCoding(_) => StatusCode::NOT_IMPLEMENTED,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::TooManyKeys { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
@@ -87,6 +92,7 @@ impl ProxyError {
             ProxyError::Upstream { .. } => "upstream-error",
             ProxyError::Loop => "loop",
             ProxyError::BadRequest(_) => "bad-request",
+            ProxyError::UnsupportedCoding(_) => "unsupported-transfer-coding",
             ProxyError::BodyTooLarge { .. } => "body-too-large",
             ProxyError::TooManyKeys { .. } => "too-many-keys",
         }
