@@ -121,6 +121,44 @@ async fn a_restart_with_a_cache_and_a_dead_server_enforces_the_cached_lease_at_o
     load.await.unwrap();
 }
 
+/// A sidecar stopped gracefully gives its leases back, and so empties its
+/// cache: restarted, it asks the server rather than enforcing a lease the
+/// server may have handed to someone else meanwhile (it enforced it again,
+/// over capacity until its first refresh).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_empties_the_cache_so_a_restart_asks_the_server() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let _server = start_server(
+        dir.path(),
+        "resources:\n  - identifier_glob: '*'\n    capacity: 60\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 10, learning_mode_duration: 0 }\n",
+        port,
+    );
+    let up = Upstream::start().await;
+    let cache = dir.path().join("leases.json");
+    let doorman =
+        format!("  servers: [\"127.0.0.1:{port}\"]\n  client_id: sidecar-g\n  cache_file: {}\n", cache.display());
+    let text = routes(&doorman, up.addr, "capacity: 60, burst: 5, wants: 20");
+    let routes_file = write_file(dir.path(), "routes.yaml", &text);
+    let mut p = Usher::proxy(&routes_file);
+    assert_eventually!(
+        std::fs::read_to_string(&cache).is_ok_and(|c| c.contains("\"capacity\": 20.0")),
+        Duration::from_secs(10),
+        "the lease of 20 is cached"
+    );
+    p.signal("TERM");
+    assert_eq!(p.wait_exit(Duration::from_secs(10)), Some(0), "{}", p.log());
+    assert!(p.log().contains("released every lease"), "{}", p.log());
+    let cached = std::fs::read_to_string(&cache).unwrap();
+    assert!(!cached.contains("\"capacity\""), "no lease left in the cache: {cached}");
+
+    let p = Usher::proxy(&routes_file);
+    let st = status(&p);
+    assert!(!p.log().contains("enforcing cached leases"), "{}", p.log());
+    assert_ne!(st["lease"]["keys"][0]["source"], "cache", "{st}");
+}
+
 /// A sidecar whose capacity server never answers: once it stops waiting, the
 /// log, the status page and the limiter all say `on_expiry` applies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

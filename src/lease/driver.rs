@@ -468,7 +468,17 @@ async fn run(
     if let Some((target, req)) = release {
         let n = req.resource_id.len();
         match tokio::time::timeout(RELEASE_TIMEOUT, batch::release_capacity(&*transport, &target, req)).await {
-            Ok(Ok(_)) => tracing::info!(server = %target, resources = n, "released every lease"),
+            Ok(Ok(_)) => {
+                tracing::info!(server = %target, resources = n, "released every lease");
+                // The servers have them back: a restart must not enforce them
+                // again from the cache (they may be someone else's by then).
+                if let Some(path) = &cache_file {
+                    let id = client.core.lock().expect("lease core poisoned").client_id().to_string();
+                    if let Err(e) = cache::write(path, &id, &[]) {
+                        tracing::warn!(path = %path.display(), error = %e, "cannot empty the lease cache after the release");
+                    }
+                }
+            }
             Ok(Err(e)) => {
                 tracing::warn!(server = %target, error = ?e, "releasing leases failed; they will expire on the server")
             }
