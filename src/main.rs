@@ -137,6 +137,9 @@ where
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         tokio::spawn(shutdown_on_signal(shutdown.clone()));
+        if std::process::id() == 1 {
+            tokio::spawn(reap_orphans());
+        }
         role(shutdown).await
     })
 }
@@ -150,6 +153,30 @@ fn init_logging(default: &str) {
         .or_else(|| EnvFilter::try_from_default_env().ok())
         .unwrap_or_else(|| EnvFilter::new(default));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+/// As a container's PID 1 (the image has no init), usher inherits every
+/// orphaned process in the container (what `kubectl exec` left running):
+/// it reaps them when they exit, as an init would, so no zombie stays.
+/// usher starts no child processes of its own in these roles.
+async fn reap_orphans() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut exited) = signal(SignalKind::child()) else {
+        tracing::warn!("running as PID 1 but cannot watch SIGCHLD: orphaned processes will stay as zombies");
+        return;
+    };
+    while exited.recv().await.is_some() {
+        loop {
+            let mut status = 0;
+            // SAFETY: waitpid only writes the exit status into `status`, a
+            // local; WNOHANG makes it return at once when no child has exited.
+            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+            if pid <= 0 {
+                break;
+            }
+            tracing::debug!(pid, status, "reaped an orphaned process");
+        }
+    }
 }
 
 /// Cancels `token` on SIGTERM or SIGINT.

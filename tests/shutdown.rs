@@ -239,3 +239,57 @@ async fn sigterm_under_load_fails_no_accepted_request_and_releases_the_leases() 
     assert!(!holds(), "the server no longer holds the sidecar's lease");
     assert!(std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_err(), "the listener is gone");
 }
+
+/// The processes whose parent is `pid` and that are zombies.
+fn zombies_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        // pid (comm) state ppid ...: comm may hold spaces, so read after its ')'.
+        let Some((head, rest)) = stat.rsplit_once(") ") else { continue };
+        let mut fields = rest.split(' ');
+        let (state, ppid) = (fields.next(), fields.next().and_then(|p| p.parse::<u32>().ok()));
+        if state == Some("Z") && ppid == Some(pid) {
+            out.push(head.split(' ').next().and_then(|p| p.parse().ok()).unwrap_or(0));
+        }
+    }
+    out
+}
+
+/// As a container's PID 1 (the image has no init), usher reaps the
+/// processes orphaned in its PID namespace (what `kubectl exec` leaves
+/// running) once they exit: no zombie piles up. Needs `unshare` and
+/// `nsenter` with the right to make a PID namespace (root); says so and
+/// passes without them.
+#[test]
+fn as_pid_1_orphans_are_reaped() {
+    let ok = |c: &mut std::process::Command| c.output().is_ok_and(|o| o.status.success());
+    if !ok(std::process::Command::new("unshare").args(["--pid", "--fork", "--mount-proc", "true"])) {
+        eprintln!("SKIPPED: cannot make a PID namespace here (unshare --pid needs root)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(dir.path(), "routes.yaml", "routes:\n  - { name: all, match: { path_prefix: / } }\n");
+    let u = Usher::start_wrapped(
+        &["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
+        &["proxy", "--routes", routes.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+        &[],
+        "usher proxy listening",
+    );
+    // usher is the only child of `unshare`, and PID 1 inside.
+    let children = format!("/proc/{0}/task/{0}/children", u.child.id());
+    let usher: u32 = std::fs::read_to_string(&children).unwrap().trim().parse().unwrap();
+    let inside = std::fs::read_to_string(format!("/proc/{usher}/status")).unwrap();
+    let nspid = inside.lines().find(|l| l.starts_with("NSpid:")).unwrap_or_default().to_string();
+    assert!(nspid.split_whitespace().last() == Some("1"), "usher is PID 1 in its namespace: {nspid}");
+    // Three processes left behind in usher's namespace, as `kubectl exec sh -c 'cmd &'` does.
+    for _ in 0..3 {
+        let status = std::process::Command::new("nsenter")
+            .args(["-t", &usher.to_string(), "-p", "-m", "sh", "-c", "sleep 0.2 & exit 0"])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(zombies_of(usher), Vec::<u32>::new(), "the orphans were reaped\n{}", u.log());
+}

@@ -34,7 +34,20 @@ pub struct Usher {
 impl Usher {
     /// Starts `usher ARGS...` and waits (up to 20 s) for a stderr line containing `ready_marker`.
     pub fn start(args: &[&str], env: &[(&str, &str)], ready_marker: &str) -> Usher {
-        let mut cmd = Command::new(usher_bin());
+        Usher::start_wrapped(&[], args, env, ready_marker)
+    }
+
+    /// [`Usher::start`], run by `wrapper` (a command and its arguments, then
+    /// usher's path and `args`), e.g. `unshare` to make usher a PID 1.
+    pub fn start_wrapped(wrapper: &[&str], args: &[&str], env: &[(&str, &str)], ready_marker: &str) -> Usher {
+        let mut cmd = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(usher_bin());
+                c
+            }
+            None => Command::new(usher_bin()),
+        };
         cmd.args(args)
             .env("USHER_LOG", std::env::var("TEST_USHER_LOG").unwrap_or("info".into()))
             .env("NO_COLOR", "1")
