@@ -160,16 +160,19 @@ async fn killing_an_intermediates_master_under_load_keeps_the_tree_full() {
     eprintln!("mean {mean:.1}/s over the 40 s after the kill; {report}");
 }
 
-/// The root goes away for good: a sidecar behind a live intermediate keeps
-/// its lease while it lasts, then runs on the safe capacity the root
-/// configured, as one whose servers were all gone would, not on 0 (it was
-/// told a safe capacity of 0 once its reservation at the intermediate
-/// lapsed, and refused everything until the root came back).
+/// The root goes away: a sidecar behind a live intermediate keeps its lease
+/// while it lasts, then runs on the safe capacity the root configured, as
+/// one whose servers were all gone would, not on 0 (it was told a safe
+/// capacity of 0 once its reservation at the intermediate lapsed, and
+/// refused everything until the root came back). The intermediate's log
+/// says when its lease ran out and when the root is back, once each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sidecar_behind_an_intermediate_runs_on_its_safe_capacity_while_the_root_is_gone() {
     let dir = tempfile::tempdir().unwrap();
     let root_config = "resources:\n  - identifier_glob: '*'\n    capacity: 20\n    safe_capacity: 2\n    algorithm: { kind: FAIR_SHARE, lease_length: 3, refresh_interval: 1, learning_mode_duration: 0 }\n";
-    let mut root = Usher::server(&["--config", write_file(dir.path(), "root.yaml", root_config).to_str().unwrap()]);
+    let root_file = write_file(dir.path(), "root.yaml", root_config);
+    let port = support::free_port();
+    let mut root = Usher::server_at(&root_file, port, &[]);
     let root_addr = root.addr("grpc").to_string();
     let middle = Usher::server(&["--parent", &root_addr, "--min-request-interval", "0s"]);
     let middle_addr = middle.addr("grpc").to_string();
@@ -202,5 +205,25 @@ async fn a_sidecar_behind_an_intermediate_runs_on_its_safe_capacity_while_the_ro
         safe_from - killed,
         p.log()
     );
+    // The intermediate said once that its lease ran out, and did not repeat
+    // every failed call (one every second or two) while the root was gone.
+    let log = middle.log();
+    assert_eq!(log.matches("the lease from the parent ran out unrenewed").count(), 1, "{log}");
+    let failures = log.matches("parent discovery failed").count() + log.matches("refresh from parent failed").count();
+    assert!(failures <= 2, "{failures} failure lines in 12 s:\n{log}");
+
+    // The root comes back: the intermediate says so, and the lease returns.
+    let _root = Usher::server_at(&root_file, port, &[]);
+    middle.wait_for_log("the parent answers again", Duration::from_secs(10));
+    middle.wait_for_log("the lease from the parent is renewed", Duration::from_secs(10));
+    let mode = || {
+        let (_, body) = support::http_get(p.addr("admin"), "/debug/status?format=json");
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["lease"]["keys"][0]["mode"].clone()
+    };
+    let since = Instant::now();
+    while mode() != "leased" && since.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(mode(), "leased", "{}", p.log());
     load.await.unwrap();
 }

@@ -27,7 +27,7 @@ use super::store::{Band, EPOCH_SEPARATOR, PREDECESSOR_PARAMETER, ParentLease};
 use crate::clock::{Clock, Time};
 use crate::config::resources::Algorithm;
 use crate::lease::batch;
-use crate::lease::core::{Action, CallError, Core, CoreConfig, KeyDemand, OnExpiry};
+use crate::lease::core::{Action, CallError, Core, CoreConfig, KeyDemand, Mode, OnExpiry};
 use crate::lease::transport::Transport;
 use crate::proto;
 
@@ -152,8 +152,26 @@ impl ParentSync {
                 })
                 .collect(),
         );
+        let (mut lapsed, mut back) = (Vec::new(), Vec::new());
         for t in self.core.take_transitions() {
             tracing::debug!(resource = %t.resource_id, from = ?t.from, to = ?t.to, "lease from parent changed");
+            match (t.from, t.to) {
+                (Mode::Leased, Mode::Held | Mode::Expired) => lapsed.push(t.resource_id),
+                (Mode::Held | Mode::Expired, Mode::Leased) => back.push(t.resource_id),
+                _ => {}
+            }
+        }
+        // One line for all the resources a turn moved, not one each.
+        if let Some(first) = lapsed.first() {
+            tracing::warn!(
+                resources = lapsed.len(),
+                first = %first,
+                "the lease from the parent ran out unrenewed: no new capacity is handed out until the parent \
+                 answers; clients keep their leases until they end, then are told the safe capacity"
+            );
+        }
+        if let Some(first) = back.first() {
+            tracing::info!(resources = back.len(), first = %first, "the lease from the parent is renewed: capacity is handed out again");
         }
         self.publish(node);
         match self.core.next_action(now) {
@@ -264,6 +282,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let mut slot = None;
+    let mut failing = Failing::default();
     loop {
         let Some(sync) = current_link(&mut slot, &node, &parents, clock.now(), None) else {
             tokio::select! {
@@ -287,9 +306,7 @@ pub async fn run(
                     _ = shutdown.cancelled() => break,
                     r = transport.discovery(&target) => r,
                 };
-                if let Err(e) = &r {
-                    tracing::warn!(parent = %target, error = ?e, "parent discovery failed");
-                }
+                failing.saw(&target, "parent discovery failed", r.as_ref().err());
                 sync.on_discovery(clock.now(), &target, r);
             }
             ParentAction::Release(target, request) => {
@@ -301,9 +318,7 @@ pub async fn run(
                     _ = shutdown.cancelled() => break,
                     r = batch::get_server_capacity(&*transport, &target, req) => r,
                 };
-                if let Err(e) = &r {
-                    tracing::warn!(parent = %target, error = ?e, "refresh from parent failed");
-                }
+                failing.saw(&target, "refresh from parent failed", r.as_ref().err());
                 sync.on_refresh(&node, clock.now(), r);
             }
         }
@@ -312,6 +327,43 @@ pub async fn run(
         current_link(&mut slot, &node, &parents, clock.now(), None).and_then(|s| s.release_all())
     {
         let _ = tokio::time::timeout(Duration::from_secs(2), batch::release_capacity(&*transport, &target, req)).await;
+    }
+}
+
+/// Calls to the parent that keep failing are logged when they start, then
+/// at most once a minute with how long and how often, and once when the
+/// parent answers again: not every second or two for as long as it is gone.
+#[derive(Default)]
+struct Failing {
+    /// When the failures began, how many there were, and when one was last logged.
+    run: Option<(std::time::Instant, u64, std::time::Instant)>,
+}
+
+impl Failing {
+    const EVERY: Duration = Duration::from_secs(60);
+
+    fn saw(&mut self, parent: &str, what: &str, error: Option<&CallError>) {
+        let now = std::time::Instant::now();
+        match (error, &mut self.run) {
+            (Some(e), None) => {
+                tracing::warn!(parent, error = ?e, "{what}");
+                self.run = Some((now, 1, now));
+            }
+            (Some(e), Some((since, n, logged))) => {
+                *n += 1;
+                if now.duration_since(*logged) >= Self::EVERY {
+                    *logged = now;
+                    let for_secs = now.duration_since(*since).as_secs();
+                    tracing::warn!(parent, error = ?e, failures = *n, for_secs, "{what}; still failing");
+                }
+            }
+            (None, Some((since, n, _))) => {
+                let after_secs = now.duration_since(*since).as_secs();
+                tracing::info!(parent, failures = *n, after_secs, "the parent answers again");
+                self.run = None;
+            }
+            (None, None) => {}
+        }
     }
 }
 
