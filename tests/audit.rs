@@ -104,3 +104,45 @@ async fn a_sidecars_access_log_audits_within_its_capacity() {
     assert_eq!(code, 0);
     assert!(table.contains("resource id") && table.contains("api"), "{table}");
 }
+
+/// A rotated access log (moved away, as logrotate's default `create` mode
+/// does, or removed) is noticed at the next line, at most a second late:
+/// later lines go to a new file at the configured path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_access_log_is_opened_anew_at_its_path() {
+    use support::upstream::{get, h1, send1};
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start().await;
+    let log = dir.path().join("access.jsonl");
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "access_log: {}\nupstreams:\n  up: {{ url: \"http://{}\" }}\nroutes:\n  - {{ name: all, upstream: up }}\n",
+            log.display(),
+            up.addr
+        ),
+    );
+    let p = Usher::proxy(&routes);
+    let mut c = h1(p.addr("listen")).await;
+    let lines = |path: &std::path::Path| std::fs::read_to_string(path).map_or(0, |t| t.lines().count());
+    for _ in 0..3 {
+        assert_eq!(send1(&mut c, get("app", "/")).await.status, 200);
+    }
+    assert_eventually!(lines(&log) == 3, Duration::from_secs(5), "three lines: {}", lines(&log));
+    // Moved away: the next lines go to a new file at the path.
+    let rotated = dir.path().join("access.jsonl.1");
+    std::fs::rename(&log, &rotated).unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    for _ in 0..2 {
+        assert_eq!(send1(&mut c, get("app", "/")).await.status, 200);
+    }
+    assert_eventually!(lines(&log) == 2, Duration::from_secs(5), "a new file: {} lines", lines(&log));
+    assert_eq!(lines(&rotated), 3, "the rotated file keeps what it had");
+    // Removed: the same.
+    std::fs::remove_file(&log).unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(send1(&mut c, get("app", "/")).await.status, 200);
+    assert_eventually!(lines(&log) == 1, Duration::from_secs(5), "a new file again: {} lines", lines(&log));
+    p.wait_for_log("the access log was moved or removed", Duration::from_secs(1));
+}

@@ -60,8 +60,8 @@ impl AccessLog {
         )
         .expect("valid metric");
         let _ = registry.register(Box::new(dropped.clone()));
-        let name = path.display().to_string();
-        std::thread::Builder::new().name("access-log".into()).spawn(move || write_lines(rx, file, &name))?;
+        let path = path.to_path_buf();
+        std::thread::Builder::new().name("access-log".into()).spawn(move || write_lines(rx, file, &path))?;
         Ok(AccessLog { tx, dropped })
     }
 
@@ -74,23 +74,65 @@ impl AccessLog {
     }
 }
 
-/// Writes lines as they come; flushes whenever the queue stays empty for 200 ms.
-fn write_lines(rx: Receiver<String>, file: std::fs::File, name: &str) {
+/// How often, at most, the writer checks that the path still names its file.
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// Writes lines as they come; flushes whenever the queue stays empty for
+/// 200 ms, then sleeps until the next line (no wake-ups while idle). A file
+/// moved away or removed (log rotation: `mv` then a signal-less `create`, or
+/// `rm`) is noticed at the next line, at most a second late, and the path
+/// opened anew, so rotation needs no restart and no `copytruncate`.
+fn write_lines(rx: Receiver<String>, file: std::fs::File, path: &Path) {
+    let name = path.display().to_string();
     let mut w = std::io::BufWriter::new(file);
+    let mut dirty = false;
+    let mut checked = std::time::Instant::now();
     loop {
-        match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(line) => {
-                if writeln!(w, "{line}").is_err() {
-                    tracing::warn!(file = %name, "cannot write the access log");
+        let line = if dirty {
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(line) => line,
+                Err(RecvTimeoutError::Timeout) => {
+                    let _ = w.flush();
+                    dirty = false;
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        } else {
+            match rx.recv() {
+                Ok(line) => line,
+                Err(_) => break,
+            }
+        };
+        if checked.elapsed() >= CHECK_EVERY {
+            checked = std::time::Instant::now();
+            if moved(w.get_ref(), path) {
+                let _ = w.flush();
+                match std::fs::OpenOptions::new().create(true).append(true).open(path) {
+                    Ok(f) => {
+                        w = std::io::BufWriter::new(f);
+                        tracing::info!(file = %name, "the access log was moved or removed: writing to a new file at its path");
+                    }
+                    Err(e) => {
+                        tracing::warn!(file = %name, error = %e, "cannot open the access log anew; writing on to the old file")
+                    }
                 }
             }
-            Err(RecvTimeoutError::Timeout) => {
-                let _ = w.flush();
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                let _ = w.flush();
-                return;
-            }
         }
+        if writeln!(w, "{line}").is_err() {
+            tracing::warn!(file = %name, "cannot write the access log");
+        }
+        dirty = true;
+    }
+    let _ = w.flush();
+}
+
+/// Whether `path` no longer names the open `file` (moved, removed, replaced).
+fn moved(file: &std::fs::File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(open), Ok(named)) => (open.dev(), open.ino()) != (named.dev(), named.ino()),
+        (_, Err(_)) => true,
+        (Err(_), Ok(_)) => false,
     }
 }
