@@ -73,6 +73,33 @@ fn an_alias_bomb_is_refused_with_its_position() {
     assert!(started.elapsed() < std::time::Duration::from_secs(30), "took {:?}", started.elapsed());
 }
 
+/// A capacity server address usher could never dial is an error where it
+/// is written (routes file: file:line:column and the field; `--parent`: a
+/// usage error), not a process that starts and then fails for ever.
+#[test]
+fn capacity_server_addresses_are_checked_before_anything_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "doorman:\n  servers: [\"ok-0:15100\", \"\", \"::1:15100\", \"127.0.0.1:99999\", \"ftp://a:1\"]\n\
+                resources:\n  api: { kind: rate, capacity: 5 }\n";
+    let routes = write_file(dir.path(), "routes.yaml", text);
+    let (code, out, err) = run_usher(&["check", routes.to_str().unwrap()]);
+    assert_eq!(code, 64, "{out}{err}");
+    let at = |col: usize, field: &str, says: &str| {
+        let line = format!("{}:2:{col}: doorman.servers[{field}]", routes.display());
+        assert!(err.lines().any(|l| l.contains(&line) && l.contains(says)), "{line} ... {says}:\n{err}");
+    };
+    at(27, "1", "is empty");
+    at(31, "2", "more than one `:`");
+    at(44, "3", "not a number from 1 to 65535");
+    at(63, "4", "`ftp://` is not a scheme");
+    assert!(!err.contains("servers[0]"), "{err}");
+    for parent in ["", "::1:5", "127.0.0.1:99999"] {
+        let (code, out, err) = run_usher(&["server", "--parent", parent]);
+        assert_eq!(code, 64, "--parent {parent:?}: {out}{err}");
+        assert!(err.contains("--parent"), "{err}");
+    }
+}
+
 /// A usage error (an unknown flag, a value that does not parse) exits 64
 /// like an invalid configuration, with clap's message; `--help` exits 0.
 #[test]

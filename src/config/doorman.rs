@@ -201,7 +201,14 @@ pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
             );
             return None;
         }
-        Some(list)
+        let mut ok = list.len() == items.len();
+        for (i, (addr, it)) in list.iter().zip(items).enumerate() {
+            if let Err(e) = crate::lease::transport::check_server_address(addr) {
+                ck.error(it.loc, &format!("doorman.servers[{i}]"), e, None);
+                ok = false;
+            }
+        }
+        ok.then_some(list)
     });
     let client_id = match m.get("client_id") {
         None => Some(default_client_id()),

@@ -57,6 +57,52 @@ pub struct GrpcTransport {
     tls: Option<Result<ClientTls, String>>,
 }
 
+/// Checks a capacity server's address as usher dials it: `host:port`, or
+/// `http://` or `https://` before it; the host a name, an IPv4 address or a
+/// bracketed IPv6 one; the port from 1 to 65535. The error says what is
+/// wrong, for a config file or flag to report before anything runs.
+pub fn check_server_address(addr: &str) -> Result<(), String> {
+    let rest = match addr.split_once("://") {
+        Some(("http" | "https", rest)) => rest,
+        Some((scheme, _)) => return Err(format!("`{scheme}://` is not a scheme usher dials (http:// or https://)")),
+        None => addr,
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.is_empty() {
+        return Err("is empty: write host:port, e.g. doorman-0:15100".into());
+    }
+    if rest.contains(['/', '?', '#', '@']) {
+        return Err("must be host:port alone (no path, query or user)".into());
+    }
+    let (host, port) = match rest.strip_prefix('[') {
+        Some(v6) => match v6.split_once("]:") {
+            Some((h, p)) => (h, p),
+            None => return Err("needs a port after the bracketed IPv6 address, e.g. [::1]:15100".into()),
+        },
+        None => match rest.split_once(':') {
+            Some((_, p)) if p.contains(':') => {
+                return Err("has more than one `:`; write an IPv6 address in brackets, e.g. [::1]:15100".into());
+            }
+            Some((h, _)) if h.is_empty() => return Err("needs a host before the port".into()),
+            Some(hp) => hp,
+            None => return Err("needs a port, e.g. doorman-0:15100".into()),
+        },
+    };
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => {}
+        _ => return Err(format!("port `{port}` is not a number from 1 to 65535")),
+    }
+    if http::uri::Authority::try_from(rest).is_err() || host.is_empty() {
+        return Err(format!("`{host}` is not a host name or address"));
+    }
+    Ok(())
+}
+
+/// [`check_server_address`] as a clap value parser.
+pub fn parse_server_address(addr: &str) -> Result<String, String> {
+    check_server_address(addr).map(|()| addr.to_string())
+}
+
 impl GrpcTransport {
     pub fn new(rpc_timeout: Duration, connect_timeout: Duration) -> Self {
         GrpcTransport { channels: Mutex::new(HashMap::new()), rpc_timeout, connect_timeout, tls: None }
@@ -172,5 +218,32 @@ impl Transport for GrpcTransport {
     ) -> BoxFuture<'_, Result<proto::GetServerCapacityResponse, CallError>> {
         let addr = addr.to_string();
         Box::pin(async move { self.call(&addr, |mut c| async move { c.get_server_capacity(req).await }).await })
+    }
+}
+
+#[cfg(test)]
+mod address_tests {
+    use super::check_server_address;
+
+    #[test]
+    fn server_addresses_are_host_and_port() {
+        for ok in ["doorman-0:15100", "127.0.0.1:1", "[::1]:15100", "http://a.test:80", "https://a.test:443/"] {
+            assert_eq!(check_server_address(ok), Ok(()), "{ok}");
+        }
+        for (bad, says) in [
+            ("", "is empty"),
+            ("nohostport", "needs a port"),
+            ("::1:15100", "more than one `:`"),
+            ("a b:1", "not a host name"),
+            (":15100", "needs a host"),
+            ("127.0.0.1:99999", "not a number from 1 to 65535"),
+            ("127.0.0.1:0", "not a number from 1 to 65535"),
+            ("ftp://127.0.0.1:1", "`ftp://` is not a scheme"),
+            ("127.0.0.1:1/path", "no path"),
+            ("[::1]", "needs a port"),
+        ] {
+            let e = check_server_address(bad).unwrap_err();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
     }
 }

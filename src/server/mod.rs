@@ -65,7 +65,13 @@ pub struct ServerArgs {
     pub min_request_interval: Duration,
     /// Run as an intermediate server leasing from these parent servers (any servers of the
     /// parent node; Discovery finds its master). Without it, this is a root server.
-    #[arg(long, env = "USHER_PARENT", value_name = "ADDR[,ADDR...]", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "USHER_PARENT",
+        value_name = "ADDR[,ADDR...]",
+        value_delimiter = ',',
+        value_parser = crate::lease::transport::parse_server_address
+    )]
     pub parent: Vec<String>,
     /// The identity every replica of this node shares towards its parent, so that a new master
     /// takes over its predecessor's lease there [default: with --etcd-endpoints, the election key
