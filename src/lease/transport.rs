@@ -83,7 +83,7 @@ pub fn check_server_address(addr: &str) -> Result<(), String> {
             Some((_, p)) if p.contains(':') => {
                 return Err("has more than one `:`; write an IPv6 address in brackets, e.g. [::1]:15100".into());
             }
-            Some((h, _)) if h.is_empty() => return Err("needs a host before the port".into()),
+            Some(("", _)) => return Err("needs a host before the port".into()),
             Some(hp) => hp,
             None => return Err("needs a port, e.g. doorman-0:15100".into()),
         },
