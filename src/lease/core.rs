@@ -1031,7 +1031,7 @@ impl Core {
         }
         for (id, t) in own.into_iter().filter(|(_, t)| *t < self.next_refresh) {
             if let Some(k) = self.keys.get_mut(&id) {
-                // (An answer that names a key twice replaces its first time.)
+                // (An answer names a key once: a key named twice was refused above.)
                 if let Some(old) = k.due.replace(t) {
                     self.dues.remove(&(old, id.clone()));
                 }
