@@ -537,3 +537,191 @@ async fn a_key_made_anew_after_a_reload_rebuilt_its_resource_is_leased_again() {
         assert_eq!(r.status, 200, "tenant new-{i}: {:?}", r.body);
     }
 }
+
+/// What the fake capacity server answers to GetCapacity.
+#[derive(Clone, Debug, PartialEq)]
+enum Answer {
+    /// A lease of 100 for every resource.
+    Good,
+    /// By resource: `nan`, `inf`, `neg` a capacity NaN, +inf, -5; `safe` a
+    /// safe capacity NaN; `dup` two leases (5, then 999); the rest good.
+    Malformed,
+    /// Only a mastership redirect to this address.
+    Redirect(String),
+}
+
+/// A Doorman server that answers as `answer` says, master of itself.
+#[derive(Clone)]
+struct FakeDoorman {
+    addr: String,
+    answer: Arc<std::sync::Mutex<Answer>>,
+}
+
+impl FakeDoorman {
+    async fn start(answer: Answer) -> FakeDoorman {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let fake = FakeDoorman {
+            addr: listener.local_addr().unwrap().to_string(),
+            answer: Arc::new(std::sync::Mutex::new(answer)),
+        };
+        let svc = usher::proto::capacity_server::CapacityServer::new(fake.clone());
+        tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .await
+                .unwrap();
+        });
+        fake
+    }
+
+    fn answer(&self, a: Answer) {
+        *self.answer.lock().unwrap() = a;
+    }
+}
+
+#[tonic::async_trait]
+impl usher::proto::capacity_server::Capacity for FakeDoorman {
+    async fn discovery(
+        &self,
+        _: tonic::Request<usher::proto::DiscoveryRequest>,
+    ) -> Result<tonic::Response<usher::proto::DiscoveryResponse>, tonic::Status> {
+        Ok(tonic::Response::new(usher::proto::DiscoveryResponse {
+            mastership: usher::proto::Mastership { master_address: Some(self.addr.clone()) },
+            is_master: true,
+        }))
+    }
+
+    async fn get_capacity(
+        &self,
+        req: tonic::Request<usher::proto::GetCapacityRequest>,
+    ) -> Result<tonic::Response<usher::proto::GetCapacityResponse>, tonic::Status> {
+        use usher::proto::{GetCapacityResponse, Lease, Mastership, ResourceResponse};
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+        let lease = |id: &str, capacity: f64, safe_capacity: Option<f64>| ResourceResponse {
+            resource_id: id.into(),
+            // 3 s, asked again every second: a refused lease runs out soon.
+            gets: Lease { expiry_time: now + 3, refresh_interval: 1, capacity },
+            safe_capacity,
+        };
+        let answer = self.answer.lock().unwrap().clone();
+        let mut response = Vec::new();
+        for r in &req.get_ref().resource {
+            let id = r.resource_id.as_str();
+            match (&answer, id) {
+                (Answer::Redirect(to), _) => {
+                    let mastership = Some(Mastership { master_address: Some(to.clone()) });
+                    return Ok(tonic::Response::new(GetCapacityResponse { response: vec![], mastership }));
+                }
+                (Answer::Malformed, "nan") => response.push(lease(id, f64::NAN, None)),
+                (Answer::Malformed, "inf") => response.push(lease(id, f64::INFINITY, None)),
+                (Answer::Malformed, "neg") => response.push(lease(id, -5.0, None)),
+                (Answer::Malformed, "safe") => response.push(lease(id, 100.0, Some(f64::NAN))),
+                (Answer::Malformed, "dup") => response.extend([lease(id, 5.0, None), lease(id, 999.0, None)]),
+                _ => response.push(lease(id, 100.0, None)),
+            }
+        }
+        Ok(tonic::Response::new(GetCapacityResponse { response, mastership: None }))
+    }
+
+    async fn get_server_capacity(
+        &self,
+        _: tonic::Request<usher::proto::GetServerCapacityRequest>,
+    ) -> Result<tonic::Response<usher::proto::GetServerCapacityResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("a fake for sidecars"))
+    }
+
+    async fn release_capacity(
+        &self,
+        _: tonic::Request<usher::proto::ReleaseCapacityRequest>,
+    ) -> Result<tonic::Response<usher::proto::ReleaseCapacityResponse>, tonic::Status> {
+        Ok(tonic::Response::new(usher::proto::ReleaseCapacityResponse::default()))
+    }
+}
+
+/// A capacity server that answers malformed leases (capacity NaN, +inf or
+/// negative, safe capacity NaN, a resource twice): the sidecar refuses each
+/// for its resource, logs it naming the server, shows it on the status page,
+/// and goes on with the lease it had until it runs out (and is held), then
+/// with `on_expiry`; a redirect to another master is logged and followed,
+/// and that master's good leases clear the errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_leases_from_a_server_are_refused_and_shown() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (FakeDoorman::start(Answer::Good).await, FakeDoorman::start(Answer::Good).await);
+    let up = Upstream::start().await;
+    let ids = ["nan", "inf", "neg", "safe", "dup", "fine"];
+    let mut yaml = format!(
+        "doorman:\n  servers: [\"{}\"]\n  client_id: sidecar-m\n  min_interval: 200ms\n\
+         upstreams:\n  up: {{ url: \"http://{}\" }}\nresources:\n",
+        a.addr, up.addr
+    );
+    for id in ids {
+        yaml += &format!("  {id}: {{ kind: rate, capacity: 100/s, wants: 50, on_expiry: pessimistic }}\n");
+    }
+    yaml += "routes:\n";
+    for id in ids {
+        yaml += &format!("  - {{ name: {id}, match: {{ path_prefix: /{id} }}, upstream: up, resources: [{id}] }}\n");
+    }
+    let p = Usher::proxy(&write_file(dir.path(), "p.yaml", &yaml));
+    let key = |id: &str| {
+        status(&p)["lease"]["keys"].as_array().unwrap().iter().find(|k| k["resource_id"] == id).cloned().unwrap()
+    };
+    let leased = |id: &str| {
+        let k = key(id);
+        k["mode"] == "leased" && k["has"] == 100.0 && k["last_error"].is_null()
+    };
+    let mut c = h1(p.addr("listen")).await;
+    assert_eventually!(ids.iter().all(|id| leased(id)), Duration::from_secs(10), "leased: {}", status(&p));
+
+    a.answer(Answer::Malformed);
+    let refused = |id: &str, why: &str| {
+        let e = key(id)["last_error"].as_str().unwrap_or_default().to_string();
+        e == format!("lease for `{id}` from {} refused: {why}", a.addr)
+    };
+    let finite = "gets.capacity must be a finite number >= 0, got";
+    let expected = [
+        ("nan", format!("{finite} NaN")),
+        ("inf", format!("{finite} inf")),
+        ("neg", format!("{finite} -5")),
+        ("safe", "safe_capacity must be -1 (unlimited), 0 (stop) or a positive capacity, got NaN".to_string()),
+        ("dup", "resource `dup` appears more than once in one answer".to_string()),
+    ];
+    assert_eventually!(
+        expected.iter().all(|(id, why)| refused(id, why)),
+        Duration::from_secs(5),
+        "every malformed lease is refused: {}",
+        status(&p)
+    );
+    let s = status(&p);
+    assert!(s["lease"]["last_error"].as_str().is_some_and(|e| e.contains("refused")), "{s}");
+    // Each keeps the lease it had (leased or, past its expiry, held): its requests pass.
+    for (id, _) in &expected {
+        let k = key(id);
+        assert!(k["mode"] == "leased" || k["mode"] == "held", "{id}: {k}");
+        assert_eq!(k["has"], 100.0, "{id}: the lease it had, not 999 or 0: {k}");
+        assert_eq!(send1(&mut c, get("app", &format!("/{id}"))).await.status, 200, "{id}: {}", status(&p));
+    }
+    assert!(leased("fine"), "the good lease in the same answer is taken: {}", status(&p));
+    for (id, why) in &expected {
+        let line = format!("lease for `{id}` from {} refused: {why}", a.addr);
+        p.wait_for_log(&line, Duration::from_secs(5));
+        let logged = p.log().lines().find(|l| l.contains(&line)).unwrap().to_string();
+        assert!(logged.contains("WARN") && logged.contains(&format!("server={}", a.addr)), "{logged}");
+    }
+
+    // Still refused, the lease runs out and its hold ends: on_expiry (pessimistic) applies.
+    assert_eventually!(key("nan")["mode"] == "expired", Duration::from_secs(10), "{}", status(&p));
+    assert_eq!(send1(&mut c, get("app", "/nan")).await.status, 429, "{}", status(&p));
+    assert_eq!(send1(&mut c, get("app", "/fine")).await.status, 200, "{}", status(&p));
+
+    // A redirect elsewhere is logged, naming both masters, and followed.
+    a.answer(Answer::Redirect(b.addr.clone()));
+    p.wait_for_log(&format!("master={}", b.addr), Duration::from_secs(5));
+    let logged = p.log().lines().find(|l| l.contains(&format!("master={}", b.addr))).unwrap().to_string();
+    assert!(logged.contains(&format!("previous={}", a.addr)), "{logged}");
+    assert_eventually!(ids.iter().all(|id| leased(id)), Duration::from_secs(10), "leased again: {}", status(&p));
+    assert!(status(&p)["lease"]["last_error"].is_null(), "{}", status(&p));
+    assert_eq!(send1(&mut c, get("app", "/nan")).await.status, 200, "{}", status(&p));
+}

@@ -808,6 +808,67 @@ async fn a_tenant_keys_lease_state_and_transitions_show_on_every_scrape() {
     }
 }
 
+/// Tenants that come and go leave no `usher_lease_transitions_total` series
+/// behind once their keys are forgotten (README: per-key series carry at
+/// most `max_keys` ids per resource); a tenant that comes back counts anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgotten_keys_transition_counts_leave_metrics() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  fixed: {{ kind: rate, capacity: 100/s, burst: 50 }}\n  \
+         tenant: {{ kind: rate, capacity: 10/s, id: \"t/{{header.x-tenant}}\", key_idle_timeout: 1s }}\n\
+         routes:\n  - {{ name: api, upstream: up, resources: [fixed, tenant] }}\n",
+        up.addr
+    );
+    let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
+    let tenants = ["acme", "globex", "initech", "umbrella", "hooli"];
+    let series = |text: &str| -> Vec<String> {
+        text.lines().filter(|l| l.starts_with("usher_lease_transitions_total{")).map(str::to_string).collect()
+    };
+    let tenant_series =
+        |text: &str| -> usize { series(text).iter().filter(|l| l.contains("resource_id=\"t/")).count() };
+    let mut c = h1(u.addr("listen")).await;
+    for round in 0..2 {
+        for t in tenants {
+            let req =
+                Request::get("/x").header("host", "api.test").header("x-tenant", t).body(upstream::empty()).unwrap();
+            let r = send1(&mut c, req).await;
+            assert_eq!(r.status, StatusCode::OK, "round {round}, {t}: {:?}", r.body);
+        }
+        // Each tenant's key is leased (pending → leased), and counted.
+        assert_eventually!(
+            {
+                let text = http_get(u.addr("admin"), "/metrics").1;
+                tenants.iter().all(|t| {
+                    let labels =
+                        [("resource_id", format!("t/{t}")), ("from", "pending".into()), ("to", "leased".into())];
+                    let labels: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                    metric(&text, "usher_lease_transitions_total", &labels) == Some(1.0)
+                })
+            },
+            Duration::from_secs(10),
+            "round {round}: every tenant's transition is counted once:\n{:?}",
+            series(&http_get(u.addr("admin"), "/metrics").1)
+        );
+        // Idle for their timeout, the keys are forgotten, and their series with them.
+        assert_eventually!(
+            tenant_series(&http_get(u.addr("admin"), "/metrics").1) == 0,
+            Duration::from_secs(10),
+            "round {round}: series of forgotten tenants stay:\n{:?}",
+            series(&http_get(u.addr("admin"), "/metrics").1)
+        );
+        let text = http_get(u.addr("admin"), "/metrics").1;
+        assert!(
+            metric(&text, "usher_lease_transitions_total", &[("resource_id", "fixed")]).is_some(),
+            "the fixed key, never forgotten, keeps its count: {:?}",
+            series(&text)
+        );
+    }
+    u.wait_for_log("forgot an idle key", Duration::from_secs(5));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests() {
     let up = Upstream::gated().await;

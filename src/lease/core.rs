@@ -310,6 +310,32 @@ pub struct Transition {
     pub capacity: Capacity,
 }
 
+/// A lease an answer carried for one of the keys that the client did not
+/// take (see [`Core::on_refresh`]), for logs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refused {
+    pub resource_id: String,
+    /// Names the resource, the server and what was wrong, as the key's
+    /// `last_error` shows it.
+    pub message: String,
+}
+
+/// What is wrong with a lease in an answer, in the words a server uses for
+/// the same fields of a request (`server::service`) and of its resources
+/// file (`safe_capacity`); `None` if nothing.
+fn check_lease(r: &proto::ResourceResponse) -> Option<String> {
+    let c = r.gets.capacity;
+    if !c.is_finite() || c < 0.0 {
+        return Some(format!("gets.capacity must be a finite number >= 0, got {c}"));
+    }
+    match r.safe_capacity {
+        Some(s) if !(s == -1.0 || (s.is_finite() && s >= 0.0)) => {
+            Some(format!("safe_capacity must be -1 (unlimited), 0 (stop) or a positive capacity, got {s}"))
+        }
+        _ => None,
+    }
+}
+
 /// The lease client's state.
 pub struct Core {
     cfg: CoreConfig,
@@ -855,14 +881,22 @@ impl Core {
         }
     }
 
-    pub fn on_refresh(&mut self, now: Time, result: Result<proto::GetCapacityResponse, CallError>) {
+    /// Takes an answer to a refresh (or its failure). A lease the answer
+    /// carries that is malformed (a capacity NaN, infinite or negative, a
+    /// safe capacity other than -1 or a finite number >= 0), or any lease of
+    /// a resource the answer names more than once, is refused: its key goes
+    /// on as if the answer had left it out (it keeps its lease until that
+    /// expires, or follows its `on_expiry`, and joins the next refresh), and
+    /// says why in its `last_error` and in the client's. Returns those refused.
+    pub fn on_refresh(&mut self, now: Time, result: Result<proto::GetCapacityResponse, CallError>) -> Vec<Refused> {
         let resp = match result {
             Err(e) => {
                 let rotate = matches!(e, CallError::Transient(_));
                 for k in self.keys.values_mut() {
                     k.last_error = Some(e.message().to_string());
                 }
-                return self.fail(now, e, rotate);
+                self.fail(now, e, rotate);
+                return Vec::new();
             }
             Ok(r) => r,
         };
@@ -878,14 +912,18 @@ impl Core {
                 }
                 _ => self.fail(now, CallError::Transient("no master known; retrying".into()), true),
             }
-            return;
+            return Vec::new();
         }
+        let refused = self.refused(&resp.response);
         self.in_flight = false;
         self.redirects = 0;
         self.refreshes += 1;
         self.next_at_once = self.cfg.servers.len().saturating_sub(1);
         self.backoff.on_success();
-        self.last_error = None;
+        self.last_error = refused.values().next().map(|m| match refused.len() {
+            1 => m.clone(),
+            n => format!("{m} (and {} more leases refused)", n - 1),
+        });
         self.failing = false;
         // Every key the request carried was answered, with a lease or
         // without; its own refresh, if it had one, is worked out anew.
@@ -920,6 +958,10 @@ impl Core {
         let (mut relapse, mut later) = (false, None);
         for r in resp.response {
             let Some(k) = self.keys.get_mut(&r.resource_id) else { continue };
+            if let Some(message) = refused.get(&r.resource_id) {
+                k.last_error = Some(message.clone());
+                continue;
+            }
             self.restate = true;
             let before = k.capacity();
             relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
@@ -989,13 +1031,34 @@ impl Core {
         }
         for (id, t) in own.into_iter().filter(|(_, t)| *t < self.next_refresh) {
             if let Some(k) = self.keys.get_mut(&id) {
-                // (An answer that names a key twice replaces its first time.)
+                // (An answer names a key once: a key named twice was refused above.)
                 if let Some(old) = k.due.replace(t) {
                     self.dues.remove(&(old, id.clone()));
                 }
                 self.dues.insert((t, id));
             }
         }
+        refused.into_iter().map(|(resource_id, message)| Refused { resource_id, message }).collect()
+    }
+
+    /// The leases of an answer to refuse, by resource id, and why (see
+    /// [`Core::on_refresh`]): only those of keys this client has.
+    fn refused(&self, answer: &[proto::ResourceResponse]) -> BTreeMap<String, String> {
+        let server = self.target().unwrap_or_default();
+        let mut refused = BTreeMap::new();
+        let mut seen = BTreeSet::new();
+        for r in answer.iter().filter(|r| self.keys.contains_key(&r.resource_id)) {
+            let why = match seen.insert(r.resource_id.as_str()) {
+                false => Some(format!("resource `{}` appears more than once in one answer", r.resource_id)),
+                true => check_lease(r),
+            };
+            if let Some(why) = why {
+                let message = format!("lease for `{}` from {server} refused: {why}", r.resource_id);
+                // The first reason stays: a duplicate of a malformed lease is refused for that.
+                refused.entry(r.resource_id.clone()).or_insert(message);
+            }
+        }
+        refused
     }
 
     /// Everything, for status pages.

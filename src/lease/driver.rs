@@ -341,6 +341,27 @@ fn enforce(client: &LeaseClient) {
     }
 }
 
+/// Most refused leases logged one by one after an answer; the rest are counted.
+const REFUSALS_LOGGED: usize = 10;
+
+/// Logs the leases the core refused in `server`'s answer (see [`Core::on_refresh`]).
+fn log_refused(server: &str, refused: &[super::core::Refused]) {
+    for r in refused.iter().take(REFUSALS_LOGGED) {
+        tracing::warn!(server = %server, resource = %r.resource_id, "{}", r.message);
+    }
+    if refused.len() > REFUSALS_LOGGED {
+        tracing::warn!(server = %server, more = refused.len() - REFUSALS_LOGGED, "more leases refused in the same answer");
+    }
+}
+
+/// Logs the master a call's answer named (`how`: a redirect, or Discovery),
+/// if it is another than before: every later call goes there.
+fn log_new_master(server: &str, before: Option<&str>, after: Option<&str>, how: &str) {
+    if let Some(after) = after.filter(|a| Some(*a) != before) {
+        tracing::info!(server = %server, previous = %before.unwrap_or("none"), master = %after, by = how, "new master: calls go there from now on");
+    }
+}
+
 /// Waits for one call to the server (None on shutdown). Leases keep expiring
 /// on time meanwhile: a call can hang for the whole RPC timeout against a
 /// blackholed server, longer than what is left of a lease.
@@ -434,7 +455,10 @@ async fn run(
                 if let Err(e) = &r {
                     tracing::warn!(server = %target, error = ?e, "discovery failed; trying the next server");
                 }
-                client.core.lock().expect("lease core poisoned").on_discovery(clock.now(), &target, r);
+                let mut core = client.core.lock().expect("lease core poisoned");
+                let before = core.master().map(str::to_string);
+                core.on_discovery(clock.now(), &target, r);
+                log_new_master(&target, before.as_deref(), core.master(), "Discovery");
             }
             Action::Refresh { target, request } => {
                 let Some(r) = call(batch::get_capacity(&*transport, &target, request), &client, &shutdown, poll).await
@@ -445,7 +469,14 @@ async fn run(
                     tracing::warn!(server = %target, error = ?e, "lease refresh failed");
                 }
                 let ok = r.is_ok();
-                client.core.lock().expect("lease core poisoned").on_refresh(clock.now(), r);
+                let refused = {
+                    let mut core = client.core.lock().expect("lease core poisoned");
+                    let before = core.master().map(str::to_string);
+                    let refused = core.on_refresh(clock.now(), r);
+                    log_new_master(&target, before.as_deref(), core.master(), "a redirect");
+                    refused
+                };
+                log_refused(&target, &refused);
                 // New leases apply at once, not at the next turn of the loop.
                 enforce(&client);
                 if ok && let Some(path) = &cache_file {

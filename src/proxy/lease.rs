@@ -357,11 +357,11 @@ impl TableEnforcer {
 
 impl Enforcer for TableEnforcer {
     fn demand(&self) -> Vec<KeyDemand> {
-        self.read(true).changed
+        self.forget_transitions(self.read(true)).changed
     }
 
     fn demand_update(&self) -> DemandUpdate {
-        self.read(false)
+        self.forget_transitions(self.read(false))
     }
 
     fn quiet(&self) -> bool {
@@ -377,7 +377,10 @@ impl Enforcer for TableEnforcer {
     }
 
     fn on_transition(&self, t: &crate::lease::core::Transition) {
-        self.transitions.count(&t.resource_id, t.from, t.to);
+        // A change the core noted before the key was forgotten leaves no series behind.
+        if self.table.contains(&t.resource_id) {
+            self.transitions.count(&t.resource_id, t.from, t.to);
+        }
     }
 
     fn rebuilt(&self) -> bool {
@@ -579,7 +582,9 @@ pub fn start_with(
 /// key's lease changed mode. Counted here, a few dozen bytes per key, and
 /// rendered at each scrape: a counter vector's series (each with its own
 /// descriptor and label strings) cost some 570 bytes per templated key, a
-/// fifth of a sidecar's memory per key (tests/key_memory.rs).
+/// fifth of a sidecar's memory per key (tests/key_memory.rs). A key's
+/// counts go when it is forgotten ([`TableEnforcer::forget_transitions`]):
+/// tenants that come and go leave no series behind.
 #[derive(Clone)]
 struct Transitions {
     desc: prometheus::core::Desc,
@@ -602,7 +607,33 @@ impl Default for Transitions {
     }
 }
 
+impl TableEnforcer {
+    /// Drops the transition counts of the keys `update` says are gone (README:
+    /// per-key series carry at most `max_keys` ids per resource): of those it
+    /// removed, or, when it holds every key, of every key not in the table
+    /// (a reload dropped it). A key made again counts from zero.
+    fn forget_transitions(&self, update: DemandUpdate) -> DemandUpdate {
+        if update.complete {
+            self.transitions.retain(|id| self.table.contains(id));
+        } else if !update.removed.is_empty() {
+            self.transitions.forget(&update.removed);
+        }
+        update
+    }
+}
+
 impl Transitions {
+    fn forget(&self, ids: &[String]) {
+        let mut counts = self.counts.lock().expect("transition counts");
+        for id in ids {
+            counts.remove(id.as_str());
+        }
+    }
+
+    fn retain(&self, keep: impl Fn(&str) -> bool) {
+        self.counts.lock().expect("transition counts").retain(|id, _| keep(id));
+    }
+
     fn count(&self, id: &str, from: Mode, to: Mode) {
         let mut counts = self.counts.lock().expect("transition counts");
         if !counts.contains_key(id) {
@@ -864,6 +895,36 @@ mod tests {
             "{}",
             text(&ours)
         );
+    }
+
+    /// A forgotten key's transition counts go with it (README: per-key
+    /// series carry at most `max_keys` ids per resource), and a change the
+    /// core noted for it before it was forgotten does not bring them back.
+    #[test]
+    fn a_forgotten_keys_transitions_are_dropped() {
+        use crate::lease::core::{Capacity, Transition};
+        let (e, time) = enforcer_and_time();
+        e.table.resource("tenant").unwrap().try_limiter("t/acme").unwrap();
+        e.demand_update();
+        let change = |id: &str| Transition {
+            resource_id: id.into(),
+            from: Mode::Pending,
+            to: Mode::Leased,
+            capacity: Capacity::Limited(1.0),
+        };
+        e.on_transition(&change("t/acme"));
+        e.on_transition(&change("fixed"));
+        let ids = || {
+            let mut ids: Vec<String> = e.transitions.counts.lock().unwrap().keys().map(|k| k.to_string()).collect();
+            ids.sort();
+            ids
+        };
+        assert_eq!(ids(), ["fixed", "t/acme"]);
+        time.advance(crate::config::doorman::DEFAULT_KEY_IDLE_TIMEOUT + Duration::from_secs(3));
+        assert_eq!(e.demand_update().removed, ["t/acme"]);
+        assert_eq!(ids(), ["fixed"], "the forgotten key's counts are dropped");
+        e.on_transition(&change("t/acme"));
+        assert_eq!(ids(), ["fixed"], "a late change of a forgotten key is not counted");
     }
 
     /// Whether `activity` was notified since it was last taken.

@@ -211,7 +211,9 @@ impl ParentSync {
             }
             client_response(resp)
         });
-        self.core.on_refresh(now, r);
+        for r in self.core.on_refresh(now, r) {
+            tracing::warn!(resource = %r.resource_id, "{}", r.message);
+        }
         self.publish(node);
     }
 

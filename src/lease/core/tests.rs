@@ -909,3 +909,102 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
         assert!(regular >= Duration::from_secs(8), "{client}: every key's refresh at {regular:?}, not b's second");
     }
 }
+
+/// An answer whose lease for a key is malformed (capacity NaN, infinite or
+/// negative; safe capacity NaN or below -1), or that names a key twice, is
+/// refused for that key: it goes on as if the answer had left it out (its
+/// lease, or its `on_expiry`), says why, and the other keys take theirs.
+#[test]
+fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    let ids = ["nan", "inf", "neg", "safe-nan", "safe-neg", "dup", "good", "unlimited-safe"];
+    c.set_demand(ids.iter().map(|id| demand(id, 5.0, OnExpiry::Safe)).collect());
+    w.step(&mut c);
+    for id in ids {
+        assert_eq!(cap(&mut c, w.clock.now(), id), Capacity::Limited(5.0), "{id}: leased");
+    }
+    let first = c.lease_of("nan").unwrap();
+    c.take_transitions();
+    // A key whose first answer is refused has no lease to keep.
+    c.update_demand(DemandUpdate {
+        changed: vec![demand("new", 5.0, OnExpiry::Safe)],
+        removed: vec![],
+        complete: false,
+        rebuilt: false,
+    });
+    w.advance(c.next_refresh().since(w.clock.now()));
+    let Action::Refresh { target, .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
+    let now = w.clock.now();
+    let lease = |id: &str, capacity: f64, safe: Option<f64>| proto::ResourceResponse {
+        resource_id: id.into(),
+        gets: proto::Lease {
+            capacity,
+            expiry_time: now.saturating_add(Duration::from_secs(30)).as_secs(),
+            refresh_interval: 12,
+        },
+        safe_capacity: safe,
+    };
+    let answer = proto::GetCapacityResponse {
+        response: vec![
+            lease("nan", f64::NAN, None),
+            lease("inf", f64::INFINITY, None),
+            lease("neg", -5.0, None),
+            lease("safe-nan", 7.0, Some(f64::NAN)),
+            lease("safe-neg", 7.0, Some(-5.0)),
+            lease("dup", 5.0, None),
+            lease("good", 7.0, Some(3.0)),
+            lease("unlimited-safe", 7.0, Some(-1.0)),
+            lease("dup", 999.0, None),
+            lease("new", f64::NAN, None),
+        ],
+        mastership: None,
+    };
+    let refused = c.on_refresh(now, Ok(answer));
+    let mut refused_ids: Vec<&str> = refused.iter().map(|r| r.resource_id.as_str()).collect();
+    refused_ids.sort();
+    assert_eq!(refused_ids, ["dup", "inf", "nan", "neg", "new", "safe-nan", "safe-neg"]);
+    let status: HashMap<String, KeyStatus> = c.status().into_iter().map(|k| (k.resource_id.clone(), k)).collect();
+    let error = |id: &str| status[id].last_error.clone().unwrap_or_default();
+    for (id, why) in [
+        ("nan", "gets.capacity must be a finite number >= 0, got NaN"),
+        ("inf", "gets.capacity must be a finite number >= 0, got inf"),
+        ("neg", "gets.capacity must be a finite number >= 0, got -5"),
+        ("safe-nan", "safe_capacity must be -1 (unlimited), 0 (stop) or a positive capacity, got NaN"),
+        ("safe-neg", "safe_capacity must be -1 (unlimited), 0 (stop) or a positive capacity, got -5"),
+        ("dup", "resource `dup` appears more than once in one answer"),
+    ] {
+        assert_eq!(error(id), format!("lease for `{id}` from {target} refused: {why}"), "{id}");
+        assert!(refused.iter().any(|r| r.resource_id == id && r.message == error(id)), "{id}: {refused:?}");
+        // As if the answer had not named it: the lease it had, unexpired.
+        assert_eq!(status[id].mode, Mode::Leased, "{id}");
+        assert_eq!(cap(&mut c, now, id), Capacity::Limited(5.0), "{id} keeps its lease");
+        assert_eq!(c.lease_of(id), Some(first), "{id}");
+    }
+    for id in ["good", "unlimited-safe"] {
+        assert_eq!(cap(&mut c, now, id), Capacity::Limited(7.0), "{id} takes its new lease");
+        assert_eq!(status[id].last_error, None, "{id}");
+    }
+    assert_eq!(status["good"].safe_capacity, Some(3.0));
+    // A new key refused its first lease follows its on_expiry (safe: the configured 2).
+    assert_eq!((status["new"].mode, cap(&mut c, now, "new")), (Mode::Pending, Capacity::Limited(2.0)));
+    assert!(error("new").contains("got NaN"), "{}", error("new"));
+    let last = c.last_error().unwrap_or_default().to_string();
+    assert!(last.starts_with("lease for `") && last.ends_with("(and 6 more leases refused)"), "{last}");
+    assert!(!c.failing(), "the call itself succeeded");
+    // No mode changed: the refused keys made no transition.
+    assert!(c.take_transitions().iter().all(|t| t.resource_id == "new"), "only the new key may settle");
+
+    // The refused keys keep their lease until it runs out, then are held, as without an answer.
+    w.advance(first.expiry.since(now));
+    let now = w.clock.now();
+    assert_eq!(c.status().iter().find(|k| k.resource_id == "nan").unwrap().mode, Mode::Leased);
+    c.capacities(now);
+    assert_eq!(c.status().iter().find(|k| k.resource_id == "nan").unwrap().mode, Mode::Held);
+    assert_eq!(c.status().iter().find(|k| k.resource_id == "good").unwrap().mode, Mode::Leased);
+
+    // The next good answer clears the errors.
+    w.step(&mut c);
+    assert_eq!(c.last_error(), None);
+    assert!(c.status().iter().all(|k| k.last_error.is_none() && k.mode == Mode::Leased), "{:?}", c.status());
+}
