@@ -81,6 +81,11 @@ pub struct ServerArgs {
     /// New resource ids beyond this many get ResourceExhausted.
     #[arg(long, env = "USHER_MAX_RESOURCES", value_name = "N", default_value_t = store::DEFAULT_MAX_RESOURCES)]
     pub max_resources: usize,
+    /// At most this many resources get their own usher_server_resource_* series on /metrics
+    /// (those the configuration names first, then the busiest); the rest count in the
+    /// per-template sums and usher_server_resources_unlisted.
+    #[arg(long, env = "USHER_METRICS_MAX_RESOURCES", value_name = "N", default_value_t = metrics::DEFAULT_METRICS_MAX_RESOURCES)]
+    pub metrics_max_resources: usize,
     /// etcd v3 endpoints (e.g. http://etcd:2379, or https:// with --etcd-ca) for master election
     /// and `--config etcd:KEY`; tried in turn. Without them this server is always the master of its node.
     #[arg(long, env = "USHER_ETCD_ENDPOINTS", value_name = "URL[,URL...]", value_delimiter = ',')]
@@ -355,6 +360,8 @@ pub struct Node {
     pub tls: Option<Arc<crate::tls::ServerTls>>,
     pub store: Store,
     pub metrics: Metrics,
+    /// Resources with their own series on `/metrics` (`--metrics-max-resources`).
+    pub metrics_max_resources: usize,
     pub config_source: String,
     mastership: ArcSwap<Mastership>,
     config_state: Mutex<ConfigState>,
@@ -380,6 +387,7 @@ impl Node {
             tls: None,
             store: Store::new(clock, config, min_request_interval),
             metrics: Metrics::new(registry),
+            metrics_max_resources: metrics::DEFAULT_METRICS_MAX_RESOURCES,
             config_source,
             config_state: Mutex::new(ConfigState { loaded_at: Some(now), last_error: None }),
         }
@@ -676,6 +684,7 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         max_clients_per_resource: args.max_clients_per_resource.max(1),
         max_resources: args.max_resources.max(1),
     });
+    node.metrics_max_resources = args.metrics_max_resources;
     if !args.parent.is_empty() {
         if !(args.decay_factor > 0.0 && args.decay_factor <= 1.0) {
             return Err(RunError::Usage(format!("--decay-factor must be in (0, 1], not {}", args.decay_factor)));
