@@ -1,8 +1,12 @@
 //! What clients can make the capacity server hold beyond the store: series
-//! on `/metrics` and rows on `/debug/status` for client-chosen resource ids.
-//! Each is bounded.
+//! on `/metrics` and rows on `/debug/status` for client-chosen resource ids,
+//! and gRPC connections that send nothing. Each is bounded.
 
 mod support;
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
 
 use support::{Usher, http_get, metric, write_file};
 use usher::proto::capacity_client::CapacityClient;
@@ -90,4 +94,86 @@ async fn metrics_and_status_list_a_bounded_number_of_resources() {
     // Any one is still there to see.
     let (code, one) = http_get(u.addr("admin"), "/debug/resources?resource=r4999&format=json");
     assert_eq!(code, 200, "{one}");
+}
+
+/// Whether the server has closed `s` (reading what it sent meanwhile).
+fn closed(mut s: &TcpStream) -> bool {
+    s.set_nonblocking(true).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+fn scrape(u: &Usher, name: &str) -> Option<f64> {
+    metric(&http_get(u.addr("admin"), "/metrics").1, name, &[])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_are_capped_and_closed_after_the_preface_timeout() {
+    let (u, _dir) = start(&["--max-connections", "20", "--preface-timeout", "2s"]);
+    let grpc = u.addr("grpc");
+    let mut c = CapacityClient::connect(format!("http://{grpc}")).await.unwrap();
+    c.get_capacity(ask([("a".to_string(), 1.0)])).await.unwrap();
+
+    let opened = Instant::now();
+    let silent: Vec<TcpStream> = (0..100).map(|_| TcpStream::connect(grpc).unwrap()).collect();
+    // The client above holds one slot: 19 are let in, 81 closed at once.
+    assert_eventually!(
+        silent.iter().filter(|s| closed(s)).count() == 81,
+        Duration::from_millis(1500),
+        "81 connections past --max-connections should be closed at once"
+    );
+    assert!(opened.elapsed() < Duration::from_secs(2), "closed before the preface timeout could have");
+    let m = http_get(u.addr("admin"), "/metrics").1;
+    assert_eq!(metric(&m, "usher_server_connections_refused_total", &[]), Some(81.0));
+    assert_eq!(metric(&m, "usher_server_connections", &[]), Some(20.0));
+    // The client connected before the flood is still answered.
+    c.get_capacity(ask([("a".to_string(), 2.0)])).await.unwrap();
+    assert!(u.log().contains("--max-connections are open"), "the refusals are logged");
+    assert_eq!(u.log().matches("--max-connections are open").count(), 1, "once, not once per connection");
+
+    // The 19 silent ones go when their preface is late; new clients get in again.
+    assert_eventually!(
+        silent.iter().all(closed),
+        Duration::from_secs(5),
+        "silent connections should be closed after --preface-timeout"
+    );
+    assert!(opened.elapsed() >= Duration::from_millis(1900), "not before the timeout: {:?}", opened.elapsed());
+    assert_eq!(scrape(&u, "usher_server_connections_timed_out_total"), Some(19.0));
+    assert_eventually!(
+        scrape(&u, "usher_server_connections") == Some(1.0),
+        Duration::from_secs(2),
+        "only the real client's connection stays"
+    );
+    let mut fresh = CapacityClient::connect(format!("http://{grpc}")).await.unwrap();
+    fresh.get_capacity(ask([("b".to_string(), 1.0)])).await.unwrap();
+    c.get_capacity(ask([("a".to_string(), 3.0)])).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_answering_after_the_preface_is_dropped_by_keepalive() {
+    let (u, _dir) =
+        start(&["--preface-timeout", "60s", "--http2-keepalive-interval", "1s", "--http2-keepalive-timeout", "1s"]);
+    let grpc = u.addr("grpc");
+    let mut c = CapacityClient::connect(format!("http://{grpc}")).await.unwrap();
+    c.get_capacity(ask([("a".to_string(), 1.0)])).await.unwrap();
+
+    // The preface and an empty SETTINGS frame, then silence: PINGs go unanswered.
+    let raw = TcpStream::connect(grpc).unwrap();
+    (&raw).write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00").unwrap();
+    let start = Instant::now();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!closed(&raw), "open while the keepalive has not yet failed");
+    assert_eventually!(closed(&raw), Duration::from_secs(6), "an unanswered PING should close the connection");
+    assert!(start.elapsed() >= Duration::from_millis(1500), "{:?}", start.elapsed());
+    // A real client answers the PINGs and keeps its connection.
+    assert_eq!(scrape(&u, "usher_server_connections"), Some(1.0));
+    c.get_capacity(ask([("a".to_string(), 2.0)])).await.unwrap();
+    assert_eq!(scrape(&u, "usher_server_connections_timed_out_total"), Some(0.0));
 }

@@ -21,6 +21,12 @@ pub struct Metrics {
     pub config_reload_errors: IntCounter,
     pub tls_handshake_failures: IntCounter,
     pub mastership_changes: IntCounter,
+    /// gRPC connections open (TLS handshakes in progress included).
+    pub connections: IntGauge,
+    /// gRPC connections closed at once because `--max-connections` were open.
+    pub connections_refused: IntCounter,
+    /// gRPC connections closed because they sent no complete HTTP/2 preface in time.
+    pub connections_timed_out: IntCounter,
     resource_capacity: GaugeVec,
     resource_has: GaugeVec,
     resource_wants: GaugeVec,
@@ -51,6 +57,7 @@ impl Metrics {
             reg(r, IntGaugeVec::new(Opts::new(name, help), &["template"]).expect("valid metric"))
         };
         let gauge = |name: &str, help: &str| reg(r, IntGauge::new(name, help).expect("valid metric"));
+        let counter = |name: &str, help: &str| reg(r, IntCounter::new(name, help).expect("valid metric"));
         Metrics {
             rpc_requests: reg(
                 r,
@@ -110,6 +117,15 @@ impl Metrics {
                     "Times this server became or stopped being the master of its node.",
                 )
                 .expect("valid metric"),
+            ),
+            connections: gauge("usher_server_connections", "gRPC connections open."),
+            connections_refused: counter(
+                "usher_server_connections_refused_total",
+                "gRPC connections closed at once because --max-connections were open.",
+            ),
+            connections_timed_out: counter(
+                "usher_server_connections_timed_out_total",
+                "gRPC connections closed because they sent no complete HTTP/2 preface within --preface-timeout.",
             ),
             resources: gauge("usher_server_resources", "Resources in the store (with at least one unexpired lease or a parent lease)."),
             resources_unlisted: gauge(

@@ -4,6 +4,7 @@
 //! the background tasks (lease sweep, config reload). This module wires them
 //! together and runs them until shutdown.
 
+mod conns;
 pub mod election;
 pub mod etcd;
 pub mod horizon;
@@ -86,6 +87,19 @@ pub struct ServerArgs {
     /// per-template sums and usher_server_resources_unlisted.
     #[arg(long, env = "USHER_METRICS_MAX_RESOURCES", value_name = "N", default_value_t = metrics::DEFAULT_METRICS_MAX_RESOURCES)]
     pub metrics_max_resources: usize,
+    /// gRPC connections open at once (TLS handshakes included); more are closed as soon as they are accepted.
+    #[arg(long, env = "USHER_MAX_CONNECTIONS", value_name = "N", default_value_t = conns::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// A gRPC connection that has not sent its complete HTTP/2 preface this long after it was
+    /// accepted (after the TLS handshake, with TLS) is closed.
+    #[arg(long, env = "USHER_PREFACE_TIMEOUT", value_name = "DURATION", default_value = conns::DEFAULT_PREFACE_TIMEOUT, value_parser = parse_duration)]
+    pub preface_timeout: Duration,
+    /// Send an HTTP/2 PING on a gRPC connection that has been silent this long...
+    #[arg(long, env = "USHER_HTTP2_KEEPALIVE_INTERVAL", value_name = "DURATION", default_value = conns::DEFAULT_KEEPALIVE_INTERVAL, value_parser = parse_duration)]
+    pub http2_keepalive_interval: Duration,
+    /// ...and close it when the PING is not answered within this long.
+    #[arg(long, env = "USHER_HTTP2_KEEPALIVE_TIMEOUT", value_name = "DURATION", default_value = conns::DEFAULT_KEEPALIVE_TIMEOUT, value_parser = parse_duration)]
+    pub http2_keepalive_timeout: Duration,
     /// etcd v3 endpoints (e.g. http://etcd:2379, or https:// with --etcd-ca) for master election
     /// and `--config etcd:KEY`; tried in turn. Without them this server is always the master of its node.
     #[arg(long, env = "USHER_ETCD_ENDPOINTS", value_name = "URL[,URL...]", value_delimiter = ',')]
@@ -649,6 +663,18 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     let source = ConfigSource::from_arg(args.config.as_deref(), etcd.as_ref())?;
     let tls = server_tls(&args, Clock::system().now().as_secs())?.map(Arc::new);
     let parent_tls = parent_tls(&args)?;
+    if args.max_connections == 0 {
+        return Err(RunError::Usage("--max-connections must be at least 1".into()));
+    }
+    for (flag, d) in [
+        ("--preface-timeout", args.preface_timeout),
+        ("--http2-keepalive-interval", args.http2_keepalive_interval),
+        ("--http2-keepalive-timeout", args.http2_keepalive_timeout),
+    ] {
+        if d.is_zero() {
+            return Err(RunError::Usage(format!("{flag} must be more than 0")));
+        }
+    }
     // Bound before etcd and the configuration are waited for: a client that
     // connects meanwhile (a fresh tree starts sidecars, servers and etcd
     // together) waits in the listen queue and is answered as soon as the
@@ -759,7 +785,10 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(node.clone()), shutdown.clone()));
 
     let svc = CapacityService::new(node.clone()).into_server();
-    let builder = tonic::transport::Server::builder().add_service(svc);
+    let builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(args.http2_keepalive_interval))
+        .http2_keepalive_timeout(Some(args.http2_keepalive_timeout))
+        .add_service(svc);
     let cert_reloader = tls.clone().map(|t| {
         // Every trigger re-reads both files (the pair is compared, not one file's
         // bytes), so a rotation that writes the certificate before the key
@@ -783,20 +812,19 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
             }
         })
     });
-    let serve: std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), tonic::transport::Error>> + Send>> =
-        match &tls {
-            None => Box::pin(builder.serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(grpc),
-                shutdown.clone().cancelled_owned(),
-            )),
-            Some(t) => {
-                let failures = node.metrics.tls_handshake_failures.clone();
-                Box::pin(builder.serve_with_incoming_shutdown(
-                    t.clone().incoming(grpc, move || failures.inc(), shutdown.clone()),
-                    shutdown.clone().cancelled_owned(),
-                ))
-            }
-        };
+    let incoming = conns::incoming(
+        grpc,
+        conns::Limits { max_connections: args.max_connections, preface_timeout: args.preface_timeout },
+        tls.clone(),
+        conns::Counters {
+            open: node.metrics.connections.clone(),
+            refused: node.metrics.connections_refused.clone(),
+            timed_out: node.metrics.connections_timed_out.clone(),
+            tls_failures: node.metrics.tls_handshake_failures.clone(),
+        },
+        shutdown.clone(),
+    );
+    let serve = builder.serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
     // Capacity RPCs are short; idle client connections must not hold shutdown up.
     let grace = async {
         shutdown.cancelled().await;
