@@ -23,9 +23,7 @@ use rustls::sign::CertifiedKey;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+use tokio::net::TcpStream;
 
 /// How long a client may take to complete the TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -481,55 +479,22 @@ impl ServerTls {
         st.last_handshake_error = Some(format!("{peer}: {reason}"));
     }
 
-    /// Accepts TCP connections on `listener` and yields those whose TLS
-    /// handshake succeeds; handshakes run concurrently, so a slow client
-    /// holds up nobody else. Each failure is logged with the reason.
-    pub fn incoming(
-        self: Arc<Self>,
-        listener: TcpListener,
-        on_failure: impl Fn() + Send + Sync + 'static,
-        shutdown: CancellationToken,
-    ) -> tokio_stream::wrappers::ReceiverStream<io::Result<TlsConn>> {
-        let (tx, rx) = mpsc::channel(64);
-        let on_failure = Arc::new(on_failure);
-        tokio::spawn(async move {
-            loop {
-                let (tcp, peer) = tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    r = listener.accept() => match r {
-                        Ok(c) => c,
-                        Err(e) => {
-                            // Out of file descriptors and the like: pause instead of spinning.
-                            tracing::warn!(error = %e, "cannot accept a connection");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
-                    },
-                };
-                let tls = self.clone();
-                let tx = tx.clone();
-                let on_failure = on_failure.clone();
-                tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.handshake(tcp)).await {
-                        Ok(Ok(conn)) => {
-                            let _ = tx.send(Ok(conn)).await;
-                        }
-                        Ok(Err(reason)) => {
-                            on_failure();
-                            tls.handshake_failed(peer, reason);
-                        }
-                        Err(_) => {
-                            on_failure();
-                            tls.handshake_failed(
-                                peer,
-                                format!("no TLS handshake within {}s", HANDSHAKE_TIMEOUT.as_secs()),
-                            );
-                        }
-                    }
-                });
+    /// Runs the TLS handshake of an accepted connection, within
+    /// [`HANDSHAKE_TIMEOUT`]. A failure is logged with the reason and `None`
+    /// returned. The caller runs each handshake in its own task, so a slow
+    /// client holds up nobody else.
+    pub async fn accept(&self, tcp: TcpStream, peer: SocketAddr) -> Option<TlsConn> {
+        match tokio::time::timeout(HANDSHAKE_TIMEOUT, self.handshake(tcp)).await {
+            Ok(Ok(conn)) => Some(conn),
+            Ok(Err(reason)) => {
+                self.handshake_failed(peer, reason);
+                None
             }
-        });
-        tokio_stream::wrappers::ReceiverStream::new(rx)
+            Err(_) => {
+                self.handshake_failed(peer, format!("no TLS handshake within {}s", HANDSHAKE_TIMEOUT.as_secs()));
+                None
+            }
+        }
     }
 
     async fn handshake(&self, tcp: TcpStream) -> Result<TlsConn, String> {

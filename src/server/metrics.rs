@@ -1,8 +1,16 @@
 //! The capacity server's Prometheus metrics, registered in an injected registry.
 
-use prometheus::{GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
+use std::collections::BTreeMap;
 
-use super::store::ResourceStatus;
+use prometheus::{
+    GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+use super::store::{self, ResourceStatus};
+
+/// Default `--metrics-max-resources`: resources beyond this many get no
+/// per-resource series, only their share of the per-template sums.
+pub const DEFAULT_METRICS_MAX_RESOURCES: usize = 1000;
 
 pub struct Metrics {
     pub registry: Registry,
@@ -13,11 +21,23 @@ pub struct Metrics {
     pub config_reload_errors: IntCounter,
     pub tls_handshake_failures: IntCounter,
     pub mastership_changes: IntCounter,
+    /// gRPC connections open (TLS handshakes in progress included).
+    pub connections: IntGauge,
+    /// gRPC connections closed at once because `--max-connections` were open.
+    pub connections_refused: IntCounter,
+    /// gRPC connections closed because they sent no complete HTTP/2 preface in time.
+    pub connections_timed_out: IntCounter,
     resource_capacity: GaugeVec,
     resource_has: GaugeVec,
     resource_wants: GaugeVec,
     resource_clients: IntGaugeVec,
     resource_learning: IntGaugeVec,
+    resources: IntGauge,
+    resources_unlisted: IntGauge,
+    template_resources: IntGaugeVec,
+    template_has: GaugeVec,
+    template_wants: GaugeVec,
+    template_clients: IntGaugeVec,
     is_master: IntGaugeVec,
 }
 
@@ -31,6 +51,13 @@ impl Metrics {
         let r = &registry;
         let res =
             |name: &str, help: &str| reg(r, GaugeVec::new(Opts::new(name, help), &["resource"]).expect("valid metric"));
+        let tpl =
+            |name: &str, help: &str| reg(r, GaugeVec::new(Opts::new(name, help), &["template"]).expect("valid metric"));
+        let int_tpl = |name: &str, help: &str| {
+            reg(r, IntGaugeVec::new(Opts::new(name, help), &["template"]).expect("valid metric"))
+        };
+        let gauge = |name: &str, help: &str| reg(r, IntGauge::new(name, help).expect("valid metric"));
+        let counter = |name: &str, help: &str| reg(r, IntCounter::new(name, help).expect("valid metric"));
         Metrics {
             rpc_requests: reg(
                 r,
@@ -91,6 +118,27 @@ impl Metrics {
                 )
                 .expect("valid metric"),
             ),
+            connections: gauge("usher_server_connections", "gRPC connections open."),
+            connections_refused: counter(
+                "usher_server_connections_refused_total",
+                "gRPC connections closed at once because --max-connections were open.",
+            ),
+            connections_timed_out: counter(
+                "usher_server_connections_timed_out_total",
+                "gRPC connections closed because they sent no complete HTTP/2 preface within --preface-timeout.",
+            ),
+            resources: gauge("usher_server_resources", "Resources in the store (with at least one unexpired lease or a parent lease)."),
+            resources_unlisted: gauge(
+                "usher_server_resources_unlisted",
+                "Resources in the store without usher_server_resource_* series (beyond --metrics-max-resources).",
+            ),
+            template_resources: int_tpl(
+                "usher_server_template_resources",
+                "Resources in the store, by the identifier_glob of the template they matched.",
+            ),
+            template_has: tpl("usher_server_template_has", "Sum of unexpired leases granted, by template."),
+            template_wants: tpl("usher_server_template_wants", "Sum of what clients want, by template."),
+            template_clients: int_tpl("usher_server_template_clients", "Unexpired leases, by template."),
             resource_capacity: res("usher_server_resource_capacity", "Configured capacity of a resource."),
             resource_has: res("usher_server_resource_has", "Sum of unexpired leases granted on a resource."),
             resource_wants: res("usher_server_resource_wants", "Sum of what the clients of a resource want."),
@@ -122,15 +170,50 @@ impl Metrics {
         }
     }
 
-    /// Sets the per-resource gauges from a fresh snapshot; resources that are
-    /// gone disappear from the exposition.
-    pub fn set_resources(&self, resources: &[ResourceStatus], server_id: &str, is_master: bool) {
-        for g in [&self.resource_capacity, &self.resource_has, &self.resource_wants] {
+    /// Sets the resource gauges from a fresh snapshot; resources that are
+    /// gone disappear from the exposition. Only the first `max_listed` in
+    /// [`store::rank`] order get per-resource series (their ids are chosen by
+    /// clients, so their number is not ours to leave unbounded); every
+    /// resource counts in the per-template sums, whose labels come from the
+    /// configuration.
+    pub fn set_resources(
+        &self,
+        mut resources: Vec<ResourceStatus>,
+        max_listed: usize,
+        server_id: &str,
+        is_master: bool,
+    ) {
+        for g in [
+            &self.resource_capacity,
+            &self.resource_has,
+            &self.resource_wants,
+            &self.template_has,
+            &self.template_wants,
+        ] {
             g.reset();
         }
-        self.resource_clients.reset();
-        self.resource_learning.reset();
-        for r in resources {
+        for g in [&self.resource_clients, &self.resource_learning, &self.template_resources, &self.template_clients] {
+            g.reset();
+        }
+        let mut templates: BTreeMap<&str, (i64, f64, f64, i64)> = BTreeMap::new();
+        for r in &resources {
+            let t = templates.entry(r.template.as_str()).or_default();
+            t.0 += 1;
+            t.1 += r.sum_has;
+            t.2 += r.sum_wants;
+            t.3 += r.clients as i64;
+        }
+        for (t, (n, has, wants, clients)) in templates {
+            let l = [t];
+            self.template_resources.with_label_values(&l).set(n);
+            self.template_has.with_label_values(&l).set(has);
+            self.template_wants.with_label_values(&l).set(wants);
+            self.template_clients.with_label_values(&l).set(clients);
+        }
+        self.resources.set(resources.len() as i64);
+        self.resources_unlisted.set(resources.len().saturating_sub(max_listed) as i64);
+        store::rank(&mut resources);
+        for r in resources.iter().take(max_listed) {
             let l = [r.id.as_str()];
             self.resource_capacity.with_label_values(&l).set(r.capacity);
             self.resource_has.with_label_values(&l).set(r.sum_has);

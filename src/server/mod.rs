@@ -4,6 +4,7 @@
 //! the background tasks (lease sweep, config reload). This module wires them
 //! together and runs them until shutdown.
 
+mod conns;
 pub mod election;
 pub mod etcd;
 pub mod horizon;
@@ -87,6 +88,24 @@ pub struct ServerArgs {
     /// New resource ids beyond this many get ResourceExhausted.
     #[arg(long, env = "USHER_MAX_RESOURCES", value_name = "N", default_value_t = store::DEFAULT_MAX_RESOURCES)]
     pub max_resources: usize,
+    /// At most this many resources get their own usher_server_resource_* series on /metrics
+    /// (those the configuration names first, then the busiest); the rest count in the
+    /// per-template sums and usher_server_resources_unlisted.
+    #[arg(long, env = "USHER_METRICS_MAX_RESOURCES", value_name = "N", default_value_t = metrics::DEFAULT_METRICS_MAX_RESOURCES)]
+    pub metrics_max_resources: usize,
+    /// gRPC connections open at once (TLS handshakes included); more are closed as soon as they are accepted.
+    #[arg(long, env = "USHER_MAX_CONNECTIONS", value_name = "N", default_value_t = conns::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// A gRPC connection that has not sent its complete HTTP/2 preface this long after it was
+    /// accepted (after the TLS handshake, with TLS) is closed.
+    #[arg(long, env = "USHER_PREFACE_TIMEOUT", value_name = "DURATION", default_value = conns::DEFAULT_PREFACE_TIMEOUT, value_parser = parse_duration)]
+    pub preface_timeout: Duration,
+    /// Send an HTTP/2 PING on a gRPC connection that has been silent this long...
+    #[arg(long, env = "USHER_HTTP2_KEEPALIVE_INTERVAL", value_name = "DURATION", default_value = conns::DEFAULT_KEEPALIVE_INTERVAL, value_parser = parse_duration)]
+    pub http2_keepalive_interval: Duration,
+    /// ...and close it when the PING is not answered within this long.
+    #[arg(long, env = "USHER_HTTP2_KEEPALIVE_TIMEOUT", value_name = "DURATION", default_value = conns::DEFAULT_KEEPALIVE_TIMEOUT, value_parser = parse_duration)]
+    pub http2_keepalive_timeout: Duration,
     /// etcd v3 endpoints (e.g. http://etcd:2379, or https:// with --etcd-ca) for master election
     /// and `--config etcd:KEY`; tried in turn. Without them this server is always the master of its node.
     #[arg(long, env = "USHER_ETCD_ENDPOINTS", value_name = "URL[,URL...]", value_delimiter = ',')]
@@ -361,6 +380,8 @@ pub struct Node {
     pub tls: Option<Arc<crate::tls::ServerTls>>,
     pub store: Store,
     pub metrics: Metrics,
+    /// Resources with their own series on `/metrics` (`--metrics-max-resources`).
+    pub metrics_max_resources: usize,
     pub config_source: String,
     mastership: ArcSwap<Mastership>,
     config_state: Mutex<ConfigState>,
@@ -386,6 +407,7 @@ impl Node {
             tls: None,
             store: Store::new(clock, config, min_request_interval),
             metrics: Metrics::new(registry),
+            metrics_max_resources: metrics::DEFAULT_METRICS_MAX_RESOURCES,
             config_source,
             config_state: Mutex::new(ConfigState { loaded_at: Some(now), last_error: None }),
         }
@@ -647,6 +669,18 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     let source = ConfigSource::from_arg(args.config.as_deref(), etcd.as_ref())?;
     let tls = server_tls(&args, Clock::system().now().as_secs())?.map(Arc::new);
     let parent_tls = parent_tls(&args)?;
+    if args.max_connections == 0 {
+        return Err(RunError::Usage("--max-connections must be at least 1".into()));
+    }
+    for (flag, d) in [
+        ("--preface-timeout", args.preface_timeout),
+        ("--http2-keepalive-interval", args.http2_keepalive_interval),
+        ("--http2-keepalive-timeout", args.http2_keepalive_timeout),
+    ] {
+        if d.is_zero() {
+            return Err(RunError::Usage(format!("{flag} must be more than 0")));
+        }
+    }
     // Bound before etcd and the configuration are waited for: a client that
     // connects meanwhile (a fresh tree starts sidecars, servers and etcd
     // together) waits in the listen queue and is answered as soon as the
@@ -682,6 +716,7 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         max_clients_per_resource: args.max_clients_per_resource.max(1),
         max_resources: args.max_resources.max(1),
     });
+    node.metrics_max_resources = args.metrics_max_resources;
     if !args.parent.is_empty() {
         if !(args.decay_factor > 0.0 && args.decay_factor <= 1.0) {
             return Err(RunError::Usage(format!("--decay-factor must be in (0, 1], not {}", args.decay_factor)));
@@ -756,7 +791,10 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(node.clone()), shutdown.clone()));
 
     let svc = CapacityService::new(node.clone()).into_server();
-    let builder = tonic::transport::Server::builder().add_service(svc);
+    let builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(args.http2_keepalive_interval))
+        .http2_keepalive_timeout(Some(args.http2_keepalive_timeout))
+        .add_service(svc);
     let cert_reloader = tls.clone().map(|t| {
         // Every trigger re-reads both files (the pair is compared, not one file's
         // bytes), so a rotation that writes the certificate before the key
@@ -780,20 +818,19 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
             }
         })
     });
-    let serve: std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), tonic::transport::Error>> + Send>> =
-        match &tls {
-            None => Box::pin(builder.serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(grpc),
-                shutdown.clone().cancelled_owned(),
-            )),
-            Some(t) => {
-                let failures = node.metrics.tls_handshake_failures.clone();
-                Box::pin(builder.serve_with_incoming_shutdown(
-                    t.clone().incoming(grpc, move || failures.inc(), shutdown.clone()),
-                    shutdown.clone().cancelled_owned(),
-                ))
-            }
-        };
+    let incoming = conns::incoming(
+        grpc,
+        conns::Limits { max_connections: args.max_connections, preface_timeout: args.preface_timeout },
+        tls.clone(),
+        conns::Counters {
+            open: node.metrics.connections.clone(),
+            refused: node.metrics.connections_refused.clone(),
+            timed_out: node.metrics.connections_timed_out.clone(),
+            tls_failures: node.metrics.tls_handshake_failures.clone(),
+        },
+        shutdown.clone(),
+    );
+    let serve = builder.serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
     // Capacity RPCs are short; idle client connections must not hold shutdown up.
     let grace = async {
         shutdown.cancelled().await;

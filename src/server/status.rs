@@ -8,8 +8,13 @@ use http::StatusCode;
 use serde::Serialize;
 
 use super::Node;
-use super::store::{LeaseStatus, ResourceStatus};
+use super::store::{self, LeaseStatus, ResourceStatus};
 use crate::admin::{self, Handler, escape};
+
+/// Resources listed on `/debug/status` (HTML and JSON), in [`store::rank`]
+/// order; the page refreshes itself, so it must stay cheap however many
+/// resources clients create. `/debug/resources?resource=ID` shows any one.
+pub const STATUS_MAX_RESOURCES: usize = 200;
 
 #[derive(Serialize)]
 struct Status {
@@ -25,6 +30,10 @@ struct Status {
     config_loaded_at: Option<i64>,
     config_error: Option<String>,
     tls: Option<crate::tls::ServerTlsStatus>,
+    /// Resources in the store.
+    resources_total: usize,
+    /// Of those, how many `resources` leaves out (beyond [`STATUS_MAX_RESOURCES`]).
+    resources_unlisted: usize,
     resources: Vec<ResourceStatus>,
 }
 
@@ -37,6 +46,10 @@ struct ResourceLeases {
 fn status(node: &Node) -> Status {
     let m = node.mastership();
     let cs = node.config_state();
+    let mut resources = node.store.status();
+    let total = resources.len();
+    store::rank(&mut resources);
+    resources.truncate(STATUS_MAX_RESOURCES);
     Status {
         server_id: node.server_id.clone(),
         role: if node.parent.is_some() { "intermediate" } else { "root" },
@@ -50,7 +63,9 @@ fn status(node: &Node) -> Status {
         config_loaded_at: cs.loaded_at.map(|t| t.as_secs()),
         config_error: cs.last_error,
         tls: node.tls.as_ref().map(|t| t.status()),
-        resources: node.store.status(),
+        resources_total: total,
+        resources_unlisted: total - resources.len(),
+        resources,
     }
 }
 
@@ -60,7 +75,12 @@ pub fn handler(node: Arc<Node>) -> Handler {
         match req.uri.path() {
             "/metrics" => {
                 let m = node.mastership();
-                node.metrics.set_resources(&node.store.status(), &node.server_id, m.is_master);
+                node.metrics.set_resources(
+                    node.store.status(),
+                    node.metrics_max_resources,
+                    &node.server_id,
+                    m.is_master,
+                );
                 admin::metrics(&node.metrics.registry)
             }
             "/healthz" => admin::text(StatusCode::OK, "ok\n"),
@@ -169,6 +189,16 @@ fn status_html(s: &Status) -> String {
         );
     }
     b.push_str("</table>");
+    if s.resources_unlisted > 0 {
+        let _ = write!(
+            b,
+            "<p id=unlisted>{} of {} resources listed (those the configuration names, then the busiest); {} more not shown. \
+             See one with <code>/debug/resources?resource=ID</code>.</p>",
+            s.resources.len(),
+            s.resources_total,
+            s.resources_unlisted
+        );
+    }
     admin::page("usher server", &b)
 }
 

@@ -406,6 +406,27 @@ pub struct ResourceStatus {
     pub parent_expires_in_s: Option<f64>,
 }
 
+impl ResourceStatus {
+    /// Whether the configuration names this resource exactly (not through a glob).
+    pub fn is_configured(&self) -> bool {
+        self.template == self.id
+    }
+}
+
+/// Orders resources for the views that show only the first few (`/metrics`,
+/// `/debug/status`): resources the configuration names exactly come first,
+/// then the busiest by the larger of sum has and sum wants, ties broken by id,
+/// so one store always gives one order.
+pub fn rank(resources: &mut [ResourceStatus]) {
+    let weight = |r: &ResourceStatus| r.sum_has.max(r.sum_wants);
+    resources.sort_by(|a, b| {
+        b.is_configured()
+            .cmp(&a.is_configured())
+            .then_with(|| weight(b).total_cmp(&weight(a)))
+            .then_with(|| a.id.cmp(&b.id))
+    });
+}
+
 /// One client's lease, for `/debug/resources`.
 #[derive(Debug, Clone, Serialize)]
 pub struct LeaseStatus {
