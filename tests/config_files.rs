@@ -85,6 +85,9 @@ fn mkfifo(path: &Path) {
     assert!(Command::new("mkfifo").arg(path).status().unwrap().success());
 }
 
+/// What is put at the watched path, how, and the error it must get.
+type Case = (&'static str, Box<dyn FnOnce(&Path)>, String);
+
 /// Puts `make`'s file at `path` in one rename, as a ConfigMap swap does.
 fn swap_in(path: &Path, make: impl FnOnce(&Path)) {
     let tmp = path.with_extension("next");
@@ -168,8 +171,7 @@ fn check_and_start_up_refuse_devices_fifos_and_oversized_files_at_once() {
 /// The sidecar's configuration error on its status page, and its counts of
 /// rejected and of applied reloads.
 fn reload_state(admin: std::net::SocketAddr) -> (String, Option<f64>, Option<f64>) {
-    let status: serde_json::Value =
-        serde_json::from_str(&http_get(admin, "/debug/status?format=json").1).unwrap();
+    let status: serde_json::Value = serde_json::from_str(&http_get(admin, "/debug/status?format=json").1).unwrap();
     let metrics = http_get(admin, "/metrics").1;
     (
         status["config_error"].as_str().unwrap_or("").to_string(),
@@ -205,7 +207,7 @@ async fn a_proxy_reloaded_into_a_device_a_fifo_a_huge_file_or_value_keeps_servin
     assert_eq!(status_of(listen, "/api").await, StatusCode::OK);
     let peak = peak_rss_kib(pid);
 
-    let cases: [(&str, Box<dyn FnOnce(&Path)>, String); 5] = [
+    let cases: [Case; 5] = [
         (
             "a symlink to /dev/zero",
             Box::new(symlink_to("/dev/zero")),
@@ -278,7 +280,7 @@ async fn a_server_reloaded_into_a_device_or_a_fifo_keeps_its_config_and_applies_
     assert_eq!(grant(&mut c).await, 1000.0);
     let peak = peak_rss_kib(pid);
 
-    let cases: [(&str, Box<dyn FnOnce(&Path)>, String); 4] = [
+    let cases: [Case; 4] = [
         (
             "a symlink to /dev/zero",
             Box::new(symlink_to("/dev/zero")),

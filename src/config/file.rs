@@ -22,7 +22,9 @@ pub enum ReadError {
     /// Not a regular file once symlinks are followed: what it is instead.
     NotRegular(&'static str),
     /// Larger than the cap.
-    TooLarge { cap: u64 },
+    TooLarge {
+        cap: u64,
+    },
     /// Not valid UTF-8 (text files only).
     NotUtf8,
     Io(std::io::Error),
@@ -44,7 +46,7 @@ impl fmt::Display for ReadError {
 impl std::error::Error for ReadError {}
 
 fn human_size(bytes: u64) -> String {
-    if bytes >= 1 << 20 && bytes % (1 << 20) == 0 {
+    if bytes >= 1 << 20 && bytes.is_multiple_of(1 << 20) {
         format!("{} MiB", bytes >> 20)
     } else {
         format!("{bytes}-byte")
@@ -81,11 +83,8 @@ pub fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>, ReadError> {
     // The path may have been swapped for a FIFO since: O_NONBLOCK makes that
     // open return at once (it means nothing for a regular file), and the
     // opened file's own type is checked again.
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(ReadError::Io)?;
+    let file =
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(ReadError::Io)?;
     let meta = file.metadata().map_err(ReadError::Io)?;
     if !meta.is_file() {
         return Err(ReadError::NotRegular(file_kind(meta.file_type())));

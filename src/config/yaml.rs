@@ -584,7 +584,10 @@ mod tests {
         ck.error(root.loc, "upstreams.raw.url", format!("`{url}` is not an http:// URL"), None);
         ck.error(root.loc, &format!("upstreams.{url}"), format!("must be 1, not {url}"), None);
         let shown = ck.finish(()).unwrap_err().to_string();
-        let first = format!("f.yaml:1:1: upstreams.raw.url: `http://{}… (20000007 bytes)` is not an http:// URL", "a".repeat(93));
+        let first = format!(
+            "f.yaml:1:1: upstreams.raw.url: `http://{}… (20000007 bytes)` is not an http:// URL",
+            "a".repeat(93)
+        );
         assert!(shown.starts_with(&first), "{}", &shown[..shown.len().min(500)]);
         assert!(shown.len() < 800, "{} bytes", shown.len());
         // Short values, and messages without any, are shown as they are.
