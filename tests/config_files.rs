@@ -12,12 +12,12 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
 use support::upstream::{Upstream, get, h1, send1};
-use support::{Usher, http_get, metric, peak_rss_kib, run_usher_for, usher_bin, write_file};
+use support::{Usher, http_get, metric, peak_rss_kib, run_for, run_usher_for, usher_bin, write_file};
 use usher::proto::capacity_client::CapacityClient;
 use usher::proto::{GetCapacityRequest, ResourceRequest};
 
@@ -44,35 +44,9 @@ fn cap_memory(pid: u32) {
 /// (exit code, stderr); the code is `None` if it had to be killed.
 fn run_bounded(args: &[&str]) -> (Option<i32>, String) {
     let bin = usher_bin();
-    let mut all = vec!["-c", "ulimit -v 2097152 && exec \"$@\"", "sh", bin.to_str().unwrap()];
-    all.extend_from_slice(args);
-    let mut child = Command::new("sh")
-        .args(&all)
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
-        s
-    });
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let code = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st.code();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    (code, reader.join().unwrap())
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", "ulimit -v 2097152 && exec \"$@\"", "sh", bin.to_str().unwrap()]).args(args);
+    run_for(cmd, Duration::from_secs(30))
 }
 
 /// How many log lines contain `needle` (a device after another device is
@@ -102,6 +76,34 @@ fn symlink_to(target: &'static str) -> impl FnOnce(&Path) {
 
 fn text(t: String) -> impl FnOnce(&Path) {
     move |p| std::fs::write(p, t).unwrap()
+}
+
+/// A symlink to /dev/zero, a FIFO, a file of 17 MiB (`big`) and a symlink to
+/// /dev/urandom at `file`, a `role` ("routes file"), with the error each must get.
+fn refusals(file: &str, role: &str, big: String) -> Vec<Case> {
+    let device = format!("{file}:1:1: cannot read {role}: not a regular file (a character device)");
+    vec![
+        ("a symlink to /dev/zero", Box::new(symlink_to("/dev/zero")), device.clone()),
+        ("a FIFO", Box::new(mkfifo), format!("{file}:1:1: cannot read {role}: not a regular file (a FIFO)")),
+        (
+            "a 17 MiB file",
+            Box::new(text(big)),
+            format!("{file}:1:1: cannot read {role}: larger than the 16 MiB limit for configuration files"),
+        ),
+        // Not after /dev/zero: the same error again is not a change.
+        ("a symlink to /dev/urandom", Box::new(symlink_to("/dev/urandom")), device),
+    ]
+}
+
+/// Puts `make`'s file at `path` and waits until `u` logs `want` once more;
+/// `u` must still be running.
+fn refused(u: &mut Usher, path: &Path, what: &str, make: Box<dyn FnOnce(&Path)>, want: &str) {
+    let started = Instant::now();
+    let seen = logged(u, want);
+    swap_in(path, make);
+    assert_eventually!(logged(u, want) > seen, Duration::from_secs(30), "{what}: no {want:?} in\n{}", u.log());
+    eprintln!("figures: {what} refused {:?} after it was put in place", started.elapsed());
+    assert_eq!(u.child.try_wait().unwrap(), None, "{what}: usher is still running");
 }
 
 /// A routes file of 17 MiB (the cap is 16): valid YAML, padded with comments.
@@ -207,36 +209,14 @@ async fn a_proxy_reloaded_into_a_device_a_fifo_a_huge_file_or_value_keeps_servin
     assert_eq!(status_of(listen, "/api").await, StatusCode::OK);
     let peak = peak_rss_kib(pid);
 
-    let cases: [Case; 5] = [
-        (
-            "a symlink to /dev/zero",
-            Box::new(symlink_to("/dev/zero")),
-            format!("{f}:1:1: cannot read routes file: not a regular file (a character device)"),
-        ),
-        ("a FIFO", Box::new(mkfifo), format!("{f}:1:1: cannot read routes file: not a regular file (a FIFO)")),
-        (
-            "a 17 MiB file",
-            Box::new(text(oversized(&with_other))),
-            format!("{f}:1:1: cannot read routes file: larger than the 16 MiB limit for configuration files"),
-        ),
-        (
-            "a symlink to /dev/urandom",
-            Box::new(symlink_to("/dev/urandom")),
-            format!("{f}:1:1: cannot read routes file: not a regular file (a character device)"),
-        ),
-        (
-            "a 2 MB URL",
-            Box::new(text(huge_url(&up.addr.to_string()))),
-            format!("{f}:2:15: upstreams.raw.url: `http://{}… (2000007 bytes)` is not an http://", "a".repeat(93)),
-        ),
-    ];
+    let mut cases = refusals(&f, "routes file", oversized(&with_other));
+    cases.push((
+        "a 2 MB URL",
+        Box::new(text(huge_url(&up.addr.to_string()))),
+        format!("{f}:2:15: upstreams.raw.url: `http://{}… (2000007 bytes)` is not an http://", "a".repeat(93)),
+    ));
     for (i, (what, make, want)) in cases.into_iter().enumerate() {
-        let started = Instant::now();
-        let seen = logged(&u, &want);
-        swap_in(&routes, make);
-        assert_eventually!(logged(&u, &want) > seen, Duration::from_secs(30), "{what}: no {want:?} in\n{}", u.log());
-        eprintln!("figures: {what} refused {:?} after it was put in place", started.elapsed());
-        assert_eq!(u.child.try_wait().unwrap(), None, "{what}: the sidecar is still running");
+        refused(&mut u, &routes, what, make, &want);
         assert_eq!(status_of(listen, "/api").await, StatusCode::OK, "{what}: the last good routes serve");
         assert_eq!(status_of(listen, "/other").await, StatusCode::FORBIDDEN, "{what}: nothing new applied");
         let (error, errors, reloads) = tokio::task::spawn_blocking(move || reload_state(admin)).await.unwrap();
@@ -280,32 +260,10 @@ async fn a_server_reloaded_into_a_device_or_a_fifo_keeps_its_config_and_applies_
     assert_eq!(grant(&mut c).await, 1000.0);
     let peak = peak_rss_kib(pid);
 
-    let cases: [Case; 4] = [
-        (
-            "a symlink to /dev/zero",
-            Box::new(symlink_to("/dev/zero")),
-            format!("{f}:1:1: cannot read resources file: not a regular file (a character device)"),
-        ),
-        ("a FIFO", Box::new(mkfifo), format!("{f}:1:1: cannot read resources file: not a regular file (a FIFO)")),
-        (
-            "a 17 MiB file",
-            Box::new(text(oversized(RESOURCES))),
-            format!("{f}:1:1: cannot read resources file: larger than the 16 MiB limit for configuration files"),
-        ),
-        (
-            "a symlink to /dev/urandom",
-            Box::new(symlink_to("/dev/urandom")),
-            format!("{f}:1:1: cannot read resources file: not a regular file (a character device)"),
-        ),
-    ];
+    let cases = refusals(&f, "resources file", oversized(RESOURCES));
     let admin = s.addr("admin");
     for (i, (what, make, want)) in cases.into_iter().enumerate() {
-        let started = Instant::now();
-        let seen = logged(&s, &want);
-        swap_in(&cfg, make);
-        assert_eventually!(logged(&s, &want) > seen, Duration::from_secs(30), "{what}: no {want:?} in\n{}", s.log());
-        eprintln!("figures: {what} refused {:?} after it was put in place", started.elapsed());
-        assert_eq!(s.child.try_wait().unwrap(), None, "{what}: the server is still running");
+        refused(&mut s, &cfg, what, make, &want);
         assert_eq!(grant(&mut c).await, 1000.0, "{what}: the last good configuration stays");
         let metrics = tokio::task::spawn_blocking(move || http_get(admin, "/metrics").1).await.unwrap();
         let errors = metric(&metrics, "usher_config_reload_errors_total", &[]);
