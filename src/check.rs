@@ -62,8 +62,7 @@ pub fn classify(root: &Node) -> Option<Kind> {
 /// Checks one file: its kind, or every error found.
 pub fn check_file(path: &std::path::Path) -> Result<Kind, ConfigError> {
     let name = path.display().to_string();
-    let text =
-        std::fs::read_to_string(path).map_err(|e| ConfigError::whole_file(&name, format!("cannot read: {e}")))?;
+    let text = crate::config::file::read_config(path, "it")?;
     let root = parse(&name, &text)?;
     let kind = classify(&root).ok_or_else(|| {
         let mut e = ConfigError::whole_file(&name, "cannot tell what kind of file this is");

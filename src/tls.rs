@@ -57,7 +57,8 @@ impl FileError {
 }
 
 fn read(which: Which, path: &Path) -> Result<Vec<u8>, FileError> {
-    std::fs::read(path).map_err(|e| FileError::new(which, path, format!("cannot read it: {e}")))
+    crate::config::file::read_capped(path, crate::config::file::MAX_FILE_BYTES)
+        .map_err(|e| FileError::new(which, path, format!("cannot read it: {e}")))
 }
 
 /// Every certificate in a PEM file (at least one).

@@ -3,6 +3,7 @@
 //! with its `file:line:column`.
 
 pub mod doorman;
+pub mod file;
 pub mod limits;
 pub mod resources;
 pub mod routes;

@@ -67,8 +67,7 @@ impl ResourcesConfig {
     /// Reads and parses a resources file from disk.
     pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
         let name = path.display().to_string();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::whole_file(&name, format!("cannot read resources file: {e}")))?;
+        let text = super::file::read_config(path, "resources file")?;
         Self::parse(&name, &text)
     }
 

@@ -273,8 +273,7 @@ impl RoutesConfig {
     /// Reads and parses a routes file from disk.
     pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
         let name = path.display().to_string();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::whole_file(&name, format!("cannot read routes file: {e}")))?;
+        let text = super::file::read_config(path, "routes file")?;
         Self::parse(&name, &text)
     }
 }

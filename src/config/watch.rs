@@ -6,11 +6,14 @@
 //! compare contents, so a spurious wake-up costs one read.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+
+use super::file;
 
 /// Why a reload was triggered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,23 +112,43 @@ fn changes_content(kind: &notify::EventKind) -> bool {
     }
 }
 
+/// What a read of the watched file found: its bytes, or why it could not be
+/// read (a change from one error to another is a change, and is reported).
+type Snapshot = Result<Vec<u8>, String>;
+
+fn snapshot(path: &Path) -> Snapshot {
+    file::read_capped(path, file::MAX_FILE_BYTES).map_err(|e| e.to_string())
+}
+
 /// Watches `path` and calls `reload` with each trigger whose file content
 /// changed (or with every SIGHUP), until `shutdown`. The caller parses,
 /// applies, or keeps its last good configuration.
+///
+/// Reads and `reload` run on the blocking pool, one at a time: parsing a
+/// large file must not hold up a runtime thread that serves requests. The
+/// reads are bounded ([`file::read_capped`]), so a FIFO or a device at the
+/// path cannot wedge this loop: the next trigger is still handled.
 pub fn spawn_reloader<F>(path: PathBuf, shutdown: CancellationToken, reload: F) -> tokio::task::JoinHandle<()>
 where
-    F: Fn(Cause) + Send + 'static,
+    F: Fn(Cause) + Send + Sync + 'static,
 {
     let mut causes = watch(&path, shutdown);
+    let reload = Arc::new(reload);
     tokio::spawn(async move {
-        let mut last = std::fs::read(&path).ok();
+        let p = path.clone();
+        let mut last = tokio::task::spawn_blocking(move || snapshot(&p)).await.ok();
         while let Some(cause) = causes.recv().await {
-            let text = std::fs::read(&path).ok();
-            if cause == Cause::FileEvent && text == last {
-                continue;
-            }
-            last = text;
-            reload(cause);
+            let (path, reload, before) = (path.clone(), reload.clone(), last.take());
+            let read = tokio::task::spawn_blocking(move || {
+                let now = snapshot(&path);
+                if cause == Cause::Signal || before.as_ref() != Some(&now) {
+                    reload(cause);
+                }
+                now
+            });
+            // A panic in `reload` is reported by the runtime; the next
+            // trigger reads the file afresh.
+            last = read.await.ok();
         }
     })
 }

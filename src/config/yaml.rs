@@ -31,17 +31,66 @@ pub struct Diagnostic {
     pub hint: Option<String>,
 }
 
+// Every config error is shown through this (logs, `/debug/status`, `usher
+// check`), so this is where values quoted from the file are cut short.
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}:{}: ", self.file, self.loc.line, self.loc.col)?;
         if !self.field.is_empty() {
-            write!(f, "{}: ", self.field)?;
+            write!(f, "{}: ", shorten(&self.field))?;
         }
-        f.write_str(&self.message)?;
+        f.write_str(&shorten(&self.message))?;
         if let Some(h) = &self.hint {
-            write!(f, " (hint: {h})")?;
+            write!(f, " (hint: {})", shorten(h))?;
         }
         Ok(())
+    }
+}
+
+/// The most characters of one value an error message quotes.
+pub const MAX_QUOTED_CHARS: usize = 100;
+/// The longest a message, field or hint is shown, whatever it holds (a value
+/// of a thousand backticks would make a thousand short quotes).
+const MAX_SHOWN_CHARS: usize = 2000;
+
+/// `text` with each over-long value cut to [`MAX_QUOTED_CHARS`], an
+/// ellipsis and its full length: a `quoted` one, or any word outside
+/// quotes. A 20 MB URL in a config file must not make a 20 MB log line.
+pub fn shorten(text: &str) -> Cow<'_, str> {
+    if text.len() <= MAX_QUOTED_CHARS {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::new();
+    for (i, segment) in text.split('`').enumerate() {
+        if i > 0 {
+            out.push('`');
+        }
+        if i % 2 == 1 {
+            out.push_str(&cut(segment, MAX_QUOTED_CHARS));
+        } else {
+            for (j, word) in segment.split(' ').enumerate() {
+                if j > 0 {
+                    out.push(' ');
+                }
+                out.push_str(&cut(word, MAX_QUOTED_CHARS));
+            }
+        }
+        if out.len() > MAX_SHOWN_CHARS * 4 {
+            break;
+        }
+    }
+    match out.char_indices().nth(MAX_SHOWN_CHARS) {
+        None if out == text => Cow::Borrowed(text),
+        None => Cow::Owned(out),
+        Some((end, _)) => Cow::Owned(format!("{}… ({} bytes)", &out[..end], text.len())),
+    }
+}
+
+/// `s` cut to `max` characters, an ellipsis and its full length in bytes.
+fn cut(s: &str, max: usize) -> Cow<'_, str> {
+    match s.char_indices().nth(max) {
+        None => Cow::Borrowed(s),
+        Some((end, _)) => Cow::Owned(format!("{}… ({} bytes)", &s[..end], s.len())),
     }
 }
 
@@ -524,5 +573,27 @@ mod tests {
         // Aliases within the limit still resolve.
         let small = parse("f", &text.lines().take(4).collect::<Vec<_>>().join("\n")).unwrap();
         assert!(matches!(&small.value, Value::Map(m) if m.len() == 4));
+    }
+
+    #[test]
+    fn long_values_are_cut_in_messages() {
+        let url = format!("http://{}", "a".repeat(20_000_000));
+        let text = format!("upstreams:\n  raw:\n    url: \"{url}\"\n");
+        let mut ck = Checker::new("f.yaml");
+        let root = parse("f.yaml", &text).unwrap();
+        ck.error(root.loc, "upstreams.raw.url", format!("`{url}` is not an http:// URL"), None);
+        ck.error(root.loc, &format!("upstreams.{url}"), format!("must be 1, not {url}"), None);
+        let shown = ck.finish(()).unwrap_err().to_string();
+        let first = format!(
+            "f.yaml:1:1: upstreams.raw.url: `http://{}… (20000007 bytes)` is not an http:// URL",
+            "a".repeat(93)
+        );
+        assert!(shown.starts_with(&first), "{}", &shown[..shown.len().min(500)]);
+        assert!(shown.len() < 800, "{} bytes", shown.len());
+        // Short values, and messages without any, are shown as they are.
+        assert_eq!(shorten("`x` is not a number"), "`x` is not a number");
+        let many = "`a` ".repeat(10_000);
+        assert!(shorten(&many).chars().count() < MAX_SHOWN_CHARS + 30);
+        assert!(shorten(&many).ends_with("… (40000 bytes)"));
     }
 }

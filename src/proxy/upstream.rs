@@ -149,8 +149,9 @@ impl Upstream {
     pub fn new(config: UpstreamConfig, roots: &RootCertStore, metrics: &Metrics) -> Result<Self, String> {
         let mut roots = roots.clone();
         if let Some(ca) = &config.ca_file {
-            let certs = CertificateDer::pem_file_iter(ca)
-                .map_err(|e| format!("cannot read ca_file {}: {e}", ca.display()))?
+            let pem = crate::config::file::read_capped(ca, crate::config::file::MAX_FILE_BYTES)
+                .map_err(|e| format!("cannot read ca_file {}: {e}", ca.display()))?;
+            let certs = CertificateDer::pem_slice_iter(&pem)
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| format!("bad PEM in ca_file {}: {e}", ca.display()))?;
             if certs.is_empty() {

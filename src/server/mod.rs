@@ -263,7 +263,7 @@ fn etcd_options(args: &ServerArgs) -> Result<Option<etcd::EtcdOptions>, RunError
         }
         (Some(p), None) => Some(p.clone()),
         (None, Some(f)) => Some(
-            std::fs::read_to_string(f)
+            crate::config::file::read_text(f)
                 .map_err(|e| RunError::Usage(format!("--etcd-password-file {}: cannot read it: {e}", f.display())))?
                 .trim_end_matches(['\n', '\r'])
                 .to_string(),

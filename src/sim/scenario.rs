@@ -105,8 +105,7 @@ impl Scenario {
 
     pub fn load(path: &std::path::Path) -> Result<Scenario, ConfigError> {
         let name = path.display().to_string();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::whole_file(&name, format!("cannot read scenario: {e}")))?;
+        let text = crate::config::file::read_config(path, "scenario")?;
         Scenario::parse(&name, &text)
     }
 

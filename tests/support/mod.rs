@@ -230,10 +230,17 @@ pub fn run_usher(args: &[&str]) -> (i32, String, String) {
 /// `patience`: (exit code, stderr); the code is `None` if it had to be killed.
 pub fn run_usher_for(args: &[&str], env: &[(&str, &str)], patience: Duration) -> (Option<i32>, String) {
     let mut cmd = Command::new(usher_bin());
-    cmd.args(args).env("NO_COLOR", "1").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    cmd.args(args);
     for (k, v) in env {
         cmd.env(k, v);
     }
+    run_for(cmd, patience)
+}
+
+/// Runs `cmd` (usher, or a wrapper that execs it) until it exits, killing it
+/// after `patience`: (exit code, stderr); the code is `None` if it had to be killed.
+pub fn run_for(mut cmd: Command, patience: Duration) -> (Option<i32>, String) {
+    cmd.env("NO_COLOR", "1").stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("spawn usher");
     let mut stderr = child.stderr.take().expect("stderr piped");
     let reader = std::thread::spawn(move || {
