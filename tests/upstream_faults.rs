@@ -432,15 +432,13 @@ async fn read_lenient(resp: http::Response<hyper::body::Incoming>) -> (u16, bool
 
 /// A TCP relay to `to` whose connections can be frozen: a frozen one
 /// forwards nothing either way (as a middlebox that dropped it, or a
-/// frozen upstream host), but still notices when the proxy closes it.
+/// frozen upstream host).
 struct Freezer {
     addr: SocketAddr,
     /// Connections accepted so far.
     conns: Arc<AtomicU64>,
     /// Connections numbered up to this are frozen.
     frozen: Arc<AtomicU64>,
-    /// Frozen connections the proxy has closed.
-    closed: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -454,13 +452,12 @@ impl Freezer {
     async fn start(to: SocketAddr) -> Freezer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let (conns, frozen, closed) =
-            (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-        let (c, f, d) = (conns.clone(), frozen.clone(), closed.clone());
+        let (conns, frozen) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (c, f) = (conns.clone(), frozen.clone());
         let task = tokio::spawn(async move {
             while let Ok((mut down, _)) = listener.accept().await {
                 let n = c.fetch_add(1, Ordering::SeqCst) + 1;
-                let (f, d) = (f.clone(), d.clone());
+                let f = f.clone();
                 tokio::spawn(async move {
                     let Ok(mut up) = TcpStream::connect(to).await else { return };
                     let (mut a, mut b) = ([0u8; 16384], [0u8; 16384]);
@@ -469,10 +466,7 @@ impl Freezer {
                             // Frozen: read (and drop) what the proxy sends until it closes.
                             loop {
                                 match down.read(&mut a).await {
-                                    Ok(0) | Err(_) => {
-                                        d.fetch_add(1, Ordering::SeqCst);
-                                        return;
-                                    }
+                                    Ok(0) | Err(_) => return,
                                     Ok(_) => {}
                                 }
                             }
@@ -495,64 +489,45 @@ impl Freezer {
                 });
             }
         });
-        Freezer { addr, conns, frozen, closed, task }
+        Freezer { addr, conns, frozen, task }
     }
 }
 
 /// An h2 upstream connection that goes silent (frozen by a middlebox or a
-/// stuck host) is found out and closed: on the native path by a PING after
-/// a request on it timed out, on hyper's by its keep-alive PINGs. The
-/// request after that gets a new connection and its answer, instead of
-/// timing out on the dead one as every request did before.
+/// stuck host) is found out on the native path: a request on it times out,
+/// a PING goes unanswered for 5 s, and the connection takes no new
+/// requests; the request after that gets a new connection and its answer,
+/// instead of timing out on the dead one as every request did before.
+/// (hyper's client, which carries gRPC, sends no PINGs: gRPC servers close
+/// connections that PING more often than once every few minutes.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_silently_dead_h2_upstream_connection_is_closed_and_replaced() {
+async fn a_silently_dead_h2_upstream_connection_is_retired_on_the_native_path() {
     let dir = tempfile::tempdir().unwrap();
     let up = Upstream::start().await;
-    // The app's HTTP/1.1 takes the native path; its h2c, hyper's.
-    for app_h2c in [false, true] {
-        let relay = Freezer::start(up.addr).await;
-        let text = format!(
-            "upstreams:\n  up: {{ url: \"http://{}\", h2c: true, timeout: 1s }}\n\
-             routes:\n  - {{ name: api, match: {{ path_prefix: / }}, upstream: up }}\n",
-            relay.addr
-        );
-        let p = Usher::proxy(&write_file(dir.path(), "routes.yaml", &text));
-        let status = |path: &'static str| {
-            let addr = p.addr("listen");
-            async move {
-                if app_h2c {
-                    let mut c = h2(addr).await;
-                    let r = support::upstream::send2(&mut c, get("app", path)).await;
-                    (r.status.as_u16(), r.text())
-                } else {
-                    let mut c = h1(addr).await;
-                    let r = support::upstream::send1(&mut c, get("app", path)).await;
-                    (r.status.as_u16(), r.text())
-                }
-            }
-        };
-        let first = status("/").await;
-        assert_eq!(first.0, 200, "h2c app {app_h2c}: {first:?}\n{}", p.log());
-        assert_eq!(relay.conns.load(Ordering::SeqCst), 1);
-        relay.frozen.store(1, Ordering::SeqCst);
+    let relay = Freezer::start(up.addr).await;
+    let text = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\", h2c: true, timeout: 1s }}\n\
+         routes:\n  - {{ name: api, match: {{ path_prefix: / }}, upstream: up }}\n",
+        relay.addr
+    );
+    let p = Usher::proxy(&write_file(dir.path(), "routes.yaml", &text));
+    let status = || {
+        let addr = p.addr("listen");
+        async move {
+            let mut c = h1(addr).await;
+            let r = support::upstream::send1(&mut c, get("app", "/")).await;
+            (r.status.as_u16(), r.text())
+        }
+    };
+    let first = status().await;
+    assert_eq!(first.0, 200, "{first:?}\n{}", p.log());
+    assert_eq!(relay.conns.load(Ordering::SeqCst), 1);
+    relay.frozen.store(1, Ordering::SeqCst);
 
-        let timed_out = status("/").await;
-        assert_eq!(timed_out.0, 504, "h2c app {app_h2c}: {timed_out:?}");
-        let since = Instant::now();
-        while relay.closed.load(Ordering::SeqCst) == 0 && since.elapsed() < Duration::from_secs(20) {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        assert_eq!(
-            relay.closed.load(Ordering::SeqCst),
-            1,
-            "h2c app {app_h2c}: the silent connection was closed within 20 s\n{}",
-            p.log()
-        );
-        let again = status("/").await;
-        assert_eq!(again.0, 200, "h2c app {app_h2c}: {again:?}\n{}", p.log());
-        assert_eq!(relay.conns.load(Ordering::SeqCst), 2, "h2c app {app_h2c}: on a new connection");
-        if !app_h2c {
-            assert!(p.log().contains("did not answer a PING"), "{}", p.log());
-        }
-    }
+    let timed_out = status().await;
+    assert_eq!(timed_out.0, 504, "{timed_out:?}");
+    p.wait_for_log("did not answer a PING", Duration::from_secs(10));
+    let again = status().await;
+    assert_eq!(again.0, 200, "{again:?}\n{}", p.log());
+    assert_eq!(relay.conns.load(Ordering::SeqCst), 2, "on a new connection");
 }

@@ -62,10 +62,12 @@ pub struct GrpcTransport {
 /// bracketed IPv6 one; the port from 1 to 65535. The error says what is
 /// wrong, for a config file or flag to report before anything runs.
 pub fn check_server_address(addr: &str) -> Result<(), String> {
-    let rest = match addr.split_once("://") {
-        Some(("http" | "https", rest)) => rest,
+    let (rest, schemed) = match addr.split_once("://") {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("http") || scheme.eq_ignore_ascii_case("https") => {
+            (rest, true)
+        }
         Some((scheme, _)) => return Err(format!("`{scheme}://` is not a scheme usher dials (http:// or https://)")),
-        None => addr,
+        None => (addr, false),
     };
     let rest = rest.strip_suffix('/').unwrap_or(rest);
     if rest.is_empty() {
@@ -77,6 +79,8 @@ pub fn check_server_address(addr: &str) -> Result<(), String> {
     let (host, port) = match rest.strip_prefix('[') {
         Some(v6) => match v6.split_once("]:") {
             Some((h, p)) => (h, p),
+            // A scheme's default port (80, 443) stands in for a missing one.
+            None if schemed && v6.ends_with(']') => (&v6[..v6.len() - 1], "443"),
             None => return Err("needs a port after the bracketed IPv6 address, e.g. [::1]:15100".into()),
         },
         None => match rest.split_once(':') {
@@ -85,6 +89,7 @@ pub fn check_server_address(addr: &str) -> Result<(), String> {
             }
             Some(("", _)) => return Err("needs a host before the port".into()),
             Some(hp) => hp,
+            None if schemed => (rest, "443"),
             None => return Err("needs a port, e.g. doorman-0:15100".into()),
         },
     };
@@ -227,7 +232,18 @@ mod address_tests {
 
     #[test]
     fn server_addresses_are_host_and_port() {
-        for ok in ["doorman-0:15100", "127.0.0.1:1", "[::1]:15100", "http://a.test:80", "https://a.test:443/"] {
+        for ok in [
+            "doorman-0:15100",
+            "127.0.0.1:1",
+            "[::1]:15100",
+            "http://a.test:80",
+            "https://a.test:443/",
+            "https://a.test",
+            "HTTP://a.test:1",
+            "localhost.:15100",
+            "http://[::1]:15100",
+            "https://[::1]",
+        ] {
             assert_eq!(check_server_address(ok), Ok(()), "{ok}");
         }
         for (bad, says) in [

@@ -19,7 +19,8 @@
 //! longer than the upstream pools' idle timeout is replaced by the next
 //! request rather than trusted (a middlebox may have dropped it silently),
 //! and closes. One in use that went silent is found when a request on it
-//! times out: a PING it does not answer within [`PING_TIMEOUT`] closes it. Over TLS, ALPN offers `h2` and `http/1.1`: an upstream that
+//! times out: a PING it does not answer within [`PING_TIMEOUT`] retires it
+//! (new requests open a new connection), and [`PING_GRACE`] later closes it. Over TLS, ALPN offers `h2` and `http/1.1`: an upstream that
 //! picks `http/1.1` gets its connection handed back for the HTTP/1.1 pool.
 
 use std::sync::Mutex;
@@ -43,8 +44,10 @@ const CONNECTION_WINDOW: u32 = 5 * 1024 * 1024;
 /// Largest response head accepted (decoded), as on the native HTTP/1.1 path.
 const MAX_HEADER_LIST: u32 = 256 * 1024;
 /// How long a connection under suspicion (a request on it timed out) has
-/// to answer a PING before it is closed.
+/// to answer a PING before it takes no new requests.
 pub const PING_TIMEOUT: Duration = Duration::from_secs(5);
+/// How much longer it has before it is closed, failing the streams still on it.
+pub const PING_GRACE: Duration = Duration::from_secs(30);
 
 /// Why an exchange failed.
 pub enum H2Error {
@@ -70,6 +73,8 @@ struct Current {
     sender: SendRequest<Bytes>,
     /// Asks the connection's task to check it with a PING.
     check: std::sync::Arc<tokio::sync::Notify>,
+    /// Set by the connection's task when it failed the check: no new requests.
+    retired: std::sync::Arc<AtomicBool>,
     /// When a request last took it.
     used: Instant,
     /// Which connection this is, so that a late failure of an old one does
@@ -204,10 +209,11 @@ impl H2Upstream {
             .await
             .map_err(|e| NoSender::Connect(format!("h2 handshake: {}", error_chain(&e))))?;
         let check = std::sync::Arc::new(tokio::sync::Notify::new());
-        tokio::spawn(drive(conn, self.addr.clone(), check.clone()));
+        let retired = std::sync::Arc::new(AtomicBool::new(false));
+        tokio::spawn(drive(conn, self.addr.clone(), check.clone(), retired.clone()));
         let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
         *self.current.lock().expect("h2 upstream lock") =
-            Some(Current { sender: sender.clone(), check, used: Instant::now(), generation });
+            Some(Current { sender: sender.clone(), check, retired, used: Instant::now(), generation });
         *self.failed.lock().expect("h2 upstream lock") = None;
         Ok((sender, generation))
     }
@@ -223,7 +229,7 @@ impl H2Upstream {
             s.poll_ready(&mut std::task::Context::from_waker(std::task::Waker::noop())),
             std::task::Poll::Ready(Err(_))
         );
-        if open && now.duration_since(c.used) < self.idle_timeout {
+        if open && !c.retired.load(Ordering::Relaxed) && now.duration_since(c.used) < self.idle_timeout {
             c.used = now;
             Some((s, c.generation))
         } else {
@@ -234,10 +240,10 @@ impl H2Upstream {
     }
 
     /// A request on the current connection got no answer within the
-    /// upstream's `timeout`: the connection's task sends a PING, and closes
-    /// the connection (failing the requests still on it) if no answer comes
-    /// within [`PING_TIMEOUT`], so that later requests do not go on waiting
-    /// on a connection a middlebox or a frozen upstream silently dropped.
+    /// upstream's `timeout`: the connection's task sends a PING, and retires
+    /// the connection if no answer comes within [`PING_TIMEOUT`] (see
+    /// `drive`), so that later requests do not go on waiting on a
+    /// connection a middlebox or a frozen upstream silently dropped.
     /// Nothing else times an open connection: nothing runs while it is idle.
     pub fn timed_out(&self) {
         if let Some(c) = self.current.lock().expect("h2 upstream lock").as_ref() {
@@ -256,35 +262,60 @@ impl H2Upstream {
 }
 
 /// Drives a connection until it ends; when asked (see
-/// [`H2Upstream::timed_out`]), checks it with a PING, and drops it (which
-/// fails its streams at once) if no answer comes within [`PING_TIMEOUT`].
+/// [`H2Upstream::timed_out`]), checks it with a PING. No answer within
+/// [`PING_TIMEOUT`]: the connection takes no new requests (`retired`; the
+/// next one opens a new connection), and the streams still on it go on,
+/// since a busy upstream on a slow link may answer the PING late, behind
+/// the data it is sending. Still no answer [`PING_GRACE`] later: the
+/// connection is dropped, which fails those streams at once. Checks are at
+/// most one per [`PING_TIMEOUT`] (timeouts that come together make one).
 async fn drive(
     mut conn: h2::client::Connection<Stream, Bytes>,
     addr: String,
     check: std::sync::Arc<tokio::sync::Notify>,
+    retired: std::sync::Arc<AtomicBool>,
 ) {
     let mut pinger = conn.ping_pong();
+    let mut last_check: Option<Instant> = None;
     let ended = loop {
         tokio::select! {
             r = &mut conn => break r,
             () = check.notified() => {}
         }
+        if last_check.is_some_and(|t| t.elapsed() < PING_TIMEOUT) {
+            continue;
+        }
+        last_check = Some(Instant::now());
         let Some(pinger) = pinger.as_mut() else { continue };
-        let pong = tokio::time::timeout(PING_TIMEOUT, pinger.ping(h2::Ping::opaque()));
-        tokio::select! {
+        let mut pong = std::pin::pin!(pinger.ping(h2::Ping::opaque()));
+        let first = tokio::time::sleep(PING_TIMEOUT);
+        let answered = tokio::select! {
             r = &mut conn => break r,
-            answered = pong => match answered {
-                Ok(Ok(_)) => tracing::debug!(upstream = %addr, "h2 upstream connection answered a PING after a timeout; kept"),
-                Ok(Err(e)) => break Err(e),
-                Err(_) => {
-                    tracing::warn!(
-                        upstream = %addr,
-                        "h2 upstream connection did not answer a PING within {PING_TIMEOUT:?} after a request on it timed out; \
-                         closed (the next request opens a new one)"
-                    );
-                    return;
+            answered = &mut pong => Some(answered),
+            () = first => None,
+        };
+        let answered = match answered {
+            Some(a) => a,
+            None => {
+                retired.store(true, Ordering::Relaxed);
+                tracing::warn!(
+                    upstream = %addr,
+                    "h2 upstream connection did not answer a PING within {PING_TIMEOUT:?} after a request on it timed out; \
+                     new requests go on a new connection"
+                );
+                tokio::select! {
+                    r = &mut conn => break r,
+                    answered = &mut pong => answered,
+                    () = tokio::time::sleep(PING_GRACE) => {
+                        tracing::warn!(upstream = %addr, "h2 upstream connection still silent {PING_GRACE:?} later; closed");
+                        return;
+                    }
                 }
-            },
+            }
+        };
+        match answered {
+            Ok(_) => tracing::debug!(upstream = %addr, "h2 upstream connection answered a PING after a timeout"),
+            Err(e) => break Err(e),
         }
     };
     if let Err(e) = ended {

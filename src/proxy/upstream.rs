@@ -246,12 +246,12 @@ impl Upstream {
     }
 }
 
-/// How long hyper-util's h2 connections go without a frame from the upstream before they PING it.
-const H2_PING_INTERVAL: Duration = Duration::from_secs(10);
-
 /// hyper-util's pooled client for `config`: over TLS, HTTP/2 when the
 /// upstream picks it in ALPN (offered unless `http2: false`), else HTTP/1.1;
 /// over plain TCP, HTTP/2 with prior knowledge when `h2c`, else HTTP/1.1.
+/// No keep-alive PINGs: this client carries gRPC, and gRPC servers close
+/// connections that PING more often than they allow (grpc-go: once every
+/// 5 minutes by default, `too_many_pings`).
 /// An HTTP/2 upstream carries every request on one connection per upstream
 /// (hyper-util's pool shares it); HTTP/1.1 keeps one connection per request
 /// in flight, each resuming the TLS session of an earlier one (rustls keeps
@@ -269,14 +269,6 @@ fn client(roots: RootCertStore, config: &UpstreamConfig) -> Result<HttpsClient, 
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(POOL_IDLE_TIMEOUT)
         .http2_only(config.h2c)
-        // An h2 connection that stops answering (a middlebox dropped it, the
-        // upstream froze) is found by PING and closed, rather than holding
-        // every request multiplexed on it until its timeout: pings go after
-        // 10 s without a frame from the upstream, also while no stream is open
-        // (until the pool drops the idle connection).
-        .http2_keep_alive_interval(H2_PING_INTERVAL)
-        .http2_keep_alive_timeout(super::h2conn::PING_TIMEOUT)
-        .http2_keep_alive_while_idle(true)
         .build(https))
 }
 

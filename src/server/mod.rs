@@ -820,7 +820,10 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     });
     let incoming = conns::incoming(
         grpc,
-        conns::Limits { max_connections: args.max_connections, preface_timeout: args.preface_timeout },
+        conns::Limits {
+            max_connections: args.max_connections.min(tokio::sync::Semaphore::MAX_PERMITS),
+            preface_timeout: args.preface_timeout,
+        },
         tls.clone(),
         conns::Counters {
             open: node.metrics.connections.clone(),
