@@ -34,6 +34,7 @@ fn spec(kind: Kind) -> ResourceSpec {
         max_queue: 1024,
         max_keys: 1,
         window: Duration::from_secs(1),
+        shared: false,
     }
 }
 

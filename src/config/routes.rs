@@ -625,11 +625,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
                 None => None,
             }
         }
-        // A daily quota may be spent at any time of the day.
-        None => Some(match capacity {
-            Some(c) if c.window >= Duration::from_secs(86400) => c.per_window.max(1.0),
-            _ => 1.0,
-        }),
+        None => Some(default_burst(capacity)),
     };
     let max_keys = count(ck, &m, "max_keys", DEFAULT_MAX_KEYS);
     let max_queue = count(ck, &m, "max_queue", DEFAULT_MAX_QUEUE);
@@ -645,6 +641,18 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         max_queue: max_queue?,
         lease: lease?,
     })
+}
+
+/// A rate resource's burst when the file gives none: one second's worth of
+/// its capacity, at least one request, so that a few requests in a row
+/// within the rate are never refused; a daily quota's whole day, since it
+/// may be spent at any time of the day. The burst is the whole fleet's.
+pub fn default_burst(capacity: Option<Capacity>) -> f64 {
+    match capacity {
+        Some(c) if c.window >= Duration::from_secs(86400) => c.per_window.max(1.0),
+        Some(c) => c.per_second().max(1.0),
+        None => 1.0,
+    }
 }
 
 fn count(ck: &mut Checker, m: &MapView<'_>, key: &str, default: usize) -> Option<usize> {
@@ -732,6 +740,30 @@ fn read_route(
                     &p,
                     format!("resource `{res}` is listed twice"),
                     Some("raise its cost instead".into()),
+                );
+                continue;
+            }
+            if let Some(rc) = resources.get(&res)
+                && rc.kind == ResourceKind::Rate
+                && cost > rc.burst
+            {
+                ck.error(
+                    at.loc,
+                    &p,
+                    format!("cost {cost} is larger than resource `{res}`'s burst of {} (the most that may pass at once)", rc.burst),
+                    Some(format!("raise `{res}`'s burst to at least {cost}, or lower the cost")),
+                );
+                continue;
+            }
+            if let Some(rc) = resources.get(&res)
+                && rc.kind == ResourceKind::Gauge
+                && cost > rc.capacity.per_window
+            {
+                ck.error(
+                    at.loc,
+                    &p,
+                    format!("cost {cost} is more than gauge `{res}`'s capacity of {} in flight", rc.capacity.per_window),
+                    Some("no request could ever pass: raise the capacity or lower the cost".into()),
                 );
                 continue;
             }

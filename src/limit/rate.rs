@@ -63,10 +63,9 @@ struct State {
     burst_span: u128,
     capacity: f64,
     /// At capacity 0: how full the bucket was (units) when the capacity went
-    /// to 0. Nothing refills at rate 0, so the bucket stays as it was: a
-    /// busy key comes back paced, and an idle or never-used one (a sidecar
-    /// whose first lease arrives after a lease of 0) with its burst, as a
-    /// new limiter would.
+    /// to 0. Nothing refills at rate 0, so the bucket stays as it was (a
+    /// burst that shrank with the capacity clipped it first): a key comes
+    /// back with what it had, never with a fresh burst.
     frozen: f64,
     /// Counts the capacity increases so far.
     generation: u64,
@@ -136,20 +135,30 @@ fn ceil_duration(fx: u128) -> Duration {
 }
 
 impl Rate {
+    /// A rate at an idle start: the whole burst is available.
     pub fn new(capacity: f64, burst: f64, now: Time) -> Self {
+        Self::starting(capacity, burst, f64::INFINITY, now)
+    }
+
+    /// A rate that starts with `available` units of its burst (at least one
+    /// unit, at most the burst): a sidecar that shares its resource with
+    /// others starts with one request's worth, since the rest of the fleet's
+    /// burst may be spent already (see [`Rate::set`]).
+    pub fn starting(capacity: f64, burst: f64, available: f64, now: Time) -> Self {
         Rate {
-            // An idle start: the whole burst is available.
             state: Mutex::new({
                 let (interval, burst) = (interval_of(capacity), burst.max(1.0));
                 let burst_span = interval.map_or(0, |i| times(i, burst));
+                let backlog = burst - available.clamp(1.0, burst);
                 State {
                     origin: now,
-                    tat: 0,
+                    // The position `backlog` intervals past the origin.
+                    tat: interval.map_or(0, |i| times(i, backlog)),
                     interval,
                     burst,
                     burst_span,
                     capacity,
-                    frozen: 0.0,
+                    frozen: if interval.is_none() { backlog } else { 0.0 },
                     generation: 0,
                     increases: VecDeque::new(),
                 }
@@ -182,8 +191,11 @@ impl Rate {
             Some(0) => return (Reservation::Slot { wait: Duration::ZERO, cost: 0.0 }, ticket),
             Some(i) => i,
         };
-        let new_tat = s.tat.max(now).saturating_add(times(interval, cost));
-        let slot = new_tat.saturating_sub(s.burst_span).max(now);
+        let cost_span = times(interval, cost);
+        let new_tat = s.tat.max(now).saturating_add(cost_span);
+        // One request always fits an idle bucket, even one that costs more
+        // than the burst: it passes alone, and later ones wait for its cost.
+        let slot = new_tat.saturating_sub(s.burst_span.max(cost_span)).max(now);
         let wait = ceil_duration(slot - now);
         if wait > max_wait {
             return (Reservation::TooLate { wait: Some(wait) }, ticket);
@@ -232,10 +244,30 @@ impl Rate {
         }
     }
 
-    /// Changes capacity and burst live. The backlog (how full the bucket is,
-    /// in units) is carried over, so a change never hands out a fresh burst;
-    /// requests already holding a slot keep it. Through capacity 0 the
-    /// backlog stays as it was (see [`State::frozen`]).
+    /// Charges `units` more to the bucket now (a cost settled above what was
+    /// charged at admission: later requests wait for the debt), or gives
+    /// them back when negative (settled below: never beyond a full bucket).
+    pub fn charge(&self, now: Time, units: f64) {
+        if units == 0.0 || units.is_nan() {
+            return;
+        }
+        let mut s = self.state.lock().expect("rate lock");
+        let now = s.pos(now);
+        match s.interval {
+            Some(0) => {}
+            Some(i) if units > 0.0 => s.tat = s.tat.max(now).saturating_add(times(i, units)),
+            Some(i) => s.tat = s.tat.saturating_sub(times(i, -units)).max(now),
+            None => s.frozen = (s.frozen + units).max(0.0),
+        }
+    }
+
+    /// Changes capacity and burst live. The units available at once are
+    /// carried over, capped at the new burst: a change never hands out
+    /// tokens (a burst that grows with a lease fills at the leased rate, so
+    /// a fleet's buckets together never hold more than one fleet burst), and
+    /// a smaller burst clips a full bucket. Requests already holding a slot
+    /// keep it; a queue (a negative number available) is carried as it is.
+    /// Through capacity 0 the bucket stays as it was (see [`State::frozen`]).
     pub fn set(&self, now: Time, capacity: f64, burst: f64) {
         let mut s = self.state.lock().expect("rate lock");
         if s.capacity == capacity && s.burst == burst {
@@ -248,6 +280,10 @@ impl Rate {
             Some(i) => s.tat.saturating_sub(now) as f64 / i as f64,
             None => s.frozen,
         };
+        let burst = burst.max(1.0);
+        // Units available at once, carried over and capped at the new burst.
+        let available = (s.burst - backlog_units).min(burst);
+        let backlog_units = burst - available;
         s.frozen = backlog_units;
         let old_interval = s.interval;
         s.interval = interval_of(capacity);
@@ -262,7 +298,7 @@ impl Rate {
             }
         }
         s.capacity = capacity;
-        s.burst = burst.max(1.0);
+        s.burst = burst;
         s.burst_span = s.interval.map_or(0, |i| times(i, s.burst));
         s.tat = now.saturating_add(s.interval.map_or(0, |i| times(i, backlog_units)));
         drop(s);

@@ -41,13 +41,30 @@ pub struct ResourceSpec {
     pub kind: Kind,
     /// Units per second (rate) or in flight (gauge).
     pub capacity: f64,
-    /// Rate only: units that may pass at once from idle.
+    /// Rate only: units that may pass at once from idle, for the whole
+    /// fleet: a key's own bucket holds the share of it that its capacity is
+    /// of `capacity` ([`Limiter::set_capacity`]).
     pub burst: f64,
     pub max_wait: Duration,
     pub max_queue: usize,
     pub max_keys: usize,
     /// The window the capacity was written over (`/min` → 60 s), for `RateLimit-Policy`.
     pub window: Duration,
+    /// Other sidecars share the capacity (a `doorman:` section): a new key
+    /// starts with one request's worth of its burst, not all of it, since
+    /// the fleet's burst may be spent already; its first lease fills it if
+    /// that lease is the whole capacity ([`Limiter::fill`]).
+    pub shared: bool,
+}
+
+impl ResourceSpec {
+    /// The burst of a key whose capacity is `capacity`: the fleet's burst
+    /// times the share of the configured capacity it holds (all of it at or
+    /// above the configured capacity), at least one unit.
+    pub fn burst_at(&self, capacity: f64) -> f64 {
+        let share = if self.capacity > 0.0 && capacity.is_finite() { (capacity / self.capacity).min(1.0) } else { 1.0 };
+        (self.burst * share.max(0.0)).max(1.0)
+    }
 }
 
 /// The limiter of one resource key (one Doorman resource id).
@@ -80,7 +97,10 @@ impl Limiter {
     fn new(id: String, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock, activity: Arc<Activity>) -> Self {
         let s = spec.load();
         let (rate, gauge) = match s.kind {
-            Kind::Rate => (Some(Rate::new(s.capacity, s.burst, clock.now())), None),
+            Kind::Rate => {
+                let available = if s.shared { 1.0 } else { f64::INFINITY };
+                (Some(Rate::starting(s.capacity, s.burst, available, clock.now())), None)
+            }
             Kind::Gauge => (None, Some(Gauge::new(gauge_units(s.capacity)))),
         };
         Limiter {
@@ -166,10 +186,31 @@ impl Limiter {
     pub fn set_capacity(&self, capacity: f64) {
         let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
         if let Some(r) = &self.rate {
-            r.set(self.clock.now(), capacity, self.spec.load().burst);
+            r.set(self.clock.now(), capacity, self.spec.load().burst_at(capacity));
         }
         if let Some(g) = &self.gauge {
             g.set_capacity(gauge_units(capacity));
+        }
+    }
+
+    /// Fills a shared key's bucket at its first lease, if that lease is
+    /// the whole configured capacity: nobody else holds any of it, so
+    /// nobody else can hold any of the fleet's burst either.
+    pub fn fill(&self) {
+        let spec = self.spec.load();
+        if let Some(r) = &self.rate
+            && spec.shared
+            && r.capacity() >= spec.capacity * (1.0 - 1e-9)
+        {
+            r.charge(self.clock.now(), -r.burst());
+        }
+    }
+
+    /// Charges `units` more to a rate key (a settled cost above the one
+    /// charged at admission), or gives them back when negative.
+    pub fn charge(&self, units: f64) {
+        if let Some(r) = &self.rate {
+            r.charge(self.clock.now(), units);
         }
     }
 
@@ -515,6 +556,16 @@ impl LeaseTable {
         }
     }
 
+    /// Fills the bucket of every key whose id is `id` at its first lease
+    /// (see [`Limiter::fill`]).
+    pub fn fill(&self, id: &str) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.fill();
+            }
+        }
+    }
+
     /// Sets the capacity of every key whose id is `id`; false if there is none.
     pub fn set_capacity(&self, id: &str, capacity: f64) -> bool {
         let mut found = false;
@@ -543,6 +594,7 @@ mod tests {
             max_queue: 10,
             max_keys: 3,
             window: Duration::from_secs(1),
+            shared: false,
         }
     }
 

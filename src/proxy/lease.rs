@@ -381,6 +381,11 @@ impl Enforcer for TableEnforcer {
         if self.table.contains(&t.resource_id) {
             self.transitions.count(&t.resource_id, t.from, t.to);
         }
+        // A shared key's first lease from the servers (a cached one moves no
+        // key out of pending) fills its bucket if it is the whole capacity.
+        if (t.from, t.to) == (Mode::Pending, Mode::Leased) {
+            self.table.fill(&t.resource_id);
+        }
     }
 
     fn rebuilt(&self) -> bool {

@@ -95,6 +95,7 @@ pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
             max_queue: r.max_queue,
             max_keys: r.max_keys,
             window: r.capacity.window,
+            shared: cfg.doorman.is_some(),
         })
         .collect()
 }

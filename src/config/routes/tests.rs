@@ -305,3 +305,26 @@ fn an_id_longer_than_servers_accept_is_refused() {
         ]
     );
 }
+
+#[test]
+fn a_rate_bursts_one_seconds_worth_by_default() {
+    let yaml = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+                resources:\n  fast: { kind: rate, capacity: 100/s }\n  slow: { kind: rate, capacity: 5000/h }\n  \
+                day: { kind: rate, capacity: 300/day }\n\
+                routes:\n  - { name: all, upstream: up, resources: [fast, slow, day] }\n";
+    let c = RoutesConfig::parse("r.yaml", yaml).unwrap();
+    assert_eq!(c.resources["fast"].burst, 100.0, "two requests in a row within 100/s both pass");
+    assert!((c.resources["slow"].burst - 5000.0 / 3600.0).abs() < 1e-9, "one second's worth, at least one request");
+    assert_eq!(c.resources["day"].burst, 300.0);
+}
+
+#[test]
+fn a_cost_that_can_never_pass_is_refused_where_it_is_written() {
+    let yaml = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+                resources:\n  tokens: { kind: rate, capacity: 100/s, burst: 50 }\n  slots: { kind: gauge, capacity: 2 }\n\
+                routes:\n  - name: all\n    upstream: up\n    resources:\n      - { resource: tokens, cost: 150 }\n      - { resource: slots, cost: 3 }\n";
+    let e = RoutesConfig::parse("r.yaml", yaml).unwrap_err().to_string();
+    assert!(e.contains("r.yaml:10:"), "{e}");
+    assert!(e.contains("cost 150 is larger than resource `tokens`'s burst of 50"), "{e}");
+    assert!(e.contains("r.yaml:11:") && e.contains("cost 3 is more than gauge `slots`'s capacity of 2"), "{e}");
+}

@@ -259,3 +259,80 @@ fn one_million_per_second_at_todays_epoch_admits_what_is_configured() {
 fn try_reserve(r: &Rate, now: Time) -> bool {
     matches!(r.reserve(now, 1.0, Duration::ZERO), Reservation::Slot { .. })
 }
+
+/// Units that pass at once at `t`, counted by reserving them (the rate is used up).
+fn drain(r: &Rate, t: Time) -> usize {
+    let mut n = 0;
+    while matches!(r.reserve(t, 1.0, Duration::ZERO), Reservation::Slot { .. }) {
+        n += 1;
+        assert!(n < 10_000);
+    }
+    n
+}
+
+#[test]
+fn a_burst_that_grows_hands_out_no_tokens_and_one_that_shrinks_clips_the_bucket() {
+    // A lease of a third of the fleet's capacity, its bucket full at a third of the burst.
+    let r = Rate::new(1.0, 10.0, at(0));
+    // The lease grows to the whole capacity: the bucket holds what it held.
+    r.set(at(0), 3.0, 30.0);
+    assert_eq!(drain(&r, at(0)), 10, "no fresh tokens from a growing burst");
+    // It fills at the new rate, up to the new burst.
+    assert_eq!(drain(&r, at(2_000)), 6);
+    assert_eq!(drain(&r, at(60_000)), 30);
+    // Shrinking clips a full bucket to the new burst.
+    let r = Rate::new(3.0, 30.0, at(0));
+    r.set(at(0), 1.0, 10.0);
+    assert_eq!(drain(&r, at(0)), 10);
+    // A queue is carried as it is: waiters keep their place.
+    let r = Rate::new(10.0, 1.0, at(0));
+    for _ in 0..3 {
+        assert!(matches!(r.reserve(at(0), 1.0, Duration::from_secs(1)), Reservation::Slot { .. }));
+    }
+    r.set(at(0), 10.0, 5.0);
+    assert_eq!(
+        r.reserve(at(0), 1.0, Duration::from_secs(1)),
+        Reservation::Slot { wait: Duration::from_millis(300), cost: 1.0 },
+        "after the three queued, not before them"
+    );
+}
+
+#[test]
+fn a_rate_that_starts_with_one_unit_fills_at_its_rate() {
+    let r = Rate::starting(2.0, 10.0, 1.0, at(0));
+    assert_eq!(drain(&r, at(0)), 1, "one request at once");
+    assert_eq!(drain(&r, at(1_000)), 2);
+    // Started with its whole burst, it is Rate::new.
+    assert_eq!(drain(&Rate::starting(2.0, 10.0, f64::INFINITY, at(0)), at(0)), 10);
+    // At capacity 0 it stays as it started, and comes back with no more.
+    let r = Rate::starting(0.0, 10.0, 1.0, at(0));
+    r.set(at(5_000), 2.0, 10.0);
+    assert_eq!(drain(&r, at(5_000)), 1);
+}
+
+#[test]
+fn a_charge_is_a_debt_later_requests_wait_for_and_a_refund_never_overfills() {
+    let r = Rate::new(10.0, 5.0, at(0));
+    r.charge(at(0), 3.0);
+    assert_eq!(drain(&r, at(0)), 2, "three of five charged");
+    r.charge(at(0), 2.0);
+    assert_eq!(
+        r.reserve(at(0), 1.0, Duration::from_secs(1)),
+        Reservation::Slot { wait: Duration::from_millis(300), cost: 1.0 },
+        "a debt beyond the burst is waited for"
+    );
+    let r = Rate::new(10.0, 5.0, at(0));
+    r.charge(at(0), -100.0);
+    assert_eq!(drain(&r, at(0)), 5, "a refund fills the bucket at most");
+    r.charge(at(0), -2.0);
+    assert_eq!(drain(&r, at(0)), 2);
+}
+
+#[test]
+fn a_request_costing_more_than_the_burst_passes_alone_from_an_idle_bucket() {
+    let r = Rate::new(10.0, 5.0, at(0));
+    assert!(matches!(r.reserve(at(0), 8.0, Duration::ZERO), Reservation::Slot { .. }));
+    // The next one waits for its cost to be paid back.
+    assert_eq!(r.reserve(at(0), 1.0, Duration::ZERO), Reservation::TooLate { wait: Some(Duration::from_millis(400)) });
+    assert!(matches!(r.reserve(at(800), 8.0, Duration::ZERO), Reservation::Slot { .. }));
+}

@@ -1,0 +1,133 @@
+//! One budget for a fleet: bursts are part of it. Three sidecars lease one
+//! resource from a real `usher server`; each routes file gives the fleet's
+//! capacity and burst. When the three apps fire at once, what reaches the
+//! upstream in the next two seconds is at most `capacity × 2 s + burst`, plus
+//! one request per sidecar: on a fresh start, after an idle spell, and for a
+//! daily quota whose default burst is the whole quota. (Each sidecar's bucket
+//! used to be sized by its own routes file: 90 requests passed where one
+//! budget allows 32, and 600 of a 300/day quota.)
+
+mod support;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use support::upstream::{Upstream, get, h1, routes};
+use support::{Usher, free_port, write_file};
+
+/// Sends `n` requests to the sidecar at `addr` as fast as 8 connections
+/// allow, and returns how many were admitted (200).
+async fn fire(addr: std::net::SocketAddr, n: usize) -> u64 {
+    let ok = Arc::new(AtomicU64::new(0));
+    let conns: Vec<_> = (0..8)
+        .map(|c| {
+            let ok = ok.clone();
+            tokio::spawn(async move {
+                let mut client = h1(addr).await;
+                for _ in (c..n).step_by(8) {
+                    client.ready().await.unwrap();
+                    let r = client.send_request(get("app.local", "/x")).await.unwrap();
+                    if r.status() == 200 {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for c in conns {
+        c.await.unwrap();
+    }
+    ok.load(Ordering::Relaxed)
+}
+
+/// A capacity server sharing one resource of `capacity` per second, with no
+/// learning mode (a server that has been running for a while).
+fn server(dir: &Path, capacity: f64) -> (Usher, u16) {
+    let port = free_port();
+    let config = format!(
+        "resources:\n  - identifier_glob: '*'\n    capacity: {capacity}\n    algorithm: {{ kind: FAIR_SHARE, lease_length: 30, refresh_interval: 2, learning_mode_duration: 0 }}\n"
+    );
+    (Usher::server_at(&write_file(dir, "resources.yaml", &config), port, &[]), port)
+}
+
+/// Three sidecars of one upstream, each with the resource `res` (indented YAML).
+fn sidecars(dir: &Path, port: u16, up: &Upstream, res: &str) -> Vec<Usher> {
+    let files: Vec<_> = (0..3)
+        .map(|i| {
+            let doorman = format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: fleet-{i}\n");
+            write_file(dir, &format!("s{i}.yaml"), &routes(up, &doorman, res))
+        })
+        .collect();
+    let starting: Vec<_> = files.into_iter().map(|f| std::thread::spawn(move || Usher::proxy(&f))).collect();
+    starting.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+/// The three apps fire `n` requests each at once; returns what reached the
+/// upstream in the two seconds from then, and what each sidecar admitted.
+async fn all_fire(sidecars: &[Usher], up: &Upstream, n: usize) -> (usize, Vec<u64>) {
+    let start = Instant::now();
+    let fired: Vec<_> = sidecars.iter().map(|s| tokio::spawn(fire(s.addr("listen"), n))).collect();
+    let mut admitted = Vec::new();
+    for f in fired {
+        admitted.push(f.await.unwrap());
+    }
+    let until = start + Duration::from_secs(2);
+    tokio::time::sleep(until.saturating_duration_since(Instant::now())).await;
+    (up.stats.arrivals_between(start, until).len(), admitted)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleets_bursts_add_up_to_one_burst_fresh_and_after_idle() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, port) = server(dir.path(), 1.0);
+    let up = Upstream::start().await;
+    // A fixed `wants`: the leases stay while the apps are idle.
+    let res = "    kind: rate\n    capacity: 60/min\n    burst: 30\n    wants: 1\n";
+    let fleet = sidecars(dir.path(), port, &up, res);
+    let (fresh, admitted) = all_fire(&fleet, &up, 40).await;
+    assert!(fresh <= 30 + 2 + 3, "fresh: {fresh} reached the upstream in 2 s (admitted {admitted:?})");
+    assert!(fresh >= 3, "fresh: each sidecar passes at least one request: {fresh} ({admitted:?})");
+
+    // Idle: each bucket refills at its third of the lease (about 2.7 in 8 s).
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let (idle, admitted) = all_fire(&fleet, &up, 40).await;
+    assert!(idle <= 30 + 2 + 3, "after idle: {idle} reached the upstream in 2 s (admitted {admitted:?})");
+    assert!(admitted.iter().all(|a| *a >= 2), "each sidecar refilled at its share of the lease: {admitted:?}");
+}
+
+/// Each sidecar's bucket holds its share of the fleet's burst: after an
+/// idle spell long enough to fill them, the fleet spends one burst, split.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_sidecar_holds_its_share_of_the_burst() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, port) = server(dir.path(), 12.0);
+    let up = Upstream::start().await;
+    let res = "    kind: rate
+    capacity: 12/s
+    burst: 30
+    wants: 4
+";
+    let fleet = sidecars(dir.path(), port, &up, res);
+    // 4/s each: a bucket of 10 fills in 2.5 s.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (burst, admitted) = all_fire(&fleet, &up, 40).await;
+    assert!(burst <= 30 + 24 + 3, "{burst} reached the upstream in 2 s (admitted {admitted:?})");
+    let total: u64 = admitted.iter().sum();
+    assert!(total >= 27, "the fleet's burst is there to spend: {admitted:?}");
+    assert!(admitted.iter().all(|a| (8..=14).contains(a)), "each holds about a third of it: {admitted:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daily_quotas_default_burst_is_the_fleets_not_each_sidecars() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, port) = server(dir.path(), 300.0 / 86400.0);
+    let up = Upstream::start().await;
+    // The default burst of a daily quota is the whole quota, for the whole fleet.
+    let res = "    kind: rate\n    capacity: 300/day\n";
+    let fleet = sidecars(dir.path(), port, &up, res);
+    let (fresh, admitted) = all_fire(&fleet, &up, 400).await;
+    assert!(fresh <= 303, "{fresh} of a 300/day quota reached the upstream at once (admitted {admitted:?})");
+    assert!(fresh >= 3, "each sidecar passes at least one request: {fresh} ({admitted:?})");
+}
