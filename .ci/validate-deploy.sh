@@ -28,8 +28,8 @@
 #   7. if a built usher binary is there (target/{debug,release}/usher or
 #      $USHER_BIN): every usher flag used exists in its --help; every resources
 #      file shipped (example, ConfigMaps, chart renderings) loads in a real
-#      `usher server` on loopback ephemeral ports; and, once `usher check`
-#      exists, it accepts the example and embedded routes files;
+#      `usher server` on loopback ephemeral ports; and `usher check` accepts
+#      the example and embedded routes files;
 #   8. with that binary, root and etcd: every pod of deploy/ and of each chart
 #      rendering run as local processes (.ci/run-manifests.py): probes, leases
 #      and one admitted request through each sidecar.
@@ -626,13 +626,19 @@ expect_refused() {
     fi
     echo "  refused ($why): $(grep -m1 -E 'Error|error|at ' "$WORK/err" | cut -c1-110)"
 }
-expect_refused "3 root replicas without election" --set election.enabled=false
-expect_refused "election without etcd" --set etcd.deploy=false
-expect_refused "etcd TLS for the chart's own etcd" --set etcd.tls.secretName=etcd-tls
-expect_refused "etcd user without a password Secret" --set 'etcd.endpoints={https://etcd:2379}' --set etcd.tls.secretName=t --set etcd.auth.user=usher
+expect_refused "3 root replicas without ha" --set root.replicas=3
+expect_refused "2 replicas per intermediate node without ha" --set 'intermediate.nodes[0].name=a' --set intermediate.replicas=2
+expect_refused "ha without etcd" --set ha.enabled=true --set etcd.deploy=false
+expect_refused "etcd TLS for the chart's own etcd" --set ha.enabled=true --set etcd.tls.secretName=etcd-tls
+expect_refused "etcd user without a password Secret" --set ha.enabled=true --set 'etcd.endpoints={https://etcd:2379}' --set etcd.tls.secretName=t --set etcd.auth.user=usher
 expect_refused "even etcd cluster size (schema)" --set etcd.replicas=2
-expect_refused "unknown algorithm (schema)" --set 'config.resources.resources[0].algorithm.kind=FAIRSHARE'
-expect_refused "zone name not a DNS label (schema)" --set 'intermediate.zones[0]=Zone_A'
+expect_refused "unknown algorithm (schema)" --set 'config.resources[0].algorithm.kind=FAIRSHARE'
+expect_refused "resources not a list (schema)" --set 'config.resources.github-core.capacity=5'
+expect_refused "node name not a DNS label (schema)" --set 'intermediate.nodes[0].name=Zone_A'
+expect_refused "node name taken by the root (schema)" --set 'intermediate.nodes[0].name=root'
+expect_refused "two nodes of one name" --set 'intermediate.nodes[0].name=a' --set 'intermediate.nodes[1].name=a'
+expect_refused "unknown zone affinity (schema)" --set 'intermediate.nodes[0].name=a' --set intermediate.zoneAffinity=strict
+expect_refused "unknown key (schema)" --set intermediate.zones=a
 
 # ---- 6. usher.sidecar from an app chart -------------------------------------------
 step "6. usher.sidecar used from an app chart that depends on charts/usher"
@@ -776,7 +782,7 @@ else
     }
     start_server deploy/examples/resources.yaml
     while IFS= read -r f; do start_server "$f"; done < <(find "$WORK/embedded" -name '*.resources.yaml' | sort)
-    # 7c. usher check, once it exists (issue 9 item 2), on the example and embedded routes files too.
+    # 7c. usher check on the example and embedded routes files too.
     if "$bin" check --help >/dev/null 2>&1; then
         mapfile -t routes_files < <(find "$WORK/embedded" -name '*.routes.yaml' | sort)
         # doorman.tls files come from a Secret mounted at /etc/usher-tls in the pod: stand in
@@ -793,10 +799,10 @@ else
             sed -i "s#/etc/usher-tls/#$tlsdir/#g" "${routes_files[@]}"
         fi
         POD_NAME=example-pod "$bin" check deploy/examples/resources.yaml deploy/examples/routes.yaml "${routes_files[@]}" \
-            || fail "usher check rejects these files: they follow issues 3, 4 (routes) and the README (resources); the parser or the files must change"
+            || fail "usher check rejects these files: they follow the README's routes and resources formats; the parser or the files must change"
         echo "  usher check: deploy/examples and the ${#routes_files[@]} embedded routes file(s) are valid"
     else
-        echo "  skipped: this usher has no \`check\` subcommand yet (issue 9 item 2)"
+        echo "  skipped: this usher has no \`check\` subcommand"
     fi
 fi
 
