@@ -19,9 +19,11 @@
 #   3. every manifest in deploy/ against the Kubernetes 1.33 schemas (strict:
 #      unknown fields fail), then cross-references between them (selectors,
 #      ports, volumes, ConfigMaps, usher flags, routes/resources files, grace
-#      periods, NetworkPolicy peers);
+#      periods, NetworkPolicy peers); that its pods schedule on a cluster
+#      without zone labels and the sidecars' Service selects its servers;
 #   4. `helm lint --strict` and `helm template` of charts/usher with each values
-#      file in charts/usher/ci/, each rendering validated like deploy/;
+#      file in charts/usher/ci/, each rendering validated like deploy/; and the
+#      defaults alone, checked like deploy/ for scheduling and that Service;
 #   5. that bad values are refused (values.schema.json, fail guards);
 #   6. an app chart that depends on charts/usher and uses the usher.sidecar
 #      template, rendered and validated (native sidecar and plain container);
@@ -440,6 +442,60 @@ if errors:
 print(f"  xref: {len(docs)} objects ({', '.join(kinds)}), {len(workloads)} workloads: consistent")
 EOF
 
+# ---- default placement: what a plain `kubectl apply` or `helm install` creates -------
+cat > "$WORK/schedules.py" <<'EOF'
+"""The pods of these manifests schedule on a cluster whose nodes carry no zone
+or region labels (no required node affinity, no nodeSelector or hard spread on
+those labels), and the Service that sidecars lease from selects server pods
+that the manifests create.
+
+    schedules.py --service=[NAMESPACE/]NAME FILE..."""
+import sys
+import yaml
+
+TOPOLOGY = {"topology.kubernetes.io/zone", "topology.kubernetes.io/region",
+            "failure-domain.beta.kubernetes.io/zone", "failure-domain.beta.kubernetes.io/region"}
+args = sys.argv[1:]
+assert args and args[0].startswith("--service="), __doc__
+svc_ns, _, svc_name = args.pop(0).partition("=")[2].rpartition("/")
+docs = [d for f in args for d in yaml.safe_load_all(open(f)) if d]
+errors, servers, pods = [], [], 0
+for d in docs:
+    if d["kind"] not in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"):
+        continue
+    name = f"{d['kind']}/{d['metadata']['name']}"
+    t = d["spec"]["template"]
+    pod = t["spec"]
+    pods += 1
+    node_affinity = (pod.get("affinity") or {}).get("nodeAffinity") or {}
+    if "requiredDuringSchedulingIgnoredDuringExecution" in node_affinity:
+        errors.append(f"{name}: requiredDuringSchedulingIgnoredDuringExecution node affinity")
+    for key in pod.get("nodeSelector") or {}:
+        if key in TOPOLOGY or "zone" in key or "region" in key:
+            errors.append(f"{name}: nodeSelector on {key}")
+    for c in pod.get("topologySpreadConstraints") or []:
+        if c.get("whenUnsatisfiable") == "DoNotSchedule" and c["topologyKey"] in TOPOLOGY:
+            errors.append(f"{name}: DoNotSchedule spread over {c['topologyKey']} (nodes without it are filtered out)")
+    if any((c.get("args") or [""])[0] == "server" for c in pod.get("containers") or []) and d["spec"].get("replicas", 1) >= 1:
+        servers.append((d, t["metadata"].get("labels") or {}))
+svcs = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == svc_name
+        and d["metadata"].get("namespace", "") in (svc_ns, "")]
+if len(svcs) != 1:
+    errors.append(f"no single Service {svc_name} for the sidecars")
+else:
+    sel = svcs[0]["spec"].get("selector") or {}
+    chosen = [d for d, labels in servers if sel and all(labels.get(k) == v for k, v in sel.items())]
+    if not chosen:
+        errors.append(f"Service {svc_name} selects {sel}, which no usher server pod of these manifests carries")
+    else:
+        print(f"  Service {svc_name} (the sidecars') selects usher servers: "
+              + ", ".join(f"{d['kind']}/{d['metadata']['name']} ({d['spec'].get('replicas', 1)} replica(s))" for d in chosen))
+if errors:
+    sys.exit("\n".join("  " + e for e in errors))
+print(f"  {pods} workload(s) schedule without zone labels: no required node affinity, "
+      "no nodeSelector on a zone or region, no hard spread over one")
+EOF
+
 # kubernetes-validate prints a WARN and exits 0 for a kind it has no schema for
 # (a CRD, a typo in apiVersion): treat that as a failure too.
 k8s_validate() {
@@ -587,6 +643,7 @@ if cm["data"]["resources.yaml"] != open("deploy/examples/resources.yaml").read()
     sys.exit("deploy/server-tree/20-resources-configmap.yaml differs from deploy/examples/resources.yaml")
 print("  deploy/server-tree resources ConfigMap == deploy/examples/resources.yaml")
 EOF
+"$PY" "$WORK/schedules.py" --service=usher/usher "${manifests[@]}"
 
 # ---- 4. the chart ----------------------------------------------------------------
 step "4. charts/usher: helm lint --strict, helm template per values file, validation"
@@ -616,6 +673,10 @@ for values in charts/usher/ci/*-values.yaml; do
     [ -n "$cm" ] && external+=("--external-configmap=$cm")
     "$PY" "$WORK/xref.py" "${external[@]}" "$out"
 done
+
+echo "-- the defaults (values.yaml alone): what a plain helm install creates"
+"$HELM" template usher charts/usher --namespace usher --kube-version "$K8S_VERSION" > "$WORK/defaults.yaml"
+"$PY" "$WORK/schedules.py" --service=usher "$WORK/defaults.yaml"
 
 # ---- 5. bad values are refused -----------------------------------------------------
 step "5. charts/usher: bad values are refused"
