@@ -213,7 +213,18 @@ def sandbox(pod, i):
     """The pod's network namespace: a sleeping process in it, a veth to the bridge."""
     p = subprocess.Popen(["unshare", "--net", "sleep", "infinity"], start_new_session=True)
     PROCS.append(p)
-    time.sleep(0.05)
+    # Wait until unshare has made the namespace: on a busy machine a fixed pause
+    # was sometimes too short, and the veth went to the outer namespace.
+    ours, deadline = os.readlink("/proc/self/ns/net"), time.monotonic() + 10
+    while True:
+        try:
+            if os.readlink(f"/proc/{p.pid}/ns/net") != ours:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            fail(f"{pod.name}: no network namespace after 10 s")
+        time.sleep(0.01)
     pod.pid, pod.ip = p.pid, f"10.244.{1 + i // 250}.{1 + i % 250}"
     veth = f"vp{i}"
     sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", str(pod.pid))

@@ -19,17 +19,19 @@
 #   3. every manifest in deploy/ against the Kubernetes 1.33 schemas (strict:
 #      unknown fields fail), then cross-references between them (selectors,
 #      ports, volumes, ConfigMaps, usher flags, routes/resources files, grace
-#      periods, NetworkPolicy peers);
+#      periods, NetworkPolicy peers); that its pods schedule on a cluster
+#      without zone labels and the sidecars' Service selects its servers;
 #   4. `helm lint --strict` and `helm template` of charts/usher with each values
-#      file in charts/usher/ci/, each rendering validated like deploy/;
+#      file in charts/usher/ci/, each rendering validated like deploy/; and the
+#      defaults alone, checked like deploy/ for scheduling and that Service;
 #   5. that bad values are refused (values.schema.json, fail guards);
 #   6. an app chart that depends on charts/usher and uses the usher.sidecar
 #      template, rendered and validated (native sidecar and plain container);
 #   7. if a built usher binary is there (target/{debug,release}/usher or
 #      $USHER_BIN): every usher flag used exists in its --help; every resources
 #      file shipped (example, ConfigMaps, chart renderings) loads in a real
-#      `usher server` on loopback ephemeral ports; and, once `usher check`
-#      exists, it accepts the example and embedded routes files;
+#      `usher server` on loopback ephemeral ports; and `usher check` accepts
+#      the example and embedded routes files;
 #   8. with that binary, root and etcd: every pod of deploy/ and of each chart
 #      rendering run as local processes (.ci/run-manifests.py): probes, leases
 #      and one admitted request through each sidecar.
@@ -440,6 +442,60 @@ if errors:
 print(f"  xref: {len(docs)} objects ({', '.join(kinds)}), {len(workloads)} workloads: consistent")
 EOF
 
+# ---- default placement: what a plain `kubectl apply` or `helm install` creates -------
+cat > "$WORK/schedules.py" <<'EOF'
+"""The pods of these manifests schedule on a cluster whose nodes carry no zone
+or region labels (no required node affinity, no nodeSelector or hard spread on
+those labels), and the Service that sidecars lease from selects server pods
+that the manifests create.
+
+    schedules.py --service=[NAMESPACE/]NAME FILE..."""
+import sys
+import yaml
+
+TOPOLOGY = {"topology.kubernetes.io/zone", "topology.kubernetes.io/region",
+            "failure-domain.beta.kubernetes.io/zone", "failure-domain.beta.kubernetes.io/region"}
+args = sys.argv[1:]
+assert args and args[0].startswith("--service="), __doc__
+svc_ns, _, svc_name = args.pop(0).partition("=")[2].rpartition("/")
+docs = [d for f in args for d in yaml.safe_load_all(open(f)) if d]
+errors, servers, pods = [], [], 0
+for d in docs:
+    if d["kind"] not in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"):
+        continue
+    name = f"{d['kind']}/{d['metadata']['name']}"
+    t = d["spec"]["template"]
+    pod = t["spec"]
+    pods += 1
+    node_affinity = (pod.get("affinity") or {}).get("nodeAffinity") or {}
+    if "requiredDuringSchedulingIgnoredDuringExecution" in node_affinity:
+        errors.append(f"{name}: requiredDuringSchedulingIgnoredDuringExecution node affinity")
+    for key in pod.get("nodeSelector") or {}:
+        if key in TOPOLOGY or "zone" in key or "region" in key:
+            errors.append(f"{name}: nodeSelector on {key}")
+    for c in pod.get("topologySpreadConstraints") or []:
+        if c.get("whenUnsatisfiable") == "DoNotSchedule" and c["topologyKey"] in TOPOLOGY:
+            errors.append(f"{name}: DoNotSchedule spread over {c['topologyKey']} (nodes without it are filtered out)")
+    if any((c.get("args") or [""])[0] == "server" for c in pod.get("containers") or []) and d["spec"].get("replicas", 1) >= 1:
+        servers.append((d, t["metadata"].get("labels") or {}))
+svcs = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == svc_name
+        and d["metadata"].get("namespace", "") in (svc_ns, "")]
+if len(svcs) != 1:
+    errors.append(f"no single Service {svc_name} for the sidecars")
+else:
+    sel = svcs[0]["spec"].get("selector") or {}
+    chosen = [d for d, labels in servers if sel and all(labels.get(k) == v for k, v in sel.items())]
+    if not chosen:
+        errors.append(f"Service {svc_name} selects {sel}, which no usher server pod of these manifests carries")
+    else:
+        print(f"  Service {svc_name} (the sidecars') selects usher servers: "
+              + ", ".join(f"{d['kind']}/{d['metadata']['name']} ({d['spec'].get('replicas', 1)} replica(s))" for d in chosen))
+if errors:
+    sys.exit("\n".join("  " + e for e in errors))
+print(f"  {pods} workload(s) schedule without zone labels: no required node affinity, "
+      "no nodeSelector on a zone or region, no hard spread over one")
+EOF
+
 # kubernetes-validate prints a WARN and exits 0 for a kind it has no schema for
 # (a CRD, a typo in apiVersion): treat that as a failure too.
 k8s_validate() {
@@ -587,6 +643,7 @@ if cm["data"]["resources.yaml"] != open("deploy/examples/resources.yaml").read()
     sys.exit("deploy/server-tree/20-resources-configmap.yaml differs from deploy/examples/resources.yaml")
 print("  deploy/server-tree resources ConfigMap == deploy/examples/resources.yaml")
 EOF
+"$PY" "$WORK/schedules.py" --service=usher/usher "${manifests[@]}"
 
 # ---- 4. the chart ----------------------------------------------------------------
 step "4. charts/usher: helm lint --strict, helm template per values file, validation"
@@ -617,6 +674,10 @@ for values in charts/usher/ci/*-values.yaml; do
     "$PY" "$WORK/xref.py" "${external[@]}" "$out"
 done
 
+echo "-- the defaults (values.yaml alone): what a plain helm install creates"
+"$HELM" template usher charts/usher --namespace usher --kube-version "$K8S_VERSION" > "$WORK/defaults.yaml"
+"$PY" "$WORK/schedules.py" --service=usher "$WORK/defaults.yaml"
+
 # ---- 5. bad values are refused -----------------------------------------------------
 step "5. charts/usher: bad values are refused"
 expect_refused() {
@@ -626,13 +687,19 @@ expect_refused() {
     fi
     echo "  refused ($why): $(grep -m1 -E 'Error|error|at ' "$WORK/err" | cut -c1-110)"
 }
-expect_refused "3 root replicas without election" --set election.enabled=false
-expect_refused "election without etcd" --set etcd.deploy=false
-expect_refused "etcd TLS for the chart's own etcd" --set etcd.tls.secretName=etcd-tls
-expect_refused "etcd user without a password Secret" --set 'etcd.endpoints={https://etcd:2379}' --set etcd.tls.secretName=t --set etcd.auth.user=usher
+expect_refused "3 root replicas without ha" --set root.replicas=3
+expect_refused "2 replicas per intermediate node without ha" --set 'intermediate.nodes[0].name=a' --set intermediate.replicas=2
+expect_refused "ha without etcd" --set ha.enabled=true --set etcd.deploy=false
+expect_refused "etcd TLS for the chart's own etcd" --set ha.enabled=true --set etcd.tls.secretName=etcd-tls
+expect_refused "etcd user without a password Secret" --set ha.enabled=true --set 'etcd.endpoints={https://etcd:2379}' --set etcd.tls.secretName=t --set etcd.auth.user=usher
 expect_refused "even etcd cluster size (schema)" --set etcd.replicas=2
-expect_refused "unknown algorithm (schema)" --set 'config.resources.resources[0].algorithm.kind=FAIRSHARE'
-expect_refused "zone name not a DNS label (schema)" --set 'intermediate.zones[0]=Zone_A'
+expect_refused "unknown algorithm (schema)" --set 'config.resources[0].algorithm.kind=FAIRSHARE'
+expect_refused "resources not a list (schema)" --set 'config.resources.github-core.capacity=5'
+expect_refused "node name not a DNS label (schema)" --set 'intermediate.nodes[0].name=Zone_A'
+expect_refused "node name taken by the root (schema)" --set 'intermediate.nodes[0].name=root'
+expect_refused "two nodes of one name" --set 'intermediate.nodes[0].name=a' --set 'intermediate.nodes[1].name=a'
+expect_refused "unknown zone affinity (schema)" --set 'intermediate.nodes[0].name=a' --set intermediate.zoneAffinity=strict
+expect_refused "unknown key (schema)" --set intermediate.zones=a
 
 # ---- 6. usher.sidecar from an app chart -------------------------------------------
 step "6. usher.sidecar used from an app chart that depends on charts/usher"
@@ -776,7 +843,7 @@ else
     }
     start_server deploy/examples/resources.yaml
     while IFS= read -r f; do start_server "$f"; done < <(find "$WORK/embedded" -name '*.resources.yaml' | sort)
-    # 7c. usher check, once it exists (issue 9 item 2), on the example and embedded routes files too.
+    # 7c. usher check on the example and embedded routes files too.
     if "$bin" check --help >/dev/null 2>&1; then
         mapfile -t routes_files < <(find "$WORK/embedded" -name '*.routes.yaml' | sort)
         # doorman.tls files come from a Secret mounted at /etc/usher-tls in the pod: stand in
@@ -793,10 +860,10 @@ else
             sed -i "s#/etc/usher-tls/#$tlsdir/#g" "${routes_files[@]}"
         fi
         POD_NAME=example-pod "$bin" check deploy/examples/resources.yaml deploy/examples/routes.yaml "${routes_files[@]}" \
-            || fail "usher check rejects these files: they follow issues 3, 4 (routes) and the README (resources); the parser or the files must change"
+            || fail "usher check rejects these files: they follow the README's routes and resources formats; the parser or the files must change"
         echo "  usher check: deploy/examples and the ${#routes_files[@]} embedded routes file(s) are valid"
     else
-        echo "  skipped: this usher has no \`check\` subcommand yet (issue 9 item 2)"
+        echo "  skipped: this usher has no \`check\` subcommand"
     fi
 fi
 

@@ -58,8 +58,23 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 {{- join "," $urls }}
 {{- else }}
-{{- fail "election.enabled needs etcd: set etcd.endpoints or etcd.deploy=true" }}
+{{- fail "ha.enabled needs etcd: set etcd.endpoints or etcd.deploy=true" }}
 {{- end }}
+{{- end }}
+
+{{/* Root replicas: root.replicas, or 1 (3 with ha.enabled). */}}
+{{- define "usher.rootReplicas" -}}
+{{- .Values.root.replicas | default (ternary 3 1 .Values.ha.enabled) | int }}
+{{- end }}
+
+{{/* Replicas per intermediate node: intermediate.replicas, or 1 (2 with ha.enabled). */}}
+{{- define "usher.intermediateReplicas" -}}
+{{- .Values.intermediate.replicas | default (ternary 2 1 .Values.ha.enabled) | int }}
+{{- end }}
+
+{{/* The component the sidecars' Service selects: the intermediates, or the root when there are none. */}}
+{{- define "usher.edge" -}}
+{{- ternary "intermediate" "root" (gt (len .Values.intermediate.nodes) 0) }}
 {{- end }}
 
 {{/* The root replicas' stable addresses, for the intermediates' --parent. */}}
@@ -67,7 +82,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $fullname := include "usher.fullname" . }}
 {{- $suffix := include "usher.svcSuffix" . }}
 {{- $addrs := list }}
-{{- range $i := until (int .Values.root.replicas) }}
+{{- range $i := until (int (include "usher.rootReplicas" .)) }}
 {{- $addrs = append $addrs (printf "%s-root-%d.%s-root-headless.%s:15100" $fullname $i $fullname $suffix) }}
 {{- end }}
 {{- join "," $addrs }}
@@ -112,7 +127,7 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
     {{- end }}
     {{- end }}
     {{- end }}
-    {{- if $ctx.Values.election.enabled }}
+    {{- if $ctx.Values.ha.enabled }}
     # master election on etcd, one key per node
     - --etcd-endpoints={{ include "usher.etcdEndpoints" $ctx }}
     - --election-key={{ $ctx.Values.election.keyPrefix }}/{{ .node }}
@@ -139,7 +154,7 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
       valueFrom: { fieldRef: { fieldPath: metadata.name } }
     - name: USHER_LOG
       value: {{ $ctx.Values.server.logLevel | quote }}
-    {{- if and $ctx.Values.election.enabled $ctx.Values.etcd.auth.user }}
+    {{- if and $ctx.Values.ha.enabled $ctx.Values.etcd.auth.user }}
     - name: USHER_ETCD_PASSWORD
       valueFrom:
         secretKeyRef:
@@ -160,7 +175,7 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
     {{- toYaml .resources | nindent 4 }}
   securityContext:
     {{- toYaml $ctx.Values.server.securityContext | nindent 4 }}
-  {{- $etcdTls := and $ctx.Values.election.enabled $ctx.Values.etcd.tls.secretName }}
+  {{- $etcdTls := and $ctx.Values.ha.enabled $ctx.Values.etcd.tls.secretName }}
   {{- if or .config $ctx.Values.tls.secretName $etcdTls }}
   volumeMounts:
     {{- if .config }}
@@ -183,7 +198,7 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
   secret:
     secretName: {{ .Values.tls.secretName }}
 {{- end }}
-{{- if and .Values.election.enabled .Values.etcd.tls.secretName }}
+{{- if and .Values.ha.enabled .Values.etcd.tls.secretName }}
 - name: etcd-tls
   secret:
     secretName: {{ .Values.etcd.tls.secretName }}
