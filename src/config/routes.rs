@@ -107,6 +107,8 @@ pub struct ResourceConfig {
     pub max_keys: usize,
     pub max_queue: usize,
     pub lease: super::doorman::LeaseSettings,
+    /// Shadow mode: every decision is made and counted, none enforced.
+    pub shadow: bool,
 }
 
 /// One piece of a templated id.
@@ -307,6 +309,7 @@ const RESOURCE_FIELDS: &[&str] = &[
     "max_wants",
     "headroom",
     "key_idle_timeout",
+    "shadow",
 ];
 const ROUTE_FIELDS: &[&str] = &["name", "match", "upstream", "resources", "pushback"];
 const MATCH_FIELDS: &[&str] = &["host", "path_prefix", "methods", "headers"];
@@ -630,6 +633,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
     let max_keys = count(ck, &m, "max_keys", DEFAULT_MAX_KEYS);
     let max_queue = count(ck, &m, "max_queue", DEFAULT_MAX_QUEUE);
     let lease = super::doorman::read_lease_settings(ck, &m);
+    let shadow = m.get("shadow").map_or(Some(false), |n| ck.bool(n, &m.child("shadow")));
     Some(ResourceConfig {
         name: name.to_string(),
         kind: kind?,
@@ -640,6 +644,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         max_keys: max_keys?,
         max_queue: max_queue?,
         lease: lease?,
+        shadow: shadow?,
     })
 }
 
@@ -750,7 +755,10 @@ fn read_route(
                 ck.error(
                     at.loc,
                     &p,
-                    format!("cost {cost} is larger than resource `{res}`'s burst of {} (the most that may pass at once)", rc.burst),
+                    format!(
+                        "cost {cost} is larger than resource `{res}`'s burst of {} (the most that may pass at once)",
+                        rc.burst
+                    ),
                     Some(format!("raise `{res}`'s burst to at least {cost}, or lower the cost")),
                 );
                 continue;
@@ -762,7 +770,10 @@ fn read_route(
                 ck.error(
                     at.loc,
                     &p,
-                    format!("cost {cost} is more than gauge `{res}`'s capacity of {} in flight", rc.capacity.per_window),
+                    format!(
+                        "cost {cost} is more than gauge `{res}`'s capacity of {} in flight",
+                        rc.capacity.per_window
+                    ),
                     Some("no request could ever pass: raise the capacity or lower the cost".into()),
                 );
                 continue;

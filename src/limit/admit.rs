@@ -26,7 +26,11 @@ use crate::clock::{Clock, Time};
 /// it is one reference count: the admission keeps it to leave its keys.
 #[derive(Debug, Clone, Default)]
 pub struct Plan {
+    /// The keys that admit or refuse the request.
     pub items: Arc<[(Arc<Limiter>, f64)]>,
+    /// Keys of resources in shadow mode: decided as if enforced, never
+    /// holding the request back ([`shadow`]).
+    pub shadow: Arc<[(Arc<Limiter>, f64)]>,
 }
 
 impl Plan {
@@ -35,12 +39,94 @@ impl Plan {
         if items.len() > 1 {
             items.sort_by(|a, b| a.0.id().cmp(b.0.id()));
         }
-        Plan { items: items.into() }
+        if items.iter().any(|(l, _)| l.is_shadow()) {
+            let (shadow, items): (Vec<_>, Vec<_>) = items.into_iter().partition(|(l, _)| l.is_shadow());
+            return Plan { items: items.into(), shadow: shadow.into() };
+        }
+        Plan { items: items.into(), shadow: Arc::default() }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.items.is_empty()
+        self.items.is_empty() && self.shadow.is_empty()
     }
+}
+
+/// What the shadow resources of a plan would have done to a request that
+/// goes through anyway: held until the response ends (its gauge permits and
+/// in-flight counts, as an enforced admission's).
+#[derive(Debug)]
+pub struct Shadow {
+    /// The shadow resource that would have refused the request.
+    pub refused: Option<String>,
+    /// How long it would have waited for its slots.
+    pub would_wait: Duration,
+    _permits: Vec<GaugePermit>,
+    keys: Arc<[(Arc<Limiter>, f64)]>,
+}
+
+impl Drop for Shadow {
+    fn drop(&mut self) {
+        for (l, _) in self.keys.iter() {
+            l.demand().leave();
+        }
+    }
+}
+
+/// Decides a plan's shadow keys as an enforced admission would (all or
+/// nothing; a slot that would be waited for is kept at its time, so the key's
+/// state evolves as an enforcing twin's), without waiting: None when the plan
+/// has none.
+pub fn shadow(plan: &Plan, clock: &Clock) -> Option<Shadow> {
+    if plan.shadow.is_empty() {
+        return None;
+    }
+    let now = clock.now();
+    let mut reserved: Vec<(&Arc<Limiter>, f64)> = Vec::new();
+    let mut permits = Vec::new();
+    let mut would_wait = Duration::ZERO;
+    let mut refused_by: Option<&Arc<Limiter>> = None;
+    for (l, cost) in plan.shadow.iter() {
+        l.demand().arrive(*cost);
+        l.arrived();
+    }
+    for (l, cost) in plan.shadow.iter() {
+        if let Some(rate) = l.rate() {
+            match rate.reserve(now, *cost, l.spec().max_wait) {
+                Reservation::Slot { wait, cost } => {
+                    reserved.push((l, cost));
+                    would_wait = would_wait.max(wait);
+                }
+                Reservation::TooLate { .. } => {
+                    refused_by = Some(l);
+                    break;
+                }
+            }
+        } else if let Some(g) = l.gauge() {
+            match g.try_acquire(gauge_units(*cost)) {
+                Some(p) => permits.push(p),
+                None => {
+                    refused_by = Some(l);
+                    break;
+                }
+            }
+        }
+    }
+    let refused = refused_by.map(|l| {
+        for (r, cost) in reserved.drain(..) {
+            r.rate().expect("a rate key").release(cost);
+        }
+        permits.clear();
+        l.demand().record(Outcome::Refused);
+        l.nudge();
+        l.spec().name.clone()
+    });
+    for (l, _) in plan.shadow.iter() {
+        if refused.is_none() {
+            l.demand().record(if would_wait.is_zero() { Outcome::Admitted } else { Outcome::Paced });
+        }
+        l.demand().enter();
+    }
+    Some(Shadow { refused, would_wait, _permits: permits, keys: plan.shadow.clone() })
 }
 
 /// Why a request was refused.

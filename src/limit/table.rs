@@ -55,6 +55,8 @@ pub struct ResourceSpec {
     /// the fleet's burst may be spent already; its first lease fills it if
     /// that lease is the whole capacity ([`Limiter::fill`]).
     pub shared: bool,
+    /// Shadow mode: decisions are made and counted, never enforced.
+    pub shadow: bool,
 }
 
 impl ResourceSpec {
@@ -152,6 +154,11 @@ impl Limiter {
 
     pub fn spec(&self) -> Arc<ResourceSpec> {
         self.spec.load_full()
+    }
+
+    /// Whether its resource is in shadow mode (decided, never enforced).
+    pub fn is_shadow(&self) -> bool {
+        self.spec.load().shadow
     }
 
     pub fn demand(&self) -> &DemandMeter {
@@ -595,6 +602,7 @@ mod tests {
             max_keys: 3,
             window: Duration::from_secs(1),
             shared: false,
+            shadow: false,
         }
     }
 

@@ -54,14 +54,82 @@ struct KeyMemory {
     reported: Option<(f64, bool)>,
 }
 
+/// A slow key's demand is measured over this long (from `LONG_WINDOW` to
+/// twice as long ago): a key used at under a request a second often has no
+/// request in [`DEMAND_WINDOW`], and read there it asked for 0.
+pub const LONG_WINDOW: Duration = Duration::from_secs(30);
+/// The short window measures the rate once it holds this many units.
+const SHORT_UNITS: f64 = 4.0;
+
 /// What measuring a key's demand (`wants: auto`) remembers.
 #[derive(Default)]
 struct Measured {
-    /// (time, total arrivals) readings over the last second.
+    /// (time, total arrivals) readings over the last [`DEMAND_WINDOW`].
     arrivals: VecDeque<(Time, f64)>,
+    /// Two (time, total arrivals) anchors for the long window: the older is
+    /// one to two [`LONG_WINDOW`]s old once traffic has run that long.
+    anchors: [Option<(Time, f64)>; 2],
+    /// When the total last moved, and to what.
+    last_arrival: Option<(Time, f64)>,
+    /// The last measured rate: once demand was measured, a read that cannot
+    /// measure it (a slow or stalled call to the servers spaced the reads
+    /// out) keeps it rather than going back to the first guess.
+    last_rate: Option<f64>,
     /// (time, peak in flight + waiters) over the peak window.
     peaks: VecDeque<(Time, f64)>,
     headroom: crate::lease::headroom::Headroom,
+}
+
+impl Measured {
+    /// The arrival rate at `now` (`total` arrivals so far), or None before
+    /// traffic was seen over half a second. Over [`DEMAND_WINDOW`] once that
+    /// holds [`SHORT_UNITS`]; for a slower key over the long window, until
+    /// no request came for three times its usual gap (it stopped: the short
+    /// window's rate, 0, applies). Once measured, a read that cannot measure
+    /// keeps the last rate.
+    fn measure(&mut self, now: Time, total: f64) -> Option<f64> {
+        if total > 0.0 {
+            if self.last_arrival.is_none_or(|(_, a)| a != total) {
+                self.last_arrival = Some((now, total));
+            }
+            match self.anchors {
+                [None, _] => self.anchors = [Some((now, total)), None],
+                [Some(_), None] => self.anchors[1] = Some((now, total)),
+                [Some(_), Some((t1, _))] if now.since(t1) >= LONG_WINDOW => {
+                    self.anchors = [self.anchors[1], Some((now, total))];
+                }
+                _ => {}
+            }
+        }
+        let short = match (self.arrivals.front(), self.arrivals.back()) {
+            (Some((t0, a0)), Some((t1, a1))) if total > 0.0 && t1.since(*t0) >= Duration::from_millis(500) => {
+                Some((a1 - a0, (a1 - a0) / t1.since(*t0).as_secs_f64()))
+            }
+            _ => None,
+        };
+        let long = match (self.anchors[0], self.last_arrival) {
+            (Some((t0, a0)), Some((_, a))) if now.since(t0) >= DEMAND_WINDOW && a > a0 => {
+                Some((a - a0) / now.since(t0).as_secs_f64())
+            }
+            _ => None,
+        };
+        let rate = match (short, long) {
+            (Some((units, rate)), _) if units >= SHORT_UNITS => Some(rate),
+            (short, Some(long)) => {
+                let gap = self.last_arrival.map_or(Duration::MAX, |(t, _)| now.since(t));
+                let stopped = gap.as_secs_f64() > (3.0 / long).max(DEMAND_WINDOW.as_secs_f64());
+                match stopped {
+                    true => short.map(|(_, r)| r).or(Some(0.0)),
+                    false => Some(long.max(short.map_or(0.0, |(_, r)| r))),
+                }
+            }
+            (short, None) => short.map(|(_, r)| r),
+        };
+        if rate.is_some() {
+            self.last_rate = rate;
+        }
+        rate.or(self.last_rate)
+    }
 }
 
 /// The sidecar as the lease client sees it: its lease table, pushback, and
@@ -152,16 +220,8 @@ impl TableEnforcer {
                         {
                             m.arrivals.pop_front();
                         }
-                        // Measured once traffic has been seen over at least half a second.
-                        match (m.arrivals.front(), m.arrivals.back()) {
-                            (Some((t0, a0)), Some((t1, a1)))
-                                if total > 0.0 && t1.since(*t0) >= Duration::from_millis(500) =>
-                            {
-                                let rate = (a1 - a0) / t1.since(*t0).as_secs_f64();
-                                Some(rate * m.headroom.factor(now, rate, pressure_signal, settings.headroom))
-                            }
-                            _ => None,
-                        }
+                        m.measure(now, total)
+                            .map(|rate| rate * m.headroom.factor(now, rate, pressure_signal, settings.headroom))
                     }
                     ResourceKind::Gauge => {
                         let held = (l.demand().take_peak() + sample.waiters.max(0)) as f64;
@@ -790,6 +850,55 @@ mod tests {
         assert!(e.table.resource("tenant").unwrap().get("t/acme").is_none());
         let u = e.demand_update();
         assert!(u.removed.is_empty() && u.changed.is_empty(), "{u:?}");
+    }
+
+    /// A key used at under one request a second (0.5/s, as LLM calls are)
+    /// asks for its rate at every read, though its 2 s window is often
+    /// empty; reads spaced out by a slow control plane keep the estimate
+    /// instead of going back to the routes file's capacity; a key that
+    /// stops asks for nothing soon after.
+    #[test]
+    fn a_slow_keys_demand_is_measured_over_a_longer_window() {
+        let (e, time) = enforcer_of(
+            "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+             resources:\n  llm: { kind: rate, capacity: 50/s, wants: auto }\n\
+             routes:\n  - { name: all, upstream: up, resources: [llm] }\n",
+        );
+        let llm = e.table.resource("llm").unwrap().try_limiter("llm").unwrap();
+        let wants = |e: &TableEnforcer| {
+            let cfg = e.config();
+            let (settings, kind, capacity, _) = TableEnforcer::settings(&cfg, "llm").unwrap();
+            let mut memory = e.memory.lock().unwrap();
+            let m = memory.entry("llm".to_string()).or_default();
+            e.wants(m, &llm, kind, settings, capacity, e.table.clock().now()).0
+        };
+        // One request every 2 s, reads every 100 ms, for a minute.
+        let mut seen = Vec::new();
+        for tick in 0..600 {
+            if tick % 20 == 0 {
+                llm.demand().arrive(1.0);
+            }
+            time.advance(Duration::from_millis(100));
+            let w = wants(&e);
+            if tick >= 100 {
+                seen.push(w);
+            }
+        }
+        let (lo, hi) = seen.iter().fold((f64::MAX, 0.0f64), |(lo, hi), w| (lo.min(*w), hi.max(*w)));
+        assert!(lo >= 0.4 && hi <= 1.0, "wants between {lo} and {hi} at 0.5 requests/s");
+        // A slow control plane: reads 3 s apart, traffic at 20/s.
+        for _ in 0..5 {
+            llm.demand().arrive(60.0);
+            time.advance(Duration::from_secs(3));
+            let w = wants(&e);
+            assert!(w > 5.0 && w < 50.0, "reads 3 s apart measure the demand, not the first guess: {w}");
+        }
+        // Stopped: nothing is wanted within a few seconds.
+        for _ in 0..50 {
+            time.advance(Duration::from_millis(100));
+            wants(&e);
+        }
+        assert_eq!(wants(&e), 0.0);
     }
 
     /// A gauge leased nothing (after an idle spell) whose requests are

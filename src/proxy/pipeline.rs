@@ -140,6 +140,8 @@ pub struct Meta {
     plan: Plan,
     in_flight: Option<InFlight>,
     admitted: Option<Admitted>,
+    /// What the plan's shadow resources would have done (none: it has none).
+    shadow: Option<admit::Shadow>,
     /// A refusal's: how long an upstream's `Retry-After` still holds a key of the plan.
     hold: Option<Duration>,
 }
@@ -185,6 +187,7 @@ pub struct Held {
     grpc: bool,
     _in_flight: Option<InFlight>,
     _admitted: Option<Admitted>,
+    _shadow: Option<admit::Shadow>,
 }
 
 impl Held {
@@ -442,8 +445,13 @@ where
         Poll::Ready(match ready!(this.inner.poll(cx)) {
             Ok(Answered { answer, meta }) => {
                 acc.answered(&meta, answer.status(), || answer.retry_after());
-                let held =
-                    Held { route: meta.route, grpc: meta.grpc, _in_flight: meta.in_flight, _admitted: meta.admitted };
+                let held = Held {
+                    route: meta.route,
+                    grpc: meta.grpc,
+                    _in_flight: meta.in_flight,
+                    _admitted: meta.admitted,
+                    _shadow: meta.shadow,
+                };
                 let held = match answer.hold() {
                     Some(hold) => {
                         let route = held.route.clone();
@@ -477,7 +485,18 @@ impl Accounts {
             }
         }
         self.observe_pushback(route, &meta.plan, status, retry_after);
-        self.log(&route.name, meta, if paced { "paced" } else { "admitted" }, waited, status);
+        let outcome = match &meta.shadow {
+            Some(admit::Shadow { refused: Some(resource), .. }) => {
+                // Forwarded all the same: counted as what enforcing would have done.
+                self.metrics.requests.with_label_values(&[&route.name, "shadow_refused"]).inc();
+                self.metrics.resource_requests.with_label_values(&[resource, "shadow_refused"]).inc();
+                "shadow_refused"
+            }
+            _ if paced => "paced",
+            _ => "admitted",
+        };
+        let waited = meta.shadow.as_ref().map_or(waited, |s| waited.max(s.would_wait));
+        self.log(&route.name, meta, outcome, waited, status);
     }
 
     /// A request that got no upstream answer.
@@ -666,15 +685,23 @@ where
     }
 
     fn call(&mut self, ex: Exchange<R>) -> Self::Future {
-        let Exchange { req, meta } = ex;
-        if meta.plan.is_empty() {
-            return LimitFuture { state: State::Forwarding { fut: self.inner.call(req) }, meta: Some(meta) };
+        let Exchange { req, mut meta } = ex;
+        if meta.plan.items.is_empty() {
+            // Nothing enforced: shadow resources are decided, and it goes on at once.
+            meta.shadow = admit::shadow(&meta.plan, &self.clock);
+            return LimitFuture {
+                state: State::Forwarding { fut: self.inner.call(req) },
+                meta: Some(meta),
+                clock: None,
+            };
         }
         // The ready service goes with the request; a clone stays for the next call.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let admission = admit::start(&meta.plan, &self.clock);
-        LimitFuture { state: State::Admitting { admission, pending: Some((inner, req)) }, meta: Some(meta) }
+        // The clock goes along only for shadow keys, decided once admitted.
+        let clock = (!meta.plan.shadow.is_empty()).then(|| self.clock.clone());
+        LimitFuture { state: State::Admitting { admission, pending: Some((inner, req)) }, meta: Some(meta), clock }
     }
 }
 
@@ -683,6 +710,7 @@ pin_project! {
         #[pin]
         state: State<S, R>,
         meta: Option<Meta>,
+        clock: Option<Clock>,
     }
 }
 
@@ -708,7 +736,12 @@ where
                     let admitted = ready!(Pin::new(admission).poll(cx));
                     let meta = this.meta.as_mut().expect("polled after completion");
                     match admitted {
-                        Ok(a) => meta.admitted = Some(a),
+                        Ok(a) => {
+                            meta.admitted = Some(a);
+                            if let Some(clock) = this.clock.as_ref() {
+                                meta.shadow = admit::shadow(&meta.plan, clock);
+                            }
+                        }
                         Err(r) => {
                             let meta = this.meta.take().expect("polled after completion");
                             return Poll::Ready(Err(Failure { error: Error::Refused(Box::new(r)), meta }));

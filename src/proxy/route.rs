@@ -96,6 +96,7 @@ pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
             max_keys: r.max_keys,
             window: r.capacity.window,
             shared: cfg.doorman.is_some(),
+            shadow: r.shadow,
         })
         .collect()
 }

@@ -36,6 +36,8 @@ struct KeyStatus {
     capacity: f64,
     remaining: u64,
     max_wait_ms: u64,
+    /// Shadow mode: decided and counted, never enforced.
+    shadow: bool,
     demand: DemandSample,
 }
 
@@ -59,6 +61,7 @@ fn status(p: &Proxy) -> Status {
                 capacity: l.capacity(),
                 remaining: l.remaining(),
                 max_wait_ms: l.spec().max_wait.as_millis() as u64,
+                shadow: l.is_shadow(),
                 demand: l.demand().sample(now),
             })
             .collect(),
@@ -161,10 +164,11 @@ fn status_html(s: &Status) -> String {
     for k in &s.keys {
         let _ = write!(
             b,
-            "<tr><td>{}</td><td>{}</td><td>{:?}</td><td>{:.3}</td><td>{}</td><td>{:.2}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{:?}{}</td><td>{:.3}</td><td>{}</td><td>{:.2}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             escape(&k.resource),
             escape(&k.id),
             k.kind,
+            if k.shadow { " (shadow)" } else { "" },
             k.capacity,
             k.remaining,
             k.demand.rate,
