@@ -238,10 +238,27 @@ pub struct RouteConfig {
     pub matcher: Match,
     /// `None`: forward to the origin the request names.
     pub upstream: Option<String>,
-    /// (resource name, cost), in file order.
+    /// (resource name, cost), in file order: the cost charged at admission
+    /// (with `cost_rules`, the one charged when the request names none).
     pub resources: Vec<(String, f64)>,
+    /// Costs read from the request or settled from the response, by resource name.
+    pub cost_rules: BTreeMap<String, CostRule>,
     /// How the route backs off when its upstream answers 429 or 503.
     pub pushback: super::doorman::PushbackConfig,
+}
+
+/// How a route's cost for one resource is found beyond a fixed number.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CostRule {
+    /// `cost: "{header.NAME}"`: the request header (lower-case) holding the
+    /// cost; when it is absent or not a number > 0, the route's `cost`
+    /// (`default_cost`) is charged. A cost above the resource's burst counts
+    /// as the burst.
+    pub header: Option<String>,
+    /// `settle: { response_header: NAME }`: the response header (lower-case)
+    /// holding the real cost; the difference from what was charged at
+    /// admission is charged to the key, or given back.
+    pub settle_header: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -703,6 +720,7 @@ fn read_route(
         Some(s)
     });
     let mut list = Vec::new();
+    let mut rules = BTreeMap::new();
     if let Some(n) = m.get("resources")
         && let Some(items) = ck.seq(n, &m.child("resources"))
     {
@@ -711,21 +729,78 @@ fn read_route(
             let entry = match &item.value {
                 Value::Scalar(..) => ck.string(item, &p).map(|s| (s, 1.0, item)),
                 _ => {
-                    let Some(rm) = ck.map(item, &p, &["resource", "cost"]) else { continue };
+                    let Some(rm) = ck.map(item, &p, &["resource", "cost", "default_cost", "settle"]) else { continue };
                     let r = ck
                         .required(&rm, "resource", None)
                         .and_then(|n| ck.string(n, &rm.child("resource")).map(|s| (s, n)));
-                    let cost = match rm.get("cost") {
-                        None => Some(1.0),
-                        Some(n) => match ck.f64(n, &rm.child("cost")) {
-                            Some(c) if c.is_finite() && c > 0.0 => Some(c),
+                    let positive = |ck: &mut Checker, key: &str| match rm.get(key) {
+                        None => Some(None),
+                        Some(n) => match ck.f64(n, &rm.child(key)) {
+                            Some(c) if c.is_finite() && c > 0.0 => Some(Some(c)),
                             Some(c) => {
-                                ck.error(n.loc, &rm.child("cost"), format!("must be greater than 0, not {c}"), None);
+                                ck.error(n.loc, &rm.child(key), format!("must be greater than 0, not {c}"), None);
                                 None
                             }
                             None => None,
                         },
                     };
+                    let mut rule = CostRule::default();
+                    let cost = match rm.get("cost") {
+                        Some(n) if matches!(&n.value, Value::Scalar(t, _) if t.trim_start().starts_with('{')) => {
+                            match n.as_str().map(IdTemplate::parse) {
+                                Some(Ok(t)) if matches!(&t.segments[..], [Segment::Header(_)]) => {
+                                    let Segment::Header(h) = &t.segments[0] else { unreachable!() };
+                                    rule.header = Some(h.clone());
+                                    positive(ck, "default_cost").map(|c| c.unwrap_or(1.0))
+                                }
+                                _ => {
+                                    ck.error(
+                                        n.loc,
+                                        &rm.child("cost"),
+                                        "expected a number or \"{header.NAME}\"",
+                                        Some("e.g. cost: 150 or cost: \"{header.x-max-tokens}\"".into()),
+                                    );
+                                    None
+                                }
+                            }
+                        }
+                        _ => {
+                            if let Some(n) = rm.get("default_cost") {
+                                ck.error(
+                                    n.loc,
+                                    &rm.child("default_cost"),
+                                    "default_cost applies to a cost read from a request header",
+                                    Some("write cost: \"{header.NAME}\", or drop default_cost".into()),
+                                );
+                            }
+                            positive(ck, "cost").map(|c| c.unwrap_or(1.0))
+                        }
+                    };
+                    if let Some(n) = rm.get("settle") {
+                        let sp = rm.child("settle");
+                        if let Some(sm) = ck.map(n, &sp, &["response_header"]) {
+                            match ck.required(&sm, "response_header", Some("e.g. x-usage-total-tokens".into())) {
+                                Some(h) => match ck.string(h, &sm.child("response_header")) {
+                                    Some(name) if http::HeaderName::from_bytes(name.as_bytes()).is_ok() => {
+                                        rule.settle_header = Some(name.to_ascii_lowercase());
+                                    }
+                                    Some(name) => ck.error(
+                                        h.loc,
+                                        &sm.child("response_header"),
+                                        format!("`{name}` is not a valid header name"),
+                                        None,
+                                    ),
+                                    None => {}
+                                },
+                                None => {}
+                            }
+                        }
+                    }
+                    if rule != CostRule::default()
+                        && let Some((name, _)) = &r
+                    {
+                        rules.insert(name.clone(), rule);
+                    }
                     match (r, cost) {
                         (Some((s, n)), Some(c)) => Some((s, c, n)),
                         _ => None,
@@ -797,7 +872,15 @@ fn read_route(
         None => Some(super::doorman::PushbackConfig::default()),
         Some(n) => super::doorman::read_pushback(ck, n, &m.child("pushback")),
     };
-    Some(RouteConfig { name: name?, matcher: matcher?, upstream, resources: list, pushback: pushback? })
+    rules.retain(|name, _| list.iter().any(|(r, _)| r == name));
+    Some(RouteConfig {
+        name: name?,
+        matcher: matcher?,
+        upstream,
+        resources: list,
+        cost_rules: rules,
+        pushback: pushback?,
+    })
 }
 
 fn read_match(ck: &mut Checker, node: &Node, path: &str) -> Option<Match> {

@@ -103,8 +103,9 @@ pub trait Inbound: RequestView + Sized {
     }
 
     /// Prepares the request for its target, or says why this engine cannot
-    /// forward it there (the target is another engine's).
-    fn ready(self, target: super::upstream::Target) -> Result<Self::Ready, &'static str>;
+    /// forward it there (the target is another engine's). `keep_head`: the
+    /// route reads the answer's header fields ([`Answer::header`]).
+    fn ready(self, target: super::upstream::Target, keep_head: bool) -> Result<Self::Ready, &'static str>;
 }
 
 /// An upstream's answer as the engine's `forward` service returns it.
@@ -112,6 +113,11 @@ pub trait Answer {
     fn status(&self) -> StatusCode;
     /// The upstream's `Retry-After`, for pushback.
     fn retry_after(&self) -> Option<Duration>;
+    /// The value of the header field `name` (lower-case), when the request
+    /// was made ready to keep the answer's head.
+    fn header(&self, _name: &str) -> Option<&[u8]> {
+        None
+    }
     /// Set when the exchange outlives the answer's body (a tunnel, an
     /// upgraded connection): what is held moves there, not into the reply.
     fn hold(&self) -> Option<Hold> {
@@ -444,7 +450,7 @@ where
         let acc = &**this.accounts;
         Poll::Ready(match ready!(this.inner.poll(cx)) {
             Ok(Answered { answer, meta }) => {
-                acc.answered(&meta, answer.status(), || answer.retry_after());
+                acc.answered(&meta, answer.status(), || answer.retry_after(), |name| answer.header(name));
                 let held = Held {
                     route: meta.route,
                     grpc: meta.grpc,
@@ -473,7 +479,13 @@ where
 impl Accounts {
     /// An upstream's answer (the one outcome of a request that reached it):
     /// admission metrics, pushback, the access log.
-    fn answered(&self, meta: &Meta, status: StatusCode, retry_after: impl FnOnce() -> Option<Duration>) {
+    fn answered<'a>(
+        &self,
+        meta: &Meta,
+        status: StatusCode,
+        retry_after: impl FnOnce() -> Option<Duration>,
+        header: impl Fn(&str) -> Option<&'a [u8]>,
+    ) {
         let Some(route) = &meta.route else { return };
         let (paced, waited) = meta.admitted.as_ref().map_or((false, Duration::ZERO), |a| (a.paced, a.waited));
         if paced { &route.metrics.paced } else { &route.metrics.admitted }.inc();
@@ -485,6 +497,9 @@ impl Accounts {
             }
         }
         self.observe_pushback(route, &meta.plan, status, retry_after);
+        if route.settles {
+            settle(route, &meta.plan, header);
+        }
         let outcome = match &meta.shadow {
             Some(admit::Shadow { refused: Some(resource), .. }) => {
                 // Forwarded all the same: counted as what enforcing would have done.
@@ -594,6 +609,23 @@ impl Accounts {
     }
 }
 
+/// Settles the costs a route's resources read from the answer: the
+/// difference from what was charged at admission is charged to the key (a
+/// debt later requests wait for) or given back, and counted in its demand.
+fn settle<'a>(route: &Route, plan: &Plan, header: impl Fn(&str) -> Option<&'a [u8]>) {
+    for r in &route.resources {
+        let Some(name) = &r.settle_header else { continue };
+        let value = header(name).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<f64>().ok());
+        let Some(real) = value.filter(|v| v.is_finite() && *v >= 0.0) else { continue };
+        for (l, charged) in plan.items.iter().chain(plan.shadow.iter()) {
+            if l.spec().name == r.metrics.name {
+                l.charge(real - charged);
+                l.demand().settle(real - charged);
+            }
+        }
+    }
+}
+
 // === route ===
 
 #[derive(Clone)]
@@ -636,7 +668,7 @@ where
             Ok(r) => r,
             Err(e) => return fail(Error::Proxy(e), meta),
         };
-        let req = match req.ready(target) {
+        let req = match req.ready(target, route.settles) {
             Ok(r) => r,
             Err(why) => return fail(Error::Unserved(why), meta),
         };

@@ -328,3 +328,28 @@ fn a_cost_that_can_never_pass_is_refused_where_it_is_written() {
     assert!(e.contains("cost 150 is larger than resource `tokens`'s burst of 50"), "{e}");
     assert!(e.contains("r.yaml:11:") && e.contains("cost 3 is more than gauge `slots`'s capacity of 2"), "{e}");
 }
+
+#[test]
+fn costs_from_the_request_and_the_response_are_read_and_checked() {
+    let head = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+                resources:\n  tokens: { kind: rate, capacity: 100/s, burst: 500 }\n\
+                routes:\n  - name: all\n    upstream: up\n    resources:\n";
+    let ok = format!(
+        "{head}      - {{ resource: tokens, cost: \"{{header.X-Max-Tokens}}\", default_cost: 200, settle: {{ response_header: X-Usage-Total-Tokens }} }}\n"
+    );
+    let c = RoutesConfig::parse("r.yaml", &ok).unwrap();
+    let route = &c.routes[0];
+    assert_eq!(route.resources, vec![("tokens".to_string(), 200.0)]);
+    let rule = &route.cost_rules["tokens"];
+    assert_eq!(rule.header.as_deref(), Some("x-max-tokens"));
+    assert_eq!(rule.settle_header.as_deref(), Some("x-usage-total-tokens"));
+    for (entry, error) in [
+        ("{ resource: tokens, cost: \"{path.1}\" }", "expected a number or \"{header.NAME}\""),
+        ("{ resource: tokens, cost: 5, default_cost: 3 }", "default_cost applies to a cost read from a request header"),
+        ("{ resource: tokens, settle: { response_json: usage.total } }", "unknown field"),
+        ("{ resource: tokens, settle: { response_header: \"a b\" } }", "`a b` is not a valid header name"),
+    ] {
+        let e = RoutesConfig::parse("r.yaml", &format!("{head}      - {entry}\n")).unwrap_err().to_string();
+        assert!(e.contains("r.yaml:9:") && e.contains(error), "{entry}: {e}");
+    }
+}
