@@ -778,20 +778,19 @@ fn read_route(
                     };
                     if let Some(n) = rm.get("settle") {
                         let sp = rm.child("settle");
-                        if let Some(sm) = ck.map(n, &sp, &["response_header"]) {
-                            match ck.required(&sm, "response_header", Some("e.g. x-usage-total-tokens".into())) {
-                                Some(h) => match ck.string(h, &sm.child("response_header")) {
-                                    Some(name) if http::HeaderName::from_bytes(name.as_bytes()).is_ok() => {
-                                        rule.settle_header = Some(name.to_ascii_lowercase());
-                                    }
-                                    Some(name) => ck.error(
-                                        h.loc,
-                                        &sm.child("response_header"),
-                                        format!("`{name}` is not a valid header name"),
-                                        None,
-                                    ),
-                                    None => {}
-                                },
+                        if let Some(sm) = ck.map(n, &sp, &["response_header"])
+                            && let Some(h) = ck.required(&sm, "response_header", Some("e.g. x-usage-total-tokens"))
+                        {
+                            match ck.string(h, &sm.child("response_header")) {
+                                Some(name) if http::HeaderName::from_bytes(name.as_bytes()).is_ok() => {
+                                    rule.settle_header = Some(name.to_ascii_lowercase());
+                                }
+                                Some(name) => ck.error(
+                                    h.loc,
+                                    &sm.child("response_header"),
+                                    format!("`{name}` is not a valid header name"),
+                                    None,
+                                ),
                                 None => {}
                             }
                         }
