@@ -89,7 +89,13 @@ async fn responses_encode_required_fields_even_when_zero() {
     // wants 0 on a resource of capacity 0: the grant is 0.
     let req = proto::GetCapacityRequest {
         client_id: "c".into(),
-        resource: vec![proto::ResourceRequest { resource_id: "r".into(), priority: 0, has: None, wants: 0.0 }],
+        resource: vec![proto::ResourceRequest {
+            upstream_quota: None,
+            resource_id: "r".into(),
+            priority: 0,
+            has: None,
+            wants: 0.0,
+        }],
     };
     let resp = fields(&raw_call(addr, "GetCapacity", req.encode_to_vec()).await);
     assert_eq!(numbers(&resp), vec![1], "one ResourceResponse, no mastership");
@@ -106,6 +112,7 @@ async fn responses_encode_required_fields_even_when_zero() {
     let sreq = proto::GetServerCapacityRequest {
         server_id: "s".into(),
         resource: vec![proto::ServerCapacityResourceRequest {
+            upstream_quota: None,
             resource_id: "r".into(),
             has: None,
             wants: vec![proto::PriorityBandAggregate { priority: 0, num_clients: 1, wants: 0.0 }],
@@ -123,7 +130,13 @@ fn requests_encode_required_zero_fields() {
     // What usher's lease client sends must satisfy a Go server too.
     let req = proto::GetCapacityRequest {
         client_id: "c".into(),
-        resource: vec![proto::ResourceRequest { resource_id: "r".into(), priority: 0, has: None, wants: 0.0 }],
+        resource: vec![proto::ResourceRequest {
+            upstream_quota: None,
+            resource_id: "r".into(),
+            priority: 0,
+            has: None,
+            wants: 0.0,
+        }],
     };
     let top = fields(&req.encode_to_vec());
     let rr = fields(&payload(&top, 2));

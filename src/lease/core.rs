@@ -115,6 +115,9 @@ pub struct KeyDemand {
     /// Refusals or queued requests show demand above what the key may use:
     /// with `wants` above the lease, refresh early (see [`Core::set_demand`]).
     pub pressure: bool,
+    /// The freshest account of the upstream's own quota for this key,
+    /// carried to the servers with its requests.
+    pub quota: Option<super::quota::Observation>,
 }
 
 /// A change of the demand (see [`Core::update_demand`]).
@@ -814,6 +817,7 @@ impl Core {
                     }
                 }),
                 wants: if k.demand.wants.is_finite() { k.demand.wants.max(0.0) } else { 0.0 },
+                upstream_quota: k.demand.quota.map(|q| q.to_proto()),
             })
             .collect();
         proto::GetCapacityRequest { client_id: self.cfg.client_id.clone(), resource }

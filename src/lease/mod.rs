@@ -14,6 +14,7 @@ pub mod cache;
 pub mod core;
 pub mod driver;
 pub mod headroom;
+pub mod quota;
 pub mod transport;
 
 pub use self::core::{Capacity, CoreConfig, DemandUpdate, KeyDemand, Mode, OnExpiry};

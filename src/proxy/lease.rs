@@ -391,7 +391,7 @@ impl TableEnforcer {
                     wants,
                     on_expiry: on_expiry(settings.on_expiry),
                     safe_capacity: settings.safe_capacity,
-                    pressure: pressure || reloaded,
+                    pressure: pressure || reloaded, quota: None,
                 });
             }
         });

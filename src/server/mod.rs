@@ -11,6 +11,7 @@ pub mod horizon;
 mod local;
 pub mod metrics;
 pub mod parent;
+pub mod quota;
 pub mod service;
 mod status;
 pub mod store;

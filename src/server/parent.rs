@@ -149,6 +149,7 @@ impl ParentSync {
                     // not a whole refresh interval later.
                     pressure: d.wants > self.sent.get(&d.resource_id).copied().unwrap_or(0.0) * GROWTH
                         && d.wants > self.core.lease_of(&d.resource_id).map_or(0.0, |l| l.capacity) + 1e-9,
+                    quota: d.quota,
                 })
                 .collect(),
         );
@@ -397,7 +398,12 @@ fn server_request(
                     })
                     .collect()
             };
-            proto::ServerCapacityResourceRequest { resource_id: r.resource_id.clone(), has, wants }
+            proto::ServerCapacityResourceRequest {
+                upstream_quota: r.upstream_quota.clone(),
+                resource_id: r.resource_id.clone(),
+                has,
+                wants,
+            }
         })
         .collect();
     proto::GetServerCapacityRequest { server_id: req.client_id.clone(), resource }
@@ -409,6 +415,7 @@ fn client_response(resp: proto::GetServerCapacityResponse) -> proto::GetCapacity
             .response
             .into_iter()
             .map(|r| proto::ResourceResponse {
+                upstream_quota: r.upstream_quota,
                 resource_id: r.resource_id,
                 gets: r.gets,
                 safe_capacity: r.safe_capacity,

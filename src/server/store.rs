@@ -50,6 +50,8 @@ pub struct LeaseRequest {
     /// When that lease expires.
     pub reported_expiry: Option<Time>,
     pub requester: Requester,
+    /// What the requester last read of the upstream's own quota.
+    pub quota: Option<crate::lease::quota::Observation>,
 }
 
 /// The separator between a node's identity and its master's epoch in the
@@ -102,6 +104,8 @@ pub struct Grant {
     /// predecessor spoke for (see [`PREDECESSOR_PARAMETER`]); `None` while
     /// this server cannot know (in learning mode itself).
     pub predecessor_subclients: Option<u64>,
+    /// The upstream's quota as this server knows it, when its clients report one.
+    pub quota: Option<crate::lease::quota::Observation>,
 }
 
 /// How a request is decided (see [`Resource::decide`]).
@@ -216,6 +220,8 @@ pub struct ParentDemand {
     /// What this server's clients hold now, in unexpired leases, plus what is
     /// reserved for clients whose leases lapsed.
     pub handed_out: f64,
+    /// The freshest upstream quota its clients reported.
+    pub quota: Option<crate::lease::quota::Observation>,
 }
 
 #[derive(Debug, Clone)]
@@ -300,6 +306,9 @@ struct Resource {
     learning_end: Option<Time>,
     /// When this master first saw the resource.
     created: Time,
+    /// The upstream's own account of its quota, once a client reports one
+    /// (boxed: most resources never have one).
+    quota: Option<Box<super::quota::QuotaState>>,
     /// The store's [`Predecessor`] and lease horizon, as of this request.
     predecessor: Predecessor,
     horizon: Option<Time>,
@@ -566,6 +575,7 @@ impl Store {
                     // granted); clients running on their safe capacity use it
                     // as surely as a lease.
                     handed_out: r.index.total_has() + r.reserved,
+                    quota: r.quota.as_ref().and_then(|q| q.latest),
                 })
             })
             .collect();
@@ -800,6 +810,7 @@ impl Store {
 impl Resource {
     fn new(template: Arc<Template>) -> Self {
         Resource {
+            quota: None,
             template,
             parent: None,
             by_priority: None,
@@ -1013,7 +1024,12 @@ impl Resource {
     /// intermediate, the parent's unexpired grant, or `None`.
     fn capacity(&self, now: Time, role: Role) -> Option<f64> {
         match (role, &self.parent) {
-            (Role::Root, _) => Some(self.template.capacity),
+            (Role::Root, _) => Some(
+                self.quota
+                    .as_ref()
+                    .and_then(|q| q.capacity(now, self.template.capacity, self.index.total_has()))
+                    .unwrap_or(self.template.capacity),
+            ),
             (Role::Intermediate { .. }, Some(p)) if p.expiry > now => Some(p.capacity),
             _ => None,
         }
@@ -1040,6 +1056,7 @@ impl Resource {
     fn unchanged(&self, client: &str, capacity: Option<f64>, alg: Algorithm) -> Grant {
         let l = &self.clients[client];
         Grant {
+            quota: self.quota.as_ref().and_then(|q| q.latest),
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
@@ -1098,6 +1115,7 @@ impl Resource {
             None => safe,
         };
         Grant {
+            quota: self.quota.as_ref().and_then(|q| q.latest),
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
@@ -1132,6 +1150,9 @@ impl Resource {
 
     fn decide(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
         let Decision { learning, min_interval, again, arrivals } = d;
+        if let Some(o) = req.quota {
+            self.quota.get_or_insert_default().observe(o);
+        }
         let (client, epoch) = match req.requester {
             Requester::Server { .. } => split_identity(id),
             Requester::Client { .. } => (id, None),
@@ -1174,6 +1195,7 @@ impl Resource {
             if epoch.is_some() && r.epoch > epoch {
                 // A stale master of a node whose lease lapsed: nothing to give it.
                 return Grant {
+                    quota: self.quota.as_ref().and_then(|q| q.latest),
                     capacity: 0.0,
                     expiry: now,
                     refresh_interval: alg.refresh_interval,
@@ -1333,7 +1355,9 @@ impl Resource {
             // Nothing to hand out yet (no lease from the parent): come back soon.
             refresh = Duration::from_secs(1);
             expiry = now.saturating_add(Duration::from_secs(2));
-        } else if held_back || (arrivals && now.since(self.created) < alg.refresh_interval) {
+        } else if held_back || self.quota.is_some() || (arrivals && now.since(self.created) < alg.refresh_interval) {
+            // (A capacity that follows the upstream's quota changes by the
+            // second: its clients come back every second to follow it.)
             // Adaptive refresh: the grant was cut to what others leave
             // unused, or the resource is new and its clients are still
             // arriving (a first-come client must not keep everything for a
@@ -1363,6 +1387,7 @@ impl Resource {
         self.expiries.insert((expiry, slot));
         self.clients.insert(self.owner(slot), Box::new(lease));
         Grant {
+            quota: self.quota.as_ref().and_then(|q| q.latest),
             capacity: granted,
             expiry,
             refresh_interval: refresh,

@@ -89,7 +89,15 @@ impl World {
 }
 
 fn demand(id: &str, wants: f64, on_expiry: OnExpiry) -> KeyDemand {
-    KeyDemand { resource_id: id.into(), priority: 0, wants, on_expiry, safe_capacity: Some(2.0), pressure: false }
+    KeyDemand {
+        resource_id: id.into(),
+        priority: 0,
+        wants,
+        on_expiry,
+        safe_capacity: Some(2.0),
+        pressure: false,
+        quota: None,
+    }
 }
 
 fn cap(core: &mut Core, now: Time, id: &str) -> Capacity {
@@ -859,6 +867,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
     assert_eq!(request.resource.len(), 2);
     let now = w.clock.now();
     let lease = |id: &str, expires_in: u64| proto::ResourceResponse {
+        upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
             capacity: 5.0,
@@ -893,6 +902,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
         let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
         let now = w.clock.now();
         let lease = |id: &str, interval: i64| proto::ResourceResponse {
+            upstream_quota: None,
             resource_id: id.into(),
             gets: proto::Lease {
                 capacity: 5.0,
@@ -937,6 +947,7 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
     let Action::Refresh { target, .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64, safe: Option<f64>| proto::ResourceResponse {
+        upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
             capacity,

@@ -35,6 +35,7 @@ fn req(resource: &str, wants: f64, has: Option<f64>) -> LeaseRequest {
         reported_has: has,
         reported_expiry: None,
         requester: Requester::Client { priority: 0 },
+        quota: None,
     }
 }
 
