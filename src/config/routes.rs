@@ -109,6 +109,8 @@ pub struct ResourceConfig {
     pub lease: super::doorman::LeaseSettings,
     /// Shadow mode: every decision is made and counted, none enforced.
     pub shadow: bool,
+    /// The upstream's own quota headers, which steer the resource's capacity.
+    pub upstream_quota: Option<super::quota::UpstreamQuota>,
 }
 
 /// One piece of a templated id.
@@ -327,6 +329,7 @@ const RESOURCE_FIELDS: &[&str] = &[
     "headroom",
     "key_idle_timeout",
     "shadow",
+    "upstream_quota",
 ];
 const ROUTE_FIELDS: &[&str] = &["name", "match", "upstream", "resources", "pushback"];
 const MATCH_FIELDS: &[&str] = &["host", "path_prefix", "methods", "headers"];
@@ -651,6 +654,10 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
     let max_queue = count(ck, &m, "max_queue", DEFAULT_MAX_QUEUE);
     let lease = super::doorman::read_lease_settings(ck, &m);
     let shadow = m.get("shadow").map_or(Some(false), |n| ck.bool(n, &m.child("shadow")));
+    let upstream_quota = match m.get("upstream_quota") {
+        None => Some(None),
+        Some(n) => super::quota::read(ck, n, &m.child("upstream_quota")).map(Some),
+    };
     Some(ResourceConfig {
         name: name.to_string(),
         kind: kind?,
@@ -662,6 +669,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         max_queue: max_queue?,
         lease: lease?,
         shadow: shadow?,
+        upstream_quota: upstream_quota?,
     })
 }
 

@@ -57,6 +57,9 @@ pub struct ResourceSpec {
     pub shared: bool,
     /// Shadow mode: decisions are made and counted, never enforced.
     pub shadow: bool,
+    /// The upstream reports its own quota: each key keeps the freshest
+    /// account of it ([`Limiter::observe`]).
+    pub upstream_quota: bool,
 }
 
 impl ResourceSpec {
@@ -83,6 +86,16 @@ pub struct Limiter {
     /// When an upstream's `Retry-After` ends (nanoseconds of [`Time`], 0:
     /// none): read only by an admission that has to wait.
     hold_until: AtomicU64,
+    /// The upstream's freshest account of its quota, for a resource whose
+    /// upstream reports one (boxed: other keys pay a pointer).
+    quota: Option<Box<Mutex<QuotaCell>>>,
+}
+
+/// A key's freshest upstream quota, and whether the lease client has it.
+#[derive(Debug, Default)]
+struct QuotaCell {
+    latest: Option<crate::lease::quota::Observation>,
+    reported: bool,
 }
 
 impl std::fmt::Debug for Limiter {
@@ -115,7 +128,31 @@ impl Limiter {
             clock,
             activity,
             hold_until: AtomicU64::new(0),
+            quota: s.upstream_quota.then(Box::default),
         }
+    }
+
+    /// Keeps an upstream's account of its quota if it is the freshest.
+    pub fn observe(&self, o: crate::lease::quota::Observation) {
+        if let Some(cell) = &self.quota {
+            let mut c = cell.lock().expect("quota lock");
+            if c.latest.is_none_or(|l| o.observed >= l.observed) {
+                c.latest = Some(o);
+                c.reported = false;
+            }
+        }
+    }
+
+    /// The freshest upstream quota, and whether it is new since the last
+    /// call that `report`ed it.
+    pub fn quota(&self, report: bool) -> (Option<crate::lease::quota::Observation>, bool) {
+        let Some(cell) = &self.quota else { return (None, false) };
+        let mut c = cell.lock().expect("quota lock");
+        let new = !c.reported && c.latest.is_some();
+        if report {
+            c.reported = true;
+        }
+        (c.latest, new)
     }
 
     /// Records when the upstream's `Retry-After` for this key ends (upstream
@@ -603,6 +640,7 @@ mod tests {
             window: Duration::from_secs(1),
             shared: false,
             shadow: false,
+            upstream_quota: false,
         }
     }
 

@@ -383,7 +383,9 @@ impl TableEnforcer {
             }
             let (wants, pressure) = self.wants(m, l, kind, settings, capacity, now);
             let reported = Some((wants, pressure || reloaded));
-            if full || m.reported != reported {
+            // A fresh account of the upstream's quota goes up too.
+            let (_, fresh_quota) = l.quota(false);
+            if full || m.reported != reported || fresh_quota {
                 m.reported = reported;
                 demand.push(KeyDemand {
                     resource_id: l.id().to_string(),
@@ -391,7 +393,8 @@ impl TableEnforcer {
                     wants,
                     on_expiry: on_expiry(settings.on_expiry),
                     safe_capacity: settings.safe_capacity,
-                    pressure: pressure || reloaded, quota: None,
+                    pressure: pressure || reloaded,
+                    quota: l.quota(true).0,
                 });
             }
         });

@@ -31,6 +31,8 @@ pub struct Route {
     /// A resource settles its cost from the response: the engine keeps the
     /// response's head for it.
     pub settles: bool,
+    /// A resource reads the upstream's quota headers (the head is kept too).
+    pub quotas: bool,
 }
 
 impl std::fmt::Debug for Route {
@@ -50,6 +52,8 @@ pub struct RouteResource {
     pub settle_header: Option<String>,
     /// The resource's burst: a cost read from a request counts as at most this.
     burst: f64,
+    /// The upstream's quota headers, when they steer the resource.
+    pub quota: Option<Arc<crate::config::quota::UpstreamQuota>>,
     /// The limiter of a fixed id, found on the first request (fixed keys are never forgotten).
     fixed: OnceLock<Arc<Limiter>>,
     pub metrics: ResourceMetrics,
@@ -117,6 +121,7 @@ pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
             window: r.capacity.window,
             shared: cfg.doorman.is_some(),
             shadow: r.shadow,
+            upstream_quota: r.upstream_quota.is_some(),
         })
         .collect()
 }
@@ -155,6 +160,7 @@ impl Routing {
                                 cost_header: rule.and_then(|c| c.header.clone()),
                                 settle_header: rule.and_then(|c| c.settle_header.clone()),
                                 burst: cfg.resources[name].burst,
+                                quota: cfg.resources[name].upstream_quota.clone().map(Arc::new),
                                 fixed: OnceLock::new(),
                                 metrics: metrics.resource(name),
                             })
@@ -171,6 +177,7 @@ impl Routing {
                         })
                         .then(OnceLock::new),
                     settles: r.cost_rules.values().any(|c| c.settle_header.is_some()),
+                    quotas: r.resources.iter().any(|(name, _)| cfg.resources[name].upstream_quota.is_some()),
                 })
             })
             .collect();
@@ -183,6 +190,7 @@ impl Routing {
             pushback: Default::default(),
             fixed_plan: None,
             settles: false,
+            quotas: false,
         });
         Routing { routes, passthrough, default: cfg.default, direct }
     }

@@ -38,6 +38,8 @@ struct KeyStatus {
     max_wait_ms: u64,
     /// Shadow mode: decided and counted, never enforced.
     shadow: bool,
+    /// The upstream's latest account of its quota, when its headers steer the resource.
+    upstream_quota: Option<crate::lease::quota::Observation>,
     demand: DemandSample,
 }
 
@@ -62,6 +64,7 @@ fn status(p: &Proxy) -> Status {
                 remaining: l.remaining(),
                 max_wait_ms: l.spec().max_wait.as_millis() as u64,
                 shadow: l.is_shadow(),
+                upstream_quota: l.quota(false).0,
                 demand: l.demand().sample(now),
             })
             .collect(),

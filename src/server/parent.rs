@@ -399,7 +399,7 @@ fn server_request(
                     .collect()
             };
             proto::ServerCapacityResourceRequest {
-                upstream_quota: r.upstream_quota.clone(),
+                upstream_quota: r.upstream_quota,
                 resource_id: r.resource_id.clone(),
                 has,
                 wants,
