@@ -49,7 +49,9 @@ fn preset(name: &str) -> Option<UpstreamQuota> {
     };
     use ResetFormat::*;
     Some(match name {
-        "ietf" => UpstreamQuota { ietf: true, ..named("ratelimit-policy", "ratelimit", "ratelimit", DelaySeconds, false) },
+        "ietf" => {
+            UpstreamQuota { ietf: true, ..named("ratelimit-policy", "ratelimit", "ratelimit", DelaySeconds, false) }
+        }
         "github" => named("x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset", EpochSeconds, false),
         "openai-requests" => named(
             "x-ratelimit-limit-requests",
@@ -58,9 +60,13 @@ fn preset(name: &str) -> Option<UpstreamQuota> {
             Duration,
             true,
         ),
-        "openai-tokens" => {
-            named("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens", Duration, true)
-        }
+        "openai-tokens" => named(
+            "x-ratelimit-limit-tokens",
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-reset-tokens",
+            Duration,
+            true,
+        ),
         "anthropic-requests" => named(
             "anthropic-ratelimit-requests-limit",
             "anthropic-ratelimit-requests-remaining",
@@ -89,13 +95,19 @@ pub fn read(ck: &mut Checker, node: &Node, path: &str) -> Option<UpstreamQuota> 
         let name = ck.string(n, &m.child("headers"))?;
         for other in ["limit", "remaining", "reset", "reset_format", "refill"] {
             if let Some(o) = m.get(other) {
-                ck.error(o.loc, &m.child(other), "a preset names its own headers", Some("drop `headers:` or this field".into()));
+                ck.error(
+                    o.loc,
+                    &m.child(other),
+                    "a preset names its own headers",
+                    Some("drop `headers:` or this field".into()),
+                );
             }
         }
         return match preset(&name) {
             Some(p) => Some(p),
             None => {
-                let hint = closest(&name, PRESETS).map_or_else(|| format!("presets: {}", PRESETS.join(", ")), |c| format!("did you mean `{c}`?"));
+                let hint = closest(&name, PRESETS)
+                    .map_or_else(|| format!("presets: {}", PRESETS.join(", ")), |c| format!("did you mean `{c}`?"));
                 ck.error(n.loc, &m.child("headers"), format!("unknown preset `{name}`"), Some(hint));
                 None
             }
@@ -119,7 +131,12 @@ pub fn read(ck: &mut Checker, node: &Node, path: &str) -> Option<UpstreamQuota> 
             Some("duration") => Some(ResetFormat::Duration),
             Some("rfc3339") => Some(ResetFormat::Rfc3339),
             Some(other) => {
-                ck.error(n.loc, &m.child("reset_format"), format!("unknown format `{other}`"), Some(FORMATS.join(", ")));
+                ck.error(
+                    n.loc,
+                    &m.child("reset_format"),
+                    format!("unknown format `{other}`"),
+                    Some(FORMATS.join(", ")),
+                );
                 None
             }
             None => None,
@@ -131,7 +148,12 @@ pub fn read(ck: &mut Checker, node: &Node, path: &str) -> Option<UpstreamQuota> 
             Some("window") => Some(false),
             Some("continuous") => Some(true),
             Some(other) => {
-                ck.error(n.loc, &m.child("refill"), format!("unknown refill `{other}`"), Some("window or continuous".into()));
+                ck.error(
+                    n.loc,
+                    &m.child("refill"),
+                    format!("unknown refill `{other}`"),
+                    Some("window or continuous".into()),
+                );
                 None
             }
             None => None,
@@ -150,7 +172,11 @@ pub fn read(ck: &mut Checker, node: &Node, path: &str) -> Option<UpstreamQuota> 
 
 /// What one answer says of the quota: (limit, remaining, seconds until the
 /// reset, from `now_unix_s`), if it says all three.
-pub fn parse<'a>(q: &UpstreamQuota, header: impl Fn(&str) -> Option<&'a [u8]>, now_unix_s: f64) -> Option<(f64, f64, f64)> {
+pub fn parse<'a>(
+    q: &UpstreamQuota,
+    header: impl Fn(&str) -> Option<&'a [u8]>,
+    now_unix_s: f64,
+) -> Option<(f64, f64, f64)> {
     let text = |name: &str| header(name).and_then(|v| std::str::from_utf8(v).ok()).map(str::trim);
     if q.ietf {
         let state = text("ratelimit")?;

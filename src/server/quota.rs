@@ -3,9 +3,11 @@
 //! truth, so spending by consumers outside usher is accounted for.
 //!
 //! - A fixed window (GitHub's `x-ratelimit-*`, the IETF draft's `RateLimit`):
-//!   what remains, less what the fleet may have spent since it was seen,
-//!   spread over the time to the reset plus [`LAG`]; after the reset, the
-//!   whole limit over one window, until a fresh observation comes.
+//!   what remains, less what the fleet may have spent since it was seen and
+//!   what others outside usher will spend until the reset (their rate is
+//!   what the remainder fell by beyond the fleet's leases), spread over the
+//!   time to the reset plus a lag (a quarter of it, at most [`LAG`]); after
+//!   the reset, the whole limit over one window, until it is seen again.
 //! - A continuous bucket (OpenAI's, Anthropic's): the configured capacity
 //!   (the refill rate), cut in proportion while the bucket is under half full.
 //! - Spent (nothing remains before the reset): 0 until the reset.
@@ -22,6 +24,9 @@ pub const LAG: Duration = Duration::from_secs(2);
 /// An observation older than this no longer steers the capacity.
 pub const STALE: Duration = Duration::from_secs(3600);
 
+/// Observations this far apart measure what others spend.
+const OUTSIDE_SPAN: Duration = Duration::from_secs(2);
+
 /// A resource's upstream quota, as its server knows it.
 #[derive(Debug, Clone, Default)]
 pub struct QuotaState {
@@ -29,11 +34,18 @@ pub struct QuotaState {
     pub latest: Option<Observation>,
     /// The window's length, learnt from two resets.
     window: Option<Duration>,
+    /// An earlier observation of the same window, and what the fleet's
+    /// leases granted since: what the remainder fell by beyond that was spent
+    /// by others.
+    base: Option<(Observation, f64)>,
+    /// What consumers outside usher spend per second (smoothed).
+    outside: f64,
 }
 
 impl QuotaState {
     /// Takes an observation a client carried up; the freshest one wins.
-    pub fn observe(&mut self, o: Observation) {
+    /// `granted`: what the resource's leases grant now, per second.
+    pub fn observe(&mut self, o: Observation, granted: f64) {
         if let Some(prev) = self.latest {
             if o.observed < prev.observed {
                 return;
@@ -43,6 +55,20 @@ impl QuotaState {
                 // A reset moved on by whole windows: the window is the smallest such step seen.
                 self.window = Some(self.window.map_or(step, |w| w.min(step)));
             }
+        }
+        match self.base {
+            // (Resets read from different answers differ by rounding.)
+            Some((b, g))
+                if !o.continuous && b.reset.since(o.reset).max(o.reset.since(b.reset)) < Duration::from_millis(500) =>
+            {
+                let span = o.observed.since(b.observed);
+                if span >= OUTSIDE_SPAN {
+                    let others = ((b.remaining - o.remaining) / span.as_secs_f64() - g.max(granted)).max(0.0);
+                    self.outside += 0.5 * (others - self.outside);
+                    self.base = Some((o, granted));
+                }
+            }
+            _ => self.base = Some((o, granted)),
         }
         self.latest = Some(o);
     }
@@ -67,15 +93,23 @@ impl QuotaState {
         if o.exhausted(now) {
             return Some(0.0);
         }
-        let spent_since = granted * now.since(o.observed).as_secs_f64();
-        let left = (o.remaining - spent_since).max(0.0);
-        Some(left / (o.reset.since(now) + LAG).as_secs_f64())
+        let to_reset = o.reset.since(now).as_secs_f64();
+        let spent_since = (granted + self.outside) * now.since(o.observed).as_secs_f64();
+        let left = (o.remaining - spent_since - self.outside * to_reset - 1.0).max(0.0);
+        let lag = (to_reset / 4.0).min(LAG.as_secs_f64());
+        Some(left / (to_reset + lag).max(0.001))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl QuotaState {
+        fn observe_at(&mut self, o: Observation) {
+            self.observe(o, 0.0)
+        }
+    }
 
     fn at(s: f64) -> Time {
         Time::from_nanos((1_800_000_000.0e9 + s * 1e9) as u64)
@@ -89,21 +123,40 @@ mod tests {
     fn a_fixed_window_shares_what_remains_until_its_reset() {
         let mut q = QuotaState::default();
         assert_eq!(q.capacity(at(0.0), 8.0, 0.0), None, "no observation: the configured capacity");
-        q.observe(window(200.0, 0.0, 28.0));
-        assert!((q.capacity(at(0.0), 8.0, 0.0).unwrap() - 200.0 / 30.0).abs() < 1e-9);
+        q.observe_at(window(200.0, 0.0, 28.0));
+        // One unit kept back; over the time to the reset and a lag of 2 s.
+        assert!((q.capacity(at(0.0), 8.0, 0.0).unwrap() - 199.0 / 30.0).abs() < 1e-9);
         // Two seconds on at 5/s: what the fleet may have spent since is counted.
-        assert!((q.capacity(at(2.0), 8.0, 5.0).unwrap() - 190.0 / 28.0).abs() < 1e-9);
+        assert!((q.capacity(at(2.0), 8.0, 5.0).unwrap() - 189.0 / 28.0).abs() < 1e-9);
+        // Near the reset the lag is a quarter of what is left.
+        assert!((q.capacity(at(24.0), 8.0, 0.0).unwrap() - 199.0 / 5.0).abs() < 1e-9);
         // An older observation does not replace a fresher one.
-        q.observe(window(10.0, -1.0, 28.0));
+        q.observe_at(window(10.0, -1.0, 28.0));
         assert_eq!(q.latest.unwrap().remaining, 200.0);
         // Spent: nothing until the reset; after it, the window's limit once the window is known.
-        q.observe(window(0.0, 10.0, 28.0));
+        q.observe_at(window(0.0, 10.0, 28.0));
         assert_eq!(q.capacity(at(20.0), 8.0, 5.0), Some(0.0));
         assert_eq!(q.capacity(at(29.0), 8.0, 5.0), None, "the window's length is not known yet");
-        q.observe(window(239.0, 29.0, 58.0));
-        q.observe(window(0.0, 50.0, 58.0));
+        assert!(q.outside > 5.0, "the remainder fell faster than any lease: others spend {}", q.outside);
+        q.observe_at(window(239.0, 29.0, 58.0));
+        q.observe_at(window(0.0, 50.0, 58.0));
         let renewed = q.capacity(at(59.0), 8.0, 5.0).unwrap();
         assert!((renewed - 240.0 / 32.0).abs() < 1e-9, "{renewed}");
+    }
+
+    /// What others outside usher spend is measured, and left to them.
+    #[test]
+    fn what_others_spend_is_left_to_them() {
+        let mut q = QuotaState::default();
+        // The fleet is granted 4/s; the remainder falls by 6/s: others spend 2/s.
+        for i in 0..10 {
+            let t = f64::from(i) * 2.0;
+            q.observe(window(200.0 - 12.0 * f64::from(i), t, 30.0), 4.0);
+        }
+        assert!((q.outside - 2.0).abs() < 0.1, "{}", q.outside);
+        // At 18 s: 92 left, others take 2/s × 12 s; the rest over 12 s + 2 s.
+        let c = q.capacity(at(18.0), 8.0, 4.0).unwrap();
+        assert!((c - (92.0 - q.outside * 12.0 - 1.0) / 14.0).abs() < 1e-6, "{c}");
     }
 
     #[test]
@@ -116,11 +169,11 @@ mod tests {
             observed: at(0.0),
             continuous: true,
         };
-        q.observe(bucket(6000.0));
+        q.observe_at(bucket(6000.0));
         assert_eq!(q.capacity(at(1.0), 100.0, 0.0), Some(100.0));
-        q.observe(bucket(1500.0));
+        q.observe_at(bucket(1500.0));
         assert_eq!(q.capacity(at(1.0), 100.0, 0.0), Some(50.0));
-        q.observe(bucket(0.0));
+        q.observe_at(bucket(0.0));
         assert_eq!(q.capacity(at(1.0), 100.0, 0.0), Some(0.0));
     }
 }

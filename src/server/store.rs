@@ -1151,7 +1151,8 @@ impl Resource {
     fn decide(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
         let Decision { learning, min_interval, again, arrivals } = d;
         if let Some(o) = req.quota {
-            self.quota.get_or_insert_default().observe(o);
+            let granted = self.index.total_has();
+            self.quota.get_or_insert_default().observe(o, granted);
         }
         let (client, epoch) = match req.requester {
             Requester::Server { .. } => split_identity(id),
