@@ -95,7 +95,7 @@ impl QuotaState {
         }
         let to_reset = o.reset.since(now).as_secs_f64();
         let spent_since = (granted + self.outside) * now.since(o.observed).as_secs_f64();
-        let left = (o.remaining - spent_since - self.outside * to_reset - 1.0).max(0.0);
+        let left = (o.remaining - spent_since - self.outside * to_reset).max(0.0);
         let lag = (to_reset / 4.0).min(LAG.as_secs_f64());
         Some(left / (to_reset + lag).max(0.001))
     }
@@ -124,12 +124,12 @@ mod tests {
         let mut q = QuotaState::default();
         assert_eq!(q.capacity(at(0.0), 8.0, 0.0), None, "no observation: the configured capacity");
         q.observe_at(window(200.0, 0.0, 28.0));
-        // One unit kept back; over the time to the reset and a lag of 2 s.
-        assert!((q.capacity(at(0.0), 8.0, 0.0).unwrap() - 199.0 / 30.0).abs() < 1e-9);
+        // Over the time to the reset and a lag of 2 s.
+        assert!((q.capacity(at(0.0), 8.0, 0.0).unwrap() - 200.0 / 30.0).abs() < 1e-9);
         // Two seconds on at 5/s: what the fleet may have spent since is counted.
-        assert!((q.capacity(at(2.0), 8.0, 5.0).unwrap() - 189.0 / 28.0).abs() < 1e-9);
+        assert!((q.capacity(at(2.0), 8.0, 5.0).unwrap() - 190.0 / 28.0).abs() < 1e-9);
         // Near the reset the lag is a quarter of what is left.
-        assert!((q.capacity(at(24.0), 8.0, 0.0).unwrap() - 199.0 / 5.0).abs() < 1e-9);
+        assert!((q.capacity(at(24.0), 8.0, 0.0).unwrap() - 200.0 / 5.0).abs() < 1e-9);
         // An older observation does not replace a fresher one.
         q.observe_at(window(10.0, -1.0, 28.0));
         assert_eq!(q.latest.unwrap().remaining, 200.0);
@@ -156,7 +156,7 @@ mod tests {
         assert!((q.outside - 2.0).abs() < 0.1, "{}", q.outside);
         // At 18 s: 92 left, others take 2/s × 12 s; the rest over 12 s + 2 s.
         let c = q.capacity(at(18.0), 8.0, 4.0).unwrap();
-        assert!((c - (92.0 - q.outside * 12.0 - 1.0) / 14.0).abs() < 1e-6, "{c}");
+        assert!((c - (92.0 - q.outside * 12.0) / 14.0).abs() < 1e-6, "{c}");
     }
 
     #[test]
