@@ -56,11 +56,21 @@ impl OnExpiry {
     }
 }
 
-/// The capacity a key may use now.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+/// The capacity a key may use now. Status pages show it plainly: a number,
+/// or the string `"unlimited"`.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Capacity {
     Limited(f64),
     Unlimited,
+}
+
+impl Serialize for Capacity {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Capacity::Limited(c) => s.serialize_f64(*c),
+            Capacity::Unlimited => s.serialize_str("unlimited"),
+        }
+    }
 }
 
 /// Where a key's capacity currently comes from.
