@@ -132,7 +132,13 @@ pub fn run(args: CheckArgs) -> Result<(), RunError> {
 pub fn summary(checked: &Checked) -> Vec<String> {
     match checked {
         Checked::Routes(cfg, unset) => routes_summary(cfg, unset),
-        Checked::Resources(cfg) => cfg.templates.iter().map(|t| template_line(t)).collect(),
+        Checked::Resources(cfg) => {
+            let mut out = vec![
+                "capacities per second (for a resource the sidecars enforce as a gauge: requests in flight)".into(),
+            ];
+            out.extend(cfg.templates.iter().map(|t| template_line(t)));
+            out
+        }
         Checked::Scenario => Vec::new(),
     }
 }

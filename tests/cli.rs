@@ -308,3 +308,38 @@ fn allow_unset_env_checks_a_file_whose_variables_are_not_set() {
         assert!(out.lines().any(|l| l == want), "missing {want:?} in:\n{out}");
     }
 }
+
+/// The shipped routes file leases ids that the shipped resources file
+/// configures: each id, whatever its placeholders expand to, falls under a
+/// template of its own, not the catch-all `*`; and a sidecar never first
+/// asks more than the whole capacity its template holds.
+#[test]
+fn the_shipped_routes_ids_match_templates_of_the_shipped_resources_file() {
+    use usher::config::resources::{CATCH_ALL, ResourcesConfig};
+    use usher::config::routes::{RoutesConfig, Segment};
+    let root = env!("CARGO_MANIFEST_DIR");
+    let read = |f: &str| std::fs::read_to_string(format!("{root}/deploy/examples/{f}")).unwrap();
+    let (routes, _) = RoutesConfig::parse_env("routes.yaml", &read("routes.yaml"), true).unwrap();
+    let resources = ResourcesConfig::parse("resources.yaml", &read("resources.yaml")).unwrap();
+    assert!(!routes.resources.is_empty());
+    for r in routes.resources.values() {
+        for sample in ["acme", "x", "tenant-42", "a.b"] {
+            let id: String =
+                r.id.segments
+                    .iter()
+                    .map(|s| match s {
+                        Segment::Literal(l) => l.clone(),
+                        _ => sample.to_string(),
+                    })
+                    .collect();
+            let t = resources.find(&id).unwrap();
+            assert_ne!(t.identifier_glob, CATCH_ALL, "{} (id {id}) falls to the catch-all", r.name);
+            let first_wants = r.capacity.per_second();
+            assert!(first_wants <= t.capacity, "{}: first wants {first_wants} over the whole {}", r.name, t.capacity);
+        }
+    }
+    // GitHub's primary quota: 5,000 requests per hour per token.
+    let gh = resources.find("github/acme").unwrap();
+    assert!((gh.capacity - 5000.0 / 3600.0).abs() < 1e-9, "{}", gh.capacity);
+    assert!((routes.resources["github-core"].capacity.per_second() - gh.capacity).abs() < 1e-9);
+}

@@ -200,6 +200,17 @@ fn number(ck: &mut Checker, m: &MapView<'_>, key: &str, ok: impl Fn(f64) -> bool
     Some(Some(v))
 }
 
+/// As [`number`], for a capacity: also `50/s`, `600/min`, `5000/h`, `1000/day` (per second).
+fn rate(ck: &mut Checker, m: &MapView<'_>, key: &str, ok: impl Fn(f64) -> bool, rule: &str) -> Option<Option<f64>> {
+    let Some(n) = m.get(key) else { return Some(None) };
+    let v = super::resources::rate(ck, n, &m.child(key))?;
+    if !(v.is_finite() && ok(v)) {
+        ck.error(n.loc, &m.child(key), format!("must be {rule}, not {v}"), None);
+        return None;
+    }
+    Some(Some(v))
+}
+
 /// Reads the `doorman:` section.
 pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
     let m = ck.map(node, "doorman", DOORMAN_FIELDS)?;
@@ -335,7 +346,7 @@ pub fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSet
         None => Some(None),
         Some(n) if n.as_str() == Some("auto") => Some(Some(Wants::Auto)),
         Some(n) => {
-            let v = ck.f64(n, &m.child("wants"));
+            let v = super::resources::rate(ck, n, &m.child("wants"));
             match v {
                 Some(v) if v.is_finite() && v >= 0.0 => Some(Some(Wants::Fixed(v))),
                 Some(v) => {
@@ -366,9 +377,9 @@ pub fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSet
         },
     };
     let safe_capacity =
-        number(ck, m, "safe_capacity", |v| v == -1.0 || v >= 0.0, "-1 (unlimited), 0 or a positive capacity")?;
-    let min_wants = number(ck, m, "min_wants", |v| v >= 0.0, "a number >= 0")?.unwrap_or(0.0);
-    let max_wants = number(ck, m, "max_wants", |v| v >= 0.0, "a number >= 0")?;
+        rate(ck, m, "safe_capacity", |v| v == -1.0 || v >= 0.0, "-1 (unlimited), 0 or a positive capacity")?;
+    let min_wants = rate(ck, m, "min_wants", |v| v >= 0.0, "a number >= 0")?.unwrap_or(0.0);
+    let max_wants = rate(ck, m, "max_wants", |v| v >= 0.0, "a number >= 0")?;
     let headroom = number(ck, m, "headroom", |v| v >= 1.0, "at least 1")?.unwrap_or(DEFAULT_HEADROOM);
     let key_idle_timeout = m
         .get("key_idle_timeout")

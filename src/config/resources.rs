@@ -194,7 +194,7 @@ const RATE_HINT: &str = "a number per second (Doorman's unit), or e.g. 50/s, 600
 
 /// A capacity in units per second: a bare number (per second, as Doorman
 /// reads it) or a rate with a unit, parsed as a routes file's capacity is.
-fn rate(ck: &mut Checker, n: &Node, path: &str) -> Option<f64> {
+pub(super) fn rate(ck: &mut Checker, n: &Node, path: &str) -> Option<f64> {
     match &n.value {
         super::yaml::Value::Scalar(s, _) if s.contains('/') => match super::routes::parse_capacity(s) {
             Ok(c) => Some(c.per_second()),
