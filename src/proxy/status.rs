@@ -225,7 +225,15 @@ fn status_html(s: &Status) -> String {
                 k.mode,
                 k.has.map(|h| with_unit(h, kind)).unwrap_or_else(|| "-".into()),
                 match (k.capacity, k.source) {
-                    (Capacity::Limited(c), s) => format!("{} ({})", with_unit(c, kind), source_name(s)),
+                    (Capacity::Limited(c), s) => match k.zero_reason {
+                        Some(why) => format!(
+                            "{} ({}): <span class=err>{}</span>",
+                            with_unit(c, kind),
+                            source_name(s),
+                            escape(why)
+                        ),
+                        None => format!("{} ({})", with_unit(c, kind), source_name(s)),
+                    },
                     (Capacity::Unlimited, s) => format!("unlimited ({})", source_name(s)),
                 },
                 with_unit(k.wants, kind),
