@@ -111,6 +111,8 @@ fn status_pages_have_plain_fields_as_documented() {
     let lease = sidecar["lease"]["keys"].as_array().unwrap().iter().find(|k| k["resource_id"] == "api").unwrap();
     assert_eq!(lease["capacity"].as_f64(), Some(7.5), "a plain number: {sidecar}");
     check("Sidecar: `usher proxy`, `/debug/status?format=json`", &[sidecar]);
+    let (_, html) = http_get(p.addr("admin"), "/debug/status");
+    assert!(html.contains("<td>7.500/s</td>") && html.contains("<td>3 in flight</td>"), "units on the page:\n{html}");
 
     assert_eventually!(
         json(root.addr("admin"), "/debug/resources?resource=api&format=json")["leases"][0]["kind"] == "server",
@@ -124,6 +126,8 @@ fn status_pages_have_plain_fields_as_documented() {
     assert_eq!(servers[1]["role"], "intermediate", "{}", servers[1]);
     assert_eq!(servers[0]["capacity_unit"], "per_second");
     check("Server: `usher server`, `/debug/status?format=json`", &servers);
+    let (_, html) = http_get(middle.addr("admin"), "/debug/status");
+    assert!(html.contains("<td>7.500/s</td>"), "units on the page:\n{html}");
     let leases = [
         json(root.addr("admin"), "/debug/resources?resource=api&format=json"),
         json(middle.addr("admin"), "/debug/resources?resource=api&format=json"),
