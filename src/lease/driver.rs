@@ -350,7 +350,7 @@ fn enforce(client: &LeaseClient) {
         enforcer.apply(&capacities);
     }
     for t in transitions {
-        tracing::info!(resource = %t.resource_id, from = ?t.from, to = ?t.to, capacity = ?t.capacity, "lease mode changed");
+        tracing::info!(resource = %t.resource_id, from = t.from.name(), to = t.to.name(), capacity = %show(t.capacity), "lease mode changed");
         enforcer.on_transition(&t);
     }
 }
