@@ -277,9 +277,18 @@ pub struct Match {
 impl RoutesConfig {
     /// Parses and validates a routes file's text; `file` names it in errors.
     pub fn parse(file: &str, text: &str) -> Result<Self, ConfigError> {
+        Self::parse_env(file, text, false).map(|(cfg, _)| cfg)
+    }
+
+    /// Parses as [`Self::parse`] does, except that with `allow_unset_env` an
+    /// unset `${VAR}` stays as written; returns the names of those unset.
+    pub fn parse_env(file: &str, text: &str, allow_unset_env: bool) -> Result<(Self, Vec<String>), ConfigError> {
         let root = parse(file, text)?;
         let mut ck = Checker::new(file);
+        ck.unset_env = allow_unset_env.then(Vec::new);
         let cfg = read_root(&mut ck, &root);
+        let unset = ck.unset_env.take().unwrap_or_default();
+        let cfg = cfg.map(|c| (c, unset));
         match cfg {
             Some(cfg) => ck.finish(cfg),
             None => {

@@ -56,11 +56,21 @@ impl OnExpiry {
     }
 }
 
-/// The capacity a key may use now.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+/// The capacity a key may use now. Status pages show it plainly: a number,
+/// or the string `"unlimited"`.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Capacity {
     Limited(f64),
     Unlimited,
+}
+
+impl Serialize for Capacity {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Capacity::Limited(c) => s.serialize_f64(*c),
+            Capacity::Unlimited => s.serialize_str("unlimited"),
+        }
+    }
 }
 
 /// Where a key's capacity currently comes from.
@@ -225,6 +235,40 @@ impl KeyState {
                 },
             },
         }
+    }
+}
+
+/// Why a key enforces a capacity of 0, as logs, status pages and 429s say it.
+pub struct ZeroReason;
+
+impl ZeroReason {
+    pub const LEASE_ZERO: &'static str = "the lease is 0: the server gave this key nothing (its capacity is \
+         given out, or it is in learning mode after a master change and hands back only what a client already had)";
+    pub const NO_LEASE_NO_SAFE: &'static str = "no lease yet and no safe capacity";
+    pub const EXPIRED_NO_SAFE: &'static str = "the lease expired and there is no safe capacity";
+    pub const SAFE_ZERO: &'static str = "no lease, and the safe capacity is 0";
+    pub const PESSIMISTIC: &'static str = "no lease, and on_expiry is pessimistic";
+    pub const WANTS_ZERO: &'static str = "no lease, and on_expiry is optimistic but it wants 0";
+}
+
+impl KeyState {
+    /// Why the key enforces 0 now, if it does.
+    fn zero_reason(&self) -> Option<&'static str> {
+        if self.capacity() != Capacity::Limited(0.0) {
+            return None;
+        }
+        Some(match (self.mode, self.lease) {
+            (Mode::Leased | Mode::Held, Some(_)) => ZeroReason::LEASE_ZERO,
+            (mode, _) => match self.demand.on_expiry {
+                OnExpiry::Pessimistic => ZeroReason::PESSIMISTIC,
+                OnExpiry::Optimistic => ZeroReason::WANTS_ZERO,
+                OnExpiry::Safe => match (self.server_safe.or(self.demand.safe_capacity), mode) {
+                    (Some(_), _) => ZeroReason::SAFE_ZERO,
+                    (None, Mode::Pending) => ZeroReason::NO_LEASE_NO_SAFE,
+                    (None, _) => ZeroReason::EXPIRED_NO_SAFE,
+                },
+            },
+        })
     }
 }
 
@@ -414,6 +458,8 @@ pub struct KeyStatus {
     /// see [`KeyState::due`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub asks_at: Option<i64>,
+    /// Why the key enforces 0, when it does (see [`ZeroReason`]).
+    pub zero_reason: Option<&'static str>,
 }
 
 impl Core {
@@ -1086,8 +1132,19 @@ impl Core {
                 safe_capacity: k.server_safe.or(k.demand.safe_capacity),
                 last_error: k.last_error.clone(),
                 asks_at: k.due.map(|t| t.as_secs()),
+                zero_reason: k.zero_reason(),
             })
             .collect()
+    }
+
+    /// Why `resource_id` enforces a capacity of 0, if it does.
+    pub fn zero_reason(&self, resource_id: &str) -> Option<&'static str> {
+        self.keys.get(resource_id).and_then(|k| k.zero_reason())
+    }
+
+    /// Whether the client keeps a key for `resource_id`.
+    pub fn has_key(&self, resource_id: &str) -> bool {
+        self.keys.contains_key(resource_id)
     }
 
     /// The last lease received for `resource_id`, expired or not.

@@ -44,7 +44,7 @@ use crate::clock::{Clock, Time};
 use crate::config::doorman::PushbackConfig;
 use crate::config::routes::RoutesConfig;
 use crate::lease::quota::Observation;
-use crate::limit::admit::{self, Admission, Admitted, Plan, Refused};
+use crate::limit::admit::{self, Admission, Admitted, Plan, Reason, Refused};
 use crate::limit::{Kind, LeaseTable};
 
 // === the snapshot ===
@@ -392,6 +392,8 @@ pub struct Accounts {
     pub client_id: String,
     pub pushback: Arc<Pushback>,
     pub table: Arc<LeaseTable>,
+    /// Why keys enforce 0, from the lease client once it runs: the 429 says.
+    pub zero_reasons: std::sync::OnceLock<crate::lease::driver::ZeroReasons>,
 }
 
 #[derive(Clone)]
@@ -536,10 +538,15 @@ impl Accounts {
         if let (Error::Proxy(ProxyError::ClientStalled { route, .. }), Some(r)) = (&mut f.error, &f.meta.route) {
             route.clone_from(&r.name);
         }
-        if let Error::Refused(_) = f.error {
+        if let Error::Refused(r) = &mut f.error {
             // While an upstream's Retry-After holds a key of the request, the 429 says when that ends.
             let now = self.table.clock().now();
             f.meta.hold = f.meta.plan.items.iter().filter_map(|(l, _)| self.pushback.hold_left(l.id(), now)).max();
+            if r.reason == Reason::ZeroCapacity
+                && let Some(zeros) = self.zero_reasons.get()
+            {
+                r.why = zeros.read().expect("zero reasons poisoned").get(&r.id).copied();
+            }
         }
         let meta = &f.meta;
         match (&f.error, &meta.route) {

@@ -285,7 +285,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let mut slot = None;
-    let mut failing = Failing::default();
+    let mut failing = crate::lease::failing::Failing::new("the parent answers again");
     loop {
         let Some(sync) = current_link(&mut slot, &node, &parents, clock.now(), None) else {
             tokio::select! {
@@ -330,43 +330,6 @@ pub async fn run(
         current_link(&mut slot, &node, &parents, clock.now(), None).and_then(|s| s.release_all())
     {
         let _ = tokio::time::timeout(Duration::from_secs(2), batch::release_capacity(&*transport, &target, req)).await;
-    }
-}
-
-/// Calls to the parent that keep failing are logged when they start, then
-/// at most once a minute with how long and how often, and once when the
-/// parent answers again: not every second or two for as long as it is gone.
-#[derive(Default)]
-struct Failing {
-    /// When the failures began, how many there were, and when one was last logged.
-    run: Option<(std::time::Instant, u64, std::time::Instant)>,
-}
-
-impl Failing {
-    const EVERY: Duration = Duration::from_secs(60);
-
-    fn saw(&mut self, parent: &str, what: &str, error: Option<&CallError>) {
-        let now = std::time::Instant::now();
-        match (error, &mut self.run) {
-            (Some(e), None) => {
-                tracing::warn!(parent, error = ?e, "{what}");
-                self.run = Some((now, 1, now));
-            }
-            (Some(e), Some((since, n, logged))) => {
-                *n += 1;
-                if now.duration_since(*logged) >= Self::EVERY {
-                    *logged = now;
-                    let for_secs = now.duration_since(*since).as_secs();
-                    tracing::warn!(parent, error = ?e, failures = *n, for_secs, "{what}; still failing");
-                }
-            }
-            (None, Some((since, n, _))) => {
-                let after_secs = now.duration_since(*since).as_secs();
-                tracing::info!(parent, failures = *n, after_secs, "the parent answers again");
-                self.run = None;
-            }
-            (None, None) => {}
-        }
     }
 }
 

@@ -70,6 +70,20 @@ fn capacity_forms() {
 }
 
 #[test]
+fn lease_rates_take_units_too() {
+    let text = "resources:\n  a: { kind: rate, capacity: 5000/h, safe_capacity: 360/h, wants: 60/min, min_wants: 0.5, max_wants: 2/s }\n";
+    let c = RoutesConfig::parse("r.yaml", text).unwrap();
+    let l = &c.resources["a"].lease;
+    assert_eq!(l.safe_capacity, Some(0.1));
+    assert_eq!(l.wants, Some(super::super::doorman::Wants::Fixed(1.0)));
+    assert_eq!((l.min_wants, l.max_wants), (0.5, Some(2.0)));
+    let e = RoutesConfig::parse("r.yaml", "resources:\n  a: { kind: rate, capacity: 5, safe_capacity: 3/week }\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("r.yaml:2:48: resources.a.safe_capacity: unknown unit `/week`"), "{e}");
+}
+
+#[test]
 fn every_error_is_reported_with_its_position() {
     let text = "\
 listen: nowhere

@@ -1019,3 +1019,28 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
     assert_eq!(c.last_error(), None);
     assert!(c.status().iter().all(|k| k.last_error.is_none() && k.mode == Mode::Leased), "{:?}", c.status());
 }
+
+#[test]
+fn a_key_at_zero_says_why_and_one_above_says_nothing() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    let no_safe = |id: &str, wants: f64, on_expiry| KeyDemand { safe_capacity: None, ..demand(id, wants, on_expiry) };
+    c.set_demand(vec![
+        no_safe("unsafe", 5.0, OnExpiry::Safe),
+        demand("pes", 5.0, OnExpiry::Pessimistic),
+        no_safe("nothing", 0.0, OnExpiry::Optimistic),
+        demand("some", 5.0, OnExpiry::Safe),
+    ]);
+    assert_eq!(c.zero_reason("unsafe"), Some(ZeroReason::NO_LEASE_NO_SAFE));
+    assert_eq!(c.zero_reason("pes"), Some(ZeroReason::PESSIMISTIC));
+    assert_eq!(c.zero_reason("nothing"), Some(ZeroReason::WANTS_ZERO));
+    assert_eq!(c.zero_reason("some"), None, "its safe capacity is 2");
+    w.step(&mut c);
+    assert_eq!(c.zero_reason("nothing"), Some(ZeroReason::LEASE_ZERO), "it asked for 0 and got it");
+    for k in ["unsafe", "pes", "some"] {
+        assert_eq!(c.zero_reason(k), None, "{k} is leased 5");
+    }
+    let status = c.status();
+    let nothing = status.iter().find(|k| k.resource_id == "nothing").unwrap();
+    assert_eq!(nothing.zero_reason, Some(ZeroReason::LEASE_ZERO));
+}
