@@ -83,6 +83,12 @@ pub const PREDECESSOR_PARAMETER: &str = "usher.predecessor_subclients";
 /// backoff cap, plus one discovery.
 pub const RECONNECT_ALLOWANCE: Duration = Duration::from_secs(3);
 
+/// How long past a lapsed lease's hold the server keeps reserving a client's
+/// default safe capacity (its share, see [`Resource::share_safe`]): a client
+/// cut off from the tree runs on it for as long as it stays cut off, and one
+/// that does not come back within this long may use it beyond what is kept.
+pub const SHARE_KEPT: Duration = Duration::from_secs(60);
+
 /// The refresh interval of a lease whose client should come back soon: its
 /// grant was cut to what others leave unused, or the resource is new.
 pub const FAST_REFRESH: Duration = Duration::from_secs(1);
@@ -221,6 +227,10 @@ pub struct ParentDemand {
 #[derive(Debug, Clone)]
 struct ClientLease {
     slot: ClientSlot,
+    /// `safe` is this end client's share of the resource (no safe capacity
+    /// configured): counted in [`Resource::told`], reserved in full when the
+    /// lease lapses (see [`Reservation`]).
+    share: bool,
     /// What the last answer granted.
     granted: f64,
     /// What counts as outstanding: the grant, or for a lower server the
@@ -248,8 +258,10 @@ struct ClientLease {
 
 /// What a lease leaves behind when it expires unrenewed: its client now holds
 /// it for as long again as it was granted for (`lease::Mode::Held`), then
-/// runs on its safe capacity, never more than its last lease (see
-/// [`safe_for`]), or is gone. What the client may use stays counted as handed
+/// runs on its safe capacity (a configured one never more than its last
+/// lease, see [`safe_for`]; by default its share, see
+/// [`Resource::share_safe`], reserved from the lapse and for [`SHARE_KEPT`]
+/// past the hold), or is gone. What the client may use stays counted as handed
 /// out, so nobody else can be given what a client cut off from the tree goes
 /// on using: the whole lease (a lower server's: at least what its clients
 /// hold) while the client holds it, then its safe capacity, until one lease
@@ -272,6 +284,10 @@ struct Reservation {
     /// Subclients that may still hold leases under it: a released lower
     /// server's; 0 once its leases have expired.
     holders: u64,
+    /// An end client's share (its safe capacity) and its subclients, kept
+    /// counted in [`Resource::told`] while reserved; 0 for any other.
+    told: f64,
+    sharers: u64,
 }
 
 struct Resource {
@@ -293,6 +309,14 @@ struct Resource {
     expiries: Expiries,
     reservations: HashMap<Arc<str>, Reservation>,
     reserved: f64,
+    /// What end clients with a lease were told as their share (their safe
+    /// capacity); with `told_reserved`, never more than the capacity, so
+    /// clients that all fall back on it at once stay within it.
+    told: f64,
+    /// What reservations keep of lapsed clients' shares, and their
+    /// subclients (who count when a share is computed).
+    told_reserved: f64,
+    sharers: u64,
     /// Learning mode ended early: every expected client has reported, or
     /// nothing of a predecessor is outstanding.
     learned: bool,
@@ -810,6 +834,9 @@ impl Resource {
             expiries: Expiries::default(),
             reservations: HashMap::new(),
             reserved: 0.0,
+            told: 0.0,
+            told_reserved: 0.0,
+            sharers: 0,
             learned: false,
             learning_end: None,
             created: Time::from_nanos(0),
@@ -830,11 +857,29 @@ impl Resource {
             let until = expiry.saturating_add(lease_length);
             // The client holds its lease for as long again as it was granted for.
             let hold_until = expiry.saturating_add(expiry.since(l.last_request).min(lease_length));
-            let then = if l.safe < 0.0 { amount } else { amount.min(l.safe * l.subclients as f64) };
-            let epoch = l.epoch;
+            let r = if l.share {
+                // Its share is what it runs on once the hold ends; reserved
+                // from now, so that no lease granted from now on outlasts
+                // the hold, and kept while it may still be cut off.
+                let told = l.safe * l.subclients as f64;
+                let until = hold_until.saturating_add(lease_length.max(SHARE_KEPT));
+                Reservation {
+                    amount: amount.max(told),
+                    hold_until,
+                    then: told,
+                    until,
+                    epoch: l.epoch,
+                    holders: 0,
+                    told,
+                    sharers: l.subclients,
+                }
+            } else {
+                let then = if l.safe < 0.0 { amount } else { amount.min(l.safe * l.subclients as f64) };
+                Reservation { amount, hold_until, then, until, epoch: l.epoch, holders: 0, told: 0.0, sharers: 0 }
+            };
             self.remove(&owner);
-            if amount > 0.0 && until > now {
-                self.reserve(owner, Reservation { amount, hold_until, then, until, epoch, holders: 0 });
+            if r.amount > 0.0 && r.until > now {
+                self.reserve(owner, r);
             }
         }
         if self.reservations.values().any(|r| r.until <= now || (r.hold_until <= now && r.amount > r.then)) {
@@ -844,20 +889,37 @@ impl Resource {
                 }
                 r.until > now && r.amount > 0.0
             });
-            self.reserved = self.reservations.values().map(|r| r.amount).sum();
+            self.recount_reservations();
         }
+    }
+
+    fn recount_reservations(&mut self) {
+        let rs = self.reservations.values();
+        self.reserved = rs.clone().map(|r| r.amount).sum();
+        self.told_reserved = rs.clone().map(|r| r.told).sum();
+        self.sharers = rs.map(|r| r.sharers).sum();
     }
 
     fn reserve(&mut self, client: Arc<str>, r: Reservation) {
         self.reserved += r.amount;
+        self.told_reserved += r.told;
+        self.sharers += r.sharers;
         if let Some(old) = self.reservations.insert(client, r) {
             self.reserved -= old.amount;
+            self.told_reserved -= old.told;
+            self.sharers -= old.sharers;
         }
     }
 
     fn unreserve(&mut self, client: &str) -> Option<Reservation> {
         let r = self.reservations.remove(client)?;
-        self.reserved = if self.reservations.is_empty() { 0.0 } else { (self.reserved - r.amount).max(0.0) };
+        if self.reservations.is_empty() {
+            (self.reserved, self.told_reserved, self.sharers) = (0.0, 0.0, 0);
+        } else {
+            self.reserved = (self.reserved - r.amount).max(0.0);
+            self.told_reserved = (self.told_reserved - r.told).max(0.0);
+            self.sharers -= r.sharers;
+        }
         Some(r)
     }
 
@@ -879,7 +941,17 @@ impl Resource {
         let key: Arc<str> = Arc::from(node);
         self.remove(node);
         if keep > 0.0 && until > now {
-            self.reserve(key, Reservation { amount: keep, hold_until: until, then: keep, until, epoch, holders });
+            let r = Reservation {
+                amount: keep,
+                hold_until: until,
+                then: keep,
+                until,
+                epoch,
+                holders,
+                told: 0.0,
+                sharers: 0,
+            };
+            self.reserve(key, r);
         }
     }
 
@@ -949,12 +1021,34 @@ impl Resource {
 
     fn remove(&mut self, client: &str) {
         if let Some(l) = self.clients.remove(client) {
+            self.untell(&l);
             self.expiries.remove(&(l.expiry, l.slot));
             self.index.remove(l.slot);
             self.unfile_bands(l.slot, bands_of(&l.requester, l.wants, l.subclients));
             self.slot_owner[l.slot as usize] = None;
             self.free_slots.push(l.slot);
         }
+    }
+
+    /// Takes what `l` was told as its share out of [`Resource::told`].
+    fn untell(&mut self, l: &ClientLease) {
+        if l.share {
+            self.told = if self.clients.is_empty() { 0.0 } else { (self.told - l.safe * l.subclients as f64).max(0.0) };
+        }
+    }
+
+    /// An end client's default safe capacity: its share of `capacity` by
+    /// subclients, counting those of lapsed clients still on theirs, and no
+    /// more than what the others were told leaves (a share told earlier, when
+    /// fewer clients shared, stays counted until its client hears the new one).
+    /// Unlike a configured safe capacity it is not capped at the client's
+    /// lease: an idle client cut off from the tree runs on its share, not on
+    /// nothing. `told_before`: what the client itself was told until now.
+    fn share_safe(&self, subclients: u64, capacity: f64, told_before: f64) -> f64 {
+        let n = self.index.total_subclients() + self.sharers;
+        let share = if n == 0 { capacity } else { capacity * subclients as f64 / n as f64 };
+        let others = (self.told - told_before).max(0.0) + self.told_reserved;
+        share.min(capacity - others).max(0.0)
     }
 
     fn unfile_bands(&mut self, slot: ClientSlot, bands: impl IntoIterator<Item = (i64, f64, u64)>) {
@@ -1043,7 +1137,10 @@ impl Resource {
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
-            safe_capacity: safe_for(&l.requester, self.safe_capacity(capacity.unwrap_or(0.0)), l.granted),
+            safe_capacity: match l.share {
+                true => l.safe * l.subclients as f64,
+                false => safe_for(&l.requester, self.safe_capacity(capacity.unwrap_or(0.0)), l.granted),
+            },
             algorithm: alg,
             predecessor_subclients: l.predecessor_subclients,
         }
@@ -1078,6 +1175,7 @@ impl Resource {
             self.owner(slot),
             Box::new(ClientLease {
                 slot,
+                share: false,
                 granted: 0.0,
                 has: 0.0,
                 wants: req.wants,
@@ -1198,6 +1296,10 @@ impl Resource {
         if too_early || lapsed {
             let l = self.clients.get_mut(client).expect("checked above");
             let old_bands: Vec<_> = bands_of(&l.requester, l.wants, l.subclients).collect();
+            if l.share {
+                // Its share per subclient stands; what it was told follows its subclients.
+                self.told += l.safe * (req.subclients as f64 - l.subclients as f64);
+            }
             l.wants = req.wants;
             l.subclients = req.subclients;
             l.requester = req.requester.clone();
@@ -1343,8 +1445,16 @@ impl Resource {
         }
         let expiry = self.cap_expiry(expiry);
         let safe = self.safe_capacity(capacity.unwrap_or(0.0));
+        let share = matches!(req.requester, Requester::Client { .. }) && self.configured_safe_capacity().is_none();
+        let told_before = self.clients.get(client).filter(|l| l.share).map_or(0.0, |l| l.safe * l.subclients as f64);
+        let told = share.then(|| self.share_safe(req.subclients, capacity.unwrap_or(0.0), told_before));
+        if let Some(t) = told {
+            self.told += t;
+        }
+        self.told = (self.told - told_before).max(0.0);
         let lease = ClientLease {
             slot,
+            share,
             granted,
             has,
             wants: req.wants,
@@ -1356,7 +1466,10 @@ impl Resource {
             epoch,
             floor,
             predecessor_subclients: predecessor,
-            safe: self.configured_safe_capacity().unwrap_or(safe),
+            safe: match told {
+                Some(t) => t / req.subclients.max(1) as f64,
+                None => self.configured_safe_capacity().unwrap_or(safe),
+            },
         };
         self.index.upsert(slot, req.wants, req.subclients, has);
         self.file_bands(slot, bands.iter().copied(), has);
@@ -1366,7 +1479,7 @@ impl Resource {
             capacity: granted,
             expiry,
             refresh_interval: refresh,
-            safe_capacity: safe_for(&req.requester, safe, granted),
+            safe_capacity: told.unwrap_or_else(|| safe_for(&req.requester, safe, granted)),
             algorithm: alg,
             predecessor_subclients: predecessor,
         }
@@ -1423,8 +1536,9 @@ fn bands_of(requester: &Requester, wants: f64, subclients: u64) -> impl Iterator
     own.into_iter().chain(reported.iter().map(|b| (b.priority, b.wants, b.num_clients.max(1) as u64)))
 }
 
-/// The safe capacity to tell a requester that holds `held`: an end client's
-/// is never more than what it holds. A client runs on its safe capacity once
+/// The configured safe capacity to tell a requester that holds `held`: an
+/// end client's is never more than what it holds (the default, its share, is
+/// [`Resource::share_safe`]'s). A client runs on its safe capacity once
 /// its lease lapses; capped so, it never uses more than is already counted for
 /// it (its lease, then its reservation), so no lapse, however it falls, can
 /// take capacity that was handed to someone else. A lower server gets the
