@@ -6,6 +6,7 @@
 //! tests and the simulator run the exact production logic in virtual time.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rand::SeedableRng;
@@ -154,6 +155,8 @@ struct KeyState {
     /// cache or one that arrived already expired.
     hold_until: Option<Time>,
     server_safe: Option<f64>,
+    /// The server's template the key matched, if it says (usher servers do).
+    template: Option<Arc<str>>,
     mode: Mode,
     last_error: Option<String>,
     /// The lease came from the on-disk cache and no answer has replaced it yet.
@@ -360,6 +363,8 @@ pub struct Core {
     /// [`KeyState::due`]): an early call is due at the first.
     dues: BTreeSet<(Time, String)>,
     to_release: Vec<String>,
+    /// The last template name a server sent, shared by the keys that match it.
+    last_template: Option<Arc<str>>,
     master: Option<String>,
     rotation: usize,
     /// Servers still to try at once before the next backoff step: a server
@@ -406,6 +411,10 @@ pub struct KeyStatus {
     pub expiry: Option<i64>,
     pub refresh_interval_s: Option<u64>,
     pub safe_capacity: Option<f64>,
+    /// The capacity server's template (`identifier_glob`) the key matched,
+    /// when the server says (usher servers do; a catch-all `*` there may be a
+    /// typo in the id or in the server's configuration).
+    pub template: Option<String>,
     pub last_error: Option<String>,
     /// When it asks on its own, before every key's refresh (unix seconds;
     /// see [`KeyState::due`]).
@@ -427,6 +436,7 @@ impl Core {
             away: 0,
             dues: BTreeSet::new(),
             to_release: Vec::new(),
+            last_template: None,
             master: None,
             rotation: 0,
             redirects: 0,
@@ -487,6 +497,7 @@ impl Core {
                 lease: Some(lease),
                 hold_until: None,
                 server_safe: None,
+                template: None,
                 mode: Mode::Leased,
                 last_error: None,
                 cached: true,
@@ -582,6 +593,7 @@ impl Core {
                             lease: None,
                             hold_until: None,
                             server_safe: None,
+                            template: None,
                             mode: Mode::Pending,
                             last_error: None,
                             cached: false,
@@ -971,6 +983,19 @@ impl Core {
                 refresh_interval: Duration::from_secs(r.gets.refresh_interval.max(1) as u64),
             };
             k.server_safe = r.safe_capacity.filter(|s| s.is_finite());
+            k.template = match (&r.template, &k.template) {
+                (None, _) => None,
+                (Some(t), Some(kt)) if **kt == **t => Some(kt.clone()),
+                // Most keys match one template: share its name.
+                (Some(t), _) => match &self.last_template {
+                    Some(last) if **last == **t => Some(last.clone()),
+                    _ => {
+                        let t: Arc<str> = Arc::from(t.as_str());
+                        self.last_template = Some(t.clone());
+                        Some(t)
+                    }
+                },
+            };
             if let Some(before) = k.asked_with.take() {
                 let w = k.demand.wants;
                 let moved = (w - lease.capacity).abs() < (w - before).abs() - 1e-9;
@@ -1080,6 +1105,7 @@ impl Core {
                 expiry: k.lease.map(|l| l.expiry.as_secs()),
                 refresh_interval_s: k.lease.map(|l| l.refresh_interval.as_secs()),
                 safe_capacity: k.server_safe.or(k.demand.safe_capacity),
+                template: k.template.as_deref().map(str::to_string),
                 last_error: k.last_error.clone(),
                 asks_at: k.due.map(|t| t.as_secs()),
             })

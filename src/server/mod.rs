@@ -406,6 +406,7 @@ impl Node {
         registry: prometheus::Registry,
     ) -> Self {
         let now = clock.now();
+        let metrics = Metrics::new(registry);
         Node {
             mastership: ArcSwap::from_pointee(Mastership { is_master: true, master_address: Some(server_id.clone()) }),
             node_id: server_id.clone(),
@@ -414,8 +415,12 @@ impl Node {
             election: None,
             etcd: None,
             tls: None,
-            store: Store::new(clock, config, min_request_interval),
-            metrics: Metrics::new(registry),
+            store: {
+                let mut s = Store::new(clock, config, min_request_interval);
+                s.set_catch_all_counter(metrics.catch_all_resources.clone());
+                s
+            },
+            metrics,
             metrics_max_resources: metrics::DEFAULT_METRICS_MAX_RESOURCES,
             config_source,
             config_state: Mutex::new(ConfigState { loaded_at: Some(now), last_error: None }),
@@ -811,7 +816,7 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         _ => None,
     };
 
-    let state_task = match (&etcd, state_file_path(&args, grpc_addr.port())) {
+    let state_task = match (&etcd, state_file_path(&args, args.listen.port())) {
         (None, Some(path)) => {
             let clock = node.store.clock().clone();
             let recorded = state_file::take_over(&path, &node, &clock);

@@ -104,6 +104,9 @@ pub struct Grant {
     pub safe_capacity: f64,
     /// The algorithm in force, to hand down to a lower server.
     pub algorithm: Algorithm,
+    /// The `identifier_glob` of the template the resource matched (at an
+    /// intermediate whose own is the catch-all: the parent's, once known).
+    pub template: String,
     /// For a lower usher server's master: how many subclients its
     /// predecessor spoke for (see [`PREDECESSOR_PARAMETER`]); `None` while
     /// this server cannot know (in learning mode itself).
@@ -207,6 +210,8 @@ pub struct ParentLease {
     pub refresh_interval: Duration,
     pub algorithm: Option<Algorithm>,
     pub safe_capacity: Option<f64>,
+    /// The parent's template for the resource, if it says.
+    pub template: Option<String>,
     /// What the parent said of this node's previous master (see [`PREDECESSOR_PARAMETER`]).
     pub predecessor_subclients: Option<u64>,
     /// The subclients this server reported in the request the lease answers.
@@ -405,7 +410,22 @@ pub struct Store {
     limits: Limits,
     /// Woken when a held answer may come out differently (see [`Store::changed`]).
     changed: tokio::sync::Notify,
+    catch_all: Mutex<CatchAll>,
 }
+
+/// The resource ids that fell to the catch-all `*` template while the
+/// configuration names others: each is warned about and counted once (a
+/// typo such as `github_core` for `github-core` silently got the catch-all's
+/// capacity). Remembered up to [`CATCH_ALL_REMEMBERED`] ids; past that each
+/// new resource is still counted, and warned about no more.
+#[derive(Default)]
+struct CatchAll {
+    seen: std::collections::HashSet<String>,
+    counter: Option<prometheus::IntCounter>,
+}
+
+/// How many catch-all resource ids the store remembers, to warn once each.
+pub const CATCH_ALL_REMEMBERED: usize = 1000;
 
 /// What status pages and metrics show of a resource.
 #[derive(Debug, Clone, Serialize)]
@@ -479,6 +499,46 @@ impl Store {
             role: Role::Root,
             limits: Limits::default(),
             changed: tokio::sync::Notify::new(),
+            catch_all: Mutex::new(CatchAll::default()),
+        }
+    }
+
+    /// Counts the resources that fall to the catch-all in `counter`.
+    pub fn set_catch_all_counter(&mut self, counter: prometheus::IntCounter) {
+        self.catch_all.get_mut().expect("catch-all lock poisoned").counter = Some(counter);
+    }
+
+    /// Warns about and counts a new resource that only the catch-all matched.
+    fn fell_to_catch_all(&self, id: &str, cfg: &ResourcesConfig, template: &Template) {
+        if template.identifier_glob != CATCH_ALL || cfg.templates.len() < 2 {
+            return;
+        }
+        let mut c = self.catch_all.lock().expect("catch-all lock poisoned");
+        if c.seen.contains(id) {
+            return;
+        }
+        if let Some(n) = &c.counter {
+            n.inc();
+        }
+        match c.seen.len() {
+            n if n < CATCH_ALL_REMEMBERED => {
+                let named: Vec<&str> = cfg.templates.iter().map(|t| t.identifier_glob.as_str()).take(6).collect();
+                tracing::warn!(
+                    resource = %id,
+                    capacity = template.capacity,
+                    algorithm = template.algorithm.kind.name(),
+                    "resource id matched no template but the catch-all `*` (a typo?); configured: {}",
+                    named.join(", ")
+                );
+                c.seen.insert(id.to_string());
+            }
+            n if n == CATCH_ALL_REMEMBERED => {
+                tracing::warn!(
+                    "{CATCH_ALL_REMEMBERED} resource ids fell to the catch-all `*`: more are counted in usher_server_catch_all_resources_total, not logged"
+                );
+                c.seen.insert(String::new());
+            }
+            _ => {}
         }
     }
 
@@ -716,6 +776,7 @@ impl Store {
             let template = cfg.find(&req.resource_id).expect("validated config has a catch-all").clone();
             let mut map = self.resources.write().expect("store lock poisoned");
             map.entry(req.resource_id.clone()).or_insert_with(|| {
+                self.fell_to_catch_all(&req.resource_id, &cfg, &template);
                 let mut r = Resource::new(template);
                 r.created = now;
                 Arc::new(Mutex::new(r))
@@ -1095,6 +1156,15 @@ impl Resource {
         self.template.identifier_glob != CATCH_ALL
     }
 
+    /// The template the resource matched, for a client's status page: the
+    /// parent's at an intermediate whose own is the catch-all.
+    fn template_name(&self) -> String {
+        match self.parent.as_ref().and_then(|p| p.template.as_ref()) {
+            Some(t) if !self.has_local_template() => t.clone(),
+            _ => self.template.identifier_glob.clone(),
+        }
+    }
+
     /// The algorithm in force.
     fn algorithm(&self) -> &Algorithm {
         match self.parent.as_ref().and_then(|p| p.algorithm.as_ref()) {
@@ -1142,6 +1212,7 @@ impl Resource {
                 false => safe_for(&l.requester, self.safe_capacity(capacity.unwrap_or(0.0)), l.granted),
             },
             algorithm: alg,
+            template: self.template_name(),
             predecessor_subclients: l.predecessor_subclients,
         }
     }
@@ -1201,6 +1272,7 @@ impl Resource {
             refresh_interval: Duration::from_secs(1),
             safe_capacity,
             algorithm: alg,
+            template: self.template_name(),
             predecessor_subclients: None,
         }
     }
@@ -1277,6 +1349,7 @@ impl Resource {
                     refresh_interval: alg.refresh_interval,
                     safe_capacity: self.safe_capacity(capacity.unwrap_or(0.0)),
                     algorithm: alg,
+                    template: self.template_name(),
                     predecessor_subclients: None,
                 };
             }
@@ -1481,6 +1554,7 @@ impl Resource {
             refresh_interval: refresh,
             safe_capacity: told.unwrap_or_else(|| safe_for(&req.requester, safe, granted)),
             algorithm: alg,
+            template: self.template_name(),
             predecessor_subclients: predecessor,
         }
     }

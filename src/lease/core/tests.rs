@@ -866,6 +866,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
             refresh_interval: 12,
         },
         safe_capacity: None,
+        template: None,
     };
     let answer = proto::GetCapacityResponse { response: vec![lease("a", 30), lease("b", 4)], mastership: None };
     c.on_refresh(now, Ok(answer));
@@ -900,6 +901,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
                 refresh_interval: interval,
             },
             safe_capacity: None,
+            template: None,
         };
         c.on_refresh(
             now,
@@ -944,6 +946,7 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
             refresh_interval: 12,
         },
         safe_capacity: safe,
+        template: None,
     };
     let answer = proto::GetCapacityResponse {
         response: vec![

@@ -313,6 +313,7 @@ fn an_intermediate_cut_off_from_its_parent_tells_clients_the_safe_capacity() {
             refresh_interval: Duration::from_secs(5),
             algorithm: None,
             safe_capacity: Some(2.0),
+            template: None,
             predecessor_subclients: None,
             answered_subclients: None,
         }),
@@ -344,6 +345,7 @@ fn an_intermediate_reports_what_its_clients_hold_not_what_it_last_granted() {
         refresh_interval: Duration::from_secs(8),
         algorithm: None,
         safe_capacity: None,
+        template: None,
         predecessor_subclients: None,
         answered_subclients: None,
     };
@@ -488,6 +490,7 @@ fn a_short_lapsed_lease_is_reserved_in_full_while_held_then_at_its_safe_capacity
         refresh_interval: Duration::from_secs(8),
         algorithm: None,
         safe_capacity: None,
+        template: None,
         predecessor_subclients: None,
         answered_subclients: None,
     };
