@@ -83,11 +83,14 @@ pub const PREDECESSOR_PARAMETER: &str = "usher.predecessor_subclients";
 /// backoff cap, plus one discovery.
 pub const RECONNECT_ALLOWANCE: Duration = Duration::from_secs(3);
 
-/// How long past a lapsed lease's hold the server keeps reserving a client's
-/// default safe capacity (its share, see [`Resource::share_safe`]): a client
-/// cut off from the tree runs on it for as long as it stays cut off, and one
-/// that does not come back within this long may use it beyond what is kept.
-pub const SHARE_KEPT: Duration = Duration::from_secs(60);
+/// How long past a lapsed lease's hold (at least a lease length) the server
+/// keeps reserving a client's default safe capacity (its share, see
+/// [`Resource::share_safe`]). A client cut off from the tree runs on it for
+/// as long as it stays cut off: one that comes back later than this may have
+/// used it beside what was handed to others. A client gone for good (killed
+/// without releasing; a restart under a new id) keeps it from the others
+/// this long: longer would cost them more, shorter would cover less.
+pub const SHARE_KEPT: Duration = Duration::from_secs(30);
 
 /// The refresh interval of a lease whose client should come back soon: its
 /// grant was cut to what others leave unused, or the resource is new.
@@ -1392,6 +1395,8 @@ impl Resource {
         let previous = self.clients.get(client);
         let (old_has, old_bands): (f64, Vec<_>) =
             previous.map_or((0.0, Vec::new()), |l| (l.has, bands_of(&l.requester, l.wants, l.subclients).collect()));
+        // The client asked before for less: its measured demand may be arriving.
+        let grew = previous.is_some_and(|l| req.wants > l.wants + 1e-9);
         // Kept for a lease length past its end: see `lapsed` below.
         let lease_length = self.algorithm().lease_length;
         let floor = inherited
@@ -1451,6 +1456,18 @@ impl Resource {
                     // the others still hold theirs.
                     granted = granted.max(old_has.min(share));
                     held_back = granted < share * (1.0 - HELD_BACK_MARGIN) - 1e-9;
+                }
+                if grew && arrivals && now.since(self.created) < alg.refresh_interval && is_shared(alg.kind) {
+                    // Clients are still arriving, and the wants of those that
+                    // asked first may not be their demand yet (a sidecar asks
+                    // for its routes file's capacity, 1/s say, before it has
+                    // measured any): a client asking for more than before
+                    // grows no further than its equal share then, or the
+                    // first whose measured demand arrives takes what the
+                    // others are about to ask for (47-58/s of 90 for a
+                    // second, the others 1-15/s).
+                    let equal = cap * req.subclients as f64 / self.index.total_subclients().max(1) as f64;
+                    granted = granted.min(equal.max(old_has));
                 }
                 granted
             }

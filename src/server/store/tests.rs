@@ -705,3 +705,23 @@ proptest! {
         }
     }
 }
+
+/// While a resource's clients are still arriving (its first refresh
+/// interval), one whose wants grow past what it asked before (its measured
+/// demand arriving) gets no more than its equal share: the others may be
+/// about to ask for theirs. After it, max-min fairness as ever.
+#[test]
+fn a_client_whose_first_wants_understated_its_demand_grows_to_its_equal_share_while_others_arrive() {
+    let (s, clock) = store(Kind::FairShare, 90.0, 0, Duration::ZERO);
+    for c in ["a", "b", "c"] {
+        assert_eq!(s.get_capacity(c, &req("r", 1.0, None)).capacity, 1.0);
+    }
+    clock.advance(Duration::from_secs(1));
+    let a = s.get_capacity("a", &req("r", 50.0, None));
+    assert_eq!((a.capacity, a.refresh_interval), (30.0, FAST_REFRESH), "its equal share, and come back soon");
+    // A newcomer asking for much at once is not held to it (nothing it asked before understated).
+    assert_eq!(s.get_capacity("d", &req("r", 20.0, None)).capacity, 20.0);
+    // After the first refresh interval (5 s): what the others leave.
+    clock.advance(Duration::from_secs(4));
+    assert_eq!(s.get_capacity("a", &req("r", 90.0, None)).capacity, 90.0 - 1.0 - 1.0 - 20.0);
+}
