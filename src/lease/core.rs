@@ -228,6 +228,21 @@ impl KeyState {
     }
 }
 
+/// How long a lapsed `lease`, received at `now`, is held (see
+/// [`Mode::Held`]): as long as it was granted for; with a safe capacity above
+/// the lease (an usher server's default, the client's share), a refresh
+/// interval more, jittered as refreshes are (`jitter`). Another client's
+/// lease, granted up to a refresh after this key's last one and held as long
+/// again, has then ended before this key runs on its share, also when every
+/// server is gone.
+fn hold(lease: &Lease, safe: Option<f64>, now: Time, jitter: f64) -> Duration {
+    let held = lease.expiry.since(now);
+    match safe {
+        Some(s) if s > lease.capacity + 1e-9 => held + lease.refresh_interval.mul_f64(1.0 + jitter.clamp(0.0, 1.0)),
+        _ => held,
+    }
+}
+
 /// The earlier of two times, `None` being never.
 fn earliest(a: Option<Time>, b: Option<Time>) -> Option<Time> {
     match (a, b) {
@@ -1009,7 +1024,9 @@ impl Core {
                 };
             }
             k.lease = Some(lease);
-            k.hold_until = (lease.expiry > now).then(|| lease.expiry.saturating_add(lease.expiry.since(now)));
+            let jitter = self.cfg.jitter;
+            k.hold_until =
+                (lease.expiry > now).then(|| lease.expiry.saturating_add(hold(&lease, k.server_safe, now, jitter)));
             k.cached = false;
             k.last_error = None;
             let from = k.mode;

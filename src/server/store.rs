@@ -926,6 +926,9 @@ impl Resource {
                 // from now, so that no lease granted from now on outlasts
                 // the hold, and kept while it may still be cut off.
                 let told = l.safe * l.subclients as f64;
+                // The client holds a lease below its share a refresh
+                // interval longer (`lease::Core::hold`).
+                let hold_until = hold_until.saturating_add(l.refresh_interval.mul_f64(7.0 / 6.0));
                 let until = hold_until.saturating_add(lease_length.max(SHARE_KEPT));
                 Reservation {
                     amount: amount.max(told),

@@ -107,7 +107,7 @@ fn learning_mode_believes_a_reported_lease_only_within_the_capacity_and_a_lease_
     // client gets its share.
     clock.advance(Duration::from_secs(21));
     assert_eq!(s.get_capacity("honest", &req("r", 10.0, None)).capacity, 0.0, "the liar's share is kept");
-    clock.advance(SHARE_KEPT);
+    clock.advance(SHARE_KEPT + Duration::from_secs(6));
     assert_eq!(s.get_capacity("honest", &req("r", 10.0, None)).capacity, 10.0);
 }
 
@@ -168,10 +168,13 @@ fn sweep_drops_expired_leases_and_empty_resources() {
     s.sweep();
     // The lapsed client runs on its safe capacity once its hold ends (by
     // default its share: the whole capacity, alone), so that stays reserved
-    // through the hold and SHARE_KEPT after it.
+    // through the hold (a refresh interval × 7/6 longer for a lease below
+    // its share: `lease::Core`'s hold) and SHARE_KEPT after it.
     let st = s.status();
     assert_eq!((st.len(), st[0].clients, st[0].reserved), (1, 0, 100.0), "{st:?}");
-    clock.advance(Duration::from_secs(10) + SHARE_KEPT - Duration::from_millis(1));
+    // (Its lease, the resource's first, asked to hear from it within a second.)
+    let hold = Duration::from_secs(10) + FAST_REFRESH.mul_f64(7.0 / 6.0);
+    clock.advance(hold + SHARE_KEPT - Duration::from_millis(1));
     s.sweep();
     assert_eq!(s.status()[0].reserved, 100.0);
     clock.advance(Duration::from_millis(1));
@@ -625,8 +628,8 @@ fn an_idle_clients_share_is_lent_while_its_lease_runs_and_reserved_once_it_lapse
     let b = s.get_capacity("b", &req("r", 10.0, None));
     assert_eq!(b.capacity, 5.0, "a lapsed: its share is reserved");
     assert_eq!(s.status()[0].reserved, 5.0);
-    // Kept through the hold and SHARE_KEPT after it; then b gets it all.
-    clock.advance(Duration::from_secs(10) + SHARE_KEPT);
+    // Kept through the hold (a refresh longer) and SHARE_KEPT after it; then b gets it all.
+    clock.advance(Duration::from_secs(16) + SHARE_KEPT);
     assert_eq!(s.get_capacity("b", &req("r", 10.0, None)).capacity, 10.0);
     // a comes back before that: its reservation goes, it is served anew.
 }
@@ -664,6 +667,7 @@ struct Told {
     safe: f64,
     asked: Time,
     expiry: Time,
+    refresh: Duration,
 }
 
 proptest! {
@@ -687,7 +691,7 @@ proptest! {
                     r.subclients = subclients;
                     let g = s.get_capacity(&format!("c{client}"), &r);
                     prop_assert!(g.safe_capacity >= 0.0);
-                    model.insert(client, Told { safe: g.safe_capacity, asked: clock.now(), expiry: g.expiry });
+                    model.insert(client, Told { safe: g.safe_capacity, asked: clock.now(), expiry: g.expiry, refresh: g.refresh_interval });
                 }
                 Op::Release { client } => {
                     s.release(&format!("c{client}"), "res");
@@ -697,7 +701,7 @@ proptest! {
             }
             let now = clock.now();
             model.retain(|_, t| {
-                let hold = t.expiry.since(t.asked).min(lease);
+                let hold = t.expiry.since(t.asked).min(lease) + t.refresh.mul_f64(7.0 / 6.0);
                 t.expiry.saturating_add(hold + lease.max(SHARE_KEPT)) > now
             });
             let told: f64 = model.values().map(|t| t.safe).sum();
