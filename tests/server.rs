@@ -193,10 +193,7 @@ async fn learning_mode_believes_a_liar_only_up_to_the_capacity_and_a_lease_lengt
     const LEASE: i64 = 8;
     // Learning lasts 3 s (less than its bound, refresh × 7/6 + 3 s), so the
     // liar's lease is still running when it ends.
-    // A safe capacity of 0: by default the liar would also be told its share
-    // (all of it, alone), kept reserved past the hold
-    // (store::SHARE_KEPT), which is not what this test looks at.
-    let config = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    safe_capacity: 0\n    algorithm: { kind: FAIR_SHARE, lease_length: 8, refresh_interval: 2, learning_mode_duration: 3 }\n";
+    let config = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 8, refresh_interval: 2, learning_mode_duration: 3 }\n";
     let s = Server::start(config, &[]);
     let mut c = s.client().await;
     let unix_now = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;

@@ -1538,7 +1538,10 @@ impl Resource {
         }
         let expiry = self.cap_expiry(expiry);
         let safe = self.safe_capacity(capacity.unwrap_or(0.0));
-        let share = matches!(req.requester, Requester::Client { .. }) && self.configured_safe_capacity().is_none();
+        // Not while learning: a new master does not know the shares its
+        // predecessor told, and the first client back would be told all of it.
+        let share =
+            !learning && matches!(req.requester, Requester::Client { .. }) && self.configured_safe_capacity().is_none();
         let told_before = self.clients.get(client).filter(|l| l.share).map_or(0.0, |l| l.safe * l.subclients as f64);
         let told = share.then(|| self.share_safe(req.subclients, capacity.unwrap_or(0.0), told_before));
         if let Some(t) = told {
