@@ -614,6 +614,7 @@ impl usher::proto::capacity_server::Capacity for FakeDoorman {
             // 3 s, asked again every second: a refused lease runs out soon.
             gets: Lease { expiry_time: now + 3, refresh_interval: 1, capacity },
             safe_capacity,
+            template: None,
         };
         let answer = self.answer.lock().unwrap().clone();
         let mut response = Vec::new();

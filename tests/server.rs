@@ -354,7 +354,7 @@ async fn reload_on_file_change_and_sighup_keeps_old_config_when_invalid() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(got, 300.0, "file change applied");
+    assert_eq!(got, 300.0, "file change applied\n{}", s.usher.log());
 
     // An invalid file is rejected; the old config stays in force.
     std::fs::write(&path, "resources:\n  - identifier_glob: x\n    capacity: oops\n").unwrap();

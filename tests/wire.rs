@@ -75,6 +75,18 @@ async fn raw_call(addr: std::net::SocketAddr, method: &str, msg: Vec<u8>) -> Vec
     body[5..5 + len].to_vec()
 }
 
+/// The field numbers Doorman defines (below 100).
+fn doorman(fields: &[(u32, Option<Vec<u8>>)]) -> Vec<u32> {
+    numbers(fields).into_iter().filter(|n| *n < USHER_FIELDS).collect()
+}
+
+/// usher's own optional fields, numbered from 100 so they never meet one of Doorman's.
+fn usher(fields: &[(u32, Option<Vec<u8>>)]) -> Vec<u32> {
+    numbers(fields).into_iter().filter(|n| *n >= USHER_FIELDS).collect()
+}
+
+const USHER_FIELDS: u32 = 100;
+
 #[tokio::test]
 async fn responses_encode_required_fields_even_when_zero() {
     let dir = tempfile::tempdir().unwrap();
@@ -100,7 +112,8 @@ async fn responses_encode_required_fields_even_when_zero() {
     let resp = fields(&raw_call(addr, "GetCapacity", req.encode_to_vec()).await);
     assert_eq!(numbers(&resp), vec![1], "one ResourceResponse, no mastership");
     let rr = fields(&payload(&resp, 1));
-    assert_eq!(numbers(&rr), vec![1, 2, 3], "resource_id, gets, safe_capacity");
+    assert_eq!(doorman(&rr), vec![1, 2, 3], "resource_id, gets, safe_capacity");
+    assert_eq!(usher(&rr), vec![100], "usher's template (a Doorman client skips unknown fields)");
     let lease = fields(&payload(&rr, 2));
     assert_eq!(numbers(&lease), vec![1, 2, 3], "expiry_time, refresh_interval and capacity, capacity being 0");
     let decoded = proto::Lease::decode(payload(&rr, 2).as_slice()).unwrap();
@@ -120,7 +133,8 @@ async fn responses_encode_required_fields_even_when_zero() {
     };
     let sresp = fields(&raw_call(addr, "GetServerCapacity", sreq.encode_to_vec()).await);
     let srr = fields(&payload(&sresp, 1));
-    assert_eq!(numbers(&srr), vec![1, 2, 3, 4], "resource_id, gets, algorithm, safe_capacity");
+    assert_eq!(doorman(&srr), vec![1, 2, 3, 4], "resource_id, gets, algorithm, safe_capacity");
+    assert_eq!(usher(&srr), vec![100], "usher's template");
     let alg = fields(&payload(&srr, 3));
     assert_eq!(&numbers(&alg)[..3], &[1, 2, 3], "kind, lease_length, refresh_interval");
 }

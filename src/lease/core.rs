@@ -6,6 +6,7 @@
 //! tests and the simulator run the exact production logic in virtual time.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rand::SeedableRng;
@@ -167,6 +168,8 @@ struct KeyState {
     /// cache or one that arrived already expired.
     hold_until: Option<Time>,
     server_safe: Option<f64>,
+    /// The server's template the key matched, if it says (usher servers do).
+    template: Option<Arc<str>>,
     mode: Mode,
     last_error: Option<String>,
     /// The lease came from the on-disk cache and no answer has replaced it yet.
@@ -269,6 +272,21 @@ impl KeyState {
                 },
             },
         })
+    }
+}
+
+/// How long a lapsed `lease`, received at `now`, is held (see
+/// [`Mode::Held`]): as long as it was granted for; with a safe capacity above
+/// the lease (an usher server's default, the client's share), a refresh
+/// interval more, jittered as refreshes are (`jitter`). Another client's
+/// lease, granted up to a refresh after this key's last one and held as long
+/// again, has then ended before this key runs on its share, also when every
+/// server is gone.
+fn hold(lease: &Lease, safe: Option<f64>, now: Time, jitter: f64) -> Duration {
+    let held = lease.expiry.since(now);
+    match safe {
+        Some(s) if s > lease.capacity + 1e-9 => held + lease.refresh_interval.mul_f64(1.0 + jitter.clamp(0.0, 1.0)),
+        _ => held,
     }
 }
 
@@ -407,6 +425,8 @@ pub struct Core {
     /// [`KeyState::due`]): an early call is due at the first.
     dues: BTreeSet<(Time, String)>,
     to_release: Vec<String>,
+    /// The last template name a server sent, shared by the keys that match it.
+    last_template: Option<Arc<str>>,
     master: Option<String>,
     rotation: usize,
     /// Servers still to try at once before the next backoff step: a server
@@ -453,6 +473,10 @@ pub struct KeyStatus {
     pub expiry: Option<i64>,
     pub refresh_interval_s: Option<u64>,
     pub safe_capacity: Option<f64>,
+    /// The capacity server's template (`identifier_glob`) the key matched,
+    /// when the server says (usher servers do; a catch-all `*` there may be a
+    /// typo in the id or in the server's configuration).
+    pub template: Option<String>,
     pub last_error: Option<String>,
     /// When it asks on its own, before every key's refresh (unix seconds;
     /// see [`KeyState::due`]).
@@ -476,6 +500,7 @@ impl Core {
             away: 0,
             dues: BTreeSet::new(),
             to_release: Vec::new(),
+            last_template: None,
             master: None,
             rotation: 0,
             redirects: 0,
@@ -536,6 +561,7 @@ impl Core {
                 lease: Some(lease),
                 hold_until: None,
                 server_safe: None,
+                template: None,
                 mode: Mode::Leased,
                 last_error: None,
                 cached: true,
@@ -631,6 +657,7 @@ impl Core {
                             lease: None,
                             hold_until: None,
                             server_safe: None,
+                            template: None,
                             mode: Mode::Pending,
                             last_error: None,
                             cached: false,
@@ -1021,6 +1048,19 @@ impl Core {
                 refresh_interval: Duration::from_secs(r.gets.refresh_interval.max(1) as u64),
             };
             k.server_safe = r.safe_capacity.filter(|s| s.is_finite());
+            k.template = match (&r.template, &k.template) {
+                (None, _) => None,
+                (Some(t), Some(kt)) if **kt == **t => Some(kt.clone()),
+                // Most keys match one template: share its name.
+                (Some(t), _) => match &self.last_template {
+                    Some(last) if **last == **t => Some(last.clone()),
+                    _ => {
+                        let t: Arc<str> = Arc::from(t.as_str());
+                        self.last_template = Some(t.clone());
+                        Some(t)
+                    }
+                },
+            };
             if let Some(before) = k.asked_with.take() {
                 let w = k.demand.wants;
                 let moved = (w - lease.capacity).abs() < (w - before).abs() - 1e-9;
@@ -1034,7 +1074,9 @@ impl Core {
                 };
             }
             k.lease = Some(lease);
-            k.hold_until = (lease.expiry > now).then(|| lease.expiry.saturating_add(lease.expiry.since(now)));
+            let jitter = self.cfg.jitter;
+            k.hold_until =
+                (lease.expiry > now).then(|| lease.expiry.saturating_add(hold(&lease, k.server_safe, now, jitter)));
             k.cached = false;
             k.last_error = None;
             let from = k.mode;
@@ -1130,6 +1172,7 @@ impl Core {
                 expiry: k.lease.map(|l| l.expiry.as_secs()),
                 refresh_interval_s: k.lease.map(|l| l.refresh_interval.as_secs()),
                 safe_capacity: k.server_safe.or(k.demand.safe_capacity),
+                template: k.template.as_deref().map(str::to_string),
                 last_error: k.last_error.clone(),
                 asks_at: k.due.map(|t| t.as_secs()),
                 zero_reason: k.zero_reason(),

@@ -213,7 +213,7 @@ fn status_html(s: &Status) -> String {
         let _ = write!(
             b,
             "<h2>Leases</h2><p>Client <code>{}</code>, master {}, {} refreshes{}</p>\
-             <table id=leases><tr><th>resource id</th><th>mode</th><th>has</th><th>enforcing</th><th>wants</th><th>expiry</th><th>safe</th><th>on expiry</th><th>error</th></tr>",
+             <table id=leases><tr><th>resource id</th><th>mode</th><th>has</th><th>enforcing</th><th>wants</th><th>expiry</th><th>safe</th><th>on expiry</th><th>server template</th><th>error</th></tr>",
             escape(&l.client_id),
             escape(l.master.as_deref().unwrap_or("unknown")),
             l.refreshes,
@@ -227,7 +227,7 @@ fn status_html(s: &Status) -> String {
             let kind = kinds.get(k.resource_id.as_str()).copied().unwrap_or(Kind::Rate);
             let _ = write!(
                 b,
-                "<tr><td>{}</td><td>{:?}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                "<tr><td>{}</td><td>{:?}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                 escape(&k.resource_id),
                 k.mode,
                 k.has.map(|h| with_unit(h, kind)).unwrap_or_else(|| "-".into()),
@@ -247,6 +247,7 @@ fn status_html(s: &Status) -> String {
                 k.expiry.map(|e| format!("in {}s", e - s.now_s)).unwrap_or_else(|| "-".into()),
                 k.safe_capacity.map(|s| format!("{s}")).unwrap_or_else(|| "-".into()),
                 k.on_expiry.name(),
+                escape(k.template.as_deref().unwrap_or("-")),
                 escape(k.last_error.as_deref().unwrap_or("")),
             );
         }

@@ -86,7 +86,7 @@ fn algorithm(a: &proto::Algorithm) -> Option<Algorithm> {
 
 /// What a parent's answer carries beside the lease: the algorithm, the safe
 /// capacity and what it says of this node's predecessor.
-type Extras = (Option<Algorithm>, Option<f64>, Option<u64>);
+type Extras = (Option<Algorithm>, Option<f64>, Option<u64>, Option<String>);
 
 /// The parent link's logic without I/O: what to send and what to do with
 /// the answers. `run` drives it in real time; `usher sim` in virtual time.
@@ -205,7 +205,8 @@ impl ParentSync {
         let r = r.map(|resp| {
             for rr in &resp.response {
                 let (algorithm, predecessor) = rr.algorithm.as_ref().map_or((None, None), algorithm_from_wire);
-                self.extras.insert(rr.resource_id.clone(), (algorithm, rr.safe_capacity, predecessor));
+                let template = rr.template.clone();
+                self.extras.insert(rr.resource_id.clone(), (algorithm, rr.safe_capacity, predecessor, template));
                 if let Some(n) = self.sent_subclients.get(&rr.resource_id) {
                     self.answered_subclients.insert(rr.resource_id.clone(), *n);
                 }
@@ -236,14 +237,15 @@ impl ParentSync {
     fn publish(&self, node: &Node) {
         for d in node.store.parent_demand() {
             let lease = self.core.lease_of(&d.resource_id).map(|l| {
-                let (algorithm, safe_capacity, predecessor_subclients) =
-                    self.extras.get(&d.resource_id).cloned().unwrap_or((None, None, None));
+                let (algorithm, safe_capacity, predecessor_subclients, template) =
+                    self.extras.get(&d.resource_id).cloned().unwrap_or((None, None, None, None));
                 ParentLease {
                     capacity: l.capacity,
                     expiry: l.expiry,
                     refresh_interval: l.refresh_interval,
                     algorithm,
                     safe_capacity,
+                    template,
                     predecessor_subclients,
                     answered_subclients: self.answered_subclients.get(&d.resource_id).copied(),
                 }
@@ -382,6 +384,7 @@ fn client_response(resp: proto::GetServerCapacityResponse) -> proto::GetCapacity
                 resource_id: r.resource_id,
                 gets: r.gets,
                 safe_capacity: r.safe_capacity,
+                template: r.template,
             })
             .collect(),
         mastership: resp.mastership,

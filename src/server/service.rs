@@ -353,6 +353,7 @@ impl Capacity for CapacityService {
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),
                         safe_capacity: Some(g.safe_capacity),
+                        template: Some(g.template),
                     }
                 })
                 .collect();
@@ -404,6 +405,7 @@ impl Capacity for CapacityService {
                         gets: wire_lease(&g),
                         algorithm: Some(algorithm),
                         safe_capacity: Some(g.safe_capacity),
+                        template: Some(g.template),
                     }
                 })
                 .collect();

@@ -241,6 +241,7 @@ impl Transport for Steady {
                 resource_id: r.resource_id,
                 gets: proto::Lease { expiry_time, refresh_interval: 3600, capacity: r.wants },
                 safe_capacity: None,
+                template: None,
             })
             .collect();
         Box::pin(async move { Ok(proto::GetCapacityResponse { response, mastership: None }) })
