@@ -487,7 +487,7 @@ impl Accounts {
         &self,
         meta: &Meta,
         status: StatusCode,
-        retry_after: impl FnOnce() -> Option<Duration>,
+        retry_after: impl Fn() -> Option<Duration>,
         header: impl Fn(&str) -> Option<&'a [u8]>,
     ) {
         let Some(route) = &meta.route else { return };
@@ -500,7 +500,10 @@ impl Accounts {
                 r.metrics.wait.observe(secs);
             }
         }
-        let spent = if route.quotas { self.observe_quota(route, &meta.plan, status, &header) } else { None };
+        let spent = match route.quotas {
+            true => self.observe_quota(route, &meta.plan, status, retry_after(), &header),
+            false => None,
+        };
         match spent {
             // The upstream says its quota is spent until a known time: every
             // key of the plan is held until then, once, whatever the number
@@ -609,6 +612,7 @@ impl Accounts {
         route: &Route,
         plan: &Plan,
         status: StatusCode,
+        retry_after: Option<Duration>,
         header: &impl Fn(&str) -> Option<&'a [u8]>,
     ) -> Option<Duration> {
         let now = self.table.clock().now();
@@ -634,6 +638,12 @@ impl Accounts {
             }
             let spent = status == StatusCode::TOO_MANY_REQUESTS
                 || (remaining < 1.0 && (status == StatusCode::FORBIDDEN || !q.continuous));
+            // A continuous bucket's reset is when it is full again: it has
+            // room long before, so it holds for its Retry-After, or a second.
+            let until = match q.continuous {
+                true => retry_after.unwrap_or(until.min(Duration::from_secs(1))),
+                false => until,
+            };
             if spent && !until.is_zero() {
                 hold = Some(hold.map_or(until, |h| h.max(until)));
             }
