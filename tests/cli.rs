@@ -249,7 +249,7 @@ fn a_routes_file_prints_every_resource_as_it_resolves() {
     for want in [
         "  capacity from: the embedded capacity server (this file's capacities)",
         "  resource gh: rate 5000/h = 1.39/s, burst 20, max_wait 1s 500ms, id `gh`",
-        "  resource quick: rate 8/s, burst 1, max_wait 0s, id `quick`",
+        "  resource quick: rate 8/s, burst 8, max_wait 0s, id `quick`",
         "  resource inflight: gauge 4 in flight, max_wait 2s, id `inflight`",
     ] {
         assert!(out.lines().any(|l| l == want), "missing {want:?} in:\n{out}");
@@ -264,7 +264,7 @@ fn a_routes_file_prints_every_resource_as_it_resolves() {
     assert_eq!(code, 0, "{out}{err}");
     for want in [
         "  capacity from: the Doorman servers doorman-0:15100, doorman-1:15100 as client `pod-a` (a resource's capacity is its first `wants`)",
-        "  resource gh: rate 100/min = 1.67/s, burst 1, max_wait 0s, id `gh/{header.x-tenant}`",
+        "  resource gh: rate 100/min = 1.67/s, burst 1.67, max_wait 0s, id `gh/{header.x-tenant}`",
     ] {
         assert!(out.lines().any(|l| l == want), "missing {want:?} in:\n{out}");
     }
