@@ -199,7 +199,7 @@ async fn four_sidecars_under_two_intermediates_split_the_root_fairly() {
             &format!(
                 "doorman:\n  servers: [\"{}\"]\n  client_id: sidecar-{i}\n  min_interval: 500ms\n\
                  upstreams:\n  up: {{ url: \"http://{}\" }}\n\
-                 resources:\n  api: {{ kind: rate, capacity: 100, burst: 5, wants: auto }}\n\
+                 resources:\n  api: {{ kind: rate, capacity: 100, burst: 20, wants: auto }}\n\
                  routes:\n  - {{ name: all, upstream: up, resources: [api] }}\n",
                 mids[i / 2].addr("grpc"),
                 up.addr

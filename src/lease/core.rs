@@ -168,6 +168,8 @@ struct KeyState {
     /// cache or one that arrived already expired.
     hold_until: Option<Time>,
     server_safe: Option<f64>,
+    /// The capacity the server shares for the resource (usher's extension).
+    fleet: Option<f64>,
     /// The server's template the key matched, if it says (usher servers do).
     template: Option<Arc<str>>,
     mode: Mode,
@@ -561,6 +563,7 @@ impl Core {
                 lease: Some(lease),
                 hold_until: None,
                 server_safe: None,
+                fleet: None,
                 template: None,
                 mode: Mode::Leased,
                 last_error: None,
@@ -657,6 +660,7 @@ impl Core {
                             lease: None,
                             hold_until: None,
                             server_safe: None,
+                            fleet: None,
                             template: None,
                             mode: Mode::Pending,
                             last_error: None,
@@ -1048,6 +1052,7 @@ impl Core {
                 refresh_interval: Duration::from_secs(r.gets.refresh_interval.max(1) as u64),
             };
             k.server_safe = r.safe_capacity.filter(|s| s.is_finite());
+            k.fleet = r.resource_capacity.filter(|c| c.is_finite() && *c > 0.0);
             k.template = match (&r.template, &k.template) {
                 (None, _) => None,
                 (Some(t), Some(kt)) if **kt == **t => Some(kt.clone()),
@@ -1191,6 +1196,12 @@ impl Core {
     }
 
     /// The last lease received for `resource_id`, expired or not.
+    /// The capacity the servers last said they share for `resource_id` (an
+    /// usher server's extension), if they did.
+    pub fn fleet_capacity(&self, resource_id: &str) -> Option<f64> {
+        self.keys.get(resource_id).and_then(|k| k.fleet)
+    }
+
     pub fn lease_of(&self, resource_id: &str) -> Option<Lease> {
         self.keys.get(resource_id).and_then(|k| k.lease)
     }

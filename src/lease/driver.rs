@@ -51,6 +51,11 @@ pub trait Enforcer: Send + Sync + 'static {
     }
     /// A key changed mode (leased, held, pending, expired); already logged.
     fn on_transition(&self, _t: &super::core::Transition) {}
+
+    /// The capacities the servers share for keys about to be applied
+    /// (`apply`), where they said: each key's share of its resource's burst
+    /// is reckoned against it.
+    fn fleet(&self, _fleet: &[(String, f64)]) {}
     /// Whether the last [`Enforcer::demand`] found nothing going on (no
     /// request since the one before, none in flight or waiting, no key
     /// made or forgotten): demand is then re-read when an action is due (at
@@ -331,7 +336,7 @@ fn enforce(client: &LeaseClient) {
     let _applying = client.applying.lock().expect("lease apply poisoned");
     let rebuilt = enforcer.rebuilt();
     let also = enforcer.reapply();
-    let (capacities, transitions) = {
+    let (capacities, transitions, fleet) = {
         let mut core = client.core.lock().expect("lease core poisoned");
         if rebuilt {
             core.mark_all_changed();
@@ -344,8 +349,13 @@ fn enforce(client: &LeaseClient) {
         let hanging = client.started.load(Ordering::SeqCst) && core.refreshes() == 0 && !core.failing();
         let caps = core.take_changes(clock.now(), &also, hanging);
         note_zeros(&client.zeros, &core, &caps);
-        (caps, core.take_transitions())
+        let fleet: Vec<(String, f64)> =
+            caps.iter().filter_map(|(id, _)| core.fleet_capacity(id).map(|c| (id.clone(), c))).collect();
+        (caps, core.take_transitions(), fleet)
     };
+    if !fleet.is_empty() {
+        enforcer.fleet(&fleet);
+    }
     if !capacities.is_empty() {
         enforcer.apply(&capacities);
     }

@@ -64,10 +64,12 @@ pub struct ResourceSpec {
 
 impl ResourceSpec {
     /// The burst of a key whose capacity is `capacity`: the fleet's burst
-    /// times the share of the configured capacity it holds (all of it at or
-    /// above the configured capacity), at least one unit.
-    pub fn burst_at(&self, capacity: f64) -> f64 {
-        let share = if self.capacity > 0.0 && capacity.is_finite() { (capacity / self.capacity).min(1.0) } else { 1.0 };
+    /// times the share it holds of the resource's capacity (`fleet`, as the
+    /// servers share it, else the configured one; all of it at or above
+    /// that), at least one unit.
+    pub fn burst_at(&self, capacity: f64, fleet: Option<f64>) -> f64 {
+        let whole = fleet.unwrap_or(self.capacity);
+        let share = if whole > 0.0 && capacity.is_finite() { (capacity / whole).min(1.0) } else { 1.0 };
         (self.burst * share.max(0.0)).max(1.0)
     }
 }
@@ -86,6 +88,10 @@ pub struct Limiter {
     /// When an upstream's `Retry-After` ends (nanoseconds of [`Time`], 0:
     /// none): read only by an admission that has to wait.
     hold_until: AtomicU64,
+    /// The capacity the servers share for this key's resource (f64 bits; 0:
+    /// not said): its burst is its share of the resource's, reckoned
+    /// against this rather than the routes file's capacity.
+    fleet: AtomicU64,
     /// The upstream's freshest account of its quota, for a resource whose
     /// upstream reports one (boxed: other keys pay a pointer).
     quota: Option<Box<Mutex<QuotaCell>>>,
@@ -128,6 +134,7 @@ impl Limiter {
             clock,
             activity,
             hold_until: AtomicU64::new(0),
+            fleet: AtomicU64::new(0),
             quota: s.upstream_quota.then(Box::default),
         }
     }
@@ -230,7 +237,7 @@ impl Limiter {
     pub fn set_capacity(&self, capacity: f64) {
         let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
         if let Some(r) = &self.rate {
-            r.set(self.clock.now(), capacity, self.spec.load().burst_at(capacity));
+            r.set(self.clock.now(), capacity, self.spec.load().burst_at(capacity, self.fleet()));
         }
         if let Some(g) = &self.gauge {
             g.set_capacity(gauge_units(capacity));
@@ -242,12 +249,24 @@ impl Limiter {
     /// nobody else can hold any of the fleet's burst either.
     pub fn fill(&self) {
         let spec = self.spec.load();
+        let whole = self.fleet().unwrap_or(spec.capacity);
         if let Some(r) = &self.rate
             && spec.shared
-            && r.capacity() >= spec.capacity * (1.0 - 1e-9)
+            && r.capacity() >= whole * (1.0 - 1e-9)
         {
             r.charge(self.clock.now(), -r.burst());
         }
+    }
+
+    /// Records the capacity the servers share for this key's resource.
+    pub fn set_fleet(&self, capacity: f64) {
+        self.fleet.store(capacity.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The capacity the servers share for this key's resource, if they said.
+    pub fn fleet(&self) -> Option<f64> {
+        let bits = self.fleet.load(Ordering::Relaxed);
+        (bits != 0).then(|| f64::from_bits(bits))
     }
 
     /// Charges `units` more to a rate key (a settled cost above the one
@@ -606,6 +625,15 @@ impl LeaseTable {
         for r in self.resources.load().values() {
             if let Some(l) = r.get(id) {
                 l.fill();
+            }
+        }
+    }
+
+    /// Records the capacity the servers share for every key whose id is `id`.
+    pub fn set_fleet(&self, id: &str, capacity: f64) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.set_fleet(capacity);
             }
         }
     }

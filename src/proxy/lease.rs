@@ -461,6 +461,12 @@ impl Enforcer for TableEnforcer {
         rebuilt
     }
 
+    fn fleet(&self, fleet: &[(String, f64)]) {
+        for (id, c) in fleet {
+            self.table.set_fleet(id, *c);
+        }
+    }
+
     fn reapply(&self) -> Vec<String> {
         self.pushback.ids()
     }

@@ -248,6 +248,7 @@ impl ParentSync {
                     template,
                     predecessor_subclients,
                     answered_subclients: self.answered_subclients.get(&d.resource_id).copied(),
+                    resource_capacity: self.core.fleet_capacity(&d.resource_id),
                 }
             });
             node.store.set_parent_lease(&d.resource_id, lease);
@@ -380,6 +381,7 @@ fn client_response(resp: proto::GetServerCapacityResponse) -> proto::GetCapacity
             .response
             .into_iter()
             .map(|r| proto::ResourceResponse {
+                resource_capacity: r.resource_capacity,
                 upstream_quota: r.upstream_quota,
                 resource_id: r.resource_id,
                 gets: r.gets,

@@ -349,6 +349,7 @@ impl Capacity for CapacityService {
                     let g = self.decide(&req.client_id, a, again);
                     starved |= starves_a_newcomer(a, &g);
                     proto::ResourceResponse {
+                        resource_capacity: g.resource_capacity,
                         upstream_quota: g.quota.map(|q| q.to_proto()),
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),
@@ -400,6 +401,7 @@ impl Capacity for CapacityService {
                         });
                     }
                     proto::ServerCapacityResourceResponse {
+                        resource_capacity: g.resource_capacity,
                         upstream_quota: g.quota.map(|q| q.to_proto()),
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),

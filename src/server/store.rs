@@ -118,6 +118,9 @@ pub struct Grant {
     pub predecessor_subclients: Option<u64>,
     /// The upstream's quota as this server knows it, when its clients report one.
     pub quota: Option<crate::lease::quota::Observation>,
+    /// The capacity a root shares for the resource now (clients size their
+    /// share of its burst by it); `None` elsewhere.
+    pub resource_capacity: Option<f64>,
 }
 
 /// How a request is decided (see [`Resource::decide`]).
@@ -223,6 +226,8 @@ pub struct ParentLease {
     pub predecessor_subclients: Option<u64>,
     /// The subclients this server reported in the request the lease answers.
     pub answered_subclients: Option<u64>,
+    /// The capacity the root shares for the resource, if it said.
+    pub resource_capacity: Option<f64>,
 }
 
 /// One resource's demand, as an intermediate server reports it to its parent.
@@ -1227,6 +1232,7 @@ impl Resource {
         let l = &self.clients[client];
         Grant {
             quota: self.quota.as_ref().and_then(|q| q.latest),
+            resource_capacity: None,
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
@@ -1291,6 +1297,7 @@ impl Resource {
         };
         Grant {
             quota: self.quota.as_ref().and_then(|q| q.latest),
+            resource_capacity: None,
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
@@ -1373,6 +1380,7 @@ impl Resource {
                 // A stale master of a node whose lease lapsed: nothing to give it.
                 return Grant {
                     quota: self.quota.as_ref().and_then(|q| q.latest),
+                    resource_capacity: None,
                     capacity: 0.0,
                     expiry: now,
                     refresh_interval: alg.refresh_interval,
@@ -1598,6 +1606,11 @@ impl Resource {
         self.clients.insert(self.owner(slot), Box::new(lease));
         Grant {
             quota: self.quota.as_ref().and_then(|q| q.latest),
+            // (What the root shares: an intermediate passes on its parent's.)
+            resource_capacity: match role {
+                Role::Root => capacity,
+                Role::Intermediate { .. } => self.parent.as_ref().and_then(|p| p.resource_capacity),
+            },
             capacity: granted,
             expiry,
             refresh_interval: refresh,

@@ -867,6 +867,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
     assert_eq!(request.resource.len(), 2);
     let now = w.clock.now();
     let lease = |id: &str, expires_in: u64| proto::ResourceResponse {
+        resource_capacity: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
@@ -903,6 +904,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
         let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
         let now = w.clock.now();
         let lease = |id: &str, interval: i64| proto::ResourceResponse {
+            resource_capacity: None,
             upstream_quota: None,
             resource_id: id.into(),
             gets: proto::Lease {
@@ -949,6 +951,7 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
     let Action::Refresh { target, .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64, safe: Option<f64>| proto::ResourceResponse {
+        resource_capacity: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
@@ -1064,6 +1067,7 @@ fn a_lease_below_its_safe_capacity_is_held_a_refresh_interval_longer() {
     let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64| proto::ResourceResponse {
+        resource_capacity: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {

@@ -309,6 +309,7 @@ fn an_intermediate_cut_off_from_its_parent_tells_clients_the_safe_capacity() {
     s.set_parent_lease(
         "r",
         Some(ParentLease {
+            resource_capacity: None,
             capacity: 20.0,
             expiry: clock.now().saturating_add(Duration::from_secs(10)),
             refresh_interval: Duration::from_secs(5),
@@ -341,6 +342,7 @@ fn an_intermediate_reports_what_its_clients_hold_not_what_it_last_granted() {
     s.set_role(Role::Intermediate { decay_factor: 0.5 });
     s.set_predecessor(Predecessor::NoneOutstanding);
     let lease = |capacity| ParentLease {
+        resource_capacity: None,
         capacity,
         expiry: clock.now().saturating_add(Duration::from_secs(60)),
         refresh_interval: Duration::from_secs(8),
@@ -486,6 +488,7 @@ fn a_short_lapsed_lease_is_reserved_in_full_while_held_then_at_its_safe_capacity
     s.set_role(Role::Intermediate { decay_factor: 0.5 });
     s.set_predecessor(Predecessor::NoneOutstanding);
     let lease = |secs| ParentLease {
+        resource_capacity: None,
         capacity: 100.0,
         expiry: clock.now().saturating_add(Duration::from_secs(secs)),
         refresh_interval: Duration::from_secs(8),
