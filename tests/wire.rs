@@ -134,7 +134,7 @@ async fn responses_encode_required_fields_even_when_zero() {
     let sresp = fields(&raw_call(addr, "GetServerCapacity", sreq.encode_to_vec()).await);
     let srr = fields(&payload(&sresp, 1));
     assert_eq!(doorman(&srr), vec![1, 2, 3, 4], "resource_id, gets, algorithm, safe_capacity");
-    assert_eq!(usher(&srr), vec![100], "usher's template");
+    assert_eq!(usher(&srr), vec![100, 111], "usher's template and resource capacity");
     let alg = fields(&payload(&srr, 3));
     assert_eq!(&numbers(&alg)[..3], &[1, 2, 3], "kind, lease_length, refresh_interval");
 }
