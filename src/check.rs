@@ -89,6 +89,9 @@ pub fn run(args: CheckArgs) -> Result<(), RunError> {
                     && let Ok(cfg) = RoutesConfig::load(f)
                 {
                     println!("  listener limits: {}", cfg.limits);
+                    for (name, a) in cfg.upstreams.iter().filter_map(|(n, u)| Some((n, u.listen?))) {
+                        println!("  upstream listener: {a} (every request on it goes to upstream `{name}`)");
+                    }
                 }
             }
             Err(e) => {

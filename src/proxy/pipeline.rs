@@ -38,7 +38,7 @@ use super::access_log::{self, AccessLog};
 use super::metrics::Metrics;
 use super::pushback::Pushback;
 use super::respond::{self, ProxyBody, ProxyError};
-use super::route::{RequestView, Resolved, Route, Routing};
+use super::route::{ListenerId, RequestView, Resolved, Route, Routing};
 use super::upstream::Upstream;
 use crate::clock::{Clock, Time};
 use crate::config::routes::RoutesConfig;
@@ -72,13 +72,18 @@ impl Pipeline {
         Pipeline { config, routing: Arc::new(routing), upstreams, accounts, clock }
     }
 
-    /// The request pipeline around `forward`.
+    /// The request pipeline around `forward`, for the main listener's requests.
     pub fn stack<F>(&self, forward: F) -> Stack<F> {
+        self.stack_on(ListenerId::MAIN, forward)
+    }
+
+    /// The request pipeline around `forward`, for requests that arrived on `listener`.
+    pub fn stack_on<F>(&self, listener: ListenerId, forward: F) -> Stack<F> {
         ServiceBuilder::new()
             .layer(RespondLayer { clock: self.clock.clone() })
             .layer(GuardLayer { max_body: self.config.limits.max_body_bytes })
             .layer(AccountLayer { accounts: self.accounts.clone() })
-            .layer(RouteLayer { routing: self.routing.clone() })
+            .layer(RouteLayer { routing: self.routing.clone(), listener })
             .layer(LimitLayer { clock: self.clock.clone() })
             .service(forward)
     }
@@ -97,9 +102,9 @@ pub trait Inbound: RequestView + Sized {
     /// The checks before routing (`proxy/guard.rs`); `max_body` is `limits.max_body_bytes`.
     fn guard(&mut self, max_body: Option<u64>) -> Result<(), ProxyError>;
 
-    /// The route, plan and target.
-    fn resolve(&self, routing: &Routing) -> Result<Resolved, ProxyError> {
-        routing.resolve_view(self)
+    /// The route, plan and target of a request that arrived on `listener`.
+    fn resolve(&self, routing: &Routing, listener: ListenerId) -> Result<Resolved, ProxyError> {
+        routing.resolve_view(self, listener)
     }
 
     /// Prepares the request for its target, or says why this engine cannot
@@ -599,21 +604,24 @@ impl Accounts {
 #[derive(Clone)]
 pub struct RouteLayer {
     routing: Arc<Routing>,
+    listener: ListenerId,
 }
 
 impl<S> Layer<S> for RouteLayer {
     type Service = RouteStage<S>;
     fn layer(&self, inner: S) -> RouteStage<S> {
-        RouteStage { inner, routing: self.routing.clone() }
+        RouteStage { inner, routing: self.routing.clone(), listener: self.listener }
     }
 }
 
 /// Finds the request's route, its admission plan and its target (named
-/// apart from [`Route`], a compiled route).
+/// apart from [`Route`], a compiled route), by the listener its connection
+/// arrived on.
 #[derive(Clone)]
 pub struct RouteStage<S> {
     inner: S,
     routing: Arc<Routing>,
+    listener: ListenerId,
 }
 
 impl<S, R> Service<Exchange<R>> for RouteStage<S>
@@ -632,7 +640,7 @@ where
     fn call(&mut self, ex: Exchange<R>) -> Self::Future {
         let Exchange { req, mut meta } = ex;
         let fail = |error, meta| Early::Now { out: Some(Failure { error, meta }) };
-        let Resolved { route, plan, target } = match req.resolve(&self.routing) {
+        let Resolved { route, plan, target } = match req.resolve(&self.routing, self.listener) {
             Ok(r) => r,
             Err(e) => return fail(Error::Proxy(e), meta),
         };

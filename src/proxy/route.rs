@@ -71,9 +71,27 @@ impl Resolved {
 /// The routes of one routes file.
 pub struct Routing {
     routes: Vec<Arc<Route>>,
+    /// By upstream listener (a [`ListenerId`] less one): the routes whose upstream is its.
+    listeners: Vec<Box<[Arc<Route>]>>,
     passthrough: Arc<Route>,
     default: DefaultAction,
     direct: Arc<Upstream>,
+}
+
+/// The listener a connection arrived on: the main one, or an upstream's own
+/// (`upstreams.NAME.listen`), numbered from 1 in the order the sidecar
+/// opened them. Small and `Copy`: a connection carries it to every request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ListenerId(u16);
+
+impl ListenerId {
+    /// The proxy's main listener (`listen`, `--listen`).
+    pub const MAIN: ListenerId = ListenerId(0);
+
+    /// The listener of the `index`th (from 0) upstream listener.
+    pub fn upstream(index: usize) -> ListenerId {
+        ListenerId(u16::try_from(index + 1).expect("fewer than 65,535 upstream listeners"))
+    }
 }
 
 /// The resource specs of a routes file, for [`LeaseTable::configure`].
@@ -105,16 +123,18 @@ pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
 pub const PASSTHROUGH: &str = "_passthrough";
 
 impl Routing {
-    /// Compiles `cfg`; `upstreams` are the built clients by name, `table`
-    /// already configured with `cfg`'s resources.
+    /// Compiles `cfg`; `listeners` names the upstream of each upstream
+    /// listener (in [`ListenerId`] order), `upstreams` are the built clients
+    /// by name, `table` already configured with `cfg`'s resources.
     pub fn new(
         cfg: &RoutesConfig,
+        listeners: &[String],
         upstreams: &HashMap<String, Arc<Upstream>>,
         direct: Arc<Upstream>,
         table: &LeaseTable,
         metrics: &Metrics,
     ) -> Self {
-        let routes = cfg
+        let routes: Vec<Arc<Route>> = cfg
             .routes
             .iter()
             .map(|r| {
@@ -155,12 +175,22 @@ impl Routing {
             pushback: Default::default(),
             fixed_plan: None,
         });
-        Routing { routes, passthrough, default: cfg.default, direct }
+        let listeners = listeners
+            .iter()
+            .map(|up| cfg.routes.iter().zip(&routes).filter(|(c, _)| c.upstream.as_ref() == Some(up)))
+            .map(|of_upstream| of_upstream.map(|(_, r)| r.clone()).collect())
+            .collect();
+        Routing { routes, listeners, passthrough, default: cfg.default, direct }
     }
 
-    /// Resolves a request to its route, target and plan.
-    pub fn resolve<B>(&self, req: &Request<B>) -> Result<Resolved, ProxyError> {
+    /// Resolves a request that arrived on `listener` to its route, target and plan.
+    pub fn resolve<B>(&self, req: &Request<B>, listener: ListenerId) -> Result<Resolved, ProxyError> {
         if req.method() == Method::CONNECT {
+            if listener != ListenerId::MAIN {
+                // An upstream's listener forwards to its upstream only: no tunnels elsewhere.
+                let authority = req.uri().authority().map(|a| a.to_string()).unwrap_or_default();
+                return Err(ProxyError::ConnectDenied { authority, host: request_host(req).into_owned() });
+            }
             let host = request_host(req);
             let authority = req.uri().authority().map(|a| a.to_string()).unwrap_or_default();
             // CONNECT goes only to hosts a route names, whatever the default.
@@ -171,11 +201,15 @@ impl Routing {
                 .ok_or_else(|| ProxyError::ConnectDenied { authority, host: host.to_string() })?;
             return resolved(route, req, &host, Target::Direct(self.direct.clone()));
         }
-        self.resolve_view(req)
+        self.resolve_view(req, listener)
     }
 
-    /// Resolves a request other than CONNECT, seen through [`RequestView`].
-    pub fn resolve_view<R: RequestView>(&self, req: &R) -> Result<Resolved, ProxyError> {
+    /// Resolves a request other than CONNECT, seen through [`RequestView`],
+    /// that arrived on `listener`.
+    pub fn resolve_view<R: RequestView>(&self, req: &R, listener: ListenerId) -> Result<Resolved, ProxyError> {
+        if listener != ListenerId::MAIN {
+            return self.resolve_on_upstream_listener(req, listener);
+        }
         let host = request_host(req);
         let path = req.path();
         match self.routes.iter().find(|r| matches(&r.matcher, req, &host, path)) {
@@ -191,6 +225,35 @@ impl Routing {
                 plan: Plan::default(),
                 target: Target::Direct(self.direct.clone()),
             }),
+            None => Err(ProxyError::NoRoute {
+                method: req.method().to_string(),
+                host: host.into_owned(),
+                path: path.to_string(),
+            }),
+        }
+    }
+}
+
+impl Routing {
+    /// An upstream listener's request: the first of its upstream's routes
+    /// that matches, whatever its `match.host` says; none is a 403 (never
+    /// passthrough: the Host such a request names is the sidecar's own).
+    fn resolve_on_upstream_listener<R: RequestView>(
+        &self,
+        req: &R,
+        listener: ListenerId,
+    ) -> Result<Resolved, ProxyError> {
+        let host = request_host(req);
+        let path = req.path();
+        let routes = self.listeners.get(usize::from(listener.0) - 1).map_or(&[][..], |r| &r[..]);
+        match routes.iter().find(|r| matches_all_but_host(&r.matcher, req, path)) {
+            Some(route) => {
+                let target = match &route.upstream {
+                    Some(u) => Target::Upstream(u.clone()),
+                    None => Target::Direct(self.direct.clone()),
+                };
+                resolved(route, req, &host, target)
+            }
             None => Err(ProxyError::NoRoute {
                 method: req.method().to_string(),
                 host: host.into_owned(),
@@ -277,8 +340,11 @@ fn host_matches(pattern: &str, host: &str) -> bool {
 }
 
 fn matches<R: RequestView>(m: &Match, req: &R, host: &str, path: &str) -> bool {
-    m.host.as_deref().is_none_or(|h| host_matches(h, host))
-        && m.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
+    m.host.as_deref().is_none_or(|h| host_matches(h, host)) && matches_all_but_host(m, req, path)
+}
+
+fn matches_all_but_host<R: RequestView>(m: &Match, req: &R, path: &str) -> bool {
+    m.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
         && (m.methods.is_empty() || m.methods.contains(req.method()))
         && m.headers.iter().all(|(name, value)| match (req.header(name.as_str()), value) {
             (None, _) => false,
