@@ -234,3 +234,24 @@ async fn a_reload_keeps_the_listeners_and_applies_the_routes() {
     assert!(std::net::TcpStream::connect(("127.0.0.1", free)).is_err(), "no listener opened on the reloaded address");
     assert_eq!((a.stats.requests(), b.stats.requests()), (3, 0));
 }
+
+/// An upstream listener's address that is taken stops the sidecar at start, naming it.
+#[test]
+fn a_taken_upstream_listener_address_stops_the_sidecar_at_start() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let routes =
+        write_file(dir.path(), "routes.yaml", &format!("upstreams:\n  a: {{ url: http://a.test, listen: {addr} }}\n"));
+    let (code, _, err) = run_usher(&[
+        "proxy",
+        "--routes",
+        routes.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ]);
+    assert_eq!(code, 69, "{err}");
+    assert!(err.contains(&format!("cannot listen on {addr} (upstream listener)")), "{err}");
+}

@@ -207,7 +207,7 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     let listen_addr = listener.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
     let mut listeners = vec![(listener, ListenerId::MAIN)];
     for (i, l) in proxy.listeners().iter().enumerate() {
-        let bound = bind("upstream", l.addr).await?;
+        let bound = bind("upstream listener", l.addr).await?;
         let addr = bound.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
         tracing::info!(upstream = %l.upstream, listen = %addr, "upstream listener: every request on it goes to this upstream");
         listeners.push((bound, ListenerId::upstream(i)));

@@ -186,17 +186,14 @@ impl Routing {
     /// Resolves a request that arrived on `listener` to its route, target and plan.
     pub fn resolve<B>(&self, req: &Request<B>, listener: ListenerId) -> Result<Resolved, ProxyError> {
         if req.method() == Method::CONNECT {
-            if listener != ListenerId::MAIN {
-                // An upstream's listener forwards to its upstream only: no tunnels elsewhere.
-                let authority = req.uri().authority().map(|a| a.to_string()).unwrap_or_default();
-                return Err(ProxyError::ConnectDenied { authority, host: request_host(req).into_owned() });
-            }
             let host = request_host(req);
             let authority = req.uri().authority().map(|a| a.to_string()).unwrap_or_default();
-            // CONNECT goes only to hosts a route names, whatever the default.
+            // CONNECT goes only to hosts a route names, whatever the default;
+            // an upstream's listener forwards to its upstream only: no tunnels.
             let route = self
                 .routes
                 .iter()
+                .filter(|_| listener == ListenerId::MAIN)
                 .find(|r| r.matcher.host.as_deref().is_some_and(|h| host_matches(h, &host)))
                 .ok_or_else(|| ProxyError::ConnectDenied { authority, host: host.to_string() })?;
             return resolved(route, req, &host, Target::Direct(self.direct.clone()));
@@ -232,9 +229,7 @@ impl Routing {
             }),
         }
     }
-}
 
-impl Routing {
     /// An upstream listener's request: the first of its upstream's routes
     /// that matches, whatever its `match.host` says; none is a 403 (never
     /// passthrough: the Host such a request names is the sidecar's own).
