@@ -82,7 +82,7 @@ impl Pipeline {
         ServiceBuilder::new()
             .layer(RespondLayer { clock: self.clock.clone() })
             .layer(GuardLayer { max_body: self.config.limits.max_body_bytes })
-            .layer(AccountLayer { accounts: self.accounts.clone() })
+            .layer(AccountLayer { accounts: self.accounts.clone(), listener })
             .layer(RouteLayer { routing: self.routing.clone(), listener })
             .layer(LimitLayer { clock: self.clock.clone() })
             .service(forward)
@@ -149,6 +149,8 @@ pub struct Meta {
     shadow: Option<admit::Shadow>,
     /// A refusal's: how long an upstream's `Retry-After` still holds a key of the plan.
     hold: Option<Duration>,
+    /// The listener the request arrived on, for the access log.
+    listener: ListenerId,
 }
 
 /// Why a request got no upstream answer.
@@ -389,17 +391,20 @@ pub struct Accounts {
     pub client_id: String,
     pub pushback: Arc<Pushback>,
     pub table: Arc<LeaseTable>,
+    /// The upstream of each upstream listener ([`ListenerId::index`]), naming it in the access log.
+    pub listeners: Vec<String>,
 }
 
 #[derive(Clone)]
 pub struct AccountLayer {
     accounts: Arc<Accounts>,
+    listener: ListenerId,
 }
 
 impl<S> Layer<S> for AccountLayer {
     type Service = Account<S>;
     fn layer(&self, inner: S) -> Account<S> {
-        Account { inner, accounts: self.accounts.clone() }
+        Account { inner, accounts: self.accounts.clone(), listener: self.listener }
     }
 }
 
@@ -409,6 +414,7 @@ impl<S> Layer<S> for AccountLayer {
 pub struct Account<S> {
     inner: S,
     accounts: Arc<Accounts>,
+    listener: ListenerId,
 }
 
 impl<S, R, A> Service<Exchange<R>> for Account<S>
@@ -424,7 +430,8 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, ex: Exchange<R>) -> Self::Future {
+    fn call(&mut self, mut ex: Exchange<R>) -> Self::Future {
+        ex.meta.listener = self.listener;
         AccountFuture { inner: self.inner.call(ex), accounts: self.accounts.clone() }
     }
 }
@@ -595,6 +602,7 @@ impl Accounts {
             status: status.as_u16(),
             upstream_ms: upstream.map(|d| d.as_secs_f64() * 1e3),
             total_ms: total.as_secs_f64() * 1e3,
+            listener: meta.listener.index().and_then(|i| self.listeners.get(i)).cloned(),
         });
     }
 }

@@ -92,6 +92,11 @@ impl ListenerId {
     pub fn upstream(index: usize) -> ListenerId {
         ListenerId(u16::try_from(index + 1).expect("fewer than 65,535 upstream listeners"))
     }
+
+    /// Which upstream listener this is (from 0); `None` for the main one.
+    pub fn index(self) -> Option<usize> {
+        usize::from(self.0).checked_sub(1)
+    }
 }
 
 /// The resource specs of a routes file, for [`LeaseTable::configure`].
@@ -233,6 +238,8 @@ impl Routing {
     /// An upstream listener's request: the first of its upstream's routes
     /// that matches, whatever its `match.host` says; none is a 403 (never
     /// passthrough: the Host such a request names is the sidecar's own).
+    /// Out of line, so the main listener's path compiles as it did without it.
+    #[inline(never)]
     fn resolve_on_upstream_listener<R: RequestView>(
         &self,
         req: &R,
@@ -240,7 +247,7 @@ impl Routing {
     ) -> Result<Resolved, ProxyError> {
         let host = request_host(req);
         let path = req.path();
-        let routes = self.listeners.get(usize::from(listener.0) - 1).map_or(&[][..], |r| &r[..]);
+        let routes = listener.index().and_then(|i| self.listeners.get(i)).map_or(&[][..], |r| &r[..]);
         match routes.iter().find(|r| matches_all_but_host(&r.matcher, req, path)) {
             Some(route) => {
                 let target = match &route.upstream {

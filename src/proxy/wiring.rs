@@ -93,15 +93,16 @@ impl Proxy {
         };
         let client_id =
             cfg.doorman.as_ref().map_or_else(crate::config::doorman::default_client_id, |d| d.client_id.clone());
+        let listeners = UpstreamListener::of(&cfg);
+        let names = listener_names(&listeners);
         let accounts = Arc::new(Accounts {
             metrics: metrics.clone(),
             access_log,
             client_id,
             pushback: pushback.clone(),
             table: table.clone(),
+            listeners: names.clone(),
         });
-        let listeners = UpstreamListener::of(&cfg);
-        let names = listener_names(&listeners);
         let routing = Routing::new(&cfg, &names, &upstreams, direct.clone(), &table, &metrics);
         let pipeline = Pipeline::new(Arc::new(cfg), routing, upstreams, accounts.clone(), clock.clone());
         Ok(Arc::new(Proxy {
