@@ -25,7 +25,7 @@ use super::guard;
 use super::h1pool::{self, PoolError};
 use super::pipeline::{Answer, Held, Hold, Inbound};
 use super::respond::{ProxyBody, ProxyError, is_grpc};
-use super::route::{ListenerId, Resolved, Routing};
+use super::route::{Resolved, Routing};
 use super::upstream::{
     DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, VIA, client_error, strip_hop_by_hop, upstream_uri,
 };
@@ -76,8 +76,8 @@ impl Inbound for Request<Incoming> {
         Ok(())
     }
 
-    fn resolve(&self, routing: &Routing, listener: ListenerId) -> Result<Resolved, ProxyError> {
-        routing.resolve(self, listener)
+    fn resolve(&self, routing: &Routing) -> Result<Resolved, ProxyError> {
+        routing.resolve(self)
     }
 
     fn ready(mut self, target: Target) -> Result<Self, &'static str> {

@@ -52,6 +52,8 @@ use crate::limit::{Kind, LeaseTable};
 pub struct Pipeline {
     pub config: Arc<RoutesConfig>,
     routing: Arc<Routing>,
+    /// By upstream listener ([`ListenerId::index`]): its view of the routes.
+    listeners: Vec<Arc<Routing>>,
     /// Built upstreams by name, reused by the next snapshot while their configuration is unchanged.
     pub(super) upstreams: HashMap<String, Arc<Upstream>>,
     accounts: Arc<Accounts>,
@@ -65,25 +67,41 @@ impl Pipeline {
     pub(super) fn new(
         config: Arc<RoutesConfig>,
         routing: Routing,
+        listeners: Vec<Routing>,
         upstreams: HashMap<String, Arc<Upstream>>,
         accounts: Arc<Accounts>,
         clock: Clock,
     ) -> Self {
-        Pipeline { config, routing: Arc::new(routing), upstreams, accounts, clock }
+        let listeners = listeners.into_iter().map(Arc::new).collect();
+        Pipeline { config, routing: Arc::new(routing), listeners, upstreams, accounts, clock }
     }
 
     /// The request pipeline around `forward`, for the main listener's requests.
     pub fn stack<F>(&self, forward: F) -> Stack<F> {
-        self.stack_on(ListenerId::MAIN, forward)
+        self.stack_with(self.routing.clone(), forward)
     }
 
-    /// The request pipeline around `forward`, for requests that arrived on `listener`.
+    /// The request pipeline around `forward`, for requests that arrived on
+    /// `listener`: its stack routes with that listener's view of the routes,
+    /// so the request path itself does not look at the listener. Out of
+    /// line: the native engine's connection loop, which builds its stack
+    /// once, compiles as it did before upstream listeners (callgrind).
+    #[inline(never)]
     pub fn stack_on<F>(&self, listener: ListenerId, forward: F) -> Stack<F> {
+        let routing = match listener.index() {
+            None => &self.routing,
+            // Every snapshot has a view for every listener opened at start.
+            Some(i) => &self.listeners[i],
+        };
+        self.stack_with(routing.clone(), forward)
+    }
+
+    fn stack_with<F>(&self, routing: Arc<Routing>, forward: F) -> Stack<F> {
         ServiceBuilder::new()
             .layer(RespondLayer { clock: self.clock.clone() })
             .layer(GuardLayer { max_body: self.config.limits.max_body_bytes })
-            .layer(AccountLayer { accounts: self.accounts.clone(), listener })
-            .layer(RouteLayer { routing: self.routing.clone(), listener })
+            .layer(AccountLayer { accounts: self.accounts.clone() })
+            .layer(RouteLayer { routing })
             .layer(LimitLayer { clock: self.clock.clone() })
             .service(forward)
     }
@@ -102,9 +120,9 @@ pub trait Inbound: RequestView + Sized {
     /// The checks before routing (`proxy/guard.rs`); `max_body` is `limits.max_body_bytes`.
     fn guard(&mut self, max_body: Option<u64>) -> Result<(), ProxyError>;
 
-    /// The route, plan and target of a request that arrived on `listener`.
-    fn resolve(&self, routing: &Routing, listener: ListenerId) -> Result<Resolved, ProxyError> {
-        routing.resolve_view(self, listener)
+    /// The route, plan and target.
+    fn resolve(&self, routing: &Routing) -> Result<Resolved, ProxyError> {
+        routing.resolve_view(self)
     }
 
     /// Prepares the request for its target, or says why this engine cannot
@@ -149,8 +167,6 @@ pub struct Meta {
     shadow: Option<admit::Shadow>,
     /// A refusal's: how long an upstream's `Retry-After` still holds a key of the plan.
     hold: Option<Duration>,
-    /// The listener the request arrived on, for the access log.
-    listener: ListenerId,
 }
 
 /// Why a request got no upstream answer.
@@ -391,20 +407,17 @@ pub struct Accounts {
     pub client_id: String,
     pub pushback: Arc<Pushback>,
     pub table: Arc<LeaseTable>,
-    /// The upstream of each upstream listener ([`ListenerId::index`]), naming it in the access log.
-    pub listeners: Vec<String>,
 }
 
 #[derive(Clone)]
 pub struct AccountLayer {
     accounts: Arc<Accounts>,
-    listener: ListenerId,
 }
 
 impl<S> Layer<S> for AccountLayer {
     type Service = Account<S>;
     fn layer(&self, inner: S) -> Account<S> {
-        Account { inner, accounts: self.accounts.clone(), listener: self.listener }
+        Account { inner, accounts: self.accounts.clone() }
     }
 }
 
@@ -414,7 +427,6 @@ impl<S> Layer<S> for AccountLayer {
 pub struct Account<S> {
     inner: S,
     accounts: Arc<Accounts>,
-    listener: ListenerId,
 }
 
 impl<S, R, A> Service<Exchange<R>> for Account<S>
@@ -430,8 +442,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut ex: Exchange<R>) -> Self::Future {
-        ex.meta.listener = self.listener;
+    fn call(&mut self, ex: Exchange<R>) -> Self::Future {
         AccountFuture { inner: self.inner.call(ex), accounts: self.accounts.clone() }
     }
 }
@@ -602,7 +613,6 @@ impl Accounts {
             status: status.as_u16(),
             upstream_ms: upstream.map(|d| d.as_secs_f64() * 1e3),
             total_ms: total.as_secs_f64() * 1e3,
-            listener: meta.listener.index().and_then(|i| self.listeners.get(i)).cloned(),
         });
     }
 }
@@ -612,24 +622,21 @@ impl Accounts {
 #[derive(Clone)]
 pub struct RouteLayer {
     routing: Arc<Routing>,
-    listener: ListenerId,
 }
 
 impl<S> Layer<S> for RouteLayer {
     type Service = RouteStage<S>;
     fn layer(&self, inner: S) -> RouteStage<S> {
-        RouteStage { inner, routing: self.routing.clone(), listener: self.listener }
+        RouteStage { inner, routing: self.routing.clone() }
     }
 }
 
 /// Finds the request's route, its admission plan and its target (named
-/// apart from [`Route`], a compiled route), by the listener its connection
-/// arrived on.
+/// apart from [`Route`], a compiled route).
 #[derive(Clone)]
 pub struct RouteStage<S> {
     inner: S,
     routing: Arc<Routing>,
-    listener: ListenerId,
 }
 
 impl<S, R> Service<Exchange<R>> for RouteStage<S>
@@ -648,7 +655,7 @@ where
     fn call(&mut self, ex: Exchange<R>) -> Self::Future {
         let Exchange { req, mut meta } = ex;
         let fail = |error, meta| Early::Now { out: Some(Failure { error, meta }) };
-        let Resolved { route, plan, target } = match req.resolve(&self.routing, self.listener) {
+        let Resolved { route, plan, target } = match req.resolve(&self.routing) {
             Ok(r) => r,
             Err(e) => return fail(Error::Proxy(e), meta),
         };

@@ -71,8 +71,6 @@ impl Resolved {
 /// The routes of one routes file.
 pub struct Routing {
     routes: Vec<Arc<Route>>,
-    /// By upstream listener (a [`ListenerId`] less one): the routes whose upstream is its.
-    listeners: Vec<Box<[Arc<Route>]>>,
     passthrough: Arc<Route>,
     default: DefaultAction,
     direct: Arc<Upstream>,
@@ -80,7 +78,7 @@ pub struct Routing {
 
 /// The listener a connection arrived on: the main one, or an upstream's own
 /// (`upstreams.NAME.listen`), numbered from 1 in the order the sidecar
-/// opened them. Small and `Copy`: a connection carries it to every request.
+/// opened them. Small and `Copy`: a connection carries it to its stack.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ListenerId(u16);
 
@@ -128,24 +126,56 @@ pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
 pub const PASSTHROUGH: &str = "_passthrough";
 
 impl Routing {
-    /// Compiles `cfg`; `listeners` names the upstream of each upstream
-    /// listener (in [`ListenerId`] order), `upstreams` are the built clients
-    /// by name, `table` already configured with `cfg`'s resources.
+    /// Compiles `cfg`; `upstreams` are the built clients by name, `table`
+    /// already configured with `cfg`'s resources.
     pub fn new(
         cfg: &RoutesConfig,
-        listeners: &[String],
         upstreams: &HashMap<String, Arc<Upstream>>,
         direct: Arc<Upstream>,
         table: &LeaseTable,
         metrics: &Metrics,
     ) -> Self {
-        let routes: Vec<Arc<Route>> = cfg
+        Self::compile(cfg, None, upstreams, direct, table, metrics)
+    }
+
+    /// Compiles the routing of upstream `upstream`'s own listener: every
+    /// request on it goes to that upstream, matched against its routes (in
+    /// file order) with their `match.host` left out; one that none matches
+    /// is a 403 (never passthrough: its Host is the sidecar's own), and no
+    /// CONNECT finds a route (no route names a host). The main listener's
+    /// request path is the same code: nothing on it asks which listener.
+    pub fn for_upstream_listener(
+        cfg: &RoutesConfig,
+        upstream: &str,
+        upstreams: &HashMap<String, Arc<Upstream>>,
+        direct: Arc<Upstream>,
+        table: &LeaseTable,
+        metrics: &Metrics,
+    ) -> Self {
+        Self::compile(cfg, Some(upstream), upstreams, direct, table, metrics)
+    }
+
+    fn compile(
+        cfg: &RoutesConfig,
+        listener_of: Option<&str>,
+        upstreams: &HashMap<String, Arc<Upstream>>,
+        direct: Arc<Upstream>,
+        table: &LeaseTable,
+        metrics: &Metrics,
+    ) -> Self {
+        let routes = cfg
             .routes
             .iter()
+            .filter(|r| listener_of.is_none_or(|up| r.upstream.as_deref() == Some(up)))
             .map(|r| {
+                let mut matcher = r.matcher.clone();
+                if listener_of.is_some() {
+                    // The listener says where a request goes, not its Host.
+                    matcher.host = None;
+                }
                 Arc::new(Route {
                     name: r.name.clone(),
-                    matcher: r.matcher.clone(),
+                    matcher,
                     upstream: r.upstream.as_ref().and_then(|u| upstreams.get(u).cloned()),
                     resources: r
                         .resources
@@ -180,38 +210,28 @@ impl Routing {
             pushback: Default::default(),
             fixed_plan: None,
         });
-        let listeners = listeners
-            .iter()
-            .map(|up| cfg.routes.iter().zip(&routes).filter(|(c, _)| c.upstream.as_ref() == Some(up)))
-            .map(|of_upstream| of_upstream.map(|(_, r)| r.clone()).collect())
-            .collect();
-        Routing { routes, listeners, passthrough, default: cfg.default, direct }
+        let default = if listener_of.is_some() { DefaultAction::Deny } else { cfg.default };
+        Routing { routes, passthrough, default, direct }
     }
 
-    /// Resolves a request that arrived on `listener` to its route, target and plan.
-    pub fn resolve<B>(&self, req: &Request<B>, listener: ListenerId) -> Result<Resolved, ProxyError> {
+    /// Resolves a request to its route, target and plan.
+    pub fn resolve<B>(&self, req: &Request<B>) -> Result<Resolved, ProxyError> {
         if req.method() == Method::CONNECT {
             let host = request_host(req);
             let authority = req.uri().authority().map(|a| a.to_string()).unwrap_or_default();
-            // CONNECT goes only to hosts a route names, whatever the default;
-            // an upstream's listener forwards to its upstream only: no tunnels.
+            // CONNECT goes only to hosts a route names, whatever the default.
             let route = self
                 .routes
                 .iter()
-                .filter(|_| listener == ListenerId::MAIN)
                 .find(|r| r.matcher.host.as_deref().is_some_and(|h| host_matches(h, &host)))
                 .ok_or_else(|| ProxyError::ConnectDenied { authority, host: host.to_string() })?;
             return resolved(route, req, &host, Target::Direct(self.direct.clone()));
         }
-        self.resolve_view(req, listener)
+        self.resolve_view(req)
     }
 
-    /// Resolves a request other than CONNECT, seen through [`RequestView`],
-    /// that arrived on `listener`.
-    pub fn resolve_view<R: RequestView>(&self, req: &R, listener: ListenerId) -> Result<Resolved, ProxyError> {
-        if listener != ListenerId::MAIN {
-            return self.resolve_on_upstream_listener(req, listener);
-        }
+    /// Resolves a request other than CONNECT, seen through [`RequestView`].
+    pub fn resolve_view<R: RequestView>(&self, req: &R) -> Result<Resolved, ProxyError> {
         let host = request_host(req);
         let path = req.path();
         match self.routes.iter().find(|r| matches(&r.matcher, req, &host, path)) {
@@ -227,35 +247,6 @@ impl Routing {
                 plan: Plan::default(),
                 target: Target::Direct(self.direct.clone()),
             }),
-            None => Err(ProxyError::NoRoute {
-                method: req.method().to_string(),
-                host: host.into_owned(),
-                path: path.to_string(),
-            }),
-        }
-    }
-
-    /// An upstream listener's request: the first of its upstream's routes
-    /// that matches, whatever its `match.host` says; none is a 403 (never
-    /// passthrough: the Host such a request names is the sidecar's own).
-    /// Out of line, so the main listener's path compiles as it did without it.
-    #[inline(never)]
-    fn resolve_on_upstream_listener<R: RequestView>(
-        &self,
-        req: &R,
-        listener: ListenerId,
-    ) -> Result<Resolved, ProxyError> {
-        let host = request_host(req);
-        let path = req.path();
-        let routes = listener.index().and_then(|i| self.listeners.get(i)).map_or(&[][..], |r| &r[..]);
-        match routes.iter().find(|r| matches_all_but_host(&r.matcher, req, path)) {
-            Some(route) => {
-                let target = match &route.upstream {
-                    Some(u) => Target::Upstream(u.clone()),
-                    None => Target::Direct(self.direct.clone()),
-                };
-                resolved(route, req, &host, target)
-            }
             None => Err(ProxyError::NoRoute {
                 method: req.method().to_string(),
                 host: host.into_owned(),
@@ -342,11 +333,8 @@ fn host_matches(pattern: &str, host: &str) -> bool {
 }
 
 fn matches<R: RequestView>(m: &Match, req: &R, host: &str, path: &str) -> bool {
-    m.host.as_deref().is_none_or(|h| host_matches(h, host)) && matches_all_but_host(m, req, path)
-}
-
-fn matches_all_but_host<R: RequestView>(m: &Match, req: &R, path: &str) -> bool {
-    m.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
+    m.host.as_deref().is_none_or(|h| host_matches(h, host))
+        && m.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
         && (m.methods.is_empty() || m.methods.contains(req.method()))
         && m.headers.iter().all(|(name, value)| match (req.header(name.as_str()), value) {
             (None, _) => false,

@@ -93,18 +93,17 @@ impl Proxy {
         };
         let client_id =
             cfg.doorman.as_ref().map_or_else(crate::config::doorman::default_client_id, |d| d.client_id.clone());
-        let listeners = UpstreamListener::of(&cfg);
-        let names = listener_names(&listeners);
         let accounts = Arc::new(Accounts {
             metrics: metrics.clone(),
             access_log,
             client_id,
             pushback: pushback.clone(),
             table: table.clone(),
-            listeners: names.clone(),
         });
-        let routing = Routing::new(&cfg, &names, &upstreams, direct.clone(), &table, &metrics);
-        let pipeline = Pipeline::new(Arc::new(cfg), routing, upstreams, accounts.clone(), clock.clone());
+        let listeners = UpstreamListener::of(&cfg);
+        let routing = Routing::new(&cfg, &upstreams, direct.clone(), &table, &metrics);
+        let views = listener_routings(&cfg, &listeners, &upstreams, &direct, &table, &metrics);
+        let pipeline = Pipeline::new(Arc::new(cfg), routing, views, upstreams, accounts.clone(), clock.clone());
         Ok(Arc::new(Proxy {
             table,
             lease: std::sync::OnceLock::new(),
@@ -170,12 +169,13 @@ impl Proxy {
                     );
                 }
                 self.table.configure(route::specs(&cfg));
-                let names = listener_names(&self.listeners);
-                let routing = Routing::new(&cfg, &names, &ups, self.direct.clone(), &self.table, &self.metrics);
+                let routing = Routing::new(&cfg, &ups, self.direct.clone(), &self.table, &self.metrics);
+                let views = listener_routings(&cfg, &self.listeners, &ups, &self.direct, &self.table, &self.metrics);
                 tracing::info!(source = %self.config_source, routes = cfg.routes.len(), resources = cfg.resources.len(), "routes reloaded");
                 self.pipeline.store(Arc::new(Pipeline::new(
                     Arc::new(cfg),
                     routing,
+                    views,
                     ups,
                     self.accounts.clone(),
                     self.clock.clone(),
@@ -247,8 +247,19 @@ fn same_upstream(a: &UpstreamConfig, b: &UpstreamConfig) -> bool {
     UpstreamConfig { listen: b.listen, ..a.clone() } == *b
 }
 
-fn listener_names(listeners: &[UpstreamListener]) -> Vec<String> {
-    listeners.iter().map(|l| l.upstream.clone()).collect()
+/// Each upstream listener's routing, in [`ListenerId`] order.
+fn listener_routings(
+    cfg: &RoutesConfig,
+    listeners: &[UpstreamListener],
+    upstreams: &HashMap<String, Arc<Upstream>>,
+    direct: &Arc<Upstream>,
+    table: &LeaseTable,
+    metrics: &Metrics,
+) -> Vec<Routing> {
+    let routing = |l: &UpstreamListener| {
+        Routing::for_upstream_listener(cfg, &l.upstream, upstreams, direct.clone(), table, metrics)
+    };
+    listeners.iter().map(routing).collect()
 }
 
 /// A status code for readiness: the proxy is ready once its routes are loaded.
