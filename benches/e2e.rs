@@ -225,8 +225,10 @@ impl Up {
 /// usher's routes: a non-limiting route for the overhead runs, a rate of
 /// 1,000/s under `/rate` and a gauge of 50 under `/gauge` for accuracy;
 /// with `tenants`, also a rate of 1,000/s per `x-tenant` under `/tenant`.
-/// `http2` is the upstream's setting of that name.
-fn usher_routes(up: &Up, tenants: bool, http2: bool) -> String {
+/// `http2` is the upstream's setting of that name. With `quota`, the
+/// non-limiting route also reads the upstream's quota headers (GitHub's)
+/// and settles a cost from a response header (`quota=on` in a variant).
+fn usher_routes(up: &Up, tenants: bool, http2: bool, quota: bool) -> String {
     let (resource, route) = if tenants {
         (
             "  tenant: { kind: rate, capacity: 1000/s, burst: 50, id: \"t/{header.x-tenant}\", max_keys: 250000 }\n",
@@ -245,10 +247,17 @@ fn usher_routes(up: &Up, tenants: bool, http2: bool) -> String {
             if http2 { "" } else { ", http2: false" }
         ),
     };
+    let (quota_resource, open_route) = match quota {
+        true => (
+            ", upstream_quota: { headers: github }",
+            "{ name: open, upstream: up, resources: [{ resource: open-rate, settle: { response_header: x-usage } }, open-gauge] }",
+        ),
+        false => ("", "{ name: open, upstream: up, resources: [open-rate, open-gauge] }"),
+    };
     format!(
         "upstreams:\n  up: {{ {upstream} }}\n\
          resources:\n  \
-           open-rate: {{ kind: rate, capacity: 10000000/s, burst: 100000 }}\n  \
+           open-rate: {{ kind: rate, capacity: 10000000/s, burst: 100000{quota_resource} }}\n  \
            open-gauge: {{ kind: gauge, capacity: 100000 }}\n  \
            acc-rate: {{ kind: rate, capacity: 1000/s, burst: {BURST} }}\n  \
            acc-gauge: {{ kind: gauge, capacity: 50, max_wait: 1s }}\n\
@@ -257,19 +266,21 @@ fn usher_routes(up: &Up, tenants: bool, http2: bool) -> String {
          {route}  \
            - {{ name: rate, match: {{ path_prefix: /rate }}, upstream: up, resources: [acc-rate] }}\n  \
            - {{ name: gauge, match: {{ path_prefix: /gauge }}, upstream: up, resources: [acc-gauge] }}\n  \
-           - {{ name: open, upstream: up, resources: [open-rate, open-gauge] }}\n"
+           - {open_route}\n"
     )
 }
 
 const BURST: u64 = 50;
 
 /// Starts `usher proxy` towards `up`. `extra_env` holds environment settings,
-/// and two of the bench's own: `bin=PATH` (another binary) and `h2=off`
-/// (`http2: false` on the upstream).
+/// and three of the bench's own: `bin=PATH` (another binary), `h2=off`
+/// (`http2: false` on the upstream) and `quota=on` (the open route reads
+/// quota headers and settles a cost: see [`usher_routes`]).
 fn start_usher(o: &Opts, dir: &Path, up: &Up, extra_env: &[(String, String)]) -> (Proc, SocketAddr) {
     let routes = dir.join(format!("routes-{}-{}.yaml", up.addr.port(), extra_env.len()));
     let http2 = !extra_env.iter().any(|(k, v)| k == "h2" && v == "off");
-    std::fs::write(&routes, usher_routes(up, !o.keys.is_empty(), http2)).unwrap();
+    let quota = extra_env.iter().any(|(k, v)| k == "quota" && v == "on");
+    std::fs::write(&routes, usher_routes(up, !o.keys.is_empty(), http2, quota)).unwrap();
     let bin = extra_env.iter().find(|(k, _)| k == "bin").map_or(env!("CARGO_BIN_EXE_usher"), |(_, v)| v.as_str());
     let mut cmd = pinned(o, Path::new(bin));
     cmd.args([
@@ -284,7 +295,7 @@ fn start_usher(o: &Opts, dir: &Path, up: &Up, extra_env: &[(String, String)]) ->
     .env("USHER_LOG", "warn,usher=info")
     .env("NO_COLOR", "1")
     .stderr(Stdio::piped());
-    for (k, v) in o.usher_env.iter().chain(extra_env).filter(|(k, _)| k != "bin" && k != "h2") {
+    for (k, v) in o.usher_env.iter().chain(extra_env).filter(|(k, _)| k != "bin" && k != "h2" && k != "quota") {
         cmd.env(k, v);
     }
     let mut child = cmd.spawn().expect("start usher proxy");

@@ -36,6 +36,7 @@ fn spec(kind: Kind) -> ResourceSpec {
         window: Duration::from_secs(1),
         shared: false,
         shadow: false,
+        upstream_quota: false,
     }
 }
 

@@ -410,6 +410,6 @@ async fn refresh(o: &Opts, server: &Server, seconds: u64) {
 fn request(n: u64, wants: f64, has: Option<Lease>) -> GetCapacityRequest {
     GetCapacityRequest {
         client_id: format!("client-{n}"),
-        resource: vec![ResourceRequest { resource_id: "shared".into(), priority: 0, has, wants }],
+        resource: vec![ResourceRequest { upstream_quota: None, resource_id: "shared".into(), priority: 0, has, wants }],
     }
 }

@@ -3,10 +3,11 @@
 //! error with its `file:line:column`, what was expected, and a hint.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::config::ConfigError;
-use crate::config::resources::ResourcesConfig;
-use crate::config::routes::RoutesConfig;
+use crate::config::resources::{ResourcesConfig, Template};
+use crate::config::routes::{ResourceConfig, ResourceKind, RoutesConfig};
 use crate::config::yaml::{Node, Value, parse};
 use crate::error::RunError;
 use crate::sim::Scenario;
@@ -16,6 +17,10 @@ pub struct CheckArgs {
     /// Routes files (sidecar), resources files (capacity server) or sim scenarios.
     #[arg(value_name = "FILE", required = true)]
     pub files: Vec<PathBuf>,
+    /// Check routes files whose `${VAR}`s are not set here (a ConfigMap's file in CI): they
+    /// stay as written, and the unset ones are named.
+    #[arg(long)]
+    pub allow_unset_env: bool,
 }
 
 /// What a file is, judged by its content.
@@ -59,8 +64,27 @@ pub fn classify(root: &Node) -> Option<Kind> {
         .then_some(Kind::Routes)
 }
 
-/// Checks one file: its kind, or every error found.
-pub fn check_file(path: &std::path::Path) -> Result<Kind, ConfigError> {
+/// A valid file, parsed.
+pub enum Checked {
+    /// A routes file, and the `${VAR}`s left unset (`--allow-unset-env`).
+    Routes(Box<RoutesConfig>, Vec<String>),
+    Resources(ResourcesConfig),
+    Scenario,
+}
+
+impl Checked {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Checked::Routes(..) => Kind::Routes,
+            Checked::Resources(_) => Kind::Resources,
+            Checked::Scenario => Kind::Scenario,
+        }
+    }
+}
+
+/// Checks one file: what it holds, or every error found. With
+/// `allow_unset_env` a routes file's unset `${VAR}`s stay as written.
+pub fn check_file(path: &std::path::Path, allow_unset_env: bool) -> Result<Checked, ConfigError> {
     let name = path.display().to_string();
     let text = crate::config::file::read_config(path, "it")?;
     let root = parse(&name, &text)?;
@@ -72,9 +96,11 @@ pub fn check_file(path: &std::path::Path) -> Result<Kind, ConfigError> {
         e
     })?;
     match kind {
-        Kind::Routes => RoutesConfig::parse(&name, &text).map(|_| kind),
-        Kind::Resources => ResourcesConfig::parse(&name, &text).map(|_| kind),
-        Kind::Scenario => Scenario::parse(&name, &text).map(|_| kind),
+        Kind::Routes => {
+            RoutesConfig::parse_env(&name, &text, allow_unset_env).map(|(c, unset)| Checked::Routes(Box::new(c), unset))
+        }
+        Kind::Resources => ResourcesConfig::parse(&name, &text).map(Checked::Resources),
+        Kind::Scenario => Scenario::parse(&name, &text).map(|_| Checked::Scenario),
     }
 }
 
@@ -82,16 +108,11 @@ pub fn check_file(path: &std::path::Path) -> Result<Kind, ConfigError> {
 pub fn run(args: CheckArgs) -> Result<(), RunError> {
     let mut bad = 0;
     for f in &args.files {
-        match check_file(f) {
-            Ok(kind) => {
-                println!("{}: ok ({})", f.display(), kind.name());
-                if kind == Kind::Routes
-                    && let Ok(cfg) = RoutesConfig::load(f)
-                {
-                    println!("  listener limits: {}", cfg.limits);
-                    for (name, a) in cfg.upstreams.iter().filter_map(|(n, u)| Some((n, u.listen?))) {
-                        println!("  upstream listener: {a} (every request on it goes to upstream `{name}`)");
-                    }
+        match check_file(f, args.allow_unset_env) {
+            Ok(checked) => {
+                println!("{}: ok ({})", f.display(), checked.kind().name());
+                for line in summary(&checked) {
+                    println!("  {line}");
                 }
             }
             Err(e) => {
@@ -104,4 +125,120 @@ pub fn run(args: CheckArgs) -> Result<(), RunError> {
         return Err(RunError::Usage(format!("{bad} of {} file(s) invalid", args.files.len())));
     }
     Ok(())
+}
+
+/// What a valid file resolves to, a line each: every resource as it will be
+/// enforced or served.
+pub fn summary(checked: &Checked) -> Vec<String> {
+    match checked {
+        Checked::Routes(cfg, unset) => routes_summary(cfg, unset),
+        Checked::Resources(cfg) => {
+            let mut out = vec![
+                "capacities per second (for a resource the sidecars enforce as a gauge: requests in flight)".into(),
+            ];
+            out.extend(cfg.templates.iter().map(|t| template_line(t)));
+            out
+        }
+        Checked::Scenario => Vec::new(),
+    }
+}
+
+fn routes_summary(cfg: &RoutesConfig, unset: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    if !unset.is_empty() {
+        out.push(format!("unset environment variables, checked as written: {}", unset.join(", ")));
+    }
+    out.push(match &cfg.doorman {
+        None => "capacity from: the embedded capacity server (this file's capacities)".to_string(),
+        Some(d) => format!(
+            "capacity from: the Doorman servers {} as client `{}` (a resource's capacity is its first `wants`)",
+            d.servers.join(", "),
+            d.client_id
+        ),
+    });
+    for r in cfg.resources.values() {
+        out.push(resource_line(r));
+    }
+    out.push(format!("listener limits: {}", cfg.limits));
+    for (name, a) in cfg.upstreams.iter().filter_map(|(n, u)| Some((n, u.listen?))) {
+        out.push(format!("upstream listener: {a} (every request on it goes to upstream `{name}`)"));
+    }
+    out
+}
+
+fn resource_line(r: &ResourceConfig) -> String {
+    let c = r.capacity;
+    let amount = match r.kind {
+        ResourceKind::Rate if c.window == Duration::from_secs(1) => format!("{}/s", number(c.per_window)),
+        ResourceKind::Rate => {
+            format!("{}/{} = {}/s", number(c.per_window), window_name(c.window), number(c.per_second()))
+        }
+        ResourceKind::Gauge => format!("{} in flight", number(c.per_window)),
+    };
+    let burst = match r.kind {
+        ResourceKind::Rate => format!(", burst {}", number(r.burst)),
+        ResourceKind::Gauge => String::new(),
+    };
+    let kind = match r.kind {
+        ResourceKind::Rate => "rate",
+        ResourceKind::Gauge => "gauge",
+    };
+    format!(
+        "resource {}: {kind} {amount}{burst}, max_wait {}, id `{}`",
+        r.name,
+        humantime::format_duration(r.max_wait),
+        r.id.text
+    )
+}
+
+fn template_line(t: &Template) -> String {
+    let a = &t.algorithm;
+    let safe = match t.safe_capacity {
+        None => "dynamic".to_string(),
+        Some(-1.0) => "unlimited".to_string(),
+        Some(v) => format!("{}/s", number(v)),
+    };
+    format!(
+        "resource `{}`: {}/s, {}, lease_length {}s, refresh_interval {}s, safe_capacity {safe}",
+        t.identifier_glob,
+        number(t.capacity),
+        a.kind.name(),
+        a.lease_length.as_secs(),
+        a.refresh_interval.as_secs(),
+    )
+}
+
+fn window_name(w: Duration) -> String {
+    match w.as_secs() {
+        60 => "min".into(),
+        3600 => "h".into(),
+        86400 => "day".into(),
+        _ => humantime::format_duration(w).to_string(),
+    }
+}
+
+/// A capacity for people: whole numbers as they are, others to three
+/// significant digits (5000/h is `1.39`/s, 1/min is `0.0167`/s).
+pub fn number(v: f64) -> String {
+    if v == v.trunc() && v.abs() < 1e15 {
+        return format!("{v}");
+    }
+    let digits = (2 - v.abs().log10().floor() as i32).max(0) as usize;
+    let s = format!("{v:.digits$}");
+    if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::number;
+
+    #[test]
+    fn numbers_for_people() {
+        assert_eq!(number(5000.0 / 3600.0), "1.39");
+        assert_eq!(number(1.0 / 60.0), "0.0167");
+        assert_eq!(number(50.0), "50");
+        assert_eq!(number(8.333333), "8.33");
+        assert_eq!(number(123.456), "123");
+        assert_eq!(number(0.5), "0.5");
+    }
 }

@@ -14,6 +14,17 @@ use usher::error::RunError;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines as text (coloured only on a terminal, and not with NO_COLOR set) or as one
+    /// JSON object per line.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "USHER_LOG_FORMAT")]
+    log_format: LogFormat,
+}
+
+/// How log lines are written to stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -55,7 +66,7 @@ fn main() -> ExitCode {
         }
     };
     // The demo's sidecars would drown its live table in their info logs.
-    init_logging(if matches!(cli.command, Command::Demo(_)) { "warn" } else { "info" });
+    init_logging(if matches!(cli.command, Command::Demo(_)) { "warn" } else { "info" }, cli.log_format);
     let result = match cli.command {
         // Virtual time and plain validation need no runtime and no signals.
         Command::Sim(args) => usher::sim::run(args),
@@ -145,14 +156,24 @@ where
 }
 
 /// Logs go to stderr; `USHER_LOG` (or `RUST_LOG`) sets the filter, else `default`.
-fn init_logging(default: &str) {
+/// Text is coloured only when stderr is a terminal and `NO_COLOR` is unset,
+/// so a log written to a file or a pipe carries no escape codes.
+fn init_logging(default: &str, format: LogFormat) {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let filter = std::env::var("USHER_LOG")
         .ok()
         .and_then(|s| EnvFilter::try_new(s).ok())
         .or_else(|| EnvFilter::try_from_default_env().ok())
         .unwrap_or_else(|| EnvFilter::new(default));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => logs.json().flatten_event(true).with_current_span(false).init(),
+        LogFormat::Text => {
+            let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+            logs.with_ansi(colour).init()
+        }
+    }
 }
 
 /// As a container's PID 1 (the image has no init), usher inherits every

@@ -201,3 +201,149 @@ fn the_readme_quickstart_routes_file_runs() {
     assert_eq!(v["lease"]["master"], "embedded", "{body}");
     assert_eq!(support::http_get(p.addr("admin"), "/readyz").0, 200);
 }
+
+/// A resources file takes the routes file's rate units (a bare number stays
+/// per second, as in Doorman's format), and `usher check` prints every
+/// template as the server will serve it.
+#[test]
+fn a_resources_file_with_rate_units_checks_and_prints_each_template_per_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = r#"resources:
+  - identifier_glob: github
+    capacity: 5000/h
+    safe_capacity: 600/min
+    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 10 }
+  - identifier_glob: "*"
+    capacity: 12.5
+    algorithm: { kind: STATIC, lease_length: 30, refresh_interval: 5 }
+"#;
+    let file = write_file(dir.path(), "resources.yaml", text);
+    let (code, out, err) = run_usher(&["check", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    let f = file.display();
+    for want in [
+        format!("{f}: ok (resources file)"),
+        "  resource `github`: 1.39/s, FAIR_SHARE, lease_length 60s, refresh_interval 10s, safe_capacity 10/s".into(),
+        "  resource `*`: 12.5/s, STATIC, lease_length 30s, refresh_interval 5s, safe_capacity dynamic".into(),
+    ] {
+        assert!(out.lines().any(|l| l == want), "missing {want:?} in:\n{out}");
+    }
+    let bad = write_file(dir.path(), "bad.yaml", &text.replace("5000/h", "5000/week"));
+    let (code, out, err) = run_usher(&["check", bad.to_str().unwrap()]);
+    assert_eq!(code, 64, "{out}{err}");
+    let want = format!("{}:3:15: resources[0].capacity: unknown unit `/week`; use /s, /min, /h or /day", bad.display());
+    assert!(err.contains(&want), "missing {want:?} in:\n{err}");
+}
+
+/// `usher check` prints each resource of a routes file as it resolves: the
+/// per-second rate, burst, max_wait and where the capacity comes from.
+#[test]
+fn a_routes_file_prints_every_resource_as_it_resolves() {
+    let dir = tempfile::tempdir().unwrap();
+    let embedded = write_file(
+        dir.path(),
+        "embedded.yaml",
+        "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+         resources:\n  gh: { kind: rate, capacity: 5000/h, burst: 20, max_wait: 1500ms }\n\
+         \x20 quick: { kind: rate, capacity: 8 }\n  inflight: { kind: gauge, capacity: 4, max_wait: 2s }\n\
+         routes:\n  - { name: all, upstream: up, resources: [gh, quick, inflight] }\n",
+    );
+    let (code, out, err) = run_usher(&["check", embedded.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    for want in [
+        "  capacity from: the embedded capacity server (this file's capacities)",
+        "  resource gh: rate 5000/h = 1.39/s, burst 20, max_wait 1s 500ms, id `gh`",
+        "  resource quick: rate 8/s, burst 8, max_wait 0s, id `quick`",
+        "  resource inflight: gauge 4 in flight, max_wait 2s, id `inflight`",
+    ] {
+        assert!(out.lines().any(|l| l == want), "missing {want:?} in:\n{out}");
+    }
+    let leased = write_file(
+        dir.path(),
+        "leased.yaml",
+        "doorman:\n  servers: [\"doorman-0:15100\", \"doorman-1:15100\"]\n  client_id: pod-a\n\
+         resources:\n  gh: { kind: rate, capacity: 100/min, id: \"gh/{header.x-tenant}\" }\n",
+    );
+    let (code, out, err) = run_usher(&["check", leased.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    for want in [
+        "  capacity from: the Doorman servers doorman-0:15100, doorman-1:15100 as client `pod-a` (a resource's capacity is its first `wants`)",
+        "  resource gh: rate 100/min = 1.67/s, burst 1.67, max_wait 0s, id `gh/{header.x-tenant}`",
+    ] {
+        assert!(out.lines().any(|l| l == want), "missing {want:?} in:\n{out}");
+    }
+}
+
+/// A ConfigMap's routes file names `${POD_NAME}`, set only in the pod: CI
+/// checks it with `--allow-unset-env`, which says which variables were unset.
+#[test]
+fn allow_unset_env_checks_a_file_whose_variables_are_not_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        "doorman:\n  servers: [\"doorman-0:15100\"]\n  client_id: \"${USHER_TEST_UNSET_POD}-${USHER_TEST_UNSET_NS}\"\n\
+         resources:\n  api: { kind: rate, capacity: 5 }\n",
+    );
+    let run = |args: &[&str]| {
+        let out = Command::new(usher_bin())
+            .args(args)
+            .env_remove("USHER_TEST_UNSET_POD")
+            .env_remove("USHER_TEST_UNSET_NS")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let path = routes.to_str().unwrap();
+    let (code, out, err) = run(&["check", path]);
+    assert_eq!(code, Some(64), "{out}{err}");
+    let want = format!("{path}:3:14: doorman.client_id: environment variable `USHER_TEST_UNSET_POD` is not set");
+    assert!(err.contains(&want) && err.contains("--allow-unset-env"), "{err}");
+    let (code, out, err) = run(&["check", "--allow-unset-env", path]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    for want in [
+        "  unset environment variables, checked as written: USHER_TEST_UNSET_POD, USHER_TEST_UNSET_NS",
+        "  capacity from: the Doorman servers doorman-0:15100 as client `${USHER_TEST_UNSET_POD}-${USHER_TEST_UNSET_NS}` (a resource's capacity is its first `wants`)",
+    ] {
+        assert!(out.lines().any(|l| l == want), "missing {want:?} in:\n{out}");
+    }
+}
+
+/// The shipped routes file leases ids that the shipped resources file
+/// configures: each id, whatever its placeholders expand to, falls under a
+/// template of its own, not the catch-all `*`; and a sidecar never first
+/// asks more than the whole capacity its template holds.
+#[test]
+fn the_shipped_routes_ids_match_templates_of_the_shipped_resources_file() {
+    use usher::config::resources::{CATCH_ALL, ResourcesConfig};
+    use usher::config::routes::{RoutesConfig, Segment};
+    let root = env!("CARGO_MANIFEST_DIR");
+    let read = |f: &str| std::fs::read_to_string(format!("{root}/deploy/examples/{f}")).unwrap();
+    let (routes, _) = RoutesConfig::parse_env("routes.yaml", &read("routes.yaml"), true).unwrap();
+    let resources = ResourcesConfig::parse("resources.yaml", &read("resources.yaml")).unwrap();
+    assert!(!routes.resources.is_empty());
+    for r in routes.resources.values() {
+        for sample in ["acme", "x", "tenant-42", "a.b"] {
+            let id: String =
+                r.id.segments
+                    .iter()
+                    .map(|s| match s {
+                        Segment::Literal(l) => l.clone(),
+                        _ => sample.to_string(),
+                    })
+                    .collect();
+            let t = resources.find(&id).unwrap();
+            assert_ne!(t.identifier_glob, CATCH_ALL, "{} (id {id}) falls to the catch-all", r.name);
+            let first_wants = r.capacity.per_second();
+            assert!(first_wants <= t.capacity, "{}: first wants {first_wants} over the whole {}", r.name, t.capacity);
+        }
+    }
+    // GitHub's primary quota: 5,000 requests per hour per token.
+    let gh = resources.find("github/acme").unwrap();
+    assert!((gh.capacity - 5000.0 / 3600.0).abs() < 1e-9, "{}", gh.capacity);
+    assert!((routes.resources["github-core"].capacity.per_second() - gh.capacity).abs() < 1e-9);
+}

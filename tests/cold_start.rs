@@ -19,18 +19,30 @@ const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 90\n  
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_sidecars_starting_together_each_get_their_share_from_the_second_second() {
+    cold_start(90).await;
+}
+
+/// The routes file's `capacity` is the first `wants`: a sidecar that starts
+/// asking for 1/s must not leave the first to ask more than its share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_sidecars_first_asking_1_per_second_each_get_their_share_from_the_second_second() {
+    cold_start(1).await;
+}
+
+async fn cold_start(first_wants: u32) {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let _server = Usher::server_at(&write_file(dir.path(), "r.yaml", CONFIG), port, &[]);
     let ups = [Upstream::start().await, Upstream::start().await, Upstream::start().await];
-    // Each asks for the whole capacity before it has measured its demand.
-    let res = "    kind: rate\n    capacity: 90\n    burst: 2\n    wants: auto\n";
+    // Each asks for `first_wants` before it has measured its demand.
+    // The fleet's burst: each sidecar's bucket holds its lease's share (2 at a third).
+    let res = format!("    kind: rate\n    capacity: {first_wants}\n    burst: 6\n    wants: auto\n");
     let files: Vec<_> = ups
         .iter()
         .enumerate()
         .map(|(i, up)| {
             let doorman = format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: cold-{i}\n");
-            write_file(dir.path(), &format!("s{i}.yaml"), &routes(up, &doorman, res))
+            write_file(dir.path(), &format!("s{i}.yaml"), &routes(up, &doorman, &res))
         })
         .collect();
     let starting: Vec<_> = files.into_iter().map(|f| std::thread::spawn(move || Usher::proxy(&f))).collect();
@@ -53,6 +65,7 @@ async fn three_sidecars_starting_together_each_get_their_share_from_the_second_s
         );
     }
     let total: Vec<usize> = (0..secs as usize).map(|s| per.iter().map(|p| p[s]).sum()).collect();
-    assert!(total.iter().all(|n| *n as f64 <= 90.0 + 3.0 * 2.0), "a second above capacity plus bursts: {total:?}");
+    // Capacity, the fleet's burst, and one request per sidecar.
+    assert!(total.iter().all(|n| *n as f64 <= 90.0 + 6.0 + 3.0), "a second above capacity plus the burst: {total:?}");
     eprintln!("{report}");
 }

@@ -32,6 +32,7 @@ impl Enforcer for Recorder {
             on_expiry: OnExpiry::Pessimistic,
             safe_capacity: None,
             pressure: false,
+            quota: None,
         }]
     }
 
@@ -72,7 +73,13 @@ async fn three_servers_elect_one_master_and_fail_over() {
     let r = c
         .get_capacity(GetCapacityRequest {
             client_id: "x".into(),
-            resource: vec![ResourceRequest { resource_id: "api".into(), priority: 0, has: None, wants: 1.0 }],
+            resource: vec![ResourceRequest {
+                upstream_quota: None,
+                resource_id: "api".into(),
+                priority: 0,
+                has: None,
+                wants: 1.0,
+            }],
         })
         .await
         .unwrap()
@@ -156,6 +163,7 @@ async fn configuration_is_read_from_etcd_and_kept_when_invalid() {
     let ask = |wants| GetCapacityRequest {
         client_id: "a".into(),
         resource: vec![ResourceRequest {
+            upstream_quota: None,
             resource_id: "r".into(),
             priority: 0,
             has: Some(proto::Lease { expiry_time: 0, refresh_interval: 1, capacity: 0.0 }),
@@ -195,7 +203,13 @@ async fn after_a_root_failover_no_intermediate_hands_out_zero() {
     let mut c = CapacityClient::connect(format!("http://{}", mid.addr("grpc"))).await.unwrap();
     let ask = || GetCapacityRequest {
         client_id: "leaf".into(),
-        resource: vec![ResourceRequest { resource_id: "api".into(), priority: 0, has: None, wants: 30.0 }],
+        resource: vec![ResourceRequest {
+            upstream_quota: None,
+            resource_id: "api".into(),
+            priority: 0,
+            has: None,
+            wants: 30.0,
+        }],
     };
     let mut got = 0.0;
     for _ in 0..100 {

@@ -64,7 +64,13 @@ async fn granted(u: &Usher) -> Option<f64> {
     let mut c = CapacityClient::connect(format!("http://{}", u.addr("grpc"))).await.ok()?;
     let ask = GetCapacityRequest {
         client_id: "a".into(),
-        resource: vec![ResourceRequest { resource_id: "r".into(), priority: 0, has: None, wants: 500.0 }],
+        resource: vec![ResourceRequest {
+            upstream_quota: None,
+            resource_id: "r".into(),
+            priority: 0,
+            has: None,
+            wants: 500.0,
+        }],
     };
     c.get_capacity(ask).await.ok()?.into_inner().response.first().map(|r| r.gets.capacity)
 }
@@ -277,7 +283,13 @@ async fn a_master_cut_off_from_etcd_stops_granting_before_another_can_be_elected
     let mut ca = CapacityClient::connect(format!("http://{}", a.addr("grpc"))).await.unwrap();
     let ask = || GetCapacityRequest {
         client_id: "x".into(),
-        resource: vec![ResourceRequest { resource_id: "r".into(), priority: 0, has: None, wants: 10.0 }],
+        resource: vec![ResourceRequest {
+            upstream_quota: None,
+            resource_id: "r".into(),
+            priority: 0,
+            has: None,
+            wants: 10.0,
+        }],
     };
     assert!(!ca.get_capacity(ask()).await.unwrap().into_inner().response.is_empty(), "a grants");
 

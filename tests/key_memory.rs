@@ -98,7 +98,13 @@ async fn store_bytes_per_key() -> f64 {
     let ask = |ids: std::ops::Range<usize>| proto::GetCapacityRequest {
         client_id: "sidecar".into(),
         resource: ids
-            .map(|i| proto::ResourceRequest { resource_id: tenant(i), priority: 0, has: None, wants: 1000.0 })
+            .map(|i| proto::ResourceRequest {
+                upstream_quota: None,
+                resource_id: tenant(i),
+                priority: 0,
+                has: None,
+                wants: 1000.0,
+            })
             .collect(),
     };
     // One key first: the resource map, metrics and the service exist before counting.

@@ -24,6 +24,7 @@ impl Enforcer for Fixed {
             on_expiry: OnExpiry::Pessimistic,
             safe_capacity: None,
             pressure: false,
+            quota: None,
         }]
     }
     fn apply(&self, _: &[(String, Capacity)]) {}

@@ -609,10 +609,13 @@ impl usher::proto::capacity_server::Capacity for FakeDoorman {
         use usher::proto::{GetCapacityResponse, Lease, Mastership, ResourceResponse};
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
         let lease = |id: &str, capacity: f64, safe_capacity: Option<f64>| ResourceResponse {
+            resource_capacity: None,
+            upstream_quota: None,
             resource_id: id.into(),
             // 3 s, asked again every second: a refused lease runs out soon.
             gets: Lease { expiry_time: now + 3, refresh_interval: 1, capacity },
             safe_capacity,
+            template: None,
         };
         let answer = self.answer.lock().unwrap().clone();
         let mut response = Vec::new();

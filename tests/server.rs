@@ -70,7 +70,7 @@ impl Server {
 }
 
 fn ask(resource: &str, wants: f64) -> ResourceRequest {
-    ResourceRequest { resource_id: resource.into(), priority: 0, has: None, wants }
+    ResourceRequest { upstream_quota: None, resource_id: resource.into(), priority: 0, has: None, wants }
 }
 
 /// One GetCapacity for `client`; returns the grants by resource id.
@@ -168,6 +168,7 @@ async fn learning_mode_hands_back_has() {
     let s = Server::start(CONFIG, &[]);
     let mut c = s.client().await;
     let with_has = ResourceRequest {
+        upstream_quota: None,
         resource_id: "learn".into(),
         priority: 1,
         has: Some(proto::Lease { expiry_time: 0, refresh_interval: 5, capacity: 40.0 }),
@@ -200,6 +201,7 @@ async fn learning_mode_believes_a_liar_only_up_to_the_capacity_and_a_lease_lengt
 
     let (asked, before) = (Instant::now(), unix_now());
     let liar = ResourceRequest {
+        upstream_quota: None,
         resource_id: "r".into(),
         priority: 0,
         has: Some(proto::Lease { expiry_time: before + 1_000_000_000, refresh_interval: 2, capacity: 1e300 }),
@@ -262,7 +264,12 @@ async fn server_capacity_sums_bands_and_carries_the_algorithm() {
     let r = c
         .get_server_capacity(proto::GetServerCapacityRequest {
             server_id: "child:1".into(),
-            resource: vec![proto::ServerCapacityResourceRequest { resource_id: "x".into(), has: None, wants: bands }],
+            resource: vec![proto::ServerCapacityResourceRequest {
+                upstream_quota: None,
+                resource_id: "x".into(),
+                has: None,
+                wants: bands,
+            }],
         })
         .await
         .unwrap()
@@ -313,6 +320,7 @@ async fn bad_requests_are_invalid_argument_and_store_nothing() {
     let bad_band = proto::GetServerCapacityRequest {
         server_id: "s".into(),
         resource: vec![proto::ServerCapacityResourceRequest {
+            upstream_quota: None,
             resource_id: "fair".into(),
             has: None,
             wants: vec![proto::PriorityBandAggregate { priority: 1, num_clients: 0, wants: 5.0 }],
@@ -346,7 +354,7 @@ async fn reload_on_file_change_and_sighup_keeps_old_config_when_invalid() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(got, 300.0, "file change applied");
+    assert_eq!(got, 300.0, "file change applied\n{}", s.usher.log());
 
     // An invalid file is rejected; the old config stays in force.
     std::fs::write(&path, "resources:\n  - identifier_glob: x\n    capacity: oops\n").unwrap();

@@ -24,7 +24,7 @@ fn ask(client: &str, ids: Vec<String>) -> GetCapacityRequest {
         client_id: client.into(),
         resource: ids
             .into_iter()
-            .map(|id| ResourceRequest { resource_id: id, priority: 0, has: None, wants: 1.0 })
+            .map(|id| ResourceRequest { upstream_quota: None, resource_id: id, priority: 0, has: None, wants: 1.0 })
             .collect(),
     }
 }
@@ -84,6 +84,7 @@ async fn a_lower_server_cannot_claim_more_clients_than_a_resource_may_have() {
     let claim = |n: i64| GetServerCapacityRequest {
         server_id: "liar".into(),
         resource: vec![ServerCapacityResourceRequest {
+            upstream_quota: None,
             resource_id: "api".into(),
             has: None,
             wants: vec![

@@ -55,7 +55,7 @@ fn the_sidecar_and_server_pages_render_live_values() {
     let dom = chromium(&["--dump-dom", &url], &profile);
     let html = String::from_utf8_lossy(&dom.stdout);
     assert!(html.contains("<table id=\"leases\">"), "the leases table renders:\n{html}");
-    assert!(html.contains("<td>api</td><td>Leased</td><td>37.500</td>"), "with the live lease:\n{html}");
+    assert!(html.contains("<td>api</td><td>Leased</td><td>37.500/s</td>"), "with the live lease:\n{html}");
     assert!(html.contains(&format!("master {}", server.addr("grpc"))), "and the master:\n{html}");
     assert!(html.contains("http-equiv=\"refresh\""), "the page refreshes itself");
 
@@ -70,5 +70,5 @@ fn the_sidecar_and_server_pages_render_live_values() {
     let dom = chromium(&["--dump-dom", &url], &profile);
     let html = String::from_utf8_lossy(&dom.stdout);
     assert!(html.contains("<table id=\"resources\">"), "{html}");
-    assert!(html.contains(">api</a></td><td>*</td><td>FAIR_SHARE</td><td>100.000</td><td>37.500</td>"), "{html}");
+    assert!(html.contains(">api</a></td><td>*</td><td>FAIR_SHARE</td><td>100.000/s</td><td>37.500/s</td>"), "{html}");
 }

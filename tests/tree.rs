@@ -53,7 +53,13 @@ async fn capacity_is_shared_fairly_across_the_tree_without_overshoot() {
             let r = c
                 .get_capacity(GetCapacityRequest {
                     client_id: name.to_string(),
-                    resource: vec![ResourceRequest { resource_id: "api".into(), priority: 0, has: None, wants: 100.0 }],
+                    resource: vec![ResourceRequest {
+                        upstream_quota: None,
+                        resource_id: "api".into(),
+                        priority: 0,
+                        has: None,
+                        wants: 100.0,
+                    }],
                 })
                 .await
                 .unwrap()
@@ -94,7 +100,13 @@ async fn capacity_is_shared_fairly_across_the_tree_without_overshoot() {
     let r = c
         .get_capacity(GetCapacityRequest {
             client_id: "c1".into(),
-            resource: vec![ResourceRequest { resource_id: "api".into(), priority: 0, has: None, wants: 100.0 }],
+            resource: vec![ResourceRequest {
+                upstream_quota: None,
+                resource_id: "api".into(),
+                priority: 0,
+                has: None,
+                wants: 100.0,
+            }],
         })
         .await
         .unwrap()
@@ -126,7 +138,13 @@ async fn three_rounds(server: std::net::SocketAddr) -> HashMap<&'static str, f64
             let r = c
                 .get_capacity(GetCapacityRequest {
                     client_id: name.into(),
-                    resource: vec![ResourceRequest { resource_id: "db".into(), priority, has: None, wants: 60.0 }],
+                    resource: vec![ResourceRequest {
+                        upstream_quota: None,
+                        resource_id: "db".into(),
+                        priority,
+                        has: None,
+                        wants: 60.0,
+                    }],
                 })
                 .await
                 .unwrap()
@@ -181,7 +199,7 @@ async fn four_sidecars_under_two_intermediates_split_the_root_fairly() {
             &format!(
                 "doorman:\n  servers: [\"{}\"]\n  client_id: sidecar-{i}\n  min_interval: 500ms\n\
                  upstreams:\n  up: {{ url: \"http://{}\" }}\n\
-                 resources:\n  api: {{ kind: rate, capacity: 100, burst: 5, wants: auto }}\n\
+                 resources:\n  api: {{ kind: rate, capacity: 100, burst: 20, wants: auto }}\n\
                  routes:\n  - {{ name: all, upstream: up, resources: [api] }}\n",
                 mids[i / 2].addr("grpc"),
                 up.addr
@@ -227,7 +245,13 @@ async fn a_newcomer_is_answered_with_a_share_as_soon_as_one_is_free() {
     let root_addr = root.addr("grpc").to_string();
     let ask = |client: &str, resource: &str, wants: f64| GetCapacityRequest {
         client_id: client.into(),
-        resource: vec![ResourceRequest { resource_id: resource.into(), priority: 0, has: None, wants }],
+        resource: vec![ResourceRequest {
+            upstream_quota: None,
+            resource_id: resource.into(),
+            priority: 0,
+            has: None,
+            wants,
+        }],
     };
 
     // A fresh intermediate: the first answer carries the parent's share.

@@ -75,6 +75,18 @@ async fn raw_call(addr: std::net::SocketAddr, method: &str, msg: Vec<u8>) -> Vec
     body[5..5 + len].to_vec()
 }
 
+/// The field numbers Doorman defines (below 100).
+fn doorman(fields: &[(u32, Option<Vec<u8>>)]) -> Vec<u32> {
+    numbers(fields).into_iter().filter(|n| *n < USHER_FIELDS).collect()
+}
+
+/// usher's own optional fields, numbered from 100 so they never meet one of Doorman's.
+fn usher(fields: &[(u32, Option<Vec<u8>>)]) -> Vec<u32> {
+    numbers(fields).into_iter().filter(|n| *n >= USHER_FIELDS).collect()
+}
+
+const USHER_FIELDS: u32 = 100;
+
 #[tokio::test]
 async fn responses_encode_required_fields_even_when_zero() {
     let dir = tempfile::tempdir().unwrap();
@@ -89,12 +101,23 @@ async fn responses_encode_required_fields_even_when_zero() {
     // wants 0 on a resource of capacity 0: the grant is 0.
     let req = proto::GetCapacityRequest {
         client_id: "c".into(),
-        resource: vec![proto::ResourceRequest { resource_id: "r".into(), priority: 0, has: None, wants: 0.0 }],
+        resource: vec![proto::ResourceRequest {
+            upstream_quota: None,
+            resource_id: "r".into(),
+            priority: 0,
+            has: None,
+            wants: 0.0,
+        }],
     };
     let resp = fields(&raw_call(addr, "GetCapacity", req.encode_to_vec()).await);
     assert_eq!(numbers(&resp), vec![1], "one ResourceResponse, no mastership");
     let rr = fields(&payload(&resp, 1));
-    assert_eq!(numbers(&rr), vec![1, 2, 3], "resource_id, gets, safe_capacity");
+    assert_eq!(doorman(&rr), vec![1, 2, 3], "resource_id, gets, safe_capacity");
+    assert_eq!(
+        usher(&rr),
+        vec![100, 111],
+        "usher's template and resource capacity (a Doorman client skips unknown fields)"
+    );
     let lease = fields(&payload(&rr, 2));
     assert_eq!(numbers(&lease), vec![1, 2, 3], "expiry_time, refresh_interval and capacity, capacity being 0");
     let decoded = proto::Lease::decode(payload(&rr, 2).as_slice()).unwrap();
@@ -106,6 +129,7 @@ async fn responses_encode_required_fields_even_when_zero() {
     let sreq = proto::GetServerCapacityRequest {
         server_id: "s".into(),
         resource: vec![proto::ServerCapacityResourceRequest {
+            upstream_quota: None,
             resource_id: "r".into(),
             has: None,
             wants: vec![proto::PriorityBandAggregate { priority: 0, num_clients: 1, wants: 0.0 }],
@@ -113,7 +137,8 @@ async fn responses_encode_required_fields_even_when_zero() {
     };
     let sresp = fields(&raw_call(addr, "GetServerCapacity", sreq.encode_to_vec()).await);
     let srr = fields(&payload(&sresp, 1));
-    assert_eq!(numbers(&srr), vec![1, 2, 3, 4], "resource_id, gets, algorithm, safe_capacity");
+    assert_eq!(doorman(&srr), vec![1, 2, 3, 4], "resource_id, gets, algorithm, safe_capacity");
+    assert_eq!(usher(&srr), vec![100], "usher's template");
     let alg = fields(&payload(&srr, 3));
     assert_eq!(&numbers(&alg)[..3], &[1, 2, 3], "kind, lease_length, refresh_interval");
 }
@@ -123,7 +148,13 @@ fn requests_encode_required_zero_fields() {
     // What usher's lease client sends must satisfy a Go server too.
     let req = proto::GetCapacityRequest {
         client_id: "c".into(),
-        resource: vec![proto::ResourceRequest { resource_id: "r".into(), priority: 0, has: None, wants: 0.0 }],
+        resource: vec![proto::ResourceRequest {
+            upstream_quota: None,
+            resource_id: "r".into(),
+            priority: 0,
+            has: None,
+            wants: 0.0,
+        }],
     };
     let top = fields(&req.encode_to_vec());
     let rr = fields(&payload(&top, 2));

@@ -160,6 +160,13 @@ pub fn default_client_id() -> String {
 
 /// Expands `${VAR}` from the environment; an unset variable is an error.
 pub fn expand_env(s: &str) -> Result<String, String> {
+    expand_env_or_keep(s, None)
+}
+
+/// Expands `${VAR}` from the environment. An unset variable is an error,
+/// unless `unset` is given: then it stays as written (`${VAR}`) and its
+/// name is added there.
+pub fn expand_env_or_keep(s: &str, mut unset: Option<&mut Vec<String>>) -> Result<String, String> {
     let mut out = String::new();
     let mut rest = s;
     while let Some(start) = rest.find("${") {
@@ -167,8 +174,16 @@ pub fn expand_env(s: &str) -> Result<String, String> {
         let after = &rest[start + 2..];
         let end = after.find('}').ok_or_else(|| format!("unterminated `${{` in `{s}`"))?;
         let name = &after[..end];
-        let value = std::env::var(name).map_err(|_| format!("environment variable `{name}` is not set"))?;
-        out.push_str(&value);
+        match (std::env::var(name), unset.as_deref_mut()) {
+            (Ok(value), _) => out.push_str(&value),
+            (Err(_), Some(names)) => {
+                if !names.iter().any(|n| n == name) {
+                    names.push(name.to_string());
+                }
+                out.push_str(&rest[start..start + 3 + end]);
+            }
+            (Err(_), None) => return Err(format!("environment variable `{name}` is not set")),
+        }
         rest = &after[end + 1..];
     }
     out.push_str(rest);
@@ -178,6 +193,17 @@ pub fn expand_env(s: &str) -> Result<String, String> {
 fn number(ck: &mut Checker, m: &MapView<'_>, key: &str, ok: impl Fn(f64) -> bool, rule: &str) -> Option<Option<f64>> {
     let Some(n) = m.get(key) else { return Some(None) };
     let v = ck.f64(n, &m.child(key))?;
+    if !(v.is_finite() && ok(v)) {
+        ck.error(n.loc, &m.child(key), format!("must be {rule}, not {v}"), None);
+        return None;
+    }
+    Some(Some(v))
+}
+
+/// As [`number`], for a capacity: also `50/s`, `600/min`, `5000/h`, `1000/day` (per second).
+fn rate(ck: &mut Checker, m: &MapView<'_>, key: &str, ok: impl Fn(f64) -> bool, rule: &str) -> Option<Option<f64>> {
+    let Some(n) = m.get(key) else { return Some(None) };
+    let v = super::resources::rate(ck, n, &m.child(key))?;
     if !(v.is_finite() && ok(v)) {
         ck.error(n.loc, &m.child(key), format!("must be {rule}, not {v}"), None);
         return None;
@@ -212,14 +238,14 @@ pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
     });
     let client_id = match m.get("client_id") {
         None => Some(default_client_id()),
-        Some(n) => ck.string(n, "doorman.client_id").and_then(|s| match expand_env(&s) {
+        Some(n) => ck.string(n, "doorman.client_id").and_then(|s| match expand_env_or_keep(&s, ck.unset_env.as_mut()) {
             Ok(v) if !v.is_empty() => Some(v),
             Ok(_) => {
                 ck.error(n.loc, "doorman.client_id", "expands to an empty string", None);
                 None
             }
             Err(e) => {
-                ck.error(n.loc, "doorman.client_id", e, Some("set it in the pod spec, e.g. from metadata.name".into()));
+                ck.error(n.loc, "doorman.client_id", e, Some("set it in the pod spec, e.g. from metadata.name; `usher check --allow-unset-env` checks the file without it".into()));
                 None
             }
         }),
@@ -320,7 +346,7 @@ pub fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSet
         None => Some(None),
         Some(n) if n.as_str() == Some("auto") => Some(Some(Wants::Auto)),
         Some(n) => {
-            let v = ck.f64(n, &m.child("wants"));
+            let v = super::resources::rate(ck, n, &m.child("wants"));
             match v {
                 Some(v) if v.is_finite() && v >= 0.0 => Some(Some(Wants::Fixed(v))),
                 Some(v) => {
@@ -351,9 +377,9 @@ pub fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSet
         },
     };
     let safe_capacity =
-        number(ck, m, "safe_capacity", |v| v == -1.0 || v >= 0.0, "-1 (unlimited), 0 or a positive capacity")?;
-    let min_wants = number(ck, m, "min_wants", |v| v >= 0.0, "a number >= 0")?.unwrap_or(0.0);
-    let max_wants = number(ck, m, "max_wants", |v| v >= 0.0, "a number >= 0")?;
+        rate(ck, m, "safe_capacity", |v| v == -1.0 || v >= 0.0, "-1 (unlimited), 0 or a positive capacity")?;
+    let min_wants = rate(ck, m, "min_wants", |v| v >= 0.0, "a number >= 0")?.unwrap_or(0.0);
+    let max_wants = rate(ck, m, "max_wants", |v| v >= 0.0, "a number >= 0")?;
     let headroom = number(ck, m, "headroom", |v| v >= 1.0, "at least 1")?.unwrap_or(DEFAULT_HEADROOM);
     let key_idle_timeout = m
         .get("key_idle_timeout")
@@ -382,5 +408,9 @@ mod tests {
         assert!(expand_env("${USHER_SURELY_UNSET_VARIABLE}").unwrap_err().contains("USHER_SURELY_UNSET_VARIABLE"));
         assert!(expand_env("${OPEN").is_err());
         assert_eq!(expand_env("plain").unwrap(), "plain");
+        let mut unset = Vec::new();
+        let kept = expand_env_or_keep("${USHER_SURELY_UNSET_A}-${HOME}-${USHER_SURELY_UNSET_A}", Some(&mut unset));
+        assert_eq!(kept.unwrap(), format!("${{USHER_SURELY_UNSET_A}}-{home}-${{USHER_SURELY_UNSET_A}}"));
+        assert_eq!(unset, ["USHER_SURELY_UNSET_A"], "named once");
     }
 }

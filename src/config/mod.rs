@@ -5,6 +5,7 @@
 pub mod doorman;
 pub mod file;
 pub mod limits;
+pub mod quota;
 pub mod resources;
 pub mod routes;
 pub mod watch;

@@ -25,8 +25,9 @@ pub struct ResourcesConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Template {
     pub identifier_glob: String,
+    /// Units per second (a file may write `600/min`, `5000/h`, `1000/day`).
     pub capacity: f64,
-    /// `None`: dynamic (capacity / number of clients). `-1` unlimited, `0` stop.
+    /// Units per second. `None`: dynamic (capacity / number of clients). `-1` unlimited, `0` stop.
     pub safe_capacity: Option<f64>,
     pub description: Option<String>,
     pub algorithm: Algorithm,
@@ -150,7 +151,7 @@ fn read_template(ck: &mut Checker, node: &Node, path: &str) -> Option<Template> 
     }
     let capacity = m.get("capacity").and_then(|n| non_negative(ck, n, &m.child("capacity")));
     let safe_capacity = m.get("safe_capacity").and_then(|n| {
-        let v = ck.f64(n, &m.child("safe_capacity"))?;
+        let v = rate(ck, n, &m.child("safe_capacity"))?;
         if v == -1.0 || (v.is_finite() && v >= 0.0) {
             Some(v)
         } else {
@@ -188,8 +189,26 @@ fn read_template(ck: &mut Checker, node: &Node, path: &str) -> Option<Template> 
     })
 }
 
+/// The hint for a capacity that does not parse.
+const RATE_HINT: &str = "a number per second (Doorman's unit), or e.g. 50/s, 600/min, 5000/h, 1000/day";
+
+/// A capacity in units per second: a bare number (per second, as Doorman
+/// reads it) or a rate with a unit, parsed as a routes file's capacity is.
+pub(super) fn rate(ck: &mut Checker, n: &Node, path: &str) -> Option<f64> {
+    match &n.value {
+        super::yaml::Value::Scalar(s, _) if s.contains('/') => match super::routes::parse_capacity(s) {
+            Ok(c) => Some(c.per_second()),
+            Err(e) => {
+                ck.error(n.loc, path, e, Some(RATE_HINT.into()));
+                None
+            }
+        },
+        _ => ck.f64(n, path),
+    }
+}
+
 fn non_negative(ck: &mut Checker, n: &Node, path: &str) -> Option<f64> {
-    let v = ck.f64(n, path)?;
+    let v = rate(ck, n, path)?;
     if v.is_finite() && v >= 0.0 {
         Some(v)
     } else {

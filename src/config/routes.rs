@@ -111,6 +111,8 @@ pub struct ResourceConfig {
     pub lease: super::doorman::LeaseSettings,
     /// Shadow mode: every decision is made and counted, none enforced.
     pub shadow: bool,
+    /// The upstream's own quota headers, which steer the resource's capacity.
+    pub upstream_quota: Option<super::quota::UpstreamQuota>,
 }
 
 /// One piece of a templated id.
@@ -240,10 +242,27 @@ pub struct RouteConfig {
     pub matcher: Match,
     /// `None`: forward to the origin the request names.
     pub upstream: Option<String>,
-    /// (resource name, cost), in file order.
+    /// (resource name, cost), in file order: the cost charged at admission
+    /// (with `cost_rules`, the one charged when the request names none).
     pub resources: Vec<(String, f64)>,
+    /// Costs read from the request or settled from the response, by resource name.
+    pub cost_rules: BTreeMap<String, CostRule>,
     /// How the route backs off when its upstream answers 429 or 503.
     pub pushback: super::doorman::PushbackConfig,
+}
+
+/// How a route's cost for one resource is found beyond a fixed number.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CostRule {
+    /// `cost: "{header.NAME}"`: the request header (lower-case) holding the
+    /// cost; when it is absent or not a number > 0, the route's `cost`
+    /// (`default_cost`) is charged. A cost above the resource's burst counts
+    /// as the burst.
+    pub header: Option<String>,
+    /// `settle: { response_header: NAME }`: the response header (lower-case)
+    /// holding the real cost; the difference from what was charged at
+    /// admission is charged to the key, or given back.
+    pub settle_header: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -260,9 +279,18 @@ pub struct Match {
 impl RoutesConfig {
     /// Parses and validates a routes file's text; `file` names it in errors.
     pub fn parse(file: &str, text: &str) -> Result<Self, ConfigError> {
+        Self::parse_env(file, text, false).map(|(cfg, _)| cfg)
+    }
+
+    /// Parses as [`Self::parse`] does, except that with `allow_unset_env` an
+    /// unset `${VAR}` stays as written; returns the names of those unset.
+    pub fn parse_env(file: &str, text: &str, allow_unset_env: bool) -> Result<(Self, Vec<String>), ConfigError> {
         let root = parse(file, text)?;
         let mut ck = Checker::new(file);
+        ck.unset_env = allow_unset_env.then(Vec::new);
         let cfg = read_root(&mut ck, &root);
+        let unset = ck.unset_env.take().unwrap_or_default();
+        let cfg = cfg.map(|c| (c, unset));
         match cfg {
             Some(cfg) => ck.finish(cfg),
             None => {
@@ -312,6 +340,7 @@ const RESOURCE_FIELDS: &[&str] = &[
     "headroom",
     "key_idle_timeout",
     "shadow",
+    "upstream_quota",
 ];
 const ROUTE_FIELDS: &[&str] = &["name", "match", "upstream", "resources", "pushback"];
 const MATCH_FIELDS: &[&str] = &["host", "path_prefix", "methods", "headers"];
@@ -683,6 +712,10 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
     let max_queue = count(ck, &m, "max_queue", DEFAULT_MAX_QUEUE);
     let lease = super::doorman::read_lease_settings(ck, &m);
     let shadow = m.get("shadow").map_or(Some(false), |n| ck.bool(n, &m.child("shadow")));
+    let upstream_quota = match m.get("upstream_quota") {
+        None => Some(None),
+        Some(n) => super::quota::read(ck, n, &m.child("upstream_quota")).map(Some),
+    };
     Some(ResourceConfig {
         name: name.to_string(),
         kind: kind?,
@@ -694,6 +727,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         max_queue: max_queue?,
         lease: lease?,
         shadow: shadow?,
+        upstream_quota: upstream_quota?,
     })
 }
 
@@ -752,6 +786,7 @@ fn read_route(
         Some(s)
     });
     let mut list = Vec::new();
+    let mut rules = BTreeMap::new();
     if let Some(n) = m.get("resources")
         && let Some(items) = ck.seq(n, &m.child("resources"))
     {
@@ -760,21 +795,77 @@ fn read_route(
             let entry = match &item.value {
                 Value::Scalar(..) => ck.string(item, &p).map(|s| (s, 1.0, item)),
                 _ => {
-                    let Some(rm) = ck.map(item, &p, &["resource", "cost"]) else { continue };
+                    let Some(rm) = ck.map(item, &p, &["resource", "cost", "default_cost", "settle"]) else { continue };
                     let r = ck
                         .required(&rm, "resource", None)
                         .and_then(|n| ck.string(n, &rm.child("resource")).map(|s| (s, n)));
-                    let cost = match rm.get("cost") {
-                        None => Some(1.0),
-                        Some(n) => match ck.f64(n, &rm.child("cost")) {
-                            Some(c) if c.is_finite() && c > 0.0 => Some(c),
+                    let positive = |ck: &mut Checker, key: &str| match rm.get(key) {
+                        None => Some(None),
+                        Some(n) => match ck.f64(n, &rm.child(key)) {
+                            Some(c) if c.is_finite() && c > 0.0 => Some(Some(c)),
                             Some(c) => {
-                                ck.error(n.loc, &rm.child("cost"), format!("must be greater than 0, not {c}"), None);
+                                ck.error(n.loc, &rm.child(key), format!("must be greater than 0, not {c}"), None);
                                 None
                             }
                             None => None,
                         },
                     };
+                    let mut rule = CostRule::default();
+                    let cost = match rm.get("cost") {
+                        Some(n) if matches!(&n.value, Value::Scalar(t, _) if t.trim_start().starts_with('{')) => {
+                            match n.as_str().map(IdTemplate::parse) {
+                                Some(Ok(t)) if matches!(&t.segments[..], [Segment::Header(_)]) => {
+                                    let Segment::Header(h) = &t.segments[0] else { unreachable!() };
+                                    rule.header = Some(h.clone());
+                                    positive(ck, "default_cost").map(|c| c.unwrap_or(1.0))
+                                }
+                                _ => {
+                                    ck.error(
+                                        n.loc,
+                                        &rm.child("cost"),
+                                        "expected a number or \"{header.NAME}\"",
+                                        Some("e.g. cost: 150 or cost: \"{header.x-max-tokens}\"".into()),
+                                    );
+                                    None
+                                }
+                            }
+                        }
+                        _ => {
+                            if let Some(n) = rm.get("default_cost") {
+                                ck.error(
+                                    n.loc,
+                                    &rm.child("default_cost"),
+                                    "default_cost applies to a cost read from a request header",
+                                    Some("write cost: \"{header.NAME}\", or drop default_cost".into()),
+                                );
+                            }
+                            positive(ck, "cost").map(|c| c.unwrap_or(1.0))
+                        }
+                    };
+                    if let Some(n) = rm.get("settle") {
+                        let sp = rm.child("settle");
+                        if let Some(sm) = ck.map(n, &sp, &["response_header"])
+                            && let Some(h) = ck.required(&sm, "response_header", Some("e.g. x-usage-total-tokens"))
+                        {
+                            match ck.string(h, &sm.child("response_header")) {
+                                Some(name) if http::HeaderName::from_bytes(name.as_bytes()).is_ok() => {
+                                    rule.settle_header = Some(name.to_ascii_lowercase());
+                                }
+                                Some(name) => ck.error(
+                                    h.loc,
+                                    &sm.child("response_header"),
+                                    format!("`{name}` is not a valid header name"),
+                                    None,
+                                ),
+                                None => {}
+                            }
+                        }
+                    }
+                    if rule != CostRule::default()
+                        && let Some((name, _)) = &r
+                    {
+                        rules.insert(name.clone(), rule);
+                    }
                     match (r, cost) {
                         (Some((s, n)), Some(c)) => Some((s, c, n)),
                         _ => None,
@@ -846,7 +937,15 @@ fn read_route(
         None => Some(super::doorman::PushbackConfig::default()),
         Some(n) => super::doorman::read_pushback(ck, n, &m.child("pushback")),
     };
-    Some(RouteConfig { name: name?, matcher: matcher?, upstream, resources: list, pushback: pushback? })
+    rules.retain(|name, _| list.iter().any(|(r, _)| r == name));
+    Some(RouteConfig {
+        name: name?,
+        matcher: matcher?,
+        upstream,
+        resources: list,
+        cost_rules: rules,
+        pushback: pushback?,
+    })
 }
 
 fn read_match(ck: &mut Checker, node: &Node, path: &str) -> Option<Match> {

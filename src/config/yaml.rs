@@ -261,6 +261,9 @@ pub fn parse(file: &str, text: &str) -> Result<Node, ConfigError> {
 pub struct Checker {
     file: String,
     pub diagnostics: Vec<Diagnostic>,
+    /// `None`: an unset `${VAR}` is an error. `Some`: it is left as written
+    /// and its name recorded here (`usher check --allow-unset-env`).
+    pub unset_env: Option<Vec<String>>,
 }
 
 /// A mapping being read: remembers which keys were used so unknown ones can be reported.
@@ -295,7 +298,7 @@ impl<'a> MapView<'a> {
 
 impl Checker {
     pub fn new(file: &str) -> Self {
-        Checker { file: file.to_string(), diagnostics: Vec::new() }
+        Checker { file: file.to_string(), diagnostics: Vec::new(), unset_env: None }
     }
 
     pub fn file(&self) -> &str {

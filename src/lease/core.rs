@@ -6,6 +6,7 @@
 //! tests and the simulator run the exact production logic in virtual time.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rand::SeedableRng;
@@ -56,11 +57,21 @@ impl OnExpiry {
     }
 }
 
-/// The capacity a key may use now.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+/// The capacity a key may use now. Status pages show it plainly: a number,
+/// or the string `"unlimited"`.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Capacity {
     Limited(f64),
     Unlimited,
+}
+
+impl Serialize for Capacity {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Capacity::Limited(c) => s.serialize_f64(*c),
+            Capacity::Unlimited => s.serialize_str("unlimited"),
+        }
+    }
 }
 
 /// Where a key's capacity currently comes from.
@@ -115,6 +126,9 @@ pub struct KeyDemand {
     /// Refusals or queued requests show demand above what the key may use:
     /// with `wants` above the lease, refresh early (see [`Core::set_demand`]).
     pub pressure: bool,
+    /// The freshest account of the upstream's own quota for this key,
+    /// carried to the servers with its requests.
+    pub quota: Option<super::quota::Observation>,
 }
 
 /// A change of the demand (see [`Core::update_demand`]).
@@ -154,6 +168,10 @@ struct KeyState {
     /// cache or one that arrived already expired.
     hold_until: Option<Time>,
     server_safe: Option<f64>,
+    /// The capacity the server shares for the resource (usher's extension).
+    fleet: Option<f64>,
+    /// The server's template the key matched, if it says (usher servers do).
+    template: Option<Arc<str>>,
     mode: Mode,
     last_error: Option<String>,
     /// The lease came from the on-disk cache and no answer has replaced it yet.
@@ -222,6 +240,55 @@ impl KeyState {
                 },
             },
         }
+    }
+}
+
+/// Why a key enforces a capacity of 0, as logs, status pages and 429s say it.
+pub struct ZeroReason;
+
+impl ZeroReason {
+    pub const LEASE_ZERO: &'static str = "the lease is 0: the server gave this key nothing (its capacity is \
+         given out, or it is in learning mode after a master change and hands back only what a client already had)";
+    pub const NO_LEASE_NO_SAFE: &'static str = "no lease yet and no safe capacity";
+    pub const EXPIRED_NO_SAFE: &'static str = "the lease expired and there is no safe capacity";
+    pub const SAFE_ZERO: &'static str = "no lease, and the safe capacity is 0";
+    pub const PESSIMISTIC: &'static str = "no lease, and on_expiry is pessimistic";
+    pub const WANTS_ZERO: &'static str = "no lease, and on_expiry is optimistic but it wants 0";
+}
+
+impl KeyState {
+    /// Why the key enforces 0 now, if it does.
+    fn zero_reason(&self) -> Option<&'static str> {
+        if self.capacity() != Capacity::Limited(0.0) {
+            return None;
+        }
+        Some(match (self.mode, self.lease) {
+            (Mode::Leased | Mode::Held, Some(_)) => ZeroReason::LEASE_ZERO,
+            (mode, _) => match self.demand.on_expiry {
+                OnExpiry::Pessimistic => ZeroReason::PESSIMISTIC,
+                OnExpiry::Optimistic => ZeroReason::WANTS_ZERO,
+                OnExpiry::Safe => match (self.server_safe.or(self.demand.safe_capacity), mode) {
+                    (Some(_), _) => ZeroReason::SAFE_ZERO,
+                    (None, Mode::Pending) => ZeroReason::NO_LEASE_NO_SAFE,
+                    (None, _) => ZeroReason::EXPIRED_NO_SAFE,
+                },
+            },
+        })
+    }
+}
+
+/// How long a lapsed `lease`, received at `now`, is held (see
+/// [`Mode::Held`]): as long as it was granted for; with a safe capacity above
+/// the lease (an usher server's default, the client's share), a refresh
+/// interval more, jittered as refreshes are (`jitter`). Another client's
+/// lease, granted up to a refresh after this key's last one and held as long
+/// again, has then ended before this key runs on its share, also when every
+/// server is gone.
+fn hold(lease: &Lease, safe: Option<f64>, now: Time, jitter: f64) -> Duration {
+    let held = lease.expiry.since(now);
+    match safe {
+        Some(s) if s > lease.capacity + 1e-9 => held + lease.refresh_interval.mul_f64(1.0 + jitter.clamp(0.0, 1.0)),
+        _ => held,
     }
 }
 
@@ -360,6 +427,8 @@ pub struct Core {
     /// [`KeyState::due`]): an early call is due at the first.
     dues: BTreeSet<(Time, String)>,
     to_release: Vec<String>,
+    /// The last template name a server sent, shared by the keys that match it.
+    last_template: Option<Arc<str>>,
     master: Option<String>,
     rotation: usize,
     /// Servers still to try at once before the next backoff step: a server
@@ -406,11 +475,17 @@ pub struct KeyStatus {
     pub expiry: Option<i64>,
     pub refresh_interval_s: Option<u64>,
     pub safe_capacity: Option<f64>,
+    /// The capacity server's template (`identifier_glob`) the key matched,
+    /// when the server says (usher servers do; a catch-all `*` there may be a
+    /// typo in the id or in the server's configuration).
+    pub template: Option<String>,
     pub last_error: Option<String>,
     /// When it asks on its own, before every key's refresh (unix seconds;
     /// see [`KeyState::due`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub asks_at: Option<i64>,
+    /// Why the key enforces 0, when it does (see [`ZeroReason`]).
+    pub zero_reason: Option<&'static str>,
 }
 
 impl Core {
@@ -427,6 +502,7 @@ impl Core {
             away: 0,
             dues: BTreeSet::new(),
             to_release: Vec::new(),
+            last_template: None,
             master: None,
             rotation: 0,
             redirects: 0,
@@ -487,6 +563,8 @@ impl Core {
                 lease: Some(lease),
                 hold_until: None,
                 server_safe: None,
+                fleet: None,
+                template: None,
                 mode: Mode::Leased,
                 last_error: None,
                 cached: true,
@@ -582,6 +660,8 @@ impl Core {
                             lease: None,
                             hold_until: None,
                             server_safe: None,
+                            fleet: None,
+                            template: None,
                             mode: Mode::Pending,
                             last_error: None,
                             cached: false,
@@ -814,6 +894,7 @@ impl Core {
                     }
                 }),
                 wants: if k.demand.wants.is_finite() { k.demand.wants.max(0.0) } else { 0.0 },
+                upstream_quota: k.demand.quota.map(|q| q.to_proto()),
             })
             .collect();
         proto::GetCapacityRequest { client_id: self.cfg.client_id.clone(), resource }
@@ -971,6 +1052,20 @@ impl Core {
                 refresh_interval: Duration::from_secs(r.gets.refresh_interval.max(1) as u64),
             };
             k.server_safe = r.safe_capacity.filter(|s| s.is_finite());
+            k.fleet = r.resource_capacity.filter(|c| c.is_finite() && *c > 0.0);
+            k.template = match (&r.template, &k.template) {
+                (None, _) => None,
+                (Some(t), Some(kt)) if **kt == **t => Some(kt.clone()),
+                // Most keys match one template: share its name.
+                (Some(t), _) => match &self.last_template {
+                    Some(last) if **last == **t => Some(last.clone()),
+                    _ => {
+                        let t: Arc<str> = Arc::from(t.as_str());
+                        self.last_template = Some(t.clone());
+                        Some(t)
+                    }
+                },
+            };
             if let Some(before) = k.asked_with.take() {
                 let w = k.demand.wants;
                 let moved = (w - lease.capacity).abs() < (w - before).abs() - 1e-9;
@@ -984,7 +1079,9 @@ impl Core {
                 };
             }
             k.lease = Some(lease);
-            k.hold_until = (lease.expiry > now).then(|| lease.expiry.saturating_add(lease.expiry.since(now)));
+            let jitter = self.cfg.jitter;
+            k.hold_until =
+                (lease.expiry > now).then(|| lease.expiry.saturating_add(hold(&lease, k.server_safe, now, jitter)));
             k.cached = false;
             k.last_error = None;
             let from = k.mode;
@@ -1080,13 +1177,31 @@ impl Core {
                 expiry: k.lease.map(|l| l.expiry.as_secs()),
                 refresh_interval_s: k.lease.map(|l| l.refresh_interval.as_secs()),
                 safe_capacity: k.server_safe.or(k.demand.safe_capacity),
+                template: k.template.as_deref().map(str::to_string),
                 last_error: k.last_error.clone(),
                 asks_at: k.due.map(|t| t.as_secs()),
+                zero_reason: k.zero_reason(),
             })
             .collect()
     }
 
+    /// Why `resource_id` enforces a capacity of 0, if it does.
+    pub fn zero_reason(&self, resource_id: &str) -> Option<&'static str> {
+        self.keys.get(resource_id).and_then(|k| k.zero_reason())
+    }
+
+    /// Whether the client keeps a key for `resource_id`.
+    pub fn has_key(&self, resource_id: &str) -> bool {
+        self.keys.contains_key(resource_id)
+    }
+
     /// The last lease received for `resource_id`, expired or not.
+    /// The capacity the servers last said they share for `resource_id` (an
+    /// usher server's extension), if they did.
+    pub fn fleet_capacity(&self, resource_id: &str) -> Option<f64> {
+        self.keys.get(resource_id).and_then(|k| k.fleet)
+    }
+
     pub fn lease_of(&self, resource_id: &str) -> Option<Lease> {
         self.keys.get(resource_id).and_then(|k| k.lease)
     }

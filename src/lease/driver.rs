@@ -17,6 +17,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::core::{Action, Capacity, Core, CoreConfig, DemandUpdate, KeyDemand, KeyStatus, Lease, Mode, Source};
+use super::failing::Failing;
 use super::transport::Transport;
 use super::{batch, cache};
 use crate::clock::{Clock, Time};
@@ -50,6 +51,11 @@ pub trait Enforcer: Send + Sync + 'static {
     }
     /// A key changed mode (leased, held, pending, expired); already logged.
     fn on_transition(&self, _t: &super::core::Transition) {}
+
+    /// The capacities the servers share for keys about to be applied
+    /// (`apply`), where they said: each key's share of its resource's burst
+    /// is reckoned against it.
+    fn fleet(&self, _fleet: &[(String, f64)]) {}
     /// Whether the last [`Enforcer::demand`] found nothing going on (no
     /// request since the one before, none in flight or waiting, no key
     /// made or forgotten): demand is then re-read when an action is due (at
@@ -104,7 +110,13 @@ pub struct LeaseClient {
     applying: Arc<Mutex<()>>,
     clock: Clock,
     enforcer: Arc<dyn Enforcer>,
+    /// The keys that enforce 0, and why: logged once per key and cause,
+    /// read by the 429 of a request such a key refuses.
+    zeros: ZeroReasons,
 }
+
+/// The keys that enforce a capacity of 0, and why (a [`super::core::ZeroReason`]).
+pub type ZeroReasons = Arc<std::sync::RwLock<std::collections::HashMap<String, &'static str>>>;
 
 /// How start-up ended, as [`LeaseClient::ready`] reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,6 +210,7 @@ impl LeaseClient {
             applying: Arc::new(Mutex::new(())),
             clock: clock.clone(),
             enforcer: enforcer.clone(),
+            zeros: ZeroReasons::default(),
         };
         // Cached leases hold from the first request on.
         enforce(&client);
@@ -284,6 +297,11 @@ impl LeaseClient {
         self.core.lock().expect("lease core poisoned").lease_of(resource_id)
     }
 
+    /// The keys that enforce 0 now, and why; shared, kept up to date.
+    pub fn zero_reasons(&self) -> ZeroReasons {
+        self.zeros.clone()
+    }
+
     /// Re-reads demand now instead of at the next poll (a new key appeared).
     pub fn wake(&self) {
         self.wake.notify_one();
@@ -318,7 +336,7 @@ fn enforce(client: &LeaseClient) {
     let _applying = client.applying.lock().expect("lease apply poisoned");
     let rebuilt = enforcer.rebuilt();
     let also = enforcer.reapply();
-    let (capacities, transitions) = {
+    let (capacities, transitions, fleet) = {
         let mut core = client.core.lock().expect("lease core poisoned");
         if rebuilt {
             core.mark_all_changed();
@@ -330,14 +348,51 @@ fn enforce(client: &LeaseClient) {
         // hangs, `on_expiry` applies.
         let hanging = client.started.load(Ordering::SeqCst) && core.refreshes() == 0 && !core.failing();
         let caps = core.take_changes(clock.now(), &also, hanging);
-        (caps, core.take_transitions())
+        note_zeros(&client.zeros, &core, &caps);
+        let fleet: Vec<(String, f64)> =
+            caps.iter().filter_map(|(id, _)| core.fleet_capacity(id).map(|c| (id.clone(), c))).collect();
+        (caps, core.take_transitions(), fleet)
     };
+    if !fleet.is_empty() {
+        enforcer.fleet(&fleet);
+    }
     if !capacities.is_empty() {
         enforcer.apply(&capacities);
     }
     for t in transitions {
-        tracing::info!(resource = %t.resource_id, from = ?t.from, to = ?t.to, capacity = ?t.capacity, "lease mode changed");
+        tracing::info!(resource = %t.resource_id, from = t.from.name(), to = t.to.name(), capacity = %show(t.capacity), "lease mode changed");
         enforcer.on_transition(&t);
+    }
+}
+
+/// Most keys [`ZeroReasons`] remembers before it forgets those the core forgot.
+const ZEROS_KEPT: usize = 4096;
+
+/// Records why the keys whose capacity changed to 0 enforce 0 (and forgets
+/// those that no longer do), logging a key at WARN once per cause.
+fn note_zeros(zeros: &ZeroReasons, core: &Core, changed: &[(String, Capacity)]) {
+    let mut z = zeros.write().expect("zero reasons poisoned");
+    let mut grew = false;
+    for (id, cap) in changed {
+        let why = match cap {
+            Capacity::Limited(c) if *c == 0.0 => core.zero_reason(id),
+            _ => None,
+        };
+        match why {
+            Some(why) if z.get(id) != Some(&why) => {
+                tracing::warn!(resource_id = %id, reason = why, "enforcing a capacity of 0: every request is refused");
+                grew |= z.insert(id.clone(), why).is_none();
+            }
+            Some(_) => {}
+            None => {
+                if z.remove(id).is_some() {
+                    tracing::info!(resource_id = %id, capacity = %show(*cap), "no longer enforcing 0");
+                }
+            }
+        }
+    }
+    if grew && z.len() > ZEROS_KEPT {
+        z.retain(|id, _| core.has_key(id));
     }
 }
 
@@ -404,6 +459,9 @@ async fn run(
     let mut last_read: Option<(tokio::time::Instant, Duration)> = None;
     // Woken by activity or `LeaseClient::wake`: demand is read at once.
     let mut woken = true;
+    // While the servers are down, one line a minute for each kind of call.
+    let mut discovery = Failing::new("discovery answers again");
+    let mut refreshing = Failing::new("lease refreshes answer again");
     loop {
         // Demand is read once a poll (and at once when woken), not after
         // every call: with many keys a read is the costly part, and new keys
@@ -452,9 +510,7 @@ async fn run(
                 let Some(r) = call(transport.discovery(&target), &client, &shutdown, poll).await else {
                     break;
                 };
-                if let Err(e) = &r {
-                    tracing::warn!(server = %target, error = ?e, "discovery failed; trying the next server");
-                }
+                discovery.saw(&target, "discovery failed; trying the next server", r.as_ref().err());
                 let mut core = client.core.lock().expect("lease core poisoned");
                 let before = core.master().map(str::to_string);
                 core.on_discovery(clock.now(), &target, r);
@@ -465,9 +521,7 @@ async fn run(
                 else {
                     break;
                 };
-                if let Err(e) = &r {
-                    tracing::warn!(server = %target, error = ?e, "lease refresh failed");
-                }
+                refreshing.saw(&target, "lease refresh failed", r.as_ref().err());
                 let ok = r.is_ok();
                 let refused = {
                     let mut core = client.core.lock().expect("lease core poisoned");

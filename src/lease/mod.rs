@@ -5,7 +5,8 @@
 //! [`core`] is the sans-I/O state machine (refresh schedule with jitter,
 //! discovery and failover, backoff, expiry modes); [`driver`] runs it against
 //! a [`transport`] in real time, in calls [`batch`] keeps within what a
-//! server accepts; [`cache`] keeps leases across restarts;
+//! server accepts; [`cache`] keeps leases across restarts; [`failing`] logs
+//! a run of failed calls without repeating itself every second;
 //! [`headroom`] sizes the margin over a measured rate.
 
 pub mod backoff;
@@ -13,7 +14,9 @@ pub mod batch;
 pub mod cache;
 pub mod core;
 pub mod driver;
+pub mod failing;
 pub mod headroom;
+pub mod quota;
 pub mod transport;
 
 pub use self::core::{Capacity, CoreConfig, DemandUpdate, KeyDemand, Mode, OnExpiry};

@@ -161,6 +161,9 @@ pub struct Refused {
     pub window: Duration,
     /// Units available now, for `RateLimit`.
     pub remaining: u64,
+    /// For [`Reason::ZeroCapacity`]: why the capacity is 0, when whoever
+    /// set it said (the sidecar's lease client does).
+    pub why: Option<&'static str>,
 }
 
 impl fmt::Display for Refused {
@@ -257,6 +260,7 @@ fn refused(l: &Limiter, reason: Reason, retry_after: Duration, waited: Duration)
         quota,
         window: spec.window,
         remaining: l.remaining(),
+        why: None,
     }
 }
 

@@ -66,6 +66,16 @@ impl DemandMeter {
         self.arrivals.fetch_add((cost * MILLI).round() as u64, Ordering::Relaxed);
     }
 
+    /// A settled cost differs from the one that arrived by `delta` units.
+    pub fn settle(&self, delta: f64) {
+        let milli = (delta.abs() * MILLI).round() as u64;
+        if delta >= 0.0 {
+            self.arrivals.fetch_add(milli, Ordering::Relaxed);
+        } else {
+            let _ = self.arrivals.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |a| Some(a.saturating_sub(milli)));
+        }
+    }
+
     pub fn record(&self, outcome: Outcome) {
         let c = match outcome {
             Outcome::Admitted => &self.admitted,

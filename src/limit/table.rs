@@ -57,14 +57,19 @@ pub struct ResourceSpec {
     pub shared: bool,
     /// Shadow mode: decisions are made and counted, never enforced.
     pub shadow: bool,
+    /// The upstream reports its own quota: each key keeps the freshest
+    /// account of it ([`Limiter::observe`]).
+    pub upstream_quota: bool,
 }
 
 impl ResourceSpec {
     /// The burst of a key whose capacity is `capacity`: the fleet's burst
-    /// times the share of the configured capacity it holds (all of it at or
-    /// above the configured capacity), at least one unit.
-    pub fn burst_at(&self, capacity: f64) -> f64 {
-        let share = if self.capacity > 0.0 && capacity.is_finite() { (capacity / self.capacity).min(1.0) } else { 1.0 };
+    /// times the share it holds of the resource's capacity (`fleet`, as the
+    /// servers share it, else the configured one; all of it at or above
+    /// that), at least one unit.
+    pub fn burst_at(&self, capacity: f64, fleet: Option<f64>) -> f64 {
+        let whole = fleet.unwrap_or(self.capacity);
+        let share = if whole > 0.0 && capacity.is_finite() { (capacity / whole).min(1.0) } else { 1.0 };
         (self.burst * share.max(0.0)).max(1.0)
     }
 }
@@ -83,6 +88,20 @@ pub struct Limiter {
     /// When an upstream's `Retry-After` ends (nanoseconds of [`Time`], 0:
     /// none): read only by an admission that has to wait.
     hold_until: AtomicU64,
+    /// The capacity the servers share for this key's resource (f64 bits; 0:
+    /// not said): its burst is its share of the resource's, reckoned
+    /// against this rather than the routes file's capacity.
+    fleet: AtomicU64,
+    /// The upstream's freshest account of its quota, for a resource whose
+    /// upstream reports one (boxed: other keys pay a pointer).
+    quota: Option<Box<Mutex<QuotaCell>>>,
+}
+
+/// A key's freshest upstream quota, and whether the lease client has it.
+#[derive(Debug, Default)]
+struct QuotaCell {
+    latest: Option<crate::lease::quota::Observation>,
+    reported: bool,
 }
 
 impl std::fmt::Debug for Limiter {
@@ -115,7 +134,32 @@ impl Limiter {
             clock,
             activity,
             hold_until: AtomicU64::new(0),
+            fleet: AtomicU64::new(0),
+            quota: s.upstream_quota.then(Box::default),
         }
+    }
+
+    /// Keeps an upstream's account of its quota if it is the freshest.
+    pub fn observe(&self, o: crate::lease::quota::Observation) {
+        if let Some(cell) = &self.quota {
+            let mut c = cell.lock().expect("quota lock");
+            if c.latest.is_none_or(|l| o.observed >= l.observed) {
+                c.latest = Some(o);
+                c.reported = false;
+            }
+        }
+    }
+
+    /// The freshest upstream quota, and whether it is new since the last
+    /// call that `report`ed it.
+    pub fn quota(&self, report: bool) -> (Option<crate::lease::quota::Observation>, bool) {
+        let Some(cell) = &self.quota else { return (None, false) };
+        let mut c = cell.lock().expect("quota lock");
+        let new = !c.reported && c.latest.is_some();
+        if report {
+            c.reported = true;
+        }
+        (c.latest, new)
     }
 
     /// Records when the upstream's `Retry-After` for this key ends (upstream
@@ -193,7 +237,7 @@ impl Limiter {
     pub fn set_capacity(&self, capacity: f64) {
         let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
         if let Some(r) = &self.rate {
-            r.set(self.clock.now(), capacity, self.spec.load().burst_at(capacity));
+            r.set(self.clock.now(), capacity, self.spec.load().burst_at(capacity, self.fleet()));
         }
         if let Some(g) = &self.gauge {
             g.set_capacity(gauge_units(capacity));
@@ -205,12 +249,24 @@ impl Limiter {
     /// nobody else can hold any of the fleet's burst either.
     pub fn fill(&self) {
         let spec = self.spec.load();
+        let whole = self.fleet().unwrap_or(spec.capacity);
         if let Some(r) = &self.rate
             && spec.shared
-            && r.capacity() >= spec.capacity * (1.0 - 1e-9)
+            && r.capacity() >= whole * (1.0 - 1e-9)
         {
             r.charge(self.clock.now(), -r.burst());
         }
+    }
+
+    /// Records the capacity the servers share for this key's resource.
+    pub fn set_fleet(&self, capacity: f64) {
+        self.fleet.store(capacity.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The capacity the servers share for this key's resource, if they said.
+    pub fn fleet(&self) -> Option<f64> {
+        let bits = self.fleet.load(Ordering::Relaxed);
+        (bits != 0).then(|| f64::from_bits(bits))
     }
 
     /// Charges `units` more to a rate key (a settled cost above the one
@@ -573,6 +629,15 @@ impl LeaseTable {
         }
     }
 
+    /// Records the capacity the servers share for every key whose id is `id`.
+    pub fn set_fleet(&self, id: &str, capacity: f64) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.set_fleet(capacity);
+            }
+        }
+    }
+
     /// Sets the capacity of every key whose id is `id`; false if there is none.
     pub fn set_capacity(&self, id: &str, capacity: f64) -> bool {
         let mut found = false;
@@ -603,6 +668,7 @@ mod tests {
             window: Duration::from_secs(1),
             shared: false,
             shadow: false,
+            upstream_quota: false,
         }
     }
 

@@ -80,7 +80,7 @@ impl Inbound for Request<Incoming> {
         routing.resolve(self)
     }
 
-    fn ready(mut self, target: Target) -> Result<Self, &'static str> {
+    fn ready(mut self, target: Target, _keep_head: bool) -> Result<Self, &'static str> {
         self.extensions_mut().insert(target);
         Ok(self)
     }
@@ -93,6 +93,10 @@ impl Answer for Response<UpstreamBody> {
 
     fn retry_after(&self) -> Option<Duration> {
         super::pushback::retry_after(self.headers())
+    }
+
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers().get(name).map(|v| v.as_bytes())
     }
 
     fn hold(&self) -> Option<Hold> {

@@ -383,7 +383,9 @@ impl TableEnforcer {
             }
             let (wants, pressure) = self.wants(m, l, kind, settings, capacity, now);
             let reported = Some((wants, pressure || reloaded));
-            if full || m.reported != reported {
+            // A fresh account of the upstream's quota goes up too.
+            let (_, fresh_quota) = l.quota(false);
+            if full || m.reported != reported || fresh_quota {
                 m.reported = reported;
                 demand.push(KeyDemand {
                     resource_id: l.id().to_string(),
@@ -392,6 +394,7 @@ impl TableEnforcer {
                     on_expiry: on_expiry(settings.on_expiry),
                     safe_capacity: settings.safe_capacity,
                     pressure: pressure || reloaded,
+                    quota: l.quota(true).0,
                 });
             }
         });
@@ -456,6 +459,12 @@ impl Enforcer for TableEnforcer {
         let rebuilt = !applied.as_ref().is_some_and(|a| Arc::ptr_eq(a, &cfg));
         *applied = Some(cfg);
         rebuilt
+    }
+
+    fn fleet(&self, fleet: &[(String, f64)]) {
+        for (id, c) in fleet {
+            self.table.set_fleet(id, *c);
+        }
     }
 
     fn reapply(&self) -> Vec<String> {

@@ -26,6 +26,8 @@ pub struct Metrics {
     pub http1_handoffs: IntCounterVec,
     capacity: prometheus::GaugeVec,
     demand: prometheus::GaugeVec,
+    /// The upstream's own account of its quota, by resource and field.
+    upstream_quota: prometheus::GaugeVec,
     resource_in_flight: IntGaugeVec,
     waiters: IntGaugeVec,
     keys: IntGaugeVec,
@@ -86,6 +88,14 @@ impl Metrics {
             &["resource"],
         )
         .expect("metric");
+        let upstream_quota = prometheus::GaugeVec::new(
+            Opts::new(
+                "usher_proxy_upstream_quota",
+                "The upstream's latest account of its quota, from its rate limit headers: limit, remaining, reset_seconds",
+            ),
+            &["resource", "field"],
+        )
+        .expect("metric");
         let resource_in_flight = IntGaugeVec::new(
             Opts::new("usher_proxy_resource_in_flight", "Requests in flight per resource"),
             &["resource"],
@@ -113,6 +123,7 @@ impl Metrics {
             Box::new(http1_handoffs.clone()),
             Box::new(capacity.clone()),
             Box::new(demand.clone()),
+            Box::new(upstream_quota.clone()),
             Box::new(resource_in_flight.clone()),
             Box::new(waiters.clone()),
             Box::new(keys.clone()),
@@ -132,6 +143,7 @@ impl Metrics {
             http1_handoffs,
             capacity,
             demand,
+            upstream_quota,
             resource_in_flight,
             waiters,
             keys,
@@ -162,6 +174,7 @@ impl Metrics {
             paced: outcome("paced"),
             refused: outcome("refused"),
             wait: self.wait_seconds.with_label_values(&[resource]),
+            upstream_quota: self.upstream_quota.clone(),
         }
     }
 
@@ -206,4 +219,16 @@ pub struct ResourceMetrics {
     pub paced: IntCounter,
     pub refused: IntCounter,
     pub wait: Histogram,
+    upstream_quota: prometheus::GaugeVec,
+}
+
+impl ResourceMetrics {
+    /// Shows the upstream's latest account of its quota (limit, remaining,
+    /// seconds to its reset) beside the lease.
+    pub fn observe_quota(&self, o: &crate::lease::quota::Observation, now: crate::clock::Time) {
+        let set = |field: &str, v: f64| self.upstream_quota.with_label_values(&[&self.name, field]).set(v);
+        set("limit", o.limit);
+        set("remaining", o.remaining);
+        set("reset_seconds", o.reset.since(now).as_secs_f64());
+    }
 }

@@ -240,7 +240,7 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     // ones) or after a short wait for the first: the first requests of a
     // fresh sidecar are admitted, not refused. It logs what each key enforces.
     client.ready(FIRST_LEASE_WAIT).await;
-    let _ = proxy.lease.set(client);
+    proxy.set_lease(client);
     tracing::info!(listen = %listen_addr, admin = %admin_addr, routes_file = %source, routes, resources, "usher proxy listening");
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(proxy.clone()), shutdown.clone()));
     serve_all(proxy, listeners, shutdown.clone(), drain, args.http1).await;

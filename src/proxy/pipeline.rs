@@ -41,8 +41,10 @@ use super::respond::{self, ProxyBody, ProxyError};
 use super::route::{ListenerId, RequestView, Resolved, Route, Routing};
 use super::upstream::Upstream;
 use crate::clock::{Clock, Time};
+use crate::config::doorman::PushbackConfig;
 use crate::config::routes::RoutesConfig;
-use crate::limit::admit::{self, Admission, Admitted, Plan, Refused};
+use crate::lease::quota::Observation;
+use crate::limit::admit::{self, Admission, Admitted, Plan, Reason, Refused};
 use crate::limit::{Kind, LeaseTable};
 
 // === the snapshot ===
@@ -126,8 +128,9 @@ pub trait Inbound: RequestView + Sized {
     }
 
     /// Prepares the request for its target, or says why this engine cannot
-    /// forward it there (the target is another engine's).
-    fn ready(self, target: super::upstream::Target) -> Result<Self::Ready, &'static str>;
+    /// forward it there (the target is another engine's). `keep_head`: the
+    /// route reads the answer's header fields ([`Answer::header`]).
+    fn ready(self, target: super::upstream::Target, keep_head: bool) -> Result<Self::Ready, &'static str>;
 }
 
 /// An upstream's answer as the engine's `forward` service returns it.
@@ -135,6 +138,11 @@ pub trait Answer {
     fn status(&self) -> StatusCode;
     /// The upstream's `Retry-After`, for pushback.
     fn retry_after(&self) -> Option<Duration>;
+    /// The value of the header field `name` (lower-case), when the request
+    /// was made ready to keep the answer's head.
+    fn header(&self, _name: &str) -> Option<&[u8]> {
+        None
+    }
     /// Set when the exchange outlives the answer's body (a tunnel, an
     /// upgraded connection): what is held moves there, not into the reply.
     fn hold(&self) -> Option<Hold> {
@@ -407,6 +415,8 @@ pub struct Accounts {
     pub client_id: String,
     pub pushback: Arc<Pushback>,
     pub table: Arc<LeaseTable>,
+    /// Why keys enforce 0, from the lease client once it runs: the 429 says.
+    pub zero_reasons: std::sync::OnceLock<crate::lease::driver::ZeroReasons>,
 }
 
 #[derive(Clone)]
@@ -467,7 +477,7 @@ where
         let acc = &**this.accounts;
         Poll::Ready(match ready!(this.inner.poll(cx)) {
             Ok(Answered { answer, meta }) => {
-                acc.answered(&meta, answer.status(), || answer.retry_after());
+                acc.answered(&meta, answer.status(), || answer.retry_after(), |name| answer.header(name));
                 let held = Held {
                     route: meta.route,
                     grpc: meta.grpc,
@@ -496,7 +506,13 @@ where
 impl Accounts {
     /// An upstream's answer (the one outcome of a request that reached it):
     /// admission metrics, pushback, the access log.
-    fn answered(&self, meta: &Meta, status: StatusCode, retry_after: impl FnOnce() -> Option<Duration>) {
+    fn answered<'a>(
+        &self,
+        meta: &Meta,
+        status: StatusCode,
+        retry_after: impl Fn() -> Option<Duration>,
+        header: impl Fn(&str) -> Option<&'a [u8]>,
+    ) {
         let Some(route) = &meta.route else { return };
         let (paced, waited) = meta.admitted.as_ref().map_or((false, Duration::ZERO), |a| (a.paced, a.waited));
         if paced { &route.metrics.paced } else { &route.metrics.admitted }.inc();
@@ -507,7 +523,28 @@ impl Accounts {
                 r.metrics.wait.observe(secs);
             }
         }
-        self.observe_pushback(route, &meta.plan, status, retry_after);
+        let spent = match route.quotas {
+            true => self.observe_quota(route, &meta.plan, status, retry_after(), &header),
+            false => None,
+        };
+        match spent {
+            // The upstream says its quota is spent until a known time: every
+            // key of the plan is held until then, once, whatever the number
+            // of answers in flight that say it (no backoff factor stacks).
+            Some(hold) => {
+                let now = self.table.clock().now();
+                let cfg = PushbackConfig { multiplier: 1.0, ..route.pushback };
+                let keys = meta.plan.items.iter().chain(meta.plan.shadow.iter()).map(|(l, _)| &**l);
+                self.pushback.on_response(keys, StatusCode::TOO_MANY_REQUESTS, Some(hold), now, &cfg, |id, c| {
+                    tracing::debug!(route = %route.name, resource_id = %id, capacity = c, hold = ?hold, "upstream quota spent");
+                    self.table.set_capacity(id, c);
+                });
+            }
+            None => self.observe_pushback(route, &meta.plan, status, retry_after),
+        }
+        if route.settles {
+            settle(route, &meta.plan, &header);
+        }
         let outcome = match &meta.shadow {
             Some(admit::Shadow { refused: Some(resource), .. }) => {
                 // Forwarded all the same: counted as what enforcing would have done.
@@ -527,10 +564,15 @@ impl Accounts {
         if let (Error::Proxy(ProxyError::ClientStalled { route, .. }), Some(r)) = (&mut f.error, &f.meta.route) {
             route.clone_from(&r.name);
         }
-        if let Error::Refused(_) = f.error {
+        if let Error::Refused(r) = &mut f.error {
             // While an upstream's Retry-After holds a key of the request, the 429 says when that ends.
             let now = self.table.clock().now();
             f.meta.hold = f.meta.plan.items.iter().filter_map(|(l, _)| self.pushback.hold_left(l.id(), now)).max();
+            if r.reason == Reason::ZeroCapacity
+                && let Some(zeros) = self.zero_reasons.get()
+            {
+                r.why = zeros.read().expect("zero reasons poisoned").get(&r.id).copied();
+            }
         }
         let meta = &f.meta;
         match (&f.error, &meta.route) {
@@ -583,6 +625,55 @@ impl Accounts {
         });
     }
 
+    /// Reads the upstream's account of its quota from an answer into the
+    /// keys of the resources that follow it. Returns how long to hold them
+    /// when it says the quota is spent: a 429, a 403 with nothing remaining
+    /// (as GitHub answers), or an answer with nothing remaining of a window
+    /// that has yet to reset.
+    fn observe_quota<'a>(
+        &self,
+        route: &Route,
+        plan: &Plan,
+        status: StatusCode,
+        retry_after: Option<Duration>,
+        header: &impl Fn(&str) -> Option<&'a [u8]>,
+    ) -> Option<Duration> {
+        let now = self.table.clock().now();
+        let mut hold: Option<Duration> = None;
+        for r in &route.resources {
+            let Some(q) = &r.quota else { continue };
+            let Some((limit, remaining, secs)) = crate::config::quota::parse(q, header, now.as_secs_f64()) else {
+                continue;
+            };
+            let until = Duration::from_secs_f64(secs.min(86_400.0));
+            let o = Observation {
+                limit,
+                remaining,
+                reset: now.saturating_add(until),
+                observed: now,
+                continuous: q.continuous,
+            };
+            r.metrics.observe_quota(&o, now);
+            for (l, _) in plan.items.iter().chain(plan.shadow.iter()) {
+                if l.spec().name == r.metrics.name {
+                    l.observe(o);
+                }
+            }
+            let spent = status == StatusCode::TOO_MANY_REQUESTS
+                || (remaining < 1.0 && (status == StatusCode::FORBIDDEN || !q.continuous));
+            // A continuous bucket's reset is when it is full again: it has
+            // room long before, so it holds for its Retry-After, or a second.
+            let until = match q.continuous {
+                true => retry_after.unwrap_or(until.min(Duration::from_secs(1))),
+                false => until,
+            };
+            if spent && !until.is_zero() {
+                hold = Some(hold.map_or(until, |h| h.max(until)));
+            }
+        }
+        hold
+    }
+
     /// Appends one line to the access log, if there is one.
     fn log(&self, route: &str, meta: &Meta, outcome: &str, waited: Duration, status: StatusCode) {
         let Some(log) = &self.access_log else { return };
@@ -614,6 +705,23 @@ impl Accounts {
             upstream_ms: upstream.map(|d| d.as_secs_f64() * 1e3),
             total_ms: total.as_secs_f64() * 1e3,
         });
+    }
+}
+
+/// Settles the costs a route's resources read from the answer: the
+/// difference from what was charged at admission is charged to the key (a
+/// debt later requests wait for) or given back, and counted in its demand.
+fn settle<'a>(route: &Route, plan: &Plan, header: &impl Fn(&str) -> Option<&'a [u8]>) {
+    for r in &route.resources {
+        let Some(name) = &r.settle_header else { continue };
+        let value = header(name).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<f64>().ok());
+        let Some(real) = value.filter(|v| v.is_finite() && *v >= 0.0) else { continue };
+        for (l, charged) in plan.items.iter().chain(plan.shadow.iter()) {
+            if l.spec().name == r.metrics.name {
+                l.charge(real - charged);
+                l.demand().settle(real - charged);
+            }
+        }
     }
 }
 
@@ -659,7 +767,7 @@ where
             Ok(r) => r,
             Err(e) => return fail(Error::Proxy(e), meta),
         };
-        let req = match req.ready(target) {
+        let req = match req.ready(target, route.settles || route.quotas) {
             Ok(r) => r,
             Err(why) => return fail(Error::Unserved(why), meta),
         };

@@ -235,9 +235,10 @@ fn refusal(r: &Refused, hold: Option<Duration>, grpc: bool) -> Response<ProxyBod
             format!("resource `{}` (id `{}`) has too many requests waiting; retry in {retry} s", r.resource, r.id)
         }
         Reason::ZeroCapacity => format!(
-            "resource `{}` (id `{}`) has capacity 0; waited {}; retry in {retry} s",
+            "resource `{}` (id `{}`) has capacity 0{}; waited {}; retry in {retry} s",
             r.resource,
             r.id,
+            r.why.map(|w| format!(" ({w})")).unwrap_or_default(),
             fmt_ms(r.waited)
         ),
     };
@@ -258,6 +259,9 @@ fn refusal(r: &Refused, hold: Option<Duration>, grpc: bool) -> Response<ProxyBod
         });
         if let Some(h) = hold {
             body["upstream_hold_ms"] = json!(h.as_millis() as u64);
+        }
+        if let Some(why) = r.why {
+            body["zero_capacity_reason"] = json!(why);
         }
         problem(StatusCode::TOO_MANY_REQUESTS, &body)
     };
@@ -343,6 +347,7 @@ mod tests {
             quota,
             window: Duration::from_secs(window),
             remaining: 0,
+            why: None,
         }
     }
 

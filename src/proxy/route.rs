@@ -25,9 +25,14 @@ pub struct Route {
     pub metrics: RouteMetrics,
     /// How the route backs off when its upstream answers 429 or 503.
     pub pushback: crate::config::doorman::PushbackConfig,
-    /// The plan of a route whose resource ids are all fixed: the same for
-    /// every request, so built on the first one.
+    /// The plan of a route whose resource ids and costs are all fixed: the
+    /// same for every request, so built on the first one.
     fixed_plan: Option<OnceLock<Plan>>,
+    /// A resource settles its cost from the response: the engine keeps the
+    /// response's head for it.
+    pub settles: bool,
+    /// A resource reads the upstream's quota headers (the head is kept too).
+    pub quotas: bool,
 }
 
 impl std::fmt::Debug for Route {
@@ -41,12 +46,31 @@ pub struct RouteResource {
     limits: Arc<ResourceLimits>,
     template: IdTemplate,
     cost: f64,
+    /// The request header the cost is read from (`cost` when it has none).
+    cost_header: Option<String>,
+    /// The response header the real cost is settled from.
+    pub settle_header: Option<String>,
+    /// The resource's burst: a cost read from a request counts as at most this.
+    burst: f64,
+    /// The upstream's quota headers, when they steer the resource.
+    pub quota: Option<Arc<crate::config::quota::UpstreamQuota>>,
     /// The limiter of a fixed id, found on the first request (fixed keys are never forgotten).
     fixed: OnceLock<Arc<Limiter>>,
     pub metrics: ResourceMetrics,
 }
 
 impl RouteResource {
+    /// The cost of `req`: read from its header when the route says so (at
+    /// most the resource's burst), else the configured one.
+    fn cost_of<R: RequestView>(&self, req: &R) -> f64 {
+        let Some(h) = &self.cost_header else { return self.cost };
+        let named = req.header(h).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<f64>().ok());
+        match named {
+            Some(c) if c.is_finite() && c > 0.0 => c.min(self.burst.max(1.0)),
+            _ => self.cost,
+        }
+    }
+
     /// The limiter of a resource whose id is fixed.
     fn fixed_limiter(&self) -> Arc<Limiter> {
         self.fixed.get_or_init(|| self.limits.limiter(&self.template.text)).clone()
@@ -118,6 +142,7 @@ pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
             window: r.capacity.window,
             shared: cfg.doorman.is_some(),
             shadow: r.shadow,
+            upstream_quota: r.upstream_quota.is_some(),
         })
         .collect()
 }
@@ -182,10 +207,15 @@ impl Routing {
                         .iter()
                         // Validated at load: every named resource exists, and the table has it.
                         .filter_map(|(name, cost)| {
+                            let rule = r.cost_rules.get(name);
                             Some(RouteResource {
                                 limits: table.resource(name)?,
                                 template: cfg.resources[name].id.clone(),
                                 cost: *cost,
+                                cost_header: rule.and_then(|c| c.header.clone()),
+                                settle_header: rule.and_then(|c| c.settle_header.clone()),
+                                burst: cfg.resources[name].burst,
+                                quota: cfg.resources[name].upstream_quota.clone().map(Arc::new),
                                 fixed: OnceLock::new(),
                                 metrics: metrics.resource(name),
                             })
@@ -196,8 +226,13 @@ impl Routing {
                     fixed_plan: r
                         .resources
                         .iter()
-                        .all(|(name, _)| cfg.resources.get(name).is_some_and(|res| res.id.is_fixed()))
+                        .all(|(name, _)| {
+                            cfg.resources.get(name).is_some_and(|res| res.id.is_fixed())
+                                && r.cost_rules.get(name).is_none_or(|c| c.header.is_none())
+                        })
                         .then(OnceLock::new),
+                    settles: r.cost_rules.values().any(|c| c.settle_header.is_some()),
+                    quotas: r.resources.iter().any(|(name, _)| cfg.resources[name].upstream_quota.is_some()),
                 })
             })
             .collect();
@@ -209,6 +244,8 @@ impl Routing {
             metrics: metrics.route(PASSTHROUGH),
             pushback: Default::default(),
             fixed_plan: None,
+            settles: false,
+            quotas: false,
         });
         let default = if listener_of.is_some() { DefaultAction::Deny } else { cfg.default };
         Routing { routes, passthrough, default, direct }
@@ -299,7 +336,7 @@ fn resolved<R: RequestView>(route: &Arc<Route>, req: &R, host: &str, target: Tar
         } else {
             templated_limiter(&r.limits, &r.template, req, host)?
         };
-        items.push((limiter, r.cost));
+        items.push((limiter, r.cost_of(req)));
     }
     Ok(Resolved { route: route.clone(), plan: Plan::new(items), target })
 }

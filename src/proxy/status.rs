@@ -33,11 +33,16 @@ struct KeyStatus {
     resource: String,
     id: String,
     kind: Kind,
+    #[serde(serialize_with = "plain_capacity")]
     capacity: f64,
+    /// `per_second` (a rate) or `in_flight` (a gauge).
+    unit: &'static str,
     remaining: u64,
     max_wait_ms: u64,
     /// Shadow mode: decided and counted, never enforced.
     shadow: bool,
+    /// The upstream's latest account of its quota, when its headers steer the resource.
+    upstream_quota: Option<crate::lease::quota::Observation>,
     demand: DemandSample,
 }
 
@@ -59,9 +64,11 @@ fn status(p: &Proxy) -> Status {
                 id: l.id().to_string(),
                 kind: l.kind(),
                 capacity: l.capacity(),
+                unit: unit_name(l.kind()),
                 remaining: l.remaining(),
                 max_wait_ms: l.spec().max_wait.as_millis() as u64,
                 shadow: l.is_shadow(),
+                upstream_quota: l.quota(false).0,
                 demand: l.demand().sample(now),
             })
             .collect(),
@@ -137,6 +144,27 @@ pub fn handler(proxy: Arc<Proxy>) -> Handler {
     })
 }
 
+/// A capacity as JSON: a number, or `"unlimited"` (JSON has no infinity).
+fn plain_capacity<S: serde::Serializer>(c: &f64, s: S) -> Result<S::Ok, S::Error> {
+    if c.is_infinite() { s.serialize_str("unlimited") } else { s.serialize_f64(*c) }
+}
+
+fn unit_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Rate => "per_second",
+        Kind::Gauge => "in_flight",
+    }
+}
+
+/// A capacity with its unit, as the HTML page shows it: `8.333/s`, `4 in flight`.
+fn with_unit(c: f64, kind: Kind) -> String {
+    match (kind, c.is_infinite()) {
+        (_, true) => "unlimited".into(),
+        (Kind::Rate, false) => format!("{c:.3}/s"),
+        (Kind::Gauge, false) => format!("{c} in flight"),
+    }
+}
+
 fn source_name(s: Source) -> &'static str {
     match s {
         Source::Lease => "lease",
@@ -164,12 +192,12 @@ fn status_html(s: &Status) -> String {
     for k in &s.keys {
         let _ = write!(
             b,
-            "<tr><td>{}</td><td>{}</td><td>{:?}{}</td><td>{:.3}</td><td>{}</td><td>{:.2}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{:?}{}</td><td>{}</td><td>{}</td><td>{:.2}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             escape(&k.resource),
             escape(&k.id),
             k.kind,
             if k.shadow { " (shadow)" } else { "" },
-            k.capacity,
+            with_unit(k.capacity, k.kind),
             k.remaining,
             k.demand.rate,
             k.demand.in_flight,
@@ -185,7 +213,7 @@ fn status_html(s: &Status) -> String {
         let _ = write!(
             b,
             "<h2>Leases</h2><p>Client <code>{}</code>, master {}, {} refreshes{}</p>\
-             <table id=leases><tr><th>resource id</th><th>mode</th><th>has</th><th>enforcing</th><th>wants</th><th>expiry</th><th>safe</th><th>on expiry</th><th>error</th></tr>",
+             <table id=leases><tr><th>resource id</th><th>mode</th><th>has</th><th>enforcing</th><th>wants</th><th>expiry</th><th>safe</th><th>on expiry</th><th>server template</th><th>error</th></tr>",
             escape(&l.client_id),
             escape(l.master.as_deref().unwrap_or("unknown")),
             l.refreshes,
@@ -194,21 +222,32 @@ fn status_html(s: &Status) -> String {
                 .map(|e| format!(", <span class=err>last error: {}</span>", escape(e)))
                 .unwrap_or_default()
         );
+        let kinds: std::collections::HashMap<&str, Kind> = s.keys.iter().map(|k| (k.id.as_str(), k.kind)).collect();
         for k in &l.keys {
+            let kind = kinds.get(k.resource_id.as_str()).copied().unwrap_or(Kind::Rate);
             let _ = write!(
                 b,
-                "<tr><td>{}</td><td>{:?}</td><td>{}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                "<tr><td>{}</td><td>{:?}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                 escape(&k.resource_id),
                 k.mode,
-                k.has.map(|h| format!("{h:.3}")).unwrap_or_else(|| "-".into()),
+                k.has.map(|h| with_unit(h, kind)).unwrap_or_else(|| "-".into()),
                 match (k.capacity, k.source) {
-                    (Capacity::Limited(c), s) => format!("{c:.3} ({})", source_name(s)),
+                    (Capacity::Limited(c), s) => match k.zero_reason {
+                        Some(why) => format!(
+                            "{} ({}): <span class=err>{}</span>",
+                            with_unit(c, kind),
+                            source_name(s),
+                            escape(why)
+                        ),
+                        None => format!("{} ({})", with_unit(c, kind), source_name(s)),
+                    },
                     (Capacity::Unlimited, s) => format!("unlimited ({})", source_name(s)),
                 },
-                k.wants,
+                with_unit(k.wants, kind),
                 k.expiry.map(|e| format!("in {}s", e - s.now_s)).unwrap_or_else(|| "-".into()),
                 k.safe_capacity.map(|s| format!("{s}")).unwrap_or_else(|| "-".into()),
                 k.on_expiry.name(),
+                escape(k.template.as_deref().unwrap_or("-")),
                 escape(k.last_error.as_deref().unwrap_or("")),
             );
         }

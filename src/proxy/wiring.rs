@@ -67,6 +67,13 @@ impl UpstreamListener {
 }
 
 impl Proxy {
+    /// Hands the proxy its lease client, once: status pages show its leases
+    /// and a 429 says why a key enforces 0.
+    pub fn set_lease(&self, client: crate::lease::LeaseClient) {
+        let _ = self.accounts.zero_reasons.set(client.zero_reasons());
+        let _ = self.lease.set(client);
+    }
+
     /// Builds a proxy for `cfg`. `clock` drives every limiter (tests pass a manual one).
     pub fn new(
         cfg: RoutesConfig,
@@ -99,6 +106,7 @@ impl Proxy {
             client_id,
             pushback: pushback.clone(),
             table: table.clone(),
+            zero_reasons: std::sync::OnceLock::new(),
         });
         let listeners = UpstreamListener::of(&cfg);
         let routing = Routing::new(&cfg, &upstreams, direct.clone(), &table, &metrics);

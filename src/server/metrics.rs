@@ -21,6 +21,9 @@ pub struct Metrics {
     pub config_reload_errors: IntCounter,
     pub tls_handshake_failures: IntCounter,
     pub mastership_changes: IntCounter,
+    /// Resource ids only the catch-all `*` template matched, while the
+    /// configuration has others (each counted once; see `store::CatchAll`).
+    pub catch_all_resources: IntCounter,
     /// gRPC connections open (TLS handshakes in progress included).
     pub connections: IntGauge,
     /// gRPC connections closed at once because `--max-connections` were open.
@@ -117,6 +120,10 @@ impl Metrics {
                     "Times this server became or stopped being the master of its node.",
                 )
                 .expect("valid metric"),
+            ),
+            catch_all_resources: counter(
+                "usher_server_catch_all_resources_total",
+                "Resource ids that matched only the catch-all `*` template while others are configured (a typo?).",
             ),
             connections: gauge("usher_server_connections", "gRPC connections open."),
             connections_refused: counter(

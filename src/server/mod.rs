@@ -11,7 +11,9 @@ pub mod horizon;
 mod local;
 pub mod metrics;
 pub mod parent;
+pub mod quota;
 pub mod service;
+pub mod state_file;
 mod status;
 pub mod store;
 
@@ -52,6 +54,14 @@ pub struct ServerArgs {
     /// Without it, the built-in default applies: every resource id gets 100/s, FAIR_SHARE.
     #[arg(long, env = "USHER_CONFIG", value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Where a server without etcd records until when its leases may be outstanding, so that
+    /// a restart learns while they may be and a fresh start (no file) serves at once; written
+    /// every 2 s, atomically. An empty value keeps no record: every start learns. With
+    /// --etcd-endpoints the record is kept in etcd instead
+    /// [default: $XDG_STATE_HOME/usher/server-PORT.state, or ~/.local/state/usher/server-PORT.state,
+    /// PORT being --listen's; none with port 0]
+    #[arg(long, env = "USHER_STATE_FILE", value_name = "FILE")]
+    pub state_file: Option<PathBuf>,
     /// Address for the gRPC `doorman.Capacity` service.
     #[arg(long, env = "USHER_LISTEN", value_name = "ADDR", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
@@ -397,6 +407,7 @@ impl Node {
         registry: prometheus::Registry,
     ) -> Self {
         let now = clock.now();
+        let metrics = Metrics::new(registry);
         Node {
             mastership: ArcSwap::from_pointee(Mastership { is_master: true, master_address: Some(server_id.clone()) }),
             node_id: server_id.clone(),
@@ -405,8 +416,12 @@ impl Node {
             election: None,
             etcd: None,
             tls: None,
-            store: Store::new(clock, config, min_request_interval),
-            metrics: Metrics::new(registry),
+            store: {
+                let mut s = Store::new(clock, config, min_request_interval);
+                s.set_catch_all_counter(metrics.catch_all_resources.clone());
+                s
+            },
+            metrics,
             metrics_max_resources: metrics::DEFAULT_METRICS_MAX_RESOURCES,
             config_source,
             config_state: Mutex::new(ConfigState { loaded_at: Some(now), last_error: None }),
@@ -640,6 +655,15 @@ async fn follow_etcd_key(
     }
 }
 
+/// `--state-file`, or its default for the gRPC port; `None` when empty.
+fn state_file_path(args: &ServerArgs, port: u16) -> Option<PathBuf> {
+    match &args.state_file {
+        Some(p) if p.as_os_str().is_empty() => None,
+        Some(p) => Some(p.clone()),
+        None => state_file::default_path(port),
+    }
+}
+
 /// `--node-id`, or its default: every replica of an elected node campaigns
 /// for the same key on the same etcd, so those name the node.
 fn node_id(args: &ServerArgs, server_id: &str) -> String {
@@ -671,6 +695,11 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     let parent_tls = parent_tls(&args)?;
     if args.max_connections == 0 {
         return Err(RunError::Usage("--max-connections must be at least 1".into()));
+    }
+    if etcd.is_some() && args.state_file.as_ref().is_some_and(|p| !p.as_os_str().is_empty()) {
+        return Err(RunError::Usage(
+            "--state-file: with --etcd-endpoints the record of outstanding leases is kept in etcd".into(),
+        ));
     }
     for (flag, d) in [
         ("--preface-timeout", args.preface_timeout),
@@ -788,6 +817,15 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
         _ => None,
     };
 
+    let state_task = match (&etcd, state_file_path(&args, args.listen.port())) {
+        (None, Some(path)) => {
+            let clock = node.store.clock().clone();
+            let recorded = state_file::take_over(&path, &node, &clock);
+            Some(tokio::spawn(state_file::run(path, node.clone(), clock, recorded, shutdown.clone())))
+        }
+        _ => None,
+    };
+
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(node.clone()), shutdown.clone()));
 
     let svc = CapacityService::new(node.clone()).into_server();
@@ -850,7 +888,7 @@ pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), Ru
     if let Some(p) = parent_task {
         let _ = p.await;
     }
-    for t in [reloader, election_task, cert_reloader].into_iter().flatten() {
+    for t in [reloader, election_task, cert_reloader, state_task].into_iter().flatten() {
         let _ = t.await;
     }
     served.map_err(|e| RunError::Other(format!("gRPC server failed: {e}")))?;

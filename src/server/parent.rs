@@ -86,7 +86,7 @@ fn algorithm(a: &proto::Algorithm) -> Option<Algorithm> {
 
 /// What a parent's answer carries beside the lease: the algorithm, the safe
 /// capacity and what it says of this node's predecessor.
-type Extras = (Option<Algorithm>, Option<f64>, Option<u64>);
+type Extras = (Option<Algorithm>, Option<f64>, Option<u64>, Option<String>);
 
 /// The parent link's logic without I/O: what to send and what to do with
 /// the answers. `run` drives it in real time; `usher sim` in virtual time.
@@ -149,6 +149,7 @@ impl ParentSync {
                     // not a whole refresh interval later.
                     pressure: d.wants > self.sent.get(&d.resource_id).copied().unwrap_or(0.0) * GROWTH
                         && d.wants > self.core.lease_of(&d.resource_id).map_or(0.0, |l| l.capacity) + 1e-9,
+                    quota: d.quota,
                 })
                 .collect(),
         );
@@ -204,7 +205,8 @@ impl ParentSync {
         let r = r.map(|resp| {
             for rr in &resp.response {
                 let (algorithm, predecessor) = rr.algorithm.as_ref().map_or((None, None), algorithm_from_wire);
-                self.extras.insert(rr.resource_id.clone(), (algorithm, rr.safe_capacity, predecessor));
+                let template = rr.template.clone();
+                self.extras.insert(rr.resource_id.clone(), (algorithm, rr.safe_capacity, predecessor, template));
                 if let Some(n) = self.sent_subclients.get(&rr.resource_id) {
                     self.answered_subclients.insert(rr.resource_id.clone(), *n);
                 }
@@ -235,16 +237,18 @@ impl ParentSync {
     fn publish(&self, node: &Node) {
         for d in node.store.parent_demand() {
             let lease = self.core.lease_of(&d.resource_id).map(|l| {
-                let (algorithm, safe_capacity, predecessor_subclients) =
-                    self.extras.get(&d.resource_id).cloned().unwrap_or((None, None, None));
+                let (algorithm, safe_capacity, predecessor_subclients, template) =
+                    self.extras.get(&d.resource_id).cloned().unwrap_or((None, None, None, None));
                 ParentLease {
                     capacity: l.capacity,
                     expiry: l.expiry,
                     refresh_interval: l.refresh_interval,
                     algorithm,
                     safe_capacity,
+                    template,
                     predecessor_subclients,
                     answered_subclients: self.answered_subclients.get(&d.resource_id).copied(),
+                    resource_capacity: self.core.fleet_capacity(&d.resource_id),
                 }
             });
             node.store.set_parent_lease(&d.resource_id, lease);
@@ -284,7 +288,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let mut slot = None;
-    let mut failing = Failing::default();
+    let mut failing = crate::lease::failing::Failing::new("the parent answers again");
     loop {
         let Some(sync) = current_link(&mut slot, &node, &parents, clock.now(), None) else {
             tokio::select! {
@@ -332,43 +336,6 @@ pub async fn run(
     }
 }
 
-/// Calls to the parent that keep failing are logged when they start, then
-/// at most once a minute with how long and how often, and once when the
-/// parent answers again: not every second or two for as long as it is gone.
-#[derive(Default)]
-struct Failing {
-    /// When the failures began, how many there were, and when one was last logged.
-    run: Option<(std::time::Instant, u64, std::time::Instant)>,
-}
-
-impl Failing {
-    const EVERY: Duration = Duration::from_secs(60);
-
-    fn saw(&mut self, parent: &str, what: &str, error: Option<&CallError>) {
-        let now = std::time::Instant::now();
-        match (error, &mut self.run) {
-            (Some(e), None) => {
-                tracing::warn!(parent, error = ?e, "{what}");
-                self.run = Some((now, 1, now));
-            }
-            (Some(e), Some((since, n, logged))) => {
-                *n += 1;
-                if now.duration_since(*logged) >= Self::EVERY {
-                    *logged = now;
-                    let for_secs = now.duration_since(*since).as_secs();
-                    tracing::warn!(parent, error = ?e, failures = *n, for_secs, "{what}; still failing");
-                }
-            }
-            (None, Some((since, n, _))) => {
-                let after_secs = now.duration_since(*since).as_secs();
-                tracing::info!(parent, failures = *n, after_secs, "the parent answers again");
-                self.run = None;
-            }
-            (None, None) => {}
-        }
-    }
-}
-
 fn server_request(
     req: &proto::GetCapacityRequest,
     demand: &HashMap<String, (Vec<Band>, f64)>,
@@ -397,7 +364,12 @@ fn server_request(
                     })
                     .collect()
             };
-            proto::ServerCapacityResourceRequest { resource_id: r.resource_id.clone(), has, wants }
+            proto::ServerCapacityResourceRequest {
+                upstream_quota: r.upstream_quota,
+                resource_id: r.resource_id.clone(),
+                has,
+                wants,
+            }
         })
         .collect();
     proto::GetServerCapacityRequest { server_id: req.client_id.clone(), resource }
@@ -409,9 +381,12 @@ fn client_response(resp: proto::GetServerCapacityResponse) -> proto::GetCapacity
             .response
             .into_iter()
             .map(|r| proto::ResourceResponse {
+                resource_capacity: r.resource_capacity,
+                upstream_quota: r.upstream_quota,
                 resource_id: r.resource_id,
                 gets: r.gets,
                 safe_capacity: r.safe_capacity,
+                template: r.template,
             })
             .collect(),
         mastership: resp.mastership,

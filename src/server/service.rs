@@ -11,6 +11,7 @@ use tonic::{Request, Response, Status};
 use super::Node;
 use super::store::{Band, Grant, LeaseRequest, PREDECESSOR_PARAMETER, Requester, split_identity};
 use crate::clock::Time;
+use crate::lease::quota::Observation;
 use crate::proto;
 use crate::proto::capacity_server::Capacity;
 
@@ -260,6 +261,7 @@ pub fn client_requests(req: &proto::GetCapacityRequest) -> Result<Vec<LeaseReque
                 reported_has,
                 reported_expiry,
                 requester: Requester::Client { priority: r.priority },
+                quota: r.upstream_quota.as_ref().and_then(Observation::from_proto),
             })
         })
         .collect()
@@ -301,6 +303,7 @@ pub fn server_requests(req: &proto::GetServerCapacityRequest) -> Result<Vec<Leas
                 reported_has,
                 reported_expiry,
                 requester: Requester::Server { bands },
+                quota: r.upstream_quota.as_ref().and_then(Observation::from_proto),
             })
         })
         .collect()
@@ -346,9 +349,12 @@ impl Capacity for CapacityService {
                     let g = self.decide(&req.client_id, a, again);
                     starved |= starves_a_newcomer(a, &g);
                     proto::ResourceResponse {
+                        resource_capacity: g.resource_capacity,
+                        upstream_quota: g.quota.map(|q| q.to_proto()),
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),
                         safe_capacity: Some(g.safe_capacity),
+                        template: Some(g.template),
                     }
                 })
                 .collect();
@@ -395,10 +401,13 @@ impl Capacity for CapacityService {
                         });
                     }
                     proto::ServerCapacityResourceResponse {
+                        resource_capacity: g.resource_capacity,
+                        upstream_quota: g.quota.map(|q| q.to_proto()),
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),
                         algorithm: Some(algorithm),
                         safe_capacity: Some(g.safe_capacity),
+                        template: Some(g.template),
                     }
                 })
                 .collect();

@@ -16,6 +16,10 @@ use crate::admin::{self, Handler, escape};
 /// resources clients create. `/debug/resources?resource=ID` shows any one.
 pub const STATUS_MAX_RESOURCES: usize = 200;
 
+/// Capacities are units per second, as in Doorman's resources file (a
+/// sidecar that enforces a resource as a gauge reads them as requests in flight).
+pub const CAPACITY_UNIT: &str = "per_second";
+
 #[derive(Serialize)]
 struct Status {
     server_id: String,
@@ -34,6 +38,8 @@ struct Status {
     resources_total: usize,
     /// Of those, how many `resources` leaves out (beyond [`STATUS_MAX_RESOURCES`]).
     resources_unlisted: usize,
+    /// The unit of every capacity, has and wants below: [`CAPACITY_UNIT`].
+    capacity_unit: &'static str,
     resources: Vec<ResourceStatus>,
 }
 
@@ -65,6 +71,7 @@ fn status(node: &Node) -> Status {
         tls: node.tls.as_ref().map(|t| t.status()),
         resources_total: total,
         resources_unlisted: total - resources.len(),
+        capacity_unit: CAPACITY_UNIT,
         resources,
     }
 }
@@ -174,15 +181,15 @@ fn status_html(s: &Status) -> String {
     for r in &s.resources {
         let _ = write!(
             b,
-            "<tr><td><a href=\"/debug/resources?resource={id_q}\">{id}</a></td><td>{}</td><td>{}</td><td>{:.3}</td><td>{:.3}</td><td>{:.3}</td><td>{} ({})</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td><a href=\"/debug/resources?resource={id_q}\">{id}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} ({})</td><td>{}</td><td>{}</td></tr>",
             escape(&r.template),
             r.algorithm,
-            r.capacity,
-            r.sum_has,
-            r.sum_wants,
+            per_s(r.capacity),
+            per_s(r.sum_has),
+            per_s(r.sum_wants),
             r.clients,
             r.server_clients,
-            r.parent_capacity.map(|c| format!("{c:.3}")).unwrap_or_else(|| "-".into()),
+            r.parent_capacity.map(per_s).unwrap_or_else(|| "-".into()),
             if r.learning_mode { format!("{:.0}s left", r.learning_left_s) } else { "no".into() },
             id = escape(&r.id),
             id_q = escape(&percent_encode(&r.id)),
@@ -209,17 +216,22 @@ fn leases_html(r: &ResourceLeases) -> String {
     for l in &r.leases {
         let _ = write!(
             b,
-            "<tr><td>{}</td><td>{}</td><td>{:.3}</td><td>{:.3}</td><td>{}</td><td>{:.1}s</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.1}s</td></tr>",
             escape(&l.client_id),
             l.kind,
-            l.has,
-            l.wants,
+            per_s(l.has),
+            per_s(l.wants),
             l.subclients,
             l.expires_in_s
         );
     }
     b.push_str("</table>");
     admin::page(&format!("usher server: {}", r.resource), &b)
+}
+
+/// A capacity as the HTML pages show it, with its unit: `8.333/s`.
+fn per_s(v: f64) -> String {
+    format!("{v:.3}/s")
 }
 
 /// Percent-encodes everything outside RFC 3986's unreserved characters, for

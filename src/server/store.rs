@@ -50,6 +50,8 @@ pub struct LeaseRequest {
     /// When that lease expires.
     pub reported_expiry: Option<Time>,
     pub requester: Requester,
+    /// What the requester last read of the upstream's own quota.
+    pub quota: Option<crate::lease::quota::Observation>,
 }
 
 /// The separator between a node's identity and its master's epoch in the
@@ -83,6 +85,15 @@ pub const PREDECESSOR_PARAMETER: &str = "usher.predecessor_subclients";
 /// backoff cap, plus one discovery.
 pub const RECONNECT_ALLOWANCE: Duration = Duration::from_secs(3);
 
+/// How long past a lapsed lease's hold (at least a lease length) the server
+/// keeps reserving a client's default safe capacity (its share, see
+/// [`Resource::share_safe`]). A client cut off from the tree runs on it for
+/// as long as it stays cut off: one that comes back later than this may have
+/// used it beside what was handed to others. A client gone for good (killed
+/// without releasing; a restart under a new id) keeps it from the others
+/// this long: longer would cost them more, shorter would cover less.
+pub const SHARE_KEPT: Duration = Duration::from_secs(30);
+
 /// The refresh interval of a lease whose client should come back soon: its
 /// grant was cut to what others leave unused, or the resource is new.
 pub const FAST_REFRESH: Duration = Duration::from_secs(1);
@@ -98,10 +109,18 @@ pub struct Grant {
     pub safe_capacity: f64,
     /// The algorithm in force, to hand down to a lower server.
     pub algorithm: Algorithm,
+    /// The `identifier_glob` of the template the resource matched (at an
+    /// intermediate whose own is the catch-all: the parent's, once known).
+    pub template: String,
     /// For a lower usher server's master: how many subclients its
     /// predecessor spoke for (see [`PREDECESSOR_PARAMETER`]); `None` while
     /// this server cannot know (in learning mode itself).
     pub predecessor_subclients: Option<u64>,
+    /// The upstream's quota as this server knows it, when its clients report one.
+    pub quota: Option<crate::lease::quota::Observation>,
+    /// The capacity a root shares for the resource now (clients size their
+    /// share of its burst by it); `None` elsewhere.
+    pub resource_capacity: Option<f64>,
 }
 
 /// How a request is decided (see [`Resource::decide`]).
@@ -201,10 +220,14 @@ pub struct ParentLease {
     pub refresh_interval: Duration,
     pub algorithm: Option<Algorithm>,
     pub safe_capacity: Option<f64>,
+    /// The parent's template for the resource, if it says.
+    pub template: Option<String>,
     /// What the parent said of this node's previous master (see [`PREDECESSOR_PARAMETER`]).
     pub predecessor_subclients: Option<u64>,
     /// The subclients this server reported in the request the lease answers.
     pub answered_subclients: Option<u64>,
+    /// The capacity the root shares for the resource, if it said.
+    pub resource_capacity: Option<f64>,
 }
 
 /// One resource's demand, as an intermediate server reports it to its parent.
@@ -216,11 +239,17 @@ pub struct ParentDemand {
     /// What this server's clients hold now, in unexpired leases, plus what is
     /// reserved for clients whose leases lapsed.
     pub handed_out: f64,
+    /// The freshest upstream quota its clients reported.
+    pub quota: Option<crate::lease::quota::Observation>,
 }
 
 #[derive(Debug, Clone)]
 struct ClientLease {
     slot: ClientSlot,
+    /// `safe` is this end client's share of the resource (no safe capacity
+    /// configured): counted in [`Resource::told`], reserved in full when the
+    /// lease lapses (see [`Reservation`]).
+    share: bool,
     /// What the last answer granted.
     granted: f64,
     /// What counts as outstanding: the grant, or for a lower server the
@@ -248,8 +277,10 @@ struct ClientLease {
 
 /// What a lease leaves behind when it expires unrenewed: its client now holds
 /// it for as long again as it was granted for (`lease::Mode::Held`), then
-/// runs on its safe capacity, never more than its last lease (see
-/// [`safe_for`]), or is gone. What the client may use stays counted as handed
+/// runs on its safe capacity (a configured one never more than its last
+/// lease, see [`safe_for`]; by default its share, see
+/// [`Resource::share_safe`], reserved from the lapse and for [`SHARE_KEPT`]
+/// past the hold), or is gone. What the client may use stays counted as handed
 /// out, so nobody else can be given what a client cut off from the tree goes
 /// on using: the whole lease (a lower server's: at least what its clients
 /// hold) while the client holds it, then its safe capacity, until one lease
@@ -272,6 +303,10 @@ struct Reservation {
     /// Subclients that may still hold leases under it: a released lower
     /// server's; 0 once its leases have expired.
     holders: u64,
+    /// An end client's share (its safe capacity) and its subclients, kept
+    /// counted in [`Resource::told`] while reserved; 0 for any other.
+    told: f64,
+    sharers: u64,
 }
 
 struct Resource {
@@ -293,6 +328,14 @@ struct Resource {
     expiries: Expiries,
     reservations: HashMap<Arc<str>, Reservation>,
     reserved: f64,
+    /// What end clients with a lease were told as their share (their safe
+    /// capacity); with `told_reserved`, never more than the capacity, so
+    /// clients that all fall back on it at once stay within it.
+    told: f64,
+    /// What reservations keep of lapsed clients' shares, and their
+    /// subclients (who count when a share is computed).
+    told_reserved: f64,
+    sharers: u64,
     /// Learning mode ended early: every expected client has reported, or
     /// nothing of a predecessor is outstanding.
     learned: bool,
@@ -300,6 +343,9 @@ struct Resource {
     learning_end: Option<Time>,
     /// When this master first saw the resource.
     created: Time,
+    /// The upstream's own account of its quota, once a client reports one
+    /// (boxed: most resources never have one).
+    quota: Option<Box<super::quota::QuotaState>>,
     /// The store's [`Predecessor`] and lease horizon, as of this request.
     predecessor: Predecessor,
     horizon: Option<Time>,
@@ -381,7 +427,22 @@ pub struct Store {
     limits: Limits,
     /// Woken when a held answer may come out differently (see [`Store::changed`]).
     changed: tokio::sync::Notify,
+    catch_all: Mutex<CatchAll>,
 }
+
+/// The resource ids that fell to the catch-all `*` template while the
+/// configuration names others: each is warned about and counted once (a
+/// typo such as `github_core` for `github-core` silently got the catch-all's
+/// capacity). Remembered up to [`CATCH_ALL_REMEMBERED`] ids; past that each
+/// new resource is still counted, and warned about no more.
+#[derive(Default)]
+struct CatchAll {
+    seen: std::collections::HashSet<String>,
+    counter: Option<prometheus::IntCounter>,
+}
+
+/// How many catch-all resource ids the store remembers, to warn once each.
+pub const CATCH_ALL_REMEMBERED: usize = 1000;
 
 /// What status pages and metrics show of a resource.
 #[derive(Debug, Clone, Serialize)]
@@ -455,6 +516,46 @@ impl Store {
             role: Role::Root,
             limits: Limits::default(),
             changed: tokio::sync::Notify::new(),
+            catch_all: Mutex::new(CatchAll::default()),
+        }
+    }
+
+    /// Counts the resources that fall to the catch-all in `counter`.
+    pub fn set_catch_all_counter(&mut self, counter: prometheus::IntCounter) {
+        self.catch_all.get_mut().expect("catch-all lock poisoned").counter = Some(counter);
+    }
+
+    /// Warns about and counts a new resource that only the catch-all matched.
+    fn fell_to_catch_all(&self, id: &str, cfg: &ResourcesConfig, template: &Template) {
+        if template.identifier_glob != CATCH_ALL || cfg.templates.len() < 2 {
+            return;
+        }
+        let mut c = self.catch_all.lock().expect("catch-all lock poisoned");
+        if c.seen.contains(id) {
+            return;
+        }
+        if let Some(n) = &c.counter {
+            n.inc();
+        }
+        match c.seen.len() {
+            n if n < CATCH_ALL_REMEMBERED => {
+                let named: Vec<&str> = cfg.templates.iter().map(|t| t.identifier_glob.as_str()).take(6).collect();
+                tracing::warn!(
+                    resource = %id,
+                    capacity = template.capacity,
+                    algorithm = template.algorithm.kind.name(),
+                    "resource id matched no template but the catch-all `*` (a typo?); configured: {}",
+                    named.join(", ")
+                );
+                c.seen.insert(id.to_string());
+            }
+            n if n == CATCH_ALL_REMEMBERED => {
+                tracing::warn!(
+                    "{CATCH_ALL_REMEMBERED} resource ids fell to the catch-all `*`: more are counted in usher_server_catch_all_resources_total, not logged"
+                );
+                c.seen.insert(String::new());
+            }
+            _ => {}
         }
     }
 
@@ -566,6 +667,7 @@ impl Store {
                     // granted); clients running on their safe capacity use it
                     // as surely as a lease.
                     handed_out: r.index.total_has() + r.reserved,
+                    quota: r.quota.as_ref().and_then(|q| q.latest),
                 })
             })
             .collect();
@@ -692,6 +794,7 @@ impl Store {
             let template = cfg.find(&req.resource_id).expect("validated config has a catch-all").clone();
             let mut map = self.resources.write().expect("store lock poisoned");
             map.entry(req.resource_id.clone()).or_insert_with(|| {
+                self.fell_to_catch_all(&req.resource_id, &cfg, &template);
                 let mut r = Resource::new(template);
                 r.created = now;
                 Arc::new(Mutex::new(r))
@@ -800,6 +903,7 @@ impl Store {
 impl Resource {
     fn new(template: Arc<Template>) -> Self {
         Resource {
+            quota: None,
             template,
             parent: None,
             by_priority: None,
@@ -810,6 +914,9 @@ impl Resource {
             expiries: Expiries::default(),
             reservations: HashMap::new(),
             reserved: 0.0,
+            told: 0.0,
+            told_reserved: 0.0,
+            sharers: 0,
             learned: false,
             learning_end: None,
             created: Time::from_nanos(0),
@@ -830,11 +937,32 @@ impl Resource {
             let until = expiry.saturating_add(lease_length);
             // The client holds its lease for as long again as it was granted for.
             let hold_until = expiry.saturating_add(expiry.since(l.last_request).min(lease_length));
-            let then = if l.safe < 0.0 { amount } else { amount.min(l.safe * l.subclients as f64) };
-            let epoch = l.epoch;
+            let r = if l.share {
+                // Its share is what it runs on once the hold ends; reserved
+                // from now, so that no lease granted from now on outlasts
+                // the hold, and kept while it may still be cut off.
+                let told = l.safe * l.subclients as f64;
+                // The client holds a lease below its share a refresh
+                // interval longer (`lease::Core::hold`).
+                let hold_until = hold_until.saturating_add(l.refresh_interval.mul_f64(7.0 / 6.0));
+                let until = hold_until.saturating_add(lease_length.max(SHARE_KEPT));
+                Reservation {
+                    amount: amount.max(told),
+                    hold_until,
+                    then: told,
+                    until,
+                    epoch: l.epoch,
+                    holders: 0,
+                    told,
+                    sharers: l.subclients,
+                }
+            } else {
+                let then = if l.safe < 0.0 { amount } else { amount.min(l.safe * l.subclients as f64) };
+                Reservation { amount, hold_until, then, until, epoch: l.epoch, holders: 0, told: 0.0, sharers: 0 }
+            };
             self.remove(&owner);
-            if amount > 0.0 && until > now {
-                self.reserve(owner, Reservation { amount, hold_until, then, until, epoch, holders: 0 });
+            if r.amount > 0.0 && r.until > now {
+                self.reserve(owner, r);
             }
         }
         if self.reservations.values().any(|r| r.until <= now || (r.hold_until <= now && r.amount > r.then)) {
@@ -844,20 +972,37 @@ impl Resource {
                 }
                 r.until > now && r.amount > 0.0
             });
-            self.reserved = self.reservations.values().map(|r| r.amount).sum();
+            self.recount_reservations();
         }
+    }
+
+    fn recount_reservations(&mut self) {
+        let rs = self.reservations.values();
+        self.reserved = rs.clone().map(|r| r.amount).sum();
+        self.told_reserved = rs.clone().map(|r| r.told).sum();
+        self.sharers = rs.map(|r| r.sharers).sum();
     }
 
     fn reserve(&mut self, client: Arc<str>, r: Reservation) {
         self.reserved += r.amount;
+        self.told_reserved += r.told;
+        self.sharers += r.sharers;
         if let Some(old) = self.reservations.insert(client, r) {
             self.reserved -= old.amount;
+            self.told_reserved -= old.told;
+            self.sharers -= old.sharers;
         }
     }
 
     fn unreserve(&mut self, client: &str) -> Option<Reservation> {
         let r = self.reservations.remove(client)?;
-        self.reserved = if self.reservations.is_empty() { 0.0 } else { (self.reserved - r.amount).max(0.0) };
+        if self.reservations.is_empty() {
+            (self.reserved, self.told_reserved, self.sharers) = (0.0, 0.0, 0);
+        } else {
+            self.reserved = (self.reserved - r.amount).max(0.0);
+            self.told_reserved = (self.told_reserved - r.told).max(0.0);
+            self.sharers -= r.sharers;
+        }
         Some(r)
     }
 
@@ -879,7 +1024,17 @@ impl Resource {
         let key: Arc<str> = Arc::from(node);
         self.remove(node);
         if keep > 0.0 && until > now {
-            self.reserve(key, Reservation { amount: keep, hold_until: until, then: keep, until, epoch, holders });
+            let r = Reservation {
+                amount: keep,
+                hold_until: until,
+                then: keep,
+                until,
+                epoch,
+                holders,
+                told: 0.0,
+                sharers: 0,
+            };
+            self.reserve(key, r);
         }
     }
 
@@ -949,12 +1104,34 @@ impl Resource {
 
     fn remove(&mut self, client: &str) {
         if let Some(l) = self.clients.remove(client) {
+            self.untell(&l);
             self.expiries.remove(&(l.expiry, l.slot));
             self.index.remove(l.slot);
             self.unfile_bands(l.slot, bands_of(&l.requester, l.wants, l.subclients));
             self.slot_owner[l.slot as usize] = None;
             self.free_slots.push(l.slot);
         }
+    }
+
+    /// Takes what `l` was told as its share out of [`Resource::told`].
+    fn untell(&mut self, l: &ClientLease) {
+        if l.share {
+            self.told = if self.clients.is_empty() { 0.0 } else { (self.told - l.safe * l.subclients as f64).max(0.0) };
+        }
+    }
+
+    /// An end client's default safe capacity: its share of `capacity` by
+    /// subclients, counting those of lapsed clients still on theirs, and no
+    /// more than what the others were told leaves (a share told earlier, when
+    /// fewer clients shared, stays counted until its client hears the new one).
+    /// Unlike a configured safe capacity it is not capped at the client's
+    /// lease: an idle client cut off from the tree runs on its share, not on
+    /// nothing. `told_before`: what the client itself was told until now.
+    fn share_safe(&self, subclients: u64, capacity: f64, told_before: f64) -> f64 {
+        let n = self.index.total_subclients() + self.sharers;
+        let share = if n == 0 { capacity } else { capacity * subclients as f64 / n as f64 };
+        let others = (self.told - told_before).max(0.0) + self.told_reserved;
+        share.min(capacity - others).max(0.0)
     }
 
     fn unfile_bands(&mut self, slot: ClientSlot, bands: impl IntoIterator<Item = (i64, f64, u64)>) {
@@ -1001,6 +1178,15 @@ impl Resource {
         self.template.identifier_glob != CATCH_ALL
     }
 
+    /// The template the resource matched, for a client's status page: the
+    /// parent's at an intermediate whose own is the catch-all.
+    fn template_name(&self) -> String {
+        match self.parent.as_ref().and_then(|p| p.template.as_ref()) {
+            Some(t) if !self.has_local_template() => t.clone(),
+            _ => self.template.identifier_glob.clone(),
+        }
+    }
+
     /// The algorithm in force.
     fn algorithm(&self) -> &Algorithm {
         match self.parent.as_ref().and_then(|p| p.algorithm.as_ref()) {
@@ -1013,7 +1199,12 @@ impl Resource {
     /// intermediate, the parent's unexpired grant, or `None`.
     fn capacity(&self, now: Time, role: Role) -> Option<f64> {
         match (role, &self.parent) {
-            (Role::Root, _) => Some(self.template.capacity),
+            (Role::Root, _) => Some(
+                self.quota
+                    .as_ref()
+                    .and_then(|q| q.capacity(now, self.template.capacity, self.index.total_has()))
+                    .unwrap_or(self.template.capacity),
+            ),
             (Role::Intermediate { .. }, Some(p)) if p.expiry > now => Some(p.capacity),
             _ => None,
         }
@@ -1040,11 +1231,17 @@ impl Resource {
     fn unchanged(&self, client: &str, capacity: Option<f64>, alg: Algorithm) -> Grant {
         let l = &self.clients[client];
         Grant {
+            quota: self.quota.as_ref().and_then(|q| q.latest),
+            resource_capacity: None,
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
-            safe_capacity: safe_for(&l.requester, self.safe_capacity(capacity.unwrap_or(0.0)), l.granted),
+            safe_capacity: match l.share {
+                true => l.safe * l.subclients as f64,
+                false => safe_for(&l.requester, self.safe_capacity(capacity.unwrap_or(0.0)), l.granted),
+            },
             algorithm: alg,
+            template: self.template_name(),
             predecessor_subclients: l.predecessor_subclients,
         }
     }
@@ -1078,6 +1275,7 @@ impl Resource {
             self.owner(slot),
             Box::new(ClientLease {
                 slot,
+                share: false,
                 granted: 0.0,
                 has: 0.0,
                 wants: req.wants,
@@ -1098,11 +1296,14 @@ impl Resource {
             None => safe,
         };
         Grant {
+            quota: self.quota.as_ref().and_then(|q| q.latest),
+            resource_capacity: None,
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
             safe_capacity,
             algorithm: alg,
+            template: self.template_name(),
             predecessor_subclients: None,
         }
     }
@@ -1132,6 +1333,10 @@ impl Resource {
 
     fn decide(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
         let Decision { learning, min_interval, again, arrivals } = d;
+        if let Some(o) = req.quota {
+            let granted = self.index.total_has();
+            self.quota.get_or_insert_default().observe(o, granted);
+        }
         let (client, epoch) = match req.requester {
             Requester::Server { .. } => split_identity(id),
             Requester::Client { .. } => (id, None),
@@ -1174,11 +1379,14 @@ impl Resource {
             if epoch.is_some() && r.epoch > epoch {
                 // A stale master of a node whose lease lapsed: nothing to give it.
                 return Grant {
+                    quota: self.quota.as_ref().and_then(|q| q.latest),
+                    resource_capacity: None,
                     capacity: 0.0,
                     expiry: now,
                     refresh_interval: alg.refresh_interval,
                     safe_capacity: self.safe_capacity(capacity.unwrap_or(0.0)),
                     algorithm: alg,
+                    template: self.template_name(),
                     predecessor_subclients: None,
                 };
             }
@@ -1198,6 +1406,10 @@ impl Resource {
         if too_early || lapsed {
             let l = self.clients.get_mut(client).expect("checked above");
             let old_bands: Vec<_> = bands_of(&l.requester, l.wants, l.subclients).collect();
+            if l.share {
+                // Its share per subclient stands; what it was told follows its subclients.
+                self.told += l.safe * (req.subclients as f64 - l.subclients as f64);
+            }
             l.wants = req.wants;
             l.subclients = req.subclients;
             l.requester = req.requester.clone();
@@ -1217,6 +1429,8 @@ impl Resource {
         let previous = self.clients.get(client);
         let (old_has, old_bands): (f64, Vec<_>) =
             previous.map_or((0.0, Vec::new()), |l| (l.has, bands_of(&l.requester, l.wants, l.subclients).collect()));
+        // The client asked before for less: its measured demand may be arriving.
+        let grew = previous.is_some_and(|l| req.wants > l.wants + 1e-9);
         // Kept for a lease length past its end: see `lapsed` below.
         let lease_length = self.algorithm().lease_length;
         let floor = inherited
@@ -1277,6 +1491,18 @@ impl Resource {
                     granted = granted.max(old_has.min(share));
                     held_back = granted < share * (1.0 - HELD_BACK_MARGIN) - 1e-9;
                 }
+                if grew && arrivals && now.since(self.created) < alg.refresh_interval && is_shared(alg.kind) {
+                    // Clients are still arriving, and the wants of those that
+                    // asked first may not be their demand yet (a sidecar asks
+                    // for its routes file's capacity, 1/s say, before it has
+                    // measured any): a client asking for more than before
+                    // grows no further than its equal share then, or the
+                    // first whose measured demand arrives takes what the
+                    // others are about to ask for (47-58/s of 90 for a
+                    // second, the others 1-15/s).
+                    let equal = cap * req.subclients as f64 / self.index.total_subclients().max(1) as f64;
+                    granted = granted.min(equal.max(old_has));
+                }
                 granted
             }
         };
@@ -1333,7 +1559,9 @@ impl Resource {
             // Nothing to hand out yet (no lease from the parent): come back soon.
             refresh = Duration::from_secs(1);
             expiry = now.saturating_add(Duration::from_secs(2));
-        } else if held_back || (arrivals && now.since(self.created) < alg.refresh_interval) {
+        } else if held_back || self.quota.is_some() || (arrivals && now.since(self.created) < alg.refresh_interval) {
+            // (A capacity that follows the upstream's quota changes by the
+            // second: its clients come back every second to follow it.)
             // Adaptive refresh: the grant was cut to what others leave
             // unused, or the resource is new and its clients are still
             // arriving (a first-come client must not keep everything for a
@@ -1343,8 +1571,19 @@ impl Resource {
         }
         let expiry = self.cap_expiry(expiry);
         let safe = self.safe_capacity(capacity.unwrap_or(0.0));
+        // Not while learning: a new master does not know the shares its
+        // predecessor told, and the first client back would be told all of it.
+        let share =
+            !learning && matches!(req.requester, Requester::Client { .. }) && self.configured_safe_capacity().is_none();
+        let told_before = self.clients.get(client).filter(|l| l.share).map_or(0.0, |l| l.safe * l.subclients as f64);
+        let told = share.then(|| self.share_safe(req.subclients, capacity.unwrap_or(0.0), told_before));
+        if let Some(t) = told {
+            self.told += t;
+        }
+        self.told = (self.told - told_before).max(0.0);
         let lease = ClientLease {
             slot,
+            share,
             granted,
             has,
             wants: req.wants,
@@ -1356,18 +1595,28 @@ impl Resource {
             epoch,
             floor,
             predecessor_subclients: predecessor,
-            safe: self.configured_safe_capacity().unwrap_or(safe),
+            safe: match told {
+                Some(t) => t / req.subclients.max(1) as f64,
+                None => self.configured_safe_capacity().unwrap_or(safe),
+            },
         };
         self.index.upsert(slot, req.wants, req.subclients, has);
         self.file_bands(slot, bands.iter().copied(), has);
         self.expiries.insert((expiry, slot));
         self.clients.insert(self.owner(slot), Box::new(lease));
         Grant {
+            quota: self.quota.as_ref().and_then(|q| q.latest),
+            // (What the root shares: an intermediate passes on its parent's.)
+            resource_capacity: match role {
+                Role::Root => capacity,
+                Role::Intermediate { .. } => self.parent.as_ref().and_then(|p| p.resource_capacity),
+            },
             capacity: granted,
             expiry,
             refresh_interval: refresh,
-            safe_capacity: safe_for(&req.requester, safe, granted),
+            safe_capacity: told.unwrap_or_else(|| safe_for(&req.requester, safe, granted)),
             algorithm: alg,
+            template: self.template_name(),
             predecessor_subclients: predecessor,
         }
     }
@@ -1423,8 +1672,9 @@ fn bands_of(requester: &Requester, wants: f64, subclients: u64) -> impl Iterator
     own.into_iter().chain(reported.iter().map(|b| (b.priority, b.wants, b.num_clients.max(1) as u64)))
 }
 
-/// The safe capacity to tell a requester that holds `held`: an end client's
-/// is never more than what it holds. A client runs on its safe capacity once
+/// The configured safe capacity to tell a requester that holds `held`: an
+/// end client's is never more than what it holds (the default, its share, is
+/// [`Resource::share_safe`]'s). A client runs on its safe capacity once
 /// its lease lapses; capped so, it never uses more than is already counted for
 /// it (its lease, then its reservation), so no lapse, however it falls, can
 /// take capacity that was handed to someone else. A lower server gets the

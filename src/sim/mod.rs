@@ -478,6 +478,7 @@ impl Sim {
                 on_expiry: OnExpiry::Safe,
                 safe_capacity: Some(self.sc.safe_capacity),
                 pressure,
+                quota: None,
             }]);
             for _ in 0..8 {
                 let now = self.clock.now();

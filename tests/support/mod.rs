@@ -18,6 +18,14 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// Where the servers this test binary starts keep their default `--state-file`s
+/// (`$XDG_STATE_HOME`): one directory per test process, so a server restarted
+/// on its port finds its predecessor's record, and no run sees another's.
+pub fn state_home() -> &'static Path {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("a temporary directory")).path()
+}
+
 /// Path to the built `usher` binary.
 pub fn usher_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_usher"))
@@ -51,6 +59,7 @@ impl Usher {
         cmd.args(args)
             .env("USHER_LOG", std::env::var("TEST_USHER_LOG").unwrap_or("info".into()))
             .env("NO_COLOR", "1")
+            .env("XDG_STATE_HOME", state_home())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());

@@ -108,6 +108,11 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
     - --admin-listen=0.0.0.0:15180
     - --advertise-addr=$(POD_NAME).{{ .headless }}.{{ include "usher.svcSuffix" $ctx }}:15100
     - --min-request-interval={{ $ctx.Values.server.minRequestInterval }}
+    {{- if not $ctx.Values.ha.enabled }}
+    # until when leases may be outstanding: a restarted container learns them
+    # back, a new pod serves at once (with etcd the record is kept there)
+    - --state-file=/var/lib/usher/server.state
+    {{- end }}
     {{- if .parent }}
     # intermediate mode: any servers of the parent node
     - --parent={{ .parent }}
@@ -181,6 +186,9 @@ include "usher.serverContainer" (dict "ctx" $ "node" "root" "headless" "<svc>" "
     {{- if .config }}
     # A directory mount, never subPath: ConfigMap updates must reach the pod.
     - { name: config, mountPath: /etc/usher, readOnly: true }
+    {{- end }}
+    {{- if not $ctx.Values.ha.enabled }}
+    - { name: state, mountPath: /var/lib/usher }
     {{- end }}
     {{- if $ctx.Values.tls.secretName }}
     - { name: tls, mountPath: /etc/usher-tls, readOnly: true }

@@ -149,3 +149,51 @@ fn shipped_examples_and_builtin_default_are_valid() {
     let d = ResourcesConfig::builtin_default();
     assert_eq!(d.find("x").unwrap().algorithm.kind, Kind::FairShare);
 }
+
+#[test]
+fn capacities_take_the_routes_files_units_and_a_bare_number_is_per_second() {
+    let text = r#"resources:
+  - identifier_glob: a
+    capacity: 600/min
+    safe_capacity: 60/h
+    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }
+  - identifier_glob: b
+    capacity: 5000/h
+    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }
+  - identifier_glob: c
+    capacity: 86400/day
+    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }
+  - identifier_glob: d
+    capacity: 7/s
+    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }
+  - identifier_glob: "*"
+    capacity: 12.5
+    safe_capacity: -1
+    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }
+"#;
+    let c = ResourcesConfig::parse("r.yaml", text).unwrap();
+    let cap = |id: &str| c.find(id).unwrap().capacity;
+    assert_eq!(cap("a"), 10.0);
+    assert_eq!(c.find("a").unwrap().safe_capacity, Some(1.0 / 60.0));
+    assert!((cap("b") - 5000.0 / 3600.0).abs() < 1e-12, "{}", cap("b"));
+    assert_eq!(cap("c"), 1.0);
+    assert_eq!(cap("d"), 7.0);
+    assert_eq!(cap("zzz"), 12.5);
+    assert_eq!(c.find("zzz").unwrap().safe_capacity, Some(-1.0));
+}
+
+#[test]
+fn a_bad_rate_names_its_position_and_the_units() {
+    let e = errors(
+        "resources:\n  - identifier_glob: '*'\n    capacity: 600/week\n    safe_capacity: x/s\n    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }\n",
+    );
+    assert!(
+        e.contains("r.yaml:3:15: resources[0].capacity: unknown unit `/week`; use /s, /min, /h or /day (hint: a number per second"),
+        "{e}"
+    );
+    assert!(e.contains("r.yaml:4:20: resources[0].safe_capacity: `x` is not a number"), "{e}");
+    let e = errors(
+        "resources:\n  - identifier_glob: '*'\n    capacity: -5/h\n    algorithm: { kind: STATIC, lease_length: 5, refresh_interval: 5 }\n",
+    );
+    assert!(e.contains("r.yaml:3:15: resources[0].capacity: must be a finite number >= 0, not -5"), "{e}");
+}

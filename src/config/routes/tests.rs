@@ -70,6 +70,20 @@ fn capacity_forms() {
 }
 
 #[test]
+fn lease_rates_take_units_too() {
+    let text = "resources:\n  a: { kind: rate, capacity: 5000/h, safe_capacity: 360/h, wants: 60/min, min_wants: 0.5, max_wants: 2/s }\n";
+    let c = RoutesConfig::parse("r.yaml", text).unwrap();
+    let l = &c.resources["a"].lease;
+    assert_eq!(l.safe_capacity, Some(0.1));
+    assert_eq!(l.wants, Some(super::super::doorman::Wants::Fixed(1.0)));
+    assert_eq!((l.min_wants, l.max_wants), (0.5, Some(2.0)));
+    let e = RoutesConfig::parse("r.yaml", "resources:\n  a: { kind: rate, capacity: 5, safe_capacity: 3/week }\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("r.yaml:2:48: resources.a.safe_capacity: unknown unit `/week`"), "{e}");
+}
+
+#[test]
 fn every_error_is_reported_with_its_position() {
     let text = "\
 listen: nowhere
@@ -364,5 +378,30 @@ upstreams:
     assert_eq!(lines.len(), want.len(), "{}", lines.join("\n"));
     for w in want {
         assert!(lines.iter().any(|l| l.starts_with(w)), "missing {w:?} in:\n{}", lines.join("\n"));
+    }
+}
+
+#[test]
+fn costs_from_the_request_and_the_response_are_read_and_checked() {
+    let head = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+                resources:\n  tokens: { kind: rate, capacity: 100/s, burst: 500 }\n\
+                routes:\n  - name: all\n    upstream: up\n    resources:\n";
+    let ok = format!(
+        "{head}      - {{ resource: tokens, cost: \"{{header.X-Max-Tokens}}\", default_cost: 200, settle: {{ response_header: X-Usage-Total-Tokens }} }}\n"
+    );
+    let c = RoutesConfig::parse("r.yaml", &ok).unwrap();
+    let route = &c.routes[0];
+    assert_eq!(route.resources, vec![("tokens".to_string(), 200.0)]);
+    let rule = &route.cost_rules["tokens"];
+    assert_eq!(rule.header.as_deref(), Some("x-max-tokens"));
+    assert_eq!(rule.settle_header.as_deref(), Some("x-usage-total-tokens"));
+    for (entry, error) in [
+        ("{ resource: tokens, cost: \"{path.1}\" }", "expected a number or \"{header.NAME}\""),
+        ("{ resource: tokens, cost: 5, default_cost: 3 }", "default_cost applies to a cost read from a request header"),
+        ("{ resource: tokens, settle: { response_json: usage.total } }", "unknown field"),
+        ("{ resource: tokens, settle: { response_header: \"a b\" } }", "`a b` is not a valid header name"),
+    ] {
+        let e = RoutesConfig::parse("r.yaml", &format!("{head}      - {entry}\n")).unwrap_err().to_string();
+        assert!(e.contains("r.yaml:9:") && e.contains(error), "{entry}: {e}");
     }
 }

@@ -89,7 +89,15 @@ impl World {
 }
 
 fn demand(id: &str, wants: f64, on_expiry: OnExpiry) -> KeyDemand {
-    KeyDemand { resource_id: id.into(), priority: 0, wants, on_expiry, safe_capacity: Some(2.0), pressure: false }
+    KeyDemand {
+        resource_id: id.into(),
+        priority: 0,
+        wants,
+        on_expiry,
+        safe_capacity: Some(2.0),
+        pressure: false,
+        quota: None,
+    }
 }
 
 fn cap(core: &mut Core, now: Time, id: &str) -> Capacity {
@@ -859,6 +867,8 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
     assert_eq!(request.resource.len(), 2);
     let now = w.clock.now();
     let lease = |id: &str, expires_in: u64| proto::ResourceResponse {
+        resource_capacity: None,
+        upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
             capacity: 5.0,
@@ -866,6 +876,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
             refresh_interval: 12,
         },
         safe_capacity: None,
+        template: None,
     };
     let answer = proto::GetCapacityResponse { response: vec![lease("a", 30), lease("b", 4)], mastership: None };
     c.on_refresh(now, Ok(answer));
@@ -893,6 +904,8 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
         let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
         let now = w.clock.now();
         let lease = |id: &str, interval: i64| proto::ResourceResponse {
+            resource_capacity: None,
+            upstream_quota: None,
             resource_id: id.into(),
             gets: proto::Lease {
                 capacity: 5.0,
@@ -900,6 +913,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
                 refresh_interval: interval,
             },
             safe_capacity: None,
+            template: None,
         };
         c.on_refresh(
             now,
@@ -937,6 +951,8 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
     let Action::Refresh { target, .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64, safe: Option<f64>| proto::ResourceResponse {
+        resource_capacity: None,
+        upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
             capacity,
@@ -944,6 +960,7 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
             refresh_interval: 12,
         },
         safe_capacity: safe,
+        template: None,
     };
     let answer = proto::GetCapacityResponse {
         response: vec![
@@ -1007,4 +1024,79 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
     w.step(&mut c);
     assert_eq!(c.last_error(), None);
     assert!(c.status().iter().all(|k| k.last_error.is_none() && k.mode == Mode::Leased), "{:?}", c.status());
+}
+
+#[test]
+fn a_key_at_zero_says_why_and_one_above_says_nothing() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    let no_safe = |id: &str, wants: f64, on_expiry| KeyDemand { safe_capacity: None, ..demand(id, wants, on_expiry) };
+    c.set_demand(vec![
+        no_safe("unsafe", 5.0, OnExpiry::Safe),
+        demand("pes", 5.0, OnExpiry::Pessimistic),
+        no_safe("nothing", 0.0, OnExpiry::Optimistic),
+        demand("some", 5.0, OnExpiry::Safe),
+    ]);
+    assert_eq!(c.zero_reason("unsafe"), Some(ZeroReason::NO_LEASE_NO_SAFE));
+    assert_eq!(c.zero_reason("pes"), Some(ZeroReason::PESSIMISTIC));
+    assert_eq!(c.zero_reason("nothing"), Some(ZeroReason::WANTS_ZERO));
+    assert_eq!(c.zero_reason("some"), None, "its safe capacity is 2");
+    w.step(&mut c);
+    assert_eq!(c.zero_reason("nothing"), Some(ZeroReason::LEASE_ZERO), "it asked for 0 and got it");
+    for k in ["unsafe", "pes", "some"] {
+        assert_eq!(c.zero_reason(k), None, "{k} is leased 5");
+    }
+    let status = c.status();
+    let nothing = status.iter().find(|k| k.resource_id == "nothing").unwrap();
+    assert_eq!(nothing.zero_reason, Some(ZeroReason::LEASE_ZERO));
+}
+
+/// A lease below its safe capacity (an usher server's default safe capacity
+/// is the client's share: an idle client holds 0 and falls back on more) is
+/// held a jittered refresh interval longer than it was granted for, so that
+/// another client's lease, granted up to a refresh later and held as long
+/// again, has ended before this one runs on its share. A lease at or above
+/// its safe capacity is held as long as it was granted for, as before.
+#[test]
+fn a_lease_below_its_safe_capacity_is_held_a_refresh_interval_longer() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("idle", 0.0, OnExpiry::Safe), demand("busy", 5.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    w.advance(c.next_refresh().since(w.clock.now()));
+    let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
+    let now = w.clock.now();
+    let lease = |id: &str, capacity: f64| proto::ResourceResponse {
+        resource_capacity: None,
+        upstream_quota: None,
+        resource_id: id.into(),
+        gets: proto::Lease {
+            capacity,
+            expiry_time: now.saturating_add(Duration::from_secs(30)).as_secs(),
+            refresh_interval: 12,
+        },
+        safe_capacity: Some(5.0),
+        template: None,
+    };
+    let answer =
+        proto::GetCapacityResponse { response: vec![lease("idle", 0.0), lease("busy", 5.0)], mastership: None };
+    assert!(c.on_refresh(now, Ok(answer)).is_empty());
+    c.next_refresh = now.saturating_add(Duration::from_secs(3600));
+    let expiry = c.lease_of("idle").unwrap().expiry;
+    let held = expiry.since(now);
+    let mode = |c: &Core, id: &str| c.status().into_iter().find(|k| k.resource_id == id).unwrap().mode;
+    w.advance(expiry.since(now) + held - Duration::from_millis(1));
+    w.step(&mut c);
+    assert_eq!((mode(&c, "idle"), mode(&c, "busy")), (Mode::Held, Mode::Held));
+    w.advance(Duration::from_millis(1));
+    w.step(&mut c);
+    assert_eq!((mode(&c, "idle"), mode(&c, "busy")), (Mode::Held, Mode::Expired), "the lease at its safe capacity");
+    // 12 s × (1 + 1/6) later.
+    w.advance(Duration::from_secs(14) - Duration::from_millis(1));
+    w.step(&mut c);
+    assert_eq!(mode(&c, "idle"), Mode::Held);
+    w.advance(Duration::from_millis(1));
+    w.step(&mut c);
+    assert_eq!(mode(&c, "idle"), Mode::Expired);
+    assert_eq!(cap(&mut c, w.clock.now(), "idle"), Capacity::Limited(5.0), "then its share");
 }

@@ -60,6 +60,7 @@ impl Enforcer for Recorder {
             on_expiry: OnExpiry::Safe,
             safe_capacity: None,
             pressure: false,
+            quota: None,
         }]
     }
     fn apply(&self, capacities: &[(String, Capacity)]) {
@@ -236,9 +237,12 @@ impl Transport for Steady {
             .resource
             .into_iter()
             .map(|r| proto::ResourceResponse {
+                resource_capacity: None,
+                upstream_quota: None,
                 resource_id: r.resource_id,
                 gets: proto::Lease { expiry_time, refresh_interval: 3600, capacity: r.wants },
                 safe_capacity: None,
+                template: None,
             })
             .collect();
         Box::pin(async move { Ok(proto::GetCapacityResponse { response, mastership: None }) })
@@ -440,6 +444,7 @@ impl Enforcer for Many {
                 on_expiry: OnExpiry::Safe,
                 safe_capacity: None,
                 pressure: false,
+                quota: None,
             })
             .collect()
     }
@@ -494,6 +499,7 @@ impl Enforcer for Applied {
                 on_expiry: OnExpiry::Pessimistic,
                 safe_capacity: None,
                 pressure: false,
+                quota: None,
             })
             .collect()
     }

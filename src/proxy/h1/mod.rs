@@ -354,7 +354,7 @@ impl<'c> Inbound for Request<'_, 'c> {
         Ok(())
     }
 
-    fn ready(self, target: Target) -> Result<Prepared<'c>, &'static str> {
+    fn ready(self, target: Target, keep_head: bool) -> Result<Prepared<'c>, &'static str> {
         let Target::Upstream(upstream) = target else { return Err(why::UPSTREAM) };
         let send = match upstream.plain.as_ref() {
             Some(plain) if plain.h1() => {
@@ -380,6 +380,7 @@ impl<'c> Inbound for Request<'_, 'c> {
         };
         Ok(Prepared {
             send,
+            keep_head,
             idempotent: self.head.idempotent(),
             head_request: self.head.method == Method::HEAD,
             upstream,
@@ -404,6 +405,8 @@ enum Send {
 /// A request made ready for its upstream.
 struct Prepared<'c> {
     send: Send,
+    /// The route reads the answer's header fields: a copy of its head goes with it.
+    keep_head: bool,
     /// An upstream the native path forwards to (`ready` checked).
     upstream: std::sync::Arc<Upstream>,
     bufs: &'c mut Buffers,
@@ -418,6 +421,8 @@ struct Answer {
     body: Carried,
     head: ResponseHead,
     upstream: std::sync::Arc<Upstream>,
+    /// The client's version of the head, when the route reads its fields.
+    fields: Option<Box<[u8]>>,
 }
 
 /// An answer's body.
@@ -436,13 +441,22 @@ impl pipeline::Answer for Answer {
     fn retry_after(&self) -> Option<std::time::Duration> {
         self.head.retry_after
     }
+
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        // `name: value` lines after the status line, as the client gets them.
+        self.fields.as_deref()?.split(|&b| b == b'\n').skip(1).find_map(|line| {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let colon = line.iter().position(|&b| b == b':')?;
+            line[..colon].eq_ignore_ascii_case(name.as_bytes()).then(|| line[colon + 1..].trim_ascii())
+        })
+    }
 }
 
 /// The pipeline's innermost stage on the native path: sends the request
 /// (on a pooled connection, or on the upstream's multiplexed one) and reads
 /// the answer's head, within the upstream's `timeout`.
 async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
-    let Prepared { send, upstream, bufs, deadline, head_request, idempotent } = p;
+    let Prepared { send, keep_head, upstream, bufs, deadline, head_request, idempotent } = p;
     let started = Instant::now();
     let timeout = upstream.config.timeout;
     deadline.set(started + timeout);
@@ -471,7 +485,10 @@ async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
     };
     upstream.observe(started);
     match answered {
-        Some(Ok((body, head))) => Ok(Answer { body, head, upstream }),
+        Some(Ok((body, head))) => {
+            let fields = keep_head.then(|| bufs.out.clone().into_boxed_slice());
+            Ok(Answer { body, head, upstream, fields })
+        }
         Some(Err(e)) => Err(e),
         None => {
             // The upstream's multiplexed connection may be dead: it is checked.
@@ -595,7 +612,7 @@ async fn answered<I>(
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
-    let Answer { body, head, upstream } = answer;
+    let Answer { body, head, upstream, .. } = answer;
     let close = taken.close || server.is_draining();
     if close {
         bufs.out.extend_from_slice(b"connection: close\r\n");

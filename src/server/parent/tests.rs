@@ -37,6 +37,7 @@ async fn an_intermediate_leases_more_resources_than_one_call_takes_in_several() 
             reported_has: None,
             reported_expiry: None,
             requester: Requester::Client { priority: 0 },
+            quota: None,
         };
         mid.store.get_capacity("client", &req);
     }

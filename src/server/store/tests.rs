@@ -35,6 +35,7 @@ fn req(resource: &str, wants: f64, has: Option<f64>) -> LeaseRequest {
         reported_has: has,
         reported_expiry: None,
         requester: Requester::Client { priority: 0 },
+        quota: None,
     }
 }
 
@@ -102,7 +103,8 @@ fn learning_mode_believes_a_reported_lease_only_within_the_capacity_and_a_lease_
     assert_eq!(g.capacity, 100.0, "at most the capacity");
     assert!(g.expiry <= now.saturating_add(Duration::from_secs(10)), "at most a lease length: {:?}", g.expiry);
     // After learning mode and the liar's lease (reserved as long again once
-    // lapsed: the liar may still hold it), an honest client gets its share.
+    // lapsed: the liar may still hold it; asked while learning, it was told
+    // no share), an honest client gets its share.
     clock.advance(Duration::from_secs(21));
     assert_eq!(s.get_capacity("honest", &req("r", 10.0, None)).capacity, 10.0);
 }
@@ -162,11 +164,18 @@ fn sweep_drops_expired_leases_and_empty_resources() {
     assert_eq!(s.status().len(), 1);
     clock.advance(Duration::from_secs(1));
     s.sweep();
-    // The lapsed client runs on its safe capacity (dynamic: 100), so its
-    // last lease (10) stays reserved for another lease length.
+    // The lapsed client runs on its safe capacity once its hold ends (by
+    // default its share: the whole capacity, alone), so that stays reserved
+    // through the hold (a refresh interval × 7/6 longer for a lease below
+    // its share: `lease::Core`'s hold) and SHARE_KEPT after it.
     let st = s.status();
-    assert_eq!((st.len(), st[0].clients, st[0].reserved), (1, 0, 10.0), "{st:?}");
-    clock.advance(Duration::from_secs(10));
+    assert_eq!((st.len(), st[0].clients, st[0].reserved), (1, 0, 100.0), "{st:?}");
+    // (Its lease, the resource's first, asked to hear from it within a second.)
+    let hold = Duration::from_secs(10) + FAST_REFRESH.mul_f64(7.0 / 6.0);
+    clock.advance(hold + SHARE_KEPT - Duration::from_millis(1));
+    s.sweep();
+    assert_eq!(s.status()[0].reserved, 100.0);
+    clock.advance(Duration::from_millis(1));
     s.sweep();
     assert!(s.status().is_empty());
 }
@@ -300,11 +309,13 @@ fn an_intermediate_cut_off_from_its_parent_tells_clients_the_safe_capacity() {
     s.set_parent_lease(
         "r",
         Some(ParentLease {
+            resource_capacity: None,
             capacity: 20.0,
             expiry: clock.now().saturating_add(Duration::from_secs(10)),
             refresh_interval: Duration::from_secs(5),
             algorithm: None,
             safe_capacity: Some(2.0),
+            template: None,
             predecessor_subclients: None,
             answered_subclients: None,
         }),
@@ -331,11 +342,13 @@ fn an_intermediate_reports_what_its_clients_hold_not_what_it_last_granted() {
     s.set_role(Role::Intermediate { decay_factor: 0.5 });
     s.set_predecessor(Predecessor::NoneOutstanding);
     let lease = |capacity| ParentLease {
+        resource_capacity: None,
         capacity,
         expiry: clock.now().saturating_add(Duration::from_secs(60)),
         refresh_interval: Duration::from_secs(8),
         algorithm: None,
         safe_capacity: None,
+        template: None,
         predecessor_subclients: None,
         answered_subclients: None,
     };
@@ -475,11 +488,13 @@ fn a_short_lapsed_lease_is_reserved_in_full_while_held_then_at_its_safe_capacity
     s.set_role(Role::Intermediate { decay_factor: 0.5 });
     s.set_predecessor(Predecessor::NoneOutstanding);
     let lease = |secs| ParentLease {
+        resource_capacity: None,
         capacity: 100.0,
         expiry: clock.now().saturating_add(Duration::from_secs(secs)),
         refresh_interval: Duration::from_secs(8),
         algorithm: None,
         safe_capacity: None,
+        template: None,
         predecessor_subclients: None,
         answered_subclients: None,
     };
@@ -566,4 +581,159 @@ proptest! {
             prop_assert_eq!(all, tree.iter().copied().collect::<Vec<_>>());
         }
     }
+}
+
+/// A resource with the default safe capacity (none configured), capacity
+/// `capacity`, leases of 10 s refreshed every 5 s.
+fn share_store(capacity: f64) -> (Store, Arc<crate::clock::ManualClock>) {
+    store(Kind::FairShare, capacity, 0, Duration::ZERO)
+}
+
+#[test]
+fn idle_clients_are_told_their_share_never_more_than_the_capacity_in_all() {
+    let (s, clock) = share_store(10.0);
+    assert_eq!(s.get_capacity("a", &req("r", 0.0, None)).safe_capacity, 10.0, "alone: the whole capacity");
+    // a was told 10 and may run on it until it hears otherwise: b's share waits.
+    assert_eq!(s.get_capacity("b", &req("r", 0.0, None)).safe_capacity, 0.0);
+    clock.advance(Duration::from_secs(5));
+    assert_eq!(s.get_capacity("a", &req("r", 0.0, None)).safe_capacity, 5.0);
+    assert_eq!(s.get_capacity("b", &req("r", 0.0, None)).safe_capacity, 5.0);
+    assert_eq!(s.get_capacity("a", &req("r", 0.0, None)).safe_capacity, 5.0, "steady");
+    // A new master learning knows nothing of the shares its predecessor
+    // told: the safe capacity it tells is capped at the lease until it has
+    // learnt (the first client back is not told the whole capacity).
+    let (s, _clock) = learning_store(60, 5);
+    s.become_master();
+    let g = s.get_capacity("a", &req("r", 0.0, Some(0.0)));
+    assert_eq!((g.capacity, g.safe_capacity), (0.0, 0.0));
+    // A configured safe capacity is capped at the lease, as before.
+    let mut t = (*template(Kind::FairShare, 10.0, 10, 5, 0)).clone();
+    t.safe_capacity = Some(4.0);
+    let s = Store::new(
+        Clock::manual(Time::from_secs(1)).0,
+        ResourcesConfig { templates: vec![Arc::new(t)] },
+        Duration::ZERO,
+    );
+    assert_eq!(s.get_capacity("a", &req("r", 0.0, None)).safe_capacity, 0.0);
+}
+
+#[test]
+fn an_idle_clients_share_is_lent_while_its_lease_runs_and_reserved_once_it_lapses() {
+    let (s, clock) = share_store(10.0);
+    s.get_capacity("a", &req("r", 0.0, None));
+    s.get_capacity("b", &req("r", 10.0, None));
+    clock.advance(Duration::from_secs(5));
+    assert_eq!(s.get_capacity("a", &req("r", 0.0, None)).safe_capacity, 5.0);
+    // b gets what a leaves while a's lease runs.
+    let b = s.get_capacity("b", &req("r", 10.0, None));
+    assert_eq!((b.capacity, b.safe_capacity), (10.0, 5.0));
+    // a is cut off: its lease lapses at 15 s, it holds it (0) until 25 s,
+    // then runs on its share (5). Reserved from the lapse, so b's next grant
+    // (lasting to 25 s at most) leaves it room.
+    clock.advance(Duration::from_secs(5));
+    assert_eq!(s.get_capacity("b", &req("r", 10.0, None)).capacity, 10.0, "a's lease still runs");
+    clock.advance(Duration::from_secs(5));
+    let b = s.get_capacity("b", &req("r", 10.0, None));
+    assert_eq!(b.capacity, 5.0, "a lapsed: its share is reserved");
+    assert_eq!(s.status()[0].reserved, 5.0);
+    // Kept through the hold (a refresh longer) and SHARE_KEPT after it; then b gets it all.
+    clock.advance(Duration::from_secs(16) + SHARE_KEPT);
+    assert_eq!(s.get_capacity("b", &req("r", 10.0, None)).capacity, 10.0);
+    // a comes back before that: its reservation goes, it is served anew.
+}
+
+/// Three clients cut off together and coming back one by one: those back
+/// first get no more than the capacity leaves beside the shares of those
+/// still cut off (before, the first two got their whole demand, 70 of 60).
+#[test]
+fn clients_coming_back_one_by_one_leave_room_for_those_still_cut_off() {
+    let (s, clock) = share_store(60.0);
+    for round in 0..2 {
+        for c in ["a", "b", "c"] {
+            let g = s.get_capacity(c, &req("r", 35.0, None));
+            if round == 1 {
+                assert_eq!((g.capacity, g.safe_capacity), (20.0, 20.0), "{c}");
+            }
+        }
+        clock.advance(Duration::from_secs(5));
+    }
+    // Cut off for 25 s: every lease lapsed and its hold ended.
+    clock.advance(Duration::from_secs(20));
+    assert_eq!(s.status()[0].reserved, 60.0);
+    let a = s.get_capacity("a", &req("r", 35.0, None));
+    let b = s.get_capacity("b", &req("r", 35.0, None));
+    assert!(a.capacity + b.capacity + 20.0 <= 60.0 + 1e-9, "a {} b {} c on 20", a.capacity, b.capacity);
+    assert!(a.safe_capacity + b.safe_capacity + 20.0 <= 60.0 + 1e-9);
+    assert_eq!((a.capacity, b.capacity), (20.0, 20.0));
+    // c back too: still within the capacity, and fair.
+    let c = s.get_capacity("c", &req("r", 35.0, None));
+    assert_eq!(c.capacity, 20.0);
+}
+
+#[derive(Debug, Clone)]
+struct Told {
+    safe: f64,
+    asked: Time,
+    expiry: Time,
+    refresh: Duration,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Random request sequences: what the server told its clients as their
+    /// share, while it may be run on (its lease, its hold, then
+    /// [`SHARE_KEPT`]), never adds up to more than the capacity.
+    #[test]
+    fn shares_told_stay_within_capacity(
+        capacity in 0.0f64..500.0,
+        ops in prop::collection::vec(op(), 1..120),
+    ) {
+        let (s, clock) = share_store(capacity);
+        let mut model: HashMap<u8, Told> = HashMap::new();
+        let lease = Duration::from_secs(10);
+        for op in ops {
+            match op {
+                Op::Ask { client, wants, subclients } => {
+                    let mut r = req("res", wants, None);
+                    r.subclients = subclients;
+                    let g = s.get_capacity(&format!("c{client}"), &r);
+                    prop_assert!(g.safe_capacity >= 0.0);
+                    model.insert(client, Told { safe: g.safe_capacity, asked: clock.now(), expiry: g.expiry, refresh: g.refresh_interval });
+                }
+                Op::Release { client } => {
+                    s.release(&format!("c{client}"), "res");
+                    model.remove(&client);
+                }
+                Op::Advance { millis } => clock.advance(Duration::from_millis(millis)),
+            }
+            let now = clock.now();
+            model.retain(|_, t| {
+                let hold = t.expiry.since(t.asked).min(lease) + t.refresh.mul_f64(7.0 / 6.0);
+                t.expiry.saturating_add(hold + lease.max(SHARE_KEPT)) > now
+            });
+            let told: f64 = model.values().map(|t| t.safe).sum();
+            prop_assert!(told <= capacity + 1e-6, "told {told} > {capacity}");
+        }
+    }
+}
+
+/// While a resource's clients are still arriving (its first refresh
+/// interval), one whose wants grow past what it asked before (its measured
+/// demand arriving) gets no more than its equal share: the others may be
+/// about to ask for theirs. After it, max-min fairness as ever.
+#[test]
+fn a_client_whose_first_wants_understated_its_demand_grows_to_its_equal_share_while_others_arrive() {
+    let (s, clock) = store(Kind::FairShare, 90.0, 0, Duration::ZERO);
+    for c in ["a", "b", "c"] {
+        assert_eq!(s.get_capacity(c, &req("r", 1.0, None)).capacity, 1.0);
+    }
+    clock.advance(Duration::from_secs(1));
+    let a = s.get_capacity("a", &req("r", 50.0, None));
+    assert_eq!((a.capacity, a.refresh_interval), (30.0, FAST_REFRESH), "its equal share, and come back soon");
+    // A newcomer asking for much at once is not held to it (nothing it asked before understated).
+    assert_eq!(s.get_capacity("d", &req("r", 20.0, None)).capacity, 20.0);
+    // After the first refresh interval (5 s): what the others leave.
+    clock.advance(Duration::from_secs(4));
+    assert_eq!(s.get_capacity("a", &req("r", 90.0, None)).capacity, 90.0 - 1.0 - 1.0 - 20.0);
 }

@@ -1,0 +1,98 @@
+//! The log through the real binary: text without colour unless stderr is a
+//! terminal (a sidecar's log in a file or a pipe has no escape codes), and
+//! `--log-format json`, one JSON object per line.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use support::usher_bin;
+
+/// Runs a sidecar on the quickstart file with `extra` arguments and stderr to
+/// a pipe, without `NO_COLOR`, until a line holds `marker`; then stops it (by
+/// its PID) and returns every line of its log, as raw bytes.
+fn sidecar_log(extra: &[&str], marker: &str) -> Vec<Vec<u8>> {
+    let quick = format!("{}/deploy/examples/quickstart.yaml", env!("CARGO_MANIFEST_DIR"));
+    let mut child = Command::new(usher_bin())
+        .args(extra)
+        .args(["proxy", "--routes", &quick, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .env_remove("NO_COLOR")
+        .env_remove("USHER_LOG_FORMAT")
+        .env("USHER_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn usher");
+    let stderr = child.stderr.take().expect("piped");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(stderr);
+        loop {
+            let mut line = Vec::new();
+            match r.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    if tx.send(line).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut lines = Vec::new();
+    while !lines.iter().any(|l: &Vec<u8>| String::from_utf8_lossy(l).contains(marker)) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => lines.push(l),
+            Err(_) => {
+                let _ = child.kill();
+                panic!("no {marker:?} in:\n{}", String::from_utf8_lossy(&lines.concat()));
+            }
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    lines.extend(rx.iter());
+    lines
+}
+
+#[test]
+fn a_log_written_to_a_pipe_has_no_escape_codes() {
+    let lines = sidecar_log(&[], "usher proxy listening");
+    let all = lines.concat();
+    assert!(lines.len() >= 2, "{}", String::from_utf8_lossy(&all));
+    assert!(!all.contains(&0x1b), "an ESC byte in:\n{}", String::from_utf8_lossy(&all));
+    assert!(String::from_utf8_lossy(&all).contains(" INFO "), "plain text levels:\n{}", String::from_utf8_lossy(&all));
+}
+
+#[test]
+fn log_format_json_writes_one_object_per_line_with_a_level_and_a_message() {
+    let lines = sidecar_log(&["--log-format", "json"], "usher proxy listening");
+    assert!(lines.len() >= 2, "{}", String::from_utf8_lossy(&lines.concat()));
+    let mut listening = None;
+    for l in &lines {
+        assert!(!l.contains(&0x1b), "an ESC byte in {}", String::from_utf8_lossy(l));
+        let v: serde_json::Value =
+            serde_json::from_slice(l).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(l)));
+        assert!(v["level"].is_string(), "{v}");
+        assert!(v["message"].is_string(), "{v}");
+        if v["message"] == "usher proxy listening" {
+            listening = Some(v);
+        }
+    }
+    let v = listening.expect("the ready line");
+    assert_eq!(v["level"], "INFO", "{v}");
+    assert!(v["listen"].as_str().is_some_and(|a| a.starts_with("127.0.0.1:")), "fields beside the message: {v}");
+}
+
+#[test]
+fn an_unknown_log_format_is_a_usage_error() {
+    let (code, out, err) = support::run_usher(&["--log-format", "xml", "check", "x.yaml"]);
+    assert_eq!(code, 64, "{out}{err}");
+    assert!(err.contains("--log-format") && err.contains("json"), "{err}");
+}

@@ -1,0 +1,159 @@
+//! The upstream's own quota headers steer the fleet. A GitHub-like upstream
+//! renews a quota whole at fixed windows aligned to the epoch, says so on
+//! every answer (`x-ratelimit-limit`, `-remaining`, `-reset` in epoch
+//! seconds, `-used`) and answers an exhausted quota with 403 and
+//! `x-ratelimit-remaining: 0`, as GitHub does. Another consumer spends a
+//! fifth of the same quota outside usher. Three sidecars with
+//! `upstream_quota: { headers: github }` lease from a real `usher server`:
+//! after the first window none of their requests meets a 403, nearly every
+//! window's quota is spent, and they share it evenly.
+
+mod support;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use support::load::{Tally, drive};
+use support::upstream::{get, h1};
+use support::{Usher, free_port, write_file};
+
+const WINDOW: u64 = 30;
+const LIMIT: u64 = 240;
+
+/// One window's counts: answered 200 to sidecars and to the other consumer,
+/// 403s to sidecars and to the other consumer.
+#[derive(Debug, Default, Clone, Copy)]
+struct Counts {
+    sidecars: u64,
+    other: u64,
+    refused_sidecars: u64,
+    refused_other: u64,
+}
+
+type Windows = Arc<Mutex<std::collections::BTreeMap<u64, Counts>>>;
+
+fn unix_now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
+}
+
+/// The GitHub-like upstream: `LIMIT` requests per `WINDOW` seconds.
+async fn github() -> (SocketAddr, Windows) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let windows: Windows = Arc::default();
+    let w = windows.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { return };
+            let windows = w.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                    let windows = windows.clone();
+                    async move {
+                        let other = req.headers().contains_key("x-other-consumer");
+                        let now = unix_now();
+                        let k = now as u64 / WINDOW;
+                        let mut all = windows.lock().unwrap();
+                        let c = all.entry(k).or_default();
+                        let used = c.sidecars + c.other;
+                        let allowed = used < LIMIT;
+                        match (allowed, other) {
+                            (true, false) => c.sidecars += 1,
+                            (true, true) => c.other += 1,
+                            (false, false) => c.refused_sidecars += 1,
+                            (false, true) => c.refused_other += 1,
+                        }
+                        let used = c.sidecars + c.other;
+                        let b = Response::builder()
+                            .status(if allowed { 200 } else { 403 })
+                            .header("x-ratelimit-limit", LIMIT.to_string())
+                            .header("x-ratelimit-remaining", (LIMIT - used).to_string())
+                            .header("x-ratelimit-used", used.to_string())
+                            .header("x-ratelimit-reset", ((k + 1) * WINDOW).to_string());
+                        Ok::<_, Infallible>(b.body(Full::new(Bytes::from_static(b"{}"))).unwrap())
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    (addr, windows)
+}
+
+/// The other consumer: `rate` requests per second straight to the upstream, for `dur`.
+async fn other_consumer(up: SocketAddr, rate: f64, dur: Duration) {
+    let mut client = h1(up).await;
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+    let start = Instant::now();
+    while start.elapsed() < dur {
+        tick.tick().await;
+        let mut req = get("api.github.local", "/repos");
+        req.headers_mut().insert("x-other-consumer", "1".parse().unwrap());
+        client.ready().await.unwrap();
+        let _ = client.send_request(req).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_sidecars_follow_a_github_like_quota_with_another_consumer() {
+    let dir = tempfile::tempdir().unwrap();
+    let (up, windows) = github().await;
+    let port = free_port();
+    // The documented quota: 120 per 15 s.
+    let config = format!(
+        "resources:\n  - identifier_glob: github\n    capacity: {LIMIT}/{WINDOW}\n    algorithm: {{ kind: FAIR_SHARE, lease_length: 5, refresh_interval: 1, learning_mode_duration: 0 }}\n  - identifier_glob: '*'\n    capacity: 0\n    algorithm: {{ kind: FAIR_SHARE, lease_length: 5, refresh_interval: 1 }}\n"
+    )
+    .replace(&format!("{LIMIT}/{WINDOW}"), &format!("{}", LIMIT as f64 / WINDOW as f64));
+    let _server = Usher::server_at(&write_file(dir.path(), "resources.yaml", &config), port, &[]);
+    let sidecars: Vec<Usher> = (0..3)
+        .map(|i| {
+            let routes = format!(
+                "doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: gh-{i}\n\
+                 upstreams:\n  gh: {{ url: \"http://{up}\" }}\n\
+                 resources:\n  github: {{ kind: rate, capacity: 480/min, upstream_quota: {{ headers: github }} }}\n\
+                 routes:\n  - name: gh\n    upstream: gh\n    resources: [github]\n"
+            );
+            Usher::proxy(&write_file(dir.path(), &format!("s{i}.yaml"), &routes))
+        })
+        .collect();
+
+    // Start on a window's boundary, then three windows: the first is learnt.
+    let next = (unix_now() as u64 / WINDOW + 1) * WINDOW;
+    tokio::time::sleep(Duration::from_secs_f64(next as f64 - unix_now())).await;
+    let dur = Duration::from_secs(3 * WINDOW);
+    let other = tokio::spawn(other_consumer(up, LIMIT as f64 / WINDOW as f64 * 0.2, dur));
+    let tallies: Vec<Arc<Tally>> = (0..3).map(|_| Arc::new(Tally::default())).collect();
+    let loads: Vec<_> = sidecars
+        .iter()
+        .zip(&tallies)
+        .map(|(s, t)| tokio::spawn(drive(s.addr("listen"), 5.0, dur, t.clone())))
+        .collect();
+    for l in loads {
+        l.await.unwrap();
+    }
+    other.await.unwrap();
+
+    let first = next / WINDOW;
+    let all = windows.lock().unwrap().clone();
+    let report = format!("windows from the start: {:?}", all.range(first..first + 3).collect::<Vec<_>>());
+    eprintln!("{report}");
+    let later: Vec<Counts> = (first + 1..first + 3).map(|k| all.get(&k).copied().unwrap_or_default()).collect();
+    for c in &later {
+        assert_eq!(c.refused_sidecars, 0, "a sidecar's request met the exhausted quota\n{report}");
+        let spent = c.sidecars + c.other;
+        assert!(spent as f64 >= 0.95 * LIMIT as f64, "a window's quota left unspent\n{report}");
+    }
+    let left: f64 = later.iter().map(|c| (LIMIT - (c.sidecars + c.other)) as f64).sum::<f64>() / later.len() as f64;
+    assert!(left <= 0.02 * LIMIT as f64, "{left} left at the reset on average\n{report}");
+    let ok: Vec<u64> = tallies.iter().map(|t| t.ok.load(std::sync::atomic::Ordering::Relaxed)).collect();
+    let (lo, hi) = (*ok.iter().min().unwrap() as f64, *ok.iter().max().unwrap() as f64);
+    assert!(hi <= lo * 1.15 + 2.0, "the sidecars' shares differ by more than 15%: {ok:?}\n{report}");
+}
