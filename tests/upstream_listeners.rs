@@ -51,7 +51,8 @@ fn two_apis(a: &Upstream, b: &Upstream) -> String {
 async fn overlapping_paths_on_two_listeners(engine: &str) {
     let (a, b) = (Upstream::start().await, Upstream::start().await);
     let dir = tempfile::tempdir().unwrap();
-    let routes = write_file(dir.path(), "routes.yaml", &two_apis(&a, &b));
+    let log = dir.path().join("access.log");
+    let routes = write_file(dir.path(), "routes.yaml", &format!("access_log: {}\n{}", log.display(), two_apis(&a, &b)));
     let u = proxy(&routes, engine);
     let (main, on_a, on_b) = (u.addr("listen"), u.upstream_listener("a"), u.upstream_listener("b"));
     assert!(on_a != on_b && on_a != main && on_b != main, "{main} {on_a} {on_b}");
@@ -110,6 +111,25 @@ async fn overlapping_paths_on_two_listeners(engine: &str) {
         metric(&m, "usher_proxy_resource_requests_total", &[("resource", "a-rate"), ("outcome", "admitted")]),
         Some(3.0)
     );
+    // The access log names the upstream whose listener routed a request (not on the main listener).
+    let lines = || std::fs::read_to_string(&log).unwrap_or_default().lines().count();
+    assert_eventually!(lines() >= 10, Duration::from_secs(10), "{} access log lines of 10", lines());
+    let entries: Vec<serde_json::Value> =
+        std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let on = |listener: Option<&str>| {
+        let mut seen: Vec<String> = entries
+            .iter()
+            .filter(|e| e["listener"].as_str() == listener)
+            .map(|e| format!("{} {}", e["route"].as_str().unwrap(), e["outcome"].as_str().unwrap()))
+            .collect();
+        seen.sort();
+        seen
+    };
+    assert_eq!(on(Some("a")), ["a admitted", "a admitted"], "{entries:?}");
+    assert_eq!(on(Some("b")), ["b admitted", "b admitted"], "{entries:?}");
+    let main_and_refused =
+        ["_none no_route", "_none no_route", "_none no_route", "_none no_route", "a admitted", "b admitted"];
+    assert_eq!(on(None), main_and_refused, "{entries:?}");
     if engine == "native" {
         // The native engine itself routed the HTTP/1.1 GETs (only CONNECT went to hyper).
         let handoffs: f64 = m

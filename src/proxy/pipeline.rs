@@ -704,6 +704,7 @@ impl Accounts {
             status: status.as_u16(),
             upstream_ms: upstream.map(|d| d.as_secs_f64() * 1e3),
             total_ms: total.as_secs_f64() * 1e3,
+            listener: meta.route.as_ref().and_then(|r| r.listener.clone()),
         });
     }
 }

@@ -33,6 +33,8 @@ pub struct Route {
     pub settles: bool,
     /// A resource reads the upstream's quota headers (the head is kept too).
     pub quotas: bool,
+    /// Set on an upstream listener's routes: that upstream, for the access log.
+    pub listener: Option<String>,
 }
 
 impl std::fmt::Debug for Route {
@@ -233,6 +235,7 @@ impl Routing {
                         .then(OnceLock::new),
                     settles: r.cost_rules.values().any(|c| c.settle_header.is_some()),
                     quotas: r.resources.iter().any(|(name, _)| cfg.resources[name].upstream_quota.is_some()),
+                    listener: listener_of.map(str::to_string),
                 })
             })
             .collect();
@@ -246,6 +249,7 @@ impl Routing {
             fixed_plan: None,
             settles: false,
             quotas: false,
+            listener: None,
         });
         let default = if listener_of.is_some() { DefaultAction::Deny } else { cfg.default };
         Routing { routes, passthrough, default, direct }
