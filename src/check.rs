@@ -160,6 +160,9 @@ fn routes_summary(cfg: &RoutesConfig, unset: &[String]) -> Vec<String> {
         out.push(resource_line(r));
     }
     out.push(format!("listener limits: {}", cfg.limits));
+    for (name, a) in cfg.upstreams.iter().filter_map(|(n, u)| Some((n, u.listen?))) {
+        out.push(format!("upstream listener: {a} (every request on it goes to upstream `{name}`)"));
+    }
     out
 }
 

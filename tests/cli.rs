@@ -184,13 +184,17 @@ fn the_readme_sim_commands_work() {
 
 #[test]
 fn the_readme_quickstart_routes_file_runs() {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let quick = format!("{root}/deploy/examples/quickstart.yaml");
+    // The file as written, but its upstream listener on a free port (no fixed ports in tests).
+    let quick = include_str!("../deploy/examples/quickstart.yaml");
+    assert!(quick.contains("listen: 127.0.0.1:15002"), "{quick}");
+    let dir = tempfile::tempdir().unwrap();
+    let quick = write_file(dir.path(), "quickstart.yaml", &quick.replace("127.0.0.1:15002", "127.0.0.1:0"));
     let p = support::Usher::start(
-        &["proxy", "--routes", &quick, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+        &["proxy", "--routes", quick.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
         &[],
         "usher proxy listening",
     );
+    let _ = p.upstream_listener("github");
     let (code, body) = support::http_get(p.addr("admin"), "/debug/status?format=json");
     assert_eq!(code, 200);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();

@@ -113,7 +113,11 @@ async fn responses_encode_required_fields_even_when_zero() {
     assert_eq!(numbers(&resp), vec![1], "one ResourceResponse, no mastership");
     let rr = fields(&payload(&resp, 1));
     assert_eq!(doorman(&rr), vec![1, 2, 3], "resource_id, gets, safe_capacity");
-    assert_eq!(usher(&rr), vec![100, 111], "usher's template and resource capacity (a Doorman client skips unknown fields)");
+    assert_eq!(
+        usher(&rr),
+        vec![100, 111],
+        "usher's template and resource capacity (a Doorman client skips unknown fields)"
+    );
     let lease = fields(&payload(&rr, 2));
     assert_eq!(numbers(&lease), vec![1, 2, 3], "expiry_time, refresh_interval and capacity, capacity being 0");
     let decoded = proto::Lease::decode(payload(&rr, 2).as_slice()).unwrap();

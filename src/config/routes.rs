@@ -70,6 +70,8 @@ pub struct UpstreamConfig {
     pub h2c: bool,
     /// Offer HTTP/2 in ALPN to an `https://` upstream (`http2: false` offers HTTP/1.1 only).
     pub http2: bool,
+    /// A listener of the upstream's own: every request on it goes to this upstream.
+    pub listen: Option<SocketAddr>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -320,7 +322,7 @@ const ROOT_FIELDS: &[&str] = &[
     "routes",
     "limits",
 ];
-const UPSTREAM_FIELDS: &[&str] = &["url", "connect_timeout", "timeout", "ca_file", "h2c", "http2"];
+const UPSTREAM_FIELDS: &[&str] = &["url", "connect_timeout", "timeout", "ca_file", "h2c", "http2", "listen"];
 const RESOURCE_FIELDS: &[&str] = &[
     "kind",
     "id",
@@ -386,6 +388,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
                 upstreams.insert(name.to_string(), u);
             }
         }
+        check_listeners(ck, &m, &upstreams, [("listen", listen), ("admin", admin)]);
     }
 
     let mut resources = BTreeMap::new();
@@ -468,6 +471,47 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
     })
 }
 
+/// Refuses an upstream `listen` that another listener of the file already
+/// has: the top-level `listen` or `admin`, or an earlier upstream's. Port 0
+/// (any free port) clashes with nothing; an unspecified IP (0.0.0.0, ::)
+/// clashes with every IP of its family on the same port.
+fn check_listeners(
+    ck: &mut Checker,
+    ups: &MapView<'_>,
+    upstreams: &BTreeMap<String, UpstreamConfig>,
+    top: [(&str, Option<SocketAddr>); 2],
+) {
+    let mut taken: Vec<(String, SocketAddr)> =
+        top.iter().filter_map(|(key, a)| a.map(|a| (format!("`{key}`"), a))).collect();
+    // In file order, so the later of two clashing upstreams is the one named.
+    for (k, v) in ups.entries() {
+        let Some(name) = k.as_str() else { continue };
+        let Some(a) = upstreams.get(name).and_then(|u| u.listen) else { continue };
+        if let Some((owner, _)) = taken.iter().find(|(_, t)| clash(*t, a)) {
+            let at = match &v.value {
+                Value::Map(entries) => entries.iter().find(|(k, _)| k.as_str() == Some("listen")).map(|(_, n)| n.loc),
+                _ => None,
+            };
+            let path = format!("{}.listen", ups.child(name));
+            ck.error(
+                at.unwrap_or(k.loc),
+                &path,
+                format!("`{a}` is already the address of {owner}"),
+                Some("each listener needs an address of its own".into()),
+            );
+        }
+        taken.push((format!("upstream `{name}`"), a));
+    }
+}
+
+/// Whether two listeners could not both bind.
+fn clash(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() != 0
+        && a.port() == b.port()
+        && a.is_ipv4() == b.is_ipv4()
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
 fn addr(ck: &mut Checker, m: &MapView<'_>, key: &str, default: &str) -> Option<SocketAddr> {
     let Some(n) = m.get(key) else {
         return Some(default.parse().expect("default address parses"));
@@ -532,6 +576,10 @@ fn read_upstream(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         );
     }
     let http2 = m.get("http2").map_or(Some(true), |n| ck.bool(n, &m.child("http2")));
+    let listen = match m.get("listen") {
+        None => Some(None),
+        Some(_) => addr(ck, &m, "listen", "127.0.0.1:15002").map(Some),
+    };
     if let (Some(true), Some(false)) = (h2c, http2) {
         ck.error(
             m.loc(),
@@ -548,6 +596,7 @@ fn read_upstream(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         ca_file,
         h2c: h2c?,
         http2: http2?,
+        listen: listen?,
     })
 }
 

@@ -42,6 +42,9 @@ pub struct Entry {
     pub upstream_ms: Option<f64>,
     /// From arrival to the response headers.
     pub total_ms: f64,
+    /// The upstream whose own listener routed the request; absent on the main listener.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listener: Option<String>,
 }
 
 pub struct AccessLog {

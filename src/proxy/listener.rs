@@ -21,6 +21,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::h1::{self, Served, Services};
+use super::route::ListenerId;
 use super::wiring::Proxy;
 use crate::config::limits::ListenerLimits;
 use crate::limit::layer::BoxError;
@@ -62,6 +63,8 @@ pub struct ConnServer {
     /// Once cancelled, idle connections close and busy ones close after their answer.
     closing: CancellationToken,
     http1: Http1,
+    /// The listener this server's connections arrive on: routing depends on it.
+    listener: ListenerId,
 }
 
 impl ConnServer {
@@ -88,6 +91,7 @@ impl ConnServer {
             draining: CancellationToken::new(),
             closing: CancellationToken::new(),
             http1: Http1::default(),
+            listener: ListenerId::MAIN,
         }
     }
 
@@ -109,6 +113,12 @@ impl ConnServer {
     /// Chooses what serves HTTP/1.1 connections.
     pub fn http1(mut self, http1: Http1) -> Self {
         self.http1 = http1;
+        self
+    }
+
+    /// Serves connections that arrived on `listener` (the main one by default).
+    pub fn on_listener(mut self, listener: ListenerId) -> Self {
+        self.listener = listener;
         self
     }
 
@@ -143,7 +153,11 @@ impl ConnServer {
         }
         let h2 = buf.starts_with(H2_PREFACE);
         let (buf, io) = if self.http1 == Http1::Native && !h2 {
-            let services = Services { pipeline: &proxy.pipeline, handoffs: &proxy.metrics.http1_handoffs };
+            let services = Services {
+                pipeline: &proxy.pipeline,
+                handoffs: &proxy.metrics.http1_handoffs,
+                listener: self.listener,
+            };
             match h1::serve(self, &services, io, buf, deadline).await? {
                 Served::Closed => return Ok(()),
                 Served::HandOff(buf, io) => (buf, io),
@@ -165,7 +179,7 @@ impl ConnServer {
             let (proxy, server) = (proxy.clone(), server.clone());
             async move {
                 let h1 = req.version() <= http::Version::HTTP_11 && req.method() != http::Method::CONNECT;
-                let mut resp = proxy.handle(req).await;
+                let mut resp = proxy.handle_on(server.listener, req).await;
                 if h1 && server.is_draining() && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
                     resp.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
                 }

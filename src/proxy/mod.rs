@@ -1,6 +1,8 @@
 //! `usher proxy`: the sidecar's data path.
 //!
-//! One listener speaks HTTP/1.1 and h2c ([`listener`]). Every request, on
+//! One listener speaks HTTP/1.1 and h2c ([`listener`]), and so does each
+//! upstream's own listener (`upstreams.NAME.listen`), whose requests go to
+//! that upstream's routes only ([`ListenerId`]). Every request, on
 //! both HTTP/1.1 engines (the native path, `h1`, and hyper), on HTTP/2 and
 //! CONNECT, passes through one tower stack ([`pipeline`]): guard, account,
 //! route ([`route`]), limit ([`crate::limit::admit`]), then the engine's own
@@ -48,7 +50,8 @@ pub use metrics::Metrics;
 pub use pipeline::Pipeline;
 
 pub use respond::ProxyBody;
-pub use wiring::{Proxy, readiness};
+pub use route::ListenerId;
+pub use wiring::{Proxy, UpstreamListener, readiness};
 
 /// `usher proxy` flags; each can also be set as `USHER_<FLAG>`.
 #[derive(Debug, Clone, clap::Args)]
@@ -85,21 +88,34 @@ pub async fn serve_with(
     drain: Duration,
     http1: Http1,
 ) {
+    serve_all(proxy, vec![(listener, ListenerId::MAIN)], shutdown, drain, http1).await
+}
+
+/// [`serve_with`] on several listeners, each connection routed by the one
+/// it arrived on. `limits.max_connections` bounds them all together.
+pub async fn serve_all(
+    proxy: Arc<Proxy>,
+    listeners: Vec<(TcpListener, ListenerId)>,
+    shutdown: CancellationToken,
+    drain: Duration,
+    http1: Http1,
+) {
     let closing = CancellationToken::new();
     let server =
         ConnServer::new(proxy.config().limits).draining_on(shutdown.clone()).closing_on(closing.clone()).http1(http1);
     let slots = Arc::new(tokio::sync::Semaphore::new(server.limits().max_connections));
     let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut next = 0;
     loop {
         let slot = tokio::select! {
             _ = shutdown.cancelled() => break,
             s = slots.clone().acquire_owned() => s.expect("the semaphore is never closed"),
         };
-        let (stream, _) = tokio::select! {
+        let (stream, listener) = tokio::select! {
             _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
+            accepted = std::future::poll_fn(|cx| accept_any(&listeners, &mut next, cx)) => match accepted {
+                (Ok((stream, _)), listener) => (stream, listener),
+                (Err(e), _) => {
                     tracing::warn!(error = %e, "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
@@ -107,7 +123,7 @@ pub async fn serve_with(
             },
         };
         let _ = stream.set_nodelay(true);
-        let (server, proxy) = (server.clone(), proxy.clone());
+        let (server, proxy) = (server.clone().on_listener(listener), proxy.clone());
         let open = OpenConnection::new(&open);
         tokio::spawn(async move {
             let (_slot, _open) = (slot, open);
@@ -116,7 +132,7 @@ pub async fn serve_with(
             }
         });
     }
-    drop(listener);
+    drop(listeners);
     // Closing an idle keep-alive connection races with a request the client
     // is writing into it at that moment, which would then go unanswered. So
     // for a short grace, open connections stay open and each answer carries
@@ -138,6 +154,23 @@ pub async fn serve_with(
         Ok(()) => tracing::info!("all connections drained"),
         Err(_) => tracing::warn!(?drain, "drain deadline passed; closing remaining connections"),
     }
+}
+
+/// The first of `listeners` with a connection (or an accept error) ready,
+/// starting at `next` and moving it on, so a busy listener cannot starve the others.
+fn accept_any(
+    listeners: &[(TcpListener, ListenerId)],
+    next: &mut usize,
+    cx: &mut std::task::Context<'_>,
+) -> std::task::Poll<(std::io::Result<(tokio::net::TcpStream, SocketAddr)>, ListenerId)> {
+    for i in 0..listeners.len() {
+        let (l, id) = &listeners[(*next + i) % listeners.len()];
+        if let std::task::Poll::Ready(r) = l.poll_accept(cx) {
+            *next = (*next + i + 1) % listeners.len();
+            return std::task::Poll::Ready((r, *id));
+        }
+    }
+    std::task::Poll::Pending
 }
 
 /// On shutdown, how long open connections may still bring requests (each
@@ -172,6 +205,13 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     let listener = bind("proxy", listen_addr).await?;
     let admin = bind("admin", admin_addr).await?;
     let listen_addr = listener.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
+    let mut listeners = vec![(listener, ListenerId::MAIN)];
+    for (i, l) in proxy.listeners().iter().enumerate() {
+        let bound = bind("upstream listener", l.addr).await?;
+        let addr = bound.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
+        tracing::info!(upstream = %l.upstream, listen = %addr, "upstream listener: every request on it goes to this upstream");
+        listeners.push((bound, ListenerId::upstream(i)));
+    }
     let admin_addr = admin.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
 
     let reloader = {
@@ -203,7 +243,7 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     proxy.set_lease(client);
     tracing::info!(listen = %listen_addr, admin = %admin_addr, routes_file = %source, routes, resources, "usher proxy listening");
     let admin_task = tokio::spawn(crate::admin::serve(admin, status::handler(proxy.clone()), shutdown.clone()));
-    serve_with(proxy, listener, shutdown.clone(), drain, args.http1).await;
+    serve_all(proxy, listeners, shutdown.clone(), drain, args.http1).await;
     shutdown.cancel();
     lease_shutdown.cancel();
     let _ = tokio::join!(reloader, admin_task, lease_task);

@@ -38,7 +38,7 @@ use super::access_log::{self, AccessLog};
 use super::metrics::Metrics;
 use super::pushback::Pushback;
 use super::respond::{self, ProxyBody, ProxyError};
-use super::route::{RequestView, Resolved, Route, Routing};
+use super::route::{ListenerId, RequestView, Resolved, Route, Routing};
 use super::upstream::Upstream;
 use crate::clock::{Clock, Time};
 use crate::config::doorman::PushbackConfig;
@@ -54,6 +54,8 @@ use crate::limit::{Kind, LeaseTable};
 pub struct Pipeline {
     pub config: Arc<RoutesConfig>,
     routing: Arc<Routing>,
+    /// By upstream listener ([`ListenerId::index`]): its view of the routes.
+    listeners: Vec<Arc<Routing>>,
     /// Built upstreams by name, reused by the next snapshot while their configuration is unchanged.
     pub(super) upstreams: HashMap<String, Arc<Upstream>>,
     accounts: Arc<Accounts>,
@@ -67,20 +69,41 @@ impl Pipeline {
     pub(super) fn new(
         config: Arc<RoutesConfig>,
         routing: Routing,
+        listeners: Vec<Routing>,
         upstreams: HashMap<String, Arc<Upstream>>,
         accounts: Arc<Accounts>,
         clock: Clock,
     ) -> Self {
-        Pipeline { config, routing: Arc::new(routing), upstreams, accounts, clock }
+        let listeners = listeners.into_iter().map(Arc::new).collect();
+        Pipeline { config, routing: Arc::new(routing), listeners, upstreams, accounts, clock }
     }
 
-    /// The request pipeline around `forward`.
+    /// The request pipeline around `forward`, for the main listener's requests.
     pub fn stack<F>(&self, forward: F) -> Stack<F> {
+        self.stack_with(self.routing.clone(), forward)
+    }
+
+    /// The request pipeline around `forward`, for requests that arrived on
+    /// `listener`: its stack routes with that listener's view of the routes,
+    /// so the request path itself does not look at the listener. Out of
+    /// line: the native engine's connection loop, which builds its stack
+    /// once, compiles as it did before upstream listeners (callgrind).
+    #[inline(never)]
+    pub fn stack_on<F>(&self, listener: ListenerId, forward: F) -> Stack<F> {
+        let routing = match listener.index() {
+            None => &self.routing,
+            // Every snapshot has a view for every listener opened at start.
+            Some(i) => &self.listeners[i],
+        };
+        self.stack_with(routing.clone(), forward)
+    }
+
+    fn stack_with<F>(&self, routing: Arc<Routing>, forward: F) -> Stack<F> {
         ServiceBuilder::new()
             .layer(RespondLayer { clock: self.clock.clone() })
             .layer(GuardLayer { max_body: self.config.limits.max_body_bytes })
             .layer(AccountLayer { accounts: self.accounts.clone() })
-            .layer(RouteLayer { routing: self.routing.clone() })
+            .layer(RouteLayer { routing })
             .layer(LimitLayer { clock: self.clock.clone() })
             .service(forward)
     }
@@ -681,6 +704,7 @@ impl Accounts {
             status: status.as_u16(),
             upstream_ms: upstream.map(|d| d.as_secs_f64() * 1e3),
             total_ms: total.as_secs_f64() * 1e3,
+            listener: meta.route.as_ref().and_then(|r| r.listener.clone()),
         });
     }
 }

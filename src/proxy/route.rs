@@ -33,6 +33,8 @@ pub struct Route {
     pub settles: bool,
     /// A resource reads the upstream's quota headers (the head is kept too).
     pub quotas: bool,
+    /// Set on an upstream listener's routes: that upstream, for the access log.
+    pub listener: Option<String>,
 }
 
 impl std::fmt::Debug for Route {
@@ -100,6 +102,27 @@ pub struct Routing {
     direct: Arc<Upstream>,
 }
 
+/// The listener a connection arrived on: the main one, or an upstream's own
+/// (`upstreams.NAME.listen`), numbered from 1 in the order the sidecar
+/// opened them. Small and `Copy`: a connection carries it to its stack.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ListenerId(u16);
+
+impl ListenerId {
+    /// The proxy's main listener (`listen`, `--listen`).
+    pub const MAIN: ListenerId = ListenerId(0);
+
+    /// The listener of the `index`th (from 0) upstream listener.
+    pub fn upstream(index: usize) -> ListenerId {
+        ListenerId(u16::try_from(index + 1).expect("fewer than 65,535 upstream listeners"))
+    }
+
+    /// Which upstream listener this is (from 0); `None` for the main one.
+    pub fn index(self) -> Option<usize> {
+        usize::from(self.0).checked_sub(1)
+    }
+}
+
 /// The resource specs of a routes file, for [`LeaseTable::configure`].
 pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
     cfg.resources
@@ -139,13 +162,47 @@ impl Routing {
         table: &LeaseTable,
         metrics: &Metrics,
     ) -> Self {
+        Self::compile(cfg, None, upstreams, direct, table, metrics)
+    }
+
+    /// Compiles the routing of upstream `upstream`'s own listener: every
+    /// request on it goes to that upstream, matched against its routes (in
+    /// file order) with their `match.host` left out; one that none matches
+    /// is a 403 (never passthrough: its Host is the sidecar's own), and no
+    /// CONNECT finds a route (no route names a host). The main listener's
+    /// request path is the same code: nothing on it asks which listener.
+    pub fn for_upstream_listener(
+        cfg: &RoutesConfig,
+        upstream: &str,
+        upstreams: &HashMap<String, Arc<Upstream>>,
+        direct: Arc<Upstream>,
+        table: &LeaseTable,
+        metrics: &Metrics,
+    ) -> Self {
+        Self::compile(cfg, Some(upstream), upstreams, direct, table, metrics)
+    }
+
+    fn compile(
+        cfg: &RoutesConfig,
+        listener_of: Option<&str>,
+        upstreams: &HashMap<String, Arc<Upstream>>,
+        direct: Arc<Upstream>,
+        table: &LeaseTable,
+        metrics: &Metrics,
+    ) -> Self {
         let routes = cfg
             .routes
             .iter()
+            .filter(|r| listener_of.is_none_or(|up| r.upstream.as_deref() == Some(up)))
             .map(|r| {
+                let mut matcher = r.matcher.clone();
+                if listener_of.is_some() {
+                    // The listener says where a request goes, not its Host.
+                    matcher.host = None;
+                }
                 Arc::new(Route {
                     name: r.name.clone(),
-                    matcher: r.matcher.clone(),
+                    matcher,
                     upstream: r.upstream.as_ref().and_then(|u| upstreams.get(u).cloned()),
                     resources: r
                         .resources
@@ -178,6 +235,7 @@ impl Routing {
                         .then(OnceLock::new),
                     settles: r.cost_rules.values().any(|c| c.settle_header.is_some()),
                     quotas: r.resources.iter().any(|(name, _)| cfg.resources[name].upstream_quota.is_some()),
+                    listener: listener_of.map(str::to_string),
                 })
             })
             .collect();
@@ -191,8 +249,10 @@ impl Routing {
             fixed_plan: None,
             settles: false,
             quotas: false,
+            listener: None,
         });
-        Routing { routes, passthrough, default: cfg.default, direct }
+        let default = if listener_of.is_some() { DefaultAction::Deny } else { cfg.default };
+        Routing { routes, passthrough, default, direct }
     }
 
     /// Resolves a request to its route, target and plan.

@@ -223,6 +223,7 @@ impl Upstream {
             ca_file: None,
             h2c: false,
             http2: true,
+            listen: None,
         };
         let client = Some(client(roots.clone(), &config)?);
         let seconds = metrics.upstream_seconds.with_label_values(&[&config.name]);

@@ -19,7 +19,7 @@ use super::metrics::Metrics;
 use super::pipeline::{Accounts, Exchange, Pipeline, Reply};
 use super::pushback;
 use super::respond::ProxyBody;
-use super::route::{self, Routing};
+use super::route::{self, ListenerId, Routing};
 use super::upstream::{self, Upstream};
 use crate::clock::Clock;
 use crate::config::routes::{RoutesConfig, UpstreamConfig};
@@ -45,6 +45,25 @@ pub struct Proxy {
     direct: Arc<Upstream>,
     /// Serialises reloads; the request path never takes it.
     config_state: Mutex<ConfigState>,
+    /// The upstream listeners, fixed at start ([`ListenerId`] order).
+    listeners: Vec<UpstreamListener>,
+}
+
+/// An upstream's own listener (`upstreams.NAME.listen`): every request on it goes to that upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamListener {
+    pub upstream: String,
+    pub addr: std::net::SocketAddr,
+}
+
+impl UpstreamListener {
+    /// The upstream listeners a routes file asks for, by upstream name.
+    pub fn of(cfg: &RoutesConfig) -> Vec<UpstreamListener> {
+        cfg.upstreams
+            .values()
+            .filter_map(|u| Some(UpstreamListener { upstream: u.name.clone(), addr: u.listen? }))
+            .collect()
+    }
 }
 
 impl Proxy {
@@ -89,8 +108,10 @@ impl Proxy {
             table: table.clone(),
             zero_reasons: std::sync::OnceLock::new(),
         });
+        let listeners = UpstreamListener::of(&cfg);
         let routing = Routing::new(&cfg, &upstreams, direct.clone(), &table, &metrics);
-        let pipeline = Pipeline::new(Arc::new(cfg), routing, upstreams, accounts.clone(), clock.clone());
+        let views = listener_routings(&cfg, &listeners, &upstreams, &direct, &table, &metrics);
+        let pipeline = Pipeline::new(Arc::new(cfg), routing, views, upstreams, accounts.clone(), clock.clone());
         Ok(Arc::new(Proxy {
             table,
             lease: std::sync::OnceLock::new(),
@@ -103,7 +124,13 @@ impl Proxy {
             clock,
             roots,
             direct,
+            listeners,
         }))
+    }
+
+    /// The upstream listeners, fixed at start: the `i`th is [`ListenerId::upstream`]`(i)`.
+    pub fn listeners(&self) -> &[UpstreamListener] {
+        &self.listeners
     }
 
     pub fn config(&self) -> Arc<RoutesConfig> {
@@ -141,19 +168,22 @@ impl Proxy {
                 if old.config.listen != cfg.listen || old.config.admin != cfg.admin {
                     tracing::warn!("listen and admin addresses change only on restart");
                 }
-                let same_body = crate::config::limits::ListenerLimits {
-                    max_body_bytes: cfg.limits.max_body_bytes,
-                    ..old.config.limits
-                };
-                if same_body != cfg.limits {
-                    tracing::warn!("listener limits other than max_body_bytes change only on restart");
+                if UpstreamListener::of(&cfg) != self.listeners {
+                    let kept: Vec<String> =
+                        self.listeners.iter().map(|l| format!("{}={}", l.upstream, l.addr)).collect();
+                    tracing::warn!(
+                        kept = %kept.join(","),
+                        "upstream listeners change only on restart: those opened at start stay open, each serving its upstream's routes"
+                    );
                 }
                 self.table.configure(route::specs(&cfg));
                 let routing = Routing::new(&cfg, &ups, self.direct.clone(), &self.table, &self.metrics);
+                let views = listener_routings(&cfg, &self.listeners, &ups, &self.direct, &self.table, &self.metrics);
                 tracing::info!(source = %self.config_source, routes = cfg.routes.len(), resources = cfg.resources.len(), "routes reloaded");
                 self.pipeline.store(Arc::new(Pipeline::new(
                     Arc::new(cfg),
                     routing,
+                    views,
                     ups,
                     self.accounts.clone(),
                     self.clock.clone(),
@@ -175,10 +205,16 @@ impl Proxy {
         }
     }
 
-    /// Serves one request that hyper read (HTTP/1.1, HTTP/2, CONNECT) through the pipeline.
+    /// Serves one request that hyper read (HTTP/1.1, HTTP/2, CONNECT) on
+    /// the main listener through the pipeline.
     pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        self.handle_on(ListenerId::MAIN, req).await
+    }
+
+    /// Serves one request that hyper read on `listener` through the pipeline.
+    pub async fn handle_on(&self, listener: ListenerId, req: Request<Incoming>) -> Response<ProxyBody> {
         let pipeline = self.pipeline.load_full();
-        let Ok(reply) = pipeline.stack(general::Forward).call(Exchange::new(req)).await;
+        let Ok(reply) = pipeline.stack_on(listener, general::Forward).call(Exchange::new(req)).await;
         match reply {
             Reply::Upstream { answer, held } => general::respond(answer, held),
             Reply::Made(resp) => resp,
@@ -214,8 +250,24 @@ fn build_upstreams(
     if errors.is_empty() { Ok(out) } else { Err(ConfigError::whole_file(source, errors.join("; "))) }
 }
 
+/// Whether an upstream's client can be kept: its listener is not the client's.
 fn same_upstream(a: &UpstreamConfig, b: &UpstreamConfig) -> bool {
-    a == b
+    UpstreamConfig { listen: b.listen, ..a.clone() } == *b
+}
+
+/// Each upstream listener's routing, in [`ListenerId`] order.
+fn listener_routings(
+    cfg: &RoutesConfig,
+    listeners: &[UpstreamListener],
+    upstreams: &HashMap<String, Arc<Upstream>>,
+    direct: &Arc<Upstream>,
+    table: &LeaseTable,
+    metrics: &Metrics,
+) -> Vec<Routing> {
+    let routing = |l: &UpstreamListener| {
+        Routing::for_upstream_listener(cfg, &l.upstream, upstreams, direct.clone(), table, metrics)
+    };
+    listeners.iter().map(routing).collect()
 }
 
 /// A status code for readiness: the proxy is ready once its routes are loaded.

@@ -159,6 +159,19 @@ impl Usher {
             .expect("socket address")
     }
 
+    /// The address upstream `name`'s own listener bound, from its log line
+    /// (logged before the ready marker).
+    pub fn upstream_listener(&self, name: &str) -> SocketAddr {
+        let log = self.log.lock().unwrap();
+        let fields = log
+            .iter()
+            .filter(|l| l.contains("upstream listener"))
+            .map(|l| log_fields(l))
+            .find(|f| f.get("upstream").is_some_and(|u| u == name))
+            .unwrap_or_else(|| panic!("no listener of upstream {name} in the log:\n{}", log.join("\n")));
+        fields["listen"].parse().expect("socket address")
+    }
+
     pub fn log(&self) -> String {
         self.log.lock().unwrap().join("\n")
     }

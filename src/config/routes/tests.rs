@@ -343,6 +343,44 @@ fn a_cost_that_can_never_pass_is_refused_where_it_is_written() {
     assert!(e.contains("r.yaml:11:") && e.contains("cost 3 is more than gauge `slots`'s capacity of 2"), "{e}");
 }
 
+/// An upstream's own listener: parsed as IP:port; an address another
+/// listener of the file has is refused at the upstream's `listen`.
+#[test]
+fn upstream_listeners_have_addresses_of_their_own() {
+    let good = "upstreams:\n  a: { url: http://a.test, listen: 127.0.0.1:15002 }\n  b: { url: http://b.test, listen: 127.0.0.1:0 }\n  c: { url: http://c.test, listen: \"127.0.0.1:0\" }\n  d: { url: http://d.test }\n";
+    let c = RoutesConfig::parse("ok.yaml", good).unwrap();
+    assert_eq!(c.upstreams["a"].listen, Some("127.0.0.1:15002".parse().unwrap()));
+    assert_eq!(c.upstreams["b"].listen, Some("127.0.0.1:0".parse().unwrap()), "port 0 clashes with nothing");
+    assert_eq!(c.upstreams["d"].listen, None);
+
+    let text = "\
+listen: 127.0.0.1:15001
+admin: 127.0.0.1:15000
+upstreams:
+  main: { url: http://a.test, listen: 127.0.0.1:15001 }
+  admin:
+    url: http://b.test
+    listen: 127.0.0.1:15000
+  one: { url: http://c.test, listen: 127.0.0.1:15002 }
+  two: { url: http://d.test, listen: 0.0.0.0:15002 }
+  bad: { url: http://e.test, listen: localhost:15003 }
+  port: { url: http://f.test, listen: 15004 }
+";
+    let e = RoutesConfig::parse("bad.yaml", text).unwrap_err();
+    let lines: Vec<String> = e.diagnostics.iter().map(|d| d.to_string()).collect();
+    let want = [
+        "bad.yaml:4:39: upstreams.main.listen: `127.0.0.1:15001` is already the address of `listen`",
+        "bad.yaml:7:13: upstreams.admin.listen: `127.0.0.1:15000` is already the address of `admin`",
+        "bad.yaml:9:38: upstreams.two.listen: `0.0.0.0:15002` is already the address of upstream `one`",
+        "bad.yaml:10:38: upstreams.bad.listen: `localhost:15003` is not an IP:port address",
+        "bad.yaml:11:39: upstreams.port.listen: `15004` is not an IP:port address",
+    ];
+    assert_eq!(lines.len(), want.len(), "{}", lines.join("\n"));
+    for w in want {
+        assert!(lines.iter().any(|l| l.starts_with(w)), "missing {w:?} in:\n{}", lines.join("\n"));
+    }
+}
+
 #[test]
 fn costs_from_the_request_and_the_response_are_read_and_checked() {
     let head = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\

@@ -56,7 +56,7 @@ use super::h2conn::H2Error;
 use super::pipeline::{self, Exchange, Inbound, Pipeline, Reply};
 use super::pool::{Pool, Stream};
 use super::respond::{self, ProxyBody, ProxyError};
-use super::route::RequestView;
+use super::route::{ListenerId, RequestView};
 use super::upstream::{Target, Upstream};
 use crate::config::limits::ListenerLimits;
 use crate::limit::layer::BoxError;
@@ -165,11 +165,13 @@ pub trait Connection {
     fn closing(&self) -> &CancellationToken;
 }
 
-/// What the native path serves requests with: the current pipeline, and
-/// the counter of hand-offs to hyper by reason.
+/// What the native path serves requests with: the current pipeline, the
+/// counter of hand-offs to hyper by reason, and the listener the connection
+/// arrived on (routing depends on it).
 pub struct Services<'s> {
     pub pipeline: &'s ArcSwap<Pipeline>,
     pub handoffs: &'s prometheus::IntCounterVec,
+    pub listener: ListenerId,
 }
 
 /// Serves a client connection whose first bytes (`buf`) are not HTTP/2,
@@ -198,7 +200,7 @@ where
     // when a reload has swapped the snapshot (the old one is held, so its
     // address cannot come back as another's).
     let mut snapshot = services.pipeline.load_full();
-    let mut stack = snapshot.stack(tower::service_fn(forward));
+    let mut stack = snapshot.stack_on(services.listener, tower::service_fn(forward));
     loop {
         let (replied, framing) = {
             let mut storage = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; head::MAX_HEADERS];
@@ -238,7 +240,7 @@ where
                     let current = services.pipeline.load();
                     if !std::sync::Arc::ptr_eq(&current, &snapshot) {
                         snapshot = arc_swap::Guard::into_inner(current);
-                        stack = snapshot.stack(tower::service_fn(forward));
+                        stack = snapshot.stack_on(services.listener, tower::service_fn(forward));
                     }
                     // A reload since the connection came may have lowered
                     // the body limit parsing checked: the general path
