@@ -277,7 +277,8 @@ const BURST: u64 = 50;
 /// (`http2: false` on the upstream) and `quota=on` (the open route reads
 /// quota headers and settles a cost: see [`usher_routes`]).
 fn start_usher(o: &Opts, dir: &Path, up: &Up, extra_env: &[(String, String)]) -> (Proc, SocketAddr) {
-    let routes = dir.join(format!("routes-{}-{}.yaml", up.addr.port(), extra_env.len()));
+    let tag: String = extra_env.iter().map(|(k, v)| format!("-{k}={v}")).collect::<String>().replace(['/', ' '], "_");
+    let routes = dir.join(format!("routes-{}{tag}.yaml", up.addr.port()));
     let http2 = !extra_env.iter().any(|(k, v)| k == "h2" && v == "off");
     let quota = extra_env.iter().any(|(k, v)| k == "quota" && v == "on");
     std::fs::write(&routes, usher_routes(up, !o.keys.is_empty(), http2, quota)).unwrap();

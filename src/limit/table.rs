@@ -200,6 +200,11 @@ impl Limiter {
         self.spec.load_full()
     }
 
+    /// Whether its resource is the one named `name`.
+    pub fn is_of(&self, name: &str) -> bool {
+        self.spec.load().name == name
+    }
+
     /// Whether its resource is in shadow mode (decided, never enforced).
     pub fn is_shadow(&self) -> bool {
         self.spec.load().shadow

@@ -175,6 +175,7 @@ impl Metrics {
             refused: outcome("refused"),
             wait: self.wait_seconds.with_label_values(&[resource]),
             upstream_quota: self.upstream_quota.clone(),
+            quota_series: std::sync::OnceLock::new(),
         }
     }
 
@@ -220,15 +221,21 @@ pub struct ResourceMetrics {
     pub refused: IntCounter,
     pub wait: Histogram,
     upstream_quota: prometheus::GaugeVec,
+    /// The `limit`, `remaining` and `reset_seconds` series, made at the
+    /// first answer that carried the upstream's quota (never for a resource
+    /// without `upstream_quota`).
+    quota_series: std::sync::OnceLock<[prometheus::Gauge; 3]>,
 }
 
 impl ResourceMetrics {
     /// Shows the upstream's latest account of its quota (limit, remaining,
     /// seconds to its reset) beside the lease.
     pub fn observe_quota(&self, o: &crate::lease::quota::Observation, now: crate::clock::Time) {
-        let set = |field: &str, v: f64| self.upstream_quota.with_label_values(&[&self.name, field]).set(v);
-        set("limit", o.limit);
-        set("remaining", o.remaining);
-        set("reset_seconds", o.reset.since(now).as_secs_f64());
+        let [limit, remaining, reset] = self.quota_series.get_or_init(|| {
+            ["limit", "remaining", "reset_seconds"].map(|f| self.upstream_quota.with_label_values(&[&self.name, f]))
+        });
+        limit.set(o.limit);
+        remaining.set(o.remaining);
+        reset.set(o.reset.since(now).as_secs_f64());
     }
 }

@@ -655,7 +655,7 @@ impl Accounts {
             };
             r.metrics.observe_quota(&o, now);
             for (l, _) in plan.items.iter().chain(plan.shadow.iter()) {
-                if l.spec().name == r.metrics.name {
+                if l.is_of(&r.metrics.name) {
                     l.observe(o);
                 }
             }
@@ -718,7 +718,7 @@ fn settle<'a>(route: &Route, plan: &Plan, header: &impl Fn(&str) -> Option<&'a [
         let value = header(name).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<f64>().ok());
         let Some(real) = value.filter(|v| v.is_finite() && *v >= 0.0) else { continue };
         for (l, charged) in plan.items.iter().chain(plan.shadow.iter()) {
-            if l.spec().name == r.metrics.name {
+            if l.is_of(&r.metrics.name) {
                 l.charge(real - charged);
                 l.demand().settle(real - charged);
             }
