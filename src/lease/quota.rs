@@ -4,49 +4,15 @@
 //! server that owns the resource turns it into the capacity it shares
 //! (`server::quota`).
 
-use serde::Serialize;
-
 use crate::clock::Time;
+pub use crate::limit::quota::Observation;
 use crate::proto;
-
-/// An upstream's account of its quota at one moment.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Observation {
-    /// Units per window (or the bucket's size, when `continuous`).
-    pub limit: f64,
-    /// Units left now.
-    pub remaining: f64,
-    /// When the window renews whole, or when a continuous bucket is full again.
-    #[serde(serialize_with = "unix_s")]
-    pub reset: Time,
-    #[serde(serialize_with = "unix_s")]
-    pub observed: Time,
-    /// Refilled continuously (a token bucket) rather than renewed at `reset`.
-    pub continuous: bool,
-}
-
-fn unix_s<S: serde::Serializer>(t: &Time, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(t.as_secs_f64())
-}
 
 fn ms(t: Time) -> i64 {
     (t.as_nanos() / 1_000_000).min(i64::MAX as u64) as i64
 }
 
 impl Observation {
-    /// The upstream said the quota is spent: nothing is left before `reset`.
-    pub fn exhausted(&self, now: Time) -> bool {
-        self.remaining < 1.0 && self.reset > now
-    }
-
-    /// The newer of two observations (the later one, by when it was made).
-    pub fn fresher(a: Option<Observation>, b: Option<Observation>) -> Option<Observation> {
-        match (a, b) {
-            (Some(a), Some(b)) => Some(if b.observed >= a.observed { b } else { a }),
-            (a, b) => a.or(b),
-        }
-    }
-
     pub fn to_proto(&self) -> proto::UpstreamQuota {
         proto::UpstreamQuota {
             limit: self.limit,

@@ -15,6 +15,7 @@ pub mod admit;
 pub mod demand;
 pub mod gauge;
 pub mod layer;
+pub mod quota;
 pub mod rate;
 pub mod table;
 

@@ -100,7 +100,7 @@ pub struct Limiter {
 /// A key's freshest upstream quota, and whether the lease client has it.
 #[derive(Debug, Default)]
 struct QuotaCell {
-    latest: Option<crate::lease::quota::Observation>,
+    latest: Option<super::quota::Observation>,
     reported: bool,
 }
 
@@ -140,7 +140,7 @@ impl Limiter {
     }
 
     /// Keeps an upstream's account of its quota if it is the freshest.
-    pub fn observe(&self, o: crate::lease::quota::Observation) {
+    pub fn observe(&self, o: super::quota::Observation) {
         if let Some(cell) = &self.quota {
             let mut c = cell.lock().expect("quota lock");
             if c.latest.is_none_or(|l| o.observed >= l.observed) {
@@ -152,7 +152,7 @@ impl Limiter {
 
     /// The freshest upstream quota, and whether it is new since the last
     /// call that `report`ed it.
-    pub fn quota(&self, report: bool) -> (Option<crate::lease::quota::Observation>, bool) {
+    pub fn quota(&self, report: bool) -> (Option<super::quota::Observation>, bool) {
         let Some(cell) = &self.quota else { return (None, false) };
         let mut c = cell.lock().expect("quota lock");
         let new = !c.reported && c.latest.is_some();
