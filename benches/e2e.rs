@@ -225,10 +225,11 @@ impl Up {
 /// usher's routes: a non-limiting route for the overhead runs, a rate of
 /// 1,000/s under `/rate` and a gauge of 50 under `/gauge` for accuracy;
 /// with `tenants`, also a rate of 1,000/s per `x-tenant` under `/tenant`.
-/// `http2` is the upstream's setting of that name. With `quota`, the
-/// non-limiting route also reads the upstream's quota headers (GitHub's)
-/// and settles a cost from a response header (`quota=on` in a variant).
-fn usher_routes(up: &Up, tenants: bool, http2: bool, quota: bool) -> String {
+/// `http2` is the upstream's setting of that name. `quota` (a variant's
+/// `quota=`): `headers` makes the non-limiting route read the upstream's
+/// quota headers (GitHub's), `settle` settle a cost from a response
+/// header, `on` both.
+fn usher_routes(up: &Up, tenants: bool, http2: bool, quota: &str) -> String {
     let (resource, route) = if tenants {
         (
             "  tenant: { kind: rate, capacity: 1000/s, burst: 50, id: \"t/{header.x-tenant}\", max_keys: 250000 }\n",
@@ -247,12 +248,13 @@ fn usher_routes(up: &Up, tenants: bool, http2: bool, quota: bool) -> String {
             if http2 { "" } else { ", http2: false" }
         ),
     };
-    let (quota_resource, open_route) = match quota {
-        true => (
-            ", upstream_quota: { headers: github }",
-            "{ name: open, upstream: up, resources: [{ resource: open-rate, settle: { response_header: x-usage } }, open-gauge] }",
-        ),
-        false => ("", "{ name: open, upstream: up, resources: [open-rate, open-gauge] }"),
+    let headers = matches!(quota, "on" | "headers");
+    let settle = matches!(quota, "on" | "settle");
+    let quota_resource = if headers { ", upstream_quota: { headers: github }" } else { "" };
+    let open_route = if settle {
+        "{ name: open, upstream: up, resources: [{ resource: open-rate, settle: { response_header: x-usage } }, open-gauge] }"
+    } else {
+        "{ name: open, upstream: up, resources: [open-rate, open-gauge] }"
     };
     format!(
         "upstreams:\n  up: {{ {upstream} }}\n\
@@ -274,13 +276,13 @@ const BURST: u64 = 50;
 
 /// Starts `usher proxy` towards `up`. `extra_env` holds environment settings,
 /// and three of the bench's own: `bin=PATH` (another binary), `h2=off`
-/// (`http2: false` on the upstream) and `quota=on` (the open route reads
-/// quota headers and settles a cost: see [`usher_routes`]).
+/// (`http2: false` on the upstream) and `quota=on|headers|settle` (the open
+/// route reads quota headers, settles a cost, or both: see [`usher_routes`]).
 fn start_usher(o: &Opts, dir: &Path, up: &Up, extra_env: &[(String, String)]) -> (Proc, SocketAddr) {
     let tag: String = extra_env.iter().map(|(k, v)| format!("-{k}={v}")).collect::<String>().replace(['/', ' '], "_");
     let routes = dir.join(format!("routes-{}{tag}.yaml", up.addr.port()));
     let http2 = !extra_env.iter().any(|(k, v)| k == "h2" && v == "off");
-    let quota = extra_env.iter().any(|(k, v)| k == "quota" && v == "on");
+    let quota = extra_env.iter().find(|(k, _)| k == "quota").map_or("", |(_, v)| v.as_str());
     std::fs::write(&routes, usher_routes(up, !o.keys.is_empty(), http2, quota)).unwrap();
     let bin = extra_env.iter().find(|(k, _)| k == "bin").map_or(env!("CARGO_BIN_EXE_usher"), |(_, v)| v.as_str());
     let mut cmd = pinned(o, Path::new(bin));

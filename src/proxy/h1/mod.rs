@@ -443,11 +443,18 @@ impl pipeline::Answer for Answer {
     }
 
     fn header(&self, name: &str) -> Option<&[u8]> {
-        // `name: value` lines after the status line, as the client gets them.
-        self.fields.as_deref()?.split(|&b| b == b'\n').skip(1).find_map(|line| {
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            let colon = line.iter().position(|&b| b == b':')?;
-            line[..colon].eq_ignore_ascii_case(name.as_bytes()).then(|| line[colon + 1..].trim_ascii())
+        // `name: value` lines after the status line, as the client gets them;
+        // line starts found with memchr, a name compared only where it fits.
+        let head = self.fields.as_deref()?;
+        let n = name.len();
+        memchr::memchr_iter(b'\n', head).find_map(|nl| {
+            let line = &head[nl + 1..];
+            if line.len() <= n || line[n] != b':' || !line[..n].eq_ignore_ascii_case(name.as_bytes()) {
+                return None;
+            }
+            let rest = &line[n + 1..];
+            let value = &rest[..memchr::memchr(b'\n', rest).unwrap_or(rest.len())];
+            Some(value.strip_suffix(b"\r").unwrap_or(value).trim_ascii())
         })
     }
 }
