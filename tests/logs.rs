@@ -15,7 +15,12 @@ use support::usher_bin;
 /// a pipe, without `NO_COLOR`, until a line holds `marker`; then stops it (by
 /// its PID) and returns every line of its log, as raw bytes.
 fn sidecar_log(extra: &[&str], marker: &str) -> Vec<Vec<u8>> {
-    let quick = format!("{}/deploy/examples/quickstart.yaml", env!("CARGO_MANIFEST_DIR"));
+    // The quickstart file, its upstream's listener on a free port (tests run side by side).
+    let dir = tempfile::tempdir().unwrap();
+    let text = include_str!("../deploy/examples/quickstart.yaml").replace("127.0.0.1:15002", "127.0.0.1:0");
+    let quick = dir.path().join("quickstart.yaml");
+    std::fs::write(&quick, text).unwrap();
+    let quick = quick.to_str().unwrap().to_string();
     let mut child = Command::new(usher_bin())
         .args(extra)
         .args(["proxy", "--routes", &quick, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])

@@ -106,6 +106,10 @@ pub struct ResourceConfig {
     pub max_wait: Duration,
     /// Rate only: units that may pass at once from an idle start.
     pub burst: f64,
+    /// The file gives no burst and the capacity is not per day: each key
+    /// bursts one second's worth of what it is leased (`burst` is then that
+    /// of the file's capacity, for `usher check` and cost checks).
+    pub burst_one_second: bool,
     pub max_keys: usize,
     pub max_queue: usize,
     pub lease: super::doorman::LeaseSettings,
@@ -708,6 +712,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         }
         None => Some(default_burst(capacity)),
     };
+    let burst_one_second = m.get("burst").is_none() && capacity.is_some_and(|c| c.window < Duration::from_secs(86400));
     let max_keys = count(ck, &m, "max_keys", DEFAULT_MAX_KEYS);
     let max_queue = count(ck, &m, "max_queue", DEFAULT_MAX_QUEUE);
     let lease = super::doorman::read_lease_settings(ck, &m);
@@ -723,6 +728,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         capacity: capacity?,
         max_wait: max_wait?,
         burst: burst?,
+        burst_one_second,
         max_keys: max_keys?,
         max_queue: max_queue?,
         lease: lease?,

@@ -55,6 +55,9 @@ pub struct ResourceSpec {
     /// the fleet's burst may be spent already; its first lease fills it if
     /// that lease is the whole capacity ([`Limiter::fill`]).
     pub shared: bool,
+    /// No burst was written: a key bursts one second's worth of its own
+    /// capacity (its lease), whatever the fleet's capacity.
+    pub burst_one_second: bool,
     /// Shadow mode: decisions are made and counted, never enforced.
     pub shadow: bool,
     /// The upstream reports its own quota: each key keeps the freshest
@@ -68,6 +71,11 @@ impl ResourceSpec {
     /// servers share it, else the configured one; all of it at or above
     /// that), at least one unit.
     pub fn burst_at(&self, capacity: f64, fleet: Option<f64>) -> f64 {
+        if self.burst_one_second {
+            // One second at the leased rate: the fleet's burst is one second
+            // of the capacity the servers share.
+            return if capacity.is_finite() { capacity.max(1.0) } else { self.burst.max(1.0) };
+        }
         let whole = fleet.unwrap_or(self.capacity);
         let share = if whole > 0.0 && capacity.is_finite() { (capacity / whole).min(1.0) } else { 1.0 };
         (self.burst * share.max(0.0)).max(1.0)
@@ -672,6 +680,7 @@ mod tests {
             max_keys: 3,
             window: Duration::from_secs(1),
             shared: false,
+            burst_one_second: false,
             shadow: false,
             upstream_quota: false,
         }

@@ -138,6 +138,7 @@ pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
                 ResourceKind::Gauge => r.capacity.per_window,
             },
             burst: r.burst,
+            burst_one_second: r.burst_one_second,
             max_wait: r.max_wait,
             max_queue: r.max_queue,
             max_keys: r.max_keys,
