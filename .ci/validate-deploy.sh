@@ -121,7 +121,8 @@ SERVER_FLAGS = {"--config", "--listen", "--admin-listen", "--advertise-addr", "-
                 "--parent", "--decay-factor", "--etcd-endpoints", "--election-key", "--election-ttl",
                 "--tls-cert", "--tls-key", "--tls-client-ca", "--parent-tls-ca", "--parent-tls-cert",
                 "--parent-tls-key", "--parent-tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key",
-                "--etcd-server-name", "--etcd-user", "--etcd-password-file", "--etcd-token-refresh"}
+                "--etcd-server-name", "--etcd-user", "--etcd-password-file", "--etcd-token-refresh",
+                "--state-file"}
 PROXY_FLAGS = {"--routes", "--listen", "--admin-listen"}
 ALGORITHMS = {"NO_ALGORITHM", "STATIC", "PROPORTIONAL_SHARE", "FAIR_SHARE"}
 
