@@ -131,3 +131,21 @@ async fn a_daily_quotas_default_burst_is_the_fleets_not_each_sidecars() {
     assert!(fresh <= 303, "{fresh} of a 300/day quota reached the upstream at once (admitted {admitted:?})");
     assert!(fresh >= 3, "each sidecar passes at least one request: {fresh} ({admitted:?})");
 }
+
+/// With the defaults (no `burst`, no `max_wait`), requests sent one after
+/// another within the rate are never refused: a `capacity: 100/s` resource
+/// once refused a second `curl` a few milliseconds after the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_requests_within_the_rate_pass_with_the_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start().await;
+    let sidecar =
+        Usher::proxy(&write_file(dir.path(), "r.yaml", &routes(&up, "", "    kind: rate\n    capacity: 100/s\n")));
+    let mut statuses = Vec::new();
+    for _ in 0..20 {
+        let mut client = h1(sidecar.addr("listen")).await;
+        client.ready().await.unwrap();
+        statuses.push(client.send_request(get("app.local", "/x")).await.unwrap().status().as_u16());
+    }
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+}
