@@ -149,3 +149,20 @@ async fn sequential_requests_within_the_rate_pass_with_the_defaults() {
     }
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
 }
+
+/// A routes file whose `capacity` is a small first guess (1/min, against the
+/// server's 3/s) does not make each sidecar's bucket the whole burst: its
+/// share, and whether its first lease fills it, are reckoned against the
+/// capacity the server says it shares (each first lease, 1/s, is far above
+/// 1/min: reckoned against the routes file, each bucket filled to 30).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_first_wants_does_not_multiply_the_fleets_burst() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, port) = server(dir.path(), 3.0);
+    let up = Upstream::start().await;
+    let res = "    kind: rate\n    capacity: 1/min\n    burst: 30\n    wants: 1\n";
+    let fleet = sidecars(dir.path(), port, &up, res);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (fired, admitted) = all_fire(&fleet, &up, 40).await;
+    assert!(fired <= 30 + 2 * 3 + 3, "{fired} reached the upstream in 2 s (admitted {admitted:?})");
+}

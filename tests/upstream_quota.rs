@@ -152,8 +152,7 @@ async fn three_sidecars_follow_a_github_like_quota_with_another_consumer() {
         assert!(spent as f64 >= 0.95 * LIMIT as f64, "a window's quota left unspent\n{report}");
     }
     let left: f64 = later.iter().map(|c| (LIMIT - (c.sidecars + c.other)) as f64).sum::<f64>() / later.len() as f64;
-    // 2% is the aim (measured: 1.2-1.7%); half a point more keeps a busy CI machine from failing it.
-    assert!(left <= 0.025 * LIMIT as f64, "{left} left at the reset on average\n{report}");
+    assert!(left <= 0.02 * LIMIT as f64, "{left} left at the reset on average\n{report}");
     let ok: Vec<u64> = tallies.iter().map(|t| t.ok.load(std::sync::atomic::Ordering::Relaxed)).collect();
     let (lo, hi) = (*ok.iter().min().unwrap() as f64, *ok.iter().max().unwrap() as f64);
     assert!(hi <= lo * 1.15 + 2.0, "the sidecars' shares differ by more than 15%: {ok:?}\n{report}");

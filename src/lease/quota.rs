@@ -33,7 +33,7 @@ impl Observation {
         let time = |ms: i64| Time::from_nanos((ms as u64).saturating_mul(1_000_000));
         Some(Observation {
             limit: q.limit,
-            remaining: q.remaining.min(q.limit.max(q.remaining)),
+            remaining: q.remaining,
             reset: time(q.reset_unix_ms),
             observed: time(q.observed_unix_ms),
             continuous: q.continuous.unwrap_or(false),
