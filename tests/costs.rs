@@ -145,3 +145,26 @@ async fn a_cost_named_by_the_request_is_charged() {
     .await;
     assert_eq!(&huge[..2], &[200, 429], "a header cost above the burst spends the burst: {huge:?}");
 }
+
+/// The general (hyper) path settles too: over h2c, each answer's real cost
+/// of 400 replaces the 100 charged at admission, so a bucket of 500 passes
+/// two requests, not five.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn costs_settle_on_the_general_path_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = llm(vec![400]).await;
+    let file = routes_file(
+        up.addr,
+        "{ kind: rate, capacity: 1/s, burst: 500 }",
+        "{ resource: tokens, cost: 100, settle: { response_header: x-usage-total-tokens } }",
+    );
+    let sidecar = Usher::proxy(&write_file(dir.path(), "routes.yaml", &file));
+    let mut client = support::upstream::h2(sidecar.addr("listen")).await;
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        client.ready().await.unwrap();
+        let req = get("llm.local", "/v1/chat");
+        statuses.push(client.send_request(req).await.unwrap().status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429, 429], "charged 400 each once settled");
+}
