@@ -31,6 +31,10 @@ pub struct Template {
     pub safe_capacity: Option<f64>,
     pub description: Option<String>,
     pub algorithm: Algorithm,
+    /// `window: calendar`: the capacity is a quota of `capacity × unit`
+    /// that renews whole at each UTC boundary of this unit (the capacity's
+    /// own, as in `1000/day`). `None`: a steady rate.
+    pub calendar: Option<Duration>,
 }
 
 /// A template's algorithm and lease parameters.
@@ -136,7 +140,8 @@ fn item_glob(item: &Node) -> Option<&str> {
     }
 }
 
-const TEMPLATE_FIELDS: &[&str] = &["identifier_glob", "capacity", "safe_capacity", "description", "algorithm"];
+const TEMPLATE_FIELDS: &[&str] =
+    &["identifier_glob", "capacity", "safe_capacity", "description", "algorithm", "window"];
 const ALGORITHM_FIELDS: &[&str] = &["kind", "lease_length", "refresh_interval", "parameters", "learning_mode_duration"];
 
 fn read_template(ck: &mut Checker, node: &Node, path: &str) -> Option<Template> {
@@ -180,13 +185,51 @@ fn read_template(ck: &mut Checker, node: &Node, path: &str) -> Option<Template> 
             Some("e.g. `algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15 }`"),
         )
         .and_then(|n| read_algorithm(ck, n, &m.child("algorithm")));
+    let calendar = match m.get("window") {
+        None => Some(None),
+        Some(n) => {
+            let unit = m
+                .get("capacity")
+                .and_then(|c| c.as_str())
+                .filter(|s| s.contains('/'))
+                .and_then(|s| super::routes::parse_capacity(s).ok())
+                .map(|c| c.window);
+            window(ck, n, &m.child("window"), unit)
+        }
+    };
     Some(Template {
         identifier_glob: glob?,
         capacity: capacity.unwrap_or(0.0),
         safe_capacity,
         description,
         algorithm: algorithm?,
+        calendar: calendar?,
     })
+}
+
+/// A `window:` field: `calendar` (the capacity renews whole at each UTC
+/// boundary of its unit, `unit`) or `rolling` (a steady rate, the default).
+pub(super) fn window(ck: &mut Checker, n: &Node, path: &str, unit: Option<Duration>) -> Option<Option<Duration>> {
+    let s = ck.string(n, path)?;
+    match (s.as_str(), unit) {
+        ("rolling", _) => Some(None),
+        ("calendar", Some(unit)) => Some(Some(unit)),
+        ("calendar", None) => {
+            ck.error(
+                n.loc,
+                path,
+                "a calendar window needs a capacity with a unit",
+                Some("e.g. `capacity: 1000/day`: 1000 in each UTC day".into()),
+            );
+            None
+        }
+        (other, _) => {
+            let hint = super::yaml::closest(other, &["calendar", "rolling"])
+                .map_or("calendar or rolling".to_string(), |c| format!("did you mean `{c}`?"));
+            ck.error(n.loc, path, format!("unknown window `{other}`"), Some(hint));
+            None
+        }
+    }
 }
 
 /// The hint for a capacity that does not parse.

@@ -117,6 +117,10 @@ pub struct ResourceConfig {
     pub shadow: bool,
     /// The upstream's own quota headers, which steer the resource's capacity.
     pub upstream_quota: Option<super::quota::UpstreamQuota>,
+    /// `window: calendar`: the capacity renews whole at each UTC boundary of
+    /// its unit (the capacity's `window`). Honoured by the server that owns
+    /// the resource: the embedded one here, a resources file's template in a tree.
+    pub calendar: bool,
 }
 
 /// One piece of a templated id.
@@ -345,6 +349,7 @@ const RESOURCE_FIELDS: &[&str] = &[
     "key_idle_timeout",
     "shadow",
     "upstream_quota",
+    "window",
 ];
 const ROUTE_FIELDS: &[&str] = &["name", "match", "upstream", "resources", "pushback"];
 const MATCH_FIELDS: &[&str] = &["host", "path_prefix", "methods", "headers"];
@@ -721,6 +726,18 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         None => Some(None),
         Some(n) => super::quota::read(ck, n, &m.child("upstream_quota")).map(Some),
     };
+    let calendar = match m.get("window") {
+        None => Some(false),
+        Some(n) if kind == Some(ResourceKind::Gauge) => {
+            ck.error(n.loc, &m.child("window"), "a window applies to rate resources only", None);
+            None
+        }
+        Some(n) => {
+            let written = m.get("capacity").and_then(|c| c.as_str()).is_some_and(|s| s.contains('/'));
+            let unit = capacity.filter(|_| written).map(|c| c.window);
+            super::resources::window(ck, n, &m.child("window"), unit).map(|c| c.is_some())
+        }
+    };
     Some(ResourceConfig {
         name: name.to_string(),
         kind: kind?,
@@ -734,6 +751,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         lease: lease?,
         shadow: shadow?,
         upstream_quota: upstream_quota?,
+        calendar: calendar?,
     })
 }
 

@@ -72,9 +72,17 @@ impl ResourceSpec {
     /// that), at least one unit.
     pub fn burst_at(&self, capacity: f64, fleet: Option<f64>) -> f64 {
         if self.burst_one_second {
-            // One second at the leased rate: the fleet's burst is one second
-            // of the capacity the servers share.
-            return if capacity.is_finite() { capacity.max(1.0) } else { self.burst.max(1.0) };
+            // One second at the leased rate (the fleet's burst is one second
+            // of the capacity the servers share), and room for one request
+            // more below two: a bucket of one at a slow lease is full between
+            // most requests and drops what it earns meanwhile (a key leased
+            // 0.67/s, asked every second, would pass one request in two
+            // seconds). The one more is the fleet bound's one per sidecar.
+            return if capacity.is_finite() {
+                capacity.max(1.0 + capacity.clamp(0.0, 1.0))
+            } else {
+                self.burst.max(1.0)
+            };
         }
         let whole = fleet.unwrap_or(self.capacity);
         let share = if whole > 0.0 && capacity.is_finite() { (capacity / whole).min(1.0) } else { 1.0 };
@@ -684,6 +692,29 @@ mod tests {
             shadow: false,
             upstream_quota: false,
         }
+    }
+
+    /// A key leased less than two a second, asked more often than its
+    /// lease allows, passes its whole lease (a bucket of one would drop
+    /// what it earns while full between requests).
+    #[test]
+    fn a_slow_lease_asked_often_passes_all_of_it() {
+        let (clock, h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![ResourceSpec { burst_one_second: true, ..spec("r", Kind::Rate, 2.0) }]);
+        let k = t.resource("r").unwrap().limiter("r");
+        assert!(t.set_capacity("r", 2.0 / 3.0));
+        let passed = (0..60)
+            .filter(|_| {
+                h.advance(Duration::from_secs(1));
+                super::super::rate::try_admit(k.rate().unwrap(), k.clock(), 1.0)
+            })
+            .count();
+        assert!((39..=42).contains(&passed), "{passed} of 60 s at 2/3 a second");
+        // One second's worth of a fast lease, as before.
+        assert!(t.set_capacity("r", 50.0));
+        assert_eq!(t.resource("r").unwrap().spec().burst_at(50.0, None), 50.0);
+        assert_eq!(t.resource("r").unwrap().spec().burst_at(0.5, None), 1.5);
     }
 
     #[test]

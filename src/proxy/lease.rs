@@ -518,6 +518,7 @@ pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
         safe_capacity: Some(0.0),
         description: Some("catch-all".into()),
         algorithm: algorithm.clone(),
+        calendar: None,
     };
     let mut fixed: Vec<_> = cfg.resources.values().filter(|r| r.id.is_fixed()).collect();
     fixed.extend(cfg.resources.values().filter(|r| !r.id.is_fixed()));
@@ -543,6 +544,7 @@ pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
             safe_capacity: r.lease.safe_capacity,
             description: Some(format!("routes-file resource `{}`", r.name)),
             algorithm: algorithm.clone(),
+            calendar: r.calendar.then_some(r.capacity.window),
         };
         match template.identifier_glob == "*" {
             true => catch_all = template,

@@ -177,11 +177,11 @@ fn status_html(s: &Status) -> String {
                 .unwrap_or_default()
         );
     }
-    b.push_str("<table id=resources><tr><th>resource</th><th>template</th><th>algorithm</th><th>capacity</th><th>sum has</th><th>sum wants</th><th>clients (servers)</th><th>from parent</th><th>learning</th></tr>");
+    b.push_str("<table id=resources><tr><th>resource</th><th>template</th><th>algorithm</th><th>capacity</th><th>sum has</th><th>sum wants</th><th>clients (servers)</th><th>from parent</th><th>quota</th><th>learning</th></tr>");
     for r in &s.resources {
         let _ = write!(
             b,
-            "<tr><td><a href=\"/debug/resources?resource={id_q}\">{id}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} ({})</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td><a href=\"/debug/resources?resource={id_q}\">{id}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} ({})</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             escape(&r.template),
             r.algorithm,
             per_s(r.capacity),
@@ -190,6 +190,13 @@ fn status_html(s: &Status) -> String {
             r.clients,
             r.server_clients,
             r.parent_capacity.map(per_s).unwrap_or_else(|| "-".into()),
+            r.quota
+                .as_ref()
+                .map(|q| format!(
+                    "{:.0} of {:.0} left, renews in {:.0}s ({})",
+                    q.remaining, q.limit, q.reset_in_s, q.source
+                ))
+                .unwrap_or_else(|| "-".into()),
             if r.learning_mode { format!("{:.0}s left", r.learning_left_s) } else { "no".into() },
             id = escape(&r.id),
             id_q = escape(&percent_encode(&r.id)),

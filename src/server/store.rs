@@ -346,6 +346,8 @@ struct Resource {
     /// The upstream's own account of its quota, once a client reports one
     /// (boxed: most resources never have one).
     quota: Option<Box<super::quota::QuotaState>>,
+    /// `window: calendar` at a root: what the fleet spent of the current unit.
+    calendar: Option<Box<super::quota::Calendar>>,
     /// The store's [`Predecessor`] and lease horizon, as of this request.
     predecessor: Predecessor,
     horizon: Option<Time>,
@@ -465,6 +467,21 @@ pub struct ResourceStatus {
     /// An intermediate server's lease from its parent.
     pub parent_capacity: Option<f64>,
     pub parent_expires_in_s: Option<f64>,
+    /// The quota the capacity follows: the upstream's own account, or a
+    /// calendar window's.
+    pub quota: Option<QuotaStatus>,
+}
+
+/// A quota the shared capacity follows, as status pages show it.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuotaStatus {
+    /// `upstream` (its clients read it from the upstream's answers) or
+    /// `calendar` (`window: calendar`, counted by this server).
+    pub source: &'static str,
+    pub limit: f64,
+    pub remaining: f64,
+    /// Seconds until it renews.
+    pub reset_in_s: f64,
 }
 
 impl ResourceStatus {
@@ -856,6 +873,15 @@ impl Store {
                     learning_left_s: until.map_or(0.0, |u| u.since(now).as_secs_f64()),
                     parent_capacity: r.parent.as_ref().map(|p| p.capacity),
                     parent_expires_in_s: r.parent.as_ref().map(|p| p.expiry.since(now).as_secs_f64()),
+                    quota: r.quota_view(now).map(|o| QuotaStatus {
+                        source: match r.quota.as_ref().is_some_and(|q| q.latest.is_some()) {
+                            true => "upstream",
+                            false => "calendar",
+                        },
+                        limit: o.limit,
+                        remaining: o.remaining,
+                        reset_in_s: o.reset.since(now).as_secs_f64(),
+                    }),
                 }
             })
             .collect();
@@ -904,6 +930,7 @@ impl Resource {
     fn new(template: Arc<Template>) -> Self {
         Resource {
             quota: None,
+            calendar: None,
             template,
             parent: None,
             by_priority: None,
@@ -1199,15 +1226,50 @@ impl Resource {
     /// intermediate, the parent's unexpired grant, or `None`.
     fn capacity(&self, now: Time, role: Role) -> Option<f64> {
         match (role, &self.parent) {
-            (Role::Root, _) => Some(
-                self.quota
-                    .as_ref()
-                    .and_then(|q| q.capacity(now, self.template.capacity, self.index.total_has()))
-                    .unwrap_or(self.template.capacity),
-            ),
+            (Role::Root, _) => {
+                let upstream =
+                    self.quota.as_ref().and_then(|q| q.capacity(now, self.template.capacity, self.index.total_has()));
+                let calendar = self.calendar.as_ref().map(|c| c.capacity(now, self.calendar_budget()));
+                Some(match (upstream, calendar) {
+                    (Some(u), Some(c)) => u.min(c),
+                    (u, c) => u.or(c).unwrap_or(self.template.capacity),
+                })
+            }
             (Role::Intermediate { .. }, Some(p)) if p.expiry > now => Some(p.capacity),
             _ => None,
         }
+    }
+
+    /// A calendar window's budget: the capacity over one unit.
+    fn calendar_budget(&self) -> f64 {
+        self.template.calendar.map_or(0.0, |unit| self.template.capacity * unit.as_secs_f64())
+    }
+
+    /// Counts what the leases allowed of a calendar window's current unit
+    /// (at a root, where the resource's own template applies).
+    fn follow_calendar(&mut self, now: Time, role: Role) {
+        let unit = match role {
+            Role::Root => self.template.calendar,
+            Role::Intermediate { .. } => None,
+        };
+        let Some(unit) = unit else {
+            self.calendar = None;
+            return;
+        };
+        let (granted, budget) = (self.index.total_has(), self.calendar_budget());
+        match &mut self.calendar {
+            Some(c) if c.unit() == unit => c.advance(now, granted),
+            c => *c = Some(Box::new(super::quota::Calendar::new(unit, budget, now))),
+        }
+    }
+
+    /// The quota as the resource's clients are told it: the upstream's own
+    /// account, or a calendar window's.
+    fn quota_view(&self, now: Time) -> Option<crate::lease::quota::Observation> {
+        self.quota
+            .as_ref()
+            .and_then(|q| q.latest)
+            .or_else(|| self.calendar.as_ref().map(|c| c.observation(now, self.calendar_budget())))
     }
 
     fn configured_safe_capacity(&self) -> Option<f64> {
@@ -1228,10 +1290,10 @@ impl Resource {
     }
 
     /// The grant of `client`'s current lease, unchanged.
-    fn unchanged(&self, client: &str, capacity: Option<f64>, alg: Algorithm) -> Grant {
+    fn unchanged(&self, client: &str, now: Time, capacity: Option<f64>, alg: Algorithm) -> Grant {
         let l = &self.clients[client];
         Grant {
-            quota: self.quota.as_ref().and_then(|q| q.latest),
+            quota: self.quota_view(now),
             resource_capacity: None,
             capacity: l.granted,
             expiry: l.expiry,
@@ -1296,7 +1358,7 @@ impl Resource {
             None => safe,
         };
         Grant {
-            quota: self.quota.as_ref().and_then(|q| q.latest),
+            quota: self.quota_view(now),
             resource_capacity: None,
             capacity: 0.0,
             expiry: now,
@@ -1337,6 +1399,7 @@ impl Resource {
             let granted = self.index.total_has();
             self.quota.get_or_insert_default().observe(o, granted);
         }
+        self.follow_calendar(now, role);
         let (client, epoch) = match req.requester {
             Requester::Server { .. } => split_identity(id),
             Requester::Client { .. } => (id, None),
@@ -1357,7 +1420,7 @@ impl Resource {
             && let Some(le) = l.epoch
         {
             if e < le {
-                return self.unchanged(client, capacity, alg);
+                return self.unchanged(client, now, capacity, alg);
             }
             if e > le {
                 let floor = l.has.max(l.floor.filter(|f| f.1 > now).map_or(0.0, |f| f.0));
@@ -1379,7 +1442,7 @@ impl Resource {
             if epoch.is_some() && r.epoch > epoch {
                 // A stale master of a node whose lease lapsed: nothing to give it.
                 return Grant {
-                    quota: self.quota.as_ref().and_then(|q| q.latest),
+                    quota: self.quota_view(now),
                     resource_capacity: None,
                     capacity: 0.0,
                     expiry: now,
@@ -1417,7 +1480,7 @@ impl Resource {
             self.index.upsert(slot, req.wants, req.subclients, has);
             self.unfile_bands(slot, old_bands);
             self.file_bands(slot, bands.iter().copied(), has);
-            return self.unchanged(client, capacity, alg);
+            return self.unchanged(client, now, capacity, alg);
         }
         let slot = match self.clients.get(client) {
             Some(l) => {
@@ -1569,6 +1632,12 @@ impl Resource {
             // ever does on a sidecar's embedded server (its one client).
             refresh = refresh.min(FAST_REFRESH);
         }
+        if let Some(c) = &self.calendar {
+            // A calendar window: come back often enough to follow what is
+            // left of the unit, and at its boundary for the renewed budget.
+            let to_reset = Duration::from_secs(c.reset().since(now).as_secs_f64().ceil() as u64);
+            refresh = refresh.min((c.unit() / 60).max(FAST_REFRESH)).min(to_reset.max(FAST_REFRESH));
+        }
         let expiry = self.cap_expiry(expiry);
         let safe = self.safe_capacity(capacity.unwrap_or(0.0));
         // Not while learning: a new master does not know the shares its
@@ -1605,7 +1674,7 @@ impl Resource {
         self.expiries.insert((expiry, slot));
         self.clients.insert(self.owner(slot), Box::new(lease));
         Grant {
-            quota: self.quota.as_ref().and_then(|q| q.latest),
+            quota: self.quota_view(now),
             // (What the root shares: an intermediate passes on its parent's.)
             resource_capacity: match role {
                 Role::Root => capacity,

@@ -198,6 +198,7 @@ fn template(sc: &Scenario) -> ResourcesConfig {
                 learning_mode_duration: sc.learning_mode_duration,
                 parameters: vec![],
             },
+            calendar: None,
         })],
     }
 }

@@ -197,3 +197,15 @@ fn a_bad_rate_names_its_position_and_the_units() {
     );
     assert!(e.contains("r.yaml:3:15: resources[0].capacity: must be a finite number >= 0, not -5"), "{e}");
 }
+
+#[test]
+fn a_calendar_window_takes_its_unit_from_the_capacity() {
+    let text = "resources:\n  - identifier_glob: a\n    capacity: 1000/day\n    window: calendar\n    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15 }\n  - identifier_glob: '*'\n    capacity: 5\n    window: rolling\n    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15 }\n";
+    let c = ResourcesConfig::parse("r.yaml", text).unwrap();
+    assert_eq!(c.find("a").unwrap().calendar, Some(Duration::from_secs(86400)));
+    assert_eq!(c.find("b").unwrap().calendar, None);
+    let e = errors(&text.replace("capacity: 1000/day", "capacity: 12"));
+    assert!(e.contains("r.yaml:4:13: resources[0].window: a calendar window needs a capacity with a unit (hint: e.g. `capacity: 1000/day`"), "{e}");
+    let e = errors(&text.replace("window: calendar", "window: calender"));
+    assert!(e.contains("resources[0].window: unknown window `calender` (hint: did you mean `calendar`?)"), "{e}");
+}

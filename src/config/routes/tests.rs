@@ -405,3 +405,17 @@ fn costs_from_the_request_and_the_response_are_read_and_checked() {
         assert!(e.contains("r.yaml:9:") && e.contains(error), "{entry}: {e}");
     }
 }
+
+#[test]
+fn a_calendar_window_is_for_rates_written_with_a_unit() {
+    let base = "resources:\n  r: { kind: rate, capacity: 120/min, window: calendar }\n";
+    let c = RoutesConfig::parse("r.yaml", base).unwrap();
+    assert!(c.resources["r"].calendar);
+    assert_eq!(c.resources["r"].capacity.window, Duration::from_secs(60));
+    let e = RoutesConfig::parse("r.yaml", &base.replace("120/min", "2")).unwrap_err().to_string();
+    assert!(e.contains("resources.r.window: a calendar window needs a capacity with a unit"), "{e}");
+    let e = RoutesConfig::parse("r.yaml", "resources:\n  g: { kind: gauge, capacity: 4, window: calendar }\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("resources.g.window: a window applies to rate resources only"), "{e}");
+}

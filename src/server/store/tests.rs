@@ -18,6 +18,7 @@ fn template(kind: Kind, capacity: f64, lease: u64, refresh: u64, learning: u64) 
             learning_mode_duration: Duration::from_secs(learning),
             parameters: vec![],
         },
+        calendar: None,
     })
 }
 
