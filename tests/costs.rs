@@ -167,4 +167,7 @@ async fn costs_settle_on_the_general_path_too() {
         statuses.push(client.send_request(req).await.unwrap().status().as_u16());
     }
     assert_eq!(statuses, [200, 200, 429, 429], "charged 400 each once settled");
+    let (_, text) = support::http_get(sidecar.addr("admin"), "/metrics");
+    let settled = support::metric(&text, "usher_proxy_settles_total", &[("route", "chat"), ("outcome", "settled")]);
+    assert_eq!(settled, Some(2.0), "{text}");
 }

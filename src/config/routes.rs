@@ -267,10 +267,49 @@ pub struct CostRule {
     /// (`default_cost`) is charged. A cost above the resource's burst counts
     /// as the burst.
     pub header: Option<String>,
-    /// `settle: { response_header: NAME }`: the response header (lower-case)
-    /// holding the real cost; the difference from what was charged at
-    /// admission is charged to the key, or given back.
-    pub settle_header: Option<String>,
+    /// `settle: { .. }`: where the real cost is read from the answer; the
+    /// difference from what was charged at admission is charged to the key,
+    /// or given back.
+    pub settle: Option<SettleFrom>,
+}
+
+/// Where a resource's real cost is read from once the upstream has answered.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SettleFrom {
+    /// `response_header: NAME`: a response header (lower-case name).
+    Header(String),
+    /// `response_json: PATH`: a number in the answer's JSON body.
+    Json(JsonPath),
+}
+
+/// The most steps a `response_json` path may have.
+pub const MAX_JSON_PATH_STEPS: usize = 32;
+
+/// A dotted path into a JSON document: `usage.total_tokens`, or
+/// `choices.0.usage.total_tokens` (a step of digits also indexes an array).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JsonPath {
+    /// The path as written, for messages.
+    pub text: String,
+    /// Object keys (or array indices) from the document's root.
+    pub steps: Vec<String>,
+}
+
+impl JsonPath {
+    /// Parses a dotted path; `Err` says what is wrong.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text.trim().is_empty() {
+            return Err("the path is empty".into());
+        }
+        let steps: Vec<String> = text.split('.').map(str::to_string).collect();
+        if steps.iter().any(String::is_empty) {
+            return Err(format!("`{text}` has an empty step: steps are separated by one `.`"));
+        }
+        if steps.len() > MAX_JSON_PATH_STEPS {
+            return Err(format!("`{text}` has {} steps, more than {MAX_JSON_PATH_STEPS}", steps.len()));
+        }
+        Ok(JsonPath { text: text.to_string(), steps })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -867,23 +906,7 @@ fn read_route(
                         }
                     };
                     if let Some(n) = rm.get("settle") {
-                        let sp = rm.child("settle");
-                        if let Some(sm) = ck.map(n, &sp, &["response_header"])
-                            && let Some(h) = ck.required(&sm, "response_header", Some("e.g. x-usage-total-tokens"))
-                        {
-                            match ck.string(h, &sm.child("response_header")) {
-                                Some(name) if http::HeaderName::from_bytes(name.as_bytes()).is_ok() => {
-                                    rule.settle_header = Some(name.to_ascii_lowercase());
-                                }
-                                Some(name) => ck.error(
-                                    h.loc,
-                                    &sm.child("response_header"),
-                                    format!("`{name}` is not a valid header name"),
-                                    None,
-                                ),
-                                None => {}
-                            }
-                        }
+                        rule.settle = settle_from(ck, n, &rm.child("settle"));
                     }
                     if rule != CostRule::default()
                         && let Some((name, _)) = &r
@@ -970,6 +993,56 @@ fn read_route(
         cost_rules: rules,
         pushback: pushback?,
     })
+}
+
+/// Reads a resource's `settle:` mapping: one of `response_header: NAME` or
+/// `response_json: PATH`.
+fn settle_from(ck: &mut Checker, node: &Node, path: &str) -> Option<SettleFrom> {
+    let m = ck.map(node, path, &["response_header", "response_json"])?;
+    // Looked up with nulls kept: `response_json:` with no value is a missing path, not a missing field.
+    let given = |key: &str| m.entries().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v);
+    match (given("response_header"), given("response_json")) {
+        (Some(_), Some(j)) => {
+            ck.error(
+                j.loc,
+                &m.child("response_json"),
+                "give response_header or response_json, not both",
+                Some("a cost is settled from one place".into()),
+            );
+            None
+        }
+        // Keys that are there were unknown, and said so.
+        (None, None) if m.entries().next().is_some() => None,
+        (None, None) => {
+            ck.error(
+                m.loc(),
+                path,
+                "expected response_header or response_json",
+                Some("e.g. settle: { response_json: usage.total_tokens }".into()),
+            );
+            None
+        }
+        (Some(h), None) => {
+            let field = m.child("response_header");
+            let name = ck.string(h, &field)?;
+            if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                ck.error(h.loc, &field, format!("`{name}` is not a valid header name"), None);
+                return None;
+            }
+            Some(SettleFrom::Header(name.to_ascii_lowercase()))
+        }
+        (None, Some(j)) => {
+            let field = m.child("response_json");
+            let text = ck.string(j, &field)?;
+            match JsonPath::parse(&text) {
+                Ok(p) => Some(SettleFrom::Json(p)),
+                Err(why) => {
+                    ck.error(j.loc, &field, why, Some("a dotted path such as usage.total_tokens".into()));
+                    None
+                }
+            }
+        }
+    }
 }
 
 fn read_match(ck: &mut Checker, node: &Node, path: &str) -> Option<Match> {

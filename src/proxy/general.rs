@@ -323,8 +323,14 @@ fn source_of<'a, T: std::error::Error + 'static>(e: &'a (dyn std::error::Error +
 
 /// The answer hyper sends for an upstream's: its body holds what the request
 /// holds until its last bytes are handed out.
-pub(super) fn respond(answer: Response<UpstreamBody>, held: Held) -> Response<ProxyBody> {
-    answer.map(|b| Tracked { inner: b, held, ended: false }.boxed_unsync())
+pub(super) fn respond(answer: Response<UpstreamBody>, mut held: Held) -> Response<ProxyBody> {
+    answer.map(|b| {
+        // hyper may never poll a body that is over before it starts (a HEAD, a 204).
+        if b.is_end_stream() {
+            held.end();
+        }
+        Tracked { inner: b, held, ended: false }.boxed_unsync()
+    })
 }
 
 pin_project! {
@@ -360,11 +366,18 @@ impl Body for Tracked {
                     return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
                 }
             }
-            None => *this.held = Held::default(),
+            None => {
+                this.held.end();
+                *this.held = Held::default();
+            }
             // The last data: what the request holds is free before hyper
             // writes it, so a client that has the whole answer finds it free.
-            Some(Ok(_)) => {
+            Some(Ok(f)) => {
+                if let Some(data) = f.data_ref() {
+                    this.held.tee(data);
+                }
                 if this.inner.is_end_stream() {
+                    this.held.end();
                     *this.held = Held::default();
                 }
             }

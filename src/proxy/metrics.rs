@@ -24,6 +24,8 @@ pub struct Metrics {
     pub config_reload_errors: IntCounter,
     /// HTTP/1.1 requests the native path handed to the general one, by reason.
     pub http1_handoffs: IntCounterVec,
+    /// Answers read for a settled cost, by route, resource and outcome.
+    settles: IntCounterVec,
     capacity: prometheus::GaugeVec,
     demand: prometheus::GaugeVec,
     /// The upstream's own account of its quota, by resource and field.
@@ -78,6 +80,14 @@ impl Metrics {
             &["reason"],
         )
         .expect("metric");
+        let settles = IntCounterVec::new(
+            Opts::new(
+                "usher_proxy_settles_total",
+                "Answers read for a cost settled from the response, by route, resource and outcome (settled, or why not)",
+            ),
+            &["route", "resource", "outcome"],
+        )
+        .expect("metric");
         let capacity = prometheus::GaugeVec::new(
             Opts::new("usher_proxy_capacity", "Current capacity per resource, summed over its keys"),
             &["resource"],
@@ -121,6 +131,7 @@ impl Metrics {
             Box::new(config_reloads.clone()),
             Box::new(config_reload_errors.clone()),
             Box::new(http1_handoffs.clone()),
+            Box::new(settles.clone()),
             Box::new(capacity.clone()),
             Box::new(demand.clone()),
             Box::new(upstream_quota.clone()),
@@ -141,6 +152,7 @@ impl Metrics {
             config_reloads,
             config_reload_errors,
             http1_handoffs,
+            settles,
             capacity,
             demand,
             upstream_quota,
@@ -177,6 +189,20 @@ impl Metrics {
             upstream_quota: self.upstream_quota.clone(),
             quota_series: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The settle counters of one resource of one route.
+    pub fn settle(&self, route: &str, resource: &str) -> SettleMetrics {
+        let m = SettleMetrics {
+            vec: self.settles.clone(),
+            route: route.to_string(),
+            resource: resource.to_string(),
+            counts: Default::default(),
+            warned: Default::default(),
+        };
+        // Shown from the start: a dashboard has a series to rate.
+        m.counter(SettleOutcome::Settled);
+        m
     }
 
     /// Refreshes the per-resource gauges from the LeaseTable (at scrape time).
@@ -237,5 +263,75 @@ impl ResourceMetrics {
         limit.set(o.limit);
         remaining.set(o.remaining);
         reset.set(o.reset.since(now).as_secs_f64());
+    }
+}
+
+/// What became of an answer read for a settled cost: settled, or why not
+/// (the admission's charge then stands).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SettleOutcome {
+    /// The real cost was read and the difference charged or given back.
+    Settled,
+    /// The header is absent, or the JSON path holds no number of at least 0.
+    Missing,
+    /// The body is not JSON.
+    NotJson,
+    /// The body is over the most that is read (`settle::MAX_JSON_BODY`).
+    TooLarge,
+    /// The body is compressed (`content-encoding`).
+    Encoded,
+    /// The body is a stream of events (`text/event-stream`).
+    Streaming,
+    /// The body is empty (a HEAD request, a 204).
+    Empty,
+    /// The body did not end: the app left, or the upstream cut it.
+    Incomplete,
+    /// An answer other than 2xx that did not carry the cost.
+    Status,
+}
+
+impl SettleOutcome {
+    pub const COUNT: usize = 9;
+
+    /// The `outcome` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            SettleOutcome::Settled => "settled",
+            SettleOutcome::Missing => "missing",
+            SettleOutcome::NotJson => "not_json",
+            SettleOutcome::TooLarge => "too_large",
+            SettleOutcome::Encoded => "encoded",
+            SettleOutcome::Streaming => "streaming",
+            SettleOutcome::Empty => "empty",
+            SettleOutcome::Incomplete => "incomplete",
+            SettleOutcome::Status => "status",
+        }
+    }
+}
+
+/// One route resource's settle counters, each series made on its first
+/// use, and whether each outcome was warned about yet.
+pub struct SettleMetrics {
+    vec: IntCounterVec,
+    pub route: String,
+    pub resource: String,
+    counts: [std::sync::OnceLock<IntCounter>; SettleOutcome::COUNT],
+    warned: [std::sync::atomic::AtomicBool; SettleOutcome::COUNT],
+}
+
+impl SettleMetrics {
+    fn counter(&self, o: SettleOutcome) -> &IntCounter {
+        self.counts[o as usize].get_or_init(|| self.vec.with_label_values(&[&self.route, &self.resource, o.label()]))
+    }
+
+    /// Counts one answer's outcome; true the first time it is not `Settled`
+    /// (the caller warns once).
+    pub fn count(&self, o: SettleOutcome) -> bool {
+        self.counter(o).inc();
+        o != SettleOutcome::Settled && {
+            let warned = &self.warned[o as usize];
+            !warned.load(std::sync::atomic::Ordering::Relaxed)
+                && !warned.swap(true, std::sync::atomic::Ordering::Relaxed)
+        }
     }
 }

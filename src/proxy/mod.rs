@@ -29,6 +29,7 @@ mod pool;
 pub mod pushback;
 pub mod respond;
 pub mod route;
+mod settle;
 mod status;
 pub mod upstream;
 mod wiring;

@@ -39,6 +39,7 @@ use super::metrics::Metrics;
 use super::pushback::Pushback;
 use super::respond::{self, ProxyBody, ProxyError};
 use super::route::{ListenerId, RequestView, Resolved, Route, Routing};
+use super::settle::{self, BodySettle};
 use super::upstream::Upstream;
 use crate::clock::{Clock, Time};
 use crate::config::doorman::PushbackConfig;
@@ -210,7 +211,8 @@ pub enum Reply<A> {
 }
 
 /// What a request holds while its response body is sent: its gauge permits
-/// and its place in the in-flight count.
+/// and its place in the in-flight count; and, for a route that settles a
+/// cost from the JSON body, that body's copy.
 #[derive(Default)]
 pub struct Held {
     route: Option<Arc<Route>>,
@@ -219,9 +221,30 @@ pub struct Held {
     _in_flight: Option<InFlight>,
     _admitted: Option<Admitted>,
     _shadow: Option<admit::Shadow>,
+    /// The body read for the costs it settles (`settle: { response_json }`).
+    settle: Option<Box<BodySettle>>,
 }
 
 impl Held {
+    /// Copies the body's next bytes (de-chunked) as they are relayed, when
+    /// the route settles a cost from them; one check otherwise.
+    #[inline]
+    pub fn tee(&mut self, data: &[u8]) {
+        if let Some(s) = &mut self.settle {
+            s.push(data);
+        }
+    }
+
+    /// The body's last bytes are in hand: the costs it carries are settled,
+    /// before those bytes are written (the app's next request finds them
+    /// settled) and before what the request holds is released.
+    #[inline]
+    pub fn end(&mut self) {
+        if let Some(s) = self.settle.take() {
+            s.finish();
+        }
+    }
+
     /// Counts a response body that failed after its head was sent (the
     /// client sees it cut): `usher_proxy_response_body_errors_total`.
     pub fn body_failed(&self) {
@@ -477,13 +500,14 @@ where
         let acc = &**this.accounts;
         Poll::Ready(match ready!(this.inner.poll(cx)) {
             Ok(Answered { answer, meta }) => {
-                acc.answered(&meta, answer.status(), || answer.retry_after(), |name| answer.header(name));
+                let settle = acc.answered(&meta, answer.status(), || answer.retry_after(), |name| answer.header(name));
                 let held = Held {
                     route: meta.route,
                     grpc: meta.grpc,
                     _in_flight: meta.in_flight,
                     _admitted: meta.admitted,
                     _shadow: meta.shadow,
+                    settle,
                 };
                 let held = match answer.hold() {
                     Some(hold) => {
@@ -505,15 +529,16 @@ where
 
 impl Accounts {
     /// An upstream's answer (the one outcome of a request that reached it):
-    /// admission metrics, pushback, the access log.
+    /// admission metrics, pushback, costs settled from its head, the access
+    /// log. Returns what reads its body for the costs the body settles.
     fn answered<'a>(
         &self,
         meta: &Meta,
         status: StatusCode,
         retry_after: impl Fn() -> Option<Duration>,
         header: impl Fn(&str) -> Option<&'a [u8]>,
-    ) {
-        let Some(route) = &meta.route else { return };
+    ) -> Option<Box<BodySettle>> {
+        let Some(route) = &meta.route else { return None };
         let (paced, waited) = meta.admitted.as_ref().map_or((false, Duration::ZERO), |a| (a.paced, a.waited));
         if paced { &route.metrics.paced } else { &route.metrics.admitted }.inc();
         if !route.resources.is_empty() {
@@ -542,9 +567,10 @@ impl Accounts {
             }
             None => self.observe_pushback(route, &meta.plan, status, retry_after),
         }
-        if route.settles {
-            settle(route, &meta.plan, &header);
-        }
+        let settle = match route.settles {
+            true => settle::on_answer(route, &meta.plan, status, &header),
+            false => None,
+        };
         let outcome = match &meta.shadow {
             Some(admit::Shadow { refused: Some(resource), .. }) => {
                 // Forwarded all the same: counted as what enforcing would have done.
@@ -557,6 +583,7 @@ impl Accounts {
         };
         let waited = meta.shadow.as_ref().map_or(waited, |s| waited.max(s.would_wait));
         self.log(&route.name, meta, outcome, waited, status);
+        settle
     }
 
     /// A request that got no upstream answer.
@@ -706,23 +733,6 @@ impl Accounts {
             total_ms: total.as_secs_f64() * 1e3,
             listener: meta.route.as_ref().and_then(|r| r.listener.clone()),
         });
-    }
-}
-
-/// Settles the costs a route's resources read from the answer: the
-/// difference from what was charged at admission is charged to the key (a
-/// debt later requests wait for) or given back, and counted in its demand.
-fn settle<'a>(route: &Route, plan: &Plan, header: &impl Fn(&str) -> Option<&'a [u8]>) {
-    for r in &route.resources {
-        let Some(name) = &r.settle_header else { continue };
-        let value = header(name).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<f64>().ok());
-        let Some(real) = value.filter(|v| v.is_finite() && *v >= 0.0) else { continue };
-        for (l, charged) in plan.items.iter().chain(plan.shadow.iter()) {
-            if l.is_of(&r.metrics.name) {
-                l.charge(real - charged);
-                l.demand().settle(real - charged);
-            }
-        }
     }
 }
 

@@ -8,10 +8,10 @@ use std::sync::{Arc, OnceLock};
 
 use http::{Method, Request, header};
 
-use super::metrics::{Metrics, ResourceMetrics, RouteMetrics};
+use super::metrics::{Metrics, ResourceMetrics, RouteMetrics, SettleMetrics};
 use super::respond::ProxyError;
 use super::upstream::{Target, Upstream};
-use crate::config::routes::{DefaultAction, IdTemplate, Match, ResourceKind, RoutesConfig, Segment};
+use crate::config::routes::{DefaultAction, IdTemplate, Match, ResourceKind, RoutesConfig, Segment, SettleFrom};
 use crate::limit::{Kind, LeaseTable, Limiter, Plan, ResourceLimits, ResourceSpec};
 
 /// One compiled route. Everything a request needs that does not depend on
@@ -28,8 +28,8 @@ pub struct Route {
     /// The plan of a route whose resource ids and costs are all fixed: the
     /// same for every request, so built on the first one.
     fixed_plan: Option<OnceLock<Plan>>,
-    /// A resource settles its cost from the response: the engine keeps the
-    /// response's head for it.
+    /// A resource settles its cost from the response (its head, or its JSON
+    /// body): the engine keeps the response's head for it.
     pub settles: bool,
     /// A resource reads the upstream's quota headers (the head is kept too).
     pub quotas: bool,
@@ -50,8 +50,8 @@ pub struct RouteResource {
     cost: f64,
     /// The request header the cost is read from (`cost` when it has none).
     cost_header: Option<String>,
-    /// The response header the real cost is settled from.
-    pub settle_header: Option<String>,
+    /// Where the real cost is settled from, and how settling went.
+    pub settle: Option<Box<Settle>>,
     /// The resource's burst: a cost read from a request counts as at most this.
     burst: f64,
     /// The upstream's quota headers, when they steer the resource.
@@ -59,6 +59,12 @@ pub struct RouteResource {
     /// The limiter of a fixed id, found on the first request (fixed keys are never forgotten).
     fixed: OnceLock<Arc<Limiter>>,
     pub metrics: ResourceMetrics,
+}
+
+/// Where a route resource's real cost is settled from, and its counters.
+pub struct Settle {
+    pub from: SettleFrom,
+    pub metrics: SettleMetrics,
 }
 
 impl RouteResource {
@@ -216,7 +222,9 @@ impl Routing {
                                 template: cfg.resources[name].id.clone(),
                                 cost: *cost,
                                 cost_header: rule.and_then(|c| c.header.clone()),
-                                settle_header: rule.and_then(|c| c.settle_header.clone()),
+                                settle: rule
+                                    .and_then(|c| c.settle.clone())
+                                    .map(|from| Box::new(Settle { from, metrics: metrics.settle(&r.name, name) })),
                                 burst: cfg.resources[name].burst,
                                 quota: cfg.resources[name].upstream_quota.clone().map(Arc::new),
                                 fixed: OnceLock::new(),
@@ -234,7 +242,7 @@ impl Routing {
                                 && r.cost_rules.get(name).is_none_or(|c| c.header.is_none())
                         })
                         .then(OnceLock::new),
-                    settles: r.cost_rules.values().any(|c| c.settle_header.is_some()),
+                    settles: r.cost_rules.values().any(|c| c.settle.is_some()),
                     quotas: r.resources.iter().any(|(name, _)| cfg.resources[name].upstream_quota.is_some()),
                     listener: listener_of.map(str::to_string),
                 })

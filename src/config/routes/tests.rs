@@ -394,12 +394,12 @@ fn costs_from_the_request_and_the_response_are_read_and_checked() {
     assert_eq!(route.resources, vec![("tokens".to_string(), 200.0)]);
     let rule = &route.cost_rules["tokens"];
     assert_eq!(rule.header.as_deref(), Some("x-max-tokens"));
-    assert_eq!(rule.settle_header.as_deref(), Some("x-usage-total-tokens"));
+    assert_eq!(rule.settle, Some(SettleFrom::Header("x-usage-total-tokens".into())));
     for (entry, error) in [
         ("{ resource: tokens, cost: \"{path.1}\" }", "expected a number or \"{header.NAME}\""),
         ("{ resource: tokens, cost: 5, default_cost: 3 }", "default_cost applies to a cost read from a request header"),
-        ("{ resource: tokens, settle: { response_json: usage.total } }", "unknown field"),
         ("{ resource: tokens, settle: { response_header: \"a b\" } }", "`a b` is not a valid header name"),
+        ("{ resource: tokens, settle: { body: usage.total } }", "settle.body: unknown field"),
     ] {
         let e = RoutesConfig::parse("r.yaml", &format!("{head}      - {entry}\n")).unwrap_err().to_string();
         assert!(e.contains("r.yaml:9:") && e.contains(error), "{entry}: {e}");
@@ -418,4 +418,46 @@ fn a_calendar_window_is_for_rates_written_with_a_unit() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("resources.g.window: a window applies to rate resources only"), "{e}");
+
+fn a_cost_settled_from_the_json_body_is_read_and_checked() {
+    let head = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+                resources:\n  tokens: { kind: rate, capacity: 100/s, burst: 500 }\n\
+                routes:\n  - name: all\n    upstream: up\n    resources:\n";
+    let parse = |entry: &str| RoutesConfig::parse("r.yaml", &format!("{head}      - {entry}\n"));
+    for (entry, steps) in [
+        (
+            "{ resource: tokens, cost: 150, settle: { response_json: usage.total_tokens } }",
+            &["usage", "total_tokens"][..],
+        ),
+        ("{ resource: tokens, settle: { response_json: choices.0.usage.n } }", &["choices", "0", "usage", "n"]),
+        ("{ resource: tokens, settle: { response_json: \"tokens\" } }", &["tokens"]),
+    ] {
+        let c = parse(entry).unwrap_or_else(|e| panic!("{entry}: {e}"));
+        let Some(SettleFrom::Json(p)) = &c.routes[0].cost_rules["tokens"].settle else {
+            panic!("{entry}: no JSON path")
+        };
+        assert_eq!(p.steps, steps, "{entry}");
+    }
+    let prefix = "r.yaml:9:";
+    for (entry, error) in [
+        (
+            "{ resource: tokens, settle: { response_header: x-tokens, response_json: usage.total } }",
+            "resources[0].settle.response_json: give response_header or response_json, not both",
+        ),
+        ("{ resource: tokens, settle: {} }", "resources[0].settle: expected response_header or response_json"),
+        ("{ resource: tokens, settle: { response_json: \"\" } }", "settle.response_json: the path is empty"),
+        ("{ resource: tokens, settle: { response_json: } }", "settle.response_json: expected a string"),
+        ("{ resource: tokens, settle: { response_json: usage..total } }", "`usage..total` has an empty step"),
+        ("{ resource: tokens, settle: { response_json: .total } }", "`.total` has an empty step"),
+        ("{ resource: tokens, settle: { response_json: [usage] } }", "settle.response_json: expected a string"),
+        ("{ resource: tokens, settle: { response_jsn: usage.total } }", "did you mean `response_json`?"),
+        ("{ resource: tokens, settle: usage.total }", "settle: expected a mapping"),
+    ] {
+        let e = parse(entry).unwrap_err().to_string();
+        assert!(e.starts_with(prefix) && e.contains(error), "{entry}: {e}");
+        assert_eq!(e.lines().count(), 1, "{entry}: one error, not a cascade: {e}");
+    }
+    let deep = vec!["a"; MAX_JSON_PATH_STEPS + 1].join(".");
+    let e = parse(&format!("{{ resource: tokens, settle: {{ response_json: {deep} }} }}")).unwrap_err().to_string();
+    assert!(e.contains(&format!("more than {MAX_JSON_PATH_STEPS}")), "{e}");
 }

@@ -803,7 +803,7 @@ where
 {
     // The body is all in hand: bytes after it are a broken upstream, whose connection is not reused.
     let home = |stream: Stream, clean: bool, held: &mut Option<pipeline::Held>| {
-        *held = None;
+        release(held);
         if let (true, Some(pool)) = (clean, pool) {
             pool.put(stream);
         }
@@ -816,6 +816,7 @@ where
         }
         Framing::Length(n) => {
             let first = up.len().min(usize::try_from(n).unwrap_or(usize::MAX));
+            tee(held, &up[..first]);
             out.extend_from_slice(&up[..first]);
             up.advance(first);
             let mut left = n - first as u64;
@@ -833,6 +834,7 @@ where
                         Err(e) => return Err(BodyError::Upstream(e.to_string())),
                     }
                     let take = up.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                    tee(held, &up[..take]);
                     left -= take as u64;
                     if left == 0 {
                         home(stream, up.len() == take, held);
@@ -848,7 +850,7 @@ where
         Framing::Chunked => {
             let mut chunks = Dechunker::default();
             loop {
-                let used = match chunks.feed(up, out) {
+                let used = match chunks.feed(up, out, |data| tee(held, data)) {
                     Ok(used) => used,
                     Err(e) => {
                         // The head and what decoded before the fault still go
@@ -878,13 +880,14 @@ where
         Framing::Close => loop {
             // What has come goes out before the next read: a body that
             // trickles (a stream of events) is not held back by the wait.
+            tee(held, up);
             response::push_chunk(out, up);
             send(app.io, out).await?;
             up.clear();
             up.reserve(READ_CHUNK);
             let n = app.wait(stream.read_buf(up)).await?.map_err(|e| BodyError::Upstream(e.to_string()))?;
             if n == 0 {
-                *held = None;
+                release(held);
                 out.extend_from_slice(b"0\r\n\r\n");
                 send(app.io, out).await?;
                 app.io.flush().await.map_err(BodyError::Client)?;
@@ -915,6 +918,7 @@ where
             match app.wait(body.data()).await? {
                 None => break,
                 Some(Ok(data)) => {
+                    tee(held, &data);
                     if chunked {
                         response::push_chunk(out, &data);
                     } else {
@@ -938,9 +942,26 @@ where
             out.extend_from_slice(b"0\r\n\r\n");
         }
     }
-    *held = None;
+    release(held);
     send(app.io, out).await?;
     app.io.flush().await.map_err(BodyError::Client)
+}
+
+/// Copies relayed body bytes for the costs they settle, if the route reads them.
+#[inline]
+fn tee(held: &mut Option<pipeline::Held>, data: &[u8]) {
+    if let Some(h) = held {
+        h.tee(data);
+    }
+}
+
+/// The body's last bytes are in hand: its costs are settled, and what the
+/// request holds is released.
+#[inline]
+fn release(held: &mut Option<pipeline::Held>) {
+    if let Some(mut h) = held.take() {
+        h.end();
+    }
 }
 
 /// Writes and empties `out`.

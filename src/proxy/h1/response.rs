@@ -286,13 +286,21 @@ impl Dechunker {
     }
 
     /// Decodes from `input`, appending re-encoded data (and, at the end, the
-    /// last chunk) to `out`. Returns how many bytes were consumed: all of
-    /// `input`, or fewer once the body has ended.
-    pub fn feed(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<usize, &'static str> {
+    /// last chunk) to `out`, and handing each piece of decoded data to
+    /// `data` (a copy for a settled cost; a no-op otherwise). Returns how
+    /// many bytes were consumed: all of `input`, or fewer once the body has
+    /// ended.
+    pub fn feed(
+        &mut self,
+        input: &[u8],
+        out: &mut Vec<u8>,
+        mut data: impl FnMut(&[u8]),
+    ) -> Result<usize, &'static str> {
         let mut i = 0;
         while i < input.len() && self.state != State::Done {
             if self.state == State::Body {
                 let n = (input.len() - i).min(usize::try_from(self.size).unwrap_or(usize::MAX));
+                data(&input[i..i + n]);
                 push_chunk(out, &input[i..i + n]);
                 i += n;
                 self.size -= n as u64;

@@ -367,7 +367,7 @@ fn decode(mut chunks: &[u8]) -> Vec<u8> {
 fn dechunk(input: &[u8]) -> Result<(usize, Vec<u8>), &'static str> {
     let mut d = Dechunker::default();
     let mut out = Vec::new();
-    let n = d.feed(input, &mut out)?;
+    let n = d.feed(input, &mut out, |_| {})?;
     Ok((n, out))
 }
 
@@ -393,7 +393,7 @@ fn dechunker_decodes_and_re_encodes() {
     let mut d = Dechunker::default();
     let mut out = b"before|".to_vec();
     assert!(!d.is_done());
-    assert_eq!(d.feed(&input, &mut out), Ok(end));
+    assert_eq!(d.feed(&input, &mut out, |_| {}), Ok(end));
     assert!(d.is_done());
     assert_eq!(
         String::from_utf8(out.clone()).unwrap(),
@@ -401,7 +401,7 @@ fn dechunker_decodes_and_re_encodes() {
     );
     assert_eq!(decode(&out[b"before|".len()..]), sample_data());
     // Once done, nothing more is read or written.
-    assert_eq!(d.feed(b"0\r\n\r\n", &mut out), Ok(0));
+    assert_eq!(d.feed(b"0\r\n\r\n", &mut out, |_| {}), Ok(0));
     assert!(out.ends_with(b"!\r\n0\r\n\r\n"));
 }
 
@@ -420,7 +420,7 @@ fn dechunker_empty_and_large_sizes() {
     // The largest size is no overflow: all of it is read, waiting for data.
     let mut d = Dechunker::default();
     let mut out = Vec::new();
-    assert_eq!(d.feed(b"ffffffffffffffff\r\nabc", &mut out), Ok(21));
+    assert_eq!(d.feed(b"ffffffffffffffff\r\nabc", &mut out, |_| {}), Ok(21));
     assert_eq!(out, b"3\r\nabc\r\n");
     assert!(!d.is_done());
 }
@@ -431,14 +431,21 @@ fn dechunker_is_the_same_split_anywhere() {
     for split in 0..=input.len() {
         let mut d = Dechunker::default();
         let mut out = Vec::new();
-        let first = d.feed(&input[..split], &mut out).unwrap_or_else(|e| panic!("split {split}: {e}"));
+        // The data handed out as it is decoded (a settled cost's copy) is the body's, whatever the split.
+        let mut data = Vec::new();
+        let first = d
+            .feed(&input[..split], &mut out, |b| data.extend_from_slice(b))
+            .unwrap_or_else(|e| panic!("split {split}: {e}"));
         assert_eq!(first, split.min(end), "split {split}");
         if first == split {
-            let second = d.feed(&input[split..], &mut out).unwrap_or_else(|e| panic!("split {split}: {e}"));
+            let second = d
+                .feed(&input[split..], &mut out, |b| data.extend_from_slice(b))
+                .unwrap_or_else(|e| panic!("split {split}: {e}"));
             assert_eq!(first + second, end, "split {split}");
         }
         assert!(d.is_done(), "split {split}");
         assert_eq!(decode(&out), sample_data(), "split {split}");
+        assert_eq!(data, sample_data(), "split {split}");
     }
 }
 
@@ -447,15 +454,18 @@ fn dechunker_is_the_same_one_byte_at_a_time() {
     let (input, end) = sample_body();
     let mut d = Dechunker::default();
     let mut out = Vec::new();
-    let mut consumed = 0;
+    let (mut consumed, mut data) = (0, Vec::new());
     for (i, b) in input.iter().enumerate() {
-        let n = d.feed(std::slice::from_ref(b), &mut out).unwrap_or_else(|e| panic!("byte {i}: {e}"));
+        let n = d
+            .feed(std::slice::from_ref(b), &mut out, |b| data.extend_from_slice(b))
+            .unwrap_or_else(|e| panic!("byte {i}: {e}"));
         assert_eq!(n, usize::from(i < end), "byte {i}");
         consumed += n;
     }
     assert_eq!(consumed, end);
     assert!(d.is_done());
     assert_eq!(decode(&out), sample_data());
+    assert_eq!(data, sample_data());
 }
 
 #[test]
@@ -491,7 +501,7 @@ fn dechunker_errors() {
 fn dechunker_keeps_data_decoded_before_an_error() {
     let mut d = Dechunker::default();
     let mut out = Vec::new();
-    assert_eq!(d.feed(b"3\r\nabc\r\nz", &mut out), Err("invalid chunk size line: missing size digit"));
+    assert_eq!(d.feed(b"3\r\nabc\r\nz", &mut out, |_| {}), Err("invalid chunk size line: missing size digit"));
     assert_eq!(out, b"3\r\nabc\r\n");
 }
 
