@@ -16,6 +16,7 @@
 
 pub mod access_log;
 mod body;
+pub mod feedback;
 mod general;
 mod guard;
 mod h1;

@@ -11,7 +11,7 @@ use http::{Method, Request, header};
 use super::metrics::{Metrics, ResourceMetrics, RouteMetrics};
 use super::respond::ProxyError;
 use super::upstream::{Target, Upstream};
-use crate::config::routes::{DefaultAction, IdTemplate, Match, ResourceKind, RoutesConfig, Segment};
+use crate::config::routes::{CostRule, DefaultAction, IdTemplate, Match, ResourceKind, RoutesConfig, Segment};
 use crate::limit::{Kind, LeaseTable, Limiter, Plan, ResourceLimits, ResourceSpec};
 
 /// One compiled route. Everything a request needs that does not depend on
@@ -43,13 +43,17 @@ impl std::fmt::Debug for Route {
     }
 }
 
-/// One resource a route must be admitted by.
+/// One resource a route must be admitted by (and, in `crate::embed`, the
+/// one resource a layer admits by): its keys, the cost of a request, and
+/// what it reads from the answer.
+#[derive(Clone)]
 pub struct RouteResource {
     limits: Arc<ResourceLimits>,
     template: IdTemplate,
-    cost: f64,
+    /// The cost charged at admission when no header names one.
+    pub cost: f64,
     /// The request header the cost is read from (`cost` when it has none).
-    cost_header: Option<String>,
+    pub cost_header: Option<String>,
     /// The response header the real cost is settled from.
     pub settle_header: Option<String>,
     /// The resource's burst: a cost read from a request counts as at most this.
@@ -62,6 +66,44 @@ pub struct RouteResource {
 }
 
 impl RouteResource {
+    /// The resource `name` of `cfg`, charged `cost` or as `rule` says; None
+    /// when `table` (configured with `cfg`) lacks it.
+    pub fn new(
+        cfg: &RoutesConfig,
+        name: &str,
+        cost: f64,
+        rule: Option<&CostRule>,
+        table: &LeaseTable,
+        metrics: &Metrics,
+    ) -> Option<Self> {
+        let res = cfg.resources.get(name)?;
+        Some(RouteResource {
+            limits: table.resource(name)?,
+            template: res.id.clone(),
+            cost,
+            cost_header: rule.and_then(|c| c.header.clone()),
+            settle_header: rule.and_then(|c| c.settle_header.clone()),
+            burst: res.burst,
+            quota: res.upstream_quota.clone().map(Arc::new),
+            fixed: OnceLock::new(),
+            metrics: metrics.resource(name),
+        })
+    }
+
+    /// Whether every request gets the same key at the same cost.
+    pub fn is_fixed(&self) -> bool {
+        self.template.is_fixed() && self.cost_header.is_none()
+    }
+
+    /// The key `req` is admitted by and its cost (`host`: [`request_host`]).
+    pub fn item<R: RequestView>(&self, req: &R, host: &str) -> Result<(Arc<Limiter>, f64), ProxyError> {
+        let limiter = match self.template.is_fixed() {
+            true => self.fixed_limiter(),
+            false => templated_limiter(&self.limits, &self.template, req, host)?,
+        };
+        Ok((limiter, self.cost_of(req)))
+    }
+
     /// The cost of `req`: read from its header when the route says so (at
     /// most the resource's burst), else the configured one.
     fn cost_of<R: RequestView>(&self, req: &R) -> f64 {
@@ -74,7 +116,7 @@ impl RouteResource {
     }
 
     /// The limiter of a resource whose id is fixed.
-    fn fixed_limiter(&self) -> Arc<Limiter> {
+    pub fn fixed_limiter(&self) -> Arc<Limiter> {
         self.fixed.get_or_init(|| self.limits.limiter(&self.template.text)).clone()
     }
 }
@@ -210,18 +252,7 @@ impl Routing {
                         .iter()
                         // Validated at load: every named resource exists, and the table has it.
                         .filter_map(|(name, cost)| {
-                            let rule = r.cost_rules.get(name);
-                            Some(RouteResource {
-                                limits: table.resource(name)?,
-                                template: cfg.resources[name].id.clone(),
-                                cost: *cost,
-                                cost_header: rule.and_then(|c| c.header.clone()),
-                                settle_header: rule.and_then(|c| c.settle_header.clone()),
-                                burst: cfg.resources[name].burst,
-                                quota: cfg.resources[name].upstream_quota.clone().map(Arc::new),
-                                fixed: OnceLock::new(),
-                                metrics: metrics.resource(name),
-                            })
+                            RouteResource::new(cfg, name, *cost, r.cost_rules.get(name), table, metrics)
                         })
                         .collect(),
                     metrics: metrics.route(&r.name),
@@ -336,12 +367,7 @@ fn resolved<R: RequestView>(route: &Arc<Route>, req: &R, host: &str, target: Tar
     }
     let mut items = Vec::with_capacity(route.resources.len());
     for r in &route.resources {
-        let limiter = if r.template.is_fixed() {
-            r.fixed_limiter()
-        } else {
-            templated_limiter(&r.limits, &r.template, req, host)?
-        };
-        items.push((limiter, r.cost_of(req)));
+        items.push(r.item(req, host)?);
     }
     Ok(Resolved { route: route.clone(), plan: Plan::new(items), target })
 }
