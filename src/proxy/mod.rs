@@ -16,6 +16,7 @@
 
 pub mod access_log;
 mod body;
+pub mod feedback;
 mod general;
 mod guard;
 mod h1;
@@ -29,7 +30,7 @@ mod pool;
 pub mod pushback;
 pub mod respond;
 pub mod route;
-mod settle;
+pub mod settle;
 mod status;
 pub mod upstream;
 mod wiring;

@@ -35,6 +35,7 @@ use pin_project_lite::pin_project;
 use tower::{Layer, Service, ServiceBuilder};
 
 use super::access_log::{self, AccessLog};
+use super::feedback;
 use super::metrics::Metrics;
 use super::pushback::Pushback;
 use super::respond::{self, ProxyBody, ProxyError};
@@ -42,9 +43,7 @@ use super::route::{ListenerId, RequestView, Resolved, Route, Routing};
 use super::settle::{self, BodySettle};
 use super::upstream::Upstream;
 use crate::clock::{Clock, Time};
-use crate::config::doorman::PushbackConfig;
 use crate::config::routes::RoutesConfig;
-use crate::lease::quota::Observation;
 use crate::limit::admit::{self, Admission, Admitted, Plan, Reason, Refused};
 use crate::limit::{Kind, LeaseTable};
 
@@ -549,21 +548,17 @@ impl Accounts {
             }
         }
         let spent = match route.quotas {
-            true => self.observe_quota(route, &meta.plan, status, retry_after(), &header),
+            true => {
+                let now = self.table.clock().now();
+                feedback::observe_quota(&route.resources, &meta.plan, status, retry_after(), &header, now)
+            }
             false => None,
         };
         match spent {
             // The upstream says its quota is spent until a known time: every
-            // key of the plan is held until then, once, whatever the number
-            // of answers in flight that say it (no backoff factor stacks).
+            // key of the plan is held until then.
             Some(hold) => {
-                let now = self.table.clock().now();
-                let cfg = PushbackConfig { multiplier: 1.0, ..route.pushback };
-                let keys = meta.plan.items.iter().chain(meta.plan.shadow.iter()).map(|(l, _)| &**l);
-                self.pushback.on_response(keys, StatusCode::TOO_MANY_REQUESTS, Some(hold), now, &cfg, |id, c| {
-                    tracing::debug!(route = %route.name, resource_id = %id, capacity = c, hold = ?hold, "upstream quota spent");
-                    self.table.set_capacity(id, c);
-                });
+                feedback::hold_spent(&self.pushback, &self.table, &meta.plan, hold, &route.pushback, &route.name)
             }
             None => self.observe_pushback(route, &meta.plan, status, retry_after),
         }
@@ -650,55 +645,6 @@ impl Accounts {
             tracing::debug!(route = %route.name, resource_id = %id, capacity, %status, "upstream pushback");
             self.table.set_capacity(id, capacity);
         });
-    }
-
-    /// Reads the upstream's account of its quota from an answer into the
-    /// keys of the resources that follow it. Returns how long to hold them
-    /// when it says the quota is spent: a 429, a 403 with nothing remaining
-    /// (as GitHub answers), or an answer with nothing remaining of a window
-    /// that has yet to reset.
-    fn observe_quota<'a>(
-        &self,
-        route: &Route,
-        plan: &Plan,
-        status: StatusCode,
-        retry_after: Option<Duration>,
-        header: &impl Fn(&str) -> Option<&'a [u8]>,
-    ) -> Option<Duration> {
-        let now = self.table.clock().now();
-        let mut hold: Option<Duration> = None;
-        for r in &route.resources {
-            let Some(q) = &r.quota else { continue };
-            let Some((limit, remaining, secs)) = crate::config::quota::parse(q, header, now.as_secs_f64()) else {
-                continue;
-            };
-            let until = Duration::from_secs_f64(secs.min(86_400.0));
-            let o = Observation {
-                limit,
-                remaining,
-                reset: now.saturating_add(until),
-                observed: now,
-                continuous: q.continuous,
-            };
-            r.metrics.observe_quota(&o, now);
-            for (l, _) in plan.items.iter().chain(plan.shadow.iter()) {
-                if l.is_of(&r.metrics.name) {
-                    l.observe(o);
-                }
-            }
-            let spent = status == StatusCode::TOO_MANY_REQUESTS
-                || (remaining < 1.0 && (status == StatusCode::FORBIDDEN || !q.continuous));
-            // A continuous bucket's reset is when it is full again: it has
-            // room long before, so it holds for its Retry-After, or a second.
-            let until = match q.continuous {
-                true => retry_after.unwrap_or(until.min(Duration::from_secs(1))),
-                false => until,
-            };
-            if spent && !until.is_zero() {
-                hold = Some(hold.map_or(until, |h| h.max(until)));
-            }
-        }
-        hold
     }
 
     /// Appends one line to the access log, if there is one.

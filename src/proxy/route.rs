@@ -11,7 +11,9 @@ use http::{Method, Request, header};
 use super::metrics::{Metrics, ResourceMetrics, RouteMetrics, SettleMetrics};
 use super::respond::ProxyError;
 use super::upstream::{Target, Upstream};
-use crate::config::routes::{DefaultAction, IdTemplate, Match, ResourceKind, RoutesConfig, Segment, SettleFrom};
+use crate::config::routes::{
+    CostRule, DefaultAction, IdTemplate, Match, ResourceKind, RoutesConfig, Segment, SettleFrom,
+};
 use crate::limit::{Kind, LeaseTable, Limiter, Plan, ResourceLimits, ResourceSpec};
 
 /// One compiled route. Everything a request needs that does not depend on
@@ -43,15 +45,19 @@ impl std::fmt::Debug for Route {
     }
 }
 
-/// One resource a route must be admitted by.
+/// One resource a route must be admitted by (and, in `crate::embed`, the
+/// one resource a layer admits by): its keys, the cost of a request, and
+/// what it reads from the answer.
+#[derive(Clone)]
 pub struct RouteResource {
     limits: Arc<ResourceLimits>,
     template: IdTemplate,
-    cost: f64,
+    /// The cost charged at admission when no header names one.
+    pub cost: f64,
     /// The request header the cost is read from (`cost` when it has none).
-    cost_header: Option<String>,
+    pub cost_header: Option<String>,
     /// Where the real cost is settled from, and how settling went.
-    pub settle: Option<Box<Settle>>,
+    pub settle: Option<Arc<Settle>>,
     /// The resource's burst: a cost read from a request counts as at most this.
     burst: f64,
     /// The upstream's quota headers, when they steer the resource.
@@ -68,6 +74,47 @@ pub struct Settle {
 }
 
 impl RouteResource {
+    /// The resource `name` of `cfg` on route `route`, charged `cost` or as `rule` says; None
+    /// when `table` (configured with `cfg`) lacks it.
+    pub fn new(
+        cfg: &RoutesConfig,
+        route: &str,
+        name: &str,
+        cost: f64,
+        rule: Option<&CostRule>,
+        table: &LeaseTable,
+        metrics: &Metrics,
+    ) -> Option<Self> {
+        let res = cfg.resources.get(name)?;
+        Some(RouteResource {
+            limits: table.resource(name)?,
+            template: res.id.clone(),
+            cost,
+            cost_header: rule.and_then(|c| c.header.clone()),
+            settle: rule
+                .and_then(|c| c.settle.clone())
+                .map(|from| Arc::new(Settle { from, metrics: metrics.settle(route, name) })),
+            burst: res.burst,
+            quota: res.upstream_quota.clone().map(Arc::new),
+            fixed: OnceLock::new(),
+            metrics: metrics.resource(name),
+        })
+    }
+
+    /// Whether every request gets the same key at the same cost.
+    pub fn is_fixed(&self) -> bool {
+        self.template.is_fixed() && self.cost_header.is_none()
+    }
+
+    /// The key `req` is admitted by and its cost (`host`: [`request_host`]).
+    pub fn item<R: RequestView>(&self, req: &R, host: &str) -> Result<(Arc<Limiter>, f64), ProxyError> {
+        let limiter = match self.template.is_fixed() {
+            true => self.fixed_limiter(),
+            false => templated_limiter(&self.limits, &self.template, req, host)?,
+        };
+        Ok((limiter, self.cost_of(req)))
+    }
+
     /// The cost of `req`: read from its header when the route says so (at
     /// most the resource's burst), else the configured one.
     fn cost_of<R: RequestView>(&self, req: &R) -> f64 {
@@ -80,7 +127,7 @@ impl RouteResource {
     }
 
     /// The limiter of a resource whose id is fixed.
-    fn fixed_limiter(&self) -> Arc<Limiter> {
+    pub fn fixed_limiter(&self) -> Arc<Limiter> {
         self.fixed.get_or_init(|| self.limits.limiter(&self.template.text)).clone()
     }
 }
@@ -216,20 +263,7 @@ impl Routing {
                         .iter()
                         // Validated at load: every named resource exists, and the table has it.
                         .filter_map(|(name, cost)| {
-                            let rule = r.cost_rules.get(name);
-                            Some(RouteResource {
-                                limits: table.resource(name)?,
-                                template: cfg.resources[name].id.clone(),
-                                cost: *cost,
-                                cost_header: rule.and_then(|c| c.header.clone()),
-                                settle: rule
-                                    .and_then(|c| c.settle.clone())
-                                    .map(|from| Box::new(Settle { from, metrics: metrics.settle(&r.name, name) })),
-                                burst: cfg.resources[name].burst,
-                                quota: cfg.resources[name].upstream_quota.clone().map(Arc::new),
-                                fixed: OnceLock::new(),
-                                metrics: metrics.resource(name),
-                            })
+                            RouteResource::new(cfg, &r.name, name, *cost, r.cost_rules.get(name), table, metrics)
                         })
                         .collect(),
                     metrics: metrics.route(&r.name),
@@ -344,12 +378,7 @@ fn resolved<R: RequestView>(route: &Arc<Route>, req: &R, host: &str, target: Tar
     }
     let mut items = Vec::with_capacity(route.resources.len());
     for r in &route.resources {
-        let limiter = if r.template.is_fixed() {
-            r.fixed_limiter()
-        } else {
-            templated_limiter(&r.limits, &r.template, req, host)?
-        };
-        items.push((limiter, r.cost_of(req)));
+        items.push(r.item(req, host)?);
     }
     Ok(Resolved { route: route.clone(), plan: Plan::new(items), target })
 }

@@ -44,24 +44,7 @@ pub fn on_answer<'a>(
     header: &impl Fn(&str) -> Option<&'a [u8]>,
 ) -> Option<Box<BodySettle>> {
     let success = status.is_success();
-    let mut json = false;
-    for r in &route.resources {
-        let Some(s) = &r.settle else { continue };
-        let SettleFrom::Header(name) = &s.from else {
-            json = true;
-            continue;
-        };
-        let value = header(name).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<f64>().ok());
-        match value.filter(|v| v.is_finite() && *v >= 0.0) {
-            Some(real) => charge(plan, r, s, real),
-            None => record(
-                s,
-                failed(SettleOutcome::Missing, success),
-                &format!("the answer has no `{name}` header holding a number of at least 0"),
-            ),
-        }
-    }
-    if !json {
+    if !from_headers(&route.resources, plan, status, header) {
         return None;
     }
     let length =
@@ -80,6 +63,34 @@ pub fn on_answer<'a>(
         success,
         done: false,
     }))
+}
+
+/// Settles the costs `resources` read from the answer's headers; true if
+/// any reads the body instead.
+pub fn from_headers<'a>(
+    resources: &[RouteResource],
+    plan: &Plan,
+    status: StatusCode,
+    header: &impl Fn(&str) -> Option<&'a [u8]>,
+) -> bool {
+    let mut json = false;
+    for r in resources {
+        let Some(s) = &r.settle else { continue };
+        let SettleFrom::Header(name) = &s.from else {
+            json = true;
+            continue;
+        };
+        let value = header(name).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<f64>().ok());
+        match value.filter(|v| v.is_finite() && *v >= 0.0) {
+            Some(real) => charge(plan, r, s, real),
+            None => record(
+                s,
+                failed(SettleOutcome::Missing, status.is_success()),
+                &format!("the answer has no `{name}` header holding a number of at least 0"),
+            ),
+        }
+    }
+    json
 }
 
 /// Why the head says the body cannot be read for a cost, if it does.

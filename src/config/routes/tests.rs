@@ -418,7 +418,9 @@ fn a_calendar_window_is_for_rates_written_with_a_unit() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("resources.g.window: a window applies to rate resources only"), "{e}");
+}
 
+#[test]
 fn a_cost_settled_from_the_json_body_is_read_and_checked() {
     let head = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
                 resources:\n  tokens: { kind: rate, capacity: 100/s, burst: 500 }\n\
