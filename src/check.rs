@@ -183,8 +183,22 @@ fn resource_line(r: &ResourceConfig) -> String {
         ResourceKind::Rate => "rate",
         ResourceKind::Gauge => "gauge",
     };
+    let mut extras = String::new();
+    if r.calendar {
+        extras += &format!(", {} per UTC {} (window: calendar)", number(c.per_window), unit_name(c.window));
+    }
+    if let Some(q) = &r.upstream_quota {
+        let headers = match q.ietf {
+            true => "RateLimit, RateLimit-Policy".to_string(),
+            false => format!("{}, {}, {}", q.limit, q.remaining, q.reset),
+        };
+        extras += &format!(", follows the upstream's quota headers ({}: {headers})", q.source);
+    }
+    if r.shadow {
+        extras += ", shadow (decides and counts, never refuses)";
+    }
     format!(
-        "resource {}: {kind} {amount}{burst}, max_wait {}, id `{}`",
+        "resource {}: {kind} {amount}{burst}, max_wait {}, id `{}`{extras}",
         r.name,
         humantime::format_duration(r.max_wait),
         r.id.text
@@ -198,14 +212,30 @@ fn template_line(t: &Template) -> String {
         Some(-1.0) => "unlimited".to_string(),
         Some(v) => format!("{}/s", number(v)),
     };
+    let calendar = t
+        .calendar
+        .map(|unit| {
+            format!(" ({} per UTC {}, window: calendar)", number(t.capacity * unit.as_secs_f64()), unit_name(unit))
+        })
+        .unwrap_or_default();
     format!(
-        "resource `{}`: {}/s, {}, lease_length {}s, refresh_interval {}s, safe_capacity {safe}",
+        "resource `{}`: {}/s{calendar}, {}, lease_length {}s, refresh_interval {}s, safe_capacity {safe}",
         t.identifier_glob,
         number(t.capacity),
         a.kind.name(),
         a.lease_length.as_secs(),
         a.refresh_interval.as_secs(),
     )
+}
+
+/// A calendar unit in words.
+fn unit_name(w: Duration) -> &'static str {
+    match w.as_secs() {
+        1 => "second",
+        60 => "minute",
+        3600 => "hour",
+        _ => "day",
+    }
 }
 
 fn window_name(w: Duration) -> String {

@@ -235,6 +235,40 @@ fn a_resources_file_with_rate_units_checks_and_prints_each_template_per_second()
     assert!(err.contains(&want), "missing {want:?} in:\n{err}");
 }
 
+/// `usher check` says which resources renew on the calendar, follow the
+/// upstream's quota headers or only watch (shadow), in both files.
+#[test]
+fn check_names_calendar_windows_quota_headers_and_shadow_resources() {
+    let dir = tempfile::tempdir().unwrap();
+    let routes = "resources:\n  reports: { kind: rate, capacity: 120/min, window: calendar }\n  \
+                  gh: { kind: rate, capacity: 5000/h, upstream_quota: { headers: github }, shadow: true }\n";
+    let file = write_file(dir.path(), "routes.yaml", routes);
+    let (code, out, err) = run_usher(&["check", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("resource reports: rate 120/min = 2/s") && out.contains("120 per UTC minute (window: calendar)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("follows the upstream's quota headers (github: x-ratelimit-limit, x-ratelimit-remaining, x-ratelimit-reset), shadow"),
+        "{out}"
+    );
+    let resources = "resources:\n  - identifier_glob: reports\n    capacity: 1000/day\n    window: calendar\n    \
+                     algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15 }\n  - identifier_glob: \"*\"\n    \
+                     capacity: 0\n    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15 }\n";
+    let file = write_file(dir.path(), "resources.yaml", resources);
+    let (code, out, err) = run_usher(&["check", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("resource `reports`: 0.0116/s (1000 per UTC day, window: calendar), FAIR_SHARE"), "{out}");
+    let bad = write_file(dir.path(), "bad.yaml", &resources.replace("1000/day", "5"));
+    let (code, _, err) = run_usher(&["check", bad.to_str().unwrap()]);
+    assert_eq!(code, 64, "{err}");
+    assert!(
+        err.contains("bad.yaml:4:13: resources[0].window: a calendar window needs a capacity with a unit"),
+        "{err}"
+    );
+}
+
 /// `usher check` prints each resource of a routes file as it resolves: the
 /// per-second rate, burst, max_wait and where the capacity comes from.
 #[test]
