@@ -157,3 +157,111 @@ async fn three_sidecars_follow_a_github_like_quota_with_another_consumer() {
     let (lo, hi) = (*ok.iter().min().unwrap() as f64, *ok.iter().max().unwrap() as f64);
     assert!(hi <= lo * 1.15 + 2.0, "the sidecars' shares differ by more than 15%: {ok:?}\n{report}");
 }
+
+/// A quota spent while some sidecars have yet to meet it: the one that meets
+/// the upstream's 403 holds its keys, the server shares 0 until the reset,
+/// and another sidecar's own 429s say to wait until the reset (not a
+/// second), without its requests reaching the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_that_never_met_the_spent_quota_says_when_it_renews() {
+    use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let reset = unix_now() as u64 + 45;
+    let remaining = Arc::new(AtomicI64::new(100));
+    let from_b = Arc::new(AtomicU64::new(0));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    let (rem, b) = (remaining.clone(), from_b.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { return };
+            let (rem, b) = (rem.clone(), b.clone());
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                    if req.headers().get("x-app").is_some_and(|v| v == "b") {
+                        b.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let left = rem.load(Ordering::SeqCst);
+                    if left > 0 {
+                        rem.fetch_sub(1, Ordering::SeqCst);
+                    }
+                    let resp = Response::builder()
+                        .status(if left > 0 { 200 } else { 403 })
+                        .header("x-ratelimit-limit", "100")
+                        .header("x-ratelimit-remaining", (left - 1).max(0).to_string())
+                        .header("x-ratelimit-reset", reset.to_string())
+                        .body(Full::new(Bytes::from_static(b"{}")))
+                        .unwrap();
+                    async move { Ok::<_, Infallible>(resp) }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    let port = free_port();
+    let config = "resources:\n  - identifier_glob: github\n    capacity: 5000/h\n    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15 }\n  - identifier_glob: '*'\n    capacity: 0\n    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15 }\n";
+    let server = Usher::server_at(&write_file(dir.path(), "resources.yaml", config), port, &[]);
+    let sidecars: Vec<Usher> = ["a", "b"]
+        .iter()
+        .map(|who| {
+            let routes = format!(
+                "doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: gh-{who}\n\
+                 upstreams:\n  gh: {{ url: \"http://{up}\" }}\n\
+                 resources:\n  github: {{ kind: rate, capacity: 5000/h, upstream_quota: {{ headers: github }} }}\n\
+                 routes:\n  - name: gh\n    upstream: gh\n    resources: [github]\n"
+            );
+            Usher::proxy(&write_file(dir.path(), &format!("{who}.yaml"), &routes))
+        })
+        .collect();
+    let ask = |who: &'static str, i: usize| {
+        let addr = sidecars[i].addr("listen");
+        async move {
+            let mut c = h1(addr).await;
+            let mut req = get("api.github.local", "/repos");
+            req.headers_mut().insert("x-app", who.parse().unwrap());
+            c.ready().await.unwrap();
+            c.send_request(req).await.unwrap()
+        }
+    };
+    // Both have a lease and have seen the quota with plenty left.
+    assert_eq!(ask("a", 0).await.status(), 200);
+    assert_eq!(ask("b", 1).await.status(), 200);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Others outside usher spend the rest; a meets the 403.
+    remaining.store(0, std::sync::atomic::Ordering::SeqCst);
+    let resp = ask("a", 0).await;
+    let status = resp.status();
+    let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
+    assert_eq!(
+        status,
+        403,
+        "{}\nserver: {}\nsidecar: {}",
+        String::from_utf8_lossy(&body),
+        support::http_get(server.addr("admin"), "/debug/status?format=json").1,
+        support::http_get(sidecars[0].addr("admin"), "/debug/status?format=json").1
+    );
+    // Within a few refreshes, b's lease is 0 and says until when.
+    let seen_b = from_b.load(std::sync::atomic::Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (status, retry, body) = loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let resp = ask("b", 1).await;
+        let status = resp.status().as_u16();
+        let retry: u64 = resp.headers().get("retry-after").map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let body = http_body_util::BodyExt::collect(resp.into_body()).await.unwrap().to_bytes();
+        if (status == 429 && retry > 1) || Instant::now() > deadline {
+            break (status, retry, String::from_utf8_lossy(&body).into_owned());
+        }
+    };
+    let left = reset as f64 - unix_now();
+    assert_eq!(status, 429, "{body}");
+    assert!(
+        retry as f64 >= left - 2.0 && retry as f64 <= left + 2.0,
+        "Retry-After {retry} with {left:.0} s to the reset: {body}"
+    );
+    assert!(body.contains("spent until it renews"), "{body}");
+    // b's 403 would have been its own: none of its requests reached the upstream.
+    assert!(from_b.load(std::sync::atomic::Ordering::SeqCst) <= seen_b + 1, "b kept sending to a spent upstream");
+}

@@ -170,6 +170,10 @@ struct KeyState {
     server_safe: Option<f64>,
     /// The capacity the server shares for the resource (usher's extension).
     fleet: Option<f64>,
+    /// When the quota the server follows renews, while it says that quota
+    /// is spent (usher's extension: its account of the upstream's quota, or
+    /// of a calendar window): refusals meanwhile say how long to wait.
+    renews: Option<Time>,
     /// The server's template the key matched, if it says (usher servers do).
     template: Option<Arc<str>>,
     mode: Mode,
@@ -254,6 +258,8 @@ impl ZeroReason {
     pub const SAFE_ZERO: &'static str = "no lease, and the safe capacity is 0";
     pub const PESSIMISTIC: &'static str = "no lease, and on_expiry is pessimistic";
     pub const WANTS_ZERO: &'static str = "no lease, and on_expiry is optimistic but it wants 0";
+    pub const QUOTA_SPENT: &'static str =
+        "the quota the server follows (the upstream's own, or a calendar window) is spent until it renews";
 }
 
 impl KeyState {
@@ -263,6 +269,7 @@ impl KeyState {
             return None;
         }
         Some(match (self.mode, self.lease) {
+            (Mode::Leased | Mode::Held, Some(_)) if self.renews.is_some() => ZeroReason::QUOTA_SPENT,
             (Mode::Leased | Mode::Held, Some(_)) => ZeroReason::LEASE_ZERO,
             (mode, _) => match self.demand.on_expiry {
                 OnExpiry::Pessimistic => ZeroReason::PESSIMISTIC,
@@ -564,6 +571,7 @@ impl Core {
                 hold_until: None,
                 server_safe: None,
                 fleet: None,
+                renews: None,
                 template: None,
                 mode: Mode::Leased,
                 last_error: None,
@@ -661,6 +669,7 @@ impl Core {
                             hold_until: None,
                             server_safe: None,
                             fleet: None,
+                            renews: None,
                             template: None,
                             mode: Mode::Pending,
                             last_error: None,
@@ -1053,6 +1062,12 @@ impl Core {
             };
             k.server_safe = r.safe_capacity.filter(|s| s.is_finite());
             k.fleet = r.resource_capacity.filter(|c| c.is_finite() && *c > 0.0);
+            k.renews = r
+                .upstream_quota
+                .as_ref()
+                .and_then(super::quota::Observation::from_proto)
+                .filter(|o| o.exhausted(now))
+                .map(|o| o.reset);
             k.template = match (&r.template, &k.template) {
                 (None, _) => None,
                 (Some(t), Some(kt)) if **kt == **t => Some(kt.clone()),
@@ -1200,6 +1215,12 @@ impl Core {
     /// usher server's extension), if they did.
     pub fn fleet_capacity(&self, resource_id: &str) -> Option<f64> {
         self.keys.get(resource_id).and_then(|k| k.fleet)
+    }
+
+    /// When the quota the server follows for `resource_id` renews, while
+    /// the server says it is spent.
+    pub fn renews(&self, resource_id: &str) -> Option<Time> {
+        self.keys.get(resource_id).and_then(|k| k.renews)
     }
 
     pub fn lease_of(&self, resource_id: &str) -> Option<Lease> {

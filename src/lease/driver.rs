@@ -22,6 +22,16 @@ use super::transport::Transport;
 use super::{batch, cache};
 use crate::clock::{Clock, Time};
 
+/// What the servers said of a key's resource beside its lease (usher's
+/// extensions; a Doorman server says neither).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ServerSaid {
+    /// The capacity they share for the resource.
+    pub fleet: Option<f64>,
+    /// When the quota they follow renews, while they say it is spent.
+    pub renews: Option<Time>,
+}
+
 /// The enforcement side, as the lease client sees it.
 pub trait Enforcer: Send + Sync + 'static {
     /// Every key that needs a lease now, with what it wants.
@@ -52,10 +62,11 @@ pub trait Enforcer: Send + Sync + 'static {
     /// A key changed mode (leased, held, pending, expired); already logged.
     fn on_transition(&self, _t: &super::core::Transition) {}
 
-    /// The capacities the servers share for keys about to be applied
-    /// (`apply`), where they said: each key's share of its resource's burst
-    /// is reckoned against it.
-    fn fleet(&self, _fleet: &[(String, f64)]) {}
+    /// What the servers said of the resources of keys about to be applied
+    /// (`apply`), beside their leases: the capacity they share (each key's
+    /// share of its resource's burst is reckoned against it), and when a
+    /// spent quota renews (refusals meanwhile say how long to wait).
+    fn server_said(&self, _said: &[(String, ServerSaid)]) {}
     /// Whether the last [`Enforcer::demand`] found nothing going on (no
     /// request since the one before, none in flight or waiting, no key
     /// made or forgotten): demand is then re-read when an action is due (at
@@ -349,12 +360,14 @@ fn enforce(client: &LeaseClient) {
         let hanging = client.started.load(Ordering::SeqCst) && core.refreshes() == 0 && !core.failing();
         let caps = core.take_changes(clock.now(), &also, hanging);
         note_zeros(&client.zeros, &core, &caps);
-        let fleet: Vec<(String, f64)> =
-            caps.iter().filter_map(|(id, _)| core.fleet_capacity(id).map(|c| (id.clone(), c))).collect();
-        (caps, core.take_transitions(), fleet)
+        let said: Vec<(String, ServerSaid)> = caps
+            .iter()
+            .map(|(id, _)| (id.clone(), ServerSaid { fleet: core.fleet_capacity(id), renews: core.renews(id) }))
+            .collect();
+        (caps, core.take_transitions(), said)
     };
     if !fleet.is_empty() {
-        enforcer.fleet(&fleet);
+        enforcer.server_said(&fleet);
     }
     if !capacities.is_empty() {
         enforcer.apply(&capacities);

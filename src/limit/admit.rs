@@ -294,12 +294,8 @@ fn reserve_rates(plan: &Plan, arrival: Time, now: Time) -> Result<(Reserved, Dur
                 return Err(Blocked::Refuse(Box::new(refused(l, Reason::Exhausted, wait, waited))));
             }
             Reservation::TooLate { wait: None } if budget.is_zero() => {
-                return Err(Blocked::Refuse(Box::new(refused(
-                    l,
-                    Reason::ZeroCapacity,
-                    Duration::from_secs(1),
-                    waited,
-                ))));
+                let retry = l.zero_retry(now);
+                return Err(Blocked::Refuse(Box::new(refused(l, Reason::ZeroCapacity, retry, waited))));
             }
             Reservation::TooLate { wait: None } => return Err(Blocked::Zero(l.clone())),
         }
@@ -432,7 +428,8 @@ async fn rates_after_zero(plan: &Plan, clock: &Clock, arrival: Time) -> Result<(
                         if rate.capacity() > 0.0 {
                             continue;
                         }
-                        return Err(refused(&l, Reason::ZeroCapacity, Duration::from_secs(1), clock.now().since(arrival)));
+                        let now = clock.now();
+                        return Err(refused(&l, Reason::ZeroCapacity, l.zero_retry(now), now.since(arrival)));
                     }
                 }
             }

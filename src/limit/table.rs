@@ -108,6 +108,9 @@ pub struct Limiter {
     /// not said): its burst is its share of the resource's, reckoned
     /// against this rather than the routes file's capacity.
     fleet: AtomicU64,
+    /// When the spent quota the servers follow renews (nanoseconds of
+    /// [`Time`], 0: not spent, or not said).
+    renews: AtomicU64,
     /// The upstream's freshest account of its quota, for a resource whose
     /// upstream reports one (boxed: other keys pay a pointer).
     quota: Option<Box<Mutex<QuotaCell>>>,
@@ -151,6 +154,7 @@ impl Limiter {
             activity,
             hold_until: AtomicU64::new(0),
             fleet: AtomicU64::new(0),
+            renews: AtomicU64::new(0),
             quota: s.upstream_quota.then(Box::default),
         }
     }
@@ -276,6 +280,22 @@ impl Limiter {
             && r.capacity() >= whole * (1.0 - 1e-9)
         {
             r.charge(self.clock.now(), -r.burst());
+        }
+    }
+
+    /// Records when the quota the servers follow for this key's resource
+    /// renews, while they say it is spent (None: it is not): a refusal for
+    /// capacity 0 meanwhile says to retry then.
+    pub fn set_renews(&self, renews: Option<Time>) {
+        self.renews.store(renews.map_or(0, |t| t.as_nanos().max(1)), Ordering::Relaxed);
+    }
+
+    /// How long a request refused for capacity 0 at `now` should wait: until
+    /// the spent quota renews, if the servers said when, else a second.
+    pub fn zero_retry(&self, now: Time) -> Duration {
+        match self.renews.load(Ordering::Relaxed) {
+            0 => Duration::from_secs(1),
+            t => Time::from_nanos(t).since(now).max(Duration::from_secs(1)),
         }
     }
 
@@ -646,6 +666,16 @@ impl LeaseTable {
         for r in self.resources.load().values() {
             if let Some(l) = r.get(id) {
                 l.fill();
+            }
+        }
+    }
+
+    /// Records when the spent quota of every key whose id is `id` renews
+    /// (see [`Limiter::set_renews`]).
+    pub fn set_renews(&self, id: &str, renews: Option<Time>) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.set_renews(renews);
             }
         }
     }

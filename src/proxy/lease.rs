@@ -19,7 +19,7 @@ use crate::config::resources::{Algorithm, ResourcesConfig, Template};
 use crate::config::routes::{ResourceKind, RoutesConfig, Segment};
 use crate::lease::backoff::BackoffConfig;
 use crate::lease::core::{Capacity, CoreConfig, DemandUpdate, KeyDemand, Mode, OnExpiry};
-use crate::lease::driver::{Enforcer, LeaseClient, Runs};
+use crate::lease::driver::{Enforcer, LeaseClient, Runs, ServerSaid};
 use crate::lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, Transport};
 use crate::limit::LeaseTable;
 use crate::server::{LocalTransport, Node};
@@ -71,6 +71,8 @@ struct Measured {
     anchors: [Option<(Time, f64)>; 2],
     /// When the total last moved, and to what.
     last_arrival: Option<(Time, f64)>,
+    /// The first reading with traffic, and its total.
+    first: Option<(Time, f64)>,
     /// The last measured rate: once demand was measured, a read that cannot
     /// measure it (a slow or stalled call to the servers spaced the reads
     /// out) keeps it rather than going back to the first guess.
@@ -89,6 +91,7 @@ impl Measured {
     /// keeps the last rate.
     fn measure(&mut self, now: Time, total: f64) -> Option<f64> {
         if total > 0.0 {
+            self.first.get_or_insert((now, total));
             if self.last_arrival.is_none_or(|(_, a)| a != total) {
                 self.last_arrival = Some((now, total));
             }
@@ -110,6 +113,12 @@ impl Measured {
         let long = match (self.anchors[0], self.last_arrival) {
             (Some((t0, a0)), Some((_, a))) if now.since(t0) >= DEMAND_WINDOW && a > a0 => {
                 Some((a - a0) / now.since(t0).as_secs_f64())
+            }
+            // Nothing since the first requests: they are the rate so far (a
+            // key asked once, then again a few seconds later, kept a lease
+            // for the second rather than asking for 0 in between).
+            (Some(a), Some((_, total))) if self.first == Some(a) && total == a.1 && now.since(a.0) >= DEMAND_WINDOW => {
+                Some(total / now.since(a.0).as_secs_f64())
             }
             _ => None,
         };
@@ -461,9 +470,12 @@ impl Enforcer for TableEnforcer {
         rebuilt
     }
 
-    fn fleet(&self, fleet: &[(String, f64)]) {
-        for (id, c) in fleet {
-            self.table.set_fleet(id, *c);
+    fn server_said(&self, said: &[(String, ServerSaid)]) {
+        for (id, s) in said {
+            if let Some(c) = s.fleet {
+                self.table.set_fleet(id, c);
+            }
+            self.table.set_renews(id, s.renews);
         }
     }
 
@@ -910,6 +922,42 @@ mod tests {
             wants(&e);
         }
         assert_eq!(wants(&e), 0.0);
+    }
+
+    /// A key asked once keeps asking for what that request says its rate
+    /// may be, fading, so that a second request a few seconds later finds
+    /// a lease; one that sent a burst and stopped asks for nothing soon.
+    #[test]
+    fn a_key_asked_once_keeps_a_fading_lease() {
+        let (e, time) = enforcer_of(
+            "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+             resources:\n  llm: { kind: rate, capacity: 50/s, wants: auto }\n  \
+             burst: { kind: rate, capacity: 50/s, wants: auto }\n\
+             routes:\n  - { name: all, upstream: up, resources: [llm, burst] }\n",
+        );
+        let wants = |e: &TableEnforcer, name: &str| {
+            let l = e.table.resource(name).unwrap().try_limiter(name).unwrap();
+            let cfg = e.config();
+            let (settings, kind, capacity, _) = TableEnforcer::settings(&cfg, name).unwrap();
+            let mut memory = e.memory.lock().unwrap();
+            let m = memory.entry(name.to_string()).or_default();
+            e.wants(m, &l, kind, settings, capacity, e.table.clock().now()).0
+        };
+        e.table.resource("llm").unwrap().try_limiter("llm").unwrap().demand().arrive(1.0);
+        e.table.resource("burst").unwrap().try_limiter("burst").unwrap().demand().arrive(10.0);
+        let mut seen = Vec::new();
+        for _ in 0..100 {
+            wants(&e, "llm");
+            wants(&e, "burst");
+            time.advance(Duration::from_millis(100));
+            seen.push((wants(&e, "llm"), wants(&e, "burst")));
+        }
+        // Between 2 and 10 s: about one request over the time since it came.
+        for (i, (w, _)) in seen.iter().enumerate().skip(25) {
+            let t = (i + 1) as f64 / 10.0;
+            assert!(*w >= 0.5 / t && *w <= 2.0 / t, "at {t} s one request asks for {w}");
+        }
+        assert_eq!(seen.last().unwrap().1, 0.0, "a burst of 10 that stopped asks for nothing");
     }
 
     /// A gauge leased nothing (after an idle spell) whose requests are
