@@ -126,12 +126,16 @@ pub struct Calendar {
 
 impl Calendar {
     /// A calendar quota first seen at `now`, of `budget` units per `unit`.
-    /// What the fleet spent of the current unit before is not known here (a
-    /// new server, or a new master): it is taken to have spent evenly, so
-    /// that a restart never hands out a unit's budget twice.
-    pub fn new(unit: Duration, budget: f64, now: Time) -> Self {
+    /// `fresh`: nobody handed out any of it before (a new deployment).
+    /// Otherwise what the fleet spent of the current unit before is not
+    /// known here (a restart, a new master): it is taken to have spent
+    /// evenly, so that a restart never hands out a unit's budget twice.
+    pub fn new(unit: Duration, budget: f64, now: Time, fresh: bool) -> Self {
         let start = unit_start(now, unit);
-        let spent = budget * now.since(start).as_secs_f64() / unit.as_secs_f64();
+        let spent = match fresh {
+            true => 0.0,
+            false => budget * now.since(start).as_secs_f64() / unit.as_secs_f64(),
+        };
         Calendar { unit, start, spent, at: now }
     }
 
@@ -262,8 +266,9 @@ mod tests {
         let minute = Duration::from_secs(60);
         let start = 1_800_000_000.0 - (1_800_000_000.0 % 60.0);
         let t = |s: f64| at(start - 1_800_000_000.0 + s);
-        let mut c = Calendar::new(minute, 120.0, t(15.0));
+        let mut c = Calendar::new(minute, 120.0, t(15.0), false);
         assert!((c.spent - 30.0).abs() < 1e-6, "a quarter of the minute gone: {}", c.spent);
+        assert_eq!(Calendar::new(minute, 120.0, t(15.0), true).spent, 0.0, "a new deployment has all of it");
         // 90 left over 45 s and a lag of half a second.
         assert!((c.capacity(t(15.0), 120.0) - 90.0 / 45.5).abs() < 1e-6);
         // Leases of 2/s for 20 s.
@@ -296,7 +301,7 @@ mod tests {
     fn a_fleet_following_the_calendar_spends_nearly_its_budget() {
         let minute = Duration::from_secs(60);
         let base = 1_800_000_000.0 - (1_800_000_000.0 % 60.0) - 1_800_000_000.0;
-        let mut c = Calendar::new(minute, 120.0, at(base));
+        let mut c = Calendar::new(minute, 120.0, at(base), false);
         let mut spent = vec![0.0; 3];
         // Leases refreshed every second, each spent whole.
         for s in 0..180 {

@@ -1259,7 +1259,10 @@ impl Resource {
         let (granted, budget) = (self.index.total_has(), self.calendar_budget());
         match &mut self.calendar {
             Some(c) if c.unit() == unit => c.advance(now, granted),
-            c => *c = Some(Box::new(super::quota::Calendar::new(unit, budget, now))),
+            c => {
+                let fresh = self.predecessor == Predecessor::NoneOutstanding;
+                *c = Some(Box::new(super::quota::Calendar::new(unit, budget, now, fresh)))
+            }
         }
     }
 
