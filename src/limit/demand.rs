@@ -22,6 +22,8 @@ const MILLI: f64 = 1000.0;
 pub struct DemandMeter {
     /// Every arrival (admitted, paced or refused), in milli-units of cost.
     arrivals: AtomicU64,
+    /// Every arrival, counted once whatever its cost.
+    requests: AtomicU64,
     admitted: AtomicU64,
     paced: AtomicU64,
     refused: AtomicU64,
@@ -64,6 +66,7 @@ pub enum Outcome {
 impl DemandMeter {
     pub fn arrive(&self, cost: f64) {
         self.arrivals.fetch_add((cost * MILLI).round() as u64, Ordering::Relaxed);
+        self.requests.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A settled cost differs from the one that arrived by `delta` units.
@@ -113,6 +116,11 @@ impl DemandMeter {
     /// Total arrivals so far, in cost units.
     pub fn arrivals(&self) -> f64 {
         self.arrivals.load(Ordering::Relaxed) as f64 / MILLI
+    }
+
+    /// Total arrivals so far, in requests.
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
     }
 
     /// Returns the peak in flight since the previous call and starts a new
