@@ -565,7 +565,7 @@ mod tests {
         }]);
         let key = table.resource("tokens").unwrap().limiter("tokens");
         let plan = Plan::new(vec![(key.clone(), 1.0)]);
-        let mut done = |a: &mut Admission| {
+        let done = |a: &mut Admission| {
             let waker = std::task::Waker::noop();
             Pin::new(a).poll(&mut Context::from_waker(waker)).is_ready()
         };
