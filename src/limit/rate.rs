@@ -224,9 +224,7 @@ impl Rate {
     pub fn reserve_ticket(&self, now: Time, cost: f64, max_wait: Duration) -> (Reservation, Ticket) {
         let mut s = self.state.lock().expect("rate lock");
         let now = s.pos(now);
-        let debt_wait = max_wait.saturating_mul(DEBT_WAIT);
-        let deadline = now.saturating_add(u128::from(u64::try_from(debt_wait.as_nanos()).unwrap_or(u64::MAX)) << FRAC);
-        let ticket = Ticket { slot: now, deadline, generation: s.generation };
+        let ticket = Ticket { slot: now, deadline: now, generation: s.generation };
         let interval = match s.interval {
             None => return (Reservation::TooLate { wait: None }, ticket),
             Some(0) => return (Reservation::Slot { wait: Duration::ZERO, cost: 0.0 }, ticket),
@@ -242,7 +240,15 @@ impl Rate {
             return (Reservation::TooLate { wait: Some(wait) }, ticket);
         }
         s.tat = new_tat;
-        (Reservation::Slot { wait, cost }, Ticket { slot, ..ticket })
+        // (Reckoned only for a request that waits: the common case does not.)
+        let deadline = match wait.is_zero() {
+            true => slot,
+            false => {
+                let debt_wait = max_wait.saturating_mul(DEBT_WAIT).as_nanos();
+                now.saturating_add(u128::from(u64::try_from(debt_wait).unwrap_or(u64::MAX)) << FRAC)
+            }
+        };
+        (Reservation::Slot { wait, cost }, Ticket { slot, deadline, ..ticket })
     }
 
     /// Moves a reservation's slot by the changes since its ticket was last
