@@ -438,8 +438,10 @@ async fn rates_after_zero(plan: &Plan, clock: &Clock, arrival: Time) -> Result<(
 }
 
 /// Sleeps until every reserved slot has come, following capacity increases
-/// that bring them forward: only the key whose slot is the latest can end
-/// the wait sooner, so its changes are the ones listened to.
+/// and refunds that bring them forward: only the key whose slot is the
+/// latest can end the wait sooner, so its changes are the ones listened to.
+/// A debt settled meanwhile puts a slot back without a wake-up: each slot
+/// is looked at again when it comes.
 async fn wait_for_slots(clock: &Clock, rates: &[(Arc<Limiter>, f64)], tickets: &mut [Ticket]) {
     loop {
         let now = clock.now();
@@ -461,7 +463,7 @@ async fn wait_for_slots(clock: &Clock, rates: &[(Arc<Limiter>, f64)], tickets: &
         }
         tokio::select! {
             _ = changed => {}
-            _ = super::sleep_until(clock, now.saturating_add(wait)) => return,
+            _ = super::sleep_until(clock, now.saturating_add(wait)) => {}
         }
     }
 }
@@ -531,4 +533,56 @@ fn admitted(
         l.demand().enter();
     }
     Admitted { waited, paced, _permits: permits, in_flight: plan.clone() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limit::{LeaseTable, ResourceSpec};
+
+    /// A request waiting for its slot follows the costs settled meanwhile:
+    /// a debt holds it longer, a refund lets it go sooner.
+    #[tokio::test]
+    async fn a_waiting_request_follows_the_costs_settled_meanwhile() {
+        let (clock, time) = Clock::manual(Time::from_secs(10));
+        let table = LeaseTable::new(clock.clone());
+        table.configure(vec![ResourceSpec {
+            name: "tokens".into(),
+            kind: Kind::Rate,
+            capacity: 1.0,
+            burst: 1.0,
+            max_wait: Duration::from_secs(10),
+            max_queue: 10,
+            max_keys: 1,
+            window: Duration::from_secs(1),
+            shared: false,
+            burst_one_second: false,
+            shadow: false,
+            upstream_quota: false,
+        }]);
+        let key = table.resource("tokens").unwrap().limiter("tokens");
+        let plan = Plan::new(vec![(key.clone(), 1.0)]);
+        let done = |a: &mut Admission| {
+            let waker = std::task::Waker::noop();
+            Pin::new(a).poll(&mut Context::from_waker(waker)).is_ready()
+        };
+        assert!(done(&mut start(&plan, &clock)), "the first passes at once");
+        let mut second = start(&plan, &clock);
+        assert!(!done(&mut second), "the second waits 1 s");
+        // The first really cost 2: the second now waits until 2 s.
+        key.rate().unwrap().charge(clock.now(), 1.0);
+        time.advance(Duration::from_millis(1500));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!done(&mut second), "held for the debt");
+        time.advance(Duration::from_millis(500));
+        let second = tokio::time::timeout(Duration::from_secs(5), second).await;
+        assert!(matches!(second, Ok(Ok(_))), "admitted once the debt is paid");
+        // A third waits 1 s behind it; a refund of its predecessor's cost lets it go now.
+        let third = tokio::spawn(start(&plan, &clock));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!third.is_finished());
+        key.rate().unwrap().charge(clock.now(), -1.0);
+        let third = tokio::time::timeout(Duration::from_secs(5), third).await;
+        assert!(matches!(third, Ok(Ok(Ok(_)))), "admitted on the refund");
+    }
 }

@@ -22,6 +22,8 @@ const MILLI: f64 = 1000.0;
 pub struct DemandMeter {
     /// Every arrival (admitted, paced or refused), in milli-units of cost.
     arrivals: AtomicU64,
+    /// Every arrival, counted once whatever its cost.
+    requests: AtomicU64,
     admitted: AtomicU64,
     paced: AtomicU64,
     refused: AtomicU64,
@@ -64,6 +66,7 @@ pub enum Outcome {
 impl DemandMeter {
     pub fn arrive(&self, cost: f64) {
         self.arrivals.fetch_add((cost * MILLI).round() as u64, Ordering::Relaxed);
+        self.requests.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A settled cost differs from the one that arrived by `delta` units.
@@ -115,6 +118,11 @@ impl DemandMeter {
         self.arrivals.load(Ordering::Relaxed) as f64 / MILLI
     }
 
+    /// Total arrivals so far, in requests.
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
     /// Returns the peak in flight since the previous call and starts a new
     /// window: the lease client calls it once per refresh.
     pub fn take_peak(&self) -> i64 {
@@ -134,7 +142,9 @@ impl DemandMeter {
             Some((t0, c0)) => {
                 let dt = now.since(t0).as_secs_f64();
                 if dt > 0.0 {
-                    let inst = (count - c0) as f64 / MILLI / dt;
+                    // A cost settled below its charge takes arrivals back:
+                    // the count may be below the last reading's.
+                    let inst = count.wrapping_sub(c0) as i64 as f64 / MILLI / dt;
                     let alpha = 1.0 - (-dt / SMOOTHING.as_secs_f64()).exp();
                     s.rate += alpha * (inst - s.rate);
                     s.last = Some((now, count));
@@ -143,7 +153,7 @@ impl DemandMeter {
         }
         s.peak = window_peak.max(in_flight);
         DemandSample {
-            rate: s.rate,
+            rate: s.rate.max(0.0),
             peak_in_flight: s.peak,
             in_flight,
             waiters: self.waiters.load(Ordering::Relaxed),
@@ -178,5 +188,23 @@ mod tests {
         assert_eq!(m.sample(t).peak_in_flight, 2);
         assert_eq!(m.take_peak(), 2);
         assert_eq!(m.sample(t).peak_in_flight, 1);
+    }
+
+    /// A cost settled below its charge after a reading (an LLM's answer
+    /// shorter than its guess) takes back arrivals that reading counted.
+    #[test]
+    fn a_refund_after_a_reading_lowers_the_rate() {
+        let m = DemandMeter::default();
+        let mut t = Time::from_secs(1000);
+        m.sample(t);
+        m.arrive(150.0);
+        t = t.saturating_add(Duration::from_secs(1));
+        let charged = m.sample(t).rate;
+        assert!(charged > 0.0);
+        m.settle(-100.0);
+        t = t.saturating_add(Duration::from_secs(1));
+        let settled = m.sample(t).rate;
+        assert!((0.0..charged).contains(&settled), "{settled} after {charged}");
+        assert_eq!(m.arrivals(), 50.0);
     }
 }

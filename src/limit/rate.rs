@@ -20,7 +20,16 @@
 //! old slots, requests queued under a small capacity, such as a sidecar's
 //! on-expiry capacity before its first lease, held a connection for up to
 //! `max_wait` after the lease arrived, and the key stayed far below it.)
-//! A decrease moves nobody: a slot once given is kept.
+//! A decrease moves nobody: a slot once given is kept. A cost settled
+//! from the answer ([`Rate::charge`]) moves the queue too, as a request's
+//! real cost would have: a debt puts every waiting request back by the
+//! debt, a refund brings them forward (never before now). A debt may hold a
+//! request past its `max_wait`, up to twice it ([`DEBT_WAIT`]): a queue
+//! kept full by more demand than capacity waits close to `max_wait`, and
+//! capped there it could not follow a debt at all. (Kept at slots reckoned
+//! with the charged cost, an LLM sidecar's queue of two or three calls let
+//! one go 4.5 s after a call of 59 tokens, or right after one of 250, and
+//! its minute's spend strayed from its lease by up to twice one call's cost.)
 //!
 //! Why not governor: a live capacity change must carry the GCRA state across
 //! (no fresh burst) and an all-or-nothing admission must undo a reservation;
@@ -38,8 +47,11 @@ use crate::clock::{Clock, Time};
 /// Bits of a position below the nanosecond.
 const FRAC: u32 = 32;
 const ONE_NS: u128 = 1 << FRAC;
-/// Capacity increases remembered for [`Rate::retime`]; a waiter that missed
-/// more (it would have to sleep through that many changes) keeps its slot.
+/// How many times its `max_wait` a request may wait when debts settled
+/// while it waits put it back.
+pub const DEBT_WAIT: u32 = 2;
+/// Changes remembered for [`Rate::retime`]; a waiter that missed more (it
+/// would have to sleep through that many changes) keeps its slot.
 const CHANGES_KEPT: usize = 8;
 
 /// A rate: `capacity` units per second, `burst` units at once from idle.
@@ -67,10 +79,34 @@ struct State {
     /// burst that shrank with the capacity clipped it first): a key comes
     /// back with what it had, never with a fresh burst.
     frozen: f64,
-    /// Counts the capacity increases so far.
+    /// Counts the changes that move waiting requests so far.
     generation: u64,
-    /// The last increases: (generation, position, old interval, new interval).
-    increases: VecDeque<(u64, u128, u128, u128)>,
+    /// The last such changes, with their generations.
+    changes: VecDeque<(u64, Change)>,
+}
+
+/// A change that moves the slots of the requests waiting ([`Rate::retime`]).
+#[derive(Debug, Clone, Copy)]
+enum Change {
+    /// The capacity rose at position `at`, from interval `old` to `new`:
+    /// the time a slot after it still had to wait shrinks by their ratio.
+    Faster { at: u128, old: u128, new: u128 },
+    /// A cost settled at `at` above (`later`) or below its charge, by `by`:
+    /// a slot after it moves by as much, never past its request's deadline
+    /// nor before `at`.
+    Settled { at: u128, by: u128, later: bool },
+}
+
+impl State {
+    /// Records a change for the waiters to follow.
+    fn changed(&mut self, change: Change) {
+        self.generation += 1;
+        let g = self.generation;
+        self.changes.push_back((g, change));
+        if self.changes.len() > CHANGES_KEPT {
+            self.changes.pop_front();
+        }
+    }
 }
 
 impl State {
@@ -94,6 +130,9 @@ pub enum Reservation {
 pub struct Ticket {
     /// The position the request may pass at.
     slot: u128,
+    /// The latest debts may put it back to: its reservation's time plus
+    /// [`DEBT_WAIT`] × `max_wait`.
+    deadline: u128,
     /// The rate's generation when `slot` was last brought up to date.
     generation: u64,
 }
@@ -160,7 +199,7 @@ impl Rate {
                     capacity,
                     frozen: if interval.is_none() { backlog } else { 0.0 },
                     generation: 0,
-                    increases: VecDeque::new(),
+                    changes: VecDeque::new(),
                 }
             }),
             changed: Notify::new(),
@@ -185,7 +224,7 @@ impl Rate {
     pub fn reserve_ticket(&self, now: Time, cost: f64, max_wait: Duration) -> (Reservation, Ticket) {
         let mut s = self.state.lock().expect("rate lock");
         let now = s.pos(now);
-        let ticket = Ticket { slot: now, generation: s.generation };
+        let ticket = Ticket { slot: now, deadline: now, generation: s.generation };
         let interval = match s.interval {
             None => return (Reservation::TooLate { wait: None }, ticket),
             Some(0) => return (Reservation::Slot { wait: Duration::ZERO, cost: 0.0 }, ticket),
@@ -201,20 +240,37 @@ impl Rate {
             return (Reservation::TooLate { wait: Some(wait) }, ticket);
         }
         s.tat = new_tat;
-        (Reservation::Slot { wait, cost }, Ticket { slot, ..ticket })
+        // (Reckoned only for a request that waits: the common case does not.)
+        let deadline = match wait.is_zero() {
+            true => slot,
+            false => {
+                let debt_wait = max_wait.saturating_mul(DEBT_WAIT).as_nanos();
+                now.saturating_add(u128::from(u64::try_from(debt_wait).unwrap_or(u64::MAX)) << FRAC)
+            }
+        };
+        (Reservation::Slot { wait, cost }, Ticket { slot, deadline, ..ticket })
     }
 
-    /// Brings a reservation's slot forward by the capacity increases since
-    /// its ticket was last brought up to date, and returns how long its
-    /// request still waits from `now`.
+    /// Moves a reservation's slot by the changes since its ticket was last
+    /// brought up to date (capacity increases, settled costs), and returns
+    /// how long its request still waits from `now`.
     pub fn retime(&self, ticket: &mut Ticket, now: Time) -> Duration {
         let s = self.state.lock().expect("rate lock");
-        let missed = s.increases.front().is_some_and(|(g, ..)| *g > ticket.generation + 1);
+        let missed = s.changes.front().is_some_and(|(g, _)| *g > ticket.generation + 1);
         if !missed {
-            for &(_, at, old, new) in s.increases.iter().filter(|(g, ..)| *g > ticket.generation) {
-                if ticket.slot > at {
-                    let left = (ticket.slot - at) as f64 * (new as f64 / old as f64);
-                    ticket.slot = at + (left.ceil() as u128).min(ticket.slot - at);
+            for &(_, change) in s.changes.iter().filter(|(g, _)| *g > ticket.generation) {
+                match change {
+                    Change::Faster { at, old, new } if ticket.slot > at => {
+                        let left = (ticket.slot - at) as f64 * (new as f64 / old as f64);
+                        ticket.slot = at + (left.ceil() as u128).min(ticket.slot - at);
+                    }
+                    Change::Settled { at, by, later: true } if ticket.slot > at => {
+                        ticket.slot = ticket.slot.saturating_add(by).min(ticket.deadline.max(ticket.slot));
+                    }
+                    Change::Settled { at, by, later: false } if ticket.slot > at => {
+                        ticket.slot = ticket.slot.saturating_sub(by).max(at);
+                    }
+                    _ => {}
                 }
             }
         }
@@ -245,19 +301,32 @@ impl Rate {
     }
 
     /// Charges `units` more to the bucket now (a cost settled above what was
-    /// charged at admission: later requests wait for the debt), or gives
-    /// them back when negative (settled below: never beyond a full bucket).
+    /// charged at admission: the requests waiting, and later ones, wait for
+    /// the debt), or gives them back when negative (settled below: waiting
+    /// requests come sooner; never beyond a full bucket).
     pub fn charge(&self, now: Time, units: f64) {
         if units == 0.0 || units.is_nan() {
             return;
         }
         let mut s = self.state.lock().expect("rate lock");
         let now = s.pos(now);
-        match s.interval {
-            Some(0) => {}
-            Some(i) if units > 0.0 => s.tat = s.tat.max(now).saturating_add(times(i, units)),
-            Some(i) => s.tat = s.tat.saturating_sub(times(i, -units)).max(now),
-            None => s.frozen = (s.frozen + units).max(0.0),
+        let Some(i) = s.interval.filter(|i| *i > 0) else {
+            if s.interval.is_none() {
+                s.frozen = (s.frozen + units).max(0.0);
+            }
+            return;
+        };
+        let (by, later) = (times(i, units.abs()), units > 0.0);
+        // Only a bucket owing beyond now can have requests waiting.
+        let waiting = s.tat > now;
+        s.tat = if later { s.tat.max(now).saturating_add(by) } else { s.tat.saturating_sub(by).max(now) };
+        if waiting {
+            s.changed(Change::Settled { at: now, by, later });
+            drop(s);
+            // A debt needs no wake-up: a waiter looks again when its old slot comes.
+            if !later {
+                self.changed.notify_waiters();
+            }
         }
     }
 
@@ -290,12 +359,7 @@ impl Rate {
         if let (Some(old), Some(new)) = (old_interval, s.interval)
             && new < old
         {
-            s.generation += 1;
-            let g = s.generation;
-            s.increases.push_back((g, now, old, new));
-            if s.increases.len() > CHANGES_KEPT {
-                s.increases.pop_front();
-            }
+            s.changed(Change::Faster { at: now, old, new });
         }
         s.capacity = capacity;
         s.burst = burst;

@@ -58,21 +58,32 @@ struct KeyMemory {
 /// twice as long ago): a key used at under a request a second often has no
 /// request in [`DEMAND_WINDOW`], and read there it asked for 0.
 pub const LONG_WINDOW: Duration = Duration::from_secs(30);
-/// The short window measures the rate once it holds this many units.
-const SHORT_UNITS: f64 = 4.0;
+/// The short window measures the rate once it holds this many requests.
+/// Requests, not cost units: one LLM call costs hundreds of tokens, and a
+/// window holding one or two calls (and the refunds of others settled
+/// there) read anywhere from 0 to four times the demand.
+const SHORT_REQUESTS: u64 = 4;
+
+/// A key's arrivals so far: in cost units (less what settled below its
+/// charge), and in requests.
+#[derive(Debug, Clone, Copy, Default)]
+struct Arrivals {
+    units: f64,
+    requests: u64,
+}
 
 /// What measuring a key's demand (`wants: auto`) remembers.
 #[derive(Default)]
 struct Measured {
-    /// (time, total arrivals) readings over the last [`DEMAND_WINDOW`].
-    arrivals: VecDeque<(Time, f64)>,
-    /// Two (time, total arrivals) anchors for the long window: the older is
-    /// one to two [`LONG_WINDOW`]s old once traffic has run that long.
-    anchors: [Option<(Time, f64)>; 2],
-    /// When the total last moved, and to what.
-    last_arrival: Option<(Time, f64)>,
-    /// The first reading with traffic, and its total.
-    first: Option<(Time, f64)>,
+    /// (time, arrivals so far) readings over the last [`DEMAND_WINDOW`].
+    arrivals: VecDeque<(Time, Arrivals)>,
+    /// Two (time, arrivals so far) anchors for the long window: the older
+    /// is one to two [`LONG_WINDOW`]s old once traffic has run that long.
+    anchors: [Option<(Time, Arrivals)>; 2],
+    /// When the last request arrived, and how many had by then.
+    last_arrival: Option<(Time, u64)>,
+    /// When traffic was first read, and the arrivals then.
+    first: Option<(Time, Arrivals)>,
     /// The last measured rate: once demand was measured, a read that cannot
     /// measure it (a slow or stalled call to the servers spaced the reads
     /// out) keeps it rather than going back to the first guess.
@@ -83,17 +94,17 @@ struct Measured {
 }
 
 impl Measured {
-    /// The arrival rate at `now` (`total` arrivals so far), or None before
-    /// traffic was seen over half a second. Over [`DEMAND_WINDOW`] once that
-    /// holds [`SHORT_UNITS`]; for a slower key over the long window, until
-    /// no request came for three times its usual gap (it stopped: the short
-    /// window's rate, 0, applies). Once measured, a read that cannot measure
-    /// keeps the last rate.
-    fn measure(&mut self, now: Time, total: f64) -> Option<f64> {
-        if total > 0.0 {
+    /// The arrival rate in cost units at `now` (`total` arrivals so far),
+    /// or None before traffic was seen over half a second. Over
+    /// [`DEMAND_WINDOW`] once that holds [`SHORT_REQUESTS`]; for a slower
+    /// key over the long window, until no request came for three times its
+    /// usual gap (it stopped: the short window's rate, 0, applies). Once
+    /// measured, a read that cannot measure keeps the last rate.
+    fn measure(&mut self, now: Time, total: Arrivals) -> Option<f64> {
+        if total.requests > 0 {
             self.first.get_or_insert((now, total));
-            if self.last_arrival.is_none_or(|(_, a)| a != total) {
-                self.last_arrival = Some((now, total));
+            if self.last_arrival.is_none_or(|(_, n)| n != total.requests) {
+                self.last_arrival = Some((now, total.requests));
             }
             match self.anchors {
                 [None, _] => self.anchors = [Some((now, total)), None],
@@ -104,29 +115,34 @@ impl Measured {
                 _ => {}
             }
         }
+        // (Refunds settled in a window may outweigh what arrived in it.)
         let short = match (self.arrivals.front(), self.arrivals.back()) {
-            (Some((t0, a0)), Some((t1, a1))) if total > 0.0 && t1.since(*t0) >= Duration::from_millis(500) => {
-                Some((a1 - a0, (a1 - a0) / t1.since(*t0).as_secs_f64()))
+            (Some((t0, a0)), Some((t1, a1))) if total.requests > 0 && t1.since(*t0) >= Duration::from_millis(500) => {
+                Some((a1.requests - a0.requests, ((a1.units - a0.units) / t1.since(*t0).as_secs_f64()).max(0.0)))
             }
             _ => None,
         };
         let long = match (self.anchors[0], self.last_arrival) {
-            (Some((t0, a0)), Some((_, a))) if now.since(t0) >= DEMAND_WINDOW && a > a0 => {
-                Some((a - a0) / now.since(t0).as_secs_f64())
+            (Some((t0, a0)), Some((_, n))) if now.since(t0) >= DEMAND_WINDOW && n > a0.requests => {
+                let secs = now.since(t0).as_secs_f64();
+                Some((((total.units - a0.units) / secs).max(0.0), (n - a0.requests) as f64 / secs))
             }
             // Nothing since the first requests: they are the rate so far (a
             // key asked once, then again a few seconds later, kept a lease
             // for the second rather than asking for 0 in between).
-            (Some(a), Some((_, total))) if self.first == Some(a) && total == a.1 && now.since(a.0) >= DEMAND_WINDOW => {
-                Some(total / now.since(a.0).as_secs_f64())
+            (Some((t0, a0)), Some((_, n)))
+                if self.first.is_some_and(|(t, _)| t == t0) && n == a0.requests && now.since(t0) >= DEMAND_WINDOW =>
+            {
+                let secs = now.since(t0).as_secs_f64();
+                Some((a0.units / secs, a0.requests as f64 / secs))
             }
             _ => None,
         };
         let rate = match (short, long) {
-            (Some((units, rate)), _) if units >= SHORT_UNITS => Some(rate),
-            (short, Some(long)) => {
+            (Some((requests, rate)), _) if requests >= SHORT_REQUESTS => Some(rate),
+            (short, Some((long, requests_per_s))) => {
                 let gap = self.last_arrival.map_or(Duration::MAX, |(t, _)| now.since(t));
-                let stopped = gap.as_secs_f64() > (3.0 / long).max(DEMAND_WINDOW.as_secs_f64());
+                let stopped = gap.as_secs_f64() > (3.0 / requests_per_s).max(DEMAND_WINDOW.as_secs_f64());
                 match stopped {
                     true => short.map(|(_, r)| r).or(Some(0.0)),
                     false => Some(long.max(short.map_or(0.0, |(_, r)| r))),
@@ -213,7 +229,7 @@ impl TableEnforcer {
                 let m = m.measured.get_or_insert_default();
                 let measured = match kind {
                     ResourceKind::Rate => {
-                        let total = l.demand().arrivals();
+                        let total = Arrivals { units: l.demand().arrivals(), requests: l.demand().requests() };
                         // Nothing is recorded before the first arrival: the
                         // window starts with the traffic, not with the idle
                         // time before it (which read a fresh sidecar's 45/s as
@@ -221,7 +237,7 @@ impl TableEnforcer {
                         // and what arrived before its first sample is left out
                         // (requests queued while a sidecar waited for its first
                         // lease arrive at once: counted, they doubled the rate).
-                        if total > 0.0 {
+                        if total.requests > 0 {
                             m.arrivals.push_back((now, total));
                         }
                         while m.arrivals.len() > 2
@@ -911,7 +927,9 @@ mod tests {
         assert!(lo >= 0.4 && hi <= 1.0, "wants between {lo} and {hi} at 0.5 requests/s");
         // A slow control plane: reads 3 s apart, traffic at 20/s.
         for _ in 0..5 {
-            llm.demand().arrive(60.0);
+            for _ in 0..60 {
+                llm.demand().arrive(1.0);
+            }
             time.advance(Duration::from_secs(3));
             let w = wants(&e);
             assert!(w > 5.0 && w < 50.0, "reads 3 s apart measure the demand, not the first guess: {w}");
@@ -944,7 +962,10 @@ mod tests {
             e.wants(m, &l, kind, settings, capacity, e.table.clock().now()).0
         };
         e.table.resource("llm").unwrap().try_limiter("llm").unwrap().demand().arrive(1.0);
-        e.table.resource("burst").unwrap().try_limiter("burst").unwrap().demand().arrive(10.0);
+        let burst = e.table.resource("burst").unwrap().try_limiter("burst").unwrap();
+        for _ in 0..10 {
+            burst.demand().arrive(1.0);
+        }
         let mut seen = Vec::new();
         for _ in 0..100 {
             wants(&e, "llm");
@@ -958,6 +979,44 @@ mod tests {
             assert!(*w >= 0.5 / t && *w <= 2.0 / t, "at {t} s one request asks for {w}");
         }
         assert_eq!(seen.last().unwrap().1, 0.0, "a burst of 10 that stopped asks for nothing");
+    }
+
+    /// An LLM call every 2 s, charged 150 tokens and settled from its
+    /// answer at 50 to 250: its 2 s window holds one call or none (and
+    /// refunds), so measured there wants swung from 0 to 500 tokens/s; it
+    /// is measured over the long window, as any slow key is (a short window
+    /// that reads more still counts: one 250-token call in 2 s, 125/s).
+    #[test]
+    fn a_slow_key_of_costly_requests_asks_for_its_tokens_steadily() {
+        let (e, time) = enforcer_of(
+            "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+             resources:\n  tokens: { kind: rate, capacity: 6000/min, burst: 250, wants: auto }\n\
+             routes:\n  - { name: all, upstream: up, resources: [tokens] }\n",
+        );
+        let tokens = e.table.resource("tokens").unwrap().try_limiter("tokens").unwrap();
+        let wants = |e: &TableEnforcer| {
+            let cfg = e.config();
+            let (settings, kind, capacity, _) = TableEnforcer::settings(&cfg, "tokens").unwrap();
+            let mut memory = e.memory.lock().unwrap();
+            let m = memory.entry("tokens".to_string()).or_default();
+            e.wants(m, &tokens, kind, settings, capacity, e.table.clock().now()).0
+        };
+        // Reads every 100 ms for 90 s; real costs cycle through 50..=250 (150 on average).
+        let mut seen = Vec::new();
+        for tick in 0..900 {
+            match tick % 20 {
+                0 => tokens.demand().arrive(150.0),
+                2 => tokens.demand().settle(f64::from((tick / 20 * 37) % 201 + 50) - 150.0),
+                _ => {}
+            }
+            time.advance(Duration::from_millis(100));
+            let w = wants(&e);
+            if tick >= 400 {
+                seen.push(w);
+            }
+        }
+        let (lo, hi) = seen.iter().fold((f64::MAX, 0.0f64), |(lo, hi), w| (lo.min(*w), hi.max(*w)));
+        assert!(lo >= 60.0 && hi <= 125.0 * 1.1, "wants between {lo} and {hi} at 75 tokens/s");
     }
 
     /// A gauge leased nothing (after an idle spell) whose requests are

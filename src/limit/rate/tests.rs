@@ -336,3 +336,39 @@ fn a_request_costing_more_than_the_burst_passes_alone_from_an_idle_bucket() {
     assert_eq!(r.reserve(at(0), 1.0, Duration::ZERO), Reservation::TooLate { wait: Some(Duration::from_millis(400)) });
     assert!(matches!(r.reserve(at(800), 8.0, Duration::ZERO), Reservation::Slot { .. }));
 }
+
+/// A cost settled above or below its charge moves the requests already
+/// waiting, as the real cost would have: 1/s, three requests charged 1 wait
+/// 1, 2 and 3 s behind the one that passed.
+#[test]
+fn a_settled_cost_moves_the_requests_waiting() {
+    let r = Rate::new(1.0, 1.0, at(0));
+    let mut tickets: Vec<Ticket> = (0..4)
+        .map(|_| match r.reserve_ticket(at(0), 1.0, Duration::from_millis(3000)) {
+            (Reservation::Slot { .. }, t) => t,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let waits =
+        |r: &Rate, ts: &mut [Ticket], now| ts.iter_mut().map(|t| r.retime(t, now).as_millis()).collect::<Vec<_>>();
+    assert_eq!(waits(&r, &mut tickets, at(0)), vec![0, 1000, 2000, 3000]);
+    // The first really cost 2.5, then 4.5: everyone waiting goes that much
+    // later, past max_wait (3 s), but never past twice it.
+    r.charge(at(100), 1.5);
+    assert_eq!(waits(&r, &mut tickets, at(100)), vec![0, 2400, 3400, 4400]);
+    r.charge(at(100), 2.0);
+    assert_eq!(waits(&r, &mut tickets, at(100)), vec![0, 4400, 5400, 5900]);
+    // A later request queues behind the debts.
+    let later = r.reserve(at(100), 1.0, Duration::from_secs(10));
+    assert_eq!(later, Reservation::Slot { wait: Duration::from_millis(7400), cost: 1.0 });
+    r.release(1.0);
+    // A refund brings them forward, never before now.
+    r.charge(at(1000), -1.0);
+    assert_eq!(waits(&r, &mut tickets, at(1000)), vec![0, 2500, 3500, 4000]);
+    r.charge(at(1000), -3.0);
+    assert_eq!(waits(&r, &mut tickets, at(1000)), vec![0, 0, 500, 1000]);
+    // With nothing waiting, a charge is only a debt.
+    let r = Rate::new(1.0, 5.0, at(0));
+    r.charge(at(0), 2.0);
+    assert_eq!(drain(&r, at(0)), 3);
+}
