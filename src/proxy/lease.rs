@@ -64,6 +64,10 @@ pub const LONG_WINDOW: Duration = Duration::from_secs(30);
 /// there) read anywhere from 0 to four times the demand.
 const SHORT_REQUESTS: u64 = 4;
 
+/// Traffic is measured once it was seen over this long (before, the
+/// routes file's first guess stands).
+const FIRST_SPAN: Duration = Duration::from_millis(500);
+
 /// A key's arrivals so far: in cost units (less what settled below its
 /// charge), and in requests.
 #[derive(Debug, Clone, Copy, Default)]
@@ -117,7 +121,7 @@ impl Measured {
         }
         // (Refunds settled in a window may outweigh what arrived in it.)
         let short = match (self.arrivals.front(), self.arrivals.back()) {
-            (Some((t0, a0)), Some((t1, a1))) if total.requests > 0 && t1.since(*t0) >= Duration::from_millis(500) => {
+            (Some((t0, a0)), Some((t1, a1))) if total.requests > 0 && t1.since(*t0) >= FIRST_SPAN => {
                 Some((a1.requests - a0.requests, ((a1.units - a0.units) / t1.since(*t0).as_secs_f64()).max(0.0)))
             }
             _ => None,
@@ -127,13 +131,14 @@ impl Measured {
                 let secs = now.since(t0).as_secs_f64();
                 Some((((total.units - a0.units) / secs).max(0.0), (n - a0.requests) as f64 / secs))
             }
-            // Nothing since the first requests: they are the rate so far (a
-            // key asked once, then again a few seconds later, kept a lease
-            // for the second rather than asking for 0 in between).
+            // Nothing since the first requests, half a second on: they are
+            // the rate so far, over at least the short window (a key asked once, then again
+            // a few seconds later, kept a lease for the second rather than
+            // asking for 0 in between).
             (Some((t0, a0)), Some((_, n)))
-                if self.first.is_some_and(|(t, _)| t == t0) && n == a0.requests && now.since(t0) >= DEMAND_WINDOW =>
+                if self.first.is_some_and(|(t, _)| t == t0) && n == a0.requests && now.since(t0) >= FIRST_SPAN =>
             {
-                let secs = now.since(t0).as_secs_f64();
+                let secs = now.since(t0).max(DEMAND_WINDOW).as_secs_f64();
                 Some((a0.units / secs, a0.requests as f64 / secs))
             }
             _ => None,
@@ -973,9 +978,10 @@ mod tests {
             time.advance(Duration::from_millis(100));
             seen.push((wants(&e, "llm"), wants(&e, "burst")));
         }
-        // Between 2 and 10 s: about one request over the time since it came.
-        for (i, (w, _)) in seen.iter().enumerate().skip(25) {
-            let t = (i + 1) as f64 / 10.0;
+        // From half a second on: about one request over the time since it
+        // came (at least 2 s), never 0 in between.
+        for (i, (w, _)) in seen.iter().enumerate().skip(5) {
+            let t = ((i + 1) as f64 / 10.0).max(2.0);
             assert!(*w >= 0.5 / t && *w <= 2.0 / t, "at {t} s one request asks for {w}");
         }
         assert_eq!(seen.last().unwrap().1, 0.0, "a burst of 10 that stopped asks for nothing");
