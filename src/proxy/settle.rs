@@ -51,7 +51,7 @@ pub fn on_answer<'a>(
         header("content-length").and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<u64>().ok());
     if let Some((outcome, why)) = unreadable(header, length) {
         for (_, s) in json_rules(route) {
-            record(s, failed(outcome, success), &why);
+            record(s, failed(outcome, success), format_args!("{why}"));
         }
         return None;
     }
@@ -86,7 +86,7 @@ pub fn from_headers<'a>(
             None => record(
                 s,
                 failed(SettleOutcome::Missing, status.is_success()),
-                &format!("the answer has no `{name}` header holding a number of at least 0"),
+                format_args!("the answer has no `{name}` header holding a number of at least 0"),
             ),
         }
     }
@@ -147,12 +147,21 @@ fn charge(plan: &Plan, r: &RouteResource, s: &Settle, real: f64) {
 }
 
 /// Counts an answer whose cost was not settled, logs it, and warns the
-/// first time a route's resource fails so for this reason.
+/// first time a route's resource fails so for this reason. `why` is
+/// formatted only if it is written: an upstream that never sends the header
+/// a cost is settled from costs a counter per answer, not a string.
 #[cold]
-fn record(s: &Settle, outcome: SettleOutcome, why: &str) {
+fn record(s: &Settle, outcome: SettleOutcome, why: fmt::Arguments<'_>) {
     let (route, resource) = (&s.metrics.route, &s.metrics.resource);
     let first = s.metrics.count(outcome);
-    tracing::debug!(route, resource, outcome = outcome.label(), why, "cost not settled; the admission's charge stands");
+    // A field is built only when debug is on: `why` is a string there, as it was.
+    tracing::debug!(
+        route,
+        resource,
+        outcome = outcome.label(),
+        why = why.to_string().as_str(),
+        "cost not settled; the admission's charge stands"
+    );
     if first && !matches!(outcome, SettleOutcome::Status | SettleOutcome::Empty) {
         tracing::warn!(
             route,
@@ -206,7 +215,7 @@ impl BodySettle {
                     Err(e) => (SettleOutcome::NotJson, format!("the answer's body is not JSON ({e})")),
                 },
             };
-            record(s, failed(outcome, success), &why);
+            record(s, failed(outcome, success), format_args!("{why}"));
         }
     }
 }
@@ -239,7 +248,7 @@ impl Drop for BodySettle {
         }
         let why = "the answer's body did not end (the app left, or the upstream cut it)";
         for (_, s) in json_rules(&self.route) {
-            record(s, failed(SettleOutcome::Incomplete, self.success), why);
+            record(s, failed(SettleOutcome::Incomplete, self.success), format_args!("{why}"));
         }
     }
 }
