@@ -39,10 +39,8 @@ pub fn observe_quota<'a>(
         let o =
             Observation { limit, remaining, reset: now.saturating_add(until), observed: now, continuous: q.continuous };
         r.metrics.observe_quota(&o, now);
-        for (l, _) in plan.items.iter().chain(plan.shadow.iter()) {
-            if l.is_of(&r.metrics.name) {
-                l.observe(o);
-            }
+        for (l, _) in r.keys_in(plan) {
+            l.observe(o);
         }
         let spent = status == StatusCode::TOO_MANY_REQUESTS
             || (remaining < 1.0 && (status == StatusCode::FORBIDDEN || !q.continuous));

@@ -137,11 +137,9 @@ fn failed(outcome: SettleOutcome, success: bool) -> SettleOutcome {
 /// Charges the difference between the real cost and what `r`'s keys were
 /// charged at admission (or gives it back), and counts it in their demand.
 fn charge(plan: &Plan, r: &RouteResource, s: &Settle, real: f64) {
-    for (l, charged) in plan.items.iter().chain(plan.shadow.iter()) {
-        if l.is_of(&r.metrics.name) {
-            l.charge(real - charged);
-            l.demand().settle(real - charged);
-        }
+    for (l, charged) in r.keys_in(plan) {
+        l.charge(real - charged);
+        l.demand().settle(real - charged);
     }
     s.metrics.count(SettleOutcome::Settled);
 }
