@@ -27,6 +27,7 @@ use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor
 
 use super::metrics::SettleOutcome;
 use super::route::{Route, RouteResource, Settle};
+use crate::config::quota::decimal;
 use crate::config::routes::{JsonPath, SettleFrom};
 use crate::limit::admit::Plan;
 
@@ -80,8 +81,7 @@ pub fn from_headers<'a>(
             json = true;
             continue;
         };
-        let value = header(name).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<f64>().ok());
-        match value.filter(|v| v.is_finite() && *v >= 0.0) {
+        match header(name).and_then(decimal).filter(|v| v.is_finite() && *v >= 0.0) {
             Some(real) => charge(plan, r, s, real),
             None => record(
                 s,
