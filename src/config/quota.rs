@@ -171,11 +171,12 @@ pub fn read(ck: &mut Checker, node: &Node, path: &str) -> Option<UpstreamQuota> 
 }
 
 /// What one answer says of the quota: (limit, remaining, seconds until the
-/// reset, from `now_unix_s`), if it says all three.
+/// reset, from `now_unix_s`), if it says all three. `now_unix_s` is called
+/// only for a reset given as a time, once the three are found.
 pub fn parse<'a>(
     q: &UpstreamQuota,
     header: impl Fn(&str) -> Option<&'a [u8]>,
-    now_unix_s: f64,
+    now_unix_s: impl FnOnce() -> f64,
 ) -> Option<(f64, f64, f64)> {
     let text = |name: &str| header(name).and_then(|v| std::str::from_utf8(v).ok()).map(str::trim);
     let number = |name: &str| header(name).and_then(decimal);
@@ -189,12 +190,12 @@ pub fn parse<'a>(
     let count = |name: &str| number(name).filter(|v| v.is_finite() && *v >= 0.0);
     let (limit, remaining) = (count(&q.limit)?, count(&q.remaining)?);
     let secs = match q.reset_format {
-        ResetFormat::EpochSeconds => number(&q.reset)? - now_unix_s,
+        ResetFormat::EpochSeconds => number(&q.reset)? - now_unix_s(),
         ResetFormat::DelaySeconds => number(&q.reset)?,
         ResetFormat::Duration => go_duration(text(&q.reset)?)?,
         ResetFormat::Rfc3339 => {
             let t = humantime::parse_rfc3339_weak(text(&q.reset)?).ok()?;
-            t.duration_since(std::time::UNIX_EPOCH).ok()?.as_secs_f64() - now_unix_s
+            t.duration_since(std::time::UNIX_EPOCH).ok()?.as_secs_f64() - now_unix_s()
         }
     };
     secs.is_finite().then_some((limit, remaining, secs.max(0.0)))
@@ -277,14 +278,14 @@ mod tests {
         let now = 1_800_000_000.0;
         let gh = preset("github").unwrap();
         let h = [("x-ratelimit-limit", "5000"), ("x-ratelimit-remaining", "4999"), ("x-ratelimit-reset", "1800000030")];
-        assert_eq!(parse(&gh, headers(&h), now), Some((5000.0, 4999.0, 30.0)));
+        assert_eq!(parse(&gh, headers(&h), || now), Some((5000.0, 4999.0, 30.0)));
         let oa = preset("openai-tokens").unwrap();
         let h = [
             ("x-ratelimit-limit-tokens", "6000"),
             ("x-ratelimit-remaining-tokens", "5850"),
             ("x-ratelimit-reset-tokens", "1m30.5s"),
         ];
-        assert_eq!(parse(&oa, headers(&h), now), Some((6000.0, 5850.0, 90.5)));
+        assert_eq!(parse(&oa, headers(&h), || now), Some((6000.0, 5850.0, 90.5)));
         assert!(oa.continuous && !gh.continuous);
         let an = preset("anthropic-requests").unwrap();
         let h = [
@@ -293,14 +294,14 @@ mod tests {
             ("anthropic-ratelimit-requests-reset", "2027-01-15T08:00:10Z"),
         ];
         // 2027-01-15T08:00:10Z is 1,800,000,010 s after the epoch: 10 s from now.
-        assert_eq!(parse(&an, headers(&h), now), Some((50.0, 49.0, 10.0)));
+        assert_eq!(parse(&an, headers(&h), || now), Some((50.0, 49.0, 10.0)));
         let ietf = preset("ietf").unwrap();
         let h = [("ratelimit", "\"api\";r=7;t=12"), ("ratelimit-policy", "\"api\";q=100;w=60")];
-        assert_eq!(parse(&ietf, headers(&h), now), Some((100.0, 7.0, 12.0)));
+        assert_eq!(parse(&ietf, headers(&h), || now), Some((100.0, 7.0, 12.0)));
         // Missing or rude values say nothing.
-        assert_eq!(parse(&gh, headers(&[("x-ratelimit-limit", "5000")]), now), None);
+        assert_eq!(parse(&gh, headers(&[("x-ratelimit-limit", "5000")]), || now), None);
         let h = [("x-ratelimit-limit", "lots"), ("x-ratelimit-remaining", "1"), ("x-ratelimit-reset", "1")];
-        assert_eq!(parse(&gh, headers(&h), now), None);
+        assert_eq!(parse(&gh, headers(&h), || now), None);
     }
 
     /// What `decimal` stands in for, on the bytes as they come.
