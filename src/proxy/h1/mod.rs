@@ -410,7 +410,8 @@ enum Send {
 /// A request made ready for its upstream.
 struct Prepared<'c> {
     send: Send,
-    /// The route reads the answer's header fields: the answer lets it.
+    /// The route reads the answer's header fields: parsing marks them, and
+    /// the answer lends the head they are in ([`Answer::fields`]).
     keep_head: bool,
     /// An upstream the native path forwards to (`ready` checked).
     upstream: std::sync::Arc<Upstream>,
