@@ -51,6 +51,9 @@ struct Opts {
     variants: Vec<(String, Vec<(String, String)>)>,
     /// `--callgrind S`: count instructions per request under valgrind for S seconds per target.
     callgrind: Option<f64>,
+    /// `--quota-answers`: the upstreams' answers carry GitHub's quota headers
+    /// and a cost (`x-usage`), which `quota=` variants read (loadgen::Seen::quota).
+    quota_answers: bool,
     /// `--idle S`: measure each proxy's cost while idle for S seconds.
     idle: Option<f64>,
     /// `--idle-settle S`: seconds between the traffic and the idle measurement
@@ -108,6 +111,7 @@ fn opts() -> Opts {
         ),
         soak: get("--soak").and_then(|v| v.parse().ok()),
         callgrind: get("--callgrind").and_then(|v| v.parse().ok()),
+        quota_answers: args.iter().any(|a| a == "--quota-answers"),
         idle: get("--idle").and_then(|v| v.parse().ok()),
         idle_settle: get("--idle-settle").and_then(|v| v.parse().ok()).unwrap_or(3.0),
         keys: list("--keys", "").into_iter().map(|n| n as u64).collect(),
@@ -206,8 +210,9 @@ struct Up {
 }
 
 impl Up {
-    async fn plain() -> Up {
+    async fn plain(o: &Opts) -> Up {
         let (addr, seen) = loadgen::upstream().await;
+        seen.quota.store(o.quota_answers, std::sync::atomic::Ordering::Relaxed);
         Up { addr, seen, ca: None }
     }
 
@@ -216,6 +221,7 @@ impl Up {
         let Some(h2) = o.tls else { return plain.clone() };
         let pki = loadgen::Pki::new();
         let (addr, seen) = loadgen::tls_upstream(&pki, h2).await;
+        seen.quota.store(o.quota_answers, std::sync::atomic::Ordering::Relaxed);
         let ca = dir.join(format!("ca-{}.pem", addr.port()));
         std::fs::write(&ca, &pki.ca_pem).unwrap();
         Up { addr, seen, ca: Some(ca) }
@@ -602,7 +608,7 @@ fn main() {
 /// from each request's intended send time; CPU per request from `/proc`.
 async fn keys(o: &Opts) {
     let dir = tempfile::tempdir().unwrap();
-    let up = Up::plain().await;
+    let up = Up::plain(o).await;
     let targets = proxies(o, dir.path(), &up).await;
     let mut md = format!(
         "### Many tenant keys ({} req/s over {} connections, a rate of 1,000/s per tenant)\n\n\
@@ -679,7 +685,7 @@ async fn proxies(o: &Opts, dir: &Path, plain: &Up) -> Vec<Target> {
 /// its master and its worker together.
 async fn idle(o: &Opts, secs: f64) {
     let dir = tempfile::tempdir().unwrap();
-    let up = Up::plain().await;
+    let up = Up::plain(o).await;
     let targets = proxies(o, dir.path(), &up).await;
     for t in &targets {
         measure(t, 1000.0, 1.0, 8).await;
@@ -723,7 +729,7 @@ async fn idle(o: &Opts, secs: f64) {
 
 async fn compare(o: &Opts) {
     let dir = tempfile::tempdir().unwrap();
-    let up = Up::plain().await;
+    let up = Up::plain(o).await;
     let mut md = String::new();
     // Direct is always the plain upstream: with `--upstream https|h2`, "added" includes the TLS leg.
     let mut targets = vec![Target { name: "direct".into(), addr: up.addr, proc: None, up: up.clone() }];
@@ -1041,7 +1047,7 @@ async fn compare(o: &Opts) {
 /// and threads after each.
 async fn soak(o: &Opts, secs: f64) {
     let dir = tempfile::tempdir().unwrap();
-    let up = Up::plain().await;
+    let up = Up::plain(o).await;
     let (usher, addr) = start_usher(o, dir.path(), &up, &[]);
     let pid = usher.pid;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -1098,7 +1104,7 @@ async fn soak(o: &Opts, secs: f64) {
 /// by the requests answered. The dumps stay in `--out` for `callgrind_annotate`.
 async fn instructions(o: &Opts, secs: f64) {
     let dir = tempfile::tempdir().unwrap();
-    let up = Up::plain().await;
+    let up = Up::plain(o).await;
     let targets = proxies(o, dir.path(), &up).await;
     let mut md = format!(
         "### Instructions per request (callgrind, user space, {secs} s of closed-loop load over 4 connections)\n\n\

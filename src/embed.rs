@@ -494,8 +494,8 @@ impl Resource {
         let resources = std::slice::from_ref(&self.route);
         let Shared { table, pushback, .. } = &*self.shared;
         let retry_after = pushback::retry_after(resp.headers());
-        let now = table.clock().now();
-        if let Some(hold) = feedback::observe_quota(resources, plan, resp.status(), retry_after, &header, now) {
+        if let Some(hold) = feedback::observe_quota(resources, plan, resp.status(), retry_after, &header, table.clock())
+        {
             let cfg = PushbackConfig::default();
             feedback::hold_spent(pushback, table, plan, hold, &cfg, &self.route.metrics.name);
         }

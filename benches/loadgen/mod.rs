@@ -12,7 +12,8 @@
 //!   come back and counts statuses.
 //! - [`upstream`] is a minimal hyper server that answers `ok`, counts
 //!   requests under `/rate`, and holds requests under `/gauge` for 50 ms
-//!   while tracking the most it had in flight at once.
+//!   while tracking the most it had in flight at once; with
+//!   [`Seen::quota`] set, its answers carry a quota and a cost in headers.
 //!
 //! Latencies are kept exactly (one `u64` of nanoseconds per request; a
 //! 10 s run at 50k req/s is 4 MB), so percentiles need no histogram error.
@@ -22,7 +23,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -44,6 +45,10 @@ pub struct Seen {
     pub resumed: AtomicU64,
     /// Connections that chose h2 in ALPN.
     pub h2: AtomicU64,
+    /// Answers carry GitHub's quota headers (`x-ratelimit-*`, a quota far
+    /// from spent, one less remaining with each answer) and `x-usage: 2`
+    /// (a cost settled above the 1 charged at admission).
+    pub quota: AtomicBool,
 }
 
 /// TLS counters at one moment; [`Seen::tls`].
@@ -97,7 +102,10 @@ pub const GAUGE_HOLD: Duration = Duration::from_millis(50);
 
 /// The upstream's answer: `ok`, counting `/rate` and holding `/gauge`.
 async fn answer(req: Request<hyper::body::Incoming>, seen: Arc<Seen>) -> Result<Response<Full<Bytes>>, Infallible> {
-    seen.total.fetch_add(1, Ordering::Relaxed);
+    let n = seen.total.fetch_add(1, Ordering::Relaxed);
+    if seen.quota.load(Ordering::Relaxed) {
+        return Ok(with_quota(n));
+    }
     let path = req.uri().path();
     if path.starts_with("/rate") {
         seen.rate.fetch_add(1, Ordering::Relaxed);
@@ -108,6 +116,22 @@ async fn answer(req: Request<hyper::body::Incoming>, seen: Arc<Seen>) -> Result<
         seen.gauge_now.fetch_sub(1, Ordering::SeqCst);
     }
     Ok(Response::new(Full::new(Bytes::from_static(b"ok"))))
+}
+
+/// `ok`, with GitHub's quota headers (a billion an hour, `n` used) and a
+/// cost of 2 in `x-usage`.
+fn with_quota(n: u64) -> Response<Full<Bytes>> {
+    const LIMIT: u64 = 1_000_000_000;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    Response::builder()
+        .header("x-ratelimit-limit", LIMIT)
+        .header("x-ratelimit-remaining", LIMIT.saturating_sub(n + 1))
+        .header("x-ratelimit-reset", now.as_secs() + 3600)
+        .header("x-ratelimit-used", n + 1)
+        .header("x-ratelimit-resource", "core")
+        .header("x-usage", "2")
+        .body(Full::new(Bytes::from_static(b"ok")))
+        .unwrap()
 }
 
 /// Starts the upstream on 127.0.0.1:0 on the current runtime.

@@ -171,13 +171,15 @@ pub fn read(ck: &mut Checker, node: &Node, path: &str) -> Option<UpstreamQuota> 
 }
 
 /// What one answer says of the quota: (limit, remaining, seconds until the
-/// reset, from `now_unix_s`), if it says all three.
+/// reset, from `now_unix_s`), if it says all three. `now_unix_s` is called
+/// only for a reset given as a time, once the three are found.
 pub fn parse<'a>(
     q: &UpstreamQuota,
     header: impl Fn(&str) -> Option<&'a [u8]>,
-    now_unix_s: f64,
+    now_unix_s: impl FnOnce() -> f64,
 ) -> Option<(f64, f64, f64)> {
     let text = |name: &str| header(name).and_then(|v| std::str::from_utf8(v).ok()).map(str::trim);
+    let number = |name: &str| header(name).and_then(decimal);
     if q.ietf {
         let state = text("ratelimit")?;
         let remaining = sf_param(state, "r")?;
@@ -185,19 +187,46 @@ pub fn parse<'a>(
         let limit = text("ratelimit-policy").and_then(|p| sf_param(p, "q")).unwrap_or(remaining);
         return Some((limit, remaining, reset));
     }
-    let number = |name: &str| text(name).and_then(|v| v.parse::<f64>().ok()).filter(|v| v.is_finite() && *v >= 0.0);
-    let (limit, remaining) = (number(&q.limit)?, number(&q.remaining)?);
-    let reset = text(&q.reset)?;
+    let count = |name: &str| number(name).filter(|v| v.is_finite() && *v >= 0.0);
+    let (limit, remaining) = (count(&q.limit)?, count(&q.remaining)?);
     let secs = match q.reset_format {
-        ResetFormat::EpochSeconds => reset.parse::<f64>().ok()? - now_unix_s,
-        ResetFormat::DelaySeconds => reset.parse::<f64>().ok()?,
-        ResetFormat::Duration => go_duration(reset)?,
+        ResetFormat::EpochSeconds => number(&q.reset)? - now_unix_s(),
+        ResetFormat::DelaySeconds => number(&q.reset)?,
+        ResetFormat::Duration => go_duration(text(&q.reset)?)?,
         ResetFormat::Rfc3339 => {
-            let t = humantime::parse_rfc3339_weak(reset).ok()?;
-            t.duration_since(std::time::UNIX_EPOCH).ok()?.as_secs_f64() - now_unix_s
+            let t = humantime::parse_rfc3339_weak(text(&q.reset)?).ok()?;
+            t.duration_since(std::time::UNIX_EPOCH).ok()?.as_secs_f64() - now_unix_s()
         }
     };
     secs.is_finite().then_some((limit, remaining, secs.max(0.0)))
+}
+
+/// A header value as the number `str::parse::<f64>` reads in it, trimmed
+/// (None: not UTF-8, or not a number). A whole number, which is what quota
+/// and cost headers nearly always hold, is read digit by digit: the same
+/// value (exact below 2^53, and rounded as the parser rounds above), with
+/// no UTF-8 check, Unicode trim or float parser on the request path.
+pub fn decimal(v: &[u8]) -> Option<f64> {
+    let v = v.trim_ascii();
+    // 19 digits stay below u64::MAX.
+    if v.is_empty() || v.len() > 19 {
+        return general(v);
+    }
+    let mut n = 0u64;
+    for &b in v {
+        let digit = b.wrapping_sub(b'0');
+        if digit > 9 {
+            return general(v);
+        }
+        n = n * 10 + u64::from(digit);
+    }
+    Some(n as f64)
+}
+
+/// What [`decimal`] stands in for: the general parser, on trimmed UTF-8.
+#[cold]
+fn general(v: &[u8]) -> Option<f64> {
+    std::str::from_utf8(v).ok()?.trim().parse().ok()
 }
 
 /// A parameter `key=N` of the first item of a structured field (`"x";r=5;t=30`).
@@ -249,14 +278,14 @@ mod tests {
         let now = 1_800_000_000.0;
         let gh = preset("github").unwrap();
         let h = [("x-ratelimit-limit", "5000"), ("x-ratelimit-remaining", "4999"), ("x-ratelimit-reset", "1800000030")];
-        assert_eq!(parse(&gh, headers(&h), now), Some((5000.0, 4999.0, 30.0)));
+        assert_eq!(parse(&gh, headers(&h), || now), Some((5000.0, 4999.0, 30.0)));
         let oa = preset("openai-tokens").unwrap();
         let h = [
             ("x-ratelimit-limit-tokens", "6000"),
             ("x-ratelimit-remaining-tokens", "5850"),
             ("x-ratelimit-reset-tokens", "1m30.5s"),
         ];
-        assert_eq!(parse(&oa, headers(&h), now), Some((6000.0, 5850.0, 90.5)));
+        assert_eq!(parse(&oa, headers(&h), || now), Some((6000.0, 5850.0, 90.5)));
         assert!(oa.continuous && !gh.continuous);
         let an = preset("anthropic-requests").unwrap();
         let h = [
@@ -265,14 +294,58 @@ mod tests {
             ("anthropic-ratelimit-requests-reset", "2027-01-15T08:00:10Z"),
         ];
         // 2027-01-15T08:00:10Z is 1,800,000,010 s after the epoch: 10 s from now.
-        assert_eq!(parse(&an, headers(&h), now), Some((50.0, 49.0, 10.0)));
+        assert_eq!(parse(&an, headers(&h), || now), Some((50.0, 49.0, 10.0)));
         let ietf = preset("ietf").unwrap();
         let h = [("ratelimit", "\"api\";r=7;t=12"), ("ratelimit-policy", "\"api\";q=100;w=60")];
-        assert_eq!(parse(&ietf, headers(&h), now), Some((100.0, 7.0, 12.0)));
+        assert_eq!(parse(&ietf, headers(&h), || now), Some((100.0, 7.0, 12.0)));
         // Missing or rude values say nothing.
-        assert_eq!(parse(&gh, headers(&[("x-ratelimit-limit", "5000")]), now), None);
+        assert_eq!(parse(&gh, headers(&[("x-ratelimit-limit", "5000")]), || now), None);
         let h = [("x-ratelimit-limit", "lots"), ("x-ratelimit-remaining", "1"), ("x-ratelimit-reset", "1")];
-        assert_eq!(parse(&gh, headers(&h), now), None);
+        assert_eq!(parse(&gh, headers(&h), || now), None);
+    }
+
+    /// What `decimal` stands in for, on the bytes as they come.
+    fn parsed(v: &[u8]) -> Option<f64> {
+        std::str::from_utf8(v).ok()?.trim().parse().ok()
+    }
+
+    #[test]
+    fn decimal_reads_what_the_float_parser_reads() {
+        let cases: &[&[u8]] = &[
+            b"0",
+            b"007",
+            b" 5000\t",
+            b"\x0b42",
+            b"4999.5",
+            b"1e3",
+            b"+5",
+            b"-1",
+            b"",
+            b"  ",
+            b"NaN",
+            b"inf",
+            b"12 34",
+            b"\xff1",
+            b"9007199254740993",
+            b"9999999999999999999",
+            b"18446744073709551616",
+            b"123456789012345678901234567890",
+        ];
+        for v in cases {
+            let (got, want) = (decimal(v), parsed(v));
+            assert!(got == want || got.is_some_and(f64::is_nan) && want.is_some_and(f64::is_nan), "{v:?}: {got:?}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn decimal_is_the_float_parser_on_any_bytes(v in proptest::collection::vec(
+            proptest::prop_oneof![8 => b'0'..=b'9', 1 => proptest::sample::select(b" \t.e+-x\x0b\xc2\xa0".to_vec())],
+            0..24,
+        )) {
+            let (got, want) = (decimal(&v), parsed(&v));
+            proptest::prop_assert!(got == want, "{:?}: {:?} against {:?}", String::from_utf8_lossy(&v), got, want);
+        }
     }
 
     #[test]

@@ -220,11 +220,6 @@ impl Limiter {
         self.spec.load_full()
     }
 
-    /// Whether its resource is the one named `name`.
-    pub fn is_of(&self, name: &str) -> bool {
-        self.spec.load().name == name
-    }
-
     /// Whether its resource is in shadow mode (decided, never enforced).
     pub fn is_shadow(&self) -> bool {
         self.spec.load().shadow
@@ -432,6 +427,13 @@ impl ResourceLimits {
 
     pub fn spec(&self) -> Arc<ResourceSpec> {
         self.spec.load_full()
+    }
+
+    /// Whether `l` is one of this resource's keys: every key shares its
+    /// resource's spec cell, so this is a pointer compare, where comparing
+    /// names would load the key's spec first.
+    pub fn owns(&self, l: &Limiter) -> bool {
+        Arc::ptr_eq(&self.spec, &l.spec)
     }
 
     /// The limiter for `id`, created on first use (fixed ids: no bound applies).

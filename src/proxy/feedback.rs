@@ -11,7 +11,7 @@ use http::StatusCode;
 
 use super::pushback::Pushback;
 use super::route::RouteResource;
-use crate::clock::Time;
+use crate::clock::{Clock, Time};
 use crate::config::doorman::PushbackConfig;
 use crate::lease::quota::Observation;
 use crate::limit::{LeaseTable, Plan};
@@ -20,29 +20,31 @@ use crate::limit::{LeaseTable, Plan};
 /// plan's keys of the resources that follow it. Returns how long to hold
 /// them when it says the quota is spent: a 429, a 403 with nothing
 /// remaining (as GitHub answers), or an answer with nothing remaining of a
-/// window that has yet to reset.
+/// window that has yet to reset. `clock` is read once, and only for an
+/// answer that reports a quota: one that does not costs no clock read.
 pub fn observe_quota<'a>(
     resources: &[RouteResource],
     plan: &Plan,
     status: StatusCode,
     retry_after: Option<Duration>,
     header: &impl Fn(&str) -> Option<&'a [u8]>,
-    now: Time,
+    clock: &Clock,
 ) -> Option<Duration> {
     let mut hold: Option<Duration> = None;
+    let mut read: Option<Time> = None;
+    let mut now = || *read.get_or_insert_with(|| clock.now());
     for r in resources {
         let Some(q) = &r.quota else { continue };
-        let Some((limit, remaining, secs)) = crate::config::quota::parse(q, header, now.as_secs_f64()) else {
+        let Some((limit, remaining, secs)) = crate::config::quota::parse(q, header, || now().as_secs_f64()) else {
             continue;
         };
+        let at = now();
         let until = Duration::from_secs_f64(secs.min(86_400.0));
         let o =
-            Observation { limit, remaining, reset: now.saturating_add(until), observed: now, continuous: q.continuous };
-        r.metrics.observe_quota(&o, now);
-        for (l, _) in plan.items.iter().chain(plan.shadow.iter()) {
-            if l.is_of(&r.metrics.name) {
-                l.observe(o);
-            }
+            Observation { limit, remaining, reset: at.saturating_add(until), observed: at, continuous: q.continuous };
+        r.metrics.observe_quota(&o, at);
+        for (l, _) in r.keys_in(plan) {
+            l.observe(o);
         }
         let spent = status == StatusCode::TOO_MANY_REQUESTS
             || (remaining < 1.0 && (status == StatusCode::FORBIDDEN || !q.continuous));

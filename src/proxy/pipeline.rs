@@ -549,8 +549,8 @@ impl Accounts {
         }
         let spent = match route.quotas {
             true => {
-                let now = self.table.clock().now();
-                feedback::observe_quota(&route.resources, &meta.plan, status, retry_after(), &header, now)
+                let clock = self.table.clock();
+                feedback::observe_quota(&route.resources, &meta.plan, status, retry_after(), &header, clock)
             }
             false => None,
         };

@@ -101,6 +101,12 @@ impl RouteResource {
         })
     }
 
+    /// The keys of `plan` (enforced, then shadow) that are this resource's,
+    /// with the cost each was charged at admission.
+    pub fn keys_in<'p>(&'p self, plan: &'p Plan) -> impl Iterator<Item = &'p (Arc<Limiter>, f64)> {
+        plan.items.iter().chain(plan.shadow.iter()).filter(|(l, _)| self.limits.owns(l))
+    }
+
     /// Whether every request gets the same key at the same cost.
     pub fn is_fixed(&self) -> bool {
         self.template.is_fixed() && self.cost_header.is_none()

@@ -27,6 +27,7 @@ use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor
 
 use super::metrics::SettleOutcome;
 use super::route::{Route, RouteResource, Settle};
+use crate::config::quota::decimal;
 use crate::config::routes::{JsonPath, SettleFrom};
 use crate::limit::admit::Plan;
 
@@ -51,7 +52,7 @@ pub fn on_answer<'a>(
         header("content-length").and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<u64>().ok());
     if let Some((outcome, why)) = unreadable(header, length) {
         for (_, s) in json_rules(route) {
-            record(s, failed(outcome, success), &why);
+            record(s, failed(outcome, success), format_args!("{why}"));
         }
         return None;
     }
@@ -80,13 +81,12 @@ pub fn from_headers<'a>(
             json = true;
             continue;
         };
-        let value = header(name).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<f64>().ok());
-        match value.filter(|v| v.is_finite() && *v >= 0.0) {
+        match header(name).and_then(decimal).filter(|v| v.is_finite() && *v >= 0.0) {
             Some(real) => charge(plan, r, s, real),
             None => record(
                 s,
                 failed(SettleOutcome::Missing, status.is_success()),
-                &format!("the answer has no `{name}` header holding a number of at least 0"),
+                format_args!("the answer has no `{name}` header holding a number of at least 0"),
             ),
         }
     }
@@ -137,22 +137,29 @@ fn failed(outcome: SettleOutcome, success: bool) -> SettleOutcome {
 /// Charges the difference between the real cost and what `r`'s keys were
 /// charged at admission (or gives it back), and counts it in their demand.
 fn charge(plan: &Plan, r: &RouteResource, s: &Settle, real: f64) {
-    for (l, charged) in plan.items.iter().chain(plan.shadow.iter()) {
-        if l.is_of(&r.metrics.name) {
-            l.charge(real - charged);
-            l.demand().settle(real - charged);
-        }
+    for (l, charged) in r.keys_in(plan) {
+        l.charge(real - charged);
+        l.demand().settle(real - charged);
     }
     s.metrics.count(SettleOutcome::Settled);
 }
 
 /// Counts an answer whose cost was not settled, logs it, and warns the
-/// first time a route's resource fails so for this reason.
+/// first time a route's resource fails so for this reason. `why` is
+/// formatted only if it is written: an upstream that never sends the header
+/// a cost is settled from costs a counter per answer, not a string.
 #[cold]
-fn record(s: &Settle, outcome: SettleOutcome, why: &str) {
+fn record(s: &Settle, outcome: SettleOutcome, why: fmt::Arguments<'_>) {
     let (route, resource) = (&s.metrics.route, &s.metrics.resource);
     let first = s.metrics.count(outcome);
-    tracing::debug!(route, resource, outcome = outcome.label(), why, "cost not settled; the admission's charge stands");
+    // A field is built only when debug is on: `why` is a string there, as it was.
+    tracing::debug!(
+        route,
+        resource,
+        outcome = outcome.label(),
+        why = why.to_string().as_str(),
+        "cost not settled; the admission's charge stands"
+    );
     if first && !matches!(outcome, SettleOutcome::Status | SettleOutcome::Empty) {
         tracing::warn!(
             route,
@@ -206,7 +213,7 @@ impl BodySettle {
                     Err(e) => (SettleOutcome::NotJson, format!("the answer's body is not JSON ({e})")),
                 },
             };
-            record(s, failed(outcome, success), &why);
+            record(s, failed(outcome, success), format_args!("{why}"));
         }
     }
 }
@@ -239,7 +246,7 @@ impl Drop for BodySettle {
         }
         let why = "the answer's body did not end (the app left, or the upstream cut it)";
         for (_, s) in json_rules(&self.route) {
-            record(s, failed(SettleOutcome::Incomplete, self.success), why);
+            record(s, failed(SettleOutcome::Incomplete, self.success), format_args!("{why}"));
         }
     }
 }

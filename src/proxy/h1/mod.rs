@@ -61,7 +61,7 @@ use super::upstream::{Target, Upstream};
 use crate::config::limits::ListenerLimits;
 use crate::limit::layer::BoxError;
 use head::Parsed;
-use response::{Dechunker, Framing, ResponseHead};
+use response::{Dechunker, FieldStarts, Framing, ResponseHead};
 
 /// Bytes asked of the kernel per read.
 const READ_CHUNK: usize = 16 * 1024;
@@ -84,6 +84,9 @@ struct Buffers {
     up: BytesMut,
     /// Bytes for the client.
     out: Vec<u8>,
+    /// Where the fields of the response head in `out` start, for a route
+    /// that reads them.
+    fields: FieldStarts,
 }
 
 /// Buffer capacity a connection keeps between requests; a buffer a large
@@ -280,7 +283,9 @@ where
             }
             Reply::Upstream { answer, held } => {
                 let mut app = App { io: &mut io, buf: &mut buf, room };
-                answered(server, &mut app, &mut bufs, answer, held, framing).await?
+                // The pipeline is done with the answer: the buffers it borrowed are free again.
+                let sending = answer.sending;
+                answered(server, &mut app, &mut bufs, sending, held, framing).await?
             }
         };
         if !open {
@@ -405,7 +410,8 @@ enum Send {
 /// A request made ready for its upstream.
 struct Prepared<'c> {
     send: Send,
-    /// The route reads the answer's header fields: a copy of its head goes with it.
+    /// The route reads the answer's header fields: parsing marks them, and
+    /// the answer lends the head they are in ([`Answer::fields`]).
     keep_head: bool,
     /// An upstream the native path forwards to (`ready` checked).
     upstream: std::sync::Arc<Upstream>,
@@ -415,14 +421,22 @@ struct Prepared<'c> {
     idempotent: bool,
 }
 
-/// The upstream's answer: its head (the client's version of it is in the
-/// connection's `out` buffer) and where its body comes from.
-struct Answer {
+/// The upstream's answer: what the connection sends, and, for a route that
+/// reads the answer's fields, the connection's buffers, lent until the
+/// pipeline is done with the answer (the client's head is read where it
+/// was written: no copy).
+struct Answer<'c> {
+    sending: Sending,
+    /// `out` holds the client's version of the head, `fields` where its fields start.
+    fields: Option<&'c Buffers>,
+}
+
+/// An answer as the connection sends it: its head (the client's version of
+/// it is in the connection's `out` buffer) and where its body comes from.
+struct Sending {
     body: Carried,
     head: ResponseHead,
     upstream: std::sync::Arc<Upstream>,
-    /// The client's version of the head, when the route reads its fields.
-    fields: Option<Box<[u8]>>,
 }
 
 /// An answer's body.
@@ -433,37 +447,28 @@ enum Carried {
     Shared(h2::RecvStream),
 }
 
-impl pipeline::Answer for Answer {
+impl pipeline::Answer for Answer<'_> {
     fn status(&self) -> StatusCode {
-        self.head.status
+        self.sending.head.status
     }
 
     fn retry_after(&self) -> Option<std::time::Duration> {
-        self.head.retry_after
+        self.sending.head.retry_after
     }
 
     fn header(&self, name: &str) -> Option<&[u8]> {
-        // `name: value` lines after the status line, as the client gets them;
-        // line starts found with memchr, a name compared only where it fits.
-        let head = self.fields.as_deref()?;
-        let n = name.len();
-        memchr::memchr_iter(b'\n', head).find_map(|nl| {
-            let line = &head[nl + 1..];
-            if line.len() <= n || line[n] != b':' || !line[..n].eq_ignore_ascii_case(name.as_bytes()) {
-                return None;
-            }
-            let rest = &line[n + 1..];
-            let value = &rest[..memchr::memchr(b'\n', rest).unwrap_or(rest.len())];
-            Some(value.strip_suffix(b"\r").unwrap_or(value).trim_ascii())
-        })
+        // The fields as the client gets them, found where parsing marked them.
+        let bufs = self.fields?;
+        bufs.fields.find(&bufs.out, name)
     }
 }
 
 /// The pipeline's innermost stage on the native path: sends the request
 /// (on a pooled connection, or on the upstream's multiplexed one) and reads
 /// the answer's head, within the upstream's `timeout`.
-async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
+async fn forward(p: Prepared<'_>) -> Result<Answer<'_>, ProxyError> {
     let Prepared { send, keep_head, upstream, bufs, deadline, head_request, idempotent } = p;
+    bufs.fields.reset(keep_head);
     let started = Instant::now();
     let timeout = upstream.config.timeout;
     deadline.set(started + timeout);
@@ -473,7 +478,7 @@ async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
             let pool = &upstream.plain.as_ref().expect("ready pools only for HTTP/1.1 upstreams").pool;
             tokio::select! {
                 biased;
-                r = roundtrip(pool, &name, head_request, idempotent, &bufs.req, &mut bufs.up, &mut bufs.out) => {
+                r = roundtrip(pool, &name, head_request, idempotent, bufs) => {
                     Some(r.map(|(stream, head)| (Carried::Stream(stream), head)))
                 }
                 () = deadline.expired() => None,
@@ -493,8 +498,8 @@ async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
     upstream.observe(started);
     match answered {
         Some(Ok((body, head))) => {
-            let fields = keep_head.then(|| bufs.out.clone().into_boxed_slice());
-            Ok(Answer { body, head, upstream, fields })
+            let fields = keep_head.then_some(&*bufs);
+            Ok(Answer { sending: Sending { body, head, upstream }, fields })
         }
         Some(Err(e)) => Err(e),
         None => {
@@ -508,13 +513,13 @@ async fn forward(p: Prepared<'_>) -> Result<Answer, ProxyError> {
 }
 
 /// Sends `req` on the upstream's multiplexed h2 connection and puts the
-/// client's version of the answer's head in `out`.
+/// client's version of the answer's head in `bufs.out`.
 async fn shared(
     upstream: &Upstream,
     (req, body): (http::Request<()>, bytes::Bytes),
     head_request: bool,
     idempotent: bool,
-    out: &mut Vec<u8>,
+    bufs: &mut Buffers,
 ) -> Result<(Carried, ResponseHead), H2Error> {
     let h2 = upstream.h2.as_ref().expect("ready sends only h2 upstreams' requests here");
     let resp = h2.send(req, body, idempotent).await?;
@@ -524,8 +529,9 @@ async fn shared(
         true => Some(0),
         false => parts.headers.get(http::header::CONTENT_LENGTH).and_then(|v| fields::parse_length(v.as_bytes())),
     };
-    out.clear();
-    let head = response::from_parts(&parts, head_request, exact, out);
+    bufs.out.clear();
+    bufs.fields.clear();
+    let head = response::from_parts(&parts, head_request, exact, &mut bufs.out, &mut bufs.fields);
     Ok((Carried::Shared(body), head))
 }
 
@@ -539,7 +545,7 @@ async fn shared_or_pool(
     idempotent: bool,
     bufs: &mut Buffers,
 ) -> Result<(Carried, ResponseHead), ProxyError> {
-    match shared(upstream, req, head_request, idempotent, &mut bufs.out).await {
+    match shared(upstream, req, head_request, idempotent, bufs).await {
         Err(H2Error::Http1(stream, unsent)) if upstream.plain.is_some() => {
             let (req, body) = *unsent;
             bufs.req.clear();
@@ -563,7 +569,7 @@ async fn probe(
     bufs: &mut Buffers,
 ) -> Result<(Carried, ResponseHead), ProxyError> {
     let plain = upstream.plain.as_ref().expect("ready probes only upstreams with a pool");
-    match shared(upstream, req, head_request, idempotent, &mut bufs.out).await {
+    match shared(upstream, req, head_request, idempotent, bufs).await {
         Err(H2Error::Http1(stream, _)) => on_pool(upstream, stream, head_request, idempotent, bufs).await,
         Ok(answer) => {
             plain.learn(http::Version::HTTP_2, upstream.name());
@@ -590,7 +596,7 @@ async fn on_pool(
         plain.pool.put(stream);
     }
     let name = || upstream.name().to_string();
-    roundtrip(&plain.pool, &name, head_request, idempotent, &bufs.req, &mut bufs.up, &mut bufs.out)
+    roundtrip(&plain.pool, &name, head_request, idempotent, bufs)
         .await
         .map(|(stream, head)| (Carried::Stream(stream), head))
 }
@@ -612,14 +618,14 @@ async fn answered<I>(
     server: &impl Connection,
     app: &mut App<'_, I>,
     bufs: &mut Buffers,
-    answer: Answer,
+    answer: Sending,
     held: pipeline::Held,
     taken: Taken,
 ) -> Result<bool, BoxError>
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
-    let Answer { body, head, upstream, .. } = answer;
+    let Sending { body, head, upstream } = answer;
     let close = taken.close || server.is_draining();
     if close {
         bufs.out.extend_from_slice(b"connection: close\r\n");
@@ -707,8 +713,8 @@ impl<I: AsyncRead + Unpin> App<'_, I> {
     }
 }
 
-/// Sends `req` to the upstream and reads its final response head, whose
-/// version for the client goes to `out`. A reused connection that fails
+/// Sends `bufs.req` to the upstream and reads its final response head,
+/// whose version for the client goes to `bufs.out`. A reused connection that fails
 /// before any byte of an answer (the upstream closed it as it was being
 /// reused) is retried once on a new one: always when the request could not
 /// be written, and for idempotent requests when the answer never came.
@@ -717,10 +723,9 @@ async fn roundtrip(
     name: &(dyn Fn() -> String + Sync),
     head_request: bool,
     idempotent: bool,
-    req: &[u8],
-    up: &mut BytesMut,
-    out: &mut Vec<u8>,
+    bufs: &mut Buffers,
 ) -> Result<(Stream, ResponseHead), ProxyError> {
+    let Buffers { req, up, out, fields } = bufs;
     let failed = |reason: String| ProxyError::Upstream { upstream: name(), reason };
     let mut fresh = false;
     'connection: loop {
@@ -746,7 +751,8 @@ async fn roundtrip(
         up.clear();
         loop {
             out.clear();
-            match response::parse(up, head_request, out) {
+            fields.clear();
+            match response::parse(up, head_request, out, fields) {
                 Ok(response::Parsed::Final(n, head)) => {
                     up.advance(n);
                     return Ok((stream, head));

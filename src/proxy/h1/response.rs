@@ -2,6 +2,12 @@
 //! httparse and re-encoded for the client (hop-by-hop fields removed, the
 //! framing chosen by usher, `date` added when missing, as hyper's server
 //! does), and a chunked-body transcoder as strict as hyper's decoder.
+//!
+//! For a route that reads the answer's fields (an upstream quota, a settled
+//! cost), the head is written with [`FieldStarts`] recording where each
+//! field begins, so the pipeline's lookups compare names at those offsets:
+//! scanning the head for line ends once per lookup cost a few hundred
+//! instructions a request (benches/RESULTS.md, run W).
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
@@ -57,8 +63,9 @@ pub enum Parsed {
 /// Parses the response head at the front of `buf` (the answer to a HEAD
 /// request when `head_request`). For a final response, appends the head
 /// to send the client to `out`, without its closing blank line, so the
-/// caller can add `connection: close`.
-pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>) -> Result<Parsed, String> {
+/// caller can add `connection: close`, and marks its fields in `fields`
+/// (if it records).
+pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>, fields: &mut FieldStarts) -> Result<Parsed, String> {
     let mut storage = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut []);
     let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(&mut resp, buf, &mut storage) {
@@ -155,13 +162,10 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>) -> Result<Parsed
         };
         if keep {
             has_date |= eq_name(h.name, "date");
-            push_field(out, h.name.as_bytes(), h.value);
+            field(out, fields, h.name.as_bytes(), h.value);
         }
     }
-    push_framing(out, framing);
-    if !has_date {
-        push_date(out);
-    }
+    end_head(out, framing, has_date, fields);
     Ok(Parsed::Final(len, ResponseHead { status, framing, reusable, retry_after }))
 }
 
@@ -176,6 +180,7 @@ pub fn from_parts(
     head_request: bool,
     exact: Option<u64>,
     out: &mut Vec<u8>,
+    fields: &mut FieldStarts,
 ) -> ResponseHead {
     let status = parts.status;
     let no_body = head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
@@ -198,27 +203,40 @@ pub fn from_parts(
         };
         if keep {
             has_date |= name == http::header::DATE;
-            push_field(out, name.as_str().as_bytes(), value.as_bytes());
+            field(out, fields, name.as_str().as_bytes(), value.as_bytes());
         }
     }
-    push_framing(out, framing);
-    if !has_date {
-        push_date(out);
-    }
+    end_head(out, framing, has_date, fields);
     let retry_after = crate::proxy::pushback::retry_after(&parts.headers);
     ResponseHead { status, framing, reusable: false, retry_after }
 }
 
-fn push_framing(out: &mut Vec<u8>, framing: Framing) {
+/// Appends the fields usher adds to a client's head: its framing, and
+/// `date` when the upstream sent none.
+fn end_head(out: &mut Vec<u8>, framing: Framing, has_date: bool, fields: &mut FieldStarts) {
     match framing {
         Framing::Length(n) => {
+            fields.mark(out, "content-length".len());
             out.extend_from_slice(b"content-length: ");
             out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
             out.extend_from_slice(b"\r\n");
         }
-        Framing::Chunked | Framing::Close => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+        Framing::Chunked | Framing::Close => {
+            fields.mark(out, "transfer-encoding".len());
+            out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+        }
         Framing::Empty => {}
     }
+    if !has_date {
+        fields.mark(out, "date".len());
+        push_date(out);
+    }
+}
+
+/// Appends a field to a client's head, marked in `fields`.
+fn field(out: &mut Vec<u8>, fields: &mut FieldStarts, name: &[u8], value: &[u8]) {
+    fields.mark(out, name.len());
+    push_field(out, name, value);
 }
 
 /// Appends `date: <now>`, formatted once a second per thread (as hyper does).
@@ -237,6 +255,67 @@ pub fn push_date(out: &mut Vec<u8>) {
         out.extend_from_slice(d.1.as_bytes());
         out.extend_from_slice(b"\r\n");
     });
+}
+
+// === impl FieldStarts ===
+
+/// Where each field of a client's head starts (byte offsets into it) and
+/// how long its name is, as [`parse`] and [`from_parts`] write it; recorded
+/// only when switched on, for a route that reads the answer's fields.
+#[derive(Debug, Default)]
+pub struct FieldStarts {
+    marks: Vec<Mark>,
+    on: bool,
+}
+
+/// A field of a client's head: `name: value\r\n` from `start`, its name
+/// `name` bytes long. (A head is at most a few hundred KiB: MAX_HEAD_BYTES.)
+#[derive(Debug, Clone, Copy)]
+struct Mark {
+    start: u32,
+    name: u32,
+}
+
+impl FieldStarts {
+    /// Forgets the fields of the head written last; the next head's are
+    /// recorded if `on`.
+    pub fn reset(&mut self, on: bool) {
+        self.marks.clear();
+        self.on = on;
+    }
+
+    /// Forgets the fields of the head written last (a head is written anew).
+    pub fn clear(&mut self) {
+        self.marks.clear();
+    }
+
+    /// A field whose name is `name` bytes long starts at the end of `out`.
+    #[inline]
+    fn mark(&mut self, out: &[u8], name: usize) {
+        if self.on {
+            self.marks.push(Mark { start: out.len() as u32, name: name as u32 });
+        }
+    }
+
+    /// The value of the first field of `head` (the client's head these
+    /// starts were recorded for) named `name` (lower-case), trimmed.
+    pub fn find<'h>(&self, head: &'h [u8], name: &str) -> Option<&'h [u8]> {
+        let name = name.as_bytes();
+        // Names are compared only where their lengths match: exactly first
+        // (most upstreams send lower-case names), then without case.
+        let i = self.marks.iter().position(|m| {
+            m.name as usize == name.len()
+                && head
+                    .get(m.start as usize..)
+                    .and_then(|f| f.get(..name.len()))
+                    .is_some_and(|field| field == name || field.eq_ignore_ascii_case(name))
+        })?;
+        // The value lies between `: ` and the line's end (`\r\n`), as
+        // `push_field` and `push_date` write it.
+        let start = self.marks[i].start as usize + name.len() + 2;
+        let end = self.marks.get(i + 1).map_or(head.len(), |m| m.start as usize).checked_sub(2)?;
+        head.get(start..end).map(<[u8]>::trim_ascii)
+    }
 }
 
 // === chunked bodies ===

@@ -8,6 +8,7 @@ fn trimming_gives_back_only_what_a_large_exchange_grew() {
         req: Vec::with_capacity(KEEP * 4),
         up: BytesMut::with_capacity(KEEP / 2),
         out: Vec::with_capacity(KEEP + 1),
+        fields: FieldStarts::default(),
     };
     let mut client = BytesMut::with_capacity(KEEP * 2);
     client.extend_from_slice(b"GET / HTTP/1.1\r\n");

@@ -5,7 +5,7 @@ use super::*;
 #[track_caller]
 fn final_head(input: &str, head_request: bool) -> (usize, ResponseHead, String) {
     let mut out = Vec::new();
-    match parse(input.as_bytes(), head_request, &mut out) {
+    match parse(input.as_bytes(), head_request, &mut out, &mut FieldStarts::default()) {
         Ok(Parsed::Final(len, head)) => (len, head, String::from_utf8(out).expect("UTF-8")),
         other => panic!("expected a final head for {input:?}, got {other:?}"),
     }
@@ -15,7 +15,7 @@ fn final_head(input: &str, head_request: bool) -> (usize, ResponseHead, String) 
 #[track_caller]
 fn parse_error(input: &str) -> String {
     let mut out = Vec::new();
-    match parse(input.as_bytes(), false, &mut out) {
+    match parse(input.as_bytes(), false, &mut out, &mut FieldStarts::default()) {
         Err(e) => {
             assert_eq!(out, b"", "no client head for a rejected response");
             e
@@ -173,7 +173,7 @@ fn interim_responses_are_skipped_by_length() {
     let fin = "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
     for (interim, status) in [(continue_head, 100), (hints, 103)] {
         let mut out = b"untouched".to_vec();
-        match parse(format!("{interim}{fin}").as_bytes(), false, &mut out) {
+        match parse(format!("{interim}{fin}").as_bytes(), false, &mut out, &mut FieldStarts::default()) {
             Ok(Parsed::Interim(len)) => assert_eq!(len, interim.len(), "{status}"),
             other => panic!("{status}: {other:?}"),
         }
@@ -201,7 +201,10 @@ fn malformed_and_oversized_heads_are_errors() {
 fn incomplete_head_is_partial() {
     for input in ["", "HTTP/1.1 200 OK\r\nContent-Len", "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r"] {
         let mut out = Vec::new();
-        assert!(matches!(parse(input.as_bytes(), false, &mut out), Ok(Parsed::Partial)), "{input:?}");
+        assert!(
+            matches!(parse(input.as_bytes(), false, &mut out, &mut FieldStarts::default()), Ok(Parsed::Partial)),
+            "{input:?}"
+        );
         assert_eq!(out, b"", "{input:?}");
     }
 }
@@ -334,6 +337,109 @@ fn retry_after_is_parsed() {
     let (_, head, _) =
         final_head("HTTP/1.1 429 Too Many Requests\r\nRetry-After: soon\r\nContent-Length: 0\r\n\r\n", false);
     assert_eq!(head.retry_after, None);
+}
+
+// === fields for a route that reads them ===
+
+/// A field's value as the native path looked it up before `FieldStarts`:
+/// every line after a line end, scanned for each lookup.
+fn scanned<'h>(head: &'h [u8], name: &str) -> Option<&'h [u8]> {
+    let n = name.len();
+    head.iter().enumerate().filter(|(_, b)| **b == b'\n').find_map(|(nl, _)| {
+        let line = &head[nl + 1..];
+        if line.len() <= n || line[n] != b':' || !line[..n].eq_ignore_ascii_case(name.as_bytes()) {
+            return None;
+        }
+        let rest = &line[n + 1..];
+        let value = &rest[..rest.iter().position(|&b| b == b'\n').unwrap_or(rest.len())];
+        Some(value.strip_suffix(b"\r").unwrap_or(value).trim_ascii())
+    })
+}
+
+const LOOKED_UP: &[&str] = &[
+    "x-usage",
+    "x-usage-total",
+    "x-ratelimit-limit",
+    "x-ratelimit-remaining",
+    "x-ratelimit-reset",
+    "content-length",
+    "content-type",
+    "content-encoding",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "date",
+    "x-empty",
+    "x-missing",
+    "ok",
+    "http/1.1 200",
+];
+
+#[test]
+fn recorded_field_starts_find_what_scanning_the_head_found() {
+    let heads = [
+        "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        "HTTP/1.1 200 x-usage: 3\r\nX-Usage: 7 \r\nx-usage-total:9\r\nx-usage: 8\r\nx-empty:\r\n\
+         Content-Type: application/json\r\nContent-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n",
+        "HTTP/1.1 429 Too Many Requests\r\nx-ratelimit-limit: 5000\r\nX-RateLimit-Remaining:  0\r\n\
+         x-ratelimit-reset: 1800000000\r\nConnection: keep-alive, x-usage\r\nKeep-Alive: 5\r\n\
+         x-usage: 1\r\nDate: Sun, 06 Nov 1994 08:49:37 GMT\r\nContent-Length: 0\r\n\r\n",
+        "HTTP/1.0 204 No Content\r\nx-usage: 4\r\nContent-Length: 0\r\n\r\n",
+    ];
+    for input in heads {
+        for head_request in [false, true] {
+            let (mut plain, mut out) = (Vec::new(), Vec::new());
+            let mut fields = FieldStarts::default();
+            fields.reset(true);
+            let kept = parse(input.as_bytes(), head_request, &mut plain, &mut FieldStarts::default());
+            let marked = parse(input.as_bytes(), head_request, &mut out, &mut fields);
+            assert!(matches!((kept, marked), (Ok(Parsed::Final(..)), Ok(Parsed::Final(..)))), "{input:?}");
+            assert_eq!(out, plain, "recording changes nothing written: {input:?}");
+            for name in LOOKED_UP {
+                assert_eq!(
+                    fields.find(&out, name),
+                    scanned(&out, name),
+                    "{name} in {:?}",
+                    String::from_utf8_lossy(&out)
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn recorded_field_starts_of_an_h2_answer_find_what_scanning_found() {
+    let resp = http::Response::builder()
+        .status(200)
+        .header("x-usage", " 12")
+        .header("x-usage", "13")
+        .header("content-type", "application/json")
+        .header("content-length", "20")
+        .body(())
+        .unwrap();
+    let (parts, ()) = resp.into_parts();
+    for exact in [Some(20), None] {
+        let mut out = Vec::new();
+        let mut fields = FieldStarts::default();
+        fields.reset(true);
+        from_parts(&parts, false, exact, &mut out, &mut fields);
+        for name in LOOKED_UP {
+            assert_eq!(fields.find(&out, name), scanned(&out, name), "{name} in {:?}", String::from_utf8_lossy(&out));
+        }
+        assert_eq!(fields.find(&out, "x-usage"), Some(&b"12"[..]));
+    }
+}
+
+#[test]
+fn field_starts_off_record_nothing() {
+    let mut out = Vec::new();
+    let mut fields = FieldStarts::default();
+    fields.reset(false);
+    parse(b"HTTP/1.1 200 OK\r\nx-usage: 1\r\n\r\n", false, &mut out, &mut fields).unwrap();
+    assert_eq!(fields.find(&out, "x-usage"), None);
+    fields.reset(true);
+    fields.clear();
+    assert_eq!(fields.find(&out, "x-usage"), None, "cleared: the next head's fields only");
 }
 
 // === chunked bodies ===
