@@ -42,8 +42,9 @@ async fn idle_sidecars_cut_off_for_good_admit_their_share() {
             Usher::proxy(&write_file(dir.path(), &format!("s{i}.yaml"), &routes(up, &doorman, res)))
         })
         .collect();
-    // One request each measures a demand; then idle, each asks for 0 and is
-    // told its share (5) as its safe capacity.
+    // One request each measures a demand; then idle (a lone request's demand
+    // fades over 10 s), each asks for 0 and is told its share (5) as its
+    // safe capacity.
     for s in &sidecars {
         let mut c = h1(s.addr("listen")).await;
         send1(&mut c, get("api.test", "/")).await;
@@ -53,7 +54,7 @@ async fn idle_sidecars_cut_off_for_good_admit_their_share() {
             let k = key(s);
             k["mode"] == "leased" && k["has"] == 0.0 && k["safe_capacity"] == 5.0
         }),
-        Duration::from_secs(15),
+        Duration::from_secs(25),
         "idle sidecars told their share: {} {}",
         key(&sidecars[0]),
         key(&sidecars[1])

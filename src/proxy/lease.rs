@@ -68,6 +68,10 @@ const SHORT_REQUESTS: u64 = 4;
 /// routes file's first guess stands).
 const FIRST_SPAN: Duration = Duration::from_millis(500);
 
+/// A key with nothing since its first requests asks for them over the
+/// time since, fading, until this long after them (then it stopped).
+const FIRST_FADE: Duration = Duration::from_secs(10);
+
 /// A key's arrivals so far: in cost units (less what settled below its
 /// charge), and in requests.
 #[derive(Debug, Clone, Copy, Default)]
@@ -131,12 +135,14 @@ impl Measured {
                 let secs = now.since(t0).as_secs_f64();
                 Some((((total.units - a0.units) / secs).max(0.0), (n - a0.requests) as f64 / secs))
             }
-            // Nothing since the first requests, half a second on: they are
-            // the rate so far, over at least the short window (a key asked once, then again
+            // Nothing since the first requests, half a second to ten seconds
+            // on: they are the rate so far, over at least the short window (a key asked once, then again
             // a few seconds later, kept a lease for the second rather than
             // asking for 0 in between).
             (Some((t0, a0)), Some((_, n)))
-                if self.first.is_some_and(|(t, _)| t == t0) && n == a0.requests && now.since(t0) >= FIRST_SPAN =>
+                if self.first.is_some_and(|(t, _)| t == t0)
+                    && n == a0.requests
+                    && (FIRST_SPAN..FIRST_FADE).contains(&now.since(t0)) =>
             {
                 let secs = now.since(t0).max(DEMAND_WINDOW).as_secs_f64();
                 Some((a0.units / secs, a0.requests as f64 / secs))
@@ -979,11 +985,16 @@ mod tests {
             seen.push((wants(&e, "llm"), wants(&e, "burst")));
         }
         // From half a second on: about one request over the time since it
-        // came (at least 2 s), never 0 in between.
-        for (i, (w, _)) in seen.iter().enumerate().skip(5) {
+        // came (at least 2 s), never 0 in between; then it stopped.
+        for (i, (w, _)) in seen.iter().enumerate().skip(5).take(90) {
             let t = ((i + 1) as f64 / 10.0).max(2.0);
             assert!(*w >= 0.5 / t && *w <= 2.0 / t, "at {t} s one request asks for {w}");
         }
+        for _ in 0..10 {
+            time.advance(Duration::from_millis(100));
+            wants(&e, "llm");
+        }
+        assert_eq!(wants(&e, "llm"), 0.0, "ten seconds on, one request is over");
         assert_eq!(seen.last().unwrap().1, 0.0, "a burst of 10 that stopped asks for nothing");
     }
 
