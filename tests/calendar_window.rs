@@ -18,7 +18,7 @@ use hyper::body::Bytes;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::load::{Tally, drive};
-use support::{Usher, free_port, write_file};
+use support::{Usher, free_port, http_get, write_file};
 
 fn unix_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
@@ -99,7 +99,7 @@ async fn three_sidecars_spend_a_calendar_minute_once() {
         "    capacity: 0\n",
         "    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15 }\n",
     );
-    let _server = Usher::server_at(&write_file(dir.path(), "resources.yaml", resources), port, &[]);
+    let server = Usher::server_at(&write_file(dir.path(), "resources.yaml", resources), port, &[]);
     let sidecars: Vec<Usher> = (0..3)
         .map(|i| {
             let routes = format!(
@@ -112,6 +112,15 @@ async fn three_sidecars_spend_a_calendar_minute_once() {
         })
         .collect();
     offer_and_check(&sidecars, 3.0, &minutes, 120, 3, 110).await;
+    // The server's status page shows the quota it counts.
+    let (code, body) = http_get(server.addr("admin"), "/debug/status?format=json");
+    assert_eq!(code, 200, "{body}");
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let r = status["resources"].as_array().unwrap().iter().find(|r| r["id"] == "reports-api").expect(&body);
+    assert_eq!(r["quota"]["source"], "calendar", "{r}");
+    assert_eq!(r["quota"]["limit"], 120.0, "{r}");
+    let (left, reset) = (r["quota"]["remaining"].as_f64().unwrap(), r["quota"]["reset_in_s"].as_f64().unwrap());
+    assert!((0.0..=120.0).contains(&left) && reset > 0.0 && reset <= 60.0, "{r}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -822,6 +822,16 @@ mod tests {
     }
 
     /// [`enforcer_and_time`] for the routes file `yaml`.
+    /// What the enforcer asks for `name`'s key now (and whether it is short).
+    fn wants_now(e: &TableEnforcer, name: &str) -> (f64, bool) {
+        let l = e.table.resource(name).unwrap().try_limiter(name).unwrap();
+        let cfg = e.config();
+        let (settings, kind, capacity, _) = TableEnforcer::settings(&cfg, name).unwrap();
+        let mut memory = e.memory.lock().unwrap();
+        let m = memory.entry(name.to_string()).or_default();
+        e.wants(m, &l, kind, settings, capacity, e.table.clock().now())
+    }
+
     fn enforcer_of(yaml: &str) -> (TableEnforcer, Arc<crate::clock::ManualClock>) {
         let cfg = Arc::new(RoutesConfig::parse("routes.yaml", yaml).unwrap());
         let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
@@ -915,13 +925,7 @@ mod tests {
              routes:\n  - { name: all, upstream: up, resources: [llm] }\n",
         );
         let llm = e.table.resource("llm").unwrap().try_limiter("llm").unwrap();
-        let wants = |e: &TableEnforcer| {
-            let cfg = e.config();
-            let (settings, kind, capacity, _) = TableEnforcer::settings(&cfg, "llm").unwrap();
-            let mut memory = e.memory.lock().unwrap();
-            let m = memory.entry("llm".to_string()).or_default();
-            e.wants(m, &llm, kind, settings, capacity, e.table.clock().now()).0
-        };
+        let wants = |e: &TableEnforcer| wants_now(e, "llm").0;
         // One request every 2 s, reads every 100 ms, for a minute.
         let mut seen = Vec::new();
         for tick in 0..600 {
@@ -964,14 +968,7 @@ mod tests {
              burst: { kind: rate, capacity: 50/s, wants: auto }\n\
              routes:\n  - { name: all, upstream: up, resources: [llm, burst] }\n",
         );
-        let wants = |e: &TableEnforcer, name: &str| {
-            let l = e.table.resource(name).unwrap().try_limiter(name).unwrap();
-            let cfg = e.config();
-            let (settings, kind, capacity, _) = TableEnforcer::settings(&cfg, name).unwrap();
-            let mut memory = e.memory.lock().unwrap();
-            let m = memory.entry(name.to_string()).or_default();
-            e.wants(m, &l, kind, settings, capacity, e.table.clock().now()).0
-        };
+        let wants = |e: &TableEnforcer, name: &str| wants_now(e, name).0;
         e.table.resource("llm").unwrap().try_limiter("llm").unwrap().demand().arrive(1.0);
         let burst = e.table.resource("burst").unwrap().try_limiter("burst").unwrap();
         for _ in 0..10 {
@@ -1011,13 +1008,7 @@ mod tests {
              routes:\n  - { name: all, upstream: up, resources: [tokens] }\n",
         );
         let tokens = e.table.resource("tokens").unwrap().try_limiter("tokens").unwrap();
-        let wants = |e: &TableEnforcer| {
-            let cfg = e.config();
-            let (settings, kind, capacity, _) = TableEnforcer::settings(&cfg, "tokens").unwrap();
-            let mut memory = e.memory.lock().unwrap();
-            let m = memory.entry("tokens".to_string()).or_default();
-            e.wants(m, &tokens, kind, settings, capacity, e.table.clock().now()).0
-        };
+        let wants = |e: &TableEnforcer| wants_now(e, "tokens").0;
         // Reads every 100 ms for 90 s; real costs cycle through 50..=250 (150 on average).
         let mut seen = Vec::new();
         for tick in 0..900 {
@@ -1048,13 +1039,7 @@ mod tests {
              routes:\n  - { name: all, upstream: up, resources: [slots] }\n",
         );
         let slots = e.table.resource("slots").unwrap().try_limiter("slots").unwrap();
-        let wants = |e: &TableEnforcer| {
-            let cfg = e.config();
-            let (settings, kind, capacity, _) = TableEnforcer::settings(&cfg, "slots").unwrap();
-            let mut memory = e.memory.lock().unwrap();
-            let m = memory.entry("slots".to_string()).or_default();
-            e.wants(m, &slots, kind, settings, capacity, e.table.clock().now())
-        };
+        let wants = |e: &TableEnforcer| wants_now(e, "slots");
         // One request in flight, then none for longer than the peak window: wants 0.
         slots.demand().record(crate::limit::demand::Outcome::Admitted);
         slots.demand().enter();
