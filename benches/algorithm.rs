@@ -6,7 +6,7 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use rand::{Rng, SeedableRng, rngs::StdRng};
-use usher::algorithm::{DemandIndex, Kind, Request, decide};
+use usher_server::algorithm::{DemandIndex, Kind, Request, decide};
 
 /// One resource in steady state, and a fixed random stream of requests.
 struct Resource {

@@ -18,10 +18,10 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use usher::clock::Clock;
-use usher::limit::admit::admit;
-use usher::limit::rate::Reservation;
-use usher::limit::{Gauge, Kind, LeaseTable, Plan, Rate, ResourceSpec};
+use usher_core::clock::Clock;
+use usher_limit::admit::admit;
+use usher_limit::rate::Reservation;
+use usher_limit::{Gauge, Kind, LeaseTable, Plan, Rate, ResourceSpec};
 
 fn spec(kind: Kind) -> ResourceSpec {
     ResourceSpec {
@@ -168,7 +168,7 @@ fn many_keys(c: &mut Criterion) {
             r.try_limiter(id).expect("room");
         }
         // Keys made last wait in a small locked map until the demand poll folds them.
-        std::thread::sleep(usher::limit::table::FOLD_AFTER);
+        std::thread::sleep(usher_limit::table::FOLD_AFTER);
         table.settle();
         let mut i = 0usize;
         g.bench_function(format!("{n} keys"), |b| {

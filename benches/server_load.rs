@@ -47,8 +47,8 @@ use std::time::{Duration, Instant};
 use loadgen::procfs;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use usher::proto::capacity_client::CapacityClient;
-use usher::proto::{GetCapacityRequest, Lease, ResourceRequest};
+use usher_proto::capacity_client::CapacityClient;
+use usher_proto::{GetCapacityRequest, Lease, ResourceRequest};
 
 /// The lease a client reports before it got one (see the module doc).
 const ZERO: Lease = Lease { expiry_time: 0, refresh_interval: 0, capacity: 0.0 };
@@ -134,7 +134,7 @@ impl Server {
                 "127.0.0.1:0",
             ])
             .args(["--min-request-interval", "0s"])
-            .env("USHER_LOG", "warn,usher::server=info")
+            .env("USHER_LOG", "warn,usher_server=info")
             .env("NO_COLOR", "1")
             .stderr(Stdio::piped())
             .spawn()

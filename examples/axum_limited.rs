@@ -1,6 +1,6 @@
 //! An axum service that enforces a capacity leased from a real `usher
 //! server`, in-process: no sidecar hop, the same limiter and lease client as
-//! `usher proxy` (see `usher::embed`).
+//! `usher proxy` (see `usher_enforce::embed`).
 //!
 //! ```sh
 //! usher server --config deploy/examples/resources.yaml &       # gRPC on 0.0.0.0:15100
@@ -16,8 +16,8 @@ use std::net::SocketAddr;
 
 use axum::Router;
 use axum::routing::get;
-use usher::config::routes::RoutesConfig;
-use usher::embed::Limits;
+use usher_core::config::routes::RoutesConfig;
+use usher_enforce::embed::Limits;
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();

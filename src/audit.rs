@@ -11,8 +11,8 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::error::RunError;
-use crate::proxy::access_log::Entry;
+use usher_core::error::RunError;
+use usher_proxy::access_log::Entry;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct AuditArgs {

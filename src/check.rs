@@ -5,12 +5,12 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::config::ConfigError;
-use crate::config::resources::{ResourcesConfig, Template};
-use crate::config::routes::{ResourceConfig, ResourceKind, RoutesConfig};
-use crate::config::yaml::{Node, Value, parse};
-use crate::error::RunError;
 use crate::sim::Scenario;
+use usher_core::config::ConfigError;
+use usher_core::config::resources::{ResourcesConfig, Template};
+use usher_core::config::routes::{ResourceConfig, ResourceKind, RoutesConfig};
+use usher_core::config::yaml::{Node, Value, parse};
+use usher_core::error::RunError;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct CheckArgs {
@@ -86,7 +86,7 @@ impl Checked {
 /// `allow_unset_env` a routes file's unset `${VAR}`s stay as written.
 pub fn check_file(path: &std::path::Path, allow_unset_env: bool) -> Result<Checked, ConfigError> {
     let name = path.display().to_string();
-    let text = crate::config::file::read_config(path, "it")?;
+    let text = usher_core::config::file::read_config(path, "it")?;
     let root = parse(&name, &text)?;
     let kind = classify(&root).ok_or_else(|| {
         let mut e = ConfigError::whole_file(&name, "cannot tell what kind of file this is");

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
-use usher::error::RunError;
+use usher_core::error::RunError;
 
 /// usher shares one service's capacity fairly among many clients, with
 /// Doorman-compatible capacity leases.
@@ -32,7 +32,7 @@ enum Command {
     /// A tour on loopback: a capacity server and three sidecars sharing one resource, live.
     Demo(usher::demo::DemoArgs),
     /// Run a Doorman-compatible capacity server (gRPC `doorman.Capacity`).
-    Server(Box<usher::server::ServerArgs>),
+    Server(Box<usher_server::ServerArgs>),
     /// Simulate a capacity server tree in virtual time and report utilisation, overshoot,
     /// convergence and fairness.
     Sim(usher::sim::SimArgs),
@@ -49,7 +49,7 @@ enum Command {
     /// file:line:column. Exits 0 when all are valid, 64 when not.
     Check(usher::check::CheckArgs),
     /// Run the sidecar: route, pace and admit outbound HTTP within capacity.
-    Proxy(usher::proxy::ProxyArgs),
+    Proxy(usher_proxy::ProxyArgs),
 }
 
 fn main() -> ExitCode {
@@ -73,8 +73,8 @@ fn main() -> ExitCode {
         Command::Check(args) => usher::check::run(args),
         Command::Audit(args) => usher::audit::run(args),
         Command::Completions { shell } => completions(&shell),
-        Command::Server(args) => serve(|shutdown| usher::server::run(*args, shutdown)),
-        Command::Proxy(args) => serve(|shutdown| usher::proxy::run(args, shutdown)),
+        Command::Server(args) => serve(|shutdown| usher_server::run(*args, shutdown)),
+        Command::Proxy(args) => serve(|shutdown| usher_proxy::run(args, shutdown)),
         Command::Demo(args) => serve(|shutdown| usher::demo::run(args, shutdown)),
     };
     match result {
@@ -191,6 +191,7 @@ async fn reap_orphans() {
             let mut status = 0;
             // SAFETY: waitpid only writes the exit status into `status`, a
             // local; WNOHANG makes it return at once when no child has exited.
+            #[allow(unsafe_code, reason = "waitpid is a C call; its one out-parameter is the local above")]
             let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
             if pid <= 0 {
                 break;

@@ -4,7 +4,7 @@
 //! RUSTSEC-2023-0034 (rapid reset) and RUSTSEC-2024-0332 (CONTINUATION),
 //! written frame by frame so the test controls every byte.
 
-mod support;
+use usher_test_support as support;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

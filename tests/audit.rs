@@ -1,7 +1,8 @@
 //! The access log and `usher audit`: known answers from a log this test
 //! writes, and a real sidecar's log audited end to end.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::sync::Arc;
 use std::time::Duration;

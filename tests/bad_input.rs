@@ -3,15 +3,14 @@
 //! Doorman message. A failure is a panic (or a hang, bounded by the runner);
 //! each input must get either a value or a clear error.
 
-#[path = "support/edits.rs"]
-mod edits;
+use usher_test_support::edits;
 
 use proptest::prelude::*;
 use prost::Message;
-use usher::config::resources::ResourcesConfig;
-use usher::config::routes::RoutesConfig;
-use usher::proto;
 use usher::sim::Scenario;
+use usher_core::config::resources::ResourcesConfig;
+use usher_core::config::routes::RoutesConfig;
+use usher_proto as proto;
 
 const ROUTES: &str = include_str!("../deploy/examples/quickstart.yaml");
 const RESOURCES: &str = include_str!("../deploy/examples/resources.yaml");
@@ -85,10 +84,10 @@ proptest! {
         let _ = proto::DiscoveryResponse::decode(bytes.as_slice());
         let _ = proto::ResourceRepository::decode(bytes.as_slice());
         if let Ok(req) = proto::GetCapacityRequest::decode(bytes.as_slice()) {
-            let _ = usher::server::service::client_requests(&req);
+            let _ = usher_server::service::client_requests(&req);
         }
         if let Ok(req) = proto::GetServerCapacityRequest::decode(bytes.as_slice()) {
-            let _ = usher::server::service::server_requests(&req);
+            let _ = usher_server::service::server_requests(&req);
         }
     }
 
@@ -99,14 +98,14 @@ proptest! {
         asks in prop::collection::vec(("[a-c]{1,2}", "[a-c]{1,2}", any::<f64>(), any::<i64>()), 1..20)
     ) {
         let cfg = ResourcesConfig::parse("r", "resources:\n  - identifier_glob: '*'\n    capacity: 10\n    algorithm: { kind: FAIR_SHARE, lease_length: 5, refresh_interval: 5, learning_mode_duration: 0 }\n").unwrap();
-        let (clock, _t) = usher::clock::Clock::manual(usher::clock::Time::from_secs(1000));
-        let store = usher::server::Store::new(clock, cfg, std::time::Duration::ZERO);
+        let (clock, _t) = usher_core::clock::Clock::manual(usher_core::clock::Time::from_secs(1000));
+        let store = usher_server::Store::new(clock, cfg, std::time::Duration::ZERO);
         for (client, resource, wants, priority) in asks {
             let req = proto::GetCapacityRequest {
                 client_id: client.clone(),
                 resource: vec![proto::ResourceRequest { upstream_quota: None, resource_id: resource, priority, has: None, wants }],
             };
-            if let Ok(valid) = usher::server::service::client_requests(&req) {
+            if let Ok(valid) = usher_server::service::client_requests(&req) {
                 for a in &valid {
                     let g = store.get_capacity(&client, a);
                     prop_assert!(g.capacity >= 0.0 && g.capacity <= 10.0 + 1e-9, "{g:?}");

@@ -5,7 +5,7 @@
 //! `doorman:` section): no minute gets more than its quota plus one request
 //! per sidecar, and every full minute gets nearly all of it.
 
-mod support;
+use usher_test_support as support;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;

@@ -6,7 +6,8 @@
 //! protocol field a Doorman peer ignores), shown on the sidecar's
 //! `/debug/status`.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::time::Duration;
 

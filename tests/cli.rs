@@ -1,7 +1,7 @@
 //! The command line through the real binary: `usher check` tells files apart by content,
 //! validates every shipped example and reports every error with a position; help and completions.
 
-mod support;
+use usher_test_support as support;
 
 use std::process::Command;
 
@@ -353,8 +353,8 @@ fn allow_unset_env_checks_a_file_whose_variables_are_not_set() {
 /// asks more than the whole capacity its template holds.
 #[test]
 fn the_shipped_routes_ids_match_templates_of_the_shipped_resources_file() {
-    use usher::config::resources::{CATCH_ALL, ResourcesConfig};
-    use usher::config::routes::{RoutesConfig, Segment};
+    use usher_core::config::resources::{CATCH_ALL, ResourcesConfig};
+    use usher_core::config::routes::{RoutesConfig, Segment};
     let root = env!("CARGO_MANIFEST_DIR");
     let read = |f: &str| std::fs::read_to_string(format!("{root}/deploy/examples/{f}")).unwrap();
     let (routes, _) = RoutesConfig::parse_env("routes.yaml", &read("routes.yaml"), true).unwrap();

@@ -4,7 +4,7 @@
 //! from the second second on (issue 14, "Done means"). Before, the first to ask
 //! got 37–62/s for two seconds and the others 2–14/s.
 
-mod support;
+use usher_test_support as support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -9,7 +9,8 @@
 //! so that a regression (an unbounded read of `/dev/zero`) fails the test
 //! instead of taking the machine's memory.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,8 +19,8 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 use support::upstream::{Upstream, get, h1, send1};
 use support::{Usher, http_get, metric, peak_rss_kib, run_for, run_usher_for, usher_bin, write_file};
-use usher::proto::capacity_client::CapacityClient;
-use usher::proto::{GetCapacityRequest, ResourceRequest};
+use usher_proto::capacity_client::CapacityClient;
+use usher_proto::{GetCapacityRequest, ResourceRequest};
 
 /// The most address space a tested process may take on top of what it had.
 const HEADROOM_KIB: u64 = 1536 * 1024;

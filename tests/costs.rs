@@ -5,7 +5,7 @@
 //! was charged at admission is charged to the key, or given back. An
 //! LLM-like upstream reports each request's tokens in `x-usage-total-tokens`.
 
-mod support;
+use usher_test_support as support;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

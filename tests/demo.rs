@@ -1,6 +1,6 @@
 //! `usher demo`, the README's first command, through the real binary.
 
-mod support;
+use usher_test_support as support;
 
 #[test]
 fn the_demo_shares_one_capacity_among_three_sidecars() {

@@ -8,7 +8,7 @@
 //!
 //! Needs python3 with grpcio and grpcio-tools; `.ci/test` installs them.
 
-mod support;
+use usher_test_support as support;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;

@@ -1,20 +1,21 @@
 //! Master election on a real etcd (Debian's etcd-server) with real `usher
 //! server` processes, and configuration stored in etcd.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::etcd::{EtcdServer, elected_member, elected_member_at};
 use support::{Usher, http_get, metric};
-use usher::clock::Clock;
-use usher::lease::core::CoreConfig;
-use usher::lease::transport::{GrpcTransport, Transport};
-use usher::lease::{Capacity, Enforcer, KeyDemand, LeaseClient, OnExpiry};
-use usher::proto::capacity_client::CapacityClient;
-use usher::proto::{self, GetCapacityRequest, ResourceRequest};
-use usher::server::etcd::Etcd;
+use usher_core::clock::Clock;
+use usher_lease::core::CoreConfig;
+use usher_lease::transport::{GrpcTransport, Transport};
+use usher_lease::{Capacity, Enforcer, KeyDemand, LeaseClient, OnExpiry};
+use usher_proto::capacity_client::CapacityClient;
+use usher_proto::{self as proto, GetCapacityRequest, ResourceRequest};
+use usher_server::etcd::Etcd;
 
 const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 8, refresh_interval: 2, learning_mode_duration: 8 }\n";
 

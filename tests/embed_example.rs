@@ -1,10 +1,11 @@
 //! `examples/axum_limited.rs` end to end: a real `usher server`, the
-//! example (an axum service with `usher::embed`'s layer) leasing from it,
+//! example (an axum service with `usher_enforce::embed`'s layer) leasing from it,
 //! and requests to the example. The capacity it enforces is the one the
 //! server granted, not the one it asked for; the server sees its lease, and
 //! gets it back when the example stops.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

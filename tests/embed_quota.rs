@@ -1,10 +1,10 @@
-//! `usher::embed` leasing from a real `usher server`, as sidecars do: two
+//! `usher_enforce::embed` leasing from a real `usher server`, as sidecars do: two
 //! services' layers share one fleet's burst (each bucket holds its lease's
 //! share of it), and an upstream quota one service finds spent (its inner
 //! service's answer says so) stops the other within a refresh, through the
 //! server.
 
-mod support;
+use usher_test_support as support;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -17,8 +17,8 @@ use http_body_util::Full;
 use support::{Usher, write_file};
 use tower::util::BoxCloneService;
 use tower::{ServiceBuilder, ServiceExt};
-use usher::config::routes::RoutesConfig;
-use usher::embed::{LimitBody, Limits};
+use usher_core::config::routes::RoutesConfig;
+use usher_enforce::embed::{LimitBody, Limits};
 
 type Svc = BoxCloneService<Request<String>, Response<LimitBody<Full<Bytes>>>, Infallible>;
 

@@ -4,7 +4,8 @@
 //! 69 for a wrong CA, a missing client certificate or a bad password; failover
 //! across endpoints; and election fencing measured through a fault proxy.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -13,10 +14,10 @@ use support::etcd::EtcdServer;
 use support::faultproxy::{FaultProxy, Mode};
 use support::pki::Ca;
 use support::{Usher, free_port, http_get, metric, run_usher_for, write_file};
-use usher::clock::Clock;
-use usher::proto::capacity_client::CapacityClient;
-use usher::proto::{GetCapacityRequest, ResourceRequest};
-use usher::server::etcd::{Etcd, EtcdOptions, TlsHint};
+use usher_core::clock::Clock;
+use usher_proto::capacity_client::CapacityClient;
+use usher_proto::{GetCapacityRequest, ResourceRequest};
+use usher_server::etcd::{Etcd, EtcdOptions, TlsHint};
 
 const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 8, refresh_interval: 1, learning_mode_duration: 0 }\n";
 
@@ -36,14 +37,14 @@ fn client(
     cert: &(std::path::PathBuf, std::path::PathBuf),
     creds: Option<(&str, &str)>,
 ) -> Etcd {
-    let files = usher::tls::ClientFiles {
+    let files = usher_core::tls::ClientFiles {
         ca: ca.pem.clone(),
         cert: Some(cert.0.clone()),
         key: Some(cert.1.clone()),
         server_name: None,
     };
     let mut o = EtcdOptions::plain(&[endpoint.to_string()]);
-    o.tls = Some(usher::tls::ClientTls::load(&files).unwrap());
+    o.tls = Some(usher_core::tls::ClientTls::load(&files).unwrap());
     o.tls_hint = TlsHint { ca: Some(s(&ca.pem).into()), cert: Some(s(&cert.0).into()) };
     o.credentials = creds.map(|(u, p)| (u.to_string(), p.to_string()));
     Etcd::with_options(o, Clock::system())

@@ -3,7 +3,8 @@
 //! blackholes, delays, resets or closes the connections while load runs
 //! against the sidecar; and a master failover under load.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::net::SocketAddr;
 use std::path::Path;

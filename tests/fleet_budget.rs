@@ -7,7 +7,7 @@
 //! used to be sized by its own routes file: 90 requests passed where one
 //! budget allows 32, and 600 of a 300/day quota.)
 
-mod support;
+use usher_test_support as support;
 
 use std::path::Path;
 use std::sync::Arc;

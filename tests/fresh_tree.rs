@@ -4,7 +4,8 @@
 //! starting: a new master with no predecessor on record skips learning mode
 //! (README: "Learning mode"; src/server/horizon.rs).
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::time::{Duration, Instant};
 

@@ -13,9 +13,8 @@
 //! response (the upstream's, or a 502) and the connection must finish. The
 //! stable counterpart of `fuzz/fuzz_targets/upstream.rs`.
 
-#[path = "support/edits.rs"]
-mod edits;
-mod support;
+use usher_test_support as support;
+use usher_test_support::edits;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,9 +22,9 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use usher::clock::{Clock, Time};
-use usher::config::routes::RoutesConfig;
-use usher::proxy::{ConnServer, Proxy};
+use usher_core::clock::{Clock, Time};
+use usher_core::config::routes::RoutesConfig;
+use usher_proxy::{ConnServer, Proxy};
 
 use support::upstream::Upstream;
 

@@ -15,15 +15,15 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use usher::clock::Clock;
-use usher::config::routes::RoutesConfig;
-use usher::lease::transport::Transport;
-use usher::limit::LeaseTable;
-use usher::proto;
-use usher::proxy::lease::{EMBEDDED, embedded_resources, start_with};
-use usher::proxy::pushback::Pushback;
-use usher::server::store::Limits;
-use usher::server::{LocalTransport, Node};
+use usher_core::clock::Clock;
+use usher_core::config::routes::RoutesConfig;
+use usher_enforce::enforcer::{EMBEDDED, embedded_resources, start_with};
+use usher_enforce::pushback::Pushback;
+use usher_lease::transport::Transport;
+use usher_limit::LeaseTable;
+use usher_proto as proto;
+use usher_server::store::Limits;
+use usher_server::{LocalTransport, Node};
 
 /// The system allocator, counting the bytes live. The only unsafe code of
 /// the project: a global allocator cannot be written without it.
@@ -123,7 +123,7 @@ async fn store_bytes_per_key() -> f64 {
 /// A sidecar's lease table with the tenant resource configured.
 fn table(cfg: &RoutesConfig) -> Arc<LeaseTable> {
     let table = Arc::new(LeaseTable::new(Clock::system()));
-    table.configure(usher::proxy::route::specs(cfg));
+    table.configure(usher_enforce::resource::specs(cfg));
     table
 }
 

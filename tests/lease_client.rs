@@ -1,17 +1,17 @@
 //! The lease client library against a real `usher server` process.
 
-mod support;
+use usher_test_support as support;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::{Usher, http_get, write_file};
-use usher::clock::Clock;
-use usher::lease::core::{CallError, CoreConfig};
-use usher::lease::transport::{BoxFuture, GrpcTransport, Transport};
-use usher::lease::{Capacity, Enforcer, KeyDemand, LeaseClient, OnExpiry};
-use usher::proto;
+use usher_core::clock::Clock;
+use usher_lease::core::{CallError, CoreConfig};
+use usher_lease::transport::{BoxFuture, GrpcTransport, Transport};
+use usher_lease::{Capacity, Enforcer, KeyDemand, LeaseClient, OnExpiry};
+use usher_proto as proto;
 
 struct Fixed;
 

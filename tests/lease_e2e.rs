@@ -2,7 +2,8 @@
 //! `usher proxy` processes, counting upstreams on 127.0.0.1:0, load from
 //! this test.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -574,7 +575,7 @@ impl FakeDoorman {
             addr: listener.local_addr().unwrap().to_string(),
             answer: Arc::new(std::sync::Mutex::new(answer)),
         };
-        let svc = usher::proto::capacity_server::CapacityServer::new(fake.clone());
+        let svc = usher_proto::capacity_server::CapacityServer::new(fake.clone());
         tokio::spawn(async move {
             tonic::transport::Server::builder()
                 .add_service(svc)
@@ -591,22 +592,22 @@ impl FakeDoorman {
 }
 
 #[tonic::async_trait]
-impl usher::proto::capacity_server::Capacity for FakeDoorman {
+impl usher_proto::capacity_server::Capacity for FakeDoorman {
     async fn discovery(
         &self,
-        _: tonic::Request<usher::proto::DiscoveryRequest>,
-    ) -> Result<tonic::Response<usher::proto::DiscoveryResponse>, tonic::Status> {
-        Ok(tonic::Response::new(usher::proto::DiscoveryResponse {
-            mastership: usher::proto::Mastership { master_address: Some(self.addr.clone()) },
+        _: tonic::Request<usher_proto::DiscoveryRequest>,
+    ) -> Result<tonic::Response<usher_proto::DiscoveryResponse>, tonic::Status> {
+        Ok(tonic::Response::new(usher_proto::DiscoveryResponse {
+            mastership: usher_proto::Mastership { master_address: Some(self.addr.clone()) },
             is_master: true,
         }))
     }
 
     async fn get_capacity(
         &self,
-        req: tonic::Request<usher::proto::GetCapacityRequest>,
-    ) -> Result<tonic::Response<usher::proto::GetCapacityResponse>, tonic::Status> {
-        use usher::proto::{GetCapacityResponse, Lease, Mastership, ResourceResponse};
+        req: tonic::Request<usher_proto::GetCapacityRequest>,
+    ) -> Result<tonic::Response<usher_proto::GetCapacityResponse>, tonic::Status> {
+        use usher_proto::{GetCapacityResponse, Lease, Mastership, ResourceResponse};
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
         let lease = |id: &str, capacity: f64, safe_capacity: Option<f64>| ResourceResponse {
             resource_capacity: None,
@@ -639,16 +640,16 @@ impl usher::proto::capacity_server::Capacity for FakeDoorman {
 
     async fn get_server_capacity(
         &self,
-        _: tonic::Request<usher::proto::GetServerCapacityRequest>,
-    ) -> Result<tonic::Response<usher::proto::GetServerCapacityResponse>, tonic::Status> {
+        _: tonic::Request<usher_proto::GetServerCapacityRequest>,
+    ) -> Result<tonic::Response<usher_proto::GetServerCapacityResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("a fake for sidecars"))
     }
 
     async fn release_capacity(
         &self,
-        _: tonic::Request<usher::proto::ReleaseCapacityRequest>,
-    ) -> Result<tonic::Response<usher::proto::ReleaseCapacityResponse>, tonic::Status> {
-        Ok(tonic::Response::new(usher::proto::ReleaseCapacityResponse::default()))
+        _: tonic::Request<usher_proto::ReleaseCapacityRequest>,
+    ) -> Result<tonic::Response<usher_proto::ReleaseCapacityResponse>, tonic::Status> {
+        Ok(tonic::Response::new(usher_proto::ReleaseCapacityResponse::default()))
     }
 }
 

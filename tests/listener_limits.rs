@@ -5,7 +5,7 @@
 //! request body limit (413 problem+json, by declared length or while
 //! streaming).
 
-mod support;
+use usher_test_support as support;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -14,9 +14,9 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
-use usher::clock::{Clock, Time};
-use usher::config::routes::RoutesConfig;
-use usher::proxy::{Proxy, serve};
+use usher_core::clock::{Clock, Time};
+use usher_core::config::routes::RoutesConfig;
+use usher_proxy::{Proxy, serve};
 
 use support::upstream::{Upstream, get, h1, send1};
 

@@ -2,7 +2,7 @@
 //! terminal (a sidecar's log in a file or a pipe has no escape codes), and
 //! `--log-format json`, one JSON object per line.
 
-mod support;
+use usher_test_support as support;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -49,7 +49,8 @@
 //!   it has the head and may close under a body still arriving, the native
 //!   path reads the body (at most 64 KiB) first and keeps the connection.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -62,9 +63,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use usher::clock::{Clock, Time};
-use usher::config::routes::RoutesConfig;
-use usher::proxy::{Http1, Proxy, serve_with};
+use usher_core::clock::{Clock, Time};
+use usher_core::config::routes::RoutesConfig;
+use usher_proxy::{Http1, Proxy, serve_with};
 
 use support::upstream::Upstream;
 

@@ -7,7 +7,7 @@
 //! It also draws the dashboard's panels from that data into a PNG (the
 //! README's picture): target/dashboard.png, or `$USHER_DASHBOARD_PNG`.
 
-mod support;
+use usher_test_support as support;
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use support::load::{Tally, drive};
 use support::upstream::Upstream;
 use support::{Usher, free_port, http_get, write_file};
-use usher::server::percent_encode;
+use usher_server::percent_encode;
 
 const RULES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/usher/files/prometheus-rules.yaml");
 const DASHBOARD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/usher/files/grafana-dashboard.json");
@@ -273,7 +273,7 @@ async fn every_rule_and_dashboard_expression_returns_data_from_a_real_prometheus
 
 /// The rules file as JSON (strings only: enough to read names and expressions).
 fn serde_yaml_like(text: &str) -> serde_json::Value {
-    use usher::config::yaml::{Node, Value, parse};
+    use usher_core::config::yaml::{Node, Value, parse};
     fn conv(n: &Node) -> serde_json::Value {
         match &n.value {
             Value::Scalar(s, _) => serde_json::Value::String(s.clone()),

@@ -3,7 +3,8 @@
 //! forward-proxy style and CONNECT, TLS origination, streaming with bounded
 //! memory, and reloads.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::path::Path;
 use std::sync::atomic::Ordering;

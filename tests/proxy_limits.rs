@@ -2,7 +2,7 @@
 //! 127.0.0.1:0, a real counting upstream, and a manual clock driving the
 //! limiters so counts are exact and no test waits on wall time.
 
-mod support;
+use usher_test_support as support;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,9 +13,9 @@ use http::{Request, StatusCode};
 use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use usher::clock::{Clock, ManualClock, Time};
-use usher::config::routes::RoutesConfig;
-use usher::proxy::{Proxy, serve};
+use usher_core::clock::{Clock, ManualClock, Time};
+use usher_core::config::routes::RoutesConfig;
+use usher_proxy::{Proxy, serve};
 
 use support::upstream::{self, Upstream, get, get_abs, h1, h2, read, send1, send2};
 

@@ -4,7 +4,8 @@
 //! test. Each test prints its figures (`figures:` lines) before it asserts,
 //! for benches/RESULTS.md.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -1,13 +1,14 @@
 //! The capacity server through its real interfaces: the `usher server`
 //! binary on 127.0.0.1:0, driven by a tonic client and its admin HTTP port.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use support::{Usher, alias_bomb, http_get, metric, peak_rss_kib, write_file};
-use usher::proto::capacity_client::CapacityClient;
-use usher::proto::{self, GetCapacityRequest, ResourceRequest};
+use usher_proto::capacity_client::CapacityClient;
+use usher_proto::{self as proto, GetCapacityRequest, ResourceRequest};
 
 const CONFIG: &str = r#"
 resources:

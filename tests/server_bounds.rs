@@ -2,15 +2,16 @@
 //! on `/metrics` and rows on `/debug/status` for client-chosen resource ids,
 //! and gRPC connections that send nothing. Each is bounded.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use support::{Usher, http_get, metric, write_file};
-use usher::proto::capacity_client::CapacityClient;
-use usher::proto::{GetCapacityRequest, ResourceRequest};
+use usher_proto::capacity_client::CapacityClient;
+use usher_proto::{GetCapacityRequest, ResourceRequest};
 
 const ALGO: &str = "{ kind: FAIR_SHARE, lease_length: 60, refresh_interval: 5, learning_mode_duration: 0 }";
 

@@ -2,11 +2,11 @@
 //! unbounded clients and resources. Every refusal is a clear gRPC error and
 //! nothing is stored.
 
-mod support;
+use usher_test_support as support;
 
 use support::{Usher, http_get, write_file};
-use usher::proto::capacity_client::CapacityClient;
-use usher::proto::{GetCapacityRequest, ResourceRequest};
+use usher_proto::capacity_client::CapacityClient;
+use usher_proto::{GetCapacityRequest, ResourceRequest};
 
 const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 5, learning_mode_duration: 0 }\n";
 
@@ -69,7 +69,7 @@ async fn giant_ids_and_huge_requests_are_refused() {
 /// clients cut them to ~1e-18).
 #[tokio::test]
 async fn a_lower_server_cannot_claim_more_clients_than_a_resource_may_have() {
-    use usher::proto::{GetServerCapacityRequest, PriorityBandAggregate, ServerCapacityResourceRequest};
+    use usher_proto::{GetServerCapacityRequest, PriorityBandAggregate, ServerCapacityResourceRequest};
     let (u, _dir) = start(&["--max-clients-per-resource", "1000"]);
     let mut c = CapacityClient::connect(format!("http://{}", u.addr("grpc"))).await.unwrap();
     let honest = |c: &mut CapacityClient<tonic::transport::Channel>| {

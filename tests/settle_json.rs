@@ -10,7 +10,8 @@
 //! in several chunks without one (`x-framing: chunked`), over HTTP/1.1 or
 //! h2c; a few paths answer bodies that cannot be settled.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -5,7 +5,7 @@
 //! `shadow_refused` (metrics and access log) matches the enforcing twin's
 //! refusals.
 
-mod support;
+use usher_test_support as support;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -11,7 +11,8 @@
 //! sees the connection close without a response, and the upstream never
 //! sees the request, so retrying it is safe). Then the leases are released.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! the client stops sending, through a real `usher proxy` process (its
 //! general path: chunked bodies) to a real upstream on 127.0.0.1.
 
-mod support;
+use usher_test_support as support;
 
 use std::time::{Duration, Instant};
 

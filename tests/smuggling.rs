@@ -9,7 +9,7 @@
 //! each with unambiguous framing (one Content-Length or chunked, never both)
 //! and the body the client meant. Nothing else may reach the upstream.
 
-mod support;
+use usher_test_support as support;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
-use usher::clock::{Clock, Time};
-use usher::config::routes::RoutesConfig;
-use usher::proxy::{Http1, Proxy, serve_with};
+use usher_core::clock::{Clock, Time};
+use usher_core::config::routes::RoutesConfig;
+use usher_proxy::{Http1, Proxy, serve_with};
 
 // === the recording upstream ===
 

@@ -4,7 +4,8 @@
 //! unreadable record is warned about and learnt from. tests/fresh_tree.rs is
 //! the etcd analogue.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -2,7 +2,8 @@
 //! intermediate) hold plain fields only (no enum-shaped objects such as
 //! `{"Limited": 3.0}`) and exactly the fields docs/status.md documents.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

@@ -2,7 +2,8 @@
 //! (Debian's `chromium`, which `.ci/test` installs), checked for live values,
 //! and screenshotted.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::path::Path;
 use std::process::Command;

@@ -4,7 +4,8 @@
 //! certificate, a foreign CA, an untrusted server, a cleartext client) and
 //! what they say, certificate reload, and bad flags, files and fields.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -124,10 +125,10 @@ fn sidecars_lease_over_tls_and_untrusting_or_cleartext_clients_are_refused_clear
     // A Doorman-style cleartext client: refused, and the server log says what happened.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let refused = rt.block_on(async {
-        let c = usher::proto::capacity_client::CapacityClient::connect(format!("http://{grpc}")).await;
+        let c = usher_proto::capacity_client::CapacityClient::connect(format!("http://{grpc}")).await;
         match c {
             Err(_) => true,
-            Ok(mut c) => c.discovery(usher::proto::DiscoveryRequest {}).await.is_err(),
+            Ok(mut c) => c.discovery(usher_proto::DiscoveryRequest {}).await.is_err(),
         }
     });
     assert!(refused, "a cleartext client must not be served");

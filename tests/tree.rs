@@ -1,14 +1,14 @@
 //! A tree of real `usher server` processes: a root and intermediates that
 //! lease from it, driven by tonic clients standing in for sidecars.
 
-mod support;
+use usher_test_support as support;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use support::{Usher, http_get, write_file};
-use usher::proto::capacity_client::CapacityClient;
-use usher::proto::{GetCapacityRequest, ResourceRequest};
+use usher_proto::capacity_client::CapacityClient;
+use usher_proto::{GetCapacityRequest, ResourceRequest};
 
 const ROOT: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 20, refresh_interval: 4, learning_mode_duration: 0 }\n";
 

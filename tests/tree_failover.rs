@@ -5,7 +5,8 @@
 //! below) and the election TTL (3 s) are short so the test is lean; what it
 //! measures is relative to them.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

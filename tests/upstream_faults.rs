@@ -3,7 +3,8 @@
 //! each a clear problem; then a storm of 10,000 requests with random faults
 //! and abandoning clients, after which nothing is left in flight or waiting.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;

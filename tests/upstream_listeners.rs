@@ -6,7 +6,8 @@
 //! listener addresses are refused with their position; a reload keeps the
 //! listeners open and applies the routes.
 
-mod support;
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
 
 use std::net::SocketAddr;
 use std::path::Path;

@@ -7,7 +7,7 @@
 //! HTTP/1.1 (`http2: false`, or learned from its ALPN answer) gets the same
 //! pool of TLS connections.
 
-mod support;
+use usher_test_support as support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

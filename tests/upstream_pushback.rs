@@ -2,7 +2,7 @@
 //! upstream on 127.0.0.1: what the app sees while the upstream's
 //! `Retry-After` holds a resource, and when the hold ends.
 
-mod support;
+use usher_test_support as support;
 
 use std::time::{Duration, Instant};
 

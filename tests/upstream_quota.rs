@@ -8,7 +8,7 @@
 //! after the first window none of their requests meets a 403, nearly every
 //! window's quota is spent, and they share it evenly.
 
-mod support;
+use usher_test_support as support;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -2,7 +2,7 @@
 //! fields are missing. These tests read the raw bytes usher puts on the wire
 //! and check that every required field is present even when it is zero.
 
-mod support;
+use usher_test_support as support;
 
 use bytes::{Buf, Bytes};
 use http_body_util::{BodyExt, Full};
@@ -10,7 +10,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use prost::Message;
 use support::{Usher, write_file};
-use usher::proto;
+use usher_proto as proto;
 
 /// The field numbers present at the top level of one protobuf message, with
 /// the payload of each length-delimited field.

@@ -3,7 +3,7 @@
 //! are logged when the failures start, not at every retry, and once when
 //! they answer again.
 
-mod support;
+use usher_test_support as support;
 
 use std::time::{Duration, Instant};
 
@@ -33,7 +33,7 @@ fn a_key_at_zero_says_why_and_down_servers_are_logged_once_until_they_answer() {
     // Debug lines count the failures the WARN lines leave out.
     let p = Usher::start(
         &["proxy", "--routes", routes.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
-        &[("USHER_LOG", "info,usher::lease::failing=debug")],
+        &[("USHER_LOG", "info,usher_lease::failing=debug")],
         "usher proxy listening",
     );
     let why = "no lease yet and no safe capacity";

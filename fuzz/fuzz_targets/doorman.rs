@@ -4,7 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
-use usher::proto;
+use usher_proto;
 
 macro_rules! each {
     ($data:expr, $($m:ident),+ $(,)?) => {$(
@@ -39,9 +39,9 @@ fuzz_target!(|data: &[u8]| {
         DiscoveryResponse,
     );
     if let Ok(req) = proto::GetCapacityRequest::decode(data) {
-        let _ = usher::server::service::client_requests(&req);
+        let _ = usher_server::service::client_requests(&req);
     }
     if let Ok(req) = proto::GetServerCapacityRequest::decode(data) {
-        let _ = usher::server::service::server_requests(&req);
+        let _ = usher_server::service::server_requests(&req);
     }
 });

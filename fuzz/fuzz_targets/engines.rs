@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use usher::proxy::Http1;
+use usher_proxy::Http1;
 
 use common::Sidecar;
 

@@ -12,17 +12,17 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::clock::{Clock, ManualClock, Time};
-use crate::config::resources::{Algorithm, ResourcesConfig, Template};
-use crate::lease::core::{Action, Capacity, Core, CoreConfig, KeyDemand, OnExpiry};
-use crate::lease::transport::Transport;
-use crate::server::LocalTransport;
-use crate::server::horizon;
-use crate::server::parent::{ParentAction, ParentSync, current_link};
-use crate::server::store::Role;
-use crate::server::{Mastership, Node};
 pub use scenario::Scenario;
 use scenario::{DemandModel, EventKind, Target};
+use usher_core::clock::{Clock, ManualClock, Time};
+use usher_core::config::resources::{Algorithm, ResourcesConfig, Template};
+use usher_lease::core::{Action, Capacity, Core, CoreConfig, KeyDemand, OnExpiry};
+use usher_lease::transport::Transport;
+use usher_server::LocalTransport;
+use usher_server::horizon;
+use usher_server::parent::{ParentAction, ParentSync, current_link};
+use usher_server::store::Role;
+use usher_server::{Mastership, Node};
 
 /// The simulation's time step.
 pub const STEP: Duration = Duration::from_millis(250);
@@ -668,7 +668,7 @@ pub struct SimArgs {
     #[arg(long)]
     pub seed: Option<u64>,
     /// Override the scenario's duration, e.g. 300s (CI runs short forms).
-    #[arg(long, value_name = "DURATION", value_parser = crate::server::parse_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = usher_server::parse_duration)]
     pub duration: Option<Duration>,
     /// Override the number of clients: this many in all, shared evenly by the
     /// leaves (the scenario's `clients_per_leaf` becomes N / leaves, at least 1).
@@ -689,8 +689,8 @@ pub struct SimArgs {
 }
 
 /// Runs `usher sim`.
-pub fn run(args: SimArgs) -> Result<(), crate::error::RunError> {
-    use crate::error::RunError;
+pub fn run(args: SimArgs) -> Result<(), usher_core::error::RunError> {
+    use usher_core::error::RunError;
     let mut sc = match (&args.file, &args.scenario) {
         (_, Some(name)) => Scenario::builtin(name).ok_or_else(|| {
             let names: Vec<&str> = scenario::BUILTIN.iter().map(|(n, _)| *n).collect();

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use crate::algorithm::Kind;
-use crate::config::yaml::{Checker, ConfigError, MapView, Node, parse};
+use usher_core::config::resources::Kind;
+use usher_core::config::yaml::{Checker, ConfigError, MapView, Node, parse};
 
 /// How one client's demand moves.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,7 +105,7 @@ impl Scenario {
 
     pub fn load(path: &std::path::Path) -> Result<Scenario, ConfigError> {
         let name = path.display().to_string();
-        let text = crate::config::file::read_config(path, "scenario")?;
+        let text = usher_core::config::file::read_config(path, "scenario")?;
         Scenario::parse(&name, &text)
     }
 

@@ -50,7 +50,7 @@ fn one_level_never_exceeds_capacity() {
 fn the_real_algorithm_runs() {
     let mut prop = short("five", 300);
     let mut stat = prop.clone();
-    stat.algorithm = crate::algorithm::Kind::Static;
+    stat.algorithm = usher_core::config::resources::Kind::Static;
     prop.demand = DemandModel::Constant { wants: 20.0 };
     stat.demand = DemandModel::Constant { wants: 20.0 };
     let a = Sim::new(prop, 1).run(|_| {});

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::DuplexStream;
-use usher::clock::{Clock, Time};
-use usher::config::routes::RoutesConfig;
-use usher::proxy::{ConnServer, Http1, Proxy};
+use usher_core::clock::{Clock, Time};
+use usher_core::config::routes::RoutesConfig;
+use usher_proxy::{ConnServer, Http1, Proxy};
 
 pub struct Sidecar {
     rt: tokio::runtime::Runtime,

@@ -1,0 +1,27 @@
+//! Configuration files: the server's resources file (Doorman's YAML) and,
+//! shared by both, a position-keeping YAML reader that reports every error
+//! with its `file:line:column`.
+
+pub mod doorman;
+pub mod file;
+pub mod limits;
+pub mod quota;
+pub mod resources;
+pub mod routes;
+pub mod watch;
+pub mod yaml;
+
+pub use yaml::{ConfigError, Diagnostic};
+
+/// The most bytes a lease id may have: what capacity servers accept (usher's
+/// refuses a longer one, and with it the whole call that carries it: every
+/// key of the sidecar).
+pub const MAX_ID_BYTES: usize = 1024;
+
+/// The outcome of the latest load of a configuration that is reloaded live:
+/// when the one in force was applied, and why the last attempt was rejected.
+#[derive(Debug, Clone, Default)]
+pub struct ConfigState {
+    pub loaded_at: Option<crate::clock::Time>,
+    pub last_error: Option<String>,
+}

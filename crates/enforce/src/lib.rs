@@ -1,0 +1,31 @@
+//! Enforcing leased capacity in-process: the part of usher that the sidecar
+//! and a Rust service share.
+//!
+//! - [`embed`]: the library surface for Rust services: [`Limits`] (the
+//!   lease-client handle) and [`LimitLayer`] (a tower layer admitting each
+//!   request by one resource, answering a refusal itself).
+//! - [`enforcer`]: the [`TableEnforcer`] between the lease client and the
+//!   limiters: demand becomes `wants`, leases become capacities; and the
+//!   embedded capacity server for a routes file without `doorman:`.
+//! - [`resource`]: a route's resource: the key a request is admitted by, its cost.
+//! - [`pushback`]: backing off when the upstream answers 429 or 503.
+//! - [`feedback`] and [`settle`]: what an answer tells the keys that admitted
+//!   it (the upstream's quota headers, the cost it reports).
+//! - [`respond`]: the one place a refusal or an error becomes an answer.
+//! - [`metrics`]: the counters of routes, resources and settled costs.
+
+pub mod embed;
+pub mod enforcer;
+pub mod feedback;
+pub mod metrics;
+pub mod pushback;
+pub mod resource;
+pub mod respond;
+pub mod settle;
+
+pub use embed::{LimitLayer, Limits, Refusal};
+pub use enforcer::TableEnforcer;
+
+/// How long start-up waits for the first leases before accepting requests
+/// (no wait when every key has a cached lease); then keys follow `on_expiry`.
+pub const FIRST_LEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);

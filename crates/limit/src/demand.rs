@@ -1,0 +1,210 @@
+//! The demand meter of one resource key: what the lease client reads to
+//! compute `wants`.
+//!
+//! The request path only touches atomics; the smoothing state is updated by
+//! whoever samples (the lease refresher, the metrics scrape), under its own lock.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use usher_core::clock::Time;
+
+/// Time constant of the smoothed arrival rate.
+pub const SMOOTHING: Duration = Duration::from_secs(10);
+
+/// Arrival counts are kept in thousandths of a cost unit so fractional costs add up exactly enough.
+const MILLI: f64 = 1000.0;
+
+#[derive(Debug, Default)]
+pub struct DemandMeter {
+    /// Every arrival (admitted, paced or refused), in milli-units of cost.
+    arrivals: AtomicU64,
+    /// Every arrival, counted once whatever its cost.
+    requests: AtomicU64,
+    admitted: AtomicU64,
+    paced: AtomicU64,
+    refused: AtomicU64,
+    in_flight: AtomicI64,
+    peak_in_flight: AtomicI64,
+    waiters: AtomicI64,
+    smooth: Mutex<Smooth>,
+}
+
+#[derive(Debug, Default)]
+struct Smooth {
+    last: Option<(Time, u64)>,
+    rate: f64,
+    /// Peak in flight in the current window.
+    peak: i64,
+}
+
+/// One reading of a meter.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DemandSample {
+    /// Smoothed arrivals per second (cost units), counting admitted, paced and refused.
+    pub rate: f64,
+    /// Highest number in flight since the last [`DemandMeter::take_peak`].
+    pub peak_in_flight: i64,
+    pub in_flight: i64,
+    pub waiters: i64,
+    pub admitted: u64,
+    pub paced: u64,
+    pub refused: u64,
+}
+
+/// How one request fared at one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Admitted,
+    Paced,
+    Refused,
+}
+
+impl DemandMeter {
+    pub fn arrive(&self, cost: f64) {
+        self.arrivals.fetch_add((cost * MILLI).round() as u64, Ordering::Relaxed);
+        self.requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A settled cost differs from the one that arrived by `delta` units.
+    pub fn settle(&self, delta: f64) {
+        let milli = (delta.abs() * MILLI).round() as u64;
+        if delta >= 0.0 {
+            self.arrivals.fetch_add(milli, Ordering::Relaxed);
+        } else {
+            let _ = self.arrivals.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |a| Some(a.saturating_sub(milli)));
+        }
+    }
+
+    pub fn record(&self, outcome: Outcome) {
+        let c = match outcome {
+            Outcome::Admitted => &self.admitted,
+            Outcome::Paced => &self.paced,
+            Outcome::Refused => &self.refused,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn enter(&self) {
+        let now = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        self.peak_in_flight.fetch_max(now, Ordering::Relaxed);
+    }
+
+    pub fn leave(&self) {
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn wait_begin(&self) {
+        self.waiters.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn wait_end(&self) {
+        self.waiters.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn waiters(&self) -> i64 {
+        self.waiters.load(Ordering::Relaxed)
+    }
+
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Total arrivals so far, in cost units.
+    pub fn arrivals(&self) -> f64 {
+        self.arrivals.load(Ordering::Relaxed) as f64 / MILLI
+    }
+
+    /// Total arrivals so far, in requests.
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
+    /// Returns the peak in flight since the previous call and starts a new
+    /// window: the lease client calls it once per refresh.
+    pub fn take_peak(&self) -> i64 {
+        let in_flight = self.in_flight.load(Ordering::Relaxed);
+        self.peak_in_flight.swap(in_flight, Ordering::Relaxed).max(in_flight)
+    }
+
+    /// Updates the smoothed rate at `now` and returns a reading. Any number
+    /// of readers may sample: the smoothing is weighted by elapsed time.
+    pub fn sample(&self, now: Time) -> DemandSample {
+        let count = self.arrivals.load(Ordering::Relaxed);
+        let in_flight = self.in_flight.load(Ordering::Relaxed);
+        let mut s = self.smooth.lock().expect("demand lock");
+        let window_peak = self.peak_in_flight.load(Ordering::Relaxed);
+        match s.last {
+            None => s.last = Some((now, count)),
+            Some((t0, c0)) => {
+                let dt = now.since(t0).as_secs_f64();
+                if dt > 0.0 {
+                    // A cost settled below its charge takes arrivals back:
+                    // the count may be below the last reading's.
+                    let inst = count.wrapping_sub(c0) as i64 as f64 / MILLI / dt;
+                    let alpha = 1.0 - (-dt / SMOOTHING.as_secs_f64()).exp();
+                    s.rate += alpha * (inst - s.rate);
+                    s.last = Some((now, count));
+                }
+            }
+        }
+        s.peak = window_peak.max(in_flight);
+        DemandSample {
+            rate: s.rate.max(0.0),
+            peak_in_flight: s.peak,
+            in_flight,
+            waiters: self.waiters.load(Ordering::Relaxed),
+            admitted: self.admitted.load(Ordering::Relaxed),
+            paced: self.paced.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smoothed_rate_converges_and_peak_resets() {
+        let m = DemandMeter::default();
+        let mut t = Time::from_secs(1000);
+        m.sample(t);
+        for _ in 0..120 {
+            for _ in 0..20 {
+                m.arrive(1.0);
+            }
+            t = t.saturating_add(Duration::from_secs(1));
+            m.sample(t);
+        }
+        let s = m.sample(t);
+        assert!((s.rate - 20.0).abs() < 0.01, "rate {}", s.rate);
+        m.enter();
+        m.enter();
+        m.leave();
+        assert_eq!(m.sample(t).peak_in_flight, 2);
+        assert_eq!(m.take_peak(), 2);
+        assert_eq!(m.sample(t).peak_in_flight, 1);
+    }
+
+    /// A cost settled below its charge after a reading (an LLM's answer
+    /// shorter than its guess) takes back arrivals that reading counted.
+    #[test]
+    fn a_refund_after_a_reading_lowers_the_rate() {
+        let m = DemandMeter::default();
+        let mut t = Time::from_secs(1000);
+        m.sample(t);
+        m.arrive(150.0);
+        t = t.saturating_add(Duration::from_secs(1));
+        let charged = m.sample(t).rate;
+        assert!(charged > 0.0);
+        m.settle(-100.0);
+        t = t.saturating_add(Duration::from_secs(1));
+        let settled = m.sample(t).rate;
+        assert!((0.0..charged).contains(&settled), "{settled} after {charged}");
+        assert_eq!(m.arrivals(), 50.0);
+    }
+}

@@ -1,0 +1,379 @@
+//! A GCRA pacer for one rate key.
+//!
+//! State is one theoretical arrival time (TAT) behind a mutex held for a few
+//! arithmetic operations. A request *reserves* its slot on arrival (TAT moves
+//! on by `cost × interval`) and then sleeps until the slot: reservations are
+//! handed out in arrival order, so pacing is FIFO without a queue structure.
+//! A reservation can be given back (a client that disconnects while waiting,
+//! or a multi-resource admission refused elsewhere).
+//!
+//! Time is exact: positions are integer nanoseconds since the limiter was
+//! made, in fixed point with 32 bits below the nanosecond, so an interval of
+//! 1/7,000,000 s drifts by less than a nanosecond over a billion units. (An
+//! `f64` of nanoseconds since the Unix epoch, as before, has a smallest step
+//! of 256 ns today: at 10M/s its state never advanced and at 1M/s it admitted
+//! about 2.4% too little.)
+//!
+//! A capacity increase brings waiting requests forward: each keeps its place
+//! in the queue, and the time it still had to wait shrinks by the ratio of
+//! the intervals ([`Rate::retime`]), as the backlog does. (Kept at their
+//! old slots, requests queued under a small capacity, such as a sidecar's
+//! on-expiry capacity before its first lease, held a connection for up to
+//! `max_wait` after the lease arrived, and the key stayed far below it.)
+//! A decrease moves nobody: a slot once given is kept. A cost settled
+//! from the answer ([`Rate::charge`]) moves the queue too, as a request's
+//! real cost would have: a debt puts every waiting request back by the
+//! debt, a refund brings them forward (never before now). A debt may hold a
+//! request past its `max_wait`, up to twice it ([`DEBT_WAIT`]): a queue
+//! kept full by more demand than capacity waits close to `max_wait`, and
+//! capped there it could not follow a debt at all. (Kept at slots reckoned
+//! with the charged cost, an LLM sidecar's queue of two or three calls let
+//! one go 4.5 s after a call of 59 tokens, or right after one of 250, and
+//! its minute's spend strayed from its lease by up to twice one call's cost.)
+//!
+//! Why not governor: a live capacity change must carry the GCRA state across
+//! (no fresh burst) and an all-or-nothing admission must undo a reservation;
+//! governor exposes neither its TAT nor an undo, and a replaced limiter starts
+//! with a full burst.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use usher_core::clock::{Clock, Time};
+
+/// Bits of a position below the nanosecond.
+const FRAC: u32 = 32;
+const ONE_NS: u128 = 1 << FRAC;
+/// How many times its `max_wait` a request may wait when debts settled
+/// while it waits put it back.
+pub const DEBT_WAIT: u32 = 2;
+/// Changes remembered for [`Rate::retime`]; a waiter that missed more (it
+/// would have to sleep through that many changes) keeps its slot.
+const CHANGES_KEPT: usize = 8;
+
+/// A rate: `capacity` units per second, `burst` units at once from idle.
+pub struct Rate {
+    state: Mutex<State>,
+    /// Woken on capacity changes, for requests waiting on capacity 0.
+    pub(crate) changed: Notify,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Positions count from here.
+    origin: Time,
+    /// Theoretical arrival time: a position (nanoseconds since `origin`, fixed point).
+    tat: u128,
+    /// Fixed-point nanoseconds per unit: `None` at capacity 0 (nothing
+    /// passes), 0 when the capacity is infinite (everything passes).
+    interval: Option<u128>,
+    burst: f64,
+    /// `burst` intervals, kept with them (every reservation needs it).
+    burst_span: u128,
+    capacity: f64,
+    /// At capacity 0: how full the bucket was (units) when the capacity went
+    /// to 0. Nothing refills at rate 0, so the bucket stays as it was (a
+    /// burst that shrank with the capacity clipped it first): a key comes
+    /// back with what it had, never with a fresh burst.
+    frozen: f64,
+    /// Counts the changes that move waiting requests so far.
+    generation: u64,
+    /// The last such changes, with their generations.
+    changes: VecDeque<(u64, Change)>,
+}
+
+/// A change that moves the slots of the requests waiting ([`Rate::retime`]).
+#[derive(Debug, Clone, Copy)]
+enum Change {
+    /// The capacity rose at position `at`, from interval `old` to `new`:
+    /// the time a slot after it still had to wait shrinks by their ratio.
+    Faster { at: u128, old: u128, new: u128 },
+    /// A cost settled at `at` above (`later`) or below its charge, by `by`:
+    /// a slot after it moves by as much, never past its request's deadline
+    /// nor before `at`.
+    Settled { at: u128, by: u128, later: bool },
+}
+
+impl State {
+    /// Records a change for the waiters to follow.
+    fn changed(&mut self, change: Change) {
+        self.generation += 1;
+        let g = self.generation;
+        self.changes.push_back((g, change));
+        if self.changes.len() > CHANGES_KEPT {
+            self.changes.pop_front();
+        }
+    }
+}
+
+impl State {
+    /// `now` as a position; a time before the origin counts as the origin.
+    fn pos(&self, now: Time) -> u128 {
+        u128::from(now.as_nanos().saturating_sub(self.origin.as_nanos())) << FRAC
+    }
+}
+
+/// The outcome of [`Rate::reserve`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Reservation {
+    /// Reserved: the request may pass after waiting this long.
+    Slot { wait: Duration, cost: f64 },
+    /// Not reserved: the earliest the request would pass (never, at capacity 0).
+    TooLate { wait: Option<Duration> },
+}
+
+/// Where a reservation's request passes, for [`Rate::retime`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket {
+    /// The position the request may pass at.
+    slot: u128,
+    /// The latest debts may put it back to: its reservation's time plus
+    /// [`DEBT_WAIT`] × `max_wait`.
+    deadline: u128,
+    /// The rate's generation when `slot` was last brought up to date.
+    generation: u64,
+}
+
+/// Fixed-point nanoseconds per unit (see [`State::interval`]). A capacity so
+/// small that its interval does not fit passes nothing, like capacity 0.
+fn interval_of(capacity: f64) -> Option<u128> {
+    if capacity.is_infinite() && capacity > 0.0 {
+        return Some(0);
+    }
+    if capacity.is_nan() || capacity <= 0.0 {
+        return None;
+    }
+    let fx = 1e9 / capacity * ONE_NS as f64;
+    // A finite interval is never 0 (that means unlimited), however large the capacity.
+    (fx < u128::MAX as f64).then(|| (fx.round() as u128).max(1))
+}
+
+/// `units` intervals: exact for whole numbers of units, rounded to the
+/// fixed point's resolution for fractional ones. Saturates.
+fn times(interval: u128, units: f64) -> u128 {
+    // (Comparisons and u64 casts only: the float-to-u128 conversion and
+    // `fract` are library calls, and this runs on every admission.)
+    if units == 1.0 {
+        interval
+    } else if units.is_nan() || units <= 0.0 {
+        0
+    } else if units < (1u64 << 53) as f64 && (units as u64) as f64 == units {
+        interval.saturating_mul(u128::from(units as u64))
+    } else {
+        // `as` saturates a float too large for u128.
+        (interval as f64 * units).round() as u128
+    }
+}
+
+/// A fixed-point span as a Duration, rounded up to the nanosecond.
+fn ceil_duration(fx: u128) -> Duration {
+    Duration::from_nanos(u64::try_from(fx.div_ceil(ONE_NS)).unwrap_or(u64::MAX))
+}
+
+impl Rate {
+    /// A rate at an idle start: the whole burst is available.
+    pub fn new(capacity: f64, burst: f64, now: Time) -> Self {
+        Self::starting(capacity, burst, f64::INFINITY, now)
+    }
+
+    /// A rate that starts with `available` units of its burst (at least one
+    /// unit, at most the burst): a sidecar that shares its resource with
+    /// others starts with one request's worth, since the rest of the fleet's
+    /// burst may be spent already (see [`Rate::set`]).
+    pub fn starting(capacity: f64, burst: f64, available: f64, now: Time) -> Self {
+        Rate {
+            state: Mutex::new({
+                let (interval, burst) = (interval_of(capacity), burst.max(1.0));
+                let burst_span = interval.map_or(0, |i| times(i, burst));
+                let backlog = burst - available.clamp(1.0, burst);
+                State {
+                    origin: now,
+                    // The position `backlog` intervals past the origin.
+                    tat: interval.map_or(0, |i| times(i, backlog)),
+                    interval,
+                    burst,
+                    burst_span,
+                    capacity,
+                    frozen: if interval.is_none() { backlog } else { 0.0 },
+                    generation: 0,
+                    changes: VecDeque::new(),
+                }
+            }),
+            changed: Notify::new(),
+        }
+    }
+
+    pub fn capacity(&self) -> f64 {
+        self.state.lock().expect("rate lock").capacity
+    }
+
+    pub fn burst(&self) -> f64 {
+        self.state.lock().expect("rate lock").burst
+    }
+
+    /// Reserves `cost` units if they can pass within `max_wait` of `now`.
+    pub fn reserve(&self, now: Time, cost: f64, max_wait: Duration) -> Reservation {
+        self.reserve_ticket(now, cost, max_wait).0
+    }
+
+    /// [`reserve`](Self::reserve), with the ticket that keeps a reserved
+    /// request's place up to date through capacity increases ([`Rate::retime`]).
+    pub fn reserve_ticket(&self, now: Time, cost: f64, max_wait: Duration) -> (Reservation, Ticket) {
+        let mut s = self.state.lock().expect("rate lock");
+        let now = s.pos(now);
+        let ticket = Ticket { slot: now, deadline: now, generation: s.generation };
+        let interval = match s.interval {
+            None => return (Reservation::TooLate { wait: None }, ticket),
+            Some(0) => return (Reservation::Slot { wait: Duration::ZERO, cost: 0.0 }, ticket),
+            Some(i) => i,
+        };
+        let cost_span = times(interval, cost);
+        let new_tat = s.tat.max(now).saturating_add(cost_span);
+        // One request always fits an idle bucket, even one that costs more
+        // than the burst: it passes alone, and later ones wait for its cost.
+        let slot = new_tat.saturating_sub(s.burst_span.max(cost_span)).max(now);
+        let wait = ceil_duration(slot - now);
+        if wait > max_wait {
+            return (Reservation::TooLate { wait: Some(wait) }, ticket);
+        }
+        s.tat = new_tat;
+        // (Reckoned only for a request that waits: the common case does not.)
+        let deadline = match wait.is_zero() {
+            true => slot,
+            false => {
+                let debt_wait = max_wait.saturating_mul(DEBT_WAIT).as_nanos();
+                now.saturating_add(u128::from(u64::try_from(debt_wait).unwrap_or(u64::MAX)) << FRAC)
+            }
+        };
+        (Reservation::Slot { wait, cost }, Ticket { slot, deadline, ..ticket })
+    }
+
+    /// Moves a reservation's slot by the changes since its ticket was last
+    /// brought up to date (capacity increases, settled costs), and returns
+    /// how long its request still waits from `now`.
+    pub fn retime(&self, ticket: &mut Ticket, now: Time) -> Duration {
+        let s = self.state.lock().expect("rate lock");
+        let missed = s.changes.front().is_some_and(|(g, _)| *g > ticket.generation + 1);
+        if !missed {
+            for &(_, change) in s.changes.iter().filter(|(g, _)| *g > ticket.generation) {
+                match change {
+                    Change::Faster { at, old, new } if ticket.slot > at => {
+                        let left = (ticket.slot - at) as f64 * (new as f64 / old as f64);
+                        ticket.slot = at + (left.ceil() as u128).min(ticket.slot - at);
+                    }
+                    Change::Settled { at, by, later: true } if ticket.slot > at => {
+                        ticket.slot = ticket.slot.saturating_add(by).min(ticket.deadline.max(ticket.slot));
+                    }
+                    Change::Settled { at, by, later: false } if ticket.slot > at => {
+                        ticket.slot = ticket.slot.saturating_sub(by).max(at);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        ticket.generation = s.generation;
+        ceil_duration(ticket.slot.saturating_sub(s.pos(now)))
+    }
+
+    /// Gives a reservation of `cost` units back.
+    pub fn release(&self, cost: f64) {
+        let mut s = self.state.lock().expect("rate lock");
+        match s.interval {
+            Some(i) => s.tat = s.tat.saturating_sub(times(i, cost)),
+            None => s.frozen = (s.frozen - cost).max(0.0),
+        }
+    }
+
+    /// Units that could pass right now without waiting, rounded down.
+    pub fn remaining(&self, now: Time) -> u64 {
+        let s = self.state.lock().expect("rate lock");
+        match s.interval {
+            None => 0,
+            Some(0) => u64::MAX,
+            Some(i) => {
+                let used = s.tat.saturating_sub(s.pos(now)) as f64 / i as f64;
+                (s.burst - used).max(0.0).floor() as u64
+            }
+        }
+    }
+
+    /// Charges `units` more to the bucket now (a cost settled above what was
+    /// charged at admission: the requests waiting, and later ones, wait for
+    /// the debt), or gives them back when negative (settled below: waiting
+    /// requests come sooner; never beyond a full bucket).
+    pub fn charge(&self, now: Time, units: f64) {
+        if units == 0.0 || units.is_nan() {
+            return;
+        }
+        let mut s = self.state.lock().expect("rate lock");
+        let now = s.pos(now);
+        let Some(i) = s.interval.filter(|i| *i > 0) else {
+            if s.interval.is_none() {
+                s.frozen = (s.frozen + units).max(0.0);
+            }
+            return;
+        };
+        let (by, later) = (times(i, units.abs()), units > 0.0);
+        // Only a bucket owing beyond now can have requests waiting.
+        let waiting = s.tat > now;
+        s.tat = if later { s.tat.max(now).saturating_add(by) } else { s.tat.saturating_sub(by).max(now) };
+        if waiting {
+            s.changed(Change::Settled { at: now, by, later });
+            drop(s);
+            // A debt needs no wake-up: a waiter looks again when its old slot comes.
+            if !later {
+                self.changed.notify_waiters();
+            }
+        }
+    }
+
+    /// Changes capacity and burst live. The units available at once are
+    /// carried over, capped at the new burst: a change never hands out
+    /// tokens (a burst that grows with a lease fills at the leased rate, so
+    /// a fleet's buckets together never hold more than one fleet burst), and
+    /// a smaller burst clips a full bucket. Requests already holding a slot
+    /// keep it; a queue (a negative number available) is carried as it is.
+    /// Through capacity 0 the bucket stays as it was (see [`State::frozen`]).
+    pub fn set(&self, now: Time, capacity: f64, burst: f64) {
+        let mut s = self.state.lock().expect("rate lock");
+        if s.capacity == capacity && s.burst == burst {
+            return;
+        }
+        let now = s.pos(now);
+        let backlog_units = match s.interval {
+            // From unlimited: nothing was tracked, so nothing is owed.
+            Some(0) => 0.0,
+            Some(i) => s.tat.saturating_sub(now) as f64 / i as f64,
+            None => s.frozen,
+        };
+        let burst = burst.max(1.0);
+        // Units available at once, carried over and capped at the new burst.
+        let available = (s.burst - backlog_units).min(burst);
+        let backlog_units = burst - available;
+        s.frozen = backlog_units;
+        let old_interval = s.interval;
+        s.interval = interval_of(capacity);
+        if let (Some(old), Some(new)) = (old_interval, s.interval)
+            && new < old
+        {
+            s.changed(Change::Faster { at: now, old, new });
+        }
+        s.capacity = capacity;
+        s.burst = burst;
+        s.burst_span = s.interval.map_or(0, |i| times(i, s.burst));
+        s.tat = now.saturating_add(s.interval.map_or(0, |i| times(i, backlog_units)));
+        drop(s);
+        self.changed.notify_waiters();
+    }
+}
+
+/// Convenience for tests and benches: one admit decision with no waiting.
+pub fn try_admit(rate: &Rate, clock: &Clock, cost: f64) -> bool {
+    matches!(rate.reserve(clock.now(), cost, Duration::ZERO), Reservation::Slot { .. })
+}
+
+#[cfg(test)]
+mod tests;

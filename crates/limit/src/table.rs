@@ -1,0 +1,896 @@
+//! The LeaseTable: per resource, per key, the limiter state that enforces a
+//! capacity. It is the interface the lease client writes to
+//! ([`LeaseTable::set_capacity`], [`Limiter::set_capacity`]) and reads demand
+//! from ([`LeaseTable::limiters`], [`Limiter::demand`]).
+//!
+//! Readers on the request path load arc-swap snapshots: no lock is shared
+//! across resources or keys. A templated resource creates a key on its first
+//! request, up to `max_keys`; a request for one more is refused. Up to
+//! [`FOLD_SMALL`] keys, a new key replaces the snapshot at once. Beyond, new
+//! keys go into a small locked map first, folded into the snapshot once it
+//! holds a quarter as many keys as the snapshot, or at the next demand poll
+//! a second after its first key came ([`LeaseTable::settle`]): a new key
+//! costs O(1) amortised (a copy of the whole snapshot per new key made
+//! creating n keys O(n²)), and is read lock-free from its fold on.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use serde::Serialize;
+use tokio::sync::Notify;
+
+use super::demand::DemandMeter;
+use super::gauge::Gauge;
+use super::rate::Rate;
+use usher_core::clock::{Clock, Time};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    Rate,
+    Gauge,
+}
+
+/// How one resource is limited; built from the routes file, or a lease.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResourceSpec {
+    pub name: String,
+    pub kind: Kind,
+    /// Units per second (rate) or in flight (gauge).
+    pub capacity: f64,
+    /// Rate only: units that may pass at once from idle, for the whole
+    /// fleet: a key's own bucket holds the share of it that its capacity is
+    /// of `capacity` ([`Limiter::set_capacity`]).
+    pub burst: f64,
+    pub max_wait: Duration,
+    pub max_queue: usize,
+    pub max_keys: usize,
+    /// The window the capacity was written over (`/min` → 60 s), for `RateLimit-Policy`.
+    pub window: Duration,
+    /// Other sidecars share the capacity (a `doorman:` section): a new key
+    /// starts with one request's worth of its burst, not all of it, since
+    /// the fleet's burst may be spent already; its first lease fills it if
+    /// that lease is the whole capacity ([`Limiter::fill`]).
+    pub shared: bool,
+    /// No burst was written: a key bursts one second's worth of its own
+    /// capacity (its lease), whatever the fleet's capacity.
+    pub burst_one_second: bool,
+    /// Shadow mode: decisions are made and counted, never enforced.
+    pub shadow: bool,
+    /// The upstream reports its own quota: each key keeps the freshest
+    /// account of it ([`Limiter::observe`]).
+    pub upstream_quota: bool,
+}
+
+impl ResourceSpec {
+    /// The burst of a key whose capacity is `capacity`: the fleet's burst
+    /// times the share it holds of the resource's capacity (`fleet`, as the
+    /// servers share it, else the configured one; all of it at or above
+    /// that), at least one unit.
+    pub fn burst_at(&self, capacity: f64, fleet: Option<f64>) -> f64 {
+        if self.burst_one_second {
+            // One second at the leased rate (the fleet's burst is one second
+            // of the capacity the servers share), and room for one request
+            // more below two: a bucket of one at a slow lease is full between
+            // most requests and drops what it earns meanwhile (a key leased
+            // 0.67/s, asked every second, would pass one request in two
+            // seconds). The one more is the fleet bound's one per sidecar.
+            return if capacity.is_finite() {
+                capacity.max(1.0 + capacity.clamp(0.0, 1.0))
+            } else {
+                self.burst.max(1.0)
+            };
+        }
+        let whole = fleet.unwrap_or(self.capacity);
+        let share = if whole > 0.0 && capacity.is_finite() { (capacity / whole).min(1.0) } else { 1.0 };
+        (self.burst * share.max(0.0)).max(1.0)
+    }
+}
+
+/// The limiter of one resource key (one Doorman resource id).
+pub struct Limiter {
+    id: String,
+    kind: Kind,
+    rate: Option<Rate>,
+    gauge: Option<Arc<Gauge>>,
+    demand: DemandMeter,
+    spec: Arc<ArcSwap<ResourceSpec>>,
+    clock: Clock,
+    /// The table's [`LeaseTable::activity`].
+    activity: Arc<Activity>,
+    /// When an upstream's `Retry-After` ends (nanoseconds of [`Time`], 0:
+    /// none): read only by an admission that has to wait.
+    hold_until: AtomicU64,
+    /// The capacity the servers share for this key's resource (f64 bits; 0:
+    /// not said): its burst is its share of the resource's, reckoned
+    /// against this rather than the routes file's capacity.
+    fleet: AtomicU64,
+    /// When the spent quota the servers follow renews (nanoseconds of
+    /// [`Time`], 0: not spent, or not said).
+    renews: AtomicU64,
+    /// The upstream's freshest account of its quota, for a resource whose
+    /// upstream reports one (boxed: other keys pay a pointer).
+    quota: Option<Box<Mutex<QuotaCell>>>,
+}
+
+/// A key's freshest upstream quota, and whether the lease client has it.
+#[derive(Debug, Default)]
+struct QuotaCell {
+    latest: Option<super::quota::Observation>,
+    reported: bool,
+}
+
+impl std::fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter")
+            .field("id", &self.id)
+            .field("kind", &self.kind)
+            .field("capacity", &self.capacity())
+            .finish()
+    }
+}
+
+impl Limiter {
+    fn new(id: String, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock, activity: Arc<Activity>) -> Self {
+        let s = spec.load();
+        let (rate, gauge) = match s.kind {
+            Kind::Rate => {
+                let available = if s.shared { 1.0 } else { f64::INFINITY };
+                (Some(Rate::starting(s.capacity, s.burst, available, clock.now())), None)
+            }
+            Kind::Gauge => (None, Some(Gauge::new(gauge_units(s.capacity)))),
+        };
+        Limiter {
+            id,
+            kind: s.kind,
+            rate,
+            gauge,
+            demand: DemandMeter::default(),
+            spec: spec.clone(),
+            clock,
+            activity,
+            hold_until: AtomicU64::new(0),
+            fleet: AtomicU64::new(0),
+            renews: AtomicU64::new(0),
+            quota: s.upstream_quota.then(Box::default),
+        }
+    }
+
+    /// Keeps an upstream's account of its quota if it is the freshest.
+    pub fn observe(&self, o: super::quota::Observation) {
+        if let Some(cell) = &self.quota {
+            let mut c = cell.lock().expect("quota lock");
+            if c.latest.is_none_or(|l| o.observed >= l.observed) {
+                c.latest = Some(o);
+                c.reported = false;
+            }
+        }
+    }
+
+    /// The freshest upstream quota, and whether it is new since the last
+    /// call that `report`ed it.
+    pub fn quota(&self, report: bool) -> (Option<super::quota::Observation>, bool) {
+        let Some(cell) = &self.quota else { return (None, false) };
+        let mut c = cell.lock().expect("quota lock");
+        let new = !c.reported && c.latest.is_some();
+        if report {
+            c.reported = true;
+        }
+        (c.latest, new)
+    }
+
+    /// Records when the upstream's `Retry-After` for this key ends (upstream
+    /// pushback): an admission that would have to wait past it and past
+    /// `max_wait` is refused at once.
+    pub fn set_hold(&self, until: Option<Time>) {
+        self.hold_until.store(until.map_or(0, Time::as_nanos), Ordering::Relaxed);
+    }
+
+    /// When the upstream's `Retry-After` for this key ends, if it was given.
+    pub fn hold_until(&self) -> Option<Time> {
+        let n = self.hold_until.load(Ordering::Relaxed);
+        (n > 0).then(|| Time::from_nanos(n))
+    }
+
+    /// Tells the lease client that this key needs it now (a request waits
+    /// or is refused): see [`LeaseTable::activity`].
+    pub fn nudge(&self) {
+        self.activity.nudge();
+    }
+
+    /// A request arrived: wakes a lease client that went to sleep.
+    #[inline]
+    pub fn arrived(&self) {
+        self.activity.arrived();
+    }
+
+    /// The Doorman resource id this key enforces.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    pub fn spec(&self) -> Arc<ResourceSpec> {
+        self.spec.load_full()
+    }
+
+    /// Whether its resource is in shadow mode (decided, never enforced).
+    pub fn is_shadow(&self) -> bool {
+        self.spec.load().shadow
+    }
+
+    pub fn demand(&self) -> &DemandMeter {
+        &self.demand
+    }
+
+    pub fn rate(&self) -> Option<&Rate> {
+        self.rate.as_ref()
+    }
+
+    pub fn gauge(&self) -> Option<&Arc<Gauge>> {
+        self.gauge.as_ref()
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Current capacity: units per second (rate) or in flight (gauge).
+    pub fn capacity(&self) -> f64 {
+        match (&self.rate, &self.gauge) {
+            (Some(r), _) => r.capacity(),
+            (_, Some(g)) => g.capacity() as f64,
+            _ => 0.0,
+        }
+    }
+
+    /// Applies a capacity live: no fresh burst, waiters kept, nothing in
+    /// flight cancelled. Setting the current capacity again changes nothing.
+    /// `f64::INFINITY` means unlimited; NaN and negatives mean 0. Gauges
+    /// round a fractional capacity down.
+    pub fn set_capacity(&self, capacity: f64) {
+        let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
+        if let Some(r) = &self.rate {
+            r.set(self.clock.now(), capacity, self.spec.load().burst_at(capacity, self.fleet()));
+        }
+        if let Some(g) = &self.gauge {
+            g.set_capacity(gauge_units(capacity));
+        }
+    }
+
+    /// Fills a shared key's bucket at its first lease, if that lease is
+    /// the whole configured capacity: nobody else holds any of it, so
+    /// nobody else can hold any of the fleet's burst either.
+    pub fn fill(&self) {
+        let spec = self.spec.load();
+        let whole = self.fleet().unwrap_or(spec.capacity);
+        if let Some(r) = &self.rate
+            && spec.shared
+            && r.capacity() >= whole * (1.0 - 1e-9)
+        {
+            r.charge(self.clock.now(), -r.burst());
+        }
+    }
+
+    /// Records when the quota the servers follow for this key's resource
+    /// renews, while they say it is spent (None: it is not): a refusal for
+    /// capacity 0 meanwhile says to retry then.
+    pub fn set_renews(&self, renews: Option<Time>) {
+        self.renews.store(renews.map_or(0, |t| t.as_nanos().max(1)), Ordering::Relaxed);
+    }
+
+    /// How long a request refused for capacity 0 at `now` should wait: until
+    /// the spent quota renews, if the servers said when, else a second.
+    pub fn zero_retry(&self, now: Time) -> Duration {
+        match self.renews.load(Ordering::Relaxed) {
+            0 => Duration::from_secs(1),
+            t => Time::from_nanos(t).since(now).max(Duration::from_secs(1)),
+        }
+    }
+
+    /// Records the capacity the servers share for this key's resource.
+    pub fn set_fleet(&self, capacity: f64) {
+        self.fleet.store(capacity.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The capacity the servers share for this key's resource, if they said.
+    pub fn fleet(&self) -> Option<f64> {
+        let bits = self.fleet.load(Ordering::Relaxed);
+        (bits != 0).then(|| f64::from_bits(bits))
+    }
+
+    /// Charges `units` more to a rate key (a settled cost above the one
+    /// charged at admission), or gives them back when negative.
+    pub fn charge(&self, units: f64) {
+        if let Some(r) = &self.rate {
+            r.charge(self.clock.now(), units);
+        }
+    }
+
+    /// Units that could be admitted now without waiting.
+    pub fn remaining(&self) -> u64 {
+        match (&self.rate, &self.gauge) {
+            (Some(r), _) => r.remaining(self.clock.now()),
+            (_, Some(g)) => g.remaining(),
+            _ => 0,
+        }
+    }
+}
+
+/// What an unlimited gauge holds: more than any process can have in flight.
+pub const UNLIMITED_GAUGE: u64 = 1 << 30;
+
+fn gauge_units(capacity: f64) -> u64 {
+    if capacity.is_nan() || capacity <= 0.0 { 0 } else { (capacity.floor() as u64).min(UNLIMITED_GAUGE) }
+}
+
+/// One configured resource and its keys.
+pub struct ResourceLimits {
+    spec: Arc<ArcSwap<ResourceSpec>>,
+    /// Settled keys, read lock-free.
+    keys: ArcSwap<HashMap<String, Arc<Limiter>>>,
+    /// Keys made since the last fold into `keys`. Its lock also serialises
+    /// every change of `keys`; a lookup takes it only for an id `keys` lacks.
+    recent: Mutex<Recent>,
+    /// Whether `recent` may hold a key: a miss in `keys` is then looked up there.
+    has_recent: AtomicBool,
+    clock: Clock,
+    activity: Arc<Activity>,
+}
+
+/// Keys made since the last fold, and when the first of them was.
+#[derive(Default)]
+struct Recent {
+    keys: HashMap<String, Arc<Limiter>>,
+    since: Option<usher_core::clock::Time>,
+}
+
+/// Up to this many keys, a new key is folded into the snapshot at once (a
+/// copy this small costs less than locking on the request path).
+pub const FOLD_SMALL: usize = 64;
+/// Otherwise `recent` is folded when it holds a quarter of the snapshot's keys...
+const FOLD_FRACTION: usize = 4;
+/// ... or at the first [`LeaseTable::settle`] this long after its first key.
+pub const FOLD_AFTER: Duration = Duration::from_secs(1);
+
+/// Tells a lease client that sleeps between slow demand polls (see
+/// `lease::driver::QUIET_POLL`) that the table needs it now: a new key, new
+/// resources, a request of a key that waits or is refused, and, once the
+/// client said it goes to sleep, the first request that arrives.
+#[derive(Default)]
+pub struct Activity {
+    notify: Arc<Notify>,
+    asleep: AtomicBool,
+}
+
+impl Activity {
+    /// What the lease client waits on.
+    pub fn notify(&self) -> Arc<Notify> {
+        self.notify.clone()
+    }
+
+    pub fn nudge(&self) {
+        self.notify.notify_one();
+    }
+
+    /// The lease client goes to sleep (or not): while it sleeps, the next
+    /// arrival wakes it. Set before reading demand, so that an arrival
+    /// during the read is not missed.
+    pub fn sleep(&self, asleep: bool) {
+        self.asleep.store(asleep, Ordering::Relaxed);
+    }
+
+    /// On the request path: one relaxed load while the lease client is awake.
+    #[inline]
+    fn arrived(&self) {
+        if self.asleep.load(Ordering::Relaxed) && self.asleep.swap(false, Ordering::Relaxed) {
+            self.notify.notify_one();
+        }
+    }
+}
+
+pub use usher_core::config::MAX_ID_BYTES;
+
+/// Why a templated resource makes no key for an id.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyRefused {
+    /// It already has `max_keys` distinct ids.
+    #[error("resource `{resource}` already tracks {max_keys} distinct ids (its max_keys)")]
+    Full { resource: String, max_keys: usize },
+    /// The id, rendered from the request, is longer than [`MAX_ID_BYTES`].
+    #[error(
+        "resource `{resource}`: this request makes a lease id of {bytes} bytes; capacity servers accept at most {MAX_ID_BYTES}"
+    )]
+    TooLong { resource: String, bytes: usize },
+}
+
+impl ResourceLimits {
+    fn new(spec: ResourceSpec, clock: Clock, activity: Arc<Activity>) -> Self {
+        ResourceLimits {
+            spec: Arc::new(ArcSwap::from_pointee(spec)),
+            keys: ArcSwap::default(),
+            recent: Mutex::new(Recent::default()),
+            has_recent: AtomicBool::new(false),
+            clock,
+            activity,
+        }
+    }
+
+    pub fn spec(&self) -> Arc<ResourceSpec> {
+        self.spec.load_full()
+    }
+
+    /// Whether `l` is one of this resource's keys: every key shares its
+    /// resource's spec cell, so this is a pointer compare, where comparing
+    /// names would load the key's spec first.
+    pub fn owns(&self, l: &Limiter) -> bool {
+        Arc::ptr_eq(&self.spec, &l.spec)
+    }
+
+    /// The limiter for `id`, created on first use (fixed ids: no bound applies).
+    pub fn limiter(&self, id: &str) -> Arc<Limiter> {
+        self.get_or_create(id, usize::MAX).expect("an unbounded key set is never full")
+    }
+
+    /// The limiter for a templated `id`, created on first use unless the
+    /// resource already has `max_keys` keys.
+    pub fn try_limiter(&self, id: &str) -> Result<Arc<Limiter>, KeyRefused> {
+        self.get_or_create(id, self.spec.load().max_keys)
+    }
+
+    /// The limiter for `id` if it exists.
+    pub fn get(&self, id: &str) -> Option<Arc<Limiter>> {
+        if let Some(l) = self.keys.load().get(id) {
+            return Some(l.clone());
+        }
+        if !self.has_recent.load(Ordering::Acquire) {
+            return None;
+        }
+        let recent = self.recent.lock().expect("key lock");
+        // A fold may have moved it meanwhile.
+        recent.keys.get(id).cloned().or_else(|| self.keys.load().get(id).cloned())
+    }
+
+    fn get_or_create(&self, id: &str, bound: usize) -> Result<Arc<Limiter>, KeyRefused> {
+        if let Some(l) = self.keys.load().get(id) {
+            return Ok(l.clone());
+        }
+        if id.len() > MAX_ID_BYTES {
+            return Err(KeyRefused::TooLong { resource: self.spec.load().name.clone(), bytes: id.len() });
+        }
+        let mut recent = self.recent.lock().expect("key lock");
+        let keys = self.keys.load();
+        if let Some(l) = recent.keys.get(id).or_else(|| keys.get(id)) {
+            return Ok(l.clone());
+        }
+        let count = keys.len() + recent.keys.len();
+        if count >= bound {
+            let spec = self.spec.load();
+            return Err(KeyRefused::Full { resource: spec.name.clone(), max_keys: spec.max_keys });
+        }
+        let l = Arc::new(Limiter::new(id.to_string(), self.spec.clone(), self.clock.clone(), self.activity.clone()));
+        self.activity.nudge();
+        recent.keys.insert(id.to_string(), l.clone());
+        recent.since.get_or_insert_with(|| self.clock.now());
+        if count < FOLD_SMALL || recent.keys.len() >= keys.len() / FOLD_FRACTION {
+            self.fold(&mut recent, &keys);
+        } else {
+            self.has_recent.store(true, Ordering::Release);
+        }
+        Ok(l)
+    }
+
+    /// Moves the recent keys into a new snapshot.
+    fn fold(&self, recent: &mut Recent, keys: &HashMap<String, Arc<Limiter>>) {
+        let mut next = HashMap::with_capacity(keys.len() + recent.keys.len());
+        next.extend(keys.iter().map(|(k, v)| (k.clone(), v.clone())));
+        next.extend(recent.keys.drain());
+        recent.since = None;
+        self.keys.store(Arc::new(next));
+        self.has_recent.store(false, Ordering::Release);
+    }
+
+    /// Folds the recent keys into the snapshot if the first came at least
+    /// [`FOLD_AFTER`] ago, so that a key set that stops growing ends up read
+    /// lock-free.
+    fn settle(&self) {
+        if !self.has_recent.load(Ordering::Acquire) {
+            return;
+        }
+        let mut recent = self.recent.lock().expect("key lock");
+        if recent.since.is_some_and(|t| self.clock.now().since(t) >= FOLD_AFTER) {
+            let keys = self.keys.load_full();
+            self.fold(&mut recent, &keys);
+        }
+    }
+
+    /// Forgets a key (an idle templated id); requests holding it finish normally.
+    pub fn remove(&self, id: &str) {
+        self.remove_all(std::iter::once(id));
+    }
+
+    /// Forgets keys at once: one copy of the snapshot, however many.
+    pub fn remove_all<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
+        let mut recent = self.recent.lock().expect("key lock");
+        let keys = self.keys.load();
+        let mut next: Option<HashMap<String, Arc<Limiter>>> = None;
+        for id in ids {
+            if recent.keys.remove(id).is_none() && keys.contains_key(id) {
+                next.get_or_insert_with(|| HashMap::clone(&keys)).remove(id);
+            }
+        }
+        if let Some(next) = next {
+            self.keys.store(Arc::new(next));
+        }
+        if recent.keys.is_empty() {
+            recent.since = None;
+            self.has_recent.store(false, Ordering::Release);
+        }
+    }
+
+    /// Every key, by id.
+    pub fn limiters(&self) -> Vec<Arc<Limiter>> {
+        let recent = self.recent.lock().expect("key lock");
+        let mut v: Vec<_> = self.keys.load().values().chain(recent.keys.values()).cloned().collect();
+        drop(recent);
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+
+    /// How many keys there are.
+    pub fn len(&self) -> usize {
+        let recent = self.recent.lock().expect("key lock");
+        self.keys.load().len() + recent.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Every resource the sidecar enforces.
+pub struct LeaseTable {
+    clock: Clock,
+    resources: ArcSwap<HashMap<String, Arc<ResourceLimits>>>,
+    activity: Arc<Activity>,
+}
+
+impl LeaseTable {
+    pub fn new(clock: Clock) -> Self {
+        LeaseTable { clock, resources: ArcSwap::default(), activity: Arc::new(Activity::default()) }
+    }
+
+    /// What wakes the lease client before its next demand poll: see [`Activity`].
+    pub fn activity(&self) -> Arc<Activity> {
+        self.activity.clone()
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Installs a set of resources (startup or reload). A resource whose name
+    /// and kind are unchanged keeps its keys and their limiter state; if its
+    /// configured capacity or burst changed, the change is applied live, to
+    /// the keys still at the configured capacity: a key whose capacity a
+    /// lease set keeps it (the file's capacity is what applies without one).
+    pub fn configure(&self, specs: Vec<ResourceSpec>) {
+        let old = self.resources.load();
+        let mut next = HashMap::new();
+        for spec in specs {
+            let entry = match old.get(&spec.name) {
+                Some(r) if r.spec.load().kind == spec.kind => {
+                    let prev = r.spec.swap(Arc::new(spec.clone()));
+                    if prev.capacity != spec.capacity || prev.burst != spec.burst {
+                        for l in r.limiters() {
+                            let configured = match spec.kind {
+                                Kind::Rate => prev.capacity,
+                                Kind::Gauge => gauge_units(prev.capacity) as f64,
+                            };
+                            // Re-applying a leased capacity picks up a new burst.
+                            let c = if l.capacity() == configured { spec.capacity } else { l.capacity() };
+                            l.set_capacity(c);
+                        }
+                    }
+                    r.clone()
+                }
+                _ => Arc::new(ResourceLimits::new(spec.clone(), self.clock.clone(), self.activity.clone())),
+            };
+            next.insert(spec.name, entry);
+        }
+        self.resources.store(Arc::new(next));
+        self.activity.nudge();
+    }
+
+    pub fn resource(&self, name: &str) -> Option<Arc<ResourceLimits>> {
+        self.resources.load().get(name).cloned()
+    }
+
+    /// Calls `f` with every key of every resource (its resource's name, its
+    /// limiter), in no particular order: the lease client's demand read,
+    /// which must not sort or copy ids for a hundred thousand keys.
+    pub fn each_limiter(&self, mut f: impl FnMut(&str, &Arc<Limiter>)) {
+        for (name, r) in self.resources.load().iter() {
+            // Under the lock that serialises folds: no key is missed or seen twice.
+            let recent = r.recent.lock().expect("key lock");
+            let keys = r.keys.load();
+            let made: Vec<Arc<Limiter>> = recent.keys.values().cloned().collect();
+            drop(recent);
+            for l in keys.values().chain(&made) {
+                f(name, l);
+            }
+        }
+    }
+
+    /// Every key of every resource, by resource name then id.
+    pub fn limiters(&self) -> Vec<(String, Arc<Limiter>)> {
+        let res = self.resources.load();
+        let mut names: Vec<_> = res.keys().cloned().collect();
+        names.sort();
+        names.into_iter().flat_map(|n| res[&n].limiters().into_iter().map(move |l| (n.clone(), l))).collect()
+    }
+
+    /// Folds each resource's recent keys into its snapshot once they have
+    /// waited [`FOLD_AFTER`]; the lease client calls it at every demand poll.
+    pub fn settle(&self) {
+        for r in self.resources.load().values() {
+            r.settle();
+        }
+    }
+
+    /// Whether any resource has a key whose id is `id`.
+    pub fn contains(&self, id: &str) -> bool {
+        self.resources.load().values().any(|r| r.get(id).is_some())
+    }
+
+    /// Records the end of the upstream's hold on every key whose id is `id`
+    /// (see [`Limiter::set_hold`]).
+    pub fn set_hold(&self, id: &str, until: Option<Time>) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.set_hold(until);
+            }
+        }
+    }
+
+    /// Fills the bucket of every key whose id is `id` at its first lease
+    /// (see [`Limiter::fill`]).
+    pub fn fill(&self, id: &str) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.fill();
+            }
+        }
+    }
+
+    /// Records when the spent quota of every key whose id is `id` renews
+    /// (see [`Limiter::set_renews`]).
+    pub fn set_renews(&self, id: &str, renews: Option<Time>) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.set_renews(renews);
+            }
+        }
+    }
+
+    /// Records the capacity the servers share for every key whose id is `id`.
+    pub fn set_fleet(&self, id: &str, capacity: f64) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.set_fleet(capacity);
+            }
+        }
+    }
+
+    /// Sets the capacity of every key whose id is `id`; false if there is none.
+    pub fn set_capacity(&self, id: &str, capacity: f64) -> bool {
+        let mut found = false;
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.set_capacity(capacity);
+                found = true;
+            }
+        }
+        found
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use usher_core::clock::Time;
+
+    fn spec(name: &str, kind: Kind, capacity: f64) -> ResourceSpec {
+        ResourceSpec {
+            name: name.into(),
+            kind,
+            capacity,
+            burst: 2.0,
+            max_wait: Duration::ZERO,
+            max_queue: 10,
+            max_keys: 3,
+            window: Duration::from_secs(1),
+            shared: false,
+            burst_one_second: false,
+            shadow: false,
+            upstream_quota: false,
+        }
+    }
+
+    /// A key leased less than two a second, asked more often than its
+    /// lease allows, passes its whole lease (a bucket of one would drop
+    /// what it earns while full between requests).
+    #[test]
+    fn a_slow_lease_asked_often_passes_all_of_it() {
+        let (clock, h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![ResourceSpec { burst_one_second: true, ..spec("r", Kind::Rate, 2.0) }]);
+        let k = t.resource("r").unwrap().limiter("r");
+        assert!(t.set_capacity("r", 2.0 / 3.0));
+        let passed = (0..60)
+            .filter(|_| {
+                h.advance(Duration::from_secs(1));
+                super::super::rate::try_admit(k.rate().unwrap(), k.clock(), 1.0)
+            })
+            .count();
+        assert!((39..=42).contains(&passed), "{passed} of 60 s at 2/3 a second");
+        // One second's worth of a fast lease, as before.
+        assert!(t.set_capacity("r", 50.0));
+        assert_eq!(t.resource("r").unwrap().spec().burst_at(50.0, None), 50.0);
+        assert_eq!(t.resource("r").unwrap().spec().burst_at(0.5, None), 1.5);
+    }
+
+    #[test]
+    fn reload_keeps_state_of_unchanged_resources() {
+        let (clock, _h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![spec("a", Kind::Rate, 1.0), spec("g", Kind::Gauge, 1.0)]);
+        let a = t.resource("a").unwrap().limiter("a");
+        assert_eq!(a.remaining(), 2);
+        assert!(super::super::rate::try_admit(a.rate().unwrap(), a.clock(), 1.0));
+        t.configure(vec![spec("a", Kind::Rate, 1.0), spec("g", Kind::Rate, 1.0)]);
+        let a2 = t.resource("a").unwrap().limiter("a");
+        assert!(Arc::ptr_eq(&a, &a2));
+        assert_eq!(a2.remaining(), 1, "state kept");
+        assert_eq!(t.resource("g").unwrap().limiter("g").kind(), Kind::Rate, "kind change rebuilds");
+        assert!(t.set_capacity("a", 5.0));
+        assert_eq!(a.capacity(), 5.0);
+        assert!(!t.set_capacity("nope", 5.0));
+    }
+
+    #[test]
+    fn a_reload_moves_keys_at_the_file_capacity_but_not_leased_ones() {
+        let (clock, _h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![spec("r", Kind::Rate, 1.0), spec("g", Kind::Gauge, 3.0)]);
+        let r = t.resource("r").unwrap();
+        let (leased, plain) = (r.limiter("r/leased"), r.limiter("r/plain"));
+        let g = t.resource("g").unwrap().limiter("g");
+        assert!(t.set_capacity("r/leased", 5.0));
+        t.configure(vec![spec("r", Kind::Rate, 2.0), spec("g", Kind::Gauge, 4.0)]);
+        assert_eq!(leased.capacity(), 5.0, "a leased capacity survives a reload");
+        assert_eq!(plain.capacity(), 2.0);
+        assert_eq!(g.capacity(), 4.0);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Use(u16),
+        Forget(Vec<u16>),
+        Settle,
+    }
+
+    fn ops() -> impl proptest::strategy::Strategy<Value = Vec<Op>> {
+        use proptest::prelude::*;
+        // Ids from a range wide enough to pass FOLD_SMALL many times, so both ways of
+        // adding a key (folded at once, or recent first) are exercised.
+        let op = prop_oneof![
+            20 => (0u16..3000).prop_map(Op::Use),
+            2 => proptest::collection::vec(0u16..3000, 0..40).prop_map(Op::Forget),
+            1 => Just(Op::Settle),
+        ];
+        proptest::collection::vec(op, 1..4000)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 12, ..Default::default() })]
+
+        /// Against a plain map: every key made is found again (the same
+        /// limiter, whether it is still recent or folded), forgotten keys are
+        /// gone, and the bound counts both.
+        #[test]
+        fn keys_behave_as_one_map_however_they_are_stored(ops in ops(), bound in 900usize..2500) {
+            let (clock, h) = Clock::manual(Time::from_secs(10));
+            let t = LeaseTable::new(clock);
+            t.configure(vec![ResourceSpec { max_keys: bound, ..spec("r", Kind::Rate, 1.0) }]);
+            let r = t.resource("r").unwrap();
+            let mut model: HashMap<String, Arc<Limiter>> = HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Use(i) => {
+                        let id = format!("r/{i}");
+                        match (r.try_limiter(&id), model.get(&id)) {
+                            (Ok(l), Some(m)) => proptest::prop_assert!(Arc::ptr_eq(&l, m), "{id} changed limiter"),
+                            (Ok(l), None) => {
+                                proptest::prop_assert!(model.len() < bound, "{id} made past the bound");
+                                model.insert(id, l);
+                            }
+                            (Err(_), known) => {
+                                proptest::prop_assert!(known.is_none() && model.len() >= bound, "{id} refused")
+                            }
+                        }
+                    }
+                    Op::Forget(ids) => {
+                        let ids: Vec<String> = ids.iter().map(|i| format!("r/{i}")).collect();
+                        r.remove_all(ids.iter().map(String::as_str));
+                        for id in &ids {
+                            model.remove(id);
+                            proptest::prop_assert!(r.get(id).is_none(), "{id} still there");
+                        }
+                    }
+                    Op::Settle => {
+                        h.advance(FOLD_AFTER);
+                        t.settle();
+                    }
+                }
+            }
+            proptest::prop_assert_eq!(r.len(), model.len());
+            let mut ids: Vec<String> = r.limiters().iter().map(|l| l.id().to_string()).collect();
+            let mut want: Vec<String> = model.keys().cloned().collect();
+            ids.sort();
+            want.sort();
+            proptest::prop_assert_eq!(ids, want);
+            for (id, l) in &model {
+                proptest::prop_assert!(Arc::ptr_eq(&r.get(id).unwrap(), l));
+                proptest::prop_assert!(t.set_capacity(id, 3.0));
+            }
+        }
+    }
+
+    #[test]
+    fn past_fold_small_new_keys_wait_in_recent_until_a_quarter_or_a_second() {
+        let (clock, h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![ResourceSpec { max_keys: usize::MAX, ..spec("r", Kind::Rate, 1.0) }]);
+        let r = t.resource("r").unwrap();
+        for i in 0..FOLD_SMALL {
+            r.limiter(&format!("k{i}"));
+        }
+        assert_eq!(r.keys.load().len(), FOLD_SMALL, "small: each key folded at once");
+        r.limiter("late");
+        assert!(r.keys.load().get("late").is_none() && r.get("late").is_some(), "recent first");
+        t.settle();
+        assert!(r.keys.load().get("late").is_none(), "not before FOLD_AFTER");
+        h.advance(FOLD_AFTER);
+        t.settle();
+        assert!(r.keys.load().get("late").is_some(), "folded by the demand poll");
+        for i in 0..FOLD_SMALL / FOLD_FRACTION {
+            r.limiter(&format!("q{i}"));
+        }
+        assert_eq!(r.keys.load().len(), FOLD_SMALL + 1 + FOLD_SMALL / FOLD_FRACTION, "a quarter: folded");
+    }
+
+    #[test]
+    fn templated_keys_are_bounded_and_can_be_forgotten() {
+        let (clock, _h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![spec("r", Kind::Rate, 1.0)]);
+        let r = t.resource("r").unwrap();
+        for i in 0..3 {
+            assert_eq!(r.try_limiter(&format!("r/{i}")).unwrap().id(), format!("r/{i}"));
+        }
+        let full = r.try_limiter("r/3").unwrap_err();
+        assert_eq!(full, KeyRefused::Full { resource: "r".into(), max_keys: 3 });
+        assert_eq!(full.to_string(), "resource `r` already tracks 3 distinct ids (its max_keys)");
+        assert_eq!(r.try_limiter("r/1").unwrap().id(), "r/1", "known ids are still served");
+        assert_eq!(r.limiters().len(), 3);
+        r.remove("r/0");
+        assert_eq!(r.try_limiter("r/3").unwrap().id(), "r/3", "a forgotten key frees a place");
+    }
+}

@@ -1,0 +1,1768 @@
+//! The resource store: per resource, every client's lease, kept so that one
+//! GetCapacity decision costs O(log n) in the number of clients.
+//!
+//! A resource is created from the first matching template the first time it
+//! is asked for. Expired leases are dropped on every access and by a periodic
+//! [`Store::sweep`], so status and metrics never count one; what a dropped
+//! lease leaves behind is a *reservation* (see [`Reservation`]).
+//!
+//! Lower usher servers carry their node's identity and epoch in their server
+//! id (`<node>#<epoch>`, see [`split_identity`]): the store keys them by node,
+//! so a node's new master replaces its predecessor's entry instead of standing
+//! beside it, and a stale master can no longer change or release it.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::mem;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use serde::Serialize;
+
+use crate::algorithm::{self, ClientSlot, DemandIndex, Kind};
+use usher_core::clock::{Clock, Time};
+use usher_core::config::resources::{Algorithm, CATCH_ALL, ResourcesConfig, Template};
+
+/// One priority band of a lower server's demand.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Band {
+    pub priority: i64,
+    pub num_clients: i64,
+    pub wants: f64,
+}
+
+/// Who is asking: an end client, or a lower server speaking for its clients.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Requester {
+    Client { priority: i64 },
+    Server { bands: Vec<Band> },
+}
+
+/// One resource's part of a capacity request, already validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseRequest {
+    pub resource_id: String,
+    pub wants: f64,
+    pub subclients: u64,
+    /// The capacity the requester says it holds (its `has` lease).
+    pub reported_has: Option<f64>,
+    /// When that lease expires.
+    pub reported_expiry: Option<Time>,
+    pub requester: Requester,
+    /// What the requester last read of the upstream's own quota.
+    pub quota: Option<usher_lease::quota::Observation>,
+}
+
+/// The separator between a node's identity and its master's epoch in the
+/// server id an usher intermediate sends its parent: `zone-a#1700000000123456`.
+pub const EPOCH_SEPARATOR: char = '#';
+
+/// Splits a requester id into the key the store files it under and the
+/// epoch of the master speaking for that node, if the id carries one (only
+/// ids ending in `#` and digits do; any other id is its own key).
+pub fn split_identity(id: &str) -> (&str, Option<u64>) {
+    match id.rsplit_once(EPOCH_SEPARATOR) {
+        Some((node, e)) if !node.is_empty() && !e.is_empty() && e.bytes().all(|b| b.is_ascii_digit()) => {
+            match e.parse() {
+                Ok(epoch) => (node, Some(epoch)),
+                Err(_) => (id, None),
+            }
+        }
+        _ => (id, None),
+    }
+}
+
+/// The name of the algorithm parameter with which a parent tells a lower
+/// usher server's new master how many subclients its predecessor spoke for
+/// (0: none of the predecessor's leases is still valid). A real Doorman
+/// server ignores parameters it does not know.
+pub const PREDECESSOR_PARAMETER: &str = "usher.predecessor_subclients";
+
+/// How long after a server becomes master its clients have all been heard
+/// from, beyond the refresh interval it hands out (× 7/6 for client jitter):
+/// clients cut off from the old master retry within the lease client's
+/// backoff cap, plus one discovery.
+pub const RECONNECT_ALLOWANCE: Duration = Duration::from_secs(3);
+
+/// How long past a lapsed lease's hold (at least a lease length) the server
+/// keeps reserving a client's default safe capacity (its share, see
+/// [`Resource::share_safe`]). A client cut off from the tree runs on it for
+/// as long as it stays cut off: one that comes back later than this may have
+/// used it beside what was handed to others. A client gone for good (killed
+/// without releasing; a restart under a new id) keeps it from the others
+/// this long: longer would cost them more, shorter would cover less.
+pub const SHARE_KEPT: Duration = Duration::from_secs(30);
+
+/// The refresh interval of a lease whose client should come back soon: its
+/// grant was cut to what others leave unused, or the resource is new.
+pub const FAST_REFRESH: Duration = Duration::from_secs(1);
+/// A grant this much below the client's share counts as held back.
+pub const HELD_BACK_MARGIN: f64 = 0.03;
+
+/// The answer for one resource.
+#[derive(Debug, Clone)]
+pub struct Grant {
+    pub capacity: f64,
+    pub expiry: Time,
+    pub refresh_interval: Duration,
+    pub safe_capacity: f64,
+    /// The algorithm in force, to hand down to a lower server.
+    pub algorithm: Algorithm,
+    /// The `identifier_glob` of the template the resource matched (at an
+    /// intermediate whose own is the catch-all: the parent's, once known).
+    pub template: String,
+    /// For a lower usher server's master: how many subclients its
+    /// predecessor spoke for (see [`PREDECESSOR_PARAMETER`]); `None` while
+    /// this server cannot know (in learning mode itself).
+    pub predecessor_subclients: Option<u64>,
+    /// The upstream's quota as this server knows it, when its clients report one.
+    pub quota: Option<usher_lease::quota::Observation>,
+    /// The capacity a root shares for the resource now (clients size their
+    /// share of its burst by it); `None` elsewhere.
+    pub resource_capacity: Option<f64>,
+}
+
+/// How a request is decided (see [`Resource::decide`]).
+#[derive(Debug, Clone, Copy)]
+struct Decision {
+    /// Learning mode: hand back what the client holds.
+    learning: bool,
+    /// A request sooner than this after the client's last gets its lease back unchanged.
+    min_interval: Duration,
+    /// The same request decided again after its answer was held ([`Store::decide_again`]).
+    again: bool,
+    /// Other clients may come (a resource may have more than one): a new
+    /// resource's leases carry a fast refresh during its first interval.
+    arrivals: bool,
+}
+
+/// What a new master knows of the leases its predecessor handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Predecessor {
+    /// Nothing: it learns for as long as learning mode allows.
+    Unknown,
+    /// There was none (a fresh deployment): no learning mode.
+    NoneOutstanding,
+    /// None can still be valid or held, but clients whose holds ended may run
+    /// on their safe capacity: learning mode lasts [`RECONNECT_ALLOWANCE`],
+    /// while they reconnect (they retry within the lease client's backoff
+    /// cap) and are each counted at that safe capacity.
+    Lapsed,
+    /// Some may be valid until then: learning mode ends then at the latest.
+    Until(Time),
+}
+
+const NO_HORIZON: u64 = u64::MAX;
+
+impl Predecessor {
+    fn encode(self) -> u64 {
+        match self {
+            Predecessor::Unknown => u64::MAX,
+            Predecessor::Lapsed => u64::MAX - 1,
+            Predecessor::NoneOutstanding => 0,
+            Predecessor::Until(t) => t.as_nanos().clamp(1, u64::MAX - 2),
+        }
+    }
+
+    fn decode(v: u64) -> Self {
+        match v {
+            u64::MAX => Predecessor::Unknown,
+            n if n == u64::MAX - 1 => Predecessor::Lapsed,
+            0 => Predecessor::NoneOutstanding,
+            n => Predecessor::Until(Time::from_nanos(n)),
+        }
+    }
+}
+
+/// Bounds that keep one server's memory finite whatever its clients send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_clients_per_resource: usize,
+    pub max_resources: usize,
+}
+
+/// Default `--max-clients-per-resource`.
+pub const DEFAULT_MAX_CLIENTS_PER_RESOURCE: usize = 100_000;
+/// Default `--max-resources`.
+pub const DEFAULT_MAX_RESOURCES: usize = 100_000;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_clients_per_resource: DEFAULT_MAX_CLIENTS_PER_RESOURCE, max_resources: DEFAULT_MAX_RESOURCES }
+    }
+}
+
+/// A request that would grow the store past its [`Limits`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LimitError {
+    #[error("resource `{resource}` already has {limit} clients (the server's --max-clients-per-resource)")]
+    TooManyClients { resource: String, limit: usize },
+    #[error("the server already tracks {limit} resources (its --max-resources)")]
+    TooManyResources { limit: usize },
+}
+
+/// Where a server sits in the tree.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Role {
+    /// Holds the configured capacity.
+    Root,
+    /// Leases its capacity from a parent; leases it hands down refresh
+    /// `decay_factor` times as often as its own (never faster than every second).
+    Intermediate { decay_factor: f64 },
+}
+
+/// What an intermediate server holds from its parent for one resource.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParentLease {
+    pub capacity: f64,
+    pub expiry: Time,
+    pub refresh_interval: Duration,
+    pub algorithm: Option<Algorithm>,
+    pub safe_capacity: Option<f64>,
+    /// The parent's template for the resource, if it says.
+    pub template: Option<String>,
+    /// What the parent said of this node's previous master (see [`PREDECESSOR_PARAMETER`]).
+    pub predecessor_subclients: Option<u64>,
+    /// The subclients this server reported in the request the lease answers.
+    pub answered_subclients: Option<u64>,
+    /// The capacity the root shares for the resource, if it said.
+    pub resource_capacity: Option<f64>,
+}
+
+/// One resource's demand, as an intermediate server reports it to its parent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParentDemand {
+    pub resource_id: String,
+    pub wants: f64,
+    pub bands: Vec<Band>,
+    /// What this server's clients hold now, in unexpired leases, plus what is
+    /// reserved for clients whose leases lapsed.
+    pub handed_out: f64,
+    /// The freshest upstream quota its clients reported.
+    pub quota: Option<usher_lease::quota::Observation>,
+}
+
+#[derive(Debug, Clone)]
+struct ClientLease {
+    slot: ClientSlot,
+    /// `safe` is this end client's share of the resource (no safe capacity
+    /// configured): counted in [`Resource::told`], reserved in full when the
+    /// lease lapses (see [`Reservation`]).
+    share: bool,
+    /// What the last answer granted.
+    granted: f64,
+    /// What counts as outstanding: the grant, or for a lower server the
+    /// larger of the grant and what it reports having handed out, until it
+    /// reports less (this is what keeps a rebalancing tree from overshooting).
+    has: f64,
+    wants: f64,
+    subclients: u64,
+    requester: Requester,
+    expiry: Time,
+    refresh_interval: Duration,
+    last_request: Time,
+    /// The epoch of the master speaking for a lower usher node.
+    epoch: Option<u64>,
+    /// What a node's new master inherits from its predecessor: its `has`
+    /// counts as at least this much until then, because the predecessor's
+    /// leases to its clients run until then and the new master may not have
+    /// heard of them all yet.
+    floor: Option<(f64, Time)>,
+    /// What the parent tells a new master of its predecessor.
+    predecessor_subclients: Option<u64>,
+    /// The safe capacity per subclient the last answer carried (< 0: unlimited).
+    safe: f64,
+}
+
+/// What a lease leaves behind when it expires unrenewed: its client now holds
+/// it for as long again as it was granted for (`lease::Mode::Held`), then
+/// runs on its safe capacity (a configured one never more than its last
+/// lease, see [`safe_for`]; by default its share, see
+/// [`Resource::share_safe`], reserved from the lapse and for [`SHARE_KEPT`]
+/// past the hold), or is gone. What the client may use stays counted as handed
+/// out, so nobody else can be given what a client cut off from the tree goes
+/// on using: the whole lease (a lower server's: at least what its clients
+/// hold) while the client holds it, then its safe capacity, until one lease
+/// length after the expiry.
+///
+/// Reserving the whole lease for the whole lease length instead held back
+/// capacity nobody used: a new intermediate master's 2 s leases from before
+/// its parent answered, lapsing, kept their whole amount counted (and
+/// reported to the parent) for a full lease length, and the tree's other
+/// clients were cut for seconds after a failover (tests/tree_failover.rs).
+#[derive(Debug, Clone, PartialEq)]
+struct Reservation {
+    /// What is reserved now.
+    amount: f64,
+    /// Until when the whole lease is held; `then` is reserved after it.
+    hold_until: Time,
+    then: f64,
+    until: Time,
+    epoch: Option<u64>,
+    /// Subclients that may still hold leases under it: a released lower
+    /// server's; 0 once its leases have expired.
+    holders: u64,
+    /// An end client's share (its safe capacity) and its subclients, kept
+    /// counted in [`Resource::told`] while reserved; 0 for any other.
+    told: f64,
+    sharers: u64,
+}
+
+struct Resource {
+    template: Arc<Template>,
+    /// Boxed: most resources (all of a root's) never have one.
+    parent: Option<Box<ParentLease>>,
+    /// Demand per priority band (see [`bands`]), for `priority_mode=strict`
+    /// and an intermediate's report to its parent; `None` until either asks
+    /// for it (a root's non-strict resources never do), kept up to date from
+    /// then on.
+    by_priority: Option<BTreeMap<i64, DemandIndex>>,
+    /// Boxed: a resource with one client (a sidecar's tenant key) would
+    /// otherwise hold room for four in the map's smallest table.
+    clients: HashMap<Arc<str>, Box<ClientLease>>,
+    /// Each slot's client id, the same `Arc` as its key in `clients`.
+    slot_owner: Vec<Option<Arc<str>>>,
+    free_slots: Vec<ClientSlot>,
+    index: DemandIndex,
+    expiries: Expiries,
+    reservations: HashMap<Arc<str>, Reservation>,
+    reserved: f64,
+    /// What end clients with a lease were told as their share (their safe
+    /// capacity); with `told_reserved`, never more than the capacity, so
+    /// clients that all fall back on it at once stay within it.
+    told: f64,
+    /// What reservations keep of lapsed clients' shares, and their
+    /// subclients (who count when a share is computed).
+    told_reserved: f64,
+    sharers: u64,
+    /// Learning mode ended early: every expected client has reported, or
+    /// nothing of a predecessor is outstanding.
+    learned: bool,
+    /// When learning mode ends, as last computed.
+    learning_end: Option<Time>,
+    /// When this master first saw the resource.
+    created: Time,
+    /// The upstream's own account of its quota, once a client reports one
+    /// (boxed: most resources never have one).
+    quota: Option<Box<super::quota::QuotaState>>,
+    /// `window: calendar` at a root: what the fleet spent of the current unit.
+    calendar: Option<Box<super::quota::Calendar>>,
+    /// The store's [`Predecessor`] and lease horizon, as of this request.
+    predecessor: Predecessor,
+    horizon: Option<Time>,
+}
+
+/// A resource's leases by expiry, soonest first: a sorted vector while
+/// there are few (a sidecar's tenant key has one lease, and a tree's
+/// smallest node holds room for eleven), a tree beyond.
+#[derive(Debug)]
+enum Expiries {
+    Few(Vec<(Time, ClientSlot)>),
+    Many(BTreeSet<(Time, ClientSlot)>),
+}
+
+/// Past this many leases a resource's expiries go in a tree.
+const FEW_EXPIRIES: usize = 8;
+
+impl Default for Expiries {
+    fn default() -> Self {
+        Expiries::Few(Vec::new())
+    }
+}
+
+impl Expiries {
+    fn first(&self) -> Option<&(Time, ClientSlot)> {
+        match self {
+            Expiries::Few(v) => v.first(),
+            Expiries::Many(set) => set.first(),
+        }
+    }
+
+    fn insert(&mut self, e: (Time, ClientSlot)) {
+        match self {
+            Expiries::Few(v) if v.len() < FEW_EXPIRIES => {
+                if let Err(i) = v.binary_search(&e) {
+                    if v.len() == v.capacity() {
+                        v.reserve_exact(1);
+                    }
+                    v.insert(i, e);
+                }
+            }
+            Expiries::Few(v) => {
+                let mut set: BTreeSet<_> = mem::take(v).into_iter().collect();
+                set.insert(e);
+                *self = Expiries::Many(set);
+            }
+            Expiries::Many(set) => {
+                set.insert(e);
+            }
+        }
+    }
+
+    fn remove(&mut self, e: &(Time, ClientSlot)) {
+        match self {
+            Expiries::Few(v) => {
+                if let Ok(i) = v.binary_search(e) {
+                    v.remove(i);
+                }
+            }
+            Expiries::Many(set) => {
+                set.remove(e);
+            }
+        }
+    }
+}
+
+/// The capacity server's state.
+pub struct Store {
+    clock: Clock,
+    config: ArcSwap<ResourcesConfig>,
+    resources: RwLock<HashMap<String, Arc<Mutex<Resource>>>>,
+    master_since: AtomicU64,
+    /// What this master knows of its predecessor's leases ([`Predecessor`], encoded).
+    predecessor: AtomicU64,
+    /// No lease expires after this ([`Store::set_lease_horizon`]; `NO_HORIZON`: none).
+    horizon: AtomicU64,
+    min_request_interval: Duration,
+    role: Role,
+    limits: Limits,
+    /// Woken when a held answer may come out differently (see [`Store::changed`]).
+    changed: tokio::sync::Notify,
+    catch_all: Mutex<CatchAll>,
+}
+
+/// The resource ids that fell to the catch-all `*` template while the
+/// configuration names others: each is warned about and counted once (a
+/// typo such as `github_core` for `github-core` silently got the catch-all's
+/// capacity). Remembered up to [`CATCH_ALL_REMEMBERED`] ids; past that each
+/// new resource is still counted, and warned about no more.
+#[derive(Default)]
+struct CatchAll {
+    seen: std::collections::HashSet<String>,
+    counter: Option<prometheus::IntCounter>,
+}
+
+/// How many catch-all resource ids the store remembers, to warn once each.
+pub const CATCH_ALL_REMEMBERED: usize = 1000;
+
+/// What status pages and metrics show of a resource.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResourceStatus {
+    pub id: String,
+    pub template: String,
+    pub algorithm: &'static str,
+    pub capacity: f64,
+    pub sum_has: f64,
+    pub sum_wants: f64,
+    pub clients: usize,
+    /// Of `clients`, how many are lower servers speaking for their own clients.
+    pub server_clients: usize,
+    pub subclients: u64,
+    /// Capacity kept for clients whose leases lapsed (they run on their safe capacity).
+    pub reserved: f64,
+    pub learning_mode: bool,
+    /// Seconds left in learning mode.
+    pub learning_left_s: f64,
+    /// An intermediate server's lease from its parent.
+    pub parent_capacity: Option<f64>,
+    pub parent_expires_in_s: Option<f64>,
+    /// The quota the capacity follows: the upstream's own account, or a
+    /// calendar window's.
+    pub quota: Option<QuotaStatus>,
+}
+
+/// A quota the shared capacity follows, as status pages show it.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuotaStatus {
+    /// `upstream` (its clients read it from the upstream's answers) or
+    /// `calendar` (`window: calendar`, counted by this server).
+    pub source: &'static str,
+    pub limit: f64,
+    pub remaining: f64,
+    /// Seconds until it renews.
+    pub reset_in_s: f64,
+}
+
+impl ResourceStatus {
+    /// Whether the configuration names this resource exactly (not through a glob).
+    pub fn is_configured(&self) -> bool {
+        self.template == self.id
+    }
+}
+
+/// Orders resources for the views that show only the first few (`/metrics`,
+/// `/debug/status`): resources the configuration names exactly come first,
+/// then the busiest by the larger of sum has and sum wants, ties broken by id,
+/// so one store always gives one order.
+pub fn rank(resources: &mut [ResourceStatus]) {
+    let weight = |r: &ResourceStatus| r.sum_has.max(r.sum_wants);
+    resources.sort_by(|a, b| {
+        b.is_configured()
+            .cmp(&a.is_configured())
+            .then_with(|| weight(b).total_cmp(&weight(a)))
+            .then_with(|| a.id.cmp(&b.id))
+    });
+}
+
+/// One client's lease, for `/debug/resources`.
+#[derive(Debug, Clone, Serialize)]
+pub struct LeaseStatus {
+    pub client_id: String,
+    pub kind: &'static str,
+    pub priority: Option<i64>,
+    pub bands: Vec<Band>,
+    pub has: f64,
+    pub wants: f64,
+    pub subclients: u64,
+    pub expires_in_s: f64,
+    pub refresh_interval_s: u64,
+}
+
+impl Store {
+    pub fn new(clock: Clock, config: ResourcesConfig, min_request_interval: Duration) -> Self {
+        let now = clock.now();
+        Store {
+            clock,
+            config: ArcSwap::from_pointee(config),
+            resources: RwLock::new(HashMap::new()),
+            master_since: AtomicU64::new(now.as_nanos()),
+            predecessor: AtomicU64::new(Predecessor::Unknown.encode()),
+            horizon: AtomicU64::new(NO_HORIZON),
+            min_request_interval,
+            role: Role::Root,
+            limits: Limits::default(),
+            changed: tokio::sync::Notify::new(),
+            catch_all: Mutex::new(CatchAll::default()),
+        }
+    }
+
+    /// Counts the resources that fall to the catch-all in `counter`.
+    pub fn set_catch_all_counter(&mut self, counter: prometheus::IntCounter) {
+        self.catch_all.get_mut().expect("catch-all lock poisoned").counter = Some(counter);
+    }
+
+    /// Warns about and counts a new resource that only the catch-all matched.
+    fn fell_to_catch_all(&self, id: &str, cfg: &ResourcesConfig, template: &Template) {
+        if template.identifier_glob != CATCH_ALL || cfg.templates.len() < 2 {
+            return;
+        }
+        let mut c = self.catch_all.lock().expect("catch-all lock poisoned");
+        if c.seen.contains(id) {
+            return;
+        }
+        if let Some(n) = &c.counter {
+            n.inc();
+        }
+        match c.seen.len() {
+            n if n < CATCH_ALL_REMEMBERED => {
+                let named: Vec<&str> = cfg.templates.iter().map(|t| t.identifier_glob.as_str()).take(6).collect();
+                tracing::warn!(
+                    resource = %id,
+                    capacity = template.capacity,
+                    algorithm = template.algorithm.kind.name(),
+                    "resource id matched no template but the catch-all `*` (a typo?); configured: {}",
+                    named.join(", ")
+                );
+                c.seen.insert(id.to_string());
+            }
+            n if n == CATCH_ALL_REMEMBERED => {
+                tracing::warn!(
+                    "{CATCH_ALL_REMEMBERED} resource ids fell to the catch-all `*`: more are counted in usher_server_catch_all_resources_total, not logged"
+                );
+                c.seen.insert(String::new());
+            }
+            _ => {}
+        }
+    }
+
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+    }
+
+    /// Checks that serving `client` on `resource_ids` stays within the limits.
+    /// Checked before anything is stored, so a refused request changes nothing.
+    /// The most clients one resource may have (`--max-clients-per-resource`);
+    /// a lower server's bands count towards it.
+    pub fn max_clients_per_resource(&self) -> usize {
+        self.limits.max_clients_per_resource
+    }
+
+    pub fn check_limits<'a>(
+        &self,
+        client: &str,
+        resource_ids: impl Iterator<Item = &'a str>,
+    ) -> Result<(), LimitError> {
+        let map = self.resources.read().expect("store lock poisoned");
+        let mut new_resources = 0;
+        for id in resource_ids {
+            match map.get(id) {
+                None => new_resources += 1,
+                Some(res) => {
+                    let r = res.lock().expect("resource lock poisoned");
+                    if r.clients.len() >= self.limits.max_clients_per_resource && !r.clients.contains_key(client) {
+                        return Err(LimitError::TooManyClients {
+                            resource: id.to_string(),
+                            limit: self.limits.max_clients_per_resource,
+                        });
+                    }
+                }
+            }
+        }
+        if new_resources > 0 && map.len() + new_resources > self.limits.max_resources {
+            return Err(LimitError::TooManyResources { limit: self.limits.max_resources });
+        }
+        Ok(())
+    }
+
+    /// Makes this store an intermediate server's (or a root's).
+    pub fn set_role(&mut self, role: Role) {
+        self.role = role;
+    }
+
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// Records what the parent granted for a resource (`None`: nothing held).
+    pub fn set_parent_lease(&self, resource_id: &str, lease: Option<ParentLease>) {
+        let now = self.clock.now();
+        let map = self.resources.read().expect("store lock poisoned");
+        if let Some(res) = map.get(resource_id) {
+            let mut r = res.lock().expect("resource lock poisoned");
+            let before = r.parent.as_ref().filter(|p| p.expiry > now).map_or(0.0, |p| p.capacity);
+            let grew = lease.as_ref().is_some_and(|p| p.expiry > now && (r.parent.is_none() || p.capacity > before));
+            r.parent = lease.map(Box::new);
+            drop(r);
+            if grew {
+                self.wake();
+            }
+        }
+    }
+
+    /// Completes when a held answer may come out differently: a lease from
+    /// the parent arrived or grew, a client came down or left, or a master
+    /// became known ([`Store::wake`]). Create it (and `enable` it) before the
+    /// request that depends on it, so a change in between is not missed.
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+
+    /// Wakes every answer held on [`changed`](Self::changed).
+    pub fn wake(&self) {
+        self.changed.notify_waiters();
+    }
+
+    /// Every resource with demand, aggregated into priority bands, for the parent.
+    pub fn parent_demand(&self) -> Vec<ParentDemand> {
+        let now = self.clock.now();
+        let map = self.resources.read().expect("store lock poisoned");
+        let mut out: Vec<ParentDemand> = map
+            .iter()
+            .filter_map(|(id, res)| {
+                let mut r = res.lock().expect("resource lock poisoned");
+                r.expire(now);
+                if r.clients.is_empty() && r.reserved <= 0.0 {
+                    return None;
+                }
+                let bands = r
+                    .by_priority()
+                    .iter()
+                    .filter(|(_, idx)| !idx.is_empty())
+                    .map(|(p, idx)| Band {
+                        priority: *p,
+                        num_clients: idx.total_subclients().min(i64::MAX as u64) as i64,
+                        wants: idx.total_wants(),
+                    })
+                    .collect();
+                Some(ParentDemand {
+                    resource_id: id.clone(),
+                    wants: r.index.total_wants(),
+                    bands,
+                    // What every client is counted as holding (a lower
+                    // server's clients may still hold more than it was last
+                    // granted); clients running on their safe capacity use it
+                    // as surely as a lease.
+                    handed_out: r.index.total_has() + r.reserved,
+                    quota: r.quota.as_ref().and_then(|q| q.latest),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.resource_id.cmp(&b.resource_id));
+        out
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    pub fn config(&self) -> Arc<ResourcesConfig> {
+        self.config.load_full()
+    }
+
+    /// Marks the moment this server became master: learning mode starts over
+    /// and everything known about leases is forgotten, the predecessor's
+    /// included (until [`Store::set_predecessor`] says otherwise).
+    pub fn become_master(&self) {
+        let mut map = self.resources.write().expect("store lock poisoned");
+        map.clear();
+        self.master_since.store(self.clock.now().as_nanos(), Ordering::Release);
+        self.predecessor.store(Predecessor::Unknown.encode(), Ordering::Release);
+        self.horizon.store(NO_HORIZON, Ordering::Release);
+    }
+
+    /// What this master knows of the leases its predecessor handed out
+    /// (from a record the predecessor kept, see `server::horizon`): learning
+    /// mode lasts only while some of them may still be valid.
+    pub fn set_predecessor(&self, p: Predecessor) {
+        self.predecessor.store(p.encode(), Ordering::Release);
+    }
+
+    fn predecessor(&self) -> Predecessor {
+        Predecessor::decode(self.predecessor.load(Ordering::Acquire))
+    }
+
+    /// No lease handed out from now on expires after `until`: the time this
+    /// master has recorded for its successor as the end of its leases.
+    pub fn set_lease_horizon(&self, until: Option<Time>) {
+        self.horizon.store(until.map_or(NO_HORIZON, Time::as_nanos), Ordering::Release);
+    }
+
+    fn lease_horizon(&self) -> Option<Time> {
+        match self.horizon.load(Ordering::Acquire) {
+            NO_HORIZON => None,
+            n => Some(Time::from_nanos(n)),
+        }
+    }
+
+    /// The longest lease this server may hand out: its configuration's, or a
+    /// parent's algorithm's.
+    pub fn longest_lease(&self) -> Duration {
+        let configured = self.config.load().templates.iter().map(|t| t.algorithm.lease_length).max();
+        let map = self.resources.read().expect("store lock poisoned");
+        let adopted = map
+            .values()
+            .filter_map(|r| {
+                r.lock().expect("resource lock poisoned").parent.as_ref()?.algorithm.as_ref().map(|a| a.lease_length)
+            })
+            .max();
+        configured.max(adopted).unwrap_or(Duration::ZERO)
+    }
+
+    /// Installs a new configuration. Existing leases stay valid; the next
+    /// decision for each resource uses its new template.
+    pub fn reload(&self, config: ResourcesConfig) {
+        let map = self.resources.read().expect("store lock poisoned");
+        for (id, res) in map.iter() {
+            if let Some(t) = config.find(id) {
+                res.lock().expect("resource lock poisoned").template = t.clone();
+            }
+        }
+        self.config.store(Arc::new(config));
+    }
+
+    fn master_since(&self) -> Time {
+        Time::from_nanos(self.master_since.load(Ordering::Acquire))
+    }
+
+    /// This master's epoch, for its node identity towards a parent: the
+    /// moment it became master, in microseconds since the Unix epoch.
+    pub fn master_epoch(&self) -> u64 {
+        self.master_since.load(Ordering::Acquire) / 1000
+    }
+
+    /// Decides one resource of a request from `client`.
+    pub fn get_capacity(&self, client: &str, req: &LeaseRequest) -> Grant {
+        self.decide(client, req, false)
+    }
+
+    /// Decides the same request again, once [`changed`](Self::changed) fired
+    /// while its answer was held (never "too early": it is the same request).
+    pub fn decide_again(&self, client: &str, req: &LeaseRequest) -> Grant {
+        self.decide(client, req, true)
+    }
+
+    fn decide(&self, client: &str, req: &LeaseRequest, again: bool) -> Grant {
+        let now = self.clock.now();
+        loop {
+            {
+                // The map's read lock is held while the resource changes, so a
+                // sweep cannot drop a resource that a request is filling.
+                let map = self.resources.read().expect("store lock poisoned");
+                if let Some(res) = map.get(&req.resource_id) {
+                    let mut r = res.lock().expect("resource lock poisoned");
+                    r.expire(now);
+                    r.predecessor = self.predecessor();
+                    r.horizon = self.lease_horizon();
+                    let learning = r.learning_until(self.master_since(), now, self.role).is_some();
+                    let held = r.index.total_has();
+                    // The same request again is never "too early".
+                    let min_interval = if again { Duration::ZERO } else { self.min_request_interval };
+                    let arrivals = self.limits.max_clients_per_resource > 1;
+                    let d = Decision { learning, min_interval, again, arrivals };
+                    let grant = r.decide(client, req, now, d, self.role);
+                    if r.index.total_has() < held - 1e-9 {
+                        self.wake();
+                    }
+                    return grant;
+                }
+            }
+            let cfg = self.config.load();
+            let template = cfg.find(&req.resource_id).expect("validated config has a catch-all").clone();
+            let mut map = self.resources.write().expect("store lock poisoned");
+            map.entry(req.resource_id.clone()).or_insert_with(|| {
+                self.fell_to_catch_all(&req.resource_id, &cfg, &template);
+                let mut r = Resource::new(template);
+                r.created = now;
+                Arc::new(Mutex::new(r))
+            });
+        }
+    }
+
+    /// Forgets `client`'s leases on the named resources; unknown ids are ignored.
+    /// A lower server's lease is only released by its node's current master,
+    /// and stays reserved until it would have expired: the leases it handed
+    /// its own clients run until then.
+    pub fn release(&self, client: &str, resource_id: &str) {
+        let now = self.clock.now();
+        let map = self.resources.read().expect("store lock poisoned");
+        if let Some(res) = map.get(resource_id) {
+            res.lock().expect("resource lock poisoned").release(client, now);
+            self.wake();
+        }
+    }
+
+    /// Drops expired leases everywhere, and resources left with no client.
+    pub fn sweep(&self) {
+        let now = self.clock.now();
+        let mut map = self.resources.write().expect("store lock poisoned");
+        map.retain(|_, res| {
+            let mut r = res.lock().expect("resource lock poisoned");
+            r.expire(now);
+            !r.clients.is_empty() || !r.reservations.is_empty()
+        });
+    }
+
+    /// Every known resource, sorted by id.
+    pub fn status(&self) -> Vec<ResourceStatus> {
+        let now = self.clock.now();
+        let map = self.resources.read().expect("store lock poisoned");
+        let mut out: Vec<ResourceStatus> = map
+            .iter()
+            .map(|(id, res)| {
+                let mut r = res.lock().expect("resource lock poisoned");
+                r.expire(now);
+                r.predecessor = self.predecessor();
+                let until = r.learning_until(self.master_since(), now, self.role);
+                ResourceStatus {
+                    id: id.clone(),
+                    template: r.template.identifier_glob.clone(),
+                    algorithm: r.template.algorithm.kind.name(),
+                    capacity: r.capacity(now, self.role).unwrap_or(0.0),
+                    sum_has: r.index.total_has(),
+                    sum_wants: r.index.total_wants(),
+                    clients: r.clients.len(),
+                    server_clients: r
+                        .clients
+                        .values()
+                        .filter(|l| matches!(l.requester, Requester::Server { .. }))
+                        .count(),
+                    subclients: r.index.total_subclients(),
+                    reserved: r.reserved,
+                    learning_mode: until.is_some(),
+                    learning_left_s: until.map_or(0.0, |u| u.since(now).as_secs_f64()),
+                    parent_capacity: r.parent.as_ref().map(|p| p.capacity),
+                    parent_expires_in_s: r.parent.as_ref().map(|p| p.expiry.since(now).as_secs_f64()),
+                    quota: r.quota_view(now).map(|o| QuotaStatus {
+                        source: match r.quota.as_ref().is_some_and(|q| q.latest.is_some()) {
+                            true => "upstream",
+                            false => "calendar",
+                        },
+                        limit: o.limit,
+                        remaining: o.remaining,
+                        reset_in_s: o.reset.since(now).as_secs_f64(),
+                    }),
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out
+    }
+
+    /// One resource's unexpired leases, sorted by client id.
+    pub fn leases(&self, resource_id: &str) -> Option<Vec<LeaseStatus>> {
+        let now = self.clock.now();
+        let map = self.resources.read().expect("store lock poisoned");
+        let mut r = map.get(resource_id)?.lock().expect("resource lock poisoned");
+        r.expire(now);
+        let mut out: Vec<LeaseStatus> = r
+            .clients
+            .iter()
+            .map(|(id, l)| LeaseStatus {
+                client_id: id.to_string(),
+                kind: match l.requester {
+                    Requester::Client { .. } => "client",
+                    Requester::Server { .. } => "server",
+                },
+                priority: match l.requester {
+                    Requester::Client { priority } => Some(priority),
+                    Requester::Server { .. } => None,
+                },
+                bands: match &l.requester {
+                    Requester::Server { bands } => bands.clone(),
+                    Requester::Client { .. } => Vec::new(),
+                },
+                has: l.granted,
+                wants: l.wants,
+                subclients: l.subclients,
+                expires_in_s: l.expiry.since(now).as_secs_f64(),
+                refresh_interval_s: l.refresh_interval.as_secs(),
+            })
+            .collect();
+        out.sort_by(|a, b| a.client_id.cmp(&b.client_id));
+        Some(out)
+    }
+}
+
+// === impl Resource ===
+
+impl Resource {
+    fn new(template: Arc<Template>) -> Self {
+        Resource {
+            quota: None,
+            calendar: None,
+            template,
+            parent: None,
+            by_priority: None,
+            clients: HashMap::new(),
+            slot_owner: Vec::new(),
+            free_slots: Vec::new(),
+            index: DemandIndex::new(),
+            expiries: Expiries::default(),
+            reservations: HashMap::new(),
+            reserved: 0.0,
+            told: 0.0,
+            told_reserved: 0.0,
+            sharers: 0,
+            learned: false,
+            learning_end: None,
+            created: Time::from_nanos(0),
+            predecessor: Predecessor::Unknown,
+            horizon: None,
+        }
+    }
+
+    fn expire(&mut self, now: Time) {
+        while let Some(&(expiry, slot)) = self.expiries.first() {
+            if expiry > now {
+                break;
+            }
+            let owner = self.slot_owner[slot as usize].clone().expect("expiring slot has an owner");
+            let l = self.clients.get(&*owner).expect("expiring slot has a lease");
+            let amount = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
+            let lease_length = self.algorithm().lease_length;
+            let until = expiry.saturating_add(lease_length);
+            // The client holds its lease for as long again as it was granted for.
+            let hold_until = expiry.saturating_add(expiry.since(l.last_request).min(lease_length));
+            let r = if l.share {
+                // Its share is what it runs on once the hold ends; reserved
+                // from now, so that no lease granted from now on outlasts
+                // the hold, and kept while it may still be cut off.
+                let told = l.safe * l.subclients as f64;
+                // The client holds a lease below its share a refresh
+                // interval longer (`lease::Core::hold`).
+                let hold_until = hold_until.saturating_add(l.refresh_interval.mul_f64(7.0 / 6.0));
+                let until = hold_until.saturating_add(lease_length.max(SHARE_KEPT));
+                Reservation {
+                    amount: amount.max(told),
+                    hold_until,
+                    then: told,
+                    until,
+                    epoch: l.epoch,
+                    holders: 0,
+                    told,
+                    sharers: l.subclients,
+                }
+            } else {
+                let then = if l.safe < 0.0 { amount } else { amount.min(l.safe * l.subclients as f64) };
+                Reservation { amount, hold_until, then, until, epoch: l.epoch, holders: 0, told: 0.0, sharers: 0 }
+            };
+            self.remove(&owner);
+            if r.amount > 0.0 && r.until > now {
+                self.reserve(owner, r);
+            }
+        }
+        if self.reservations.values().any(|r| r.until <= now || (r.hold_until <= now && r.amount > r.then)) {
+            self.reservations.retain(|_, r| {
+                if r.hold_until <= now {
+                    r.amount = r.amount.min(r.then);
+                }
+                r.until > now && r.amount > 0.0
+            });
+            self.recount_reservations();
+        }
+    }
+
+    fn recount_reservations(&mut self) {
+        let rs = self.reservations.values();
+        self.reserved = rs.clone().map(|r| r.amount).sum();
+        self.told_reserved = rs.clone().map(|r| r.told).sum();
+        self.sharers = rs.map(|r| r.sharers).sum();
+    }
+
+    fn reserve(&mut self, client: Arc<str>, r: Reservation) {
+        self.reserved += r.amount;
+        self.told_reserved += r.told;
+        self.sharers += r.sharers;
+        if let Some(old) = self.reservations.insert(client, r) {
+            self.reserved -= old.amount;
+            self.told_reserved -= old.told;
+            self.sharers -= old.sharers;
+        }
+    }
+
+    fn unreserve(&mut self, client: &str) -> Option<Reservation> {
+        let r = self.reservations.remove(client)?;
+        if self.reservations.is_empty() {
+            (self.reserved, self.told_reserved, self.sharers) = (0.0, 0.0, 0);
+        } else {
+            self.reserved = (self.reserved - r.amount).max(0.0);
+            self.told_reserved = (self.told_reserved - r.told).max(0.0);
+            self.sharers -= r.sharers;
+        }
+        Some(r)
+    }
+
+    /// A release: a client's lease goes at once; a lower server's only when
+    /// its node's current master sends it, and it stays reserved until it
+    /// would have expired.
+    fn release(&mut self, id: &str, now: Time) {
+        let (node, epoch) = split_identity(id);
+        let Some(l) = self.clients.get(node).filter(|l| l.epoch.is_some() && epoch.is_some()) else {
+            self.remove(id);
+            self.unreserve(id);
+            return;
+        };
+        if l.epoch > epoch {
+            return;
+        }
+        let keep = l.has.max(l.floor.filter(|f| f.1 > now).map_or(0.0, |f| f.0));
+        let (until, holders) = (l.expiry, l.subclients);
+        let key: Arc<str> = Arc::from(node);
+        self.remove(node);
+        if keep > 0.0 && until > now {
+            let r = Reservation {
+                amount: keep,
+                hold_until: until,
+                then: keep,
+                until,
+                epoch,
+                holders,
+                told: 0.0,
+                sharers: 0,
+            };
+            self.reserve(key, r);
+        }
+    }
+
+    /// `Some(end)` while this resource is in learning mode. A new master
+    /// learns until every client that may hold a lease from its predecessor
+    /// has reported: for `learning_mode_duration` at most, and no longer than
+    /// the refresh interval it hands out (× 7/6 for jitter) plus
+    /// [`RECONNECT_ALLOWANCE`]. An intermediate learns until its parent has
+    /// answered, and stops early when the parent says how many subclients
+    /// its predecessor had and all have reported, or that it had none.
+    fn learning_until(&mut self, master_since: Time, now: Time, role: Role) -> Option<Time> {
+        self.learning_end = self.learning_end_at(master_since, now, role);
+        self.learning_end
+    }
+
+    fn learning_end_at(&mut self, master_since: Time, now: Time, role: Role) -> Option<Time> {
+        if self.learned {
+            return None;
+        }
+        // Nothing of a predecessor can be outstanding (a fresh deployment, or
+        // its leases have all expired): nothing to learn.
+        let outstanding_until = match self.predecessor {
+            Predecessor::Unknown => None,
+            Predecessor::NoneOutstanding => Some(now),
+            Predecessor::Lapsed => Some(master_since.saturating_add(RECONNECT_ALLOWANCE)),
+            Predecessor::Until(t) => Some(t),
+        };
+        if outstanding_until.is_some_and(|t| now >= t) {
+            self.learned = true;
+            return None;
+        }
+        let alg = self.algorithm().clone();
+        let mut refresh = alg.refresh_interval;
+        if let Role::Intermediate { decay_factor } = role {
+            match &self.parent {
+                // Nothing to hand out yet: hand back what clients hold.
+                None => return Some(now.saturating_add(Duration::from_secs(1))),
+                Some(p) => {
+                    // Every predecessor subclient is back, and the parent's
+                    // lease counts them all: ending sooner shared a lease
+                    // sized for the first to come back (one of two clients
+                    // of tests/tree_failover.rs at 13 of its 20 for a second).
+                    match p.predecessor_subclients {
+                        Some(n)
+                            if self.index.total_subclients() >= n && p.answered_subclients.is_some_and(|a| a >= n) =>
+                        {
+                            self.learned = true;
+                            return None;
+                        }
+                        _ => {}
+                    }
+                    refresh = p.refresh_interval.mul_f64(decay_factor).max(Duration::from_secs(1));
+                }
+            }
+        }
+        let bound = refresh.mul_f64(7.0 / 6.0) + RECONNECT_ALLOWANCE;
+        let mut until = master_since.saturating_add(alg.learning_mode_duration.min(bound));
+        if let Some(t) = outstanding_until {
+            until = until.min(t);
+        }
+        if now >= until {
+            self.learned = true;
+            return None;
+        }
+        Some(until)
+    }
+
+    fn remove(&mut self, client: &str) {
+        if let Some(l) = self.clients.remove(client) {
+            self.untell(&l);
+            self.expiries.remove(&(l.expiry, l.slot));
+            self.index.remove(l.slot);
+            self.unfile_bands(l.slot, bands_of(&l.requester, l.wants, l.subclients));
+            self.slot_owner[l.slot as usize] = None;
+            self.free_slots.push(l.slot);
+        }
+    }
+
+    /// Takes what `l` was told as its share out of [`Resource::told`].
+    fn untell(&mut self, l: &ClientLease) {
+        if l.share {
+            self.told = if self.clients.is_empty() { 0.0 } else { (self.told - l.safe * l.subclients as f64).max(0.0) };
+        }
+    }
+
+    /// An end client's default safe capacity: its share of `capacity` by
+    /// subclients, counting those of lapsed clients still on theirs, and no
+    /// more than what the others were told leaves (a share told earlier, when
+    /// fewer clients shared, stays counted until its client hears the new one).
+    /// Unlike a configured safe capacity it is not capped at the client's
+    /// lease: an idle client cut off from the tree runs on its share, not on
+    /// nothing. `told_before`: what the client itself was told until now.
+    fn share_safe(&self, subclients: u64, capacity: f64, told_before: f64) -> f64 {
+        let n = self.index.total_subclients() + self.sharers;
+        let share = if n == 0 { capacity } else { capacity * subclients as f64 / n as f64 };
+        let others = (self.told - told_before).max(0.0) + self.told_reserved;
+        share.min(capacity - others).max(0.0)
+    }
+
+    fn unfile_bands(&mut self, slot: ClientSlot, bands: impl IntoIterator<Item = (i64, f64, u64)>) {
+        let Some(by_priority) = &mut self.by_priority else { return };
+        for (p, _, _) in bands {
+            if let Some(idx) = by_priority.get_mut(&p) {
+                idx.remove(slot);
+                if idx.is_empty() {
+                    by_priority.remove(&p);
+                }
+            }
+        }
+    }
+
+    fn file_bands(&mut self, slot: ClientSlot, bands: impl IntoIterator<Item = (i64, f64, u64)>, has: f64) {
+        let Some(by_priority) = &mut self.by_priority else { return };
+        for (p, wants, subs) in bands {
+            by_priority.entry(p).or_default().upsert(slot, wants, subs, has);
+        }
+    }
+
+    /// The demand per priority band, filed from every client's lease the
+    /// first time it is asked for (as [`Resource::file_bands`] keeps it).
+    fn by_priority(&mut self) -> &BTreeMap<i64, DemandIndex> {
+        self.by_priority.get_or_insert_with(|| {
+            let mut by_priority: BTreeMap<i64, DemandIndex> = BTreeMap::new();
+            for l in self.clients.values() {
+                for (p, wants, subs) in bands_of(&l.requester, l.wants, l.subclients) {
+                    by_priority.entry(p).or_default().upsert(l.slot, wants, subs, l.has);
+                }
+            }
+            by_priority
+        })
+    }
+
+    /// Never beyond the lease horizon this master has recorded.
+    fn cap_expiry(&self, expiry: Time) -> Time {
+        self.horizon.map_or(expiry, |h| expiry.min(h))
+    }
+
+    /// True when the resource's template names it (not the catch-all), so a
+    /// local algorithm beats one adopted from the parent.
+    fn has_local_template(&self) -> bool {
+        self.template.identifier_glob != CATCH_ALL
+    }
+
+    /// The template the resource matched, for a client's status page: the
+    /// parent's at an intermediate whose own is the catch-all.
+    fn template_name(&self) -> String {
+        match self.parent.as_ref().and_then(|p| p.template.as_ref()) {
+            Some(t) if !self.has_local_template() => t.clone(),
+            _ => self.template.identifier_glob.clone(),
+        }
+    }
+
+    /// The algorithm in force.
+    fn algorithm(&self) -> &Algorithm {
+        match self.parent.as_ref().and_then(|p| p.algorithm.as_ref()) {
+            Some(a) if !self.has_local_template() => a,
+            _ => &self.template.algorithm,
+        }
+    }
+
+    /// The capacity to share now: the template's at a root; at an
+    /// intermediate, the parent's unexpired grant, or `None`.
+    fn capacity(&self, now: Time, role: Role) -> Option<f64> {
+        match (role, &self.parent) {
+            (Role::Root, _) => {
+                let upstream =
+                    self.quota.as_ref().and_then(|q| q.capacity(now, self.template.capacity, self.index.total_has()));
+                let calendar = self.calendar.as_ref().map(|c| c.capacity(now, self.calendar_budget()));
+                Some(match (upstream, calendar) {
+                    (Some(u), Some(c)) => u.min(c),
+                    (u, c) => u.or(c).unwrap_or(self.template.capacity),
+                })
+            }
+            (Role::Intermediate { .. }, Some(p)) if p.expiry > now => Some(p.capacity),
+            _ => None,
+        }
+    }
+
+    /// A calendar window's budget: the capacity over one unit.
+    fn calendar_budget(&self) -> f64 {
+        self.template.calendar.map_or(0.0, |unit| self.template.capacity * unit.as_secs_f64())
+    }
+
+    /// Counts what the leases allowed of a calendar window's current unit
+    /// (at a root, where the resource's own template applies).
+    fn follow_calendar(&mut self, now: Time, role: Role) {
+        let unit = match role {
+            Role::Root => self.template.calendar,
+            Role::Intermediate { .. } => None,
+        };
+        let Some(unit) = unit else {
+            self.calendar = None;
+            return;
+        };
+        let (granted, budget) = (self.index.total_has(), self.calendar_budget());
+        match &mut self.calendar {
+            Some(c) if c.unit() == unit => c.advance(now, granted),
+            c => {
+                let fresh = self.predecessor == Predecessor::NoneOutstanding;
+                *c = Some(Box::new(super::quota::Calendar::new(unit, budget, now, fresh)))
+            }
+        }
+    }
+
+    /// The quota as the resource's clients are told it: the upstream's own
+    /// account, or a calendar window's.
+    fn quota_view(&self, now: Time) -> Option<usher_lease::quota::Observation> {
+        self.quota
+            .as_ref()
+            .and_then(|q| q.latest)
+            .or_else(|| self.calendar.as_ref().map(|c| c.observation(now, self.calendar_budget())))
+    }
+
+    fn configured_safe_capacity(&self) -> Option<f64> {
+        match &self.parent {
+            Some(p) if !self.has_local_template() => p.safe_capacity.or(self.template.safe_capacity),
+            _ => self.template.safe_capacity,
+        }
+    }
+
+    fn safe_capacity(&self, capacity: f64) -> f64 {
+        match self.configured_safe_capacity() {
+            Some(s) => s,
+            None => {
+                let n = self.index.total_subclients();
+                if n == 0 { capacity } else { capacity / n as f64 }
+            }
+        }
+    }
+
+    /// The grant of `client`'s current lease, unchanged.
+    fn unchanged(&self, client: &str, now: Time, capacity: Option<f64>, alg: Algorithm) -> Grant {
+        let l = &self.clients[client];
+        Grant {
+            quota: self.quota_view(now),
+            resource_capacity: None,
+            capacity: l.granted,
+            expiry: l.expiry,
+            refresh_interval: l.refresh_interval,
+            safe_capacity: match l.share {
+                true => l.safe * l.subclients as f64,
+                false => safe_for(&l.requester, self.safe_capacity(capacity.unwrap_or(0.0)), l.granted),
+            },
+            algorithm: alg,
+            template: self.template_name(),
+            predecessor_subclients: l.predecessor_subclients,
+        }
+    }
+
+    /// An intermediate with no lease from its parent and a client that holds
+    /// none: the answer is an already expired lease, so the client keeps
+    /// running on its safe capacity rather than on a lease of 0, and asks
+    /// again in a second. Its demand is recorded, so the parent hears of it.
+    /// The safe capacity is capped at what is still reserved for the client
+    /// here while that reservation lasts; once it has lapsed, the client
+    /// gets the whole of it, as a client cut off from the tree would use it
+    /// (this node, cut off from its parent, hands nothing to anyone): capped
+    /// at nothing, a root outage of two lease lengths left every client
+    /// behind a live intermediate on 0, worse off than one whose servers
+    /// were all gone.
+    fn nothing_to_hand_out(
+        &mut self,
+        client: &str,
+        req: &LeaseRequest,
+        now: Time,
+        alg: Algorithm,
+        bands: &[(i64, f64, u64)],
+    ) -> Grant {
+        let slot = self.new_slot(client);
+        let expiry = self.cap_expiry(now.saturating_add(Duration::from_secs(2)));
+        self.index.upsert(slot, req.wants, req.subclients, 0.0);
+        self.file_bands(slot, bands.iter().copied(), 0.0);
+        self.expiries.insert((expiry, slot));
+        let safe = self.safe_capacity(self.parent.as_ref().map_or(0.0, |p| p.capacity));
+        self.clients.insert(
+            self.owner(slot),
+            Box::new(ClientLease {
+                slot,
+                share: false,
+                granted: 0.0,
+                has: 0.0,
+                wants: req.wants,
+                subclients: req.subclients,
+                requester: req.requester.clone(),
+                expiry,
+                refresh_interval: Duration::from_secs(1),
+                last_request: now,
+                epoch: None,
+                floor: None,
+                predecessor_subclients: None,
+                safe,
+            }),
+        );
+        // While its reservation lasts, it may run on that and no more.
+        let safe_capacity = match self.reservations.get(client) {
+            Some(r) => safe_for(&req.requester, safe, r.amount),
+            None => safe,
+        };
+        Grant {
+            quota: self.quota_view(now),
+            resource_capacity: None,
+            capacity: 0.0,
+            expiry: now,
+            refresh_interval: Duration::from_secs(1),
+            safe_capacity,
+            algorithm: alg,
+            template: self.template_name(),
+            predecessor_subclients: None,
+        }
+    }
+
+    /// What learning mode hands a client: what it reports holding, and at
+    /// least the safe capacity this server's own configuration gives it
+    /// (what a client cut off from the tree uses anyway), never more than it
+    /// wants; 0 without one (a dynamic safe capacity could hand one newcomer
+    /// everything). A client holding a lease of 0 got nothing for the whole
+    /// of learning mode before (a sidecar that first asked with a measured
+    /// demand of 0 refused everything for the 14.7 s a lone root learns).
+    /// What it reports is believed up to the resource's capacity (`limit`:
+    /// the parent's grant, else the configured one): no predecessor handed
+    /// out more, and a client that claims more must not keep it.
+    fn learning_grant(&self, req: &LeaseRequest, limit: f64) -> f64 {
+        let safe = match self.template.safe_capacity {
+            Some(s) if s >= 0.0 => req.wants.min(s * req.subclients as f64),
+            _ => 0.0,
+        };
+        match req.reported_has {
+            // More than it holds is not covered by what the parent counts.
+            Some(h) if h > 0.0 && limit >= 0.0 => h.min(limit),
+            Some(h) if h > 0.0 => h,
+            _ => safe,
+        }
+    }
+
+    fn decide(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
+        let Decision { learning, min_interval, again, arrivals } = d;
+        if let Some(o) = req.quota {
+            let granted = self.index.total_has();
+            self.quota.get_or_insert_default().observe(o, granted);
+        }
+        self.follow_calendar(now, role);
+        let (client, epoch) = match req.requester {
+            Requester::Server { .. } => split_identity(id),
+            Requester::Client { .. } => (id, None),
+        };
+        let alg = self.algorithm().clone();
+        let capacity = self.capacity(now, role);
+        let bands: Vec<(i64, f64, u64)> = bands_of(&req.requester, req.wants, req.subclients).collect();
+        if alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind) {
+            // Filed before this request changes anything, so the bands hold
+            // what every lease held until now.
+            self.by_priority();
+        }
+        // A node's new master takes its predecessor's place, inheriting what
+        // the predecessor's clients may still hold as a floor; a stale master
+        // changes nothing.
+        let mut inherited: Option<(f64, Time, u64)> = None;
+        if let (Some(e), Some(l)) = (epoch, self.clients.get(client))
+            && let Some(le) = l.epoch
+        {
+            if e < le {
+                return self.unchanged(client, now, capacity, alg);
+            }
+            if e > le {
+                let floor = l.has.max(l.floor.filter(|f| f.1 > now).map_or(0.0, |f| f.0));
+                inherited = Some((floor, l.expiry, l.subclients));
+                self.remove(client);
+            }
+        }
+        // A client that holds nothing, asking while there is nothing to hand
+        // out, is answered so again, and stays known (with its demand) for
+        // two more seconds: were its entry left to lapse, a lower server
+        // whose clients all lapsed at once would have no demand for an
+        // instant and give its own lease back.
+        if capacity.is_none() && !learning && self.clients.get(client).is_none_or(|l| l.granted <= 0.0 && l.has <= 0.0)
+        {
+            self.remove(client);
+            return self.nothing_to_hand_out(client, req, now, alg, &bands);
+        }
+        if let Some(r) = self.reservations.get(client) {
+            if epoch.is_some() && r.epoch > epoch {
+                // A stale master of a node whose lease lapsed: nothing to give it.
+                return Grant {
+                    quota: self.quota_view(now),
+                    resource_capacity: None,
+                    capacity: 0.0,
+                    expiry: now,
+                    refresh_interval: alg.refresh_interval,
+                    safe_capacity: self.safe_capacity(capacity.unwrap_or(0.0)),
+                    algorithm: alg,
+                    template: self.template_name(),
+                    predecessor_subclients: None,
+                };
+            }
+            let r = self.unreserve(client).expect("checked above");
+            if epoch.is_some() {
+                let (floor, until, holders) = inherited.unwrap_or((0.0, now, 0));
+                inherited = Some((floor.max(r.amount), until.max(r.until), holders.max(r.holders)));
+            }
+        }
+        // A too-early request gets its lease back unchanged; only its demand
+        // is recorded. So does every request while an intermediate server's
+        // own lease has lapsed: granted leases run to their expiry, and no new
+        // capacity is handed out until the parent renews. Not in learning
+        // mode, which hands back what each client holds.
+        let too_early = self.clients.get(client).is_some_and(|l| now.since(l.last_request) < min_interval);
+        let lapsed = !learning && capacity.is_none() && self.clients.contains_key(client);
+        if too_early || lapsed {
+            let l = self.clients.get_mut(client).expect("checked above");
+            let old_bands: Vec<_> = bands_of(&l.requester, l.wants, l.subclients).collect();
+            if l.share {
+                // Its share per subclient stands; what it was told follows its subclients.
+                self.told += l.safe * (req.subclients as f64 - l.subclients as f64);
+            }
+            l.wants = req.wants;
+            l.subclients = req.subclients;
+            l.requester = req.requester.clone();
+            let (slot, has) = (l.slot, l.has);
+            self.index.upsert(slot, req.wants, req.subclients, has);
+            self.unfile_bands(slot, old_bands);
+            self.file_bands(slot, bands.iter().copied(), has);
+            return self.unchanged(client, now, capacity, alg);
+        }
+        let slot = match self.clients.get(client) {
+            Some(l) => {
+                self.expiries.remove(&(l.expiry, l.slot));
+                l.slot
+            }
+            None => self.new_slot(client),
+        };
+        let previous = self.clients.get(client);
+        let (old_has, old_bands): (f64, Vec<_>) =
+            previous.map_or((0.0, Vec::new()), |l| (l.has, bands_of(&l.requester, l.wants, l.subclients).collect()));
+        // The client asked before for less: its measured demand may be arriving.
+        let grew = previous.is_some_and(|l| req.wants > l.wants + 1e-9);
+        // Kept for a lease length past its end: see `lapsed` below.
+        let lease_length = self.algorithm().lease_length;
+        let floor = inherited
+            .map(|(f, until, _)| (f, until))
+            .or(previous.and_then(|l| l.floor))
+            .filter(|f| f.1.saturating_add(lease_length) > now && f.0 > 0.0);
+        let predecessor = match (epoch, learning) {
+            (None, _) | (_, true) => None,
+            (Some(_), false) => match (inherited, previous) {
+                (Some((_, _, n)), _) => Some(n),
+                (None, Some(l)) => l.predecessor_subclients,
+                (None, None) => Some(0),
+            },
+        };
+        self.index.upsert(slot, req.wants, req.subclients, old_has);
+        self.unfile_bands(slot, old_bands);
+        self.file_bands(slot, bands.iter().copied(), old_has);
+        // Set when others still hold what this client is due: it comes back
+        // soon to collect it, instead of a whole refresh interval later.
+        let mut held_back = false;
+        let granted = match capacity {
+            _ if learning => self.learning_grant(req, capacity.unwrap_or(self.template.capacity)),
+            None => 0.0,
+            Some(cap) => {
+                // Capacity reserved for lapsed clients is nobody's to share.
+                let cap = (cap - self.reserved).max(0.0);
+                let unused = cap - (self.index.total_has() - old_has);
+                held_back = unused < req.wants - 1e-9 && is_shared(alg.kind);
+                let r = algorithm::Request { wants: req.wants, subclients: req.subclients, has: old_has };
+                let strict = alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind);
+                let decide = |r: &algorithm::Request| {
+                    if strict {
+                        self.strict_priority(cap, &bands, r)
+                    } else {
+                        algorithm::decide(alg.kind, cap, &self.index, r)
+                    }
+                };
+                let mut granted = decide(&r);
+                if again {
+                    // A newcomer decided again after its answer was held:
+                    // others held with it are about to be decided too, and
+                    // must find their shares unused, so no more than the
+                    // share it would have if nobody held more than theirs
+                    // (not the others' shares while they still hold nothing).
+                    granted = granted.min(decide(&algorithm::Request { has: self.index.total_has(), ..r }));
+                }
+                if held_back {
+                    // The share the algorithm would give if nobody held more
+                    // than theirs: counting everyone's holdings as this
+                    // client's lifts the "never above unused" cap.
+                    let share = decide(&algorithm::Request { has: self.index.total_has(), ..r });
+                    // A client keeps what it holds, up to its share: that
+                    // never adds to what is outstanding. When this server's
+                    // own capacity was cut below what its clients hold, each
+                    // of them comes down to its share at its next request,
+                    // instead of the first to ask dropping to nothing while
+                    // the others still hold theirs.
+                    granted = granted.max(old_has.min(share));
+                    held_back = granted < share * (1.0 - HELD_BACK_MARGIN) - 1e-9;
+                }
+                if grew && arrivals && now.since(self.created) < alg.refresh_interval && is_shared(alg.kind) {
+                    // Clients are still arriving, and the wants of those that
+                    // asked first may not be their demand yet (a sidecar asks
+                    // for its routes file's capacity, 1/s say, before it has
+                    // measured any): a client asking for more than before
+                    // grows no further than its equal share then, or the
+                    // first whose measured demand arrives takes what the
+                    // others are about to ask for (47-58/s of 90 for a
+                    // second, the others 1-15/s).
+                    let equal = cap * req.subclients as f64 / self.index.total_subclients().max(1) as f64;
+                    granted = granted.min(equal.max(old_has));
+                }
+                granted
+            }
+        };
+        let has = match req.requester {
+            Requester::Server { .. } => {
+                let reported = granted.max(req.reported_has.unwrap_or(0.0));
+                match floor {
+                    Some((f, until)) if until > now => reported.max(f),
+                    // The predecessor's leases have lapsed: those of its
+                    // subclients that have not come back to the new master
+                    // are counted at their safe capacity (at most the floor)
+                    // for up to a lease length. They may hold more (a lapsed
+                    // lease is held: see `lease::Mode::Held`), but counting
+                    // their part of the floor instead let the new master keep
+                    // it as its own grant (a cut grant keeps min(has, share))
+                    // and hand it out again: scenario seven reached 110.55%
+                    // (benches/RESULTS.md, step 13).
+                    Some((f, _)) => {
+                        let missing = predecessor.unwrap_or(0).saturating_sub(req.subclients);
+                        let safe = self.configured_safe_capacity().unwrap_or(f);
+                        let lapsed = if safe < 0.0 { f } else { (safe * missing as f64).min(f) };
+                        reported + lapsed
+                    }
+                    None => reported,
+                }
+            }
+            Requester::Client { .. } => granted,
+        };
+        let (mut expiry, mut refresh) = (now.saturating_add(alg.lease_length), alg.refresh_interval);
+        let parent = self.parent.as_ref().filter(|p| p.expiry > now);
+        if let (Role::Intermediate { decay_factor }, Some(p)) = (role, &self.parent) {
+            // Never promise beyond what this server itself holds.
+            expiry = expiry.min(p.expiry);
+            refresh = p.refresh_interval.mul_f64(decay_factor).max(Duration::from_secs(1));
+        }
+        if learning {
+            // Hand back what the client holds, for at least as long as it holds it.
+            if matches!(role, Role::Intermediate { .. }) && parent.is_none() {
+                expiry = now.saturating_add(Duration::from_secs(2));
+            }
+            // (No predecessor's lease lasted longer than a lease length from
+            // now: a reported expiry beyond that is not believed.)
+            if req.reported_has.is_some()
+                && let Some(e) = req.reported_expiry
+            {
+                expiry = expiry.max(e.min(now.saturating_add(alg.lease_length)));
+            }
+            // Come back when learning ends, to be given a real share.
+            if let Some(end) = self.learning_end {
+                let left = Duration::from_secs(end.since(now).as_secs_f64().ceil() as u64);
+                refresh = refresh.min(left).max(Duration::from_secs(1));
+            }
+        } else if capacity.is_none() {
+            // Nothing to hand out yet (no lease from the parent): come back soon.
+            refresh = Duration::from_secs(1);
+            expiry = now.saturating_add(Duration::from_secs(2));
+        } else if held_back || self.quota.is_some() || (arrivals && now.since(self.created) < alg.refresh_interval) {
+            // (A capacity that follows the upstream's quota changes by the
+            // second: its clients come back every second to follow it.)
+            // Adaptive refresh: the grant was cut to what others leave
+            // unused, or the resource is new and its clients are still
+            // arriving (a first-come client must not keep everything for a
+            // whole interval). In steady state neither holds, and neither
+            // ever does on a sidecar's embedded server (its one client).
+            refresh = refresh.min(FAST_REFRESH);
+        }
+        if let Some(c) = &self.calendar {
+            // A calendar window: come back often enough to follow what is
+            // left of the unit, and at its boundary for the renewed budget.
+            let to_reset = Duration::from_secs(c.reset().since(now).as_secs_f64().ceil() as u64);
+            refresh = refresh.min((c.unit() / 60).max(FAST_REFRESH)).min(to_reset.max(FAST_REFRESH));
+        }
+        let expiry = self.cap_expiry(expiry);
+        let safe = self.safe_capacity(capacity.unwrap_or(0.0));
+        // Not while learning: a new master does not know the shares its
+        // predecessor told, and the first client back would be told all of it.
+        let share =
+            !learning && matches!(req.requester, Requester::Client { .. }) && self.configured_safe_capacity().is_none();
+        let told_before = self.clients.get(client).filter(|l| l.share).map_or(0.0, |l| l.safe * l.subclients as f64);
+        let told = share.then(|| self.share_safe(req.subclients, capacity.unwrap_or(0.0), told_before));
+        if let Some(t) = told {
+            self.told += t;
+        }
+        self.told = (self.told - told_before).max(0.0);
+        let lease = ClientLease {
+            slot,
+            share,
+            granted,
+            has,
+            wants: req.wants,
+            subclients: req.subclients,
+            requester: req.requester.clone(),
+            expiry,
+            refresh_interval: refresh,
+            last_request: now,
+            epoch,
+            floor,
+            predecessor_subclients: predecessor,
+            safe: match told {
+                Some(t) => t / req.subclients.max(1) as f64,
+                None => self.configured_safe_capacity().unwrap_or(safe),
+            },
+        };
+        self.index.upsert(slot, req.wants, req.subclients, has);
+        self.file_bands(slot, bands.iter().copied(), has);
+        self.expiries.insert((expiry, slot));
+        self.clients.insert(self.owner(slot), Box::new(lease));
+        Grant {
+            quota: self.quota_view(now),
+            // (What the root shares: an intermediate passes on its parent's.)
+            resource_capacity: match role {
+                Role::Root => capacity,
+                Role::Intermediate { .. } => self.parent.as_ref().and_then(|p| p.resource_capacity),
+            },
+            capacity: granted,
+            expiry,
+            refresh_interval: refresh,
+            safe_capacity: told.unwrap_or_else(|| safe_for(&req.requester, safe, granted)),
+            algorithm: alg,
+            template: self.template_name(),
+            predecessor_subclients: predecessor,
+        }
+    }
+
+    /// Strict priorities: higher bands are satisfied first, up to their wants;
+    /// each band is shared max-min fairly within what the bands above leave.
+    fn strict_priority(&self, capacity: f64, bands: &[(i64, f64, u64)], r: &algorithm::Request) -> f64 {
+        let mut left = capacity;
+        let mut grant = 0.0;
+        let by_priority = self.by_priority.as_ref().expect("filed for a strict resource");
+        for (p, idx) in by_priority.iter().rev() {
+            if let Some((_, wants, subs)) = bands.iter().find(|(bp, _, _)| bp == p) {
+                let level = idx.water_level(left.max(0.0));
+                grant += wants.min(level * *subs as f64);
+            }
+            left = (left - idx.total_wants()).max(0.0);
+        }
+        let unused = capacity - (self.index.total_has() - r.has);
+        grant.min(r.wants).min(unused).max(0.0)
+    }
+
+    fn new_slot(&mut self, client: &str) -> ClientSlot {
+        let owner = Some(Arc::from(client));
+        match self.free_slots.pop() {
+            Some(s) => {
+                self.slot_owner[s as usize] = owner;
+                s
+            }
+            None => {
+                // Room for one: most resources never have another client.
+                if self.slot_owner.capacity() == 0 {
+                    self.slot_owner.reserve_exact(1);
+                }
+                self.slot_owner.push(owner);
+                (self.slot_owner.len() - 1) as ClientSlot
+            }
+        }
+    }
+
+    /// The id of the client in `slot`.
+    fn owner(&self, slot: ClientSlot) -> Arc<str> {
+        self.slot_owner[slot as usize].clone().expect("a slot in use has an owner")
+    }
+}
+
+/// A client's demand per priority band: an end client's all in its one
+/// priority, a lower server's in the bands it reported.
+fn bands_of(requester: &Requester, wants: f64, subclients: u64) -> impl Iterator<Item = (i64, f64, u64)> + '_ {
+    let (own, reported) = match requester {
+        Requester::Client { priority } => (Some((*priority, wants, subclients)), &[][..]),
+        Requester::Server { bands } => (None, &bands[..]),
+    };
+    own.into_iter().chain(reported.iter().map(|b| (b.priority, b.wants, b.num_clients.max(1) as u64)))
+}
+
+/// The configured safe capacity to tell a requester that holds `held`: an
+/// end client's is never more than what it holds (the default, its share, is
+/// [`Resource::share_safe`]'s). A client runs on its safe capacity once
+/// its lease lapses; capped so, it never uses more than is already counted for
+/// it (its lease, then its reservation), so no lapse, however it falls, can
+/// take capacity that was handed to someone else. A lower server gets the
+/// safe capacity per subclient, and caps its own clients the same way.
+/// Unlimited (< 0) stays unlimited: that cannot be covered.
+fn safe_for(requester: &Requester, safe: f64, held: f64) -> f64 {
+    match requester {
+        Requester::Client { .. } if safe >= 0.0 => safe.min(held.max(0.0)),
+        _ => safe,
+    }
+}
+
+/// True for the kinds whose grants share one capacity.
+pub fn is_shared(kind: Kind) -> bool {
+    matches!(kind, Kind::ProportionalShare | Kind::FairShare)
+}
+
+#[cfg(test)]
+mod tests;

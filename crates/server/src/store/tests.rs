@@ -1,0 +1,745 @@
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::*;
+use usher_core::config::resources::{Algorithm, ResourcesConfig, Template};
+
+fn template(kind: Kind, capacity: f64, lease: u64, refresh: u64, learning: u64) -> Arc<Template> {
+    Arc::new(Template {
+        identifier_glob: "*".into(),
+        capacity,
+        safe_capacity: None,
+        description: None,
+        algorithm: Algorithm {
+            kind,
+            lease_length: Duration::from_secs(lease),
+            refresh_interval: Duration::from_secs(refresh),
+            learning_mode_duration: Duration::from_secs(learning),
+            parameters: vec![],
+        },
+        calendar: None,
+    })
+}
+
+fn store(
+    kind: Kind,
+    capacity: f64,
+    learning: u64,
+    min_interval: Duration,
+) -> (Store, Arc<usher_core::clock::ManualClock>) {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(kind, capacity, 10, 5, learning)] };
+    (Store::new(clock, cfg, min_interval), handle)
+}
+
+fn req(resource: &str, wants: f64, has: Option<f64>) -> LeaseRequest {
+    LeaseRequest {
+        resource_id: resource.into(),
+        wants,
+        subclients: 1,
+        reported_has: has,
+        reported_expiry: None,
+        requester: Requester::Client { priority: 0 },
+        quota: None,
+    }
+}
+
+#[test]
+fn lease_store_sums_cleanup_and_release() {
+    // Doorman's lease-store facts, driven through learning mode so that each
+    // client is granted exactly the has it reports.
+    let mut r = Resource::new(template(Kind::FairShare, 100.0, 10, 5, 0));
+    let now = Time::from_secs(500);
+    r.decide(
+        "a",
+        &req("x", 12.0, Some(10.0)),
+        now,
+        Decision { learning: true, min_interval: Duration::ZERO, again: false, arrivals: true },
+        Role::Root,
+    );
+    r.decide(
+        "b",
+        &req("x", 12.0, Some(10.0)),
+        now,
+        Decision { learning: true, min_interval: Duration::ZERO, again: false, arrivals: true },
+        Role::Root,
+    );
+    r.template = template(Kind::FairShare, 100.0, 20, 5, 0);
+    r.decide(
+        "c",
+        &req("x", 20.0, Some(15.0)),
+        now,
+        Decision { learning: true, min_interval: Duration::ZERO, again: false, arrivals: true },
+        Role::Root,
+    );
+    assert_eq!((r.index.total_has(), r.index.total_wants(), r.index.total_subclients()), (35.0, 44.0, 3));
+    r.expire(now.saturating_add(Duration::from_secs(10)));
+    assert_eq!((r.index.total_has(), r.index.total_wants(), r.clients.len()), (15.0, 20.0, 1));
+    r.remove("c");
+    assert_eq!((r.index.total_has(), r.index.total_wants(), r.index.total_subclients()), (0.0, 0.0, 0));
+}
+
+#[test]
+fn learning_mode_hands_back_has_then_ends() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 5, Duration::ZERO);
+    let g = s.get_capacity("a", &req("r", 80.0, Some(70.0)));
+    assert_eq!(g.capacity, 70.0, "learning mode grants the reported has");
+    let g = s.get_capacity("b", &req("r", 80.0, None));
+    assert_eq!(g.capacity, 0.0, "no has reported: 0");
+    assert!(s.status()[0].learning_mode);
+    clock.advance(Duration::from_secs(5));
+    let g = s.get_capacity("b", &req("r", 80.0, None));
+    assert_eq!(g.capacity, 30.0, "fair share is 50, but a still holds 70 of 100");
+    assert!(!s.status()[0].learning_mode);
+}
+
+/// Learning mode believes what a client reports holding up to the
+/// resource's capacity and for at most a lease length: a client that claims
+/// everything for ever must not keep it once learning ends.
+#[test]
+fn learning_mode_believes_a_reported_lease_only_within_the_capacity_and_a_lease_length() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 5, Duration::ZERO);
+    let now = clock.now();
+    let liar = LeaseRequest {
+        reported_expiry: Some(now.saturating_add(Duration::from_secs(1_000_000_000))),
+        ..req("r", 1e300, Some(1e300))
+    };
+    let g = s.get_capacity("liar", &liar);
+    assert_eq!(g.capacity, 100.0, "at most the capacity");
+    assert!(g.expiry <= now.saturating_add(Duration::from_secs(10)), "at most a lease length: {:?}", g.expiry);
+    // After learning mode and the liar's lease (reserved as long again once
+    // lapsed: the liar may still hold it; asked while learning, it was told
+    // no share), an honest client gets its share.
+    clock.advance(Duration::from_secs(21));
+    assert_eq!(s.get_capacity("honest", &req("r", 10.0, None)).capacity, 10.0);
+}
+
+#[test]
+fn too_early_request_gets_its_lease_back_and_records_wants() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::from_secs(1));
+    let first = s.get_capacity("a", &req("r", 40.0, None));
+    assert_eq!(first.capacity, 40.0);
+    clock.advance(Duration::from_millis(300));
+    let again = s.get_capacity("a", &req("r", 90.0, None));
+    assert_eq!(again.capacity, 40.0);
+    assert_eq!(again.expiry, first.expiry, "the lease is returned unchanged");
+    assert_eq!(s.status()[0].sum_wants, 90.0, "the new wants is recorded");
+    clock.advance(Duration::from_millis(800));
+    assert_eq!(s.get_capacity("a", &req("r", 90.0, None)).capacity, 90.0);
+}
+
+#[test]
+fn dynamic_safe_capacity_counts_the_requester() {
+    let (s, _clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    assert_eq!(s.get_capacity("a", &req("r", 100.0, None)).safe_capacity, 100.0);
+    // A lower server gets it per subclient, uncapped: it caps its own clients.
+    let server = LeaseRequest { requester: Requester::Server { bands: vec![] }, ..req("r", 10.0, None) };
+    let g = s.get_capacity("b", &server);
+    assert_eq!((g.capacity, g.safe_capacity), (0.0, 50.0));
+}
+
+#[test]
+fn an_end_clients_safe_capacity_never_exceeds_its_lease_so_its_lapse_is_covered() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let mut t = (*template(Kind::FairShare, 100.0, 10, 5, 0)).clone();
+    t.safe_capacity = Some(10.0);
+    let s = Store::new(clock, ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
+    let a = s.get_capacity("a", &req("r", 4.0, None));
+    assert_eq!((a.capacity, a.safe_capacity), (4.0, 4.0), "configured 10, but a holds 4");
+    let b = s.get_capacity("b", &req("r", 200.0, None));
+    assert_eq!((b.capacity, b.safe_capacity), (96.0, 10.0));
+    // a lapses and runs on its safe capacity (4): that stays reserved, so b's
+    // next grant and a fit within the capacity.
+    handle.advance(Duration::from_secs(10));
+    let b = s.get_capacity("b", &req("r", 200.0, None));
+    let st = s.status();
+    assert_eq!((b.capacity, st[0].reserved, st[0].clients), (96.0, 4.0, 1), "{st:?}");
+    assert!(b.capacity + a.safe_capacity <= 100.0);
+    // a comes back: its reservation goes, and it is served as before.
+    assert_eq!(s.get_capacity("a", &req("r", 4.0, None)).capacity, 4.0);
+    assert_eq!(s.status()[0].reserved, 0.0);
+}
+
+#[test]
+fn sweep_drops_expired_leases_and_empty_resources() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    s.get_capacity("a", &req("r", 10.0, None));
+    clock.advance(Duration::from_secs(9));
+    s.sweep();
+    assert_eq!(s.status().len(), 1);
+    clock.advance(Duration::from_secs(1));
+    s.sweep();
+    // The lapsed client runs on its safe capacity once its hold ends (by
+    // default its share: the whole capacity, alone), so that stays reserved
+    // through the hold (a refresh interval × 7/6 longer for a lease below
+    // its share: `lease::Core`'s hold) and SHARE_KEPT after it.
+    let st = s.status();
+    assert_eq!((st.len(), st[0].clients, st[0].reserved), (1, 0, 100.0), "{st:?}");
+    // (Its lease, the resource's first, asked to hear from it within a second.)
+    let hold = Duration::from_secs(10) + FAST_REFRESH.mul_f64(7.0 / 6.0);
+    clock.advance(hold + SHARE_KEPT - Duration::from_millis(1));
+    s.sweep();
+    assert_eq!(s.status()[0].reserved, 100.0);
+    clock.advance(Duration::from_millis(1));
+    s.sweep();
+    assert!(s.status().is_empty());
+}
+
+fn server_req(wants: f64, subclients: u64, has: Option<f64>) -> LeaseRequest {
+    LeaseRequest {
+        subclients,
+        requester: Requester::Server { bands: vec![Band { priority: 0, num_clients: subclients as i64, wants }] },
+        ..req("r", wants, has)
+    }
+}
+
+#[test]
+fn a_new_masters_missing_subclients_stay_counted_after_the_predecessors_leases_lapse() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let mut t = (*template(Kind::FairShare, 100.0, 10, 5, 0)).clone();
+    t.safe_capacity = Some(10.0);
+    let s = Store::new(clock, ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
+    // Node n's master speaks for 5 clients holding 50.
+    assert_eq!(s.get_capacity("n#1", &server_req(50.0, 5, None)).capacity, 50.0);
+    // A new master hears from 3 of them (20): the predecessor's 50 stays
+    // counted until its lease would have expired.
+    handle.advance(Duration::from_secs(2));
+    s.get_capacity("n#2", &server_req(20.0, 3, Some(20.0)));
+    assert_eq!(s.get_capacity("c", &req("r", 100.0, None)).capacity, 50.0);
+    // Then the 2 missing clients' leases lapse: they run on their safe
+    // capacity (10 each, never above their leases), so 20 + 20 stays counted.
+    handle.advance(Duration::from_secs(9));
+    s.get_capacity("n#2", &server_req(20.0, 3, Some(20.0)));
+    assert_eq!(s.status()[0].sum_has, 40.0 + 50.0);
+    assert_eq!(s.get_capacity("c", &req("r", 100.0, None)).capacity, 60.0);
+    // Once they are back (5 subclients), only what the master reports counts.
+    s.get_capacity("n#2", &server_req(40.0, 5, Some(40.0)));
+    assert_eq!(s.status()[0].sum_has, 40.0 + 60.0);
+}
+
+fn learning_store(lease: u64, refresh: u64) -> (Store, Arc<usher_core::clock::ManualClock>) {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, lease, refresh, lease)] };
+    (Store::new(clock, cfg, Duration::ZERO), handle)
+}
+
+#[test]
+fn a_new_master_learns_only_while_a_predecessors_lease_may_be_outstanding() {
+    // Unknown: learning mode for its whole bound (refresh 5 s × 7/6 + 3 s).
+    let (s, _clock) = learning_store(60, 5);
+    s.become_master();
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 0.0, "learning: reports nothing, gets 0");
+    // A fresh deployment (no record): no learning mode at all.
+    let (s, _clock) = learning_store(60, 5);
+    s.become_master();
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 80.0);
+    assert!(!s.status()[0].learning_mode);
+    // A record 4 s ahead: learning ends then, before its bound.
+    let (s, clock) = learning_store(60, 5);
+    s.become_master();
+    s.set_predecessor(Predecessor::Until(clock.now().saturating_add(Duration::from_secs(4))));
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 0.0);
+    assert_eq!(s.status()[0].learning_left_s, 4.0);
+    clock.advance(Duration::from_secs(4));
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 80.0);
+    // A record already past: no lease is outstanding, but clients on their
+    // safe capacity reconnect; learning lasts the reconnect allowance.
+    let (s, clock) = learning_store(60, 5);
+    s.become_master();
+    s.set_predecessor(Predecessor::Lapsed);
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 0.0);
+    assert_eq!(s.status()[0].learning_left_s, RECONNECT_ALLOWANCE.as_secs_f64());
+    clock.advance(RECONNECT_ALLOWANCE);
+    assert_eq!(s.get_capacity("a", &req("r", 80.0, None)).capacity, 80.0);
+}
+
+#[test]
+fn no_lease_outlives_the_recorded_horizon() {
+    let (s, clock) = learning_store(60, 5);
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    let h = clock.now().saturating_add(Duration::from_secs(20));
+    s.set_lease_horizon(Some(h));
+    assert_eq!(s.get_capacity("a", &req("r", 10.0, None)).expiry, h, "60 s lease cut to the horizon");
+    s.set_lease_horizon(None);
+    let g = s.get_capacity("a", &req("r", 10.0, None));
+    assert_eq!(g.expiry, clock.now().saturating_add(Duration::from_secs(60)));
+    assert_eq!(s.longest_lease(), Duration::from_secs(60));
+}
+
+#[test]
+fn a_cut_capacity_brings_each_client_down_to_its_share_not_to_nothing() {
+    let (s, _clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    assert_eq!(s.get_capacity("a", &req("r", 60.0, None)).capacity, 60.0);
+    assert_eq!(s.get_capacity("b", &req("r", 60.0, None)).capacity, 40.0);
+    s.reload(ResourcesConfig { templates: vec![template(Kind::FairShare, 50.0, 10, 5, 0)] });
+    // Share 25 each; b still holds 40, so nothing is unused for a. It keeps
+    // 25 of its 60 (never more than it held), not the 0 left unused.
+    assert_eq!(s.get_capacity("a", &req("r", 60.0, None)).capacity, 25.0);
+    assert_eq!(s.get_capacity("b", &req("r", 60.0, None)).capacity, 25.0);
+    assert_eq!(s.status()[0].sum_has, 50.0);
+    // A newcomer holding nothing still gets only what is unused.
+    assert_eq!(s.get_capacity("c", &req("r", 60.0, None)).capacity, 0.0);
+}
+
+#[test]
+fn an_intermediate_without_a_parent_lease_keeps_clients_that_hold_nothing_known() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 60, 8, 0)] };
+    let mut s = Store::new(clock, cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    for _ in 0..5 {
+        let g = s.get_capacity("a", &req("r", 30.0, None));
+        assert_eq!((g.capacity, g.expiry), (0.0, handle.now()), "an expired lease: nothing to hand out yet");
+        handle.advance(Duration::from_secs(1));
+        // Its demand stays there for the parent to hear of, without a gap.
+        assert_eq!(s.parent_demand().iter().map(|d| d.wants).sum::<f64>(), 30.0);
+    }
+}
+
+/// An intermediate cut off from its parent for longer than its clients'
+/// leases and their reservations tells them the whole safe capacity, as a
+/// client cut off from the tree would use it; while a client's reservation
+/// lasts, no more than that. (It told them 0 once the reservation lapsed:
+/// a root outage of two lease lengths cut every client behind it to 0.)
+#[test]
+fn an_intermediate_cut_off_from_its_parent_tells_clients_the_safe_capacity() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 10, 5, 0)] };
+    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    s.get_capacity("a", &req("r", 10.0, None));
+    s.set_parent_lease(
+        "r",
+        Some(ParentLease {
+            resource_capacity: None,
+            capacity: 20.0,
+            expiry: clock.now().saturating_add(Duration::from_secs(10)),
+            refresh_interval: Duration::from_secs(5),
+            algorithm: None,
+            safe_capacity: Some(2.0),
+            template: None,
+            predecessor_subclients: None,
+            answered_subclients: None,
+        }),
+    );
+    let g = s.get_capacity("a", &req("r", 10.0, None));
+    assert_eq!((g.capacity, g.safe_capacity), (10.0, 2.0));
+    // The parent is gone: its lease, the client's (never longer) and the
+    // client's reservation (a lease length more) run out in turn.
+    let mut told = Vec::new();
+    for _ in 0..30 {
+        handle.advance(Duration::from_secs(1));
+        let g = s.get_capacity("a", &req("r", 10.0, Some(0.0)));
+        assert!(g.capacity == 0.0 || g.expiry > clock.now(), "no new capacity: {g:?}");
+        told.push(g.safe_capacity);
+    }
+    assert!(told.iter().all(|&safe| safe == 2.0), "the safe capacity throughout: {told:?}");
+}
+
+#[test]
+fn an_intermediate_reports_what_its_clients_hold_not_what_it_last_granted() {
+    let (clock, _handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 60, 8, 0)] };
+    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    let lease = |capacity| ParentLease {
+        resource_capacity: None,
+        capacity,
+        expiry: clock.now().saturating_add(Duration::from_secs(60)),
+        refresh_interval: Duration::from_secs(8),
+        algorithm: None,
+        safe_capacity: None,
+        template: None,
+        predecessor_subclients: None,
+        answered_subclients: None,
+    };
+    s.get_capacity("leaf#1", &server_req(80.0, 4, None));
+    s.set_parent_lease("r", Some(lease(100.0)));
+    assert_eq!(s.get_capacity("leaf#1", &server_req(80.0, 4, None)).capacity, 80.0);
+    // The parent cuts this server to 40; the leaf is granted 40 but its
+    // clients hold 80 until they refresh: 80 is what is out there.
+    s.set_parent_lease("r", Some(lease(40.0)));
+    assert_eq!(s.get_capacity("leaf#1", &server_req(80.0, 4, Some(80.0))).capacity, 40.0);
+    assert_eq!(s.parent_demand()[0].handed_out, 80.0);
+}
+
+#[test]
+fn reload_applies_the_new_capacity_to_the_next_decision() {
+    let (s, _clock) = store(Kind::Static, 100.0, 0, Duration::ZERO);
+    assert_eq!(s.get_capacity("a", &req("r", 500.0, None)).capacity, 100.0);
+    s.reload(ResourcesConfig { templates: vec![template(Kind::Static, 7.0, 10, 5, 0)] });
+    assert_eq!(s.get_capacity("a", &req("r", 500.0, None)).capacity, 7.0);
+    assert_eq!(s.status()[0].capacity, 7.0);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Ask { client: u8, wants: f64, subclients: u64 },
+    Release { client: u8 },
+    Advance { millis: u64 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0u8..12, 0.0f64..300.0, 1u64..4).prop_map(|(client, wants, subclients)| Op::Ask { client, wants, subclients }),
+        1 => (0u8..12).prop_map(|client| Op::Release { client }),
+        3 => (0u64..6000).prop_map(|millis| Op::Advance { millis }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Random request sequences with time advancing and leases expiring: the
+    /// sum of unexpired grants never exceeds capacity for the share
+    /// algorithms, no grant is negative, no grant exceeds wants.
+    #[test]
+    fn grants_stay_within_capacity(
+        kind in prop_oneof![Just(Kind::FairShare), Just(Kind::ProportionalShare), Just(Kind::Static), Just(Kind::NoAlgorithm)],
+        capacity in 0.0f64..500.0,
+        ops in prop::collection::vec(op(), 1..120),
+    ) {
+        let (s, clock) = store(kind, capacity, 0, Duration::ZERO);
+        // The model: client -> (grant, expiry).
+        let mut model: HashMap<u8, (f64, Time)> = HashMap::new();
+        for op in ops {
+            match op {
+                Op::Ask { client, wants, subclients } => {
+                    let mut r = req("res", wants, None);
+                    r.subclients = subclients;
+                    let g = s.get_capacity(&format!("c{client}"), &r);
+                    prop_assert!(g.capacity >= 0.0 && !g.capacity.is_nan());
+                    if kind != Kind::NoAlgorithm {
+                        prop_assert!(g.capacity <= wants + 1e-9);
+                    }
+                    if kind == Kind::Static {
+                        prop_assert!(g.capacity <= capacity + 1e-9);
+                    }
+                    model.insert(client, (g.capacity, g.expiry));
+                }
+                Op::Release { client } => {
+                    s.release(&format!("c{client}"), "res");
+                    model.remove(&client);
+                }
+                Op::Advance { millis } => clock.advance(Duration::from_millis(millis)),
+            }
+            let now = clock.now();
+            model.retain(|_, (_, exp)| *exp > now);
+            let outstanding: f64 = model.values().map(|(g, _)| g).sum();
+            if is_shared(kind) {
+                prop_assert!(outstanding <= capacity + 1e-6, "{outstanding} > {capacity}");
+            }
+            let st = s.status();
+            let has = st.first().map_or(0.0, |r| r.sum_has);
+            prop_assert!((has - outstanding).abs() < 1e-6, "store says {has}, model {outstanding}");
+        }
+    }
+}
+
+#[test]
+fn learning_mode_hands_the_safe_capacity_to_a_client_holding_nothing_and_echoes_any_other() {
+    let mut t = (*template(Kind::FairShare, 50.0, 60, 10, 60)).clone();
+    t.safe_capacity = Some(2.0);
+    let mut r = Resource::new(Arc::new(t));
+    let learn = Decision { learning: true, min_interval: Duration::ZERO, again: false, arrivals: true };
+    let now = Time::from_secs(500);
+    // New, holding 0, holding more than the safe capacity, wanting less than it.
+    assert_eq!(r.decide("new", &req("x", 10.0, None), now, learn, Role::Root).capacity, 2.0);
+    assert_eq!(r.decide("zero", &req("x", 10.0, Some(0.0)), now, learn, Role::Root).capacity, 2.0);
+    assert_eq!(r.decide("more", &req("x", 10.0, Some(7.0)), now, learn, Role::Root).capacity, 7.0);
+    assert_eq!(r.decide("small", &req("x", 0.5, Some(0.0)), now, learn, Role::Root).capacity, 0.5);
+    // Holding less than the safe capacity: what it holds, no more (a parent
+    // counts this subtree at what it reports; more would not be covered).
+    assert_eq!(r.decide("less", &req("x", 10.0, Some(1.5)), now, learn, Role::Root).capacity, 1.5);
+}
+
+#[test]
+fn a_lapsed_lease_stays_reserved_in_full_for_a_lease_length() {
+    // Its client holds it for as long again as it was granted for (see
+    // `lease::Mode::Held`), whatever its safe capacity.
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let mut t = (*template(Kind::FairShare, 100.0, 10, 5, 0)).clone();
+    t.safe_capacity = Some(10.0);
+    let s = Store::new(clock, ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
+    assert_eq!(s.get_capacity("a", &req("r", 60.0, None)).capacity, 60.0);
+    assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 40.0);
+    handle.advance(Duration::from_secs(6));
+    assert_eq!(s.get_capacity("b", &req("r", 200.0, Some(40.0))).capacity, 40.0);
+    // a's lease lapses at 10 s: its 60 stay reserved, b gets no more.
+    handle.advance(Duration::from_secs(5));
+    let b = s.get_capacity("b", &req("r", 200.0, Some(40.0)));
+    let st = s.status();
+    assert_eq!((b.capacity, st[0].reserved, st[0].clients), (40.0, 60.0, 1), "{st:?}");
+    // A lease length after the lapse, the hold is over and so is the reservation.
+    handle.advance(Duration::from_secs(10));
+    let b = s.get_capacity("b", &req("r", 200.0, Some(40.0)));
+    assert_eq!((b.capacity, s.status()[0].reserved), (100.0, 0.0));
+}
+
+#[test]
+fn a_short_lapsed_lease_is_reserved_in_full_while_held_then_at_its_safe_capacity() {
+    // An intermediate's leases end with its parent's: a 20 s lease out of a
+    // 60 s lease length. Its client holds it 20 s more, then runs on its
+    // safe capacity (10): that much stays reserved up to a lease length
+    // after the lapse, and no more.
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let mut t = (*template(Kind::FairShare, 100.0, 60, 8, 0)).clone();
+    t.safe_capacity = Some(10.0);
+    let mut s = Store::new(clock.clone(), ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    let lease = |secs| ParentLease {
+        resource_capacity: None,
+        capacity: 100.0,
+        expiry: clock.now().saturating_add(Duration::from_secs(secs)),
+        refresh_interval: Duration::from_secs(8),
+        algorithm: None,
+        safe_capacity: None,
+        template: None,
+        predecessor_subclients: None,
+        answered_subclients: None,
+    };
+    s.get_capacity("a", &req("r", 60.0, None));
+    s.set_parent_lease("r", Some(lease(20)));
+    let a = s.get_capacity("a", &req("r", 60.0, None));
+    assert_eq!((a.capacity, a.expiry), (60.0, handle.now().saturating_add(Duration::from_secs(20))));
+    handle.advance(Duration::from_secs(19));
+    s.set_parent_lease("r", Some(lease(120)));
+    handle.advance(Duration::from_secs(2));
+    let reserved = |s: &Store| s.status()[0].reserved;
+    assert_eq!(reserved(&s), 60.0, "held: the whole lease");
+    assert_eq!(s.get_capacity("b", &req("r", 200.0, None)).capacity, 40.0);
+    handle.advance(Duration::from_secs(20));
+    assert_eq!(reserved(&s), 10.0, "after the hold: the safe capacity");
+    assert_eq!(s.parent_demand()[0].handed_out, 50.0, "b's 40 and the 10 reserved");
+    handle.advance(Duration::from_secs(39));
+    assert_eq!(reserved(&s), 0.0, "a lease length after the lapse");
+}
+
+fn strict(mut t: Arc<Template>) -> Arc<Template> {
+    Arc::make_mut(&mut t).algorithm.parameters = vec![("priority_mode".into(), Some("strict".into()))];
+    t
+}
+
+#[test]
+fn strict_priorities_count_every_band_also_when_filed_after_a_reload() {
+    let prio = |p: i64| LeaseRequest { requester: Requester::Client { priority: p }, ..req("r", 80.0, None) };
+    // Strict from the start, and strict only from a reload on, after both
+    // leases were granted: the bands filed then hold both clients.
+    for reloaded in [false, true] {
+        let t = template(Kind::FairShare, 100.0, 10, 5, 0);
+        let (clock, _time) = Clock::manual(Time::from_secs(1_000_000));
+        let first = if reloaded { t.clone() } else { strict(t.clone()) };
+        let s = Store::new(clock, ResourcesConfig { templates: vec![first] }, Duration::ZERO);
+        assert_eq!(s.get_capacity("lo", &prio(0)).capacity, 80.0, "alone");
+        assert_eq!(s.get_capacity("hi", &prio(1)).capacity, 20.0, "what lo leaves unused");
+        if reloaded {
+            s.reload(ResourcesConfig { templates: vec![strict(t)] });
+        }
+        // Strictly, hi's band comes first: lo gets what its 80 leave (fair
+        // share alone would keep lo at 50).
+        assert_eq!(s.get_capacity("lo", &prio(0)).capacity, 20.0, "reloaded: {reloaded}");
+        assert_eq!(s.get_capacity("hi", &prio(1)).capacity, 80.0, "reloaded: {reloaded}");
+    }
+}
+
+#[test]
+fn a_lower_servers_bands_reach_the_parent_per_priority() {
+    let (s, _clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    let band = |priority, num_clients, wants| Band { priority, num_clients, wants };
+    let server = |bands| LeaseRequest { requester: Requester::Server { bands }, ..req("r", 30.0, None) };
+    s.get_capacity("a", &server(vec![band(0, 2, 10.0), band(1, 1, 20.0)]));
+    s.get_capacity("b", &req("r", 5.0, None));
+    let bands = |s: &Store| s.parent_demand()[0].bands.clone();
+    assert_eq!(bands(&s), vec![band(0, 3, 15.0), band(1, 1, 20.0)]);
+    // Once filed, kept up to date: a's new bands replace its old ones.
+    s.get_capacity("a", &server(vec![band(2, 4, 30.0)]));
+    assert_eq!(bands(&s), vec![band(0, 1, 5.0), band(2, 4, 30.0)]);
+    s.release("b", "r");
+    assert_eq!(bands(&s), vec![band(2, 4, 30.0)]);
+}
+
+proptest! {
+    /// A resource's expiries, a vector while few and a tree beyond, keep
+    /// the order and contents a tree alone would.
+    #[test]
+    fn expiries_keep_a_trees_order(ops in proptest::collection::vec((any::<bool>(), 0u64..6, 0u32..24), 0..200)) {
+        let (mut ours, mut tree) = (Expiries::default(), BTreeSet::new());
+        for (insert, t, slot) in ops {
+            let e = (Time::from_secs(t), slot);
+            if insert {
+                ours.insert(e);
+                tree.insert(e);
+            } else {
+                ours.remove(&e);
+                tree.remove(&e);
+            }
+            prop_assert_eq!(ours.first(), tree.first());
+            let all: Vec<_> = match &ours {
+                Expiries::Few(v) => v.clone(),
+                Expiries::Many(set) => set.iter().copied().collect(),
+            };
+            prop_assert_eq!(all, tree.iter().copied().collect::<Vec<_>>());
+        }
+    }
+}
+
+/// A resource with the default safe capacity (none configured), capacity
+/// `capacity`, leases of 10 s refreshed every 5 s.
+fn share_store(capacity: f64) -> (Store, Arc<usher_core::clock::ManualClock>) {
+    store(Kind::FairShare, capacity, 0, Duration::ZERO)
+}
+
+#[test]
+fn idle_clients_are_told_their_share_never_more_than_the_capacity_in_all() {
+    let (s, clock) = share_store(10.0);
+    assert_eq!(s.get_capacity("a", &req("r", 0.0, None)).safe_capacity, 10.0, "alone: the whole capacity");
+    // a was told 10 and may run on it until it hears otherwise: b's share waits.
+    assert_eq!(s.get_capacity("b", &req("r", 0.0, None)).safe_capacity, 0.0);
+    clock.advance(Duration::from_secs(5));
+    assert_eq!(s.get_capacity("a", &req("r", 0.0, None)).safe_capacity, 5.0);
+    assert_eq!(s.get_capacity("b", &req("r", 0.0, None)).safe_capacity, 5.0);
+    assert_eq!(s.get_capacity("a", &req("r", 0.0, None)).safe_capacity, 5.0, "steady");
+    // A new master learning knows nothing of the shares its predecessor
+    // told: the safe capacity it tells is capped at the lease until it has
+    // learnt (the first client back is not told the whole capacity).
+    let (s, _clock) = learning_store(60, 5);
+    s.become_master();
+    let g = s.get_capacity("a", &req("r", 0.0, Some(0.0)));
+    assert_eq!((g.capacity, g.safe_capacity), (0.0, 0.0));
+    // A configured safe capacity is capped at the lease, as before.
+    let mut t = (*template(Kind::FairShare, 10.0, 10, 5, 0)).clone();
+    t.safe_capacity = Some(4.0);
+    let s = Store::new(
+        Clock::manual(Time::from_secs(1)).0,
+        ResourcesConfig { templates: vec![Arc::new(t)] },
+        Duration::ZERO,
+    );
+    assert_eq!(s.get_capacity("a", &req("r", 0.0, None)).safe_capacity, 0.0);
+}
+
+#[test]
+fn an_idle_clients_share_is_lent_while_its_lease_runs_and_reserved_once_it_lapses() {
+    let (s, clock) = share_store(10.0);
+    s.get_capacity("a", &req("r", 0.0, None));
+    s.get_capacity("b", &req("r", 10.0, None));
+    clock.advance(Duration::from_secs(5));
+    assert_eq!(s.get_capacity("a", &req("r", 0.0, None)).safe_capacity, 5.0);
+    // b gets what a leaves while a's lease runs.
+    let b = s.get_capacity("b", &req("r", 10.0, None));
+    assert_eq!((b.capacity, b.safe_capacity), (10.0, 5.0));
+    // a is cut off: its lease lapses at 15 s, it holds it (0) until 25 s,
+    // then runs on its share (5). Reserved from the lapse, so b's next grant
+    // (lasting to 25 s at most) leaves it room.
+    clock.advance(Duration::from_secs(5));
+    assert_eq!(s.get_capacity("b", &req("r", 10.0, None)).capacity, 10.0, "a's lease still runs");
+    clock.advance(Duration::from_secs(5));
+    let b = s.get_capacity("b", &req("r", 10.0, None));
+    assert_eq!(b.capacity, 5.0, "a lapsed: its share is reserved");
+    assert_eq!(s.status()[0].reserved, 5.0);
+    // Kept through the hold (a refresh longer) and SHARE_KEPT after it; then b gets it all.
+    clock.advance(Duration::from_secs(16) + SHARE_KEPT);
+    assert_eq!(s.get_capacity("b", &req("r", 10.0, None)).capacity, 10.0);
+    // a comes back before that: its reservation goes, it is served anew.
+}
+
+/// Three clients cut off together and coming back one by one: those back
+/// first get no more than the capacity leaves beside the shares of those
+/// still cut off (before, the first two got their whole demand, 70 of 60).
+#[test]
+fn clients_coming_back_one_by_one_leave_room_for_those_still_cut_off() {
+    let (s, clock) = share_store(60.0);
+    for round in 0..2 {
+        for c in ["a", "b", "c"] {
+            let g = s.get_capacity(c, &req("r", 35.0, None));
+            if round == 1 {
+                assert_eq!((g.capacity, g.safe_capacity), (20.0, 20.0), "{c}");
+            }
+        }
+        clock.advance(Duration::from_secs(5));
+    }
+    // Cut off for 25 s: every lease lapsed and its hold ended.
+    clock.advance(Duration::from_secs(20));
+    assert_eq!(s.status()[0].reserved, 60.0);
+    let a = s.get_capacity("a", &req("r", 35.0, None));
+    let b = s.get_capacity("b", &req("r", 35.0, None));
+    assert!(a.capacity + b.capacity + 20.0 <= 60.0 + 1e-9, "a {} b {} c on 20", a.capacity, b.capacity);
+    assert!(a.safe_capacity + b.safe_capacity + 20.0 <= 60.0 + 1e-9);
+    assert_eq!((a.capacity, b.capacity), (20.0, 20.0));
+    // c back too: still within the capacity, and fair.
+    let c = s.get_capacity("c", &req("r", 35.0, None));
+    assert_eq!(c.capacity, 20.0);
+}
+
+#[derive(Debug, Clone)]
+struct Told {
+    safe: f64,
+    asked: Time,
+    expiry: Time,
+    refresh: Duration,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Random request sequences: what the server told its clients as their
+    /// share, while it may be run on (its lease, its hold, then
+    /// [`SHARE_KEPT`]), never adds up to more than the capacity.
+    #[test]
+    fn shares_told_stay_within_capacity(
+        capacity in 0.0f64..500.0,
+        ops in prop::collection::vec(op(), 1..120),
+    ) {
+        let (s, clock) = share_store(capacity);
+        let mut model: HashMap<u8, Told> = HashMap::new();
+        let lease = Duration::from_secs(10);
+        for op in ops {
+            match op {
+                Op::Ask { client, wants, subclients } => {
+                    let mut r = req("res", wants, None);
+                    r.subclients = subclients;
+                    let g = s.get_capacity(&format!("c{client}"), &r);
+                    prop_assert!(g.safe_capacity >= 0.0);
+                    model.insert(client, Told { safe: g.safe_capacity, asked: clock.now(), expiry: g.expiry, refresh: g.refresh_interval });
+                }
+                Op::Release { client } => {
+                    s.release(&format!("c{client}"), "res");
+                    model.remove(&client);
+                }
+                Op::Advance { millis } => clock.advance(Duration::from_millis(millis)),
+            }
+            let now = clock.now();
+            model.retain(|_, t| {
+                let hold = t.expiry.since(t.asked).min(lease) + t.refresh.mul_f64(7.0 / 6.0);
+                t.expiry.saturating_add(hold + lease.max(SHARE_KEPT)) > now
+            });
+            let told: f64 = model.values().map(|t| t.safe).sum();
+            prop_assert!(told <= capacity + 1e-6, "told {told} > {capacity}");
+        }
+    }
+}
+
+/// While a resource's clients are still arriving (its first refresh
+/// interval), one whose wants grow past what it asked before (its measured
+/// demand arriving) gets no more than its equal share: the others may be
+/// about to ask for theirs. After it, max-min fairness as ever.
+#[test]
+fn a_client_whose_first_wants_understated_its_demand_grows_to_its_equal_share_while_others_arrive() {
+    let (s, clock) = store(Kind::FairShare, 90.0, 0, Duration::ZERO);
+    for c in ["a", "b", "c"] {
+        assert_eq!(s.get_capacity(c, &req("r", 1.0, None)).capacity, 1.0);
+    }
+    clock.advance(Duration::from_secs(1));
+    let a = s.get_capacity("a", &req("r", 50.0, None));
+    assert_eq!((a.capacity, a.refresh_interval), (30.0, FAST_REFRESH), "its equal share, and come back soon");
+    // A newcomer asking for much at once is not held to it (nothing it asked before understated).
+    assert_eq!(s.get_capacity("d", &req("r", 20.0, None)).capacity, 20.0);
+    // After the first refresh interval (5 s): what the others leave.
+    clock.advance(Duration::from_secs(4));
+    assert_eq!(s.get_capacity("a", &req("r", 90.0, None)).capacity, 90.0 - 1.0 - 1.0 - 20.0);
+}
