@@ -14,6 +14,8 @@
 //! - [`respond`]: the one place a refusal or an error becomes an answer.
 //! - [`metrics`]: the counters of routes, resources and settled costs.
 
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod embed;
 pub mod enforcer;
 pub mod feedback;

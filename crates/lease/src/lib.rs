@@ -9,6 +9,8 @@
 //! a run of failed calls without repeating itself every second;
 //! [`headroom`] sizes the margin over a measured rate.
 
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod backoff;
 pub mod batch;
 pub mod cache;

@@ -10,6 +10,8 @@
 //! This crate knows nothing of gRPC, routes files or HTTP status codes: a
 //! refusal is a typed [`Refused`] that the proxy turns into a response.
 
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod admit;
 pub mod demand;
 pub mod gauge;

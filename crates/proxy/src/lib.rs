@@ -14,6 +14,8 @@
 //! [`run`]; no module below imports it. On shutdown the listener stops
 //! accepting and in-flight requests drain until a deadline.
 
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod access_log;
 mod body;
 mod general;

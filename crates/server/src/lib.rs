@@ -4,6 +4,8 @@
 //! the background tasks (lease sweep, config reload). This module wires them
 //! together and runs them until shutdown.
 
+#![warn(missing_docs, unreachable_pub)]
+
 pub mod algorithm;
 mod conns;
 pub mod election;
