@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 use usher_core::error::RunError;
-use usher_proxy::access_log::Entry;
+use usher_proxy::ops::access_log::Entry;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct AuditArgs {

@@ -16,20 +16,14 @@
 
 #![warn(missing_docs, unreachable_pub)]
 
-pub mod access_log;
-mod body;
-mod general;
 mod guard;
-mod h1;
-mod h1pool;
-mod h2conn;
+mod engine;
 pub mod listener;
+pub mod ops;
 pub mod pipeline;
-mod pool;
 pub mod route;
-mod status;
 pub mod upstream;
-mod wiring;
+mod sidecar;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -50,7 +44,7 @@ pub use usher_enforce::metrics::Metrics;
 
 pub use route::ListenerId;
 pub use usher_enforce::respond::ProxyBody;
-pub use wiring::{Proxy, UpstreamListener, readiness};
+pub use sidecar::{Proxy, UpstreamListener, readiness};
 
 /// `usher proxy` flags; each can also be set as `USHER_<FLAG>`.
 #[derive(Debug, Clone, clap::Args)]
@@ -241,7 +235,7 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     client.ready(FIRST_LEASE_WAIT).await;
     proxy.set_lease(client);
     tracing::info!(listen = %listen_addr, admin = %admin_addr, routes_file = %source, routes, resources, "usher proxy listening");
-    let admin_task = tokio::spawn(usher_core::admin::serve(admin, status::handler(proxy.clone()), shutdown.clone()));
+    let admin_task = tokio::spawn(usher_core::admin::serve(admin, ops::status::handler(proxy.clone()), shutdown.clone()));
     serve_all(proxy, listeners, shutdown.clone(), drain, args.http1).await;
     shutdown.cancel();
     lease_shutdown.cancel();

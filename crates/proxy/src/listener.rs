@@ -3,7 +3,7 @@
 //! deadline for the first bytes and for every request head, header size and
 //! count limits, and HTTP/2 flood protection (rapid reset, CONTINUATION).
 //!
-//! HTTP/1.1 connections start on the native path (`super::h1`), which
+//! HTTP/1.1 connections start on the native path (`super::engine::native`), which
 //! hands a connection to hyper when it brings a request it does not serve;
 //! h2c connections, and every connection under `--http1 hyper`, go to hyper.
 
@@ -20,10 +20,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::h1::{self, Served, Services};
+use super::engine::native::{self, Served, Services};
 use super::route::ListenerId;
-use super::wiring::Proxy;
-use usher_core::config::limits::ListenerLimits;
+use super::sidecar::Proxy;
+use usher_core::config::listener::ListenerLimits;
 use usher_enforce::respond::BoxError;
 
 /// The first bytes of every HTTP/2 prior-knowledge connection.
@@ -158,7 +158,7 @@ impl ConnServer {
                 handoffs: &proxy.metrics.http1_handoffs,
                 listener: self.listener,
             };
-            match h1::serve(self, &services, io, buf, deadline).await? {
+            match native::serve(self, &services, io, buf, deadline).await? {
                 Served::Closed => return Ok(()),
                 Served::HandOff(buf, io) => (buf, io),
             }
@@ -207,7 +207,7 @@ impl ConnServer {
     }
 }
 
-impl h1::Connection for ConnServer {
+impl native::Connection for ConnServer {
     fn limits(&self) -> &ListenerLimits {
         &self.limits
     }

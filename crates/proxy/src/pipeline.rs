@@ -34,7 +34,7 @@ use http::{Response, StatusCode};
 use pin_project_lite::pin_project;
 use tower::{Layer, Service, ServiceBuilder};
 
-use super::access_log::{self, AccessLog};
+use super::ops::access_log::{self, AccessLog};
 use super::route::{ListenerId, Resolved, Route, Routing};
 use super::upstream::Upstream;
 use usher_core::clock::{Clock, Time};

@@ -4,7 +4,7 @@
 
 pub mod doorman;
 pub mod file;
-pub mod limits;
+pub mod listener;
 pub mod quota;
 pub mod resources;
 pub mod routes;

@@ -45,7 +45,7 @@ pub struct RoutesConfig {
     pub resources: BTreeMap<String, ResourceConfig>,
     pub routes: Vec<RouteConfig>,
     /// What the listener accepts from clients (`limits:`).
-    pub limits: super::limits::ListenerLimits,
+    pub limits: super::listener::ListenerLimits,
 }
 
 /// What happens to a request that no route matches.
@@ -420,7 +420,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
         Some(n) => super::doorman::read_doorman(ck, n).map(Some),
     };
 
-    let limits = top.get("limits").map_or(Some(Default::default()), |n| super::limits::read_limits(ck, n));
+    let limits = top.get("limits").map_or(Some(Default::default()), |n| super::listener::read_limits(ck, n));
 
     // Names count as defined even when their entry has errors, so one mistake is reported once.
     let mut up_names: Vec<String> = Vec::new();

@@ -33,7 +33,7 @@ use bytes::Bytes;
 use h2::client::SendRequest;
 use http::{Request, Response};
 
-use super::pool::{Stream, Tls, dial};
+use crate::upstream::pool::{Stream, Tls, dial};
 use usher_core::error::error_chain;
 
 /// Streams opened before the peer's SETTINGS say how many it takes (hyper's figure).

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use http::StatusCode;
 use serde::Serialize;
 
-use super::wiring::{Proxy, readiness};
+use crate::sidecar::{Proxy, readiness};
 use usher_core::admin::{self, Handler, escape};
 use usher_lease::core::{Capacity, Source};
 use usher_limit::{DemandSample, Kind};

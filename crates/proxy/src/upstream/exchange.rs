@@ -1,5 +1,5 @@
 //! The general path's exchanges with an HTTP/1.1 upstream (`http://`, not
-//! `h2c`, or `https://` speaking HTTP/1.1), on the same pool as the native path ([`super::pool::Pool`]):
+//! `h2c`, or `https://` speaking HTTP/1.1), on the same pool as the native path ([`crate::upstream::pool::Pool`]):
 //! one pool per upstream, whichever engine serves the app.
 //!
 //! Each exchange takes an idle connection: one this path left (a hyper
@@ -28,8 +28,8 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 
-use super::body::RequestBody;
-use super::pool::{HyperConn, Pool, Pooled};
+use crate::upstream::body::RequestBody;
+use crate::upstream::pool::{HyperConn, Pool, Pooled};
 
 /// Why a request got no response from the pool.
 #[derive(Debug)]

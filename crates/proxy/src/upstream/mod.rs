@@ -1,13 +1,18 @@
 //! Upstreams: their clients and pools, where a request goes ([`Target`]),
 //! the request URI and hop-by-hop rules. The general path's forwarding
-//! service is `super::general`. Per upstream: one pool of streams (TCP, or
+//! service is `crate::engine::hyper`. Per upstream: one pool of streams (TCP, or
 //! TLS to an `https://` upstream that speaks HTTP/1.1) for HTTP/1.1
-//! (`super::pool`), shared by both engines (the native path's exchange in
-//! `super::h1`, the general path's in `super::h1pool`), or hyper-util's
+//! (`crate::upstream::pool`), shared by both engines (the native path's exchange in
+//! `crate::engine::native`, the general path's in `crate::upstream::exchange`), or hyper-util's
 //! pooled client (h2 by ALPN over rustls, h2c, passthrough origins, and an
 //! `https://` upstream until its first answer says what it speaks);
 //! hop-by-hop header removal (RFC 9110 §7.6.1), protocol upgrades, connect
 //! and response-header timeouts. Bodies stream both ways.
+
+pub(crate) mod body;
+pub(crate) mod exchange;
+pub(crate) mod h2conn;
+pub(crate) mod pool;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -26,10 +31,10 @@ use rustls::RootCertStore;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 
-use super::body::RequestBody;
-use super::h1pool::PooledBody;
-use super::h2conn::H2Upstream;
-use super::pool::{Pool, Tls};
+use crate::upstream::body::RequestBody;
+use crate::upstream::exchange::PooledBody;
+use crate::upstream::h2conn::H2Upstream;
+use crate::upstream::pool::{Pool, Tls};
 use usher_core::config::routes::UpstreamConfig;
 use usher_core::error::error_chain;
 use usher_enforce::metrics::Metrics;
@@ -42,9 +47,9 @@ pub const DIRECT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Response-header timeout for origins reached without an upstream.
 pub const DIRECT_TIMEOUT: Duration = Duration::from_secs(60);
 
-pub use super::guard::VIA;
+pub use crate::guard::VIA;
 
-pub(super) type HttpsClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
+pub(crate) type HttpsClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
 
 /// One upstream: its configuration and its connection pool.
 pub struct Upstream {
@@ -52,16 +57,16 @@ pub struct Upstream {
     /// hyper-util's client, for what the upstream's own pool does not serve
     /// (h2c, passthrough origins, an `https://` upstream that may pick h2); none
     /// for an upstream known to speak HTTP/1.1.
-    pub(super) client: Option<HttpsClient>,
+    pub(crate) client: Option<HttpsClient>,
     /// `usher_proxy_upstream_seconds` for this upstream.
     seconds: prometheus::Histogram,
     /// The Host field of a pooled upstream: its host, and its port unless the scheme's default.
-    pub(super) host: Option<HeaderValue>,
+    pub(crate) host: Option<HeaderValue>,
     /// An HTTP/1.1 upstream's own pool (plain or TLS), used by both engines instead of `client`.
-    pub(super) plain: Option<Plain>,
+    pub(crate) plain: Option<Plain>,
     /// The native path's multiplexed connection to an upstream that speaks
     /// h2 (h2c, or an `https://` one that picked h2 in ALPN).
-    pub(super) h2: Option<H2Upstream>,
+    pub(crate) h2: Option<H2Upstream>,
 }
 
 /// An HTTP/1.1 upstream's connections (plain, or TLS to an `https://` one),
@@ -236,7 +241,7 @@ impl Upstream {
 
     /// The native path's multiplexed connection, for an upstream known to
     /// speak h2: h2c, or an `https://` upstream that picked h2 in ALPN.
-    pub(super) fn multiplexed(&self) -> Option<&H2Upstream> {
+    pub(crate) fn multiplexed(&self) -> Option<&H2Upstream> {
         let h2 = self.config.h2c || self.plain.as_ref().is_some_and(|p| p.speaks.load(Ordering::Relaxed) == H2);
         self.h2.as_ref().filter(|_| h2)
     }
@@ -290,13 +295,13 @@ fn tls_config(roots: RootCertStore, alpn: Vec<Vec<u8>>) -> Result<rustls::Client
 /// app and the operator: the causes under hyper-util's own `client error
 /// (Connect)` wrapper, which only names the stage, and what to do about an
 /// untrusted certificate.
-pub(super) fn client_error(e: &hyper_util::client::legacy::Error) -> String {
+pub(crate) fn client_error(e: &hyper_util::client::legacy::Error) -> String {
     let mut s = match std::error::Error::source(e) {
         Some(cause) => error_chain(cause),
         None => error_chain(e),
     };
     if s.contains("invalid peer certificate") {
-        s.push_str(super::pool::UNTRUSTED);
+        s.push_str(crate::upstream::pool::UNTRUSTED);
     }
     s
 }
@@ -317,7 +322,7 @@ const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection")
 /// Connection field says (TE only when it is not `trailers`, which
 /// [`strip_hop_by_hop`] checks). Case-insensitive: the native HTTP/1.1 path
 /// asks with names as the app wrote them.
-pub(super) fn hop_by_hop(name: &str) -> bool {
+pub(crate) fn hop_by_hop(name: &str) -> bool {
     const NAMES: [&str; 10] = [
         "connection",
         "http2-settings",
@@ -338,7 +343,7 @@ fn always_hop_by_hop(name: &HeaderName) -> bool {
 }
 
 /// Hop-by-hop fields (RFC 9110 §7.6.1) plus those the Connection field names.
-pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     // Most messages have none: one pass over the names, no lookups.
     if !headers.keys().any(always_hop_by_hop) {
         if keep_upgrade {
@@ -382,7 +387,7 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
 
 /// The URI to send: the upstream's scheme, authority and base path, then the request's path and query.
 /// `origin_form`: the path and query only, for a connection of the upstream's own.
-pub(super) fn upstream_uri(base: &Uri, req: &Uri, origin_form: bool) -> Result<Uri, ProxyError> {
+pub(crate) fn upstream_uri(base: &Uri, req: &Uri, origin_form: bool) -> Result<Uri, ProxyError> {
     let bad = |e: &dyn std::fmt::Display| ProxyError::BadRequest(format!("cannot build upstream URI: {e}"));
     let prefix = base.path().trim_end_matches('/');
     let mut parts = http::uri::Parts::default();

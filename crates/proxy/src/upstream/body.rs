@@ -31,11 +31,11 @@ pub struct BodyLimit(pub u64);
 /// The request body as forwarded: the client's, cut off with an error once
 /// it passes the body limit.
 pub struct RequestBody {
-    pub(super) inner: Incoming,
-    pub(super) limit: Option<u64>,
-    pub(super) seen: u64,
+    pub(crate) inner: Incoming,
+    pub(crate) limit: Option<u64>,
+    pub(crate) seen: u64,
     /// Set for a body not known to be empty: how far it got.
-    pub(super) progress: Option<Arc<Progress>>,
+    pub(crate) progress: Option<Arc<Progress>>,
 }
 
 /// How far a streamed request body got, as [`RequestBody`] records it.

@@ -2,7 +2,7 @@
 //! upstream is `https://` and speaks HTTP/1.1), for both engines, on a
 //! LIFO stack (the most recently used is the most likely to still be open):
 //! bare TCP streams the native path left, and hyper client connections the
-//! general path left (`super::h1pool`), each taken as the other engine
+//! general path left (`crate::upstream::exchange`), each taken as the other engine
 //! needs it. No task per connection: a connection is driven by the exchange
 //! that checked it out, and goes back on the stack once a response has
 //! ended cleanly (one still sending a request body that the upstream
@@ -37,7 +37,7 @@ use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 
-use super::body::RequestBody;
+use crate::upstream::body::RequestBody;
 
 /// Idle connections kept per upstream; more are closed when they come back.
 const MAX_IDLE: usize = 512;

@@ -20,12 +20,12 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
 use pin_project_lite::pin_project;
 
-use super::body::{BodyLimit, BodyTooLarge, ClientBody, Progress, RequestBody, Sending};
-use super::guard;
-use super::h1pool::{self, PoolError};
-use super::pipeline::{Answer, Held, Hold, Inbound};
-use super::route::{Resolved, Routing};
-use super::upstream::{
+use crate::upstream::body::{BodyLimit, BodyTooLarge, ClientBody, Progress, RequestBody, Sending};
+use crate::guard;
+use crate::upstream::exchange::{self, PoolError};
+use crate::pipeline::{Answer, Held, Hold, Inbound};
+use crate::route::{Resolved, Routing};
+use crate::upstream::{
     DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, VIA, client_error, strip_hop_by_hop, upstream_uri,
 };
 use usher_core::error::error_chain;
@@ -201,7 +201,7 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
 
     let started = tokio::time::Instant::now();
     if let Some(plain) = up.plain.as_ref().filter(|_| pooled) {
-        let sent = within(timeout, progress.as_deref(), h1pool::send(&plain.pool, req, upgrade)).await;
+        let sent = within(timeout, progress.as_deref(), exchange::send(&plain.pool, req, upgrade)).await;
         up.observe(started);
         let resp = match sent {
             Err(l) => return Err(late(l)),
@@ -323,7 +323,7 @@ fn source_of<'a, T: std::error::Error + 'static>(e: &'a (dyn std::error::Error +
 
 /// The answer hyper sends for an upstream's: its body holds what the request
 /// holds until its last bytes are handed out.
-pub(super) fn respond(answer: Response<UpstreamBody>, mut held: Held) -> Response<ProxyBody> {
+pub(crate) fn respond(answer: Response<UpstreamBody>, mut held: Held) -> Response<ProxyBody> {
     answer.map(|b| {
         // hyper may never poll a body that is over before it starts (a HEAD, a 204).
         if b.is_end_stream() {

@@ -7,9 +7,9 @@
 //! request is one small exchange, that was 36,000 instructions a request
 //! against nginx's 16,000. Here one task per client connection parses the
 //! request in place ([`head`]), hands it to the same request pipeline as
-//! every other request ([`super::pipeline`]: guard, account, route, limit)
+//! every other request ([`crate::pipeline`]: guard, account, route, limit)
 //! as a [`Request`], whose forward stage ([`forward`]) writes it to a pooled
-//! upstream stream this task drives itself (`super::pool`), and streams the
+//! upstream stream this task drives itself (`crate::upstream::pool`), and streams the
 //! response back ([`response`]), all in reused buffers. The engine is
 //! framing only: it sees the pipeline, not `Proxy`, through [`Connection`]
 //! and [`Services`].
@@ -52,14 +52,14 @@ use tower::Service;
 
 pub use head::why;
 
-use super::h2conn::H2Error;
-use super::pipeline::{self, Exchange, Inbound, Pipeline, Reply};
-use super::pool::{Pool, Stream};
-use super::route::ListenerId;
-use super::upstream::{Target, Upstream};
+use crate::upstream::h2conn::H2Error;
+use crate::pipeline::{self, Exchange, Inbound, Pipeline, Reply};
+use crate::upstream::pool::{Pool, Stream};
+use crate::route::ListenerId;
+use crate::upstream::{Target, Upstream};
 use head::Parsed;
 use response::{Dechunker, FieldStarts, Framing, ResponseHead};
-use usher_core::config::limits::ListenerLimits;
+use usher_core::config::listener::ListenerLimits;
 use usher_enforce::resource::RequestView;
 use usher_enforce::respond::BoxError;
 use usher_enforce::respond::{self, ProxyBody, ProxyError};
@@ -720,7 +720,7 @@ impl<I: AsyncRead + Unpin> App<'_, I> {
 /// reused) is retried once on a new one: always when the request could not
 /// be written, and for idempotent requests when the answer never came.
 async fn roundtrip(
-    pool: &std::sync::Arc<super::pool::Pool>,
+    pool: &std::sync::Arc<crate::upstream::pool::Pool>,
     name: &(dyn Fn() -> String + Sync),
     head_request: bool,
     idempotent: bool,

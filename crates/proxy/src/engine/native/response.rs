@@ -169,7 +169,7 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>, fields: &mut Fie
     Ok(Parsed::Final(len, ResponseHead { status, framing, reusable, retry_after }))
 }
 
-/// The client's head for an answer from an h2 upstream (`super::super::h2conn`),
+/// The client's head for an answer from an h2 upstream (`crate::upstream::h2conn`),
 /// appended to `out` without its closing
 /// blank line, as [`parse`] does for an HTTP/1.1 one. The body is framed by
 /// its length when it is known (`exact`: a `content-length`, or an answer

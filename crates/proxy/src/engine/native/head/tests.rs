@@ -1,5 +1,5 @@
 use super::*;
-use crate::h1::fields::tokens;
+use crate::engine::native::fields::tokens;
 
 /// What [`parse`] made of an input, owned so it outlives the parser's storage.
 #[derive(Debug, PartialEq)]

@@ -2,7 +2,7 @@
 //! handle, pushback and metrics, which live as long as the process, and the
 //! current [`Pipeline`] snapshot (routing, upstreams, config), which a reload
 //! replaces as one. It serves hyper's requests through the pipeline; the
-//! native engine reaches the pipeline through `h1::Services` instead.
+//! native engine reaches the pipeline through `native::Services` instead.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -12,9 +12,9 @@ use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use tower::Service;
 
-use super::access_log;
-use super::general;
-use super::h1;
+use super::ops::access_log;
+use super::engine::hyper as hyper_engine;
+use super::engine::native;
 use super::pipeline::{Accounts, Exchange, Pipeline, Reply};
 use super::route::{self, ListenerId, Routing};
 use super::upstream::{self, Upstream};
@@ -84,7 +84,7 @@ impl Proxy {
         let roots = upstream::system_roots();
         let metrics = Arc::new(Metrics::new(registry));
         // Every hand-off reason is exported from the start, at 0.
-        for reason in h1::why::ALL {
+        for reason in native::why::ALL {
             metrics.http1_handoffs.with_label_values(&[reason]);
         }
         let direct = Arc::new(Upstream::direct(&roots, &metrics).map_err(|e| ConfigError::whole_file(&source, e))?);
@@ -214,9 +214,9 @@ impl Proxy {
     /// Serves one request that hyper read on `listener` through the pipeline.
     pub async fn handle_on(&self, listener: ListenerId, req: Request<Incoming>) -> Response<ProxyBody> {
         let pipeline = self.pipeline.load_full();
-        let Ok(reply) = pipeline.stack_on(listener, general::Forward).call(Exchange::new(req)).await;
+        let Ok(reply) = pipeline.stack_on(listener, hyper_engine::Forward).call(Exchange::new(req)).await;
         match reply {
-            Reply::Upstream { answer, held } => general::respond(answer, held),
+            Reply::Upstream { answer, held } => hyper_engine::respond(answer, held),
             Reply::Made(resp) => resp,
             // hyper's forward serves every target.
             Reply::Unserved(why) => unreachable!("the general path refused a target ({why})"),

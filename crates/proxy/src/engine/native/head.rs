@@ -17,7 +17,7 @@ use http::{Method, Uri, Version};
 
 use super::fields::{eq_name, list_has, parse_length, push_field};
 use crate::upstream::{VIA, hop_by_hop};
-use usher_core::config::limits::ListenerLimits;
+use usher_core::config::listener::ListenerLimits;
 use usher_enforce::resource::RequestView;
 
 /// Header fields the parser has room for; a request with more is handed off.
