@@ -12,6 +12,8 @@
 //! `cargo test --benches` (no `--bench` argument) runs a few-second smoke
 //! version against usher only.
 
+#![allow(clippy::disallowed_methods, reason = "benchmarks time real processes on the wall clock")]
+
 #[path = "loadgen/mod.rs"]
 mod loadgen;
 

@@ -34,6 +34,8 @@
 //! The load generator shares the machine with the server, so on a 2-core box
 //! the figures are a lower bound.
 
+#![allow(clippy::disallowed_methods, reason = "benchmarks time real processes on the wall clock")]
+
 mod loadgen;
 
 use std::cmp::Reverse;

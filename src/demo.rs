@@ -5,6 +5,8 @@
 //! with a summary. Everything runs the production code paths: the real
 //! gRPC server, real `usher proxy` instances, real HTTP.
 
+#![allow(clippy::disallowed_methods, reason = "the demo runs real processes and reports wall-clock time")]
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;

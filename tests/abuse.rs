@@ -4,6 +4,8 @@
 //! RUSTSEC-2023-0034 (rapid reset) and RUSTSEC-2024-0332 (CONTINUATION),
 //! written frame by frame so the test controls every byte.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::net::SocketAddr;

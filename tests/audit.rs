@@ -1,6 +1,8 @@
 //! The access log and `usher audit`: known answers from a log this test
 //! writes, and a real sidecar's log audited end to end.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -5,6 +5,8 @@
 //! `doorman:` section): no minute gets more than its quota plus one request
 //! per sidecar, and every full minute gets nearly all of it.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::collections::BTreeMap;

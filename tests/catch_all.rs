@@ -6,6 +6,8 @@
 //! protocol field a Doorman peer ignores), shown on the sidecar's
 //! `/debug/status`.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

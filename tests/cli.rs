@@ -1,6 +1,8 @@
 //! The command line through the real binary: `usher check` tells files apart by content,
 //! validates every shipped example and reports every error with a position; help and completions.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::process::Command;

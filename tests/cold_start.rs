@@ -4,6 +4,8 @@
 //! from the second second on (issue 14, "Done means"). Before, the first to ask
 //! got 37–62/s for two seconds and the others 2–14/s.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::sync::Arc;

@@ -9,6 +9,8 @@
 //! so that a regression (an unbounded read of `/dev/zero`) fails the test
 //! instead of taking the machine's memory.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

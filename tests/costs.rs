@@ -5,6 +5,8 @@
 //! was charged at admission is charged to the key, or given back. An
 //! LLM-like upstream reports each request's tokens in `x-usage-total-tokens`.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::convert::Infallible;

@@ -8,6 +8,8 @@
 //!
 //! Needs python3 with grpcio and grpcio-tools; `.ci/test` installs them.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::io::{BufRead, BufReader, Read};

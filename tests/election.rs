@@ -1,6 +1,8 @@
 //! Master election on a real etcd (Debian's etcd-server) with real `usher
 //! server` processes, and configuration stored in etcd.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

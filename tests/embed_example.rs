@@ -4,6 +4,8 @@
 //! server granted, not the one it asked for; the server sees its lease, and
 //! gets it back when the example stops.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

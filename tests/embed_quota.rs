@@ -4,6 +4,8 @@
 //! service's answer says so) stops the other within a refresh, through the
 //! server.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::convert::Infallible;

@@ -4,6 +4,8 @@
 //! 69 for a wrong CA, a missing client certificate or a bad password; failover
 //! across endpoints; and election fencing measured through a fault proxy.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -3,6 +3,8 @@
 //! blackholes, delays, resets or closes the connections while load runs
 //! against the sidecar; and a master failover under load.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -7,6 +7,8 @@
 //! used to be sized by its own routes file: 90 requests passed where one
 //! budget allows 32, and 600 of a 300/day quota.)
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::path::Path;

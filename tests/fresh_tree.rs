@@ -4,6 +4,8 @@
 //! starting: a new master with no predecessor on record skips learning mode
 //! (README: "Learning mode"; src/server/horizon.rs).
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

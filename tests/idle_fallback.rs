@@ -6,6 +6,8 @@
 //! ran out. Before, the idle sidecars' last leases were 0 and so was their
 //! safe capacity: 0 of 10 requests were admitted.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

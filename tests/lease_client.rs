@@ -1,5 +1,7 @@
 //! The lease client library against a real `usher server` process.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::collections::BTreeMap;

@@ -2,6 +2,8 @@
 //! `usher proxy` processes, counting upstreams on 127.0.0.1:0, load from
 //! this test.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -5,6 +5,8 @@
 //! request body limit (413 problem+json, by declared length or while
 //! streaming).
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::net::SocketAddr;

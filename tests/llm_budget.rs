@@ -36,6 +36,8 @@
 //! Measured with seven seeds: each minute 5,639 to 6,123 tokens, any 60 s
 //! 5,400 to 6,190 (inside the bar too, but by as little as 0 tokens).
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::convert::Infallible;

@@ -2,6 +2,8 @@
 //! terminal (a sidecar's log in a file or a pipe has no escape codes), and
 //! `--log-format json`, one JSON object per line.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::io::{BufRead, BufReader};

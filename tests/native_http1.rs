@@ -49,6 +49,8 @@
 //!   it has the head and may close under a body still arriving, the native
 //!   path reads the body (at most 64 KiB) first and keeps the connection.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -7,6 +7,8 @@
 //! It also draws the dashboard's panels from that data into a PNG (the
 //! README's picture): target/dashboard.png, or `$USHER_DASHBOARD_PNG`.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::net::SocketAddr;

@@ -3,6 +3,8 @@
 //! forward-proxy style and CONNECT, TLS origination, streaming with bounded
 //! memory, and reloads.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -2,6 +2,8 @@
 //! 127.0.0.1:0, a real counting upstream, and a manual clock driving the
 //! limiters so counts are exact and no test waits on wall time.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::net::SocketAddr;

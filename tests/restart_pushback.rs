@@ -4,6 +4,8 @@
 //! test. Each test prints its figures (`figures:` lines) before it asserts,
 //! for benches/RESULTS.md.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -1,6 +1,8 @@
 //! The capacity server through its real interfaces: the `usher server`
 //! binary on 127.0.0.1:0, driven by a tonic client and its admin HTTP port.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -2,6 +2,8 @@
 //! on `/metrics` and rows on `/debug/status` for client-chosen resource ids,
 //! and gRPC connections that send nothing. Each is bounded.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

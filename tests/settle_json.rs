@@ -10,6 +10,8 @@
 //! in several chunks without one (`x-framing: chunked`), over HTTP/1.1 or
 //! h2c; a few paths answer bodies that cannot be settled.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -11,6 +11,8 @@
 //! sees the connection close without a response, and the upstream never
 //! sees the request, so retrying it is safe). Then the leases are released.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -2,6 +2,8 @@
 //! the client stops sending, through a real `usher proxy` process (its
 //! general path: chunked bodies) to a real upstream on 127.0.0.1.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::time::{Duration, Instant};

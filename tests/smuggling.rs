@@ -9,6 +9,8 @@
 //! each with unambiguous framing (one Content-Length or chunked, never both)
 //! and the body the client meant. Nothing else may reach the upstream.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::net::SocketAddr;

@@ -4,6 +4,8 @@
 //! unreadable record is warned about and learnt from. tests/fresh_tree.rs is
 //! the etcd analogue.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

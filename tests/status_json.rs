@@ -2,6 +2,8 @@
 //! intermediate) hold plain fields only (no enum-shaped objects such as
 //! `{"Limited": 3.0}`) and exactly the fields docs/status.md documents.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -2,6 +2,8 @@
 //! (Debian's `chromium`, which `.ci/test` installs), checked for live values,
 //! and screenshotted.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -4,6 +4,8 @@
 //! certificate, a foreign CA, an untrusted server, a cleartext client) and
 //! what they say, certificate reload, and bad flags, files and fields.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

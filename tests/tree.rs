@@ -1,6 +1,8 @@
 //! A tree of real `usher server` processes: a root and intermediates that
 //! lease from it, driven by tonic clients standing in for sidecars.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::collections::HashMap;

@@ -5,6 +5,8 @@
 //! below) and the election TTL (3 s) are short so the test is lean; what it
 //! measures is relative to them.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

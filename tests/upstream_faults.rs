@@ -3,6 +3,8 @@
 //! each a clear problem; then a storm of 10,000 requests with random faults
 //! and abandoning clients, after which nothing is left in flight or waiting.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

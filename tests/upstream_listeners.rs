@@ -6,6 +6,8 @@
 //! listener addresses are refused with their position; a reload keeps the
 //! listeners open and applies the routes.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
 

@@ -7,6 +7,8 @@
 //! HTTP/1.1 (`http2: false`, or learned from its ALPN answer) gets the same
 //! pool of TLS connections.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::sync::Arc;

@@ -2,6 +2,8 @@
 //! upstream on 127.0.0.1: what the app sees while the upstream's
 //! `Retry-After` holds a resource, and when the hold ends.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::time::{Duration, Instant};

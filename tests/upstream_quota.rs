@@ -8,6 +8,8 @@
 //! after the first window none of their requests meets a 403, nearly every
 //! window's quota is spent, and they share it evenly.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::convert::Infallible;

@@ -3,6 +3,8 @@
 //! are logged when the failures start, not at every retry, and once when
 //! they answer again.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
 use usher_test_support as support;
 
 use std::time::{Duration, Instant};

@@ -708,6 +708,7 @@ pub fn run(args: SimArgs) -> Result<(), usher_core::error::RunError> {
     let seed = args.seed.unwrap_or(sc.seed);
     let name = sc.name.clone();
     let sim_secs = sc.duration.as_secs();
+    #[allow(clippy::disallowed_methods, reason = "reports how long the simulation took in real time")]
     let started = std::time::Instant::now();
     let mut sim = Sim::new(sc, seed);
     sim.trace = args.trace;

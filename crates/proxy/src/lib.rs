@@ -16,14 +16,14 @@
 
 #![warn(missing_docs, unreachable_pub)]
 
-mod guard;
 mod engine;
+mod guard;
 pub mod listener;
 pub mod ops;
 pub mod pipeline;
 pub mod route;
-pub mod upstream;
 mod sidecar;
+pub mod upstream;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -43,8 +43,8 @@ use usher_core::net::bind;
 pub use usher_enforce::metrics::Metrics;
 
 pub use route::ListenerId;
-pub use usher_enforce::respond::ProxyBody;
 pub use sidecar::{Proxy, UpstreamListener, readiness};
+pub use usher_enforce::respond::ProxyBody;
 
 /// `usher proxy` flags; each can also be set as `USHER_<FLAG>`.
 #[derive(Debug, Clone, clap::Args)]
@@ -235,7 +235,8 @@ pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), Run
     client.ready(FIRST_LEASE_WAIT).await;
     proxy.set_lease(client);
     tracing::info!(listen = %listen_addr, admin = %admin_addr, routes_file = %source, routes, resources, "usher proxy listening");
-    let admin_task = tokio::spawn(usher_core::admin::serve(admin, ops::status::handler(proxy.clone()), shutdown.clone()));
+    let admin_task =
+        tokio::spawn(usher_core::admin::serve(admin, ops::status::handler(proxy.clone()), shutdown.clone()));
     serve_all(proxy, listeners, shutdown.clone(), drain, args.http1).await;
     shutdown.cancel();
     lease_shutdown.cancel();

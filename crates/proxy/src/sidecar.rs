@@ -12,9 +12,9 @@ use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 use tower::Service;
 
-use super::ops::access_log;
 use super::engine::hyper as hyper_engine;
 use super::engine::native;
+use super::ops::access_log;
 use super::pipeline::{Accounts, Exchange, Pipeline, Reply};
 use super::route::{self, ListenerId, Routing};
 use super::upstream::{self, Upstream};

@@ -2,8 +2,8 @@
 //! `127.0.0.1:0`, log scraping for their bound addresses, eventual assertions
 //! and a tiny HTTP client for admin endpoints.
 
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
 #![warn(missing_docs, unreachable_pub)]
-
 #![allow(dead_code)]
 
 use std::collections::HashMap;

@@ -20,11 +20,11 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
 use pin_project_lite::pin_project;
 
-use crate::upstream::body::{BodyLimit, BodyTooLarge, ClientBody, Progress, RequestBody, Sending};
 use crate::guard;
-use crate::upstream::exchange::{self, PoolError};
 use crate::pipeline::{Answer, Held, Hold, Inbound};
 use crate::route::{Resolved, Routing};
+use crate::upstream::body::{BodyLimit, BodyTooLarge, ClientBody, Progress, RequestBody, Sending};
+use crate::upstream::exchange::{self, PoolError};
 use crate::upstream::{
     DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, VIA, client_error, strip_hop_by_hop, upstream_uri,
 };

@@ -52,10 +52,10 @@ use tower::Service;
 
 pub use head::why;
 
-use crate::upstream::h2conn::H2Error;
 use crate::pipeline::{self, Exchange, Inbound, Pipeline, Reply};
-use crate::upstream::pool::{Pool, Stream};
 use crate::route::ListenerId;
+use crate::upstream::h2conn::H2Error;
+use crate::upstream::pool::{Pool, Stream};
 use crate::upstream::{Target, Upstream};
 use head::Parsed;
 use response::{Dechunker, FieldStarts, Framing, ResponseHead};
