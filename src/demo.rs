@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use usher_core::clock::Clock;
 use usher_core::config::resources::ResourcesConfig;
 use usher_core::error::RunError;
-use usher_proxy::ProxyArgs;
+use usher_proxy::ProxyOptions;
 use usher_server::{CapacityService, Node};
 
 /// The shared resource's capacity, per second.
@@ -34,7 +34,7 @@ pub const OFFERED: [f64; 3] = [30.0, 80.0, 160.0];
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
     /// How long to drive load.
-    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = usher_server::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = crate::parse_duration)]
     pub duration: Duration,
     /// Print the summary only (no live table): for scripts and logs.
     #[arg(long)]
@@ -210,7 +210,7 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History, 
         let path = dir.join(format!("sidecar-{i}.yaml"));
         std::fs::write(&path, routes).map_err(|e| RunError::Other(format!("cannot write {}: {e}", path.display())))?;
         let args =
-            ProxyArgs { routes: path, listen: Some(listen), admin_listen: Some(admin), http1: Default::default() };
+            ProxyOptions { routes: path, listen: Some(listen), admin_listen: Some(admin), http1: Default::default() };
         let task = tokio::spawn(usher_proxy::run(args, sidecars_stop.clone()));
         sidecars.push((format!("sidecar-{i}"), *offered, listen, admin, task));
     }

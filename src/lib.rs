@@ -12,3 +12,9 @@ pub mod check;
 pub mod demo;
 pub mod plot;
 pub mod sim;
+
+/// A flag's duration (`500ms`, `1s`, `2m`...), as clap's value parser.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    usher_core::config::yaml::parse_duration(s)
+        .ok_or_else(|| format!("`{s}` is not a duration (write e.g. 500ms, 1s, 2m)"))
+}

@@ -1,6 +1,8 @@
 //! The `usher` command line: parse arguments, run a subcommand, map its error
 //! to an exit code. Everything else lives in the library.
 
+mod cli;
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -32,7 +34,7 @@ enum Command {
     /// A tour on loopback: a capacity server and three sidecars sharing one resource, live.
     Demo(usher::demo::DemoArgs),
     /// Run a Doorman-compatible capacity server (gRPC `doorman.Capacity`).
-    Server(Box<usher_server::ServerArgs>),
+    Server(Box<cli::ServerArgs>),
     /// Simulate a capacity server tree in virtual time and report utilisation, overshoot,
     /// convergence and fairness.
     Sim(usher::sim::SimArgs),
@@ -49,7 +51,7 @@ enum Command {
     /// file:line:column. Exits 0 when all are valid, 64 when not.
     Check(usher::check::CheckArgs),
     /// Run the sidecar: route, pace and admit outbound HTTP within capacity.
-    Proxy(usher_proxy::ProxyArgs),
+    Proxy(cli::ProxyArgs),
 }
 
 fn main() -> ExitCode {
@@ -73,8 +75,8 @@ fn main() -> ExitCode {
         Command::Check(args) => usher::check::run(args),
         Command::Audit(args) => usher::audit::run(args),
         Command::Completions { shell } => completions(&shell),
-        Command::Server(args) => serve(|shutdown| usher_server::run(*args, shutdown)),
-        Command::Proxy(args) => serve(|shutdown| usher_proxy::run(args, shutdown)),
+        Command::Server(args) => serve(|shutdown| usher_server::run((*args).into(), shutdown)),
+        Command::Proxy(args) => serve(|shutdown| usher_proxy::run(args.into(), shutdown)),
         Command::Demo(args) => serve(|shutdown| usher::demo::run(args, shutdown)),
     };
     match result {

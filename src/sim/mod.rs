@@ -668,7 +668,7 @@ pub struct SimArgs {
     #[arg(long)]
     pub seed: Option<u64>,
     /// Override the scenario's duration, e.g. 300s (CI runs short forms).
-    #[arg(long, value_name = "DURATION", value_parser = usher_server::parse_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = crate::parse_duration)]
     pub duration: Option<Duration>,
     /// Override the number of clients: this many in all, shared evenly by the
     /// leaves (the scenario's `clients_per_leaf` becomes N / leaves, at least 1).

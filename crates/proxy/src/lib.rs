@@ -46,21 +46,17 @@ pub use route::ListenerId;
 pub use sidecar::{Proxy, UpstreamListener, readiness};
 pub use usher_enforce::respond::ProxyBody;
 
-/// `usher proxy` flags; each can also be set as `USHER_<FLAG>`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ProxyArgs {
+/// How `usher proxy` runs: its flags, as the `usher` binary parsed them.
+#[derive(Debug, Clone)]
+pub struct ProxyOptions {
     /// Routes file (YAML). Reloaded on SIGHUP and whenever it changes.
-    #[arg(long, env = "USHER_ROUTES", value_name = "FILE")]
     pub routes: PathBuf,
     /// Proxy listener (HTTP/1.1 and h2c) [default: the file's `listen`, else 127.0.0.1:15001].
-    #[arg(long, env = "USHER_LISTEN", value_name = "ADDR")]
     pub listen: Option<SocketAddr>,
     /// Address for /metrics, /healthz, /readyz and /debug/status [default: the file's `admin`, else 127.0.0.1:15000].
-    #[arg(long, env = "USHER_ADMIN_LISTEN", value_name = "ADDR")]
     pub admin_listen: Option<SocketAddr>,
     /// What serves HTTP/1.1: `native` (usher's own request loop for everyday requests to
     /// HTTP/1.1 upstreams, plain or TLS, hyper for the rest) or `hyper` (hyper for everything).
-    #[arg(long, env = "USHER_HTTP1", value_enum, default_value_t = Http1::Native)]
     pub http1: Http1,
 }
 
@@ -187,7 +183,7 @@ impl Drop for OpenConnection {
 }
 
 /// Runs `usher proxy` until `shutdown` is cancelled.
-pub async fn run(args: ProxyArgs, shutdown: CancellationToken) -> Result<(), RunError> {
+pub async fn run(args: ProxyOptions, shutdown: CancellationToken) -> Result<(), RunError> {
     let source = args.routes.display().to_string();
     let cfg = RoutesConfig::load(&args.routes)?;
     let listen_addr = args.listen.unwrap_or(cfg.listen);

@@ -36,7 +36,7 @@ pub const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
 pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 256;
 
 /// What serves HTTP/1.1 connections (`--http1`, `USHER_HTTP1`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Http1 {
     /// usher's own request loop for everyday requests to HTTP/1.1
     /// upstreams (plain or TLS); a connection moves to hyper at its first other request.

@@ -7,7 +7,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod algorithm;
-mod conns;
+pub mod conns;
 pub mod election;
 pub mod etcd;
 pub mod horizon;
@@ -51,12 +51,11 @@ pub const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// How long in-flight RPCs may take to finish once shutdown starts.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
-/// `usher server` flags; each can also be set as `USHER_<FLAG>`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ServerArgs {
+/// How `usher server` runs: its flags, as the `usher` binary parsed them.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
     /// Doorman resources file (YAML). Reloaded on SIGHUP and whenever it changes.
     /// Without it, the built-in default applies: every resource id gets 100/s, FAIR_SHARE.
-    #[arg(long, env = "USHER_CONFIG", value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Where a server without etcd records until when its leases may be outstanding, so that
     /// a restart learns while they may be and a fresh start (no file) serves at once; written
@@ -64,124 +63,85 @@ pub struct ServerArgs {
     /// --etcd-endpoints the record is kept in etcd instead
     /// [default: $XDG_STATE_HOME/usher/server-PORT.state, or ~/.local/state/usher/server-PORT.state,
     /// PORT being --listen's; none with port 0]
-    #[arg(long, env = "USHER_STATE_FILE", value_name = "FILE")]
     pub state_file: Option<PathBuf>,
     /// Address for the gRPC `doorman.Capacity` service.
-    #[arg(long, env = "USHER_LISTEN", value_name = "ADDR", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
     /// Address for /metrics, /healthz, /readyz and /debug pages.
-    #[arg(long, env = "USHER_ADMIN_LISTEN", value_name = "ADDR", default_value = DEFAULT_ADMIN_LISTEN)]
     pub admin_listen: SocketAddr,
     /// This server's id and the master address it announces [default: HOSTNAME:PORT of --listen].
-    #[arg(long, env = "USHER_ADVERTISE_ADDR", value_name = "HOST:PORT")]
     pub advertise_addr: Option<String>,
     /// A client asking again for a resource sooner than this gets its current lease back unchanged.
-    #[arg(long, env = "USHER_MIN_REQUEST_INTERVAL", value_name = "DURATION", default_value = DEFAULT_MIN_REQUEST_INTERVAL, value_parser = parse_duration)]
     pub min_request_interval: Duration,
     /// Run as an intermediate server leasing from these parent servers (any servers of the
     /// parent node; Discovery finds its master). Without it, this is a root server.
-    #[arg(
-        long,
-        env = "USHER_PARENT",
-        value_name = "ADDR[,ADDR...]",
-        value_delimiter = ',',
-        value_parser = usher_core::config::doorman::parse_server_address
-    )]
     pub parent: Vec<String>,
     /// The identity every replica of this node shares towards its parent, so that a new master
     /// takes over its predecessor's lease there [default: with --etcd-endpoints, the election key
     /// and the endpoints; else the server id].
-    #[arg(long, env = "USHER_NODE_ID", value_name = "ID")]
     pub node_id: Option<String>,
     /// Leases handed down refresh this many times the parent's refresh interval (never below 1 s).
-    #[arg(long, env = "USHER_DECAY_FACTOR", value_name = "FACTOR", default_value_t = DEFAULT_DECAY_FACTOR)]
     pub decay_factor: f64,
     /// New clients of a resource beyond this many get ResourceExhausted.
-    #[arg(long, env = "USHER_MAX_CLIENTS_PER_RESOURCE", value_name = "N", default_value_t = store::DEFAULT_MAX_CLIENTS_PER_RESOURCE)]
     pub max_clients_per_resource: usize,
     /// New resource ids beyond this many get ResourceExhausted.
-    #[arg(long, env = "USHER_MAX_RESOURCES", value_name = "N", default_value_t = store::DEFAULT_MAX_RESOURCES)]
     pub max_resources: usize,
     /// At most this many resources get their own usher_server_resource_* series on /metrics
     /// (those the configuration names first, then the busiest); the rest count in the
     /// per-template sums and usher_server_resources_unlisted.
-    #[arg(long, env = "USHER_METRICS_MAX_RESOURCES", value_name = "N", default_value_t = metrics::DEFAULT_METRICS_MAX_RESOURCES)]
     pub metrics_max_resources: usize,
     /// gRPC connections open at once (TLS handshakes included); more are closed as soon as they are accepted.
-    #[arg(long, env = "USHER_MAX_CONNECTIONS", value_name = "N", default_value_t = conns::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
     /// A gRPC connection that has not sent its complete HTTP/2 preface this long after it was
     /// accepted (after the TLS handshake, with TLS) is closed.
-    #[arg(long, env = "USHER_PREFACE_TIMEOUT", value_name = "DURATION", default_value = conns::DEFAULT_PREFACE_TIMEOUT, value_parser = parse_duration)]
     pub preface_timeout: Duration,
     /// Send an HTTP/2 PING on a gRPC connection that has been silent this long...
-    #[arg(long, env = "USHER_HTTP2_KEEPALIVE_INTERVAL", value_name = "DURATION", default_value = conns::DEFAULT_KEEPALIVE_INTERVAL, value_parser = parse_duration)]
     pub http2_keepalive_interval: Duration,
     /// ...and close it when the PING is not answered within this long.
-    #[arg(long, env = "USHER_HTTP2_KEEPALIVE_TIMEOUT", value_name = "DURATION", default_value = conns::DEFAULT_KEEPALIVE_TIMEOUT, value_parser = parse_duration)]
     pub http2_keepalive_timeout: Duration,
     /// etcd v3 endpoints (e.g. http://etcd:2379, or https:// with --etcd-ca) for master election
     /// and `--config etcd:KEY`; tried in turn. Without them this server is always the master of its node.
-    #[arg(long, env = "USHER_ETCD_ENDPOINTS", value_name = "URL[,URL...]", value_delimiter = ',')]
     pub etcd_endpoints: Vec<String>,
     /// Trust these CAs (PEM) for etcd's certificate: TLS to `https://` endpoints.
-    #[arg(long, env = "USHER_ETCD_CA", value_name = "FILE")]
     pub etcd_ca: Option<PathBuf>,
     /// Client certificate (PEM) for an etcd that requires client certificates; needs --etcd-key.
-    #[arg(long, env = "USHER_ETCD_CERT", value_name = "FILE")]
     pub etcd_cert: Option<PathBuf>,
     /// The private key (PEM) of --etcd-cert.
-    #[arg(long, env = "USHER_ETCD_KEY", value_name = "FILE")]
     pub etcd_key: Option<PathBuf>,
     /// Name to verify in etcd's certificate [default: the host of each endpoint].
-    #[arg(long, env = "USHER_ETCD_SERVER_NAME", value_name = "NAME")]
     pub etcd_server_name: Option<String>,
     /// etcd user (auth enabled in etcd); the password comes from USHER_ETCD_PASSWORD or
     /// --etcd-password-file.
-    #[arg(long, env = "USHER_ETCD_USER", value_name = "USER")]
     pub etcd_user: Option<String>,
     /// The etcd user's password. Prefer the environment (from a Secret) or --etcd-password-file:
     /// a flag shows in the process list.
-    #[arg(long, env = "USHER_ETCD_PASSWORD", value_name = "PASSWORD", hide_env_values = true)]
     pub etcd_password: Option<String>,
     /// A file holding the etcd user's password (a trailing newline is ignored).
-    #[arg(long, env = "USHER_ETCD_PASSWORD_FILE", value_name = "FILE")]
     pub etcd_password_file: Option<PathBuf>,
     /// Fetch a new etcd auth token this often; keep it below etcd's --auth-token-ttl (300 s by default).
-    #[arg(long, env = "USHER_ETCD_TOKEN_REFRESH", value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
     pub etcd_token_refresh: Duration,
     /// The etcd key the servers of one node campaign for; it holds the master's address.
-    #[arg(long, env = "USHER_ELECTION_KEY", value_name = "KEY", default_value = election::DEFAULT_KEY)]
     pub election_key: String,
     /// Lease TTL of the election key: a dead master is replaced within about this long.
-    #[arg(long, env = "USHER_ELECTION_TTL", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub election_ttl: Duration,
     /// Serve gRPC over TLS with this certificate chain (PEM); needs --tls-key.
     /// Reloaded on SIGHUP and whenever it changes.
-    #[arg(long, env = "USHER_TLS_CERT", value_name = "FILE")]
     pub tls_cert: Option<PathBuf>,
     /// The private key (PEM) of --tls-cert.
-    #[arg(long, env = "USHER_TLS_KEY", value_name = "FILE")]
     pub tls_key: Option<PathBuf>,
     /// Require client certificates signed by these CAs (PEM): mutual TLS. Needs --tls-cert.
-    #[arg(long, env = "USHER_TLS_CLIENT_CA", value_name = "FILE")]
     pub tls_client_ca: Option<PathBuf>,
     /// Lease from the parent over TLS, trusting these CAs (PEM) for its certificate.
-    #[arg(long, env = "USHER_PARENT_TLS_CA", value_name = "FILE")]
     pub parent_tls_ca: Option<PathBuf>,
     /// Client certificate (PEM) to present to a parent that requires mTLS; needs --parent-tls-key.
-    #[arg(long, env = "USHER_PARENT_TLS_CERT", value_name = "FILE")]
     pub parent_tls_cert: Option<PathBuf>,
     /// The private key (PEM) of --parent-tls-cert.
-    #[arg(long, env = "USHER_PARENT_TLS_KEY", value_name = "FILE")]
     pub parent_tls_key: Option<PathBuf>,
     /// Name to verify in the parent's certificate [default: the host of each parent address].
-    #[arg(long, env = "USHER_PARENT_TLS_SERVER_NAME", value_name = "NAME")]
     pub parent_tls_server_name: Option<String>,
 }
 
 /// The server's own TLS from its flags: `None` without `--tls-cert`.
-fn server_tls(args: &ServerArgs, now: i64) -> Result<Option<usher_core::tls::ServerTls>, RunError> {
+fn server_tls(args: &ServerOptions, now: i64) -> Result<Option<usher_core::tls::ServerTls>, RunError> {
     use usher_core::tls::{ServerFiles, ServerTls, Which};
     let (cert, key) = match (&args.tls_cert, &args.tls_key) {
         (None, None) if args.tls_client_ca.is_some() => {
@@ -215,7 +175,7 @@ fn server_tls(args: &ServerArgs, now: i64) -> Result<Option<usher_core::tls::Ser
 }
 
 /// The etcd client's settings from the `--etcd-*` flags: `None` without `--etcd-endpoints`.
-fn etcd_options(args: &ServerArgs) -> Result<Option<etcd::EtcdOptions>, RunError> {
+fn etcd_options(args: &ServerOptions) -> Result<Option<etcd::EtcdOptions>, RunError> {
     use usher_core::tls::{ClientFiles, ClientTls, Which};
     if args.etcd_endpoints.is_empty() {
         let set = [
@@ -317,7 +277,7 @@ fn etcd_options(args: &ServerArgs) -> Result<Option<etcd::EtcdOptions>, RunError
 }
 
 /// TLS to the parent from the `--parent-tls-*` flags: `None` without `--parent-tls-ca`.
-fn parent_tls(args: &ServerArgs) -> Result<Option<usher_core::tls::ClientTls>, RunError> {
+fn parent_tls(args: &ServerOptions) -> Result<Option<usher_core::tls::ClientTls>, RunError> {
     use usher_core::tls::{ClientFiles, ClientTls, Which};
     if args.parent_tls_ca.is_none()
         && let Some(a) = args.parent.iter().find(|a| a.starts_with("https://"))
@@ -364,11 +324,6 @@ fn parent_tls(args: &ServerArgs) -> Result<Option<usher_core::tls::ClientTls>, R
 
 /// Default `--decay-factor`: each level down the tree refreshes twice as often as its parent.
 pub const DEFAULT_DECAY_FACTOR: f64 = 0.5;
-
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    usher_core::config::yaml::parse_duration(s)
-        .ok_or_else(|| format!("`{s}` is not a duration (write e.g. 500ms, 1s, 2m)"))
-}
 
 /// Who the master is, as this server knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -661,7 +616,7 @@ async fn follow_etcd_key(
 }
 
 /// `--state-file`, or its default for the gRPC port; `None` when empty.
-fn state_file_path(args: &ServerArgs, port: u16) -> Option<PathBuf> {
+fn state_file_path(args: &ServerOptions, port: u16) -> Option<PathBuf> {
     match &args.state_file {
         Some(p) if p.as_os_str().is_empty() => None,
         Some(p) => Some(p.clone()),
@@ -671,7 +626,7 @@ fn state_file_path(args: &ServerArgs, port: u16) -> Option<PathBuf> {
 
 /// `--node-id`, or its default: every replica of an elected node campaigns
 /// for the same key on the same etcd, so those name the node.
-fn node_id(args: &ServerArgs, server_id: &str) -> String {
+fn node_id(args: &ServerOptions, server_id: &str) -> String {
     if let Some(id) = args.node_id.as_ref().filter(|s| !s.is_empty()) {
         return id.clone();
     }
@@ -693,7 +648,7 @@ fn hostname() -> String {
 }
 
 /// Runs the server until `shutdown` is cancelled.
-pub async fn run(args: ServerArgs, shutdown: CancellationToken) -> Result<(), RunError> {
+pub async fn run(args: ServerOptions, shutdown: CancellationToken) -> Result<(), RunError> {
     let etcd = etcd_options(&args)?.map(|o| etcd::Etcd::with_options(o, Clock::system()));
     let source = ConfigSource::from_arg(args.config.as_deref(), etcd.as_ref())?;
     let tls = server_tls(&args, Clock::system().now().as_secs())?.map(Arc::new);
