@@ -7,8 +7,9 @@
 #   docker run --rm -p 15100:15100 usher:0.1.0 server --admin-listen 0.0.0.0:15180
 #
 # The builder is Debian bookworm and so is the runtime (distroless cc-debian12),
-# so the binary's glibc matches. No system protoc is needed: build.rs compiles
-# proto/ with protox, a pure-Rust protobuf compiler.
+# so the binary's glibc matches. No system protoc is needed: build.rs (the
+# usher-proto crate's build script) compiles proto/ with protox, a pure-Rust
+# protobuf compiler.
 
 ARG RUST_VERSION=1.95
 
@@ -24,6 +25,7 @@ WORKDIR /src
 # a copy of exactly this context, so a missing file fails CI, not a release.
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto ./proto
+COPY crates ./crates
 COPY src ./src
 COPY benches ./benches
 COPY deploy/examples ./deploy/examples
