@@ -198,6 +198,66 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History, 
     let server = capacity_server(shutdown.clone()).await?;
     let dir = std::env::temp_dir().join(format!("usher-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| RunError::Other(format!("cannot create {}: {e}", dir.display())))?;
+    let sidecars = start_sidecars(&dir, server, up, &sidecars_stop)?;
+    wait_for_sidecars(&sidecars).await?;
+    let start = Instant::now();
+    let until = start + args.duration;
+    let counts: Vec<Arc<Counts>> = sidecars.iter().map(|_| Arc::new(Counts::default())).collect();
+    for (s, c) in sidecars.iter().zip(&counts) {
+        tokio::spawn(load(s.listen, s.offered, until, c.clone()));
+    }
+    if !args.quiet && !args.json {
+        println!(
+            "usher demo: 3 sidecars share one resource of {CAPACITY}/s (FAIR_SHARE) from a capacity server on {server};\n\
+             they offer {}/s, {}/s and {}/s to an upstream on {up}. Ctrl-C stops early.\n",
+            OFFERED[0], OFFERED[1], OFFERED[2]
+        );
+    }
+    let (last, history) = watch(args, &sidecars, &counts, start).await;
+    let secs = args.duration.as_secs().max(1) as f64;
+    let mut summary = Vec::new();
+    for (s, last) in sidecars.iter().zip(&last) {
+        let (_, has) = lease_of(s.admin).await;
+        summary.push(SidecarSummary {
+            name: s.name.clone(),
+            offered_per_s: s.offered,
+            admitted_per_s: last.0 as f64 / secs,
+            refused_per_s: last.1 as f64 / secs,
+            has,
+        });
+    }
+    sidecars_stop.cancel();
+    for s in sidecars {
+        let _ = tokio::time::timeout(Duration::from_secs(20), s.task).await;
+    }
+    shutdown.cancel();
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut each_second = vec![0; args.duration.as_secs() as usize];
+    for t in arrivals.lock().expect("arrivals lock").iter().filter(|t| **t >= start) {
+        if let Some(n) = each_second.get_mut(t.duration_since(start).as_secs() as usize) {
+            *n += 1;
+        }
+    }
+    Ok((summary, history, each_second))
+}
+
+/// One of the demo's sidecars, running in this process.
+struct Sidecar {
+    name: String,
+    offered: f64,
+    listen: SocketAddr,
+    admin: SocketAddr,
+    task: tokio::task::JoinHandle<Result<(), RunError>>,
+}
+
+/// Starts the three sidecars, each with a routes file in `dir` that leases
+/// from `server` and forwards to `up`; they stop on `stop`.
+fn start_sidecars(
+    dir: &std::path::Path,
+    server: SocketAddr,
+    up: SocketAddr,
+    stop: &CancellationToken,
+) -> Result<Vec<Sidecar>, RunError> {
     let mut sidecars = Vec::new();
     for (i, offered) in OFFERED.iter().enumerate() {
         let (listen, admin) = (free_addr()?, free_addr()?);
@@ -211,48 +271,47 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History, 
         std::fs::write(&path, routes).map_err(|e| RunError::Other(format!("cannot write {}: {e}", path.display())))?;
         let args =
             ProxyOptions { routes: path, listen: Some(listen), admin_listen: Some(admin), http1: Default::default() };
-        let task = tokio::spawn(usher_proxy::run(args, sidecars_stop.clone()));
-        sidecars.push((format!("sidecar-{i}"), *offered, listen, admin, task));
+        let task = tokio::spawn(usher_proxy::run(args, stop.clone()));
+        sidecars.push(Sidecar { name: format!("sidecar-{i}"), offered: *offered, listen, admin, task });
     }
-    // Wait until every sidecar answers.
-    for (_, _, _, admin, _) in &sidecars {
+    Ok(sidecars)
+}
+
+/// Waits until every sidecar answers, then until each holds its first lease
+/// (or 5 s have passed): load sent earlier queues in the listen backlog and
+/// arrives at once, a burst that reads as twice the offered rate.
+async fn wait_for_sidecars(sidecars: &[Sidecar]) -> Result<(), RunError> {
+    for s in sidecars {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while tokio::net::TcpStream::connect(admin).await.is_err() {
+        while tokio::net::TcpStream::connect(s.admin).await.is_err() {
             if Instant::now() > deadline {
-                return Err(RunError::Other(format!("a demo sidecar did not start on {admin}")));
+                return Err(RunError::Other(format!("a demo sidecar did not start on {}", s.admin)));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-    // And until each holds its first lease (or 5 s have passed): load sent
-    // earlier queues in the listen backlog and arrives at once, a burst that
-    // reads as twice the offered rate.
     let deadline = Instant::now() + Duration::from_secs(5);
-    for (_, _, _, admin, _) in &sidecars {
-        while !leased(*admin).await && Instant::now() < deadline {
+    for s in sidecars {
+        while !leased(s.admin).await && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-    let start = Instant::now();
-    let until = start + args.duration;
-    let counts: Vec<Arc<Counts>> = sidecars.iter().map(|_| Arc::new(Counts::default())).collect();
-    for ((_, offered, listen, _, _), c) in sidecars.iter().zip(&counts) {
-        tokio::spawn(load(*listen, *offered, until, c.clone()));
-    }
-    if !args.quiet && !args.json {
-        println!(
-            "usher demo: 3 sidecars share one resource of {CAPACITY}/s (FAIR_SHARE) from a capacity server on {server};\n\
-             they offer {}/s, {}/s and {}/s to an upstream on {up}. Ctrl-C stops early.\n",
-            OFFERED[0], OFFERED[1], OFFERED[2]
-        );
-    }
+    Ok(())
+}
+
+/// Reads every sidecar once per whole second of load, on the second, and
+/// prints the table unless quiet; returns the last (admitted, refused)
+/// counts of each sidecar and the history the plots draw.
+async fn watch(
+    args: &DemoArgs,
+    sidecars: &[Sidecar],
+    counts: &[Arc<Counts>],
+    start: Instant,
+) -> (Vec<(u64, u64)>, History) {
     let mut last: Vec<(u64, u64)> = vec![(0, 0); sidecars.len()];
-    let mut summary = Vec::new();
     let mut history: History = Vec::new();
-    // One reading per whole second of load, on the second.
-    let seconds = args.duration.as_secs();
     let mut tick = tokio::time::interval_at((start + Duration::from_secs(1)).into(), Duration::from_secs(1));
-    for _ in 0..seconds {
+    for _ in 0..args.duration.as_secs() {
         tick.tick().await;
         let mut lines = Vec::new();
         let mut total_has = 0.0;
@@ -260,13 +319,14 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History, 
         // The counts first, all at once, then the slower status reads.
         let now: Vec<(u64, u64)> =
             counts.iter().map(|c| (c.ok.load(Ordering::Relaxed), c.refused.load(Ordering::Relaxed))).collect();
-        for (i, (name, offered, _, admin, _)) in sidecars.iter().enumerate() {
-            let (wants, has) = lease_of(*admin).await;
+        for (i, s) in sidecars.iter().enumerate() {
+            let (wants, has) = lease_of(s.admin).await;
             let (ok, refused) = now[i];
             let (d_ok, d_ref) = (ok - last[i].0, refused - last[i].1);
             last[i] = (ok, refused);
             total_has += has;
             point.push((has, d_ok as f64));
+            let (name, offered) = (&s.name, s.offered);
             lines.push(format!("  {name:<10} {offered:>8.0} {wants:>8.1} {has:>8.1} {d_ok:>12} {d_ref:>11}"));
         }
         history.push((start.elapsed().as_secs_f64(), point));
@@ -281,30 +341,7 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History, 
             println!("  {:<10} {:>8} {:>8} {total_has:>8.1}   (capacity {CAPACITY})\n", "total", "", "");
         }
     }
-    let secs = seconds.max(1) as f64;
-    for (i, (name, offered, _, admin, _)) in sidecars.iter().enumerate() {
-        let (_, has) = lease_of(*admin).await;
-        summary.push(SidecarSummary {
-            name: name.clone(),
-            offered_per_s: *offered,
-            admitted_per_s: last[i].0 as f64 / secs,
-            refused_per_s: last[i].1 as f64 / secs,
-            has,
-        });
-    }
-    sidecars_stop.cancel();
-    for (_, _, _, _, task) in sidecars {
-        let _ = tokio::time::timeout(Duration::from_secs(20), task).await;
-    }
-    shutdown.cancel();
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut each_second = vec![0; seconds as usize];
-    for t in arrivals.lock().expect("arrivals lock").iter().filter(|t| **t >= start) {
-        if let Some(n) = each_second.get_mut(t.duration_since(start).as_secs() as usize) {
-            *n += 1;
-        }
-    }
-    Ok((summary, history, each_second))
+    (last, history)
 }
 
 /// `usher demo`.
