@@ -29,8 +29,11 @@ pub enum OnExpiry {
 /// `doorman.backoff`: how failed calls to capacity servers back off.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Backoff {
+    /// The delay after the first failure.
     pub initial: Duration,
+    /// The longest delay.
     pub max: Duration,
+    /// Each failure multiplies the delay by this (at least 1).
     pub multiplier: f64,
     /// Each delay is drawn from `delay × (1 ± randomization)`.
     pub randomization: f64,
@@ -51,13 +54,19 @@ impl Default for Backoff {
 /// The `doorman:` section: where to lease from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DoormanConfig {
+    /// Capacity server addresses (`host:port`, `http://` or `https://`), at least one.
     pub servers: Vec<String>,
+    /// This sidecar's id at the servers, `${VAR}`s expanded.
     pub client_id: String,
     /// `doorman.tls`: reach every server (and every master they name) over TLS.
     pub tls: Option<crate::tls::ClientFiles>,
+    /// Leases are written here after every refresh, to be enforced again after a restart.
     pub cache_file: Option<PathBuf>,
+    /// Refreshes are spread over the interval × (1 ± jitter); from 0 to 1.
     pub jitter: f64,
+    /// Early refreshes happen at most this often.
     pub min_interval: Duration,
+    /// How failed calls back off.
     pub backoff: Backoff,
 }
 
@@ -66,6 +75,7 @@ pub struct DoormanConfig {
 pub enum Wants {
     /// From the demand meter (see the README for the formula).
     Auto,
+    /// This many units (per second for a rate, in flight for a gauge).
     Fixed(f64),
 }
 
@@ -74,11 +84,17 @@ pub enum Wants {
 pub struct LeaseSettings {
     /// `None`: not written; `auto` in Doorman mode, the capacity in embedded mode.
     pub wants: Option<Wants>,
+    /// Sent with every request; servers in strict priority mode serve higher values first.
     pub priority: i64,
+    /// What a key may use without an unexpired lease.
     pub on_expiry: OnExpiry,
+    /// Used by [`OnExpiry::Safe`] when the server sent none; -1 = unlimited.
     pub safe_capacity: Option<f64>,
+    /// The least `wants: auto` asks for.
     pub min_wants: f64,
+    /// The most `wants: auto` asks for; `None` = no cap.
     pub max_wants: Option<f64>,
+    /// Multiplies the measured rate in `wants: auto` (at least 1).
     pub headroom: f64,
     /// A templated key with no request for this long is released and forgotten.
     pub key_idle_timeout: Duration,
@@ -105,6 +121,7 @@ impl Default for LeaseSettings {
 /// How a route reacts to its upstream's 429 and 503 answers.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PushbackConfig {
+    /// Whether the route backs off at all.
     pub enabled: bool,
     /// Each pushback multiplies the route's admission rate by this.
     pub multiplier: f64,

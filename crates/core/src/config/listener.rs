@@ -36,11 +36,17 @@ const FIELDS: &[&str] = &[
 /// Validated listener limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ListenerLimits {
+    /// Connections served at once (at least 1).
     pub max_connections: usize,
+    /// How long a client may take to send a request's headers (more than zero).
     pub header_timeout: Duration,
+    /// Largest request head, in bytes (at least [`MIN_HEADER_BYTES`]).
     pub max_header_bytes: usize,
+    /// Most header fields in one HTTP/1.1 request.
     pub max_headers: usize,
+    /// Largest request body, in bytes; `None` = unlimited.
     pub max_body_bytes: Option<u64>,
+    /// Concurrent HTTP/2 streams per connection.
     pub max_concurrent_streams: u32,
 }
 

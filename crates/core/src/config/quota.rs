@@ -24,10 +24,13 @@ pub struct UpstreamQuota {
     pub source: String,
     /// `RateLimit` and `RateLimit-Policy` of draft-ietf-httpapi-ratelimit-headers.
     pub ietf: bool,
-    /// Header names (lower-case), unless `ietf`.
+    /// The header (lower-case) holding the quota's size; unused when `ietf`.
     pub limit: String,
+    /// The header (lower-case) holding what is left of the quota; unused when `ietf`.
     pub remaining: String,
+    /// The header (lower-case) saying when the quota renews; unused when `ietf`.
     pub reset: String,
+    /// How the reset header says it.
     pub reset_format: ResetFormat,
     /// Refilled continuously (a token bucket) rather than renewed whole at the reset.
     pub continuous: bool,

@@ -33,16 +33,23 @@ pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(15);
 /// A validated routes file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutesConfig {
+    /// The shared proxy listener's address.
     pub listen: SocketAddr,
+    /// The admin listener's address.
     pub admin: SocketAddr,
+    /// What happens to a request no route matches.
     pub default: DefaultAction,
+    /// How long in-flight requests may take to finish after SIGTERM.
     pub drain_timeout: Duration,
     /// Where to lease capacity from; `None` = an embedded capacity server.
     pub doorman: Option<super::doorman::DoormanConfig>,
     /// One JSON line per request is appended here (off when `None`).
     pub access_log: Option<PathBuf>,
+    /// The upstreams, by name.
     pub upstreams: BTreeMap<String, UpstreamConfig>,
+    /// The resources, by name.
     pub resources: BTreeMap<String, ResourceConfig>,
+    /// The routes in file order; the first that matches a request wins.
     pub routes: Vec<RouteConfig>,
     /// What the listener accepts from clients (`limits:`).
     pub limits: super::listener::ListenerLimits,
@@ -57,12 +64,16 @@ pub enum DefaultAction {
     Passthrough,
 }
 
+/// One `upstreams:` entry: where requests are forwarded, and how.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UpstreamConfig {
+    /// The upstream's name in the file.
     pub name: String,
     /// `http://` or `https://` authority, with an optional base path.
     pub url: http::Uri,
+    /// TCP plus TLS connect timeout (more than zero).
     pub connect_timeout: Duration,
+    /// How long the upstream may take to send response headers (more than zero).
     pub timeout: Duration,
     /// Extra PEM roots, added to the system's.
     pub ca_file: Option<PathBuf>,
@@ -74,6 +85,7 @@ pub struct UpstreamConfig {
     pub listen: Option<SocketAddr>,
 }
 
+/// What a resource limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResourceKind {
     /// Requests (or cost units) per unit of time: GCRA.
@@ -85,7 +97,9 @@ pub enum ResourceKind {
 /// A capacity as written: `per_window` units per `window`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Capacity {
+    /// Units in each window (finite, at least 0).
     pub per_window: f64,
+    /// The window: a second, minute, hour or day.
     pub window: Duration,
 }
 
@@ -96,13 +110,18 @@ impl Capacity {
     }
 }
 
+/// One `resources:` entry: a budget that routes consume.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResourceConfig {
+    /// The resource's name in the file.
     pub name: String,
+    /// Whether it limits a rate or requests in flight.
     pub kind: ResourceKind,
     /// The Doorman resource id, possibly templated.
     pub id: IdTemplate,
+    /// The capacity as written; for a gauge, `per_window` requests in flight.
     pub capacity: Capacity,
+    /// The longest a request may wait for capacity before it is refused.
     pub max_wait: Duration,
     /// Rate only: units that may pass at once from an idle start.
     pub burst: f64,
@@ -110,8 +129,11 @@ pub struct ResourceConfig {
     /// bursts one second's worth of what it is leased (`burst` is then that
     /// of the file's capacity, for `usher check` and cost checks).
     pub burst_one_second: bool,
+    /// The most distinct ids a templated resource tracks (at least 1).
     pub max_keys: usize,
+    /// The most requests waiting for one key (at least 1).
     pub max_queue: usize,
+    /// How each key's lease is asked for and used.
     pub lease: super::doorman::LeaseSettings,
     /// Shadow mode: every decision is made and counted, none enforced.
     pub shadow: bool,
@@ -126,8 +148,11 @@ pub struct ResourceConfig {
 /// One piece of a templated id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Segment {
+    /// Text taken as it is.
     Literal(String),
+    /// The request's host (`{host}`).
     Host,
+    /// The request's method (`{method}`).
     Method,
     /// The Nth (1-based) segment of the path.
     Path(usize),
@@ -138,11 +163,14 @@ pub enum Segment {
 /// A resource id such as `github/{header.x-tenant}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdTemplate {
+    /// The template as written.
     pub text: String,
+    /// Its pieces, in order.
     pub segments: Vec<Segment>,
 }
 
 impl IdTemplate {
+    /// Whether the id has no placeholders: every request makes the same id.
     pub fn is_fixed(&self) -> bool {
         self.segments.iter().all(|s| matches!(s, Segment::Literal(_)))
     }
@@ -244,9 +272,12 @@ impl IdTemplate {
     }
 }
 
+/// One `routes:` entry: which requests it takes, where they go, and what they cost.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouteConfig {
+    /// The route's name, unique in the file; it labels metrics.
     pub name: String,
+    /// Which requests the route takes.
     pub matcher: Match,
     /// `None`: forward to the origin the request names.
     pub upstream: Option<String>,
@@ -312,10 +343,12 @@ impl JsonPath {
     }
 }
 
+/// A route's `match:`: what a request must have for the route to take it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Match {
     /// Lower-case host without port; `*.example.com` matches subdomains.
     pub host: Option<String>,
+    /// The request path must start with this (itself starting with `/`).
     pub path_prefix: Option<String>,
     /// Empty: any method.
     pub methods: Vec<http::Method>,
