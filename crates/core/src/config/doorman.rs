@@ -138,7 +138,7 @@ impl Default for PushbackConfig {
 }
 
 /// Reads a route's `pushback:`: `false`, `true`, or a mapping of the fields.
-pub fn read_pushback(ck: &mut Checker, node: &Node, path: &str) -> Option<PushbackConfig> {
+pub(crate) fn read_pushback(ck: &mut Checker, node: &Node, path: &str) -> Option<PushbackConfig> {
     let d = PushbackConfig::default();
     if let Some(s) = node.as_str()
         && (s == "true" || s == "false")
@@ -229,7 +229,7 @@ fn rate(ck: &mut Checker, m: &MapView<'_>, key: &str, ok: impl Fn(f64) -> bool, 
 }
 
 /// Reads the `doorman:` section.
-pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
+pub(crate) fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
     let m = ck.map(node, "doorman", DOORMAN_FIELDS)?;
     let servers = ck.required(&m, "servers", Some("capacity server addresses, e.g. [doorman-0:15100]")).and_then(|n| {
         let items = ck.seq(n, "doorman.servers")?;
@@ -357,7 +357,7 @@ fn read_backoff(ck: &mut Checker, node: &Node) -> Option<Backoff> {
 }
 
 /// Reads the lease settings of one resource from its mapping.
-pub fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSettings> {
+pub(crate) fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSettings> {
     let d = LeaseSettings::default();
     let wants = match m.get("wants") {
         None => Some(None),

@@ -98,7 +98,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 /// Reads the `limits:` section (`node` is its value).
-pub fn read_limits(ck: &mut Checker, node: &Node) -> Option<ListenerLimits> {
+pub(crate) fn read_limits(ck: &mut Checker, node: &Node) -> Option<ListenerLimits> {
     let m = ck.map(node, "limits", FIELDS)?;
     let d = ListenerLimits::default();
     let size = |ck: &mut Checker, key: &str, min: u64, max: u64| -> Option<Option<u64>> {

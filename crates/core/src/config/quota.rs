@@ -92,7 +92,7 @@ const FIELDS: &[&str] = &["headers", "limit", "remaining", "reset", "reset_forma
 const FORMATS: &[&str] = &["epoch-seconds", "delay-seconds", "duration", "rfc3339"];
 
 /// Reads `upstream_quota:` at `path`.
-pub fn read(ck: &mut Checker, node: &Node, path: &str) -> Option<UpstreamQuota> {
+pub(crate) fn read(ck: &mut Checker, node: &Node, path: &str) -> Option<UpstreamQuota> {
     let m = ck.map(node, path, FIELDS)?;
     if let Some(n) = m.get("headers") {
         let name = ck.string(n, &m.child("headers"))?;
