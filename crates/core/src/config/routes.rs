@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::yaml::{Checker, ConfigError, MapView, Node, Value, closest, parse};
+use super::yaml::{Checker, ConfigError, Loc, MapView, Node, Value, closest, parse};
 
 /// Proxy listener when neither the file nor `--listen` sets one.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:15001";
@@ -433,18 +433,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
     let top = ck.map(root, "", ROOT_FIELDS)?;
     let listen = addr(ck, &top, "listen", DEFAULT_LISTEN);
     let admin = addr(ck, &top, "admin", DEFAULT_ADMIN);
-    let default = match top.get("default") {
-        None => Some(DefaultAction::Deny),
-        Some(n) => match ck.string(n, "default").as_deref() {
-            Some("deny") => Some(DefaultAction::Deny),
-            Some("passthrough") => Some(DefaultAction::Passthrough),
-            Some(other) => {
-                ck.error(n.loc, "default", format!("unknown action `{other}`"), Some("deny or passthrough".into()));
-                None
-            }
-            None => None,
-        },
-    };
+    let default = read_default(ck, &top);
     let drain_timeout =
         top.get("drain_timeout").map_or(Some(DEFAULT_DRAIN_TIMEOUT), |n| ck.duration(n, "drain_timeout"));
     let access_log = top.get("access_log").and_then(|n| ck.string(n, "access_log")).map(PathBuf::from);
@@ -456,22 +445,68 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
     let limits = top.get("limits").map_or(Some(Default::default()), |n| super::listener::read_limits(ck, n));
 
     // Names count as defined even when their entry has errors, so one mistake is reported once.
-    let mut up_names: Vec<String> = Vec::new();
-    let mut res_names: Vec<String> = Vec::new();
+    let (upstreams, up_names) = read_upstreams(ck, &top, [("listen", listen), ("admin", admin)]);
+    let (resources, res_names) = read_resources(ck, &top);
+    let routes = read_routes(ck, &top, &up_names, &res_names, &resources);
+    Some(RoutesConfig {
+        listen: listen?,
+        admin: admin?,
+        default: default?,
+        drain_timeout: drain_timeout?,
+        doorman: doorman?,
+        access_log,
+        upstreams,
+        resources,
+        routes,
+        limits: limits?,
+    })
+}
+
+/// Reads `default:`: `deny` when it is absent, or `passthrough`.
+fn read_default(ck: &mut Checker, top: &MapView<'_>) -> Option<DefaultAction> {
+    match top.get("default") {
+        None => Some(DefaultAction::Deny),
+        Some(n) => match ck.string(n, "default").as_deref() {
+            Some("deny") => Some(DefaultAction::Deny),
+            Some("passthrough") => Some(DefaultAction::Passthrough),
+            Some(other) => {
+                ck.error(n.loc, "default", format!("unknown action `{other}`"), Some("deny or passthrough".into()));
+                None
+            }
+            None => None,
+        },
+    }
+}
+
+/// Reads `upstreams:`, then refuses an upstream `listen` that one of
+/// `listeners` (the top-level ones) or an earlier upstream has. Returns the
+/// valid upstreams and every name given.
+fn read_upstreams(
+    ck: &mut Checker,
+    top: &MapView<'_>,
+    listeners: [(&str, Option<SocketAddr>); 2],
+) -> (BTreeMap<String, UpstreamConfig>, Vec<String>) {
+    let mut names: Vec<String> = Vec::new();
     let mut upstreams = BTreeMap::new();
     if let Some(n) = top.get("upstreams")
         && let Some(m) = ck.map(n, "upstreams", &[])
     {
         for (k, v) in m.entries() {
             let Some(name) = k.as_str() else { continue };
-            up_names.push(name.to_string());
+            names.push(name.to_string());
             if let Some(u) = read_upstream(ck, name, v, &m.child(name)) {
                 upstreams.insert(name.to_string(), u);
             }
         }
-        check_listeners(ck, &m, &upstreams, [("listen", listen), ("admin", admin)]);
+        check_listeners(ck, &m, &upstreams, listeners);
     }
+    (upstreams, names)
+}
 
+/// Reads `resources:`, refusing ids that could meet. Returns the valid
+/// resources and every name given.
+fn read_resources(ck: &mut Checker, top: &MapView<'_>) -> (BTreeMap<String, ResourceConfig>, Vec<String>) {
+    let mut names: Vec<String> = Vec::new();
     let mut resources = BTreeMap::new();
     if let Some(n) = top.get("resources")
         && let Some(m) = ck.map(n, "resources", &[])
@@ -482,39 +517,64 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
         let mut ids: Vec<(String, IdTemplate)> = Vec::new();
         for (k, v) in m.entries() {
             let Some(name) = k.as_str() else { continue };
-            res_names.push(name.to_string());
+            names.push(name.to_string());
             if let Some(r) = read_resource(ck, name, v, &m.child(name)) {
-                // The latest resource it meets, as the one named.
-                if let Some((other, id)) = ids.iter().rev().find(|(_, id)| id.could_meet(&r.id)) {
-                    let at = match &v.value {
-                        Value::Map(entries) => {
-                            entries.iter().find(|(k, _)| k.as_str() == Some("id")).map(|(_, n)| n.loc)
-                        }
-                        _ => None,
-                    };
-                    let (this, that) = (&r.id.text, &id.text);
-                    let message = match (r.id.is_fixed(), id.is_fixed()) {
-                        (true, true) => format!("id `{this}` is already resource `{other}`'s"),
-                        (true, false) => format!("id `{this}` is one resource `{other}`'s id `{that}` could make"),
-                        (false, true) => format!("id `{this}` could make resource `{other}`'s id `{that}`"),
-                        (false, false) => {
-                            format!("id `{this}` could make the same lease id as resource `{other}`'s id `{that}`")
-                        }
-                    };
-                    let hint = if r.id.is_fixed() && id.is_fixed() {
-                        "each resource leases its own id; routes can share one resource"
-                    } else {
-                        "each resource leases its own ids: give the two literal prefixes neither of which begins \
-                         the other (e.g. `a/{header.x}` and `b/{header.x}`), or let the routes share one resource"
-                    };
-                    ck.error(at.unwrap_or(k.loc), &format!("{}.id", m.child(name)), message, Some(hint.into()));
-                }
+                check_id_meets(ck, &ids, &r.id, (k, v), &m.child(name));
                 ids.push((name.to_string(), r.id.clone()));
                 resources.insert(name.to_string(), r);
             }
         }
     }
+    (resources, names)
+}
 
+/// Refuses `id`, of the resource `entry` (its key and value) at `path`, if
+/// it could make the same lease id as one of `earlier`'s (resource name, id).
+fn check_id_meets(
+    ck: &mut Checker,
+    earlier: &[(String, IdTemplate)],
+    id: &IdTemplate,
+    entry: (&Node, &Node),
+    path: &str,
+) {
+    // The latest resource it meets, as the one named.
+    let Some((other, that_id)) = earlier.iter().rev().find(|(_, t)| t.could_meet(id)) else { return };
+    let (k, v) = entry;
+    let at = field_loc(v, "id");
+    let (this, that) = (&id.text, &that_id.text);
+    let message = match (id.is_fixed(), that_id.is_fixed()) {
+        (true, true) => format!("id `{this}` is already resource `{other}`'s"),
+        (true, false) => format!("id `{this}` is one resource `{other}`'s id `{that}` could make"),
+        (false, true) => format!("id `{this}` could make resource `{other}`'s id `{that}`"),
+        (false, false) => {
+            format!("id `{this}` could make the same lease id as resource `{other}`'s id `{that}`")
+        }
+    };
+    let hint = if id.is_fixed() && that_id.is_fixed() {
+        "each resource leases its own id; routes can share one resource"
+    } else {
+        "each resource leases its own ids: give the two literal prefixes neither of which begins \
+         the other (e.g. `a/{header.x}` and `b/{header.x}`), or let the routes share one resource"
+    };
+    ck.error(at.unwrap_or(k.loc), &format!("{path}.id"), message, Some(hint.into()));
+}
+
+/// Where field `key` of a mapping is, if `node` is a mapping that has it.
+fn field_loc(node: &Node, key: &str) -> Option<Loc> {
+    match &node.value {
+        Value::Map(entries) => entries.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, n)| n.loc),
+        _ => None,
+    }
+}
+
+/// Reads `routes:`, refusing a route name used twice.
+fn read_routes(
+    ck: &mut Checker,
+    top: &MapView<'_>,
+    up_names: &[String],
+    res_names: &[String],
+    resources: &BTreeMap<String, ResourceConfig>,
+) -> Vec<RouteConfig> {
     let mut routes = Vec::new();
     if let Some(n) = top.get("routes")
         && let Some(items) = ck.seq(n, "routes")
@@ -524,7 +584,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
         let mut seen: Vec<String> = Vec::new();
         for (i, item) in items.iter().enumerate() {
             let path = format!("routes[{i}]");
-            if let Some(r) = read_route(ck, item, &path, &up_names, &res_names, &resources) {
+            if let Some(r) = read_route(ck, item, &path, &up_names, &res_names, resources) {
                 if seen.contains(&r.name) {
                     ck.error(
                         item.loc,
@@ -538,18 +598,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
             }
         }
     }
-    Some(RoutesConfig {
-        listen: listen?,
-        admin: admin?,
-        default: default?,
-        drain_timeout: drain_timeout?,
-        doorman: doorman?,
-        access_log,
-        upstreams,
-        resources,
-        routes,
-        limits: limits?,
-    })
+    routes
 }
 
 /// Refuses an upstream `listen` that another listener of the file already
@@ -569,10 +618,7 @@ fn check_listeners(
         let Some(name) = k.as_str() else { continue };
         let Some(a) = upstreams.get(name).and_then(|u| u.listen) else { continue };
         if let Some((owner, _)) = taken.iter().find(|(_, t)| clash(*t, a)) {
-            let at = match &v.value {
-                Value::Map(entries) => entries.iter().find(|(k, _)| k.as_str() == Some("listen")).map(|(_, n)| n.loc),
-                _ => None,
-            };
+            let at = field_loc(v, "listen");
             let path = format!("{}.listen", ups.child(name));
             ck.error(
                 at.unwrap_or(k.loc),
