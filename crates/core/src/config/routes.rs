@@ -756,85 +756,11 @@ pub fn parse_capacity(s: &str) -> Result<Capacity, String> {
 
 fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Option<ResourceConfig> {
     let m = ck.map(node, path, RESOURCE_FIELDS)?;
-    let kind = ck.required(&m, "kind", Some("rate or gauge")).and_then(|n| {
-        let s = ck.string(n, &m.child("kind"))?;
-        match s.as_str() {
-            "rate" => Some(ResourceKind::Rate),
-            "gauge" => Some(ResourceKind::Gauge),
-            other => {
-                let hint = closest(other, &["rate", "gauge"])
-                    .map_or("rate or gauge".to_string(), |c| format!("did you mean `{c}`?"));
-                ck.error(n.loc, &m.child("kind"), format!("unknown kind `{other}`"), Some(hint));
-                None
-            }
-        }
-    });
-    let id = match m.get("id") {
-        None => Some(IdTemplate { text: name.to_string(), segments: vec![Segment::Literal(name.to_string())] }),
-        Some(n) => ck.string(n, &m.child("id")).and_then(|s| match IdTemplate::parse(&s) {
-            Ok(t) if t.text.is_empty() => {
-                ck.error(n.loc, &m.child("id"), "must not be empty", None);
-                None
-            }
-            Ok(t) if literal_bytes(&t) > crate::config::MAX_ID_BYTES => {
-                let max = crate::config::MAX_ID_BYTES;
-                let what = if t.is_fixed() { "" } else { " without its placeholders" };
-                let msg = format!("is {} bytes long{what}; capacity servers accept at most {max}", literal_bytes(&t));
-                ck.error(n.loc, &m.child("id"), msg, None);
-                None
-            }
-            Ok(t) => Some(t),
-            Err(e) => {
-                ck.error(n.loc, &m.child("id"), e, None);
-                None
-            }
-        }),
-    };
-    let capacity = ck.required(&m, "capacity", Some("e.g. 50, 50/s, 3000/min, 20000/h or 1000/day")).and_then(|n| {
-        let text = match &n.value {
-            Value::Scalar(s, _) => s.clone(),
-            _ => {
-                ck.error(n.loc, &m.child("capacity"), "expected a capacity such as 50/s", None);
-                return None;
-            }
-        };
-        match parse_capacity(&text) {
-            Ok(c) => {
-                if kind == Some(ResourceKind::Gauge) && text.contains('/') {
-                    ck.error(
-                        n.loc,
-                        &m.child("capacity"),
-                        "a gauge's capacity is a number of requests in flight, not a rate",
-                        Some(format!("write `{}`", c.per_window)),
-                    );
-                    return None;
-                }
-                Some(c)
-            }
-            Err(e) => {
-                ck.error(n.loc, &m.child("capacity"), e, Some("e.g. 50, 50/s, 3000/min, 20000/h or 1000/day".into()));
-                None
-            }
-        }
-    });
+    let kind = read_kind(ck, &m);
+    let id = read_id(ck, &m, name);
+    let capacity = read_capacity(ck, &m, kind);
     let max_wait = m.get("max_wait").map_or(Some(DEFAULT_MAX_WAIT), |n| ck.duration(n, &m.child("max_wait")));
-    let burst = match m.get("burst") {
-        Some(n) => {
-            let b = ck.f64(n, &m.child("burst"));
-            if kind == Some(ResourceKind::Gauge) {
-                ck.error(n.loc, &m.child("burst"), "burst applies to rate resources only", None);
-            }
-            match b {
-                Some(b) if b.is_finite() && b >= 1.0 => Some(b),
-                Some(b) => {
-                    ck.error(n.loc, &m.child("burst"), format!("must be at least 1, not {b}"), None);
-                    None
-                }
-                None => None,
-            }
-        }
-        None => Some(default_burst(capacity)),
-    };
+    let burst = read_burst(ck, &m, kind, capacity);
     let burst_one_second = m.get("burst").is_none() && capacity.is_some_and(|c| c.window < Duration::from_secs(86400));
     let max_keys = count(ck, &m, "max_keys", DEFAULT_MAX_KEYS);
     let max_queue = count(ck, &m, "max_queue", DEFAULT_MAX_QUEUE);
@@ -844,18 +770,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         None => Some(None),
         Some(n) => super::quota::read(ck, n, &m.child("upstream_quota")).map(Some),
     };
-    let calendar = match m.get("window") {
-        None => Some(false),
-        Some(n) if kind == Some(ResourceKind::Gauge) => {
-            ck.error(n.loc, &m.child("window"), "a window applies to rate resources only", None);
-            None
-        }
-        Some(n) => {
-            let written = m.get("capacity").and_then(|c| c.as_str()).is_some_and(|s| s.contains('/'));
-            let unit = capacity.filter(|_| written).map(|c| c.window);
-            super::resources::window(ck, n, &m.child("window"), unit).map(|c| c.is_some())
-        }
-    };
+    let calendar = read_calendar(ck, &m, kind, capacity);
     Some(ResourceConfig {
         name: name.to_string(),
         kind: kind?,
@@ -871,6 +786,123 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         upstream_quota: upstream_quota?,
         calendar: calendar?,
     })
+}
+
+/// Reads a resource's `kind:`, `rate` or `gauge`.
+fn read_kind(ck: &mut Checker, m: &MapView<'_>) -> Option<ResourceKind> {
+    let n = ck.required(m, "kind", Some("rate or gauge"))?;
+    let s = ck.string(n, &m.child("kind"))?;
+    match s.as_str() {
+        "rate" => Some(ResourceKind::Rate),
+        "gauge" => Some(ResourceKind::Gauge),
+        other => {
+            let hint = closest(other, &["rate", "gauge"])
+                .map_or("rate or gauge".to_string(), |c| format!("did you mean `{c}`?"));
+            ck.error(n.loc, &m.child("kind"), format!("unknown kind `{other}`"), Some(hint));
+            None
+        }
+    }
+}
+
+/// Reads a resource's `id:`, a template of at most [`super::MAX_ID_BYTES`]
+/// literal bytes; the resource's name when it is absent.
+fn read_id(ck: &mut Checker, m: &MapView<'_>, name: &str) -> Option<IdTemplate> {
+    let Some(n) = m.get("id") else {
+        return Some(IdTemplate { text: name.to_string(), segments: vec![Segment::Literal(name.to_string())] });
+    };
+    let s = ck.string(n, &m.child("id"))?;
+    match IdTemplate::parse(&s) {
+        Ok(t) if t.text.is_empty() => {
+            ck.error(n.loc, &m.child("id"), "must not be empty", None);
+            None
+        }
+        Ok(t) if literal_bytes(&t) > crate::config::MAX_ID_BYTES => {
+            let max = crate::config::MAX_ID_BYTES;
+            let what = if t.is_fixed() { "" } else { " without its placeholders" };
+            let msg = format!("is {} bytes long{what}; capacity servers accept at most {max}", literal_bytes(&t));
+            ck.error(n.loc, &m.child("id"), msg, None);
+            None
+        }
+        Ok(t) => Some(t),
+        Err(e) => {
+            ck.error(n.loc, &m.child("id"), e, None);
+            None
+        }
+    }
+}
+
+/// Reads a resource's `capacity:`; a gauge's is a number, without a unit.
+fn read_capacity(ck: &mut Checker, m: &MapView<'_>, kind: Option<ResourceKind>) -> Option<Capacity> {
+    let n = ck.required(m, "capacity", Some("e.g. 50, 50/s, 3000/min, 20000/h or 1000/day"))?;
+    let text = match &n.value {
+        Value::Scalar(s, _) => s.clone(),
+        _ => {
+            ck.error(n.loc, &m.child("capacity"), "expected a capacity such as 50/s", None);
+            return None;
+        }
+    };
+    match parse_capacity(&text) {
+        Ok(c) => {
+            if kind == Some(ResourceKind::Gauge) && text.contains('/') {
+                ck.error(
+                    n.loc,
+                    &m.child("capacity"),
+                    "a gauge's capacity is a number of requests in flight, not a rate",
+                    Some(format!("write `{}`", c.per_window)),
+                );
+                return None;
+            }
+            Some(c)
+        }
+        Err(e) => {
+            ck.error(n.loc, &m.child("capacity"), e, Some("e.g. 50, 50/s, 3000/min, 20000/h or 1000/day".into()));
+            None
+        }
+    }
+}
+
+/// Reads a rate resource's `burst:`, at least 1; [`default_burst`] when it is absent.
+fn read_burst(
+    ck: &mut Checker,
+    m: &MapView<'_>,
+    kind: Option<ResourceKind>,
+    capacity: Option<Capacity>,
+) -> Option<f64> {
+    let Some(n) = m.get("burst") else { return Some(default_burst(capacity)) };
+    let b = ck.f64(n, &m.child("burst"));
+    if kind == Some(ResourceKind::Gauge) {
+        ck.error(n.loc, &m.child("burst"), "burst applies to rate resources only", None);
+    }
+    match b {
+        Some(b) if b.is_finite() && b >= 1.0 => Some(b),
+        Some(b) => {
+            ck.error(n.loc, &m.child("burst"), format!("must be at least 1, not {b}"), None);
+            None
+        }
+        None => None,
+    }
+}
+
+/// Reads a rate resource's `window:`: whether its capacity renews whole at
+/// each UTC boundary of the unit written with it.
+fn read_calendar(
+    ck: &mut Checker,
+    m: &MapView<'_>,
+    kind: Option<ResourceKind>,
+    capacity: Option<Capacity>,
+) -> Option<bool> {
+    match m.get("window") {
+        None => Some(false),
+        Some(n) if kind == Some(ResourceKind::Gauge) => {
+            ck.error(n.loc, &m.child("window"), "a window applies to rate resources only", None);
+            None
+        }
+        Some(n) => {
+            let written = m.get("capacity").and_then(|c| c.as_str()).is_some_and(|s| s.contains('/'));
+            let unit = capacity.filter(|_| written).map(|c| c.window);
+            super::resources::window(ck, n, &m.child("window"), unit).map(|c| c.is_some())
+        }
+    }
 }
 
 /// A rate resource's burst when the file gives none: one second's worth of
@@ -910,23 +942,51 @@ fn read_route(
         None => Some(Match::default()),
         Some(n) => read_match(ck, n, &m.child("match")),
     };
-    let upstream = m.get("upstream").and_then(|n| {
-        let s = ck.string(n, &m.child("upstream"))?;
-        if !upstreams.contains(&s.as_str()) {
-            let hint = closest(&s, upstreams).map_or_else(
-                || {
-                    if upstreams.is_empty() {
-                        "define it under `upstreams:`".to_string()
-                    } else {
-                        format!("known upstreams: {}", upstreams.join(", "))
-                    }
-                },
-                |c| format!("did you mean `{c}`?"),
-            );
-            ck.error(n.loc, &m.child("upstream"), format!("unknown upstream `{s}`"), Some(hint));
-        }
-        Some(s)
-    });
+    let upstream = read_upstream_name(ck, &m, upstreams);
+    let (list, rules) = read_route_resources(ck, &m, resource_names, resources);
+    let pushback = match m.get("pushback") {
+        None => Some(super::doorman::PushbackConfig::default()),
+        Some(n) => super::doorman::read_pushback(ck, n, &m.child("pushback")),
+    };
+    Some(RouteConfig {
+        name: name?,
+        matcher: matcher?,
+        upstream,
+        resources: list,
+        cost_rules: rules,
+        pushback: pushback?,
+    })
+}
+
+/// Reads a route's `upstream:`; an unknown name is reported, and kept.
+fn read_upstream_name(ck: &mut Checker, m: &MapView<'_>, upstreams: &[&str]) -> Option<String> {
+    let n = m.get("upstream")?;
+    let s = ck.string(n, &m.child("upstream"))?;
+    if !upstreams.contains(&s.as_str()) {
+        let hint = closest(&s, upstreams).map_or_else(
+            || {
+                if upstreams.is_empty() {
+                    "define it under `upstreams:`".to_string()
+                } else {
+                    format!("known upstreams: {}", upstreams.join(", "))
+                }
+            },
+            |c| format!("did you mean `{c}`?"),
+        );
+        ck.error(n.loc, &m.child("upstream"), format!("unknown upstream `{s}`"), Some(hint));
+    }
+    Some(s)
+}
+
+/// Reads a route's `resources:`: each entry a resource's name (cost 1) or a
+/// mapping with its cost. Returns (resource, cost) in file order, and the
+/// cost rules of the resources kept.
+fn read_route_resources(
+    ck: &mut Checker,
+    m: &MapView<'_>,
+    resource_names: &[&str],
+    resources: &BTreeMap<String, ResourceConfig>,
+) -> (Vec<(String, f64)>, BTreeMap<String, CostRule>) {
     let mut list = Vec::new();
     let mut rules = BTreeMap::new();
     if let Some(n) = m.get("resources")
@@ -936,142 +996,159 @@ fn read_route(
             let p = format!("{}[{i}]", m.child("resources"));
             let entry = match &item.value {
                 Value::Scalar(..) => ck.string(item, &p).map(|s| (s, 1.0, item)),
-                _ => {
-                    let Some(rm) = ck.map(item, &p, &["resource", "cost", "default_cost", "settle"]) else { continue };
-                    let r = ck
-                        .required(&rm, "resource", None)
-                        .and_then(|n| ck.string(n, &rm.child("resource")).map(|s| (s, n)));
-                    let positive = |ck: &mut Checker, key: &str| match rm.get(key) {
-                        None => Some(None),
-                        Some(n) => match ck.f64(n, &rm.child(key)) {
-                            Some(c) if c.is_finite() && c > 0.0 => Some(Some(c)),
-                            Some(c) => {
-                                ck.error(n.loc, &rm.child(key), format!("must be greater than 0, not {c}"), None);
-                                None
-                            }
-                            None => None,
-                        },
-                    };
-                    let mut rule = CostRule::default();
-                    let cost = match rm.get("cost") {
-                        Some(n) if matches!(&n.value, Value::Scalar(t, _) if t.trim_start().starts_with('{')) => {
-                            match n.as_str().map(IdTemplate::parse) {
-                                Some(Ok(t)) if matches!(&t.segments[..], [Segment::Header(_)]) => {
-                                    let Segment::Header(h) = &t.segments[0] else { unreachable!() };
-                                    rule.header = Some(h.clone());
-                                    positive(ck, "default_cost").map(|c| c.unwrap_or(1.0))
-                                }
-                                _ => {
-                                    ck.error(
-                                        n.loc,
-                                        &rm.child("cost"),
-                                        "expected a number or \"{header.NAME}\"",
-                                        Some("e.g. cost: 150 or cost: \"{header.x-max-tokens}\"".into()),
-                                    );
-                                    None
-                                }
-                            }
-                        }
-                        _ => {
-                            if let Some(n) = rm.get("default_cost") {
-                                ck.error(
-                                    n.loc,
-                                    &rm.child("default_cost"),
-                                    "default_cost applies to a cost read from a request header",
-                                    Some("write cost: \"{header.NAME}\", or drop default_cost".into()),
-                                );
-                            }
-                            positive(ck, "cost").map(|c| c.unwrap_or(1.0))
-                        }
-                    };
-                    if let Some(n) = rm.get("settle") {
-                        rule.settle = settle_from(ck, n, &rm.child("settle"));
-                    }
-                    if rule != CostRule::default()
-                        && let Some((name, _)) = &r
-                    {
-                        rules.insert(name.clone(), rule);
-                    }
-                    match (r, cost) {
-                        (Some((s, n)), Some(c)) => Some((s, c, n)),
-                        _ => None,
-                    }
-                }
+                _ => read_cost_entry(ck, item, &p, &mut rules),
             };
             let Some((res, cost, at)) = entry else { continue };
-            if !resource_names.contains(&res.as_str()) {
-                let hint = closest(&res, resource_names)
-                    .map_or_else(|| "define it under `resources:`".to_string(), |c| format!("did you mean `{c}`?"));
-                ck.error(at.loc, &p, format!("unknown resource `{res}`"), Some(hint));
-                continue;
+            if check_listed(ck, at, &p, &res, resource_names, &list) && check_cost(ck, at, &p, &res, cost, resources) {
+                list.push((res, cost));
             }
-            if list.iter().any(|(r, _)| *r == res) {
-                ck.error(
-                    at.loc,
-                    &p,
-                    format!("resource `{res}` is listed twice"),
-                    Some("raise its cost instead".into()),
-                );
-                continue;
-            }
-            if let Some(rc) = resources.get(&res)
-                && rc.kind == ResourceKind::Rate
-                && cost > rc.burst
-            {
-                ck.error(
-                    at.loc,
-                    &p,
-                    format!(
-                        "cost {cost} is larger than resource `{res}`'s burst of {} (the most that may pass at once)",
-                        rc.burst
-                    ),
-                    Some(format!("raise `{res}`'s burst to at least {cost}, or lower the cost")),
-                );
-                continue;
-            }
-            if let Some(rc) = resources.get(&res)
-                && rc.kind == ResourceKind::Gauge
-                && cost > rc.capacity.per_window
-            {
-                ck.error(
-                    at.loc,
-                    &p,
-                    format!(
-                        "cost {cost} is more than gauge `{res}`'s capacity of {} in flight",
-                        rc.capacity.per_window
-                    ),
-                    Some("no request could ever pass: raise the capacity or lower the cost".into()),
-                );
-                continue;
-            }
-            if let Some(rc) = resources.get(&res)
-                && rc.kind == ResourceKind::Gauge
-                && cost.fract() != 0.0
-            {
-                ck.error(
-                    at.loc,
-                    &p,
-                    format!("a gauge's cost is a whole number of requests in flight, not {cost}"),
-                    None,
-                );
-                continue;
-            }
-            list.push((res, cost));
         }
     }
-    let pushback = match m.get("pushback") {
-        None => Some(super::doorman::PushbackConfig::default()),
-        Some(n) => super::doorman::read_pushback(ck, n, &m.child("pushback")),
-    };
     rules.retain(|name, _| list.iter().any(|(r, _)| r == name));
-    Some(RouteConfig {
-        name: name?,
-        matcher: matcher?,
-        upstream,
-        resources: list,
-        cost_rules: rules,
-        pushback: pushback?,
-    })
+    (list, rules)
+}
+
+/// Reads a mapping in a route's `resources:` (`resource`, `cost`,
+/// `default_cost`, `settle`), adding its cost rule, if any, to `rules`.
+/// Returns the resource's name, the cost and the node that names it.
+fn read_cost_entry<'a>(
+    ck: &mut Checker,
+    item: &'a Node,
+    path: &str,
+    rules: &mut BTreeMap<String, CostRule>,
+) -> Option<(String, f64, &'a Node)> {
+    let rm = ck.map(item, path, &["resource", "cost", "default_cost", "settle"])?;
+    let r = ck.required(&rm, "resource", None).and_then(|n| ck.string(n, &rm.child("resource")).map(|s| (s, n)));
+    let mut rule = CostRule::default();
+    let cost = read_cost(ck, &rm, &mut rule);
+    if let Some(n) = rm.get("settle") {
+        rule.settle = settle_from(ck, n, &rm.child("settle"));
+    }
+    if rule != CostRule::default()
+        && let Some((name, _)) = &r
+    {
+        rules.insert(name.clone(), rule);
+    }
+    match (r, cost) {
+        (Some((s, n)), Some(c)) => Some((s, c, n)),
+        _ => None,
+    }
+}
+
+/// Reads an entry's `cost:`: a number > 0 (1 when absent), or
+/// `"{header.NAME}"`, which sets `rule.header` and returns `default_cost`
+/// (1 when absent) for a request without the header.
+fn read_cost(ck: &mut Checker, rm: &MapView<'_>, rule: &mut CostRule) -> Option<f64> {
+    match rm.get("cost") {
+        Some(n) if matches!(&n.value, Value::Scalar(t, _) if t.trim_start().starts_with('{')) => {
+            match n.as_str().map(IdTemplate::parse) {
+                Some(Ok(t)) if matches!(&t.segments[..], [Segment::Header(_)]) => {
+                    let Segment::Header(h) = &t.segments[0] else { unreachable!() };
+                    rule.header = Some(h.clone());
+                    positive(ck, rm, "default_cost").map(|c| c.unwrap_or(1.0))
+                }
+                _ => {
+                    ck.error(
+                        n.loc,
+                        &rm.child("cost"),
+                        "expected a number or \"{header.NAME}\"",
+                        Some("e.g. cost: 150 or cost: \"{header.x-max-tokens}\"".into()),
+                    );
+                    None
+                }
+            }
+        }
+        _ => {
+            if let Some(n) = rm.get("default_cost") {
+                ck.error(
+                    n.loc,
+                    &rm.child("default_cost"),
+                    "default_cost applies to a cost read from a request header",
+                    Some("write cost: \"{header.NAME}\", or drop default_cost".into()),
+                );
+            }
+            positive(ck, rm, "cost").map(|c| c.unwrap_or(1.0))
+        }
+    }
+}
+
+/// An optional number greater than 0: `Some(None)` when `key` is absent,
+/// `None` once a bad value is reported.
+fn positive(ck: &mut Checker, m: &MapView<'_>, key: &str) -> Option<Option<f64>> {
+    match m.get(key) {
+        None => Some(None),
+        Some(n) => match ck.f64(n, &m.child(key)) {
+            Some(c) if c.is_finite() && c > 0.0 => Some(Some(c)),
+            Some(c) => {
+                ck.error(n.loc, &m.child(key), format!("must be greater than 0, not {c}"), None);
+                None
+            }
+            None => None,
+        },
+    }
+}
+
+/// Whether a route may list resource `res`: it is defined, and not in
+/// `list` already. Reports why not at `at`.
+fn check_listed(
+    ck: &mut Checker,
+    at: &Node,
+    path: &str,
+    res: &str,
+    resource_names: &[&str],
+    list: &[(String, f64)],
+) -> bool {
+    if !resource_names.contains(&res) {
+        let hint = closest(res, resource_names)
+            .map_or_else(|| "define it under `resources:`".to_string(), |c| format!("did you mean `{c}`?"));
+        ck.error(at.loc, path, format!("unknown resource `{res}`"), Some(hint));
+        return false;
+    }
+    if list.iter().any(|(r, _)| *r == res) {
+        ck.error(at.loc, path, format!("resource `{res}` is listed twice"), Some("raise its cost instead".into()));
+        return false;
+    }
+    true
+}
+
+/// Whether resource `res` could ever pass a request of `cost`: within a
+/// rate's burst, or a whole number within a gauge's capacity. Reports why
+/// not at `at`.
+fn check_cost(
+    ck: &mut Checker,
+    at: &Node,
+    path: &str,
+    res: &str,
+    cost: f64,
+    resources: &BTreeMap<String, ResourceConfig>,
+) -> bool {
+    let Some(rc) = resources.get(res) else { return true };
+    if rc.kind == ResourceKind::Rate && cost > rc.burst {
+        ck.error(
+            at.loc,
+            path,
+            format!(
+                "cost {cost} is larger than resource `{res}`'s burst of {} (the most that may pass at once)",
+                rc.burst
+            ),
+            Some(format!("raise `{res}`'s burst to at least {cost}, or lower the cost")),
+        );
+        return false;
+    }
+    if rc.kind == ResourceKind::Gauge && cost > rc.capacity.per_window {
+        ck.error(
+            at.loc,
+            path,
+            format!("cost {cost} is more than gauge `{res}`'s capacity of {} in flight", rc.capacity.per_window),
+            Some("no request could ever pass: raise the capacity or lower the cost".into()),
+        );
+        return false;
+    }
+    if rc.kind == ResourceKind::Gauge && cost.fract() != 0.0 {
+        ck.error(at.loc, path, format!("a gauge's cost is a whole number of requests in flight, not {cost}"), None);
+        return false;
+    }
+    true
 }
 
 /// Reads a resource's `settle:` mapping: one of `response_header: NAME` or
