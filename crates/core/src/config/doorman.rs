@@ -40,7 +40,7 @@ pub struct Backoff {
 }
 
 impl Default for Backoff {
-    /// The defaults in the README's `doorman.` table.
+    /// The defaults in docs/proxy.md's `doorman.` table.
     fn default() -> Self {
         Backoff {
             initial: Duration::from_millis(500),
@@ -73,7 +73,7 @@ pub struct DoormanConfig {
 /// What a resource asks for.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Wants {
-    /// From the demand meter (see the README for the formula).
+    /// From the demand meter (see docs/proxy.md for the formula).
     Auto,
     /// This many units (per second for a rate, in flight for a gauge).
     Fixed(f64),

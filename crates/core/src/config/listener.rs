@@ -1,7 +1,7 @@
 //! The routes file's `limits:` section: what one sidecar listener accepts
 //! from its clients (connections, header timeout and size, body size, HTTP/2
-//! streams). Defaults are the `DEFAULT_*` constants, documented in the README
-//! ("Listener limits").
+//! streams). Defaults are the `DEFAULT_*` constants, documented in
+//! docs/proxy.md ("Listener limits").
 
 use std::time::Duration;
 

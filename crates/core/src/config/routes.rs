@@ -4,7 +4,7 @@
 //!
 //! Parsed once into typed structs through the position-keeping reader in
 //! [`super::yaml`], so every error is reported with its `file:line:column`.
-//! Defaults are the `DEFAULT_*` constants below, documented in docs/routes.md.
+//! Defaults are the `DEFAULT_*` constants below, documented in docs/proxy.md.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
