@@ -15,6 +15,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+/// The body of every admin response: one buffer, written at once.
 pub type Body = Full<Bytes>;
 
 /// Answers one admin request. Handlers are synchronous: they read state, never wait.
@@ -57,10 +58,12 @@ pub async fn serve(listener: TcpListener, handler: Handler, shutdown: Cancellati
     }
 }
 
+/// A plain-text response with `status`.
 pub fn text(status: StatusCode, body: impl Into<String>) -> Response<Body> {
     respond(status, "text/plain; charset=utf-8", body.into().into_bytes())
 }
 
+/// `value` as pretty-printed JSON, or a 500 if it cannot be encoded.
 pub fn json(value: &impl serde::Serialize) -> Response<Body> {
     match serde_json::to_vec_pretty(value) {
         Ok(b) => respond(StatusCode::OK, "application/json", b),
@@ -68,10 +71,12 @@ pub fn json(value: &impl serde::Serialize) -> Response<Body> {
     }
 }
 
+/// An HTML page, status 200.
 pub fn html(body: String) -> Response<Body> {
     respond(StatusCode::OK, "text/html; charset=utf-8", body.into_bytes())
 }
 
+/// The 404 for an admin path nothing serves.
 pub fn not_found(path: &str) -> Response<Body> {
     text(StatusCode::NOT_FOUND, format!("no admin endpoint at {path}\n"))
 }

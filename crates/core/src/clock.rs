@@ -16,16 +16,20 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 pub struct Time(u64);
 
 impl Time {
+    /// The Unix epoch, 1970-01-01T00:00:00Z.
     pub const EPOCH: Time = Time(0);
 
+    /// The time `nanos` nanoseconds after the epoch.
     pub fn from_nanos(nanos: u64) -> Self {
         Time(nanos)
     }
 
+    /// The time `secs` seconds after the epoch; saturates at the largest time.
     pub fn from_secs(secs: u64) -> Self {
         Time(secs.saturating_mul(1_000_000_000))
     }
 
+    /// Nanoseconds since the epoch.
     pub fn as_nanos(self) -> u64 {
         self.0
     }
@@ -35,14 +39,17 @@ impl Time {
         (self.0 / 1_000_000_000) as i64
     }
 
+    /// Seconds since the epoch, with the fraction.
     pub fn as_secs_f64(self) -> f64 {
         self.0 as f64 / 1e9
     }
 
+    /// The time `d` later, or the largest time.
     pub fn saturating_add(self, d: Duration) -> Time {
         Time(self.0.saturating_add(duration_nanos(d)))
     }
 
+    /// The time `d` earlier, or the epoch.
     pub fn saturating_sub(self, d: Duration) -> Time {
         Time(self.0.saturating_sub(duration_nanos(d)))
     }
@@ -67,11 +74,14 @@ fn duration_nanos(d: Duration) -> u64 {
 /// Cloning is cheap and clones of a manual clock share its time.
 #[derive(Clone)]
 pub enum Clock {
+    /// Wall time read once, then advanced by the monotonic clock.
     System(Arc<SystemSource>),
+    /// A clock that moves only when its [`ManualClock`] handle says so.
     Manual(Arc<ManualClock>),
 }
 
 impl Clock {
+    /// The system clock, anchored to the wall clock now.
     pub fn system() -> Self {
         Clock::System(Arc::new(SystemSource::new()))
     }
@@ -82,6 +92,7 @@ impl Clock {
         (Clock::Manual(m.clone()), m)
     }
 
+    /// The current time.
     #[inline]
     pub fn now(&self) -> Time {
         match self {
@@ -107,6 +118,7 @@ pub struct SystemSource {
 }
 
 impl SystemSource {
+    #[allow(clippy::disallowed_methods, reason = "the clock is the one reader of the wall clock")]
     fn new() -> Self {
         let wall = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
         SystemSource { wall: Time(duration_nanos(wall)), anchor: Instant::now() }
@@ -128,10 +140,12 @@ impl ManualClock {
         ManualClock { nanos: AtomicU64::new(start.0) }
     }
 
+    /// The time the clock was last moved to.
     pub fn now(&self) -> Time {
         Time(self.nanos.load(Ordering::Acquire))
     }
 
+    /// Moves the clock `d` forward.
     pub fn advance(&self, d: Duration) {
         self.nanos.fetch_add(duration_nanos(d), Ordering::AcqRel);
     }
@@ -158,6 +172,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::disallowed_methods, reason = "the clock is the one reader of the wall clock")]
     fn system_clock_is_near_wall_time_and_monotonic() {
         let clock = Clock::system();
         let wall = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();

@@ -36,17 +36,24 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// or a routes-file field name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Which {
+    /// The CA certificates file.
     Ca,
+    /// The certificate chain file.
     Cert,
+    /// The private key file.
     Key,
+    /// The name to verify in the server's certificate.
     ServerName,
 }
 
 /// A TLS file that cannot be used, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileError {
+    /// Which file or setting is wrong.
     pub which: Which,
+    /// The file's path (or the server name) as given.
     pub path: String,
+    /// What is wrong with it.
     pub reason: String,
 }
 
@@ -125,8 +132,9 @@ pub fn read_roots(path: &Path) -> Result<RootCertStore, FileError> {
 pub struct ClientFiles {
     /// CA certificates that sign the servers' certificates.
     pub ca: PathBuf,
-    /// Client certificate and key, for servers that require mTLS.
+    /// Client certificate chain, for servers that require mTLS; given with `key`.
     pub cert: Option<PathBuf>,
+    /// The client certificate's private key; given with `cert`.
     pub key: Option<PathBuf>,
     /// Name to verify in the servers' certificates instead of each address's host.
     pub server_name: Option<String>,
@@ -258,6 +266,7 @@ impl Connector {
     }
 }
 
+/// What a [`Connector`] yields: a [`ClientConn`] that hyper and tonic can drive.
 pub type ClientStream = hyper_util::rt::TokioIo<ClientConn>;
 
 /// A client TLS connection that remembers its last I/O error.
@@ -372,21 +381,30 @@ impl tower::Service<http::Uri> for Connector {
 /// Where the server's TLS settings come from: `--tls-cert`, `--tls-key`, `--tls-client-ca`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerFiles {
+    /// The server's certificate chain (`--tls-cert`).
     pub cert: PathBuf,
+    /// Its private key (`--tls-key`).
     pub key: PathBuf,
+    /// CA certificates that sign client certificates; `None` = no client certificates asked for.
     pub client_ca: Option<PathBuf>,
 }
 
 /// What the status page shows of the server's TLS.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ServerTlsStatus {
+    /// The certificate file's path.
     pub cert_file: String,
+    /// Whether clients must present a certificate.
     pub client_auth: bool,
     /// When the certificate in use was loaded (Unix seconds).
     pub cert_loaded_at: i64,
+    /// How many times a changed certificate was swapped in.
     pub reloads: u64,
+    /// Why the latest reload kept the old certificate; `None` once one succeeds.
     pub last_reload_error: Option<String>,
+    /// How many connections failed their handshake.
     pub handshake_failures: u64,
+    /// The latest failed handshake's peer and reason.
     pub last_handshake_error: Option<String>,
 }
 
@@ -441,10 +459,12 @@ impl ServerTls {
         })
     }
 
+    /// The files the TLS settings are read from.
     pub fn files(&self) -> &ServerFiles {
         &self.files
     }
 
+    /// A snapshot of what the status page shows.
     pub fn status(&self) -> ServerTlsStatus {
         self.status.lock().expect("tls status poisoned").clone()
     }

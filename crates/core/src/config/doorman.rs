@@ -29,15 +29,18 @@ pub enum OnExpiry {
 /// `doorman.backoff`: how failed calls to capacity servers back off.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Backoff {
+    /// The delay after the first failure.
     pub initial: Duration,
+    /// The longest delay.
     pub max: Duration,
+    /// Each failure multiplies the delay by this (at least 1).
     pub multiplier: f64,
     /// Each delay is drawn from `delay × (1 ± randomization)`.
     pub randomization: f64,
 }
 
 impl Default for Backoff {
-    /// The defaults in the README's `doorman.` table.
+    /// The defaults in docs/proxy.md's `doorman.` table.
     fn default() -> Self {
         Backoff {
             initial: Duration::from_millis(500),
@@ -51,21 +54,28 @@ impl Default for Backoff {
 /// The `doorman:` section: where to lease from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DoormanConfig {
+    /// Capacity server addresses (`host:port`, `http://` or `https://`), at least one.
     pub servers: Vec<String>,
+    /// This sidecar's id at the servers, `${VAR}`s expanded.
     pub client_id: String,
     /// `doorman.tls`: reach every server (and every master they name) over TLS.
     pub tls: Option<crate::tls::ClientFiles>,
+    /// Leases are written here after every refresh, to be enforced again after a restart.
     pub cache_file: Option<PathBuf>,
+    /// Refreshes are spread over the interval × (1 ± jitter); from 0 to 1.
     pub jitter: f64,
+    /// Early refreshes happen at most this often.
     pub min_interval: Duration,
+    /// How failed calls back off.
     pub backoff: Backoff,
 }
 
 /// What a resource asks for.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Wants {
-    /// From the demand meter (see the README for the formula).
+    /// From the demand meter (see docs/proxy.md for the formula).
     Auto,
+    /// This many units (per second for a rate, in flight for a gauge).
     Fixed(f64),
 }
 
@@ -74,11 +84,17 @@ pub enum Wants {
 pub struct LeaseSettings {
     /// `None`: not written; `auto` in Doorman mode, the capacity in embedded mode.
     pub wants: Option<Wants>,
+    /// Sent with every request; servers in strict priority mode serve higher values first.
     pub priority: i64,
+    /// What a key may use without an unexpired lease.
     pub on_expiry: OnExpiry,
+    /// Used by [`OnExpiry::Safe`] when the server sent none; -1 = unlimited.
     pub safe_capacity: Option<f64>,
+    /// The least `wants: auto` asks for.
     pub min_wants: f64,
+    /// The most `wants: auto` asks for; `None` = no cap.
     pub max_wants: Option<f64>,
+    /// Multiplies the measured rate in `wants: auto` (at least 1).
     pub headroom: f64,
     /// A templated key with no request for this long is released and forgotten.
     pub key_idle_timeout: Duration,
@@ -105,6 +121,7 @@ impl Default for LeaseSettings {
 /// How a route reacts to its upstream's 429 and 503 answers.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PushbackConfig {
+    /// Whether the route backs off at all.
     pub enabled: bool,
     /// Each pushback multiplies the route's admission rate by this.
     pub multiplier: f64,
@@ -121,7 +138,7 @@ impl Default for PushbackConfig {
 }
 
 /// Reads a route's `pushback:`: `false`, `true`, or a mapping of the fields.
-pub fn read_pushback(ck: &mut Checker, node: &Node, path: &str) -> Option<PushbackConfig> {
+pub(crate) fn read_pushback(ck: &mut Checker, node: &Node, path: &str) -> Option<PushbackConfig> {
     let d = PushbackConfig::default();
     if let Some(s) = node.as_str()
         && (s == "true" || s == "false")
@@ -212,7 +229,7 @@ fn rate(ck: &mut Checker, m: &MapView<'_>, key: &str, ok: impl Fn(f64) -> bool, 
 }
 
 /// Reads the `doorman:` section.
-pub fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
+pub(crate) fn read_doorman(ck: &mut Checker, node: &Node) -> Option<DoormanConfig> {
     let m = ck.map(node, "doorman", DOORMAN_FIELDS)?;
     let servers = ck.required(&m, "servers", Some("capacity server addresses, e.g. [doorman-0:15100]")).and_then(|n| {
         let items = ck.seq(n, "doorman.servers")?;
@@ -340,7 +357,7 @@ fn read_backoff(ck: &mut Checker, node: &Node) -> Option<Backoff> {
 }
 
 /// Reads the lease settings of one resource from its mapping.
-pub fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSettings> {
+pub(crate) fn read_lease_settings(ck: &mut Checker, m: &MapView<'_>) -> Option<LeaseSettings> {
     let d = LeaseSettings::default();
     let wants = match m.get("wants") {
         None => Some(None),

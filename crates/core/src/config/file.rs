@@ -23,10 +23,12 @@ pub enum ReadError {
     NotRegular(&'static str),
     /// Larger than the cap.
     TooLarge {
+        /// The most bytes that may be read, in bytes.
         cap: u64,
     },
     /// Not valid UTF-8 (text files only).
     NotUtf8,
+    /// The file could not be opened or read.
     Io(std::io::Error),
 }
 

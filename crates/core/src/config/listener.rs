@@ -1,7 +1,7 @@
 //! The routes file's `limits:` section: what one sidecar listener accepts
 //! from its clients (connections, header timeout and size, body size, HTTP/2
-//! streams). Defaults are the `DEFAULT_*` constants, documented in the README
-//! ("Listener limits").
+//! streams). Defaults are the `DEFAULT_*` constants, documented in
+//! docs/proxy.md ("Listener limits").
 
 use std::time::Duration;
 
@@ -36,11 +36,17 @@ const FIELDS: &[&str] = &[
 /// Validated listener limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ListenerLimits {
+    /// Connections served at once (at least 1).
     pub max_connections: usize,
+    /// How long a client may take to send a request's headers (more than zero).
     pub header_timeout: Duration,
+    /// Largest request head, in bytes (at least [`MIN_HEADER_BYTES`]).
     pub max_header_bytes: usize,
+    /// Most header fields in one HTTP/1.1 request.
     pub max_headers: usize,
+    /// Largest request body, in bytes; `None` = unlimited.
     pub max_body_bytes: Option<u64>,
+    /// Concurrent HTTP/2 streams per connection.
     pub max_concurrent_streams: u32,
 }
 
@@ -92,7 +98,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 /// Reads the `limits:` section (`node` is its value).
-pub fn read_limits(ck: &mut Checker, node: &Node) -> Option<ListenerLimits> {
+pub(crate) fn read_limits(ck: &mut Checker, node: &Node) -> Option<ListenerLimits> {
     let m = ck.map(node, "limits", FIELDS)?;
     let d = ListenerLimits::default();
     let size = |ck: &mut Checker, key: &str, min: u64, max: u64| -> Option<Option<u64>> {

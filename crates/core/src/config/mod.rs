@@ -1,6 +1,6 @@
-//! Configuration files: the server's resources file (Doorman's YAML) and,
-//! shared by both, a position-keeping YAML reader that reports every error
-//! with its `file:line:column`.
+//! Configuration files: the sidecar's routes file, the server's resources
+//! file (Doorman's YAML) and, shared by both, a position-keeping YAML reader
+//! that reports every error with its `file:line:column`.
 
 pub mod doorman;
 pub mod file;
@@ -22,6 +22,8 @@ pub const MAX_ID_BYTES: usize = 1024;
 /// when the one in force was applied, and why the last attempt was rejected.
 #[derive(Debug, Clone, Default)]
 pub struct ConfigState {
+    /// When the configuration in force was applied; `None` before the first.
     pub loaded_at: Option<crate::clock::Time>,
+    /// Why the latest load was rejected; `None` once a load succeeds.
     pub last_error: Option<String>,
 }

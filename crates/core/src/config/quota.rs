@@ -24,10 +24,13 @@ pub struct UpstreamQuota {
     pub source: String,
     /// `RateLimit` and `RateLimit-Policy` of draft-ietf-httpapi-ratelimit-headers.
     pub ietf: bool,
-    /// Header names (lower-case), unless `ietf`.
+    /// The header (lower-case) holding the quota's size; unused when `ietf`.
     pub limit: String,
+    /// The header (lower-case) holding what is left of the quota; unused when `ietf`.
     pub remaining: String,
+    /// The header (lower-case) saying when the quota renews; unused when `ietf`.
     pub reset: String,
+    /// How the reset header says it.
     pub reset_format: ResetFormat,
     /// Refilled continuously (a token bucket) rather than renewed whole at the reset.
     pub continuous: bool,
@@ -89,7 +92,7 @@ const FIELDS: &[&str] = &["headers", "limit", "remaining", "reset", "reset_forma
 const FORMATS: &[&str] = &["epoch-seconds", "delay-seconds", "duration", "rfc3339"];
 
 /// Reads `upstream_quota:` at `path`.
-pub fn read(ck: &mut Checker, node: &Node, path: &str) -> Option<UpstreamQuota> {
+pub(crate) fn read(ck: &mut Checker, node: &Node, path: &str) -> Option<UpstreamQuota> {
     let m = ck.map(node, path, FIELDS)?;
     if let Some(n) = m.get("headers") {
         let name = ck.string(n, &m.child("headers"))?;

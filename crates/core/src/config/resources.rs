@@ -17,18 +17,22 @@ pub const DEFAULT_RESOURCES: &str = include_str!("default_resources.yaml");
 /// A validated resources file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResourcesConfig {
+    /// The templates in file order; the last is the catch-all.
     pub templates: Vec<Arc<Template>>,
 }
 
 /// One `resources:` entry.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Template {
+    /// The resource ids this template applies to: an exact id or a glob.
     pub identifier_glob: String,
     /// Units per second (a file may write `600/min`, `5000/h`, `1000/day`).
     pub capacity: f64,
     /// Units per second. `None`: dynamic (capacity / number of clients). `-1` unlimited, `0` stop.
     pub safe_capacity: Option<f64>,
+    /// Free text, shown on status pages.
     pub description: Option<String>,
+    /// How the capacity is shared out, and the leases' timing.
     pub algorithm: Algorithm,
     /// `window: calendar`: the capacity is a quota of `capacity × unit`
     /// that renews whole at each UTC boundary of this unit (the capacity's
@@ -39,8 +43,11 @@ pub struct Template {
 /// A template's algorithm and lease parameters.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Algorithm {
+    /// How the capacity is shared among clients.
     pub kind: Kind,
+    /// How long a granted lease lasts.
     pub lease_length: Duration,
+    /// How often a client should refresh its lease.
     pub refresh_interval: Duration,
     /// How long a new master only learns; defaults to the lease length.
     pub learning_mode_duration: Duration,
@@ -49,6 +56,7 @@ pub struct Algorithm {
 }
 
 impl Algorithm {
+    /// The value of the named parameter; `None` if absent or given no value.
     pub fn parameter(&self, name: &str) -> Option<&str> {
         self.parameters.iter().find(|(n, _)| n == name).and_then(|(_, v)| v.as_deref())
     }
@@ -410,13 +418,18 @@ fn class_match(p: &[char], start: usize, c: char) -> Option<(bool, usize)> {
 /// The four Doorman algorithm kinds (numbering matches the wire enum).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kind {
+    /// Every client gets what it wants; the capacity is ignored.
     NoAlgorithm,
+    /// Every client gets what it wants, up to the capacity each.
     Static,
+    /// An equal share per subclient, plus what others leave in proportion to wants.
     ProportionalShare,
+    /// Max-min fair shares per subclient.
     FairShare,
 }
 
 impl Kind {
+    /// The kind's name in a resources file and on the wire (`FAIR_SHARE`).
     pub fn name(self) -> &'static str {
         match self {
             Kind::NoAlgorithm => "NO_ALGORITHM",
@@ -426,6 +439,7 @@ impl Kind {
         }
     }
 
+    /// The kind a resources file names; `None` for an unknown name.
     pub fn from_name(s: &str) -> Option<Kind> {
         Some(match s {
             "NO_ALGORITHM" => Kind::NoAlgorithm,

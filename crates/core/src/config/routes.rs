@@ -4,14 +4,14 @@
 //!
 //! Parsed once into typed structs through the position-keeping reader in
 //! [`super::yaml`], so every error is reported with its `file:line:column`.
-//! Defaults are the `DEFAULT_*` constants below, documented in docs/routes.md.
+//! Defaults are the `DEFAULT_*` constants below, documented in docs/proxy.md.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::yaml::{Checker, ConfigError, MapView, Node, Value, closest, parse};
+use super::yaml::{Checker, ConfigError, Loc, MapView, Node, Value, closest, parse};
 
 /// Proxy listener when neither the file nor `--listen` sets one.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:15001";
@@ -33,16 +33,23 @@ pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(15);
 /// A validated routes file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutesConfig {
+    /// The shared proxy listener's address.
     pub listen: SocketAddr,
+    /// The admin listener's address.
     pub admin: SocketAddr,
+    /// What happens to a request no route matches.
     pub default: DefaultAction,
+    /// How long in-flight requests may take to finish after SIGTERM.
     pub drain_timeout: Duration,
     /// Where to lease capacity from; `None` = an embedded capacity server.
     pub doorman: Option<super::doorman::DoormanConfig>,
     /// One JSON line per request is appended here (off when `None`).
     pub access_log: Option<PathBuf>,
+    /// The upstreams, by name.
     pub upstreams: BTreeMap<String, UpstreamConfig>,
+    /// The resources, by name.
     pub resources: BTreeMap<String, ResourceConfig>,
+    /// The routes in file order; the first that matches a request wins.
     pub routes: Vec<RouteConfig>,
     /// What the listener accepts from clients (`limits:`).
     pub limits: super::listener::ListenerLimits,
@@ -57,12 +64,16 @@ pub enum DefaultAction {
     Passthrough,
 }
 
+/// One `upstreams:` entry: where requests are forwarded, and how.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UpstreamConfig {
+    /// The upstream's name in the file.
     pub name: String,
     /// `http://` or `https://` authority, with an optional base path.
     pub url: http::Uri,
+    /// TCP plus TLS connect timeout (more than zero).
     pub connect_timeout: Duration,
+    /// How long the upstream may take to send response headers (more than zero).
     pub timeout: Duration,
     /// Extra PEM roots, added to the system's.
     pub ca_file: Option<PathBuf>,
@@ -74,6 +85,7 @@ pub struct UpstreamConfig {
     pub listen: Option<SocketAddr>,
 }
 
+/// What a resource limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResourceKind {
     /// Requests (or cost units) per unit of time: GCRA.
@@ -85,7 +97,9 @@ pub enum ResourceKind {
 /// A capacity as written: `per_window` units per `window`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Capacity {
+    /// Units in each window (finite, at least 0).
     pub per_window: f64,
+    /// The window: a second, minute, hour or day.
     pub window: Duration,
 }
 
@@ -96,13 +110,18 @@ impl Capacity {
     }
 }
 
+/// One `resources:` entry: a budget that routes consume.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResourceConfig {
+    /// The resource's name in the file.
     pub name: String,
+    /// Whether it limits a rate or requests in flight.
     pub kind: ResourceKind,
     /// The Doorman resource id, possibly templated.
     pub id: IdTemplate,
+    /// The capacity as written; for a gauge, `per_window` requests in flight.
     pub capacity: Capacity,
+    /// The longest a request may wait for capacity before it is refused.
     pub max_wait: Duration,
     /// Rate only: units that may pass at once from an idle start.
     pub burst: f64,
@@ -110,8 +129,11 @@ pub struct ResourceConfig {
     /// bursts one second's worth of what it is leased (`burst` is then that
     /// of the file's capacity, for `usher check` and cost checks).
     pub burst_one_second: bool,
+    /// The most distinct ids a templated resource tracks (at least 1).
     pub max_keys: usize,
+    /// The most requests waiting for one key (at least 1).
     pub max_queue: usize,
+    /// How each key's lease is asked for and used.
     pub lease: super::doorman::LeaseSettings,
     /// Shadow mode: every decision is made and counted, none enforced.
     pub shadow: bool,
@@ -126,8 +148,11 @@ pub struct ResourceConfig {
 /// One piece of a templated id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Segment {
+    /// Text taken as it is.
     Literal(String),
+    /// The request's host (`{host}`).
     Host,
+    /// The request's method (`{method}`).
     Method,
     /// The Nth (1-based) segment of the path.
     Path(usize),
@@ -138,11 +163,14 @@ pub enum Segment {
 /// A resource id such as `github/{header.x-tenant}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdTemplate {
+    /// The template as written.
     pub text: String,
+    /// Its pieces, in order.
     pub segments: Vec<Segment>,
 }
 
 impl IdTemplate {
+    /// Whether the id has no placeholders: every request makes the same id.
     pub fn is_fixed(&self) -> bool {
         self.segments.iter().all(|s| matches!(s, Segment::Literal(_)))
     }
@@ -244,9 +272,12 @@ impl IdTemplate {
     }
 }
 
+/// One `routes:` entry: which requests it takes, where they go, and what they cost.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouteConfig {
+    /// The route's name, unique in the file; it labels metrics.
     pub name: String,
+    /// Which requests the route takes.
     pub matcher: Match,
     /// `None`: forward to the origin the request names.
     pub upstream: Option<String>,
@@ -312,10 +343,12 @@ impl JsonPath {
     }
 }
 
+/// A route's `match:`: what a request must have for the route to take it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Match {
     /// Lower-case host without port; `*.example.com` matches subdomains.
     pub host: Option<String>,
+    /// The request path must start with this (itself starting with `/`).
     pub path_prefix: Option<String>,
     /// Empty: any method.
     pub methods: Vec<http::Method>,
@@ -400,18 +433,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
     let top = ck.map(root, "", ROOT_FIELDS)?;
     let listen = addr(ck, &top, "listen", DEFAULT_LISTEN);
     let admin = addr(ck, &top, "admin", DEFAULT_ADMIN);
-    let default = match top.get("default") {
-        None => Some(DefaultAction::Deny),
-        Some(n) => match ck.string(n, "default").as_deref() {
-            Some("deny") => Some(DefaultAction::Deny),
-            Some("passthrough") => Some(DefaultAction::Passthrough),
-            Some(other) => {
-                ck.error(n.loc, "default", format!("unknown action `{other}`"), Some("deny or passthrough".into()));
-                None
-            }
-            None => None,
-        },
-    };
+    let default = read_default(ck, &top);
     let drain_timeout =
         top.get("drain_timeout").map_or(Some(DEFAULT_DRAIN_TIMEOUT), |n| ck.duration(n, "drain_timeout"));
     let access_log = top.get("access_log").and_then(|n| ck.string(n, "access_log")).map(PathBuf::from);
@@ -423,22 +445,68 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
     let limits = top.get("limits").map_or(Some(Default::default()), |n| super::listener::read_limits(ck, n));
 
     // Names count as defined even when their entry has errors, so one mistake is reported once.
-    let mut up_names: Vec<String> = Vec::new();
-    let mut res_names: Vec<String> = Vec::new();
+    let (upstreams, up_names) = read_upstreams(ck, &top, [("listen", listen), ("admin", admin)]);
+    let (resources, res_names) = read_resources(ck, &top);
+    let routes = read_routes(ck, &top, &up_names, &res_names, &resources);
+    Some(RoutesConfig {
+        listen: listen?,
+        admin: admin?,
+        default: default?,
+        drain_timeout: drain_timeout?,
+        doorman: doorman?,
+        access_log,
+        upstreams,
+        resources,
+        routes,
+        limits: limits?,
+    })
+}
+
+/// Reads `default:`: `deny` when it is absent, or `passthrough`.
+fn read_default(ck: &mut Checker, top: &MapView<'_>) -> Option<DefaultAction> {
+    match top.get("default") {
+        None => Some(DefaultAction::Deny),
+        Some(n) => match ck.string(n, "default").as_deref() {
+            Some("deny") => Some(DefaultAction::Deny),
+            Some("passthrough") => Some(DefaultAction::Passthrough),
+            Some(other) => {
+                ck.error(n.loc, "default", format!("unknown action `{other}`"), Some("deny or passthrough".into()));
+                None
+            }
+            None => None,
+        },
+    }
+}
+
+/// Reads `upstreams:`, then refuses an upstream `listen` that one of
+/// `listeners` (the top-level ones) or an earlier upstream has. Returns the
+/// valid upstreams and every name given.
+fn read_upstreams(
+    ck: &mut Checker,
+    top: &MapView<'_>,
+    listeners: [(&str, Option<SocketAddr>); 2],
+) -> (BTreeMap<String, UpstreamConfig>, Vec<String>) {
+    let mut names: Vec<String> = Vec::new();
     let mut upstreams = BTreeMap::new();
     if let Some(n) = top.get("upstreams")
         && let Some(m) = ck.map(n, "upstreams", &[])
     {
         for (k, v) in m.entries() {
             let Some(name) = k.as_str() else { continue };
-            up_names.push(name.to_string());
+            names.push(name.to_string());
             if let Some(u) = read_upstream(ck, name, v, &m.child(name)) {
                 upstreams.insert(name.to_string(), u);
             }
         }
-        check_listeners(ck, &m, &upstreams, [("listen", listen), ("admin", admin)]);
+        check_listeners(ck, &m, &upstreams, listeners);
     }
+    (upstreams, names)
+}
 
+/// Reads `resources:`, refusing ids that could meet. Returns the valid
+/// resources and every name given.
+fn read_resources(ck: &mut Checker, top: &MapView<'_>) -> (BTreeMap<String, ResourceConfig>, Vec<String>) {
+    let mut names: Vec<String> = Vec::new();
     let mut resources = BTreeMap::new();
     if let Some(n) = top.get("resources")
         && let Some(m) = ck.map(n, "resources", &[])
@@ -449,39 +517,64 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
         let mut ids: Vec<(String, IdTemplate)> = Vec::new();
         for (k, v) in m.entries() {
             let Some(name) = k.as_str() else { continue };
-            res_names.push(name.to_string());
+            names.push(name.to_string());
             if let Some(r) = read_resource(ck, name, v, &m.child(name)) {
-                // The latest resource it meets, as the one named.
-                if let Some((other, id)) = ids.iter().rev().find(|(_, id)| id.could_meet(&r.id)) {
-                    let at = match &v.value {
-                        Value::Map(entries) => {
-                            entries.iter().find(|(k, _)| k.as_str() == Some("id")).map(|(_, n)| n.loc)
-                        }
-                        _ => None,
-                    };
-                    let (this, that) = (&r.id.text, &id.text);
-                    let message = match (r.id.is_fixed(), id.is_fixed()) {
-                        (true, true) => format!("id `{this}` is already resource `{other}`'s"),
-                        (true, false) => format!("id `{this}` is one resource `{other}`'s id `{that}` could make"),
-                        (false, true) => format!("id `{this}` could make resource `{other}`'s id `{that}`"),
-                        (false, false) => {
-                            format!("id `{this}` could make the same lease id as resource `{other}`'s id `{that}`")
-                        }
-                    };
-                    let hint = if r.id.is_fixed() && id.is_fixed() {
-                        "each resource leases its own id; routes can share one resource"
-                    } else {
-                        "each resource leases its own ids: give the two literal prefixes neither of which begins \
-                         the other (e.g. `a/{header.x}` and `b/{header.x}`), or let the routes share one resource"
-                    };
-                    ck.error(at.unwrap_or(k.loc), &format!("{}.id", m.child(name)), message, Some(hint.into()));
-                }
+                check_id_meets(ck, &ids, &r.id, (k, v), &m.child(name));
                 ids.push((name.to_string(), r.id.clone()));
                 resources.insert(name.to_string(), r);
             }
         }
     }
+    (resources, names)
+}
 
+/// Refuses `id`, of the resource `entry` (its key and value) at `path`, if
+/// it could make the same lease id as one of `earlier`'s (resource name, id).
+fn check_id_meets(
+    ck: &mut Checker,
+    earlier: &[(String, IdTemplate)],
+    id: &IdTemplate,
+    entry: (&Node, &Node),
+    path: &str,
+) {
+    // The latest resource it meets, as the one named.
+    let Some((other, that_id)) = earlier.iter().rev().find(|(_, t)| t.could_meet(id)) else { return };
+    let (k, v) = entry;
+    let at = field_loc(v, "id");
+    let (this, that) = (&id.text, &that_id.text);
+    let message = match (id.is_fixed(), that_id.is_fixed()) {
+        (true, true) => format!("id `{this}` is already resource `{other}`'s"),
+        (true, false) => format!("id `{this}` is one resource `{other}`'s id `{that}` could make"),
+        (false, true) => format!("id `{this}` could make resource `{other}`'s id `{that}`"),
+        (false, false) => {
+            format!("id `{this}` could make the same lease id as resource `{other}`'s id `{that}`")
+        }
+    };
+    let hint = if id.is_fixed() && that_id.is_fixed() {
+        "each resource leases its own id; routes can share one resource"
+    } else {
+        "each resource leases its own ids: give the two literal prefixes neither of which begins \
+         the other (e.g. `a/{header.x}` and `b/{header.x}`), or let the routes share one resource"
+    };
+    ck.error(at.unwrap_or(k.loc), &format!("{path}.id"), message, Some(hint.into()));
+}
+
+/// Where field `key` of a mapping is, if `node` is a mapping that has it.
+fn field_loc(node: &Node, key: &str) -> Option<Loc> {
+    match &node.value {
+        Value::Map(entries) => entries.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, n)| n.loc),
+        _ => None,
+    }
+}
+
+/// Reads `routes:`, refusing a route name used twice.
+fn read_routes(
+    ck: &mut Checker,
+    top: &MapView<'_>,
+    up_names: &[String],
+    res_names: &[String],
+    resources: &BTreeMap<String, ResourceConfig>,
+) -> Vec<RouteConfig> {
     let mut routes = Vec::new();
     if let Some(n) = top.get("routes")
         && let Some(items) = ck.seq(n, "routes")
@@ -491,7 +584,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
         let mut seen: Vec<String> = Vec::new();
         for (i, item) in items.iter().enumerate() {
             let path = format!("routes[{i}]");
-            if let Some(r) = read_route(ck, item, &path, &up_names, &res_names, &resources) {
+            if let Some(r) = read_route(ck, item, &path, &up_names, &res_names, resources) {
                 if seen.contains(&r.name) {
                     ck.error(
                         item.loc,
@@ -505,18 +598,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
             }
         }
     }
-    Some(RoutesConfig {
-        listen: listen?,
-        admin: admin?,
-        default: default?,
-        drain_timeout: drain_timeout?,
-        doorman: doorman?,
-        access_log,
-        upstreams,
-        resources,
-        routes,
-        limits: limits?,
-    })
+    routes
 }
 
 /// Refuses an upstream `listen` that another listener of the file already
@@ -536,10 +618,7 @@ fn check_listeners(
         let Some(name) = k.as_str() else { continue };
         let Some(a) = upstreams.get(name).and_then(|u| u.listen) else { continue };
         if let Some((owner, _)) = taken.iter().find(|(_, t)| clash(*t, a)) {
-            let at = match &v.value {
-                Value::Map(entries) => entries.iter().find(|(k, _)| k.as_str() == Some("listen")).map(|(_, n)| n.loc),
-                _ => None,
-            };
+            let at = field_loc(v, "listen");
             let path = format!("{}.listen", ups.child(name));
             ck.error(
                 at.unwrap_or(k.loc),
@@ -677,85 +756,11 @@ pub fn parse_capacity(s: &str) -> Result<Capacity, String> {
 
 fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Option<ResourceConfig> {
     let m = ck.map(node, path, RESOURCE_FIELDS)?;
-    let kind = ck.required(&m, "kind", Some("rate or gauge")).and_then(|n| {
-        let s = ck.string(n, &m.child("kind"))?;
-        match s.as_str() {
-            "rate" => Some(ResourceKind::Rate),
-            "gauge" => Some(ResourceKind::Gauge),
-            other => {
-                let hint = closest(other, &["rate", "gauge"])
-                    .map_or("rate or gauge".to_string(), |c| format!("did you mean `{c}`?"));
-                ck.error(n.loc, &m.child("kind"), format!("unknown kind `{other}`"), Some(hint));
-                None
-            }
-        }
-    });
-    let id = match m.get("id") {
-        None => Some(IdTemplate { text: name.to_string(), segments: vec![Segment::Literal(name.to_string())] }),
-        Some(n) => ck.string(n, &m.child("id")).and_then(|s| match IdTemplate::parse(&s) {
-            Ok(t) if t.text.is_empty() => {
-                ck.error(n.loc, &m.child("id"), "must not be empty", None);
-                None
-            }
-            Ok(t) if literal_bytes(&t) > crate::config::MAX_ID_BYTES => {
-                let max = crate::config::MAX_ID_BYTES;
-                let what = if t.is_fixed() { "" } else { " without its placeholders" };
-                let msg = format!("is {} bytes long{what}; capacity servers accept at most {max}", literal_bytes(&t));
-                ck.error(n.loc, &m.child("id"), msg, None);
-                None
-            }
-            Ok(t) => Some(t),
-            Err(e) => {
-                ck.error(n.loc, &m.child("id"), e, None);
-                None
-            }
-        }),
-    };
-    let capacity = ck.required(&m, "capacity", Some("e.g. 50, 50/s, 3000/min, 20000/h or 1000/day")).and_then(|n| {
-        let text = match &n.value {
-            Value::Scalar(s, _) => s.clone(),
-            _ => {
-                ck.error(n.loc, &m.child("capacity"), "expected a capacity such as 50/s", None);
-                return None;
-            }
-        };
-        match parse_capacity(&text) {
-            Ok(c) => {
-                if kind == Some(ResourceKind::Gauge) && text.contains('/') {
-                    ck.error(
-                        n.loc,
-                        &m.child("capacity"),
-                        "a gauge's capacity is a number of requests in flight, not a rate",
-                        Some(format!("write `{}`", c.per_window)),
-                    );
-                    return None;
-                }
-                Some(c)
-            }
-            Err(e) => {
-                ck.error(n.loc, &m.child("capacity"), e, Some("e.g. 50, 50/s, 3000/min, 20000/h or 1000/day".into()));
-                None
-            }
-        }
-    });
+    let kind = read_kind(ck, &m);
+    let id = read_id(ck, &m, name);
+    let capacity = read_capacity(ck, &m, kind);
     let max_wait = m.get("max_wait").map_or(Some(DEFAULT_MAX_WAIT), |n| ck.duration(n, &m.child("max_wait")));
-    let burst = match m.get("burst") {
-        Some(n) => {
-            let b = ck.f64(n, &m.child("burst"));
-            if kind == Some(ResourceKind::Gauge) {
-                ck.error(n.loc, &m.child("burst"), "burst applies to rate resources only", None);
-            }
-            match b {
-                Some(b) if b.is_finite() && b >= 1.0 => Some(b),
-                Some(b) => {
-                    ck.error(n.loc, &m.child("burst"), format!("must be at least 1, not {b}"), None);
-                    None
-                }
-                None => None,
-            }
-        }
-        None => Some(default_burst(capacity)),
-    };
+    let burst = read_burst(ck, &m, kind, capacity);
     let burst_one_second = m.get("burst").is_none() && capacity.is_some_and(|c| c.window < Duration::from_secs(86400));
     let max_keys = count(ck, &m, "max_keys", DEFAULT_MAX_KEYS);
     let max_queue = count(ck, &m, "max_queue", DEFAULT_MAX_QUEUE);
@@ -765,18 +770,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         None => Some(None),
         Some(n) => super::quota::read(ck, n, &m.child("upstream_quota")).map(Some),
     };
-    let calendar = match m.get("window") {
-        None => Some(false),
-        Some(n) if kind == Some(ResourceKind::Gauge) => {
-            ck.error(n.loc, &m.child("window"), "a window applies to rate resources only", None);
-            None
-        }
-        Some(n) => {
-            let written = m.get("capacity").and_then(|c| c.as_str()).is_some_and(|s| s.contains('/'));
-            let unit = capacity.filter(|_| written).map(|c| c.window);
-            super::resources::window(ck, n, &m.child("window"), unit).map(|c| c.is_some())
-        }
-    };
+    let calendar = read_calendar(ck, &m, kind, capacity);
     Some(ResourceConfig {
         name: name.to_string(),
         kind: kind?,
@@ -792,6 +786,123 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         upstream_quota: upstream_quota?,
         calendar: calendar?,
     })
+}
+
+/// Reads a resource's `kind:`, `rate` or `gauge`.
+fn read_kind(ck: &mut Checker, m: &MapView<'_>) -> Option<ResourceKind> {
+    let n = ck.required(m, "kind", Some("rate or gauge"))?;
+    let s = ck.string(n, &m.child("kind"))?;
+    match s.as_str() {
+        "rate" => Some(ResourceKind::Rate),
+        "gauge" => Some(ResourceKind::Gauge),
+        other => {
+            let hint = closest(other, &["rate", "gauge"])
+                .map_or("rate or gauge".to_string(), |c| format!("did you mean `{c}`?"));
+            ck.error(n.loc, &m.child("kind"), format!("unknown kind `{other}`"), Some(hint));
+            None
+        }
+    }
+}
+
+/// Reads a resource's `id:`, a template of at most [`super::MAX_ID_BYTES`]
+/// literal bytes; the resource's name when it is absent.
+fn read_id(ck: &mut Checker, m: &MapView<'_>, name: &str) -> Option<IdTemplate> {
+    let Some(n) = m.get("id") else {
+        return Some(IdTemplate { text: name.to_string(), segments: vec![Segment::Literal(name.to_string())] });
+    };
+    let s = ck.string(n, &m.child("id"))?;
+    match IdTemplate::parse(&s) {
+        Ok(t) if t.text.is_empty() => {
+            ck.error(n.loc, &m.child("id"), "must not be empty", None);
+            None
+        }
+        Ok(t) if literal_bytes(&t) > crate::config::MAX_ID_BYTES => {
+            let max = crate::config::MAX_ID_BYTES;
+            let what = if t.is_fixed() { "" } else { " without its placeholders" };
+            let msg = format!("is {} bytes long{what}; capacity servers accept at most {max}", literal_bytes(&t));
+            ck.error(n.loc, &m.child("id"), msg, None);
+            None
+        }
+        Ok(t) => Some(t),
+        Err(e) => {
+            ck.error(n.loc, &m.child("id"), e, None);
+            None
+        }
+    }
+}
+
+/// Reads a resource's `capacity:`; a gauge's is a number, without a unit.
+fn read_capacity(ck: &mut Checker, m: &MapView<'_>, kind: Option<ResourceKind>) -> Option<Capacity> {
+    let n = ck.required(m, "capacity", Some("e.g. 50, 50/s, 3000/min, 20000/h or 1000/day"))?;
+    let text = match &n.value {
+        Value::Scalar(s, _) => s.clone(),
+        _ => {
+            ck.error(n.loc, &m.child("capacity"), "expected a capacity such as 50/s", None);
+            return None;
+        }
+    };
+    match parse_capacity(&text) {
+        Ok(c) => {
+            if kind == Some(ResourceKind::Gauge) && text.contains('/') {
+                ck.error(
+                    n.loc,
+                    &m.child("capacity"),
+                    "a gauge's capacity is a number of requests in flight, not a rate",
+                    Some(format!("write `{}`", c.per_window)),
+                );
+                return None;
+            }
+            Some(c)
+        }
+        Err(e) => {
+            ck.error(n.loc, &m.child("capacity"), e, Some("e.g. 50, 50/s, 3000/min, 20000/h or 1000/day".into()));
+            None
+        }
+    }
+}
+
+/// Reads a rate resource's `burst:`, at least 1; [`default_burst`] when it is absent.
+fn read_burst(
+    ck: &mut Checker,
+    m: &MapView<'_>,
+    kind: Option<ResourceKind>,
+    capacity: Option<Capacity>,
+) -> Option<f64> {
+    let Some(n) = m.get("burst") else { return Some(default_burst(capacity)) };
+    let b = ck.f64(n, &m.child("burst"));
+    if kind == Some(ResourceKind::Gauge) {
+        ck.error(n.loc, &m.child("burst"), "burst applies to rate resources only", None);
+    }
+    match b {
+        Some(b) if b.is_finite() && b >= 1.0 => Some(b),
+        Some(b) => {
+            ck.error(n.loc, &m.child("burst"), format!("must be at least 1, not {b}"), None);
+            None
+        }
+        None => None,
+    }
+}
+
+/// Reads a rate resource's `window:`: whether its capacity renews whole at
+/// each UTC boundary of the unit written with it.
+fn read_calendar(
+    ck: &mut Checker,
+    m: &MapView<'_>,
+    kind: Option<ResourceKind>,
+    capacity: Option<Capacity>,
+) -> Option<bool> {
+    match m.get("window") {
+        None => Some(false),
+        Some(n) if kind == Some(ResourceKind::Gauge) => {
+            ck.error(n.loc, &m.child("window"), "a window applies to rate resources only", None);
+            None
+        }
+        Some(n) => {
+            let written = m.get("capacity").and_then(|c| c.as_str()).is_some_and(|s| s.contains('/'));
+            let unit = capacity.filter(|_| written).map(|c| c.window);
+            super::resources::window(ck, n, &m.child("window"), unit).map(|c| c.is_some())
+        }
+    }
 }
 
 /// A rate resource's burst when the file gives none: one second's worth of
@@ -831,23 +942,51 @@ fn read_route(
         None => Some(Match::default()),
         Some(n) => read_match(ck, n, &m.child("match")),
     };
-    let upstream = m.get("upstream").and_then(|n| {
-        let s = ck.string(n, &m.child("upstream"))?;
-        if !upstreams.contains(&s.as_str()) {
-            let hint = closest(&s, upstreams).map_or_else(
-                || {
-                    if upstreams.is_empty() {
-                        "define it under `upstreams:`".to_string()
-                    } else {
-                        format!("known upstreams: {}", upstreams.join(", "))
-                    }
-                },
-                |c| format!("did you mean `{c}`?"),
-            );
-            ck.error(n.loc, &m.child("upstream"), format!("unknown upstream `{s}`"), Some(hint));
-        }
-        Some(s)
-    });
+    let upstream = read_upstream_name(ck, &m, upstreams);
+    let (list, rules) = read_route_resources(ck, &m, resource_names, resources);
+    let pushback = match m.get("pushback") {
+        None => Some(super::doorman::PushbackConfig::default()),
+        Some(n) => super::doorman::read_pushback(ck, n, &m.child("pushback")),
+    };
+    Some(RouteConfig {
+        name: name?,
+        matcher: matcher?,
+        upstream,
+        resources: list,
+        cost_rules: rules,
+        pushback: pushback?,
+    })
+}
+
+/// Reads a route's `upstream:`; an unknown name is reported, and kept.
+fn read_upstream_name(ck: &mut Checker, m: &MapView<'_>, upstreams: &[&str]) -> Option<String> {
+    let n = m.get("upstream")?;
+    let s = ck.string(n, &m.child("upstream"))?;
+    if !upstreams.contains(&s.as_str()) {
+        let hint = closest(&s, upstreams).map_or_else(
+            || {
+                if upstreams.is_empty() {
+                    "define it under `upstreams:`".to_string()
+                } else {
+                    format!("known upstreams: {}", upstreams.join(", "))
+                }
+            },
+            |c| format!("did you mean `{c}`?"),
+        );
+        ck.error(n.loc, &m.child("upstream"), format!("unknown upstream `{s}`"), Some(hint));
+    }
+    Some(s)
+}
+
+/// Reads a route's `resources:`: each entry a resource's name (cost 1) or a
+/// mapping with its cost. Returns (resource, cost) in file order, and the
+/// cost rules of the resources kept.
+fn read_route_resources(
+    ck: &mut Checker,
+    m: &MapView<'_>,
+    resource_names: &[&str],
+    resources: &BTreeMap<String, ResourceConfig>,
+) -> (Vec<(String, f64)>, BTreeMap<String, CostRule>) {
     let mut list = Vec::new();
     let mut rules = BTreeMap::new();
     if let Some(n) = m.get("resources")
@@ -857,142 +996,159 @@ fn read_route(
             let p = format!("{}[{i}]", m.child("resources"));
             let entry = match &item.value {
                 Value::Scalar(..) => ck.string(item, &p).map(|s| (s, 1.0, item)),
-                _ => {
-                    let Some(rm) = ck.map(item, &p, &["resource", "cost", "default_cost", "settle"]) else { continue };
-                    let r = ck
-                        .required(&rm, "resource", None)
-                        .and_then(|n| ck.string(n, &rm.child("resource")).map(|s| (s, n)));
-                    let positive = |ck: &mut Checker, key: &str| match rm.get(key) {
-                        None => Some(None),
-                        Some(n) => match ck.f64(n, &rm.child(key)) {
-                            Some(c) if c.is_finite() && c > 0.0 => Some(Some(c)),
-                            Some(c) => {
-                                ck.error(n.loc, &rm.child(key), format!("must be greater than 0, not {c}"), None);
-                                None
-                            }
-                            None => None,
-                        },
-                    };
-                    let mut rule = CostRule::default();
-                    let cost = match rm.get("cost") {
-                        Some(n) if matches!(&n.value, Value::Scalar(t, _) if t.trim_start().starts_with('{')) => {
-                            match n.as_str().map(IdTemplate::parse) {
-                                Some(Ok(t)) if matches!(&t.segments[..], [Segment::Header(_)]) => {
-                                    let Segment::Header(h) = &t.segments[0] else { unreachable!() };
-                                    rule.header = Some(h.clone());
-                                    positive(ck, "default_cost").map(|c| c.unwrap_or(1.0))
-                                }
-                                _ => {
-                                    ck.error(
-                                        n.loc,
-                                        &rm.child("cost"),
-                                        "expected a number or \"{header.NAME}\"",
-                                        Some("e.g. cost: 150 or cost: \"{header.x-max-tokens}\"".into()),
-                                    );
-                                    None
-                                }
-                            }
-                        }
-                        _ => {
-                            if let Some(n) = rm.get("default_cost") {
-                                ck.error(
-                                    n.loc,
-                                    &rm.child("default_cost"),
-                                    "default_cost applies to a cost read from a request header",
-                                    Some("write cost: \"{header.NAME}\", or drop default_cost".into()),
-                                );
-                            }
-                            positive(ck, "cost").map(|c| c.unwrap_or(1.0))
-                        }
-                    };
-                    if let Some(n) = rm.get("settle") {
-                        rule.settle = settle_from(ck, n, &rm.child("settle"));
-                    }
-                    if rule != CostRule::default()
-                        && let Some((name, _)) = &r
-                    {
-                        rules.insert(name.clone(), rule);
-                    }
-                    match (r, cost) {
-                        (Some((s, n)), Some(c)) => Some((s, c, n)),
-                        _ => None,
-                    }
-                }
+                _ => read_cost_entry(ck, item, &p, &mut rules),
             };
             let Some((res, cost, at)) = entry else { continue };
-            if !resource_names.contains(&res.as_str()) {
-                let hint = closest(&res, resource_names)
-                    .map_or_else(|| "define it under `resources:`".to_string(), |c| format!("did you mean `{c}`?"));
-                ck.error(at.loc, &p, format!("unknown resource `{res}`"), Some(hint));
-                continue;
+            if check_listed(ck, at, &p, &res, resource_names, &list) && check_cost(ck, at, &p, &res, cost, resources) {
+                list.push((res, cost));
             }
-            if list.iter().any(|(r, _)| *r == res) {
-                ck.error(
-                    at.loc,
-                    &p,
-                    format!("resource `{res}` is listed twice"),
-                    Some("raise its cost instead".into()),
-                );
-                continue;
-            }
-            if let Some(rc) = resources.get(&res)
-                && rc.kind == ResourceKind::Rate
-                && cost > rc.burst
-            {
-                ck.error(
-                    at.loc,
-                    &p,
-                    format!(
-                        "cost {cost} is larger than resource `{res}`'s burst of {} (the most that may pass at once)",
-                        rc.burst
-                    ),
-                    Some(format!("raise `{res}`'s burst to at least {cost}, or lower the cost")),
-                );
-                continue;
-            }
-            if let Some(rc) = resources.get(&res)
-                && rc.kind == ResourceKind::Gauge
-                && cost > rc.capacity.per_window
-            {
-                ck.error(
-                    at.loc,
-                    &p,
-                    format!(
-                        "cost {cost} is more than gauge `{res}`'s capacity of {} in flight",
-                        rc.capacity.per_window
-                    ),
-                    Some("no request could ever pass: raise the capacity or lower the cost".into()),
-                );
-                continue;
-            }
-            if let Some(rc) = resources.get(&res)
-                && rc.kind == ResourceKind::Gauge
-                && cost.fract() != 0.0
-            {
-                ck.error(
-                    at.loc,
-                    &p,
-                    format!("a gauge's cost is a whole number of requests in flight, not {cost}"),
-                    None,
-                );
-                continue;
-            }
-            list.push((res, cost));
         }
     }
-    let pushback = match m.get("pushback") {
-        None => Some(super::doorman::PushbackConfig::default()),
-        Some(n) => super::doorman::read_pushback(ck, n, &m.child("pushback")),
-    };
     rules.retain(|name, _| list.iter().any(|(r, _)| r == name));
-    Some(RouteConfig {
-        name: name?,
-        matcher: matcher?,
-        upstream,
-        resources: list,
-        cost_rules: rules,
-        pushback: pushback?,
-    })
+    (list, rules)
+}
+
+/// Reads a mapping in a route's `resources:` (`resource`, `cost`,
+/// `default_cost`, `settle`), adding its cost rule, if any, to `rules`.
+/// Returns the resource's name, the cost and the node that names it.
+fn read_cost_entry<'a>(
+    ck: &mut Checker,
+    item: &'a Node,
+    path: &str,
+    rules: &mut BTreeMap<String, CostRule>,
+) -> Option<(String, f64, &'a Node)> {
+    let rm = ck.map(item, path, &["resource", "cost", "default_cost", "settle"])?;
+    let r = ck.required(&rm, "resource", None).and_then(|n| ck.string(n, &rm.child("resource")).map(|s| (s, n)));
+    let mut rule = CostRule::default();
+    let cost = read_cost(ck, &rm, &mut rule);
+    if let Some(n) = rm.get("settle") {
+        rule.settle = settle_from(ck, n, &rm.child("settle"));
+    }
+    if rule != CostRule::default()
+        && let Some((name, _)) = &r
+    {
+        rules.insert(name.clone(), rule);
+    }
+    match (r, cost) {
+        (Some((s, n)), Some(c)) => Some((s, c, n)),
+        _ => None,
+    }
+}
+
+/// Reads an entry's `cost:`: a number > 0 (1 when absent), or
+/// `"{header.NAME}"`, which sets `rule.header` and returns `default_cost`
+/// (1 when absent) for a request without the header.
+fn read_cost(ck: &mut Checker, rm: &MapView<'_>, rule: &mut CostRule) -> Option<f64> {
+    match rm.get("cost") {
+        Some(n) if matches!(&n.value, Value::Scalar(t, _) if t.trim_start().starts_with('{')) => {
+            match n.as_str().map(IdTemplate::parse) {
+                Some(Ok(t)) if matches!(&t.segments[..], [Segment::Header(_)]) => {
+                    let Segment::Header(h) = &t.segments[0] else { unreachable!() };
+                    rule.header = Some(h.clone());
+                    positive(ck, rm, "default_cost").map(|c| c.unwrap_or(1.0))
+                }
+                _ => {
+                    ck.error(
+                        n.loc,
+                        &rm.child("cost"),
+                        "expected a number or \"{header.NAME}\"",
+                        Some("e.g. cost: 150 or cost: \"{header.x-max-tokens}\"".into()),
+                    );
+                    None
+                }
+            }
+        }
+        _ => {
+            if let Some(n) = rm.get("default_cost") {
+                ck.error(
+                    n.loc,
+                    &rm.child("default_cost"),
+                    "default_cost applies to a cost read from a request header",
+                    Some("write cost: \"{header.NAME}\", or drop default_cost".into()),
+                );
+            }
+            positive(ck, rm, "cost").map(|c| c.unwrap_or(1.0))
+        }
+    }
+}
+
+/// An optional number greater than 0: `Some(None)` when `key` is absent,
+/// `None` once a bad value is reported.
+fn positive(ck: &mut Checker, m: &MapView<'_>, key: &str) -> Option<Option<f64>> {
+    match m.get(key) {
+        None => Some(None),
+        Some(n) => match ck.f64(n, &m.child(key)) {
+            Some(c) if c.is_finite() && c > 0.0 => Some(Some(c)),
+            Some(c) => {
+                ck.error(n.loc, &m.child(key), format!("must be greater than 0, not {c}"), None);
+                None
+            }
+            None => None,
+        },
+    }
+}
+
+/// Whether a route may list resource `res`: it is defined, and not in
+/// `list` already. Reports why not at `at`.
+fn check_listed(
+    ck: &mut Checker,
+    at: &Node,
+    path: &str,
+    res: &str,
+    resource_names: &[&str],
+    list: &[(String, f64)],
+) -> bool {
+    if !resource_names.contains(&res) {
+        let hint = closest(res, resource_names)
+            .map_or_else(|| "define it under `resources:`".to_string(), |c| format!("did you mean `{c}`?"));
+        ck.error(at.loc, path, format!("unknown resource `{res}`"), Some(hint));
+        return false;
+    }
+    if list.iter().any(|(r, _)| *r == res) {
+        ck.error(at.loc, path, format!("resource `{res}` is listed twice"), Some("raise its cost instead".into()));
+        return false;
+    }
+    true
+}
+
+/// Whether resource `res` could ever pass a request of `cost`: within a
+/// rate's burst, or a whole number within a gauge's capacity. Reports why
+/// not at `at`.
+fn check_cost(
+    ck: &mut Checker,
+    at: &Node,
+    path: &str,
+    res: &str,
+    cost: f64,
+    resources: &BTreeMap<String, ResourceConfig>,
+) -> bool {
+    let Some(rc) = resources.get(res) else { return true };
+    if rc.kind == ResourceKind::Rate && cost > rc.burst {
+        ck.error(
+            at.loc,
+            path,
+            format!(
+                "cost {cost} is larger than resource `{res}`'s burst of {} (the most that may pass at once)",
+                rc.burst
+            ),
+            Some(format!("raise `{res}`'s burst to at least {cost}, or lower the cost")),
+        );
+        return false;
+    }
+    if rc.kind == ResourceKind::Gauge && cost > rc.capacity.per_window {
+        ck.error(
+            at.loc,
+            path,
+            format!("cost {cost} is more than gauge `{res}`'s capacity of {} in flight", rc.capacity.per_window),
+            Some("no request could ever pass: raise the capacity or lower the cost".into()),
+        );
+        return false;
+    }
+    if rc.kind == ResourceKind::Gauge && cost.fract() != 0.0 {
+        ck.error(at.loc, path, format!("a gauge's cost is a whole number of requests in flight, not {cost}"), None);
+        return false;
+    }
+    true
 }
 
 /// Reads a resource's `settle:` mapping: one of `response_header: NAME` or

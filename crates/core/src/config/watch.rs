@@ -2,8 +2,8 @@
 //! the file's directory (which is how Kubernetes swaps a ConfigMap: it
 //! re-points a `..data` symlink, so the file's own inode never changes), and
 //! on a slow poll as a fallback for filesystems without inotify (every 5 s;
-//! every 5 min while the directory is watched). Callers
-//! compare contents, so a spurious wake-up costs one read.
+//! every hour while the directory is watched). Callers compare contents, so
+//! a spurious wake-up costs one read.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

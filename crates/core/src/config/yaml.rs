@@ -16,18 +16,24 @@ use saphyr_parser::{Event, Parser, ScalarStyle};
 /// A position in a file, 1-based line and column.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Loc {
+    /// Line, from 1.
     pub line: usize,
+    /// Column in characters, from 1.
     pub col: usize,
 }
 
 /// One problem found in a config file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Diagnostic {
+    /// The file's name as given to the parser (a path, or `<built-in default>`).
     pub file: String,
+    /// Where in the file the problem is.
     pub loc: Loc,
     /// The field's path, e.g. `resources[2].algorithm.lease_length`; empty for the document.
     pub field: String,
+    /// What is wrong.
     pub message: String,
+    /// What to write instead, when there is a likely fix.
     pub hint: Option<String>,
 }
 
@@ -97,6 +103,7 @@ fn cut(s: &str, max: usize) -> Cow<'_, str> {
 /// Every problem found in one file; never empty.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigError {
+    /// The problems, in file order.
     pub diagnostics: Vec<Diagnostic>,
 }
 
@@ -132,20 +139,26 @@ impl std::error::Error for ConfigError {}
 /// A YAML node and where it starts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Node {
+    /// What the node holds.
     pub value: Value,
+    /// Where the node starts.
     pub loc: Loc,
 }
 
+/// What a YAML node holds, its aliases already expanded.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
     /// A scalar's text, and whether it was plain (unquoted): only plain
     /// scalars can be numbers, booleans or null.
     Scalar(String, bool),
+    /// A list, in file order.
     Seq(Vec<Node>),
+    /// A mapping's (key, value) pairs, in file order, duplicates kept.
     Map(Vec<(Node, Node)>),
 }
 
 impl Node {
+    /// Whether the node is YAML's null: empty, `~` or `null` unquoted.
     pub fn is_null(&self) -> bool {
         matches!(&self.value, Value::Scalar(s, true) if matches!(s.as_str(), "" | "~" | "null" | "Null" | "NULL"))
     }
@@ -159,6 +172,7 @@ impl Node {
         }
     }
 
+    /// A scalar's text; `None` for a list or a mapping.
     pub fn as_str(&self) -> Option<&str> {
         match &self.value {
             Value::Scalar(s, _) => Some(s),
@@ -260,6 +274,7 @@ pub fn parse(file: &str, text: &str) -> Result<Node, ConfigError> {
 /// Collects diagnostics while a tree is checked and converted.
 pub struct Checker {
     file: String,
+    /// The problems reported so far, in the order they were found.
     pub diagnostics: Vec<Diagnostic>,
     /// `None`: an unset `${VAR}` is an error. `Some`: it is left as written
     /// and its name recorded here (`usher check --allow-unset-env`).
@@ -274,14 +289,17 @@ pub struct MapView<'a> {
 }
 
 impl<'a> MapView<'a> {
+    /// Where the mapping starts.
     pub fn loc(&self) -> Loc {
         self.node.loc
     }
 
+    /// The mapping's own field path, for diagnostics.
     pub fn path(&self) -> &str {
         &self.path
     }
 
+    /// The value of `key`; `None` when it is absent or null.
     pub fn get(&self, key: &str) -> Option<&'a Node> {
         self.entries.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v).filter(|v| !v.is_null())
     }
@@ -291,20 +309,24 @@ impl<'a> MapView<'a> {
         if self.path.is_empty() { key.to_string() } else { format!("{}.{}", self.path, key) }
     }
 
+    /// Every (key, value) pair, in file order, nulls included.
     pub fn entries(&self) -> impl Iterator<Item = (&'a Node, &'a Node)> {
         self.entries.iter().map(|(k, v)| (k, v))
     }
 }
 
 impl Checker {
+    /// A checker for `file`, with no diagnostics yet.
     pub fn new(file: &str) -> Self {
         Checker { file: file.to_string(), diagnostics: Vec::new(), unset_env: None }
     }
 
+    /// The file's name, as diagnostics give it.
     pub fn file(&self) -> &str {
         &self.file
     }
 
+    /// Reports a problem at `loc` in the field at `field`.
     pub fn error(&mut self, loc: Loc, field: &str, message: impl Into<String>, hint: Option<String>) {
         self.diagnostics.push(Diagnostic {
             file: self.file.clone(),
@@ -371,6 +393,7 @@ impl Checker {
         v
     }
 
+    /// A non-null scalar's text; reports anything else.
     pub fn string(&mut self, node: &Node, path: &str) -> Option<String> {
         match &node.value {
             Value::Scalar(s, _) if !node.is_null() => Some(s.clone()),
@@ -381,6 +404,7 @@ impl Checker {
         }
     }
 
+    /// A plain scalar read as a YAML number (`.inf` and `.nan` too); reports anything else.
     pub fn f64(&mut self, node: &Node, path: &str) -> Option<f64> {
         let parsed = match &node.value {
             Value::Scalar(s, true) => parse_yaml_float(s),
@@ -392,6 +416,7 @@ impl Checker {
         parsed
     }
 
+    /// A plain scalar read as a whole number (`_` separators and `0x` allowed); reports anything else.
     pub fn i64(&mut self, node: &Node, path: &str) -> Option<i64> {
         let parsed = match &node.value {
             Value::Scalar(s, true) => parse_yaml_int(s),
@@ -403,6 +428,7 @@ impl Checker {
         parsed
     }
 
+    /// A plain `true` or `false` (or its capitalised forms); reports anything else.
     pub fn bool(&mut self, node: &Node, path: &str) -> Option<bool> {
         let parsed = match &node.value {
             Value::Scalar(s, true) => match s.as_str() {
@@ -561,6 +587,7 @@ mod tests {
     /// Nine aliases of nine aliases, eight deep: 43 million nodes from 300
     /// bytes. Refused at the alias that would pass the limit, at once.
     #[test]
+    #[allow(clippy::disallowed_methods, reason = "bounds how long parsing takes on the wall clock")]
     fn an_alias_bomb_is_refused_before_it_is_expanded() {
         let mut text = String::from("a0: &a0 [x, x, x, x, x, x, x, x, x]\n");
         for i in 1..=8 {
