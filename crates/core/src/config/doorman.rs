@@ -44,7 +44,7 @@ impl Default for Backoff {
     fn default() -> Self {
         Backoff {
             initial: Duration::from_millis(500),
-            max: Duration::from_secs(30),
+            max: Duration::from_secs(2),
             multiplier: 1.5,
             randomization: 0.3,
         }
