@@ -4,7 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
-use usher_proto;
+use usher_proto as proto;
 
 macro_rules! each {
     ($data:expr, $($m:ident),+ $(,)?) => {$(
