@@ -48,6 +48,7 @@ pub enum OnExpiry {
 }
 
 impl OnExpiry {
+    /// The name the routes file and status pages use.
     pub fn name(self) -> &'static str {
         match self {
             OnExpiry::Optimistic => "optimistic",
@@ -61,7 +62,9 @@ impl OnExpiry {
 /// or the string `"unlimited"`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Capacity {
+    /// Units per second (rate) or in flight (gauge); 0 refuses every request.
     Limited(f64),
+    /// No limit.
     Unlimited,
 }
 
@@ -92,6 +95,7 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The name logs and status pages use.
     pub fn name(self) -> &'static str {
         match self {
             Mode::Leased => "leased",
@@ -117,9 +121,13 @@ pub enum Source {
 /// What the enforcement side reports for one key at each refresh.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KeyDemand {
+    /// The Doorman resource id the key leases.
     pub resource_id: String,
+    /// The priority band the servers share the resource's capacity by.
     pub priority: i64,
+    /// The capacity the key asks for: units per second (rate) or in flight (gauge).
     pub wants: f64,
+    /// What the key may use with no unexpired lease.
     pub on_expiry: OnExpiry,
     /// Used in safe mode when the server sent none.
     pub safe_capacity: Option<f64>,
@@ -148,9 +156,12 @@ pub struct DemandUpdate {
 /// A lease as received.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Lease {
+    /// The capacity granted: units per second (rate) or in flight (gauge).
     pub capacity: f64,
+    /// When the grant ends, to the second.
     #[serde(serialize_with = "ser_time")]
     pub expiry: Time,
+    /// How long after the answer the server wants to hear from the key again.
     pub refresh_interval: Duration,
 }
 
@@ -251,13 +262,20 @@ impl KeyState {
 pub struct ZeroReason;
 
 impl ZeroReason {
+    /// The lease is 0.
     pub const LEASE_ZERO: &'static str = "the lease is 0: the server gave this key nothing (its capacity is \
          given out, or it is in learning mode after a master change and hands back only what a client already had)";
+    /// No lease has come, and on_expiry is safe with no safe capacity.
     pub const NO_LEASE_NO_SAFE: &'static str = "no lease yet and no safe capacity";
+    /// The lease expired, and on_expiry is safe with no safe capacity.
     pub const EXPIRED_NO_SAFE: &'static str = "the lease expired and there is no safe capacity";
+    /// No lease, and on_expiry is safe with a safe capacity of 0.
     pub const SAFE_ZERO: &'static str = "no lease, and the safe capacity is 0";
+    /// No lease, and on_expiry is pessimistic.
     pub const PESSIMISTIC: &'static str = "no lease, and on_expiry is pessimistic";
+    /// No lease, and on_expiry is optimistic while the key wants 0.
     pub const WANTS_ZERO: &'static str = "no lease, and on_expiry is optimistic but it wants 0";
+    /// The lease is 0 because the quota the server follows is spent until it renews.
     pub const QUOTA_SPENT: &'static str =
         "the quota the server follows (the upstream's own, or a calendar window) is spent until it renews";
 }
@@ -310,6 +328,7 @@ fn earliest(a: Option<Time>, b: Option<Time>) -> Option<Time> {
 /// Tunables of the lease client; defaults are documented in the README.
 #[derive(Debug, Clone)]
 pub struct CoreConfig {
+    /// The id sent with every request; servers key their leases by it.
     pub client_id: String,
     /// Capacity server addresses of one node; any of them, Discovery finds the master.
     pub servers: Vec<String>,
@@ -317,11 +336,14 @@ pub struct CoreConfig {
     pub jitter: f64,
     /// Never ask more often than this (the server's minimum request interval).
     pub min_interval: Duration,
+    /// How failed calls are retried.
     pub backoff: BackoffConfig,
+    /// Seeds the jitter, so that a test or a simulation draws the same times again.
     pub seed: u64,
 }
 
 impl CoreConfig {
+    /// The defaults for `client_id` calling `servers`, with a random seed.
     pub fn new(client_id: impl Into<String>, servers: Vec<String>) -> Self {
         CoreConfig {
             client_id: client_id.into(),
@@ -338,13 +360,29 @@ impl CoreConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
     /// Ask `target` who the master is.
-    Discover { target: String },
+    Discover {
+        /// The server to ask.
+        target: String,
+    },
     /// Send this bulk request to `target`.
-    Refresh { target: String, request: proto::GetCapacityRequest },
+    Refresh {
+        /// The master.
+        target: String,
+        /// The keys carried and what each wants and has.
+        request: proto::GetCapacityRequest,
+    },
     /// Give these leases back.
-    Release { target: String, request: proto::ReleaseCapacityRequest },
+    Release {
+        /// The master.
+        target: String,
+        /// The keys given back.
+        request: proto::ReleaseCapacityRequest,
+    },
     /// Nothing to do before this time (or before new demand arrives).
-    Wait { until: Time },
+    Wait {
+        /// When to ask [`Core::next_action`] again at the latest.
+        until: Time,
+    },
 }
 
 /// A failed call, classified.
@@ -357,6 +395,9 @@ pub enum CallError {
 }
 
 impl CallError {
+    /// Classifies a gRPC status: a request the server cannot take
+    /// (`InvalidArgument`, `Unimplemented`, `PermissionDenied`,
+    /// `Unauthenticated`) is permanent, anything else transient.
     pub fn from_status(s: &tonic::Status) -> Self {
         let msg = format!("{:?}: {}", s.code(), s.message());
         match s.code() {
@@ -378,9 +419,13 @@ impl CallError {
 /// A change of a key's mode, for logs and metrics.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Transition {
+    /// The key.
     pub resource_id: String,
+    /// Its mode before.
     pub from: Mode,
+    /// Its mode now.
     pub to: Mode,
+    /// What it may use in its new mode.
     pub capacity: Capacity,
 }
 
@@ -388,6 +433,7 @@ pub struct Transition {
 /// take (see [`Core::on_refresh`]), for logs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Refused {
+    /// The key whose lease was refused.
     pub resource_id: String,
     /// Names the resource, the server and what was wrong, as the key's
     /// `last_error` shows it.
@@ -472,20 +518,31 @@ pub struct Core {
 /// One key as status pages show it.
 #[derive(Debug, Clone, Serialize)]
 pub struct KeyStatus {
+    /// The key.
     pub resource_id: String,
+    /// Where its capacity comes from, by lease state.
     pub mode: Mode,
+    /// Where its capacity comes from, by origin.
     pub source: Source,
+    /// What it may use with no unexpired lease.
     pub on_expiry: OnExpiry,
+    /// What it may use now.
     pub capacity: Capacity,
+    /// What it asks for.
     pub wants: f64,
+    /// The capacity of its last lease, expired or not.
     pub has: Option<f64>,
+    /// When its last lease ends (unix seconds).
     pub expiry: Option<i64>,
+    /// Its last lease's refresh interval, in seconds.
     pub refresh_interval_s: Option<u64>,
+    /// The safe capacity its `on_expiry` uses: the server's, else the configured one.
     pub safe_capacity: Option<f64>,
     /// The capacity server's template (`identifier_glob`) the key matched,
     /// when the server says (usher servers do; a catch-all `*` there may be a
     /// typo in the id or in the server's configuration).
     pub template: Option<String>,
+    /// Why its last call failed, or why its lease in the last answer was refused.
     pub last_error: Option<String>,
     /// When it asks on its own, before every key's refresh (unix seconds;
     /// see [`KeyState::due`]).
@@ -496,6 +553,7 @@ pub struct KeyStatus {
 }
 
 impl Core {
+    /// A client with no key, whose first call is due at `now`.
     pub fn new(cfg: CoreConfig, now: Time) -> Self {
         Core {
             rng: SmallRng::seed_from_u64(cfg.seed),
@@ -526,14 +584,17 @@ impl Core {
         }
     }
 
+    /// The id sent with every request.
     pub fn client_id(&self) -> &str {
         &self.cfg.client_id
     }
 
+    /// The server calls go to, once Discovery or a redirect named it.
     pub fn master(&self) -> Option<&str> {
         self.master.as_deref()
     }
 
+    /// What went wrong last: a failed call or release, or a lease the last answer refused.
     pub fn last_error(&self) -> Option<&str> {
         self.last_error.as_deref()
     }
@@ -545,6 +606,7 @@ impl Core {
         self.failing
     }
 
+    /// When every key's refresh is due (or, while no master is known, the next Discovery).
     pub fn next_refresh(&self) -> Time {
         self.next_refresh
     }
@@ -890,7 +952,6 @@ impl Core {
         Action::Refresh { target, request: self.request(now, partial.then_some(by)) }
     }
 
-    /// The request for every key, or for those that ask early by `early`.
     /// The GetCapacity request the core sends at `now`: every key, or with
     /// `early` only the keys that ask before the regular refresh.
     pub fn request(&self, now: Time, early: Option<Time>) -> proto::GetCapacityRequest {
@@ -954,6 +1015,8 @@ impl Core {
         self.failing = true;
     }
 
+    /// Takes an answer to a Discovery (or its failure): a master found is
+    /// called at once; otherwise the next server is tried, after a backoff.
     pub fn on_discovery(&mut self, now: Time, target: &str, result: Result<proto::DiscoveryResponse, CallError>) {
         match result {
             Ok(d) if d.is_master => self.found_master(now, target.to_string()),
@@ -972,6 +1035,7 @@ impl Core {
         self.early = true;
     }
 
+    /// Takes an answer to a release; a failure is only noted.
     pub fn on_release(&mut self, _now: Time, result: Result<proto::ReleaseCapacityResponse, CallError>) {
         if let Err(e) = result {
             // Unreleased leases simply expire on the server.
@@ -1218,7 +1282,6 @@ impl Core {
         self.keys.contains_key(resource_id)
     }
 
-    /// The last lease received for `resource_id`, expired or not.
     /// The capacity the servers last said they share for `resource_id` (an
     /// usher server's extension), if they did.
     pub fn fleet_capacity(&self, resource_id: &str) -> Option<f64> {
@@ -1231,6 +1294,7 @@ impl Core {
         self.keys.get(resource_id).and_then(|k| k.renews)
     }
 
+    /// The last lease received for `resource_id`, expired or not.
     pub fn lease_of(&self, resource_id: &str) -> Option<Lease> {
         self.keys.get(resource_id).and_then(|k| k.lease)
     }
