@@ -169,6 +169,19 @@ fn ser_time<S: serde::Serializer>(t: &Time, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_i64(t.as_secs())
 }
 
+impl Lease {
+    /// The lease a server granted, as enforced: a capacity that is not a
+    /// finite number counts as 0 (an answer with one is refused before this),
+    /// and a refresh interval is at least a second.
+    fn granted(gets: &proto::Lease) -> Self {
+        Lease {
+            capacity: if gets.capacity.is_finite() { gets.capacity.max(0.0) } else { 0.0 },
+            expiry: Time::from_secs(gets.expiry_time.max(0) as u64),
+            refresh_interval: Duration::from_secs(gets.refresh_interval.max(1) as u64),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct KeyState {
     /// Its `resource_id` is left empty: the key's id is the map's key.
@@ -240,6 +253,62 @@ impl KeyState {
             Mode::Held => self.hold_until,
             Mode::Pending | Mode::Expired => None,
         }
+    }
+
+    /// Keeps what a server said of the key's resource beside its lease at
+    /// `now`: its safe capacity, the capacity it shares, when a spent quota
+    /// renews, and the template the key matched (`last`: the name of the
+    /// last one, which most keys share).
+    fn heard(&mut self, r: &proto::ResourceResponse, now: Time, last: &mut Option<Arc<str>>) {
+        self.server_safe = r.safe_capacity.filter(|s| s.is_finite());
+        self.fleet = r.resource_capacity.filter(|c| c.is_finite() && *c > 0.0);
+        self.renews =
+            r.upstream_quota.as_ref().and_then(super::quota::from_proto).filter(|o| o.exhausted(now)).map(|o| o.reset);
+        self.template = match (&r.template, &self.template) {
+            (None, _) => None,
+            (Some(t), Some(kt)) if **kt == **t => Some(kt.clone()),
+            // Most keys match one template: share its name.
+            (Some(t), _) => match &*last {
+                Some(l) if **l == **t => Some(l.clone()),
+                _ => {
+                    let t: Arc<str> = Arc::from(t.as_str());
+                    *last = Some(t.clone());
+                    Some(t)
+                }
+            },
+        };
+    }
+
+    /// How long to wait before the next early ask, once one made while the
+    /// key held `asked_with` is answered with `lease`: `min` if the lease
+    /// moved towards `wants` or asks to hear from the key within [`SOON`];
+    /// else twice the last wait, and from the refresh interval on
+    /// `Duration::MAX` (the key waits for its refresh).
+    fn early_wait_after(&self, asked_with: f64, lease: &Lease, min: Duration) -> Duration {
+        let w = self.demand.wants;
+        let moved = (w - lease.capacity).abs() < (w - asked_with).abs() - 1e-9;
+        if moved || lease.refresh_interval <= SOON {
+            min
+        } else {
+            match self.early_wait.saturating_mul(2).max(min) {
+                w if w >= lease.refresh_interval => Duration::MAX,
+                w => w,
+            }
+        }
+    }
+
+    /// Takes a lease answered at `now`: enforced if unexpired, held past its
+    /// expiry as [`hold`] says (`jitter`: the refresh jitter). Returns the
+    /// mode the key had.
+    fn take(&mut self, lease: Lease, now: Time, jitter: f64) -> Mode {
+        self.lease = Some(lease);
+        self.hold_until =
+            (lease.expiry > now).then(|| lease.expiry.saturating_add(hold(&lease, self.server_safe, now, jitter)));
+        self.cached = false;
+        self.last_error = None;
+        let from = self.mode;
+        self.mode = if lease.expiry > now { Mode::Leased } else { Mode::Expired };
+        from
     }
 
     fn capacity(&self) -> Capacity {
@@ -322,6 +391,85 @@ fn earliest(a: Option<Time>, b: Option<Time>) -> Option<Time> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
+    }
+}
+
+/// When the leases of one answer ask to be refreshed, and how the lapses of
+/// their keys moved, gathered as [`Core::on_refresh`] takes them.
+struct Answer {
+    now: Time,
+    /// The minimum interval between requests.
+    min: Duration,
+    /// How far into its refresh interval each lease asks to be refreshed (a
+    /// jittered second, read as a factor): one draw for the whole answer, so
+    /// the keys it carried stay together.
+    spread: Duration,
+    /// The shortest draw of the jitter, as a fraction of an interval.
+    shortest: f64,
+    /// The refresh of every key: the first a lease asks for, leaving out
+    /// leases that ask within a second or are cut short (their keys ask on
+    /// their own), unless every lease is such.
+    regular: Option<Time>,
+    /// The first refresh a lease cut short asks for.
+    cut_first: Option<Time>,
+    /// The first refresh any lease asks for.
+    first: Option<Time>,
+    /// The keys that may ask on their own, and when.
+    own: Vec<(String, Time)>,
+    /// A key whose lapse was the earliest got a new lease: [`Core::lapse`]
+    /// is worked out once, at the end, not once a key.
+    relapse: bool,
+    /// The earliest lapse of the keys that got a lease.
+    later: Option<Time>,
+}
+
+impl Answer {
+    fn new(now: Time, cfg: &CoreConfig, rng: &mut SmallRng) -> Self {
+        Answer {
+            now,
+            min: cfg.min_interval,
+            spread: jitter(Duration::from_secs(1), cfg.jitter, rng),
+            shortest: 1.0 - cfg.jitter.clamp(0.0, 1.0),
+            regular: None,
+            cut_first: None,
+            first: None,
+            own: Vec::new(),
+            relapse: false,
+            later: None,
+        }
+    }
+
+    /// When `l` asks to be refreshed; also when it must be renewed by
+    /// (before it runs out, leaving room for one retry), and whether it is
+    /// cut short: it runs out before even the shortest draw of its interval
+    /// (capped at an intermediate's own expiry, or answered already expired).
+    fn next_of(&self, l: &Lease) -> (Time, Time, bool) {
+        let now = self.now;
+        let margin = (l.expiry.since(now) / 10).max(Duration::from_millis(500));
+        let next = now.saturating_add(l.refresh_interval.mul_f64(self.spread.as_secs_f64()));
+        let by_expiry = l.expiry.saturating_sub(margin);
+        let cut = by_expiry < now.saturating_add(l.refresh_interval.mul_f64(self.shortest));
+        (next.min(by_expiry).max(now.saturating_add(self.min)), by_expiry, cut)
+    }
+
+    /// Notes the refresh that key `id`'s new `lease` asks for: the
+    /// refresh of every key (unless the call was `partial`), or one of its
+    /// own before `next_refresh`.
+    fn schedule(&mut self, id: String, lease: &Lease, partial: bool, next_refresh: Time) {
+        let (next, by_expiry, cut) = self.next_of(lease);
+        let soon = lease.refresh_interval <= SOON;
+        self.first = earliest(self.first, Some(next));
+        if cut && !soon {
+            self.cut_first = earliest(self.cut_first, Some(next));
+        }
+        // An early answer gives a key a refresh of its own only if it
+        // cannot wait for every key's (it would ask within a second, or
+        // its lease would run out first); the others join that refresh.
+        if soon || cut || (partial && by_expiry < next_refresh) {
+            self.own.push((id, next));
+        } else if !partial {
+            self.regular = earliest(self.regular, Some(next));
+        }
     }
 }
 
@@ -1053,30 +1201,56 @@ impl Core {
     pub fn on_refresh(&mut self, now: Time, result: Result<proto::GetCapacityResponse, CallError>) -> Vec<Refused> {
         let resp = match result {
             Err(e) => {
-                let rotate = matches!(e, CallError::Transient(_));
-                for k in self.keys.values_mut() {
-                    k.last_error = Some(e.message().to_string());
-                }
-                self.fail(now, e, rotate);
+                self.refresh_failed(now, e);
                 return Vec::new();
             }
             Ok(r) => r,
         };
         if let Some(m) = resp.mastership.filter(|_| resp.response.is_empty()) {
-            self.in_flight = false;
-            self.redirects += 1;
-            match m.master_address.filter(|a| !a.is_empty()) {
-                Some(addr) if self.redirects <= self.cfg.servers.len() as u32 + 2 => {
-                    self.master = Some(addr);
-                    self.next_refresh = now;
-                    self.early = true;
-                    self.last_request = None;
-                }
-                _ => self.fail(now, CallError::Transient("no master known; retrying".into()), true),
-            }
+            self.redirected(now, m);
             return Vec::new();
         }
         let refused = self.refused(&resp.response);
+        self.answered(&refused);
+        let mut answer = Answer::new(now, &self.cfg, &mut self.rng);
+        for r in resp.response {
+            self.take_lease(now, r, &refused, &mut answer);
+        }
+        self.reschedule(now, answer);
+        refused.into_iter().map(|(resource_id, message)| Refused { resource_id, message }).collect()
+    }
+
+    /// A refresh failed: every key says why, and the next call follows the
+    /// backoff (to the next server, when the failure was transient).
+    fn refresh_failed(&mut self, now: Time, e: CallError) {
+        let rotate = matches!(e, CallError::Transient(_));
+        for k in self.keys.values_mut() {
+            k.last_error = Some(e.message().to_string());
+        }
+        self.fail(now, e, rotate);
+    }
+
+    /// An answer with no lease that names the master: calls go there at
+    /// once, for a few redirects in a row; past them, or with no master
+    /// named, the call failed.
+    fn redirected(&mut self, now: Time, m: proto::Mastership) {
+        self.in_flight = false;
+        self.redirects += 1;
+        match m.master_address.filter(|a| !a.is_empty()) {
+            Some(addr) if self.redirects <= self.cfg.servers.len() as u32 + 2 => {
+                self.master = Some(addr);
+                self.next_refresh = now;
+                self.early = true;
+                self.last_request = None;
+            }
+            _ => self.fail(now, CallError::Transient("no master known; retrying".into()), true),
+        }
+    }
+
+    /// A refresh was answered: the backoff eases, the client's error is the
+    /// leases the answer `refused` (if any), and every key the request
+    /// carried is settled.
+    fn answered(&mut self, refused: &BTreeMap<String, String>) {
         self.in_flight = false;
         self.redirects = 0;
         self.refreshes += 1;
@@ -1095,125 +1269,65 @@ impl Core {
                 self.dues.remove(&(d, id.clone()));
             }
         }
-        // When each lease asks to be refreshed: one draw of the jitter for
-        // the whole answer, so the keys it carried stay together.
-        let (min, spread) = (self.cfg.min_interval, jitter(Duration::from_secs(1), self.cfg.jitter, &mut self.rng));
-        // Also when it must be renewed by (before it runs out, leaving room
-        // for one retry), and whether it is cut short: it runs out before
-        // even the shortest draw of its interval (capped at an intermediate's
-        // own expiry, or answered already expired).
-        let shortest = 1.0 - self.cfg.jitter.clamp(0.0, 1.0);
-        let next_of = |l: &Lease| {
-            let margin = (l.expiry.since(now) / 10).max(Duration::from_millis(500));
-            let next = now.saturating_add(l.refresh_interval.mul_f64(spread.as_secs_f64()));
-            let by_expiry = l.expiry.saturating_sub(margin);
-            let cut = by_expiry < now.saturating_add(l.refresh_interval.mul_f64(shortest));
-            (next.min(by_expiry).max(now.saturating_add(min)), by_expiry, cut)
-        };
-        // The refresh of every key: the first a lease asks for, leaving out
-        // leases that ask within a second or are cut short (their keys ask
-        // on their own), unless every lease is such.
-        let (mut regular, mut cut_first, mut first): (Option<Time>, Option<Time>, Option<Time>) = (None, None, None);
-        let mut own: Vec<(String, Time)> = Vec::new();
-        // The keys' lapses as they were and as they are: `lapse` is worked
-        // out once, at the end, not once a key.
-        let (mut relapse, mut later) = (false, None);
-        for r in resp.response {
-            let Some(k) = self.keys.get_mut(&r.resource_id) else { continue };
-            if let Some(message) = refused.get(&r.resource_id) {
-                k.last_error = Some(message.clone());
-                continue;
-            }
-            self.restate = true;
-            let before = k.capacity();
-            relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
-            let lease = Lease {
-                capacity: if r.gets.capacity.is_finite() { r.gets.capacity.max(0.0) } else { 0.0 },
-                expiry: Time::from_secs(r.gets.expiry_time.max(0) as u64),
-                refresh_interval: Duration::from_secs(r.gets.refresh_interval.max(1) as u64),
-            };
-            k.server_safe = r.safe_capacity.filter(|s| s.is_finite());
-            k.fleet = r.resource_capacity.filter(|c| c.is_finite() && *c > 0.0);
-            k.renews = r
-                .upstream_quota
-                .as_ref()
-                .and_then(super::quota::from_proto)
-                .filter(|o| o.exhausted(now))
-                .map(|o| o.reset);
-            k.template = match (&r.template, &k.template) {
-                (None, _) => None,
-                (Some(t), Some(kt)) if **kt == **t => Some(kt.clone()),
-                // Most keys match one template: share its name.
-                (Some(t), _) => match &self.last_template {
-                    Some(last) if **last == **t => Some(last.clone()),
-                    _ => {
-                        let t: Arc<str> = Arc::from(t.as_str());
-                        self.last_template = Some(t.clone());
-                        Some(t)
-                    }
-                },
-            };
-            if let Some(before) = k.asked_with.take() {
-                let w = k.demand.wants;
-                let moved = (w - lease.capacity).abs() < (w - before).abs() - 1e-9;
-                k.early_wait = if moved || lease.refresh_interval <= SOON {
-                    self.cfg.min_interval
-                } else {
-                    match k.early_wait.saturating_mul(2).max(self.cfg.min_interval) {
-                        w if w >= lease.refresh_interval => Duration::MAX,
-                        w => w,
-                    }
-                };
-            }
-            k.lease = Some(lease);
-            let jitter = self.cfg.jitter;
-            k.hold_until =
-                (lease.expiry > now).then(|| lease.expiry.saturating_add(hold(&lease, k.server_safe, now, jitter)));
-            k.cached = false;
-            k.last_error = None;
-            let from = k.mode;
-            k.mode = if lease.expiry > now { Mode::Leased } else { Mode::Expired };
-            if from != k.mode {
-                self.transitions.push(Transition {
-                    resource_id: r.resource_id.clone(),
-                    from,
-                    to: k.mode,
-                    capacity: k.capacity(),
-                });
-            }
-            if k.capacity() != before {
-                self.changed.insert(r.resource_id.clone());
-            }
-            later = earliest(later, k.lapse());
-            let (next, by_expiry, cut) = next_of(&lease);
-            let soon = lease.refresh_interval <= SOON;
-            first = earliest(first, Some(next));
-            if cut && !soon {
-                cut_first = earliest(cut_first, Some(next));
-            }
-            // An early answer gives a key a refresh of its own only if it
-            // cannot wait for every key's (it would ask within a second, or
-            // its lease would run out first); the others join that refresh.
-            if soon || cut || (self.partial && by_expiry < self.next_refresh) {
-                own.push((r.resource_id, next));
-            } else if !self.partial {
-                regular = earliest(regular, Some(next));
-            }
+    }
+
+    /// Takes one lease of an answer: its key's new capacity and mode, what
+    /// the server said beside it, and when it asks to be refreshed (noted in
+    /// `answer`). A lease of a key the client does not have is ignored; a
+    /// `refused` one only says why.
+    fn take_lease(
+        &mut self,
+        now: Time,
+        r: proto::ResourceResponse,
+        refused: &BTreeMap<String, String>,
+        answer: &mut Answer,
+    ) {
+        let Some(k) = self.keys.get_mut(&r.resource_id) else { return };
+        if let Some(message) = refused.get(&r.resource_id) {
+            k.last_error = Some(message.clone());
+            return;
         }
-        match relapse {
+        self.restate = true;
+        let before = k.capacity();
+        answer.relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
+        let lease = Lease::granted(&r.gets);
+        k.heard(&r, now, &mut self.last_template);
+        if let Some(asked_with) = k.asked_with.take() {
+            k.early_wait = k.early_wait_after(asked_with, &lease, self.cfg.min_interval);
+        }
+        let from = k.take(lease, now, self.cfg.jitter);
+        if from != k.mode {
+            self.transitions.push(Transition {
+                resource_id: r.resource_id.clone(),
+                from,
+                to: k.mode,
+                capacity: k.capacity(),
+            });
+        }
+        if k.capacity() != before {
+            self.changed.insert(r.resource_id.clone());
+        }
+        answer.later = earliest(answer.later, k.lapse());
+        answer.schedule(r.resource_id, &lease, self.partial, self.next_refresh);
+    }
+
+    /// After an answer's leases are taken: the earliest lapse, the refresh
+    /// of every key, and the keys that ask on their own before it.
+    fn reschedule(&mut self, now: Time, answer: Answer) {
+        match answer.relapse {
             true => self.lapsed(self.lapse, None),
-            false => self.lapsed(None, later),
+            false => self.lapsed(None, answer.later),
         }
         // The keys an early call left out keep the refresh they had, and
         // a key it carried asks on its own if its lease wants it sooner.
         if !self.partial {
             let fallback = || {
                 now.saturating_add(jitter(Duration::from_secs(5), self.cfg.jitter, &mut self.rng))
-                    .max(now.saturating_add(min))
+                    .max(now.saturating_add(answer.min))
             };
-            self.next_refresh = regular.or(cut_first).or(first).unwrap_or_else(fallback);
+            self.next_refresh = answer.regular.or(answer.cut_first).or(answer.first).unwrap_or_else(fallback);
         }
-        for (id, t) in own.into_iter().filter(|(_, t)| *t < self.next_refresh) {
+        for (id, t) in answer.own.into_iter().filter(|(_, t)| *t < self.next_refresh) {
             if let Some(k) = self.keys.get_mut(&id) {
                 // (An answer names a key once: a key named twice was refused above.)
                 if let Some(old) = k.due.replace(t) {
@@ -1222,7 +1336,6 @@ impl Core {
                 self.dues.insert((t, id));
             }
         }
-        refused.into_iter().map(|(resource_id, message)| Refused { resource_id, message }).collect()
     }
 
     /// The leases of an answer to refuse, by resource id, and why (see
