@@ -227,6 +227,29 @@ struct KeyState {
 }
 
 impl KeyState {
+    /// A key of `demand` with no lease yet, asking early again after
+    /// `min` once away; `settled`: it follows its `on_expiry` at once.
+    fn new(demand: KeyDemand, min: Duration, settled: bool) -> Self {
+        KeyState {
+            demand,
+            lease: None,
+            hold_until: None,
+            server_safe: None,
+            fleet: None,
+            renews: None,
+            template: None,
+            mode: Mode::Pending,
+            last_error: None,
+            cached: false,
+            away: false,
+            early_wait: min,
+            asked_with: None,
+            asked: false,
+            settled,
+            due: None,
+        }
+    }
+
     /// Whether the demand is away from the lease (see [`Core::set_demand`]);
     /// a key that is not asks early again after the minimum interval.
     fn restate(&mut self, min: Duration) -> bool {
@@ -782,22 +805,10 @@ impl Core {
         let before = self.keys.insert(
             id.clone(),
             Box::new(KeyState {
-                demand,
                 lease: Some(lease),
-                hold_until: None,
-                server_safe: None,
-                fleet: None,
-                renews: None,
-                template: None,
                 mode: Mode::Leased,
-                last_error: None,
                 cached: true,
-                away: false,
-                early_wait: self.cfg.min_interval,
-                asked_with: None,
-                asked: false,
-                settled: false,
-                due: None,
+                ..KeyState::new(demand, self.cfg.min_interval, false)
             }),
         );
         self.away -= usize::from(before.as_ref().is_some_and(|k| k.away));
@@ -879,26 +890,9 @@ impl Core {
                     self.changed.insert(id.clone());
                     self.keys.insert(
                         id,
-                        Box::new(KeyState {
-                            demand: d,
-                            lease: None,
-                            hold_until: None,
-                            server_safe: None,
-                            fleet: None,
-                            renews: None,
-                            template: None,
-                            mode: Mode::Pending,
-                            last_error: None,
-                            cached: false,
-                            away: false,
-                            early_wait: self.cfg.min_interval,
-                            asked_with: None,
-                            asked: false,
-                            // While the servers fail, a new key follows its
-                            // `on_expiry` at once, as every other key does.
-                            settled: self.failing,
-                            due: None,
-                        }),
+                        // While the servers fail, a new key follows its
+                        // `on_expiry` at once, as every other key does.
+                        Box::new(KeyState::new(d, self.cfg.min_interval, self.failing)),
                     );
                 }
             }
@@ -1042,24 +1036,9 @@ impl Core {
                 request: proto::ReleaseCapacityRequest { client_id: self.cfg.client_id.clone(), resource_id: ids },
             };
         }
-        let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(self.cfg.min_interval));
         // While the servers fail, the backoff alone says when to call again.
         let asking = !self.failing;
-        let mut due =
-            if self.early && asking { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
-        debug_assert_eq!(self.away, self.keys.values().filter(|k| k.away).count(), "keys away");
-        debug_assert_eq!(self.dues.len(), self.keys.values().filter(|k| k.due.is_some()).count(), "own refreshes");
-        debug_assert!(self.dues.iter().all(|(t, id)| self.keys.get(id).is_some_and(|k| k.due == Some(*t))));
-        if let Some(last) = self.last_request.filter(|_| self.away > 0 && asking) {
-            for k in self.keys.values().filter(|k| k.away) {
-                due = due.min(last.saturating_add(k.early_wait).max(earliest_allowed).max(now));
-            }
-        }
-        // A key's own refresh.
-        let own = self.dues.first().map(|(t, _)| *t).filter(|_| asking);
-        if let Some(t) = own {
-            due = due.min(t.max(earliest_allowed).max(now));
-        }
+        let (due, own) = self.refresh_due(now, asking);
         if self.keys.is_empty() || now < due {
             return Action::Wait {
                 until: if self.keys.is_empty() { now.saturating_add(Duration::from_secs(3600)) } else { due },
@@ -1087,7 +1066,38 @@ impl Core {
                 _ => {}
             }
         }
-        let carried = |k: &KeyState| !partial || k.asks_early(by);
+        self.refresh(now, target, partial.then_some(by))
+    }
+
+    /// When the next refresh is due: every key's, or earlier (never before
+    /// the minimum interval since the last request, nor before `now`) when
+    /// a new key or one away from its lease asks early, or when a key's own
+    /// refresh comes (returned too). Only every key's counts unless `asking`.
+    fn refresh_due(&self, now: Time, asking: bool) -> (Time, Option<Time>) {
+        let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(self.cfg.min_interval));
+        let mut due =
+            if self.early && asking { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
+        debug_assert_eq!(self.away, self.keys.values().filter(|k| k.away).count(), "keys away");
+        debug_assert_eq!(self.dues.len(), self.keys.values().filter(|k| k.due.is_some()).count(), "own refreshes");
+        debug_assert!(self.dues.iter().all(|(t, id)| self.keys.get(id).is_some_and(|k| k.due == Some(*t))));
+        if let Some(last) = self.last_request.filter(|_| self.away > 0 && asking) {
+            for k in self.keys.values().filter(|k| k.away) {
+                due = due.min(last.saturating_add(k.early_wait).max(earliest_allowed).max(now));
+            }
+        }
+        // A key's own refresh.
+        let own = self.dues.first().map(|(t, _)| *t).filter(|_| asking);
+        if let Some(t) = own {
+            due = due.min(t.max(earliest_allowed).max(now));
+        }
+        (due, own)
+    }
+
+    /// Sends a refresh to `target` now: of every key, or with `early` of
+    /// those that ask early by then.
+    fn refresh(&mut self, now: Time, target: String, early: Option<Time>) -> Action {
+        let carried = |k: &KeyState| early.is_none_or(|by| k.asks_early(by));
+        let partial = early.is_some();
         self.in_flight = true;
         self.partial = partial;
         self.attempt_started = now;
@@ -1097,7 +1107,7 @@ impl Core {
             k.asked_with = k.away.then(|| k.lease.map_or(0.0, |l| l.capacity));
             k.asked = true;
         }
-        Action::Refresh { target, request: self.request(now, partial.then_some(by)) }
+        Action::Refresh { target, request: self.request(now, early) }
     }
 
     /// The GetCapacity request the core sends at `now`: every key, or with

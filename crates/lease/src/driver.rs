@@ -204,22 +204,7 @@ impl LeaseClient {
         let demand = enforcer.demand();
         core.set_demand(demand.clone());
         if let Some(path) = &cache_file {
-            let cached = cache::read(path, core.client_id(), now);
-            if !cached.is_empty() {
-                let mut first = Duration::from_secs(3600);
-                let mut n = 0;
-                for (id, lease) in cached {
-                    if let Some(d) = demand.iter().find(|d| d.resource_id == id) {
-                        first = first.min(lease.refresh_interval);
-                        core.preload(d.clone(), lease, now);
-                        n += 1;
-                    }
-                }
-                if n > 0 {
-                    tracing::info!(leases = n, path = %path.display(), "enforcing cached leases; first refresh spread over one refresh interval");
-                    core.delay_first_refresh(now, first);
-                }
-            }
+            preload(&mut core, path, &demand, now);
         }
         let client = LeaseClient {
             core: Arc::new(Mutex::new(core)),
@@ -336,6 +321,28 @@ impl LeaseClient {
             refreshes: c.refreshes(),
             keys: c.status(),
         }
+    }
+}
+
+/// Installs the unexpired leases cached at `path` of the keys in `demand`,
+/// and spreads the first refresh over the shortest of their intervals.
+fn preload(core: &mut Core, path: &std::path::Path, demand: &[KeyDemand], now: Time) {
+    let cached = cache::read(path, core.client_id(), now);
+    if cached.is_empty() {
+        return;
+    }
+    let mut first = Duration::from_secs(3600);
+    let mut n = 0;
+    for (id, lease) in cached {
+        if let Some(d) = demand.iter().find(|d| d.resource_id == id) {
+            first = first.min(lease.refresh_interval);
+            core.preload(d.clone(), lease, now);
+            n += 1;
+        }
+    }
+    if n > 0 {
+        tracing::info!(leases = n, path = %path.display(), "enforcing cached leases; first refresh spread over one refresh interval");
+        core.delay_first_refresh(now, first);
     }
 }
 
