@@ -715,8 +715,8 @@ pub struct KeyStatus {
     pub template: Option<String>,
     /// Why its last call failed, or why its lease in the last answer was refused.
     pub last_error: Option<String>,
-    /// When it asks on its own, before every key's refresh (unix seconds;
-    /// see [`KeyState::due`]).
+    /// When it asks on its own, before every key's refresh (unix seconds):
+    /// its lease wants renewing sooner.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub asks_at: Option<i64>,
     /// Why the key enforces 0, when it does (see [`ZeroReason`]).

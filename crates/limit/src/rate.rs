@@ -346,7 +346,8 @@ impl Rate {
     /// a fleet's buckets together never hold more than one fleet burst), and
     /// a smaller burst clips a full bucket. Requests already holding a slot
     /// keep it; a queue (a negative number available) is carried as it is.
-    /// Through capacity 0 the bucket stays as it was (see [`State::frozen`]).
+    /// Through capacity 0 the bucket stays as it was: a key comes back with
+    /// what it had, never with a fresh burst.
     pub fn set(&self, now: Time, capacity: f64, burst: f64) {
         let mut s = self.state.lock().expect("rate lock");
         if s.capacity == capacity && s.burst == burst {
