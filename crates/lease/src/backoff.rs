@@ -20,12 +20,17 @@ pub const PERMANENT_RETRY: Duration = Duration::from_secs(15);
 /// Backoff parameters; the defaults are documented in the README.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BackoffConfig {
+    /// The delay after a first failure.
     pub initial: Duration,
+    /// The longest delay, jitter included.
     pub max: Duration,
+    /// What each further failure multiplies the delay by.
     pub multiplier: f64,
     /// Each delay is drawn uniformly from `delay × (1 ± randomization)`.
     pub randomization: f64,
+    /// What `down_threshold` successes in a row multiply the delay by.
     pub down_multiplier: f64,
+    /// Successes in a row that shrink the delay once.
     pub down_threshold: u32,
 }
 
@@ -42,6 +47,7 @@ impl Default for BackoffConfig {
     }
 }
 
+/// The delay before calling again, grown by failures and shrunk by successes.
 #[derive(Debug, Clone)]
 pub struct Backoff {
     cfg: BackoffConfig,
@@ -50,6 +56,7 @@ pub struct Backoff {
 }
 
 impl Backoff {
+    /// A backoff with no failure yet.
     pub fn new(cfg: BackoffConfig) -> Self {
         Backoff { cfg, current: None, successes: 0 }
     }

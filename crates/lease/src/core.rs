@@ -48,6 +48,7 @@ pub enum OnExpiry {
 }
 
 impl OnExpiry {
+    /// The name the routes file and status pages use.
     pub fn name(self) -> &'static str {
         match self {
             OnExpiry::Optimistic => "optimistic",
@@ -61,7 +62,9 @@ impl OnExpiry {
 /// or the string `"unlimited"`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Capacity {
+    /// Units per second (rate) or in flight (gauge); 0 refuses every request.
     Limited(f64),
+    /// No limit.
     Unlimited,
 }
 
@@ -92,6 +95,7 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The name logs and status pages use.
     pub fn name(self) -> &'static str {
         match self {
             Mode::Leased => "leased",
@@ -117,9 +121,13 @@ pub enum Source {
 /// What the enforcement side reports for one key at each refresh.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KeyDemand {
+    /// The Doorman resource id the key leases.
     pub resource_id: String,
+    /// The priority band the servers share the resource's capacity by.
     pub priority: i64,
+    /// The capacity the key asks for: units per second (rate) or in flight (gauge).
     pub wants: f64,
+    /// What the key may use with no unexpired lease.
     pub on_expiry: OnExpiry,
     /// Used in safe mode when the server sent none.
     pub safe_capacity: Option<f64>,
@@ -148,14 +156,30 @@ pub struct DemandUpdate {
 /// A lease as received.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Lease {
+    /// The capacity granted: units per second (rate) or in flight (gauge).
     pub capacity: f64,
+    /// When the grant ends, to the second.
     #[serde(serialize_with = "ser_time")]
     pub expiry: Time,
+    /// How long after the answer the server wants to hear from the key again.
     pub refresh_interval: Duration,
 }
 
 fn ser_time<S: serde::Serializer>(t: &Time, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_i64(t.as_secs())
+}
+
+impl Lease {
+    /// The lease a server granted, as enforced: a capacity that is not a
+    /// finite number counts as 0 (an answer with one is refused before this),
+    /// and a refresh interval is at least a second.
+    fn granted(gets: &proto::Lease) -> Self {
+        Lease {
+            capacity: if gets.capacity.is_finite() { gets.capacity.max(0.0) } else { 0.0 },
+            expiry: Time::from_secs(gets.expiry_time.max(0) as u64),
+            refresh_interval: Duration::from_secs(gets.refresh_interval.max(1) as u64),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -203,6 +227,29 @@ struct KeyState {
 }
 
 impl KeyState {
+    /// A key of `demand` with no lease yet, asking early again after
+    /// `min` once away; `settled`: it follows its `on_expiry` at once.
+    fn new(demand: KeyDemand, min: Duration, settled: bool) -> Self {
+        KeyState {
+            demand,
+            lease: None,
+            hold_until: None,
+            server_safe: None,
+            fleet: None,
+            renews: None,
+            template: None,
+            mode: Mode::Pending,
+            last_error: None,
+            cached: false,
+            away: false,
+            early_wait: min,
+            asked_with: None,
+            asked: false,
+            settled,
+            due: None,
+        }
+    }
+
     /// Whether the demand is away from the lease (see [`Core::set_demand`]);
     /// a key that is not asks early again after the minimum interval.
     fn restate(&mut self, min: Duration) -> bool {
@@ -231,6 +278,62 @@ impl KeyState {
         }
     }
 
+    /// Keeps what a server said of the key's resource beside its lease at
+    /// `now`: its safe capacity, the capacity it shares, when a spent quota
+    /// renews, and the template the key matched (`last`: the name of the
+    /// last one, which most keys share).
+    fn heard(&mut self, r: &proto::ResourceResponse, now: Time, last: &mut Option<Arc<str>>) {
+        self.server_safe = r.safe_capacity.filter(|s| s.is_finite());
+        self.fleet = r.resource_capacity.filter(|c| c.is_finite() && *c > 0.0);
+        self.renews =
+            r.upstream_quota.as_ref().and_then(super::quota::from_proto).filter(|o| o.exhausted(now)).map(|o| o.reset);
+        self.template = match (&r.template, &self.template) {
+            (None, _) => None,
+            (Some(t), Some(kt)) if **kt == **t => Some(kt.clone()),
+            // Most keys match one template: share its name.
+            (Some(t), _) => match &*last {
+                Some(l) if **l == **t => Some(l.clone()),
+                _ => {
+                    let t: Arc<str> = Arc::from(t.as_str());
+                    *last = Some(t.clone());
+                    Some(t)
+                }
+            },
+        };
+    }
+
+    /// How long to wait before the next early ask, once one made while the
+    /// key held `asked_with` is answered with `lease`: `min` if the lease
+    /// moved towards `wants` or asks to hear from the key within [`SOON`];
+    /// else twice the last wait, and from the refresh interval on
+    /// `Duration::MAX` (the key waits for its refresh).
+    fn early_wait_after(&self, asked_with: f64, lease: &Lease, min: Duration) -> Duration {
+        let w = self.demand.wants;
+        let moved = (w - lease.capacity).abs() < (w - asked_with).abs() - 1e-9;
+        if moved || lease.refresh_interval <= SOON {
+            min
+        } else {
+            match self.early_wait.saturating_mul(2).max(min) {
+                w if w >= lease.refresh_interval => Duration::MAX,
+                w => w,
+            }
+        }
+    }
+
+    /// Takes a lease answered at `now`: enforced if unexpired, held past its
+    /// expiry as [`hold`] says (`jitter`: the refresh jitter). Returns the
+    /// mode the key had.
+    fn take(&mut self, lease: Lease, now: Time, jitter: f64) -> Mode {
+        self.lease = Some(lease);
+        self.hold_until =
+            (lease.expiry > now).then(|| lease.expiry.saturating_add(hold(&lease, self.server_safe, now, jitter)));
+        self.cached = false;
+        self.last_error = None;
+        let from = self.mode;
+        self.mode = if lease.expiry > now { Mode::Leased } else { Mode::Expired };
+        from
+    }
+
     fn capacity(&self) -> Capacity {
         match (self.mode, self.lease) {
             (Mode::Leased | Mode::Held, Some(l)) => Capacity::Limited(l.capacity),
@@ -251,13 +354,20 @@ impl KeyState {
 pub struct ZeroReason;
 
 impl ZeroReason {
+    /// The lease is 0.
     pub const LEASE_ZERO: &'static str = "the lease is 0: the server gave this key nothing (its capacity is \
          given out, or it is in learning mode after a master change and hands back only what a client already had)";
+    /// No lease has come, and on_expiry is safe with no safe capacity.
     pub const NO_LEASE_NO_SAFE: &'static str = "no lease yet and no safe capacity";
+    /// The lease expired, and on_expiry is safe with no safe capacity.
     pub const EXPIRED_NO_SAFE: &'static str = "the lease expired and there is no safe capacity";
+    /// No lease, and on_expiry is safe with a safe capacity of 0.
     pub const SAFE_ZERO: &'static str = "no lease, and the safe capacity is 0";
+    /// No lease, and on_expiry is pessimistic.
     pub const PESSIMISTIC: &'static str = "no lease, and on_expiry is pessimistic";
+    /// No lease, and on_expiry is optimistic while the key wants 0.
     pub const WANTS_ZERO: &'static str = "no lease, and on_expiry is optimistic but it wants 0";
+    /// The lease is 0 because the quota the server follows is spent until it renews.
     pub const QUOTA_SPENT: &'static str =
         "the quota the server follows (the upstream's own, or a calendar window) is spent until it renews";
 }
@@ -307,9 +417,89 @@ fn earliest(a: Option<Time>, b: Option<Time>) -> Option<Time> {
     }
 }
 
+/// When the leases of one answer ask to be refreshed, and how the lapses of
+/// their keys moved, gathered as [`Core::on_refresh`] takes them.
+struct Answer {
+    now: Time,
+    /// The minimum interval between requests.
+    min: Duration,
+    /// How far into its refresh interval each lease asks to be refreshed (a
+    /// jittered second, read as a factor): one draw for the whole answer, so
+    /// the keys it carried stay together.
+    spread: Duration,
+    /// The shortest draw of the jitter, as a fraction of an interval.
+    shortest: f64,
+    /// The refresh of every key: the first a lease asks for, leaving out
+    /// leases that ask within a second or are cut short (their keys ask on
+    /// their own), unless every lease is such.
+    regular: Option<Time>,
+    /// The first refresh a lease cut short asks for.
+    cut_first: Option<Time>,
+    /// The first refresh any lease asks for.
+    first: Option<Time>,
+    /// The keys that may ask on their own, and when.
+    own: Vec<(String, Time)>,
+    /// A key whose lapse was the earliest got a new lease: [`Core::lapse`]
+    /// is worked out once, at the end, not once a key.
+    relapse: bool,
+    /// The earliest lapse of the keys that got a lease.
+    later: Option<Time>,
+}
+
+impl Answer {
+    fn new(now: Time, cfg: &CoreConfig, rng: &mut SmallRng) -> Self {
+        Answer {
+            now,
+            min: cfg.min_interval,
+            spread: jitter(Duration::from_secs(1), cfg.jitter, rng),
+            shortest: 1.0 - cfg.jitter.clamp(0.0, 1.0),
+            regular: None,
+            cut_first: None,
+            first: None,
+            own: Vec::new(),
+            relapse: false,
+            later: None,
+        }
+    }
+
+    /// When `l` asks to be refreshed; also when it must be renewed by
+    /// (before it runs out, leaving room for one retry), and whether it is
+    /// cut short: it runs out before even the shortest draw of its interval
+    /// (capped at an intermediate's own expiry, or answered already expired).
+    fn next_of(&self, l: &Lease) -> (Time, Time, bool) {
+        let now = self.now;
+        let margin = (l.expiry.since(now) / 10).max(Duration::from_millis(500));
+        let next = now.saturating_add(l.refresh_interval.mul_f64(self.spread.as_secs_f64()));
+        let by_expiry = l.expiry.saturating_sub(margin);
+        let cut = by_expiry < now.saturating_add(l.refresh_interval.mul_f64(self.shortest));
+        (next.min(by_expiry).max(now.saturating_add(self.min)), by_expiry, cut)
+    }
+
+    /// Notes the refresh that key `id`'s new `lease` asks for: the
+    /// refresh of every key (unless the call was `partial`), or one of its
+    /// own before `next_refresh`.
+    fn schedule(&mut self, id: String, lease: &Lease, partial: bool, next_refresh: Time) {
+        let (next, by_expiry, cut) = self.next_of(lease);
+        let soon = lease.refresh_interval <= SOON;
+        self.first = earliest(self.first, Some(next));
+        if cut && !soon {
+            self.cut_first = earliest(self.cut_first, Some(next));
+        }
+        // An early answer gives a key a refresh of its own only if it
+        // cannot wait for every key's (it would ask within a second, or
+        // its lease would run out first); the others join that refresh.
+        if soon || cut || (partial && by_expiry < next_refresh) {
+            self.own.push((id, next));
+        } else if !partial {
+            self.regular = earliest(self.regular, Some(next));
+        }
+    }
+}
+
 /// Tunables of the lease client; defaults are documented in the README.
 #[derive(Debug, Clone)]
 pub struct CoreConfig {
+    /// The id sent with every request; servers key their leases by it.
     pub client_id: String,
     /// Capacity server addresses of one node; any of them, Discovery finds the master.
     pub servers: Vec<String>,
@@ -317,11 +507,14 @@ pub struct CoreConfig {
     pub jitter: f64,
     /// Never ask more often than this (the server's minimum request interval).
     pub min_interval: Duration,
+    /// How failed calls are retried.
     pub backoff: BackoffConfig,
+    /// Seeds the jitter, so that a test or a simulation draws the same times again.
     pub seed: u64,
 }
 
 impl CoreConfig {
+    /// The defaults for `client_id` calling `servers`, with a random seed.
     pub fn new(client_id: impl Into<String>, servers: Vec<String>) -> Self {
         CoreConfig {
             client_id: client_id.into(),
@@ -338,13 +531,29 @@ impl CoreConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
     /// Ask `target` who the master is.
-    Discover { target: String },
+    Discover {
+        /// The server to ask.
+        target: String,
+    },
     /// Send this bulk request to `target`.
-    Refresh { target: String, request: proto::GetCapacityRequest },
+    Refresh {
+        /// The master.
+        target: String,
+        /// The keys carried and what each wants and has.
+        request: proto::GetCapacityRequest,
+    },
     /// Give these leases back.
-    Release { target: String, request: proto::ReleaseCapacityRequest },
+    Release {
+        /// The master.
+        target: String,
+        /// The keys given back.
+        request: proto::ReleaseCapacityRequest,
+    },
     /// Nothing to do before this time (or before new demand arrives).
-    Wait { until: Time },
+    Wait {
+        /// When to ask [`Core::next_action`] again at the latest.
+        until: Time,
+    },
 }
 
 /// A failed call, classified.
@@ -357,6 +566,9 @@ pub enum CallError {
 }
 
 impl CallError {
+    /// Classifies a gRPC status: a request the server cannot take
+    /// (`InvalidArgument`, `Unimplemented`, `PermissionDenied`,
+    /// `Unauthenticated`) is permanent, anything else transient.
     pub fn from_status(s: &tonic::Status) -> Self {
         let msg = format!("{:?}: {}", s.code(), s.message());
         match s.code() {
@@ -378,9 +590,13 @@ impl CallError {
 /// A change of a key's mode, for logs and metrics.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Transition {
+    /// The key.
     pub resource_id: String,
+    /// Its mode before.
     pub from: Mode,
+    /// Its mode now.
     pub to: Mode,
+    /// What it may use in its new mode.
     pub capacity: Capacity,
 }
 
@@ -388,6 +604,7 @@ pub struct Transition {
 /// take (see [`Core::on_refresh`]), for logs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Refused {
+    /// The key whose lease was refused.
     pub resource_id: String,
     /// Names the resource, the server and what was wrong, as the key's
     /// `last_error` shows it.
@@ -472,23 +689,34 @@ pub struct Core {
 /// One key as status pages show it.
 #[derive(Debug, Clone, Serialize)]
 pub struct KeyStatus {
+    /// The key.
     pub resource_id: String,
+    /// Where its capacity comes from, by lease state.
     pub mode: Mode,
+    /// Where its capacity comes from, by origin.
     pub source: Source,
+    /// What it may use with no unexpired lease.
     pub on_expiry: OnExpiry,
+    /// What it may use now.
     pub capacity: Capacity,
+    /// What it asks for.
     pub wants: f64,
+    /// The capacity of its last lease, expired or not.
     pub has: Option<f64>,
+    /// When its last lease ends (unix seconds).
     pub expiry: Option<i64>,
+    /// Its last lease's refresh interval, in seconds.
     pub refresh_interval_s: Option<u64>,
+    /// The safe capacity its `on_expiry` uses: the server's, else the configured one.
     pub safe_capacity: Option<f64>,
     /// The capacity server's template (`identifier_glob`) the key matched,
     /// when the server says (usher servers do; a catch-all `*` there may be a
     /// typo in the id or in the server's configuration).
     pub template: Option<String>,
+    /// Why its last call failed, or why its lease in the last answer was refused.
     pub last_error: Option<String>,
-    /// When it asks on its own, before every key's refresh (unix seconds;
-    /// see [`KeyState::due`]).
+    /// When it asks on its own, before every key's refresh (unix seconds):
+    /// its lease wants renewing sooner.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub asks_at: Option<i64>,
     /// Why the key enforces 0, when it does (see [`ZeroReason`]).
@@ -496,6 +724,7 @@ pub struct KeyStatus {
 }
 
 impl Core {
+    /// A client with no key, whose first call is due at `now`.
     pub fn new(cfg: CoreConfig, now: Time) -> Self {
         Core {
             rng: SmallRng::seed_from_u64(cfg.seed),
@@ -526,14 +755,17 @@ impl Core {
         }
     }
 
+    /// The id sent with every request.
     pub fn client_id(&self) -> &str {
         &self.cfg.client_id
     }
 
+    /// The server calls go to, once Discovery or a redirect named it.
     pub fn master(&self) -> Option<&str> {
         self.master.as_deref()
     }
 
+    /// What went wrong last: a failed call or release, or a lease the last answer refused.
     pub fn last_error(&self) -> Option<&str> {
         self.last_error.as_deref()
     }
@@ -545,6 +777,7 @@ impl Core {
         self.failing
     }
 
+    /// When every key's refresh is due (or, while no master is known, the next Discovery).
     pub fn next_refresh(&self) -> Time {
         self.next_refresh
     }
@@ -572,22 +805,10 @@ impl Core {
         let before = self.keys.insert(
             id.clone(),
             Box::new(KeyState {
-                demand,
                 lease: Some(lease),
-                hold_until: None,
-                server_safe: None,
-                fleet: None,
-                renews: None,
-                template: None,
                 mode: Mode::Leased,
-                last_error: None,
                 cached: true,
-                away: false,
-                early_wait: self.cfg.min_interval,
-                asked_with: None,
-                asked: false,
-                settled: false,
-                due: None,
+                ..KeyState::new(demand, self.cfg.min_interval, false)
             }),
         );
         self.away -= usize::from(before.as_ref().is_some_and(|k| k.away));
@@ -669,26 +890,9 @@ impl Core {
                     self.changed.insert(id.clone());
                     self.keys.insert(
                         id,
-                        Box::new(KeyState {
-                            demand: d,
-                            lease: None,
-                            hold_until: None,
-                            server_safe: None,
-                            fleet: None,
-                            renews: None,
-                            template: None,
-                            mode: Mode::Pending,
-                            last_error: None,
-                            cached: false,
-                            away: false,
-                            early_wait: self.cfg.min_interval,
-                            asked_with: None,
-                            asked: false,
-                            // While the servers fail, a new key follows its
-                            // `on_expiry` at once, as every other key does.
-                            settled: self.failing,
-                            due: None,
-                        }),
+                        // While the servers fail, a new key follows its
+                        // `on_expiry` at once, as every other key does.
+                        Box::new(KeyState::new(d, self.cfg.min_interval, self.failing)),
                     );
                 }
             }
@@ -832,24 +1036,9 @@ impl Core {
                 request: proto::ReleaseCapacityRequest { client_id: self.cfg.client_id.clone(), resource_id: ids },
             };
         }
-        let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(self.cfg.min_interval));
         // While the servers fail, the backoff alone says when to call again.
         let asking = !self.failing;
-        let mut due =
-            if self.early && asking { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
-        debug_assert_eq!(self.away, self.keys.values().filter(|k| k.away).count(), "keys away");
-        debug_assert_eq!(self.dues.len(), self.keys.values().filter(|k| k.due.is_some()).count(), "own refreshes");
-        debug_assert!(self.dues.iter().all(|(t, id)| self.keys.get(id).is_some_and(|k| k.due == Some(*t))));
-        if let Some(last) = self.last_request.filter(|_| self.away > 0 && asking) {
-            for k in self.keys.values().filter(|k| k.away) {
-                due = due.min(last.saturating_add(k.early_wait).max(earliest_allowed).max(now));
-            }
-        }
-        // A key's own refresh.
-        let own = self.dues.first().map(|(t, _)| *t).filter(|_| asking);
-        if let Some(t) = own {
-            due = due.min(t.max(earliest_allowed).max(now));
-        }
+        let (due, own) = self.refresh_due(now, asking);
         if self.keys.is_empty() || now < due {
             return Action::Wait {
                 until: if self.keys.is_empty() { now.saturating_add(Duration::from_secs(3600)) } else { due },
@@ -877,7 +1066,38 @@ impl Core {
                 _ => {}
             }
         }
-        let carried = |k: &KeyState| !partial || k.asks_early(by);
+        self.refresh(now, target, partial.then_some(by))
+    }
+
+    /// When the next refresh is due: every key's, or earlier (never before
+    /// the minimum interval since the last request, nor before `now`) when
+    /// a new key or one away from its lease asks early, or when a key's own
+    /// refresh comes (returned too). Only every key's counts unless `asking`.
+    fn refresh_due(&self, now: Time, asking: bool) -> (Time, Option<Time>) {
+        let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(self.cfg.min_interval));
+        let mut due =
+            if self.early && asking { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
+        debug_assert_eq!(self.away, self.keys.values().filter(|k| k.away).count(), "keys away");
+        debug_assert_eq!(self.dues.len(), self.keys.values().filter(|k| k.due.is_some()).count(), "own refreshes");
+        debug_assert!(self.dues.iter().all(|(t, id)| self.keys.get(id).is_some_and(|k| k.due == Some(*t))));
+        if let Some(last) = self.last_request.filter(|_| self.away > 0 && asking) {
+            for k in self.keys.values().filter(|k| k.away) {
+                due = due.min(last.saturating_add(k.early_wait).max(earliest_allowed).max(now));
+            }
+        }
+        // A key's own refresh.
+        let own = self.dues.first().map(|(t, _)| *t).filter(|_| asking);
+        if let Some(t) = own {
+            due = due.min(t.max(earliest_allowed).max(now));
+        }
+        (due, own)
+    }
+
+    /// Sends a refresh to `target` now: of every key, or with `early` of
+    /// those that ask early by then.
+    fn refresh(&mut self, now: Time, target: String, early: Option<Time>) -> Action {
+        let carried = |k: &KeyState| early.is_none_or(|by| k.asks_early(by));
+        let partial = early.is_some();
         self.in_flight = true;
         self.partial = partial;
         self.attempt_started = now;
@@ -887,10 +1107,9 @@ impl Core {
             k.asked_with = k.away.then(|| k.lease.map_or(0.0, |l| l.capacity));
             k.asked = true;
         }
-        Action::Refresh { target, request: self.request(now, partial.then_some(by)) }
+        Action::Refresh { target, request: self.request(now, early) }
     }
 
-    /// The request for every key, or for those that ask early by `early`.
     /// The GetCapacity request the core sends at `now`: every key, or with
     /// `early` only the keys that ask before the regular refresh.
     pub fn request(&self, now: Time, early: Option<Time>) -> proto::GetCapacityRequest {
@@ -954,6 +1173,8 @@ impl Core {
         self.failing = true;
     }
 
+    /// Takes an answer to a Discovery (or its failure): a master found is
+    /// called at once; otherwise the next server is tried, after a backoff.
     pub fn on_discovery(&mut self, now: Time, target: &str, result: Result<proto::DiscoveryResponse, CallError>) {
         match result {
             Ok(d) if d.is_master => self.found_master(now, target.to_string()),
@@ -972,6 +1193,7 @@ impl Core {
         self.early = true;
     }
 
+    /// Takes an answer to a release; a failure is only noted.
     pub fn on_release(&mut self, _now: Time, result: Result<proto::ReleaseCapacityResponse, CallError>) {
         if let Err(e) = result {
             // Unreleased leases simply expire on the server.
@@ -989,30 +1211,56 @@ impl Core {
     pub fn on_refresh(&mut self, now: Time, result: Result<proto::GetCapacityResponse, CallError>) -> Vec<Refused> {
         let resp = match result {
             Err(e) => {
-                let rotate = matches!(e, CallError::Transient(_));
-                for k in self.keys.values_mut() {
-                    k.last_error = Some(e.message().to_string());
-                }
-                self.fail(now, e, rotate);
+                self.refresh_failed(now, e);
                 return Vec::new();
             }
             Ok(r) => r,
         };
         if let Some(m) = resp.mastership.filter(|_| resp.response.is_empty()) {
-            self.in_flight = false;
-            self.redirects += 1;
-            match m.master_address.filter(|a| !a.is_empty()) {
-                Some(addr) if self.redirects <= self.cfg.servers.len() as u32 + 2 => {
-                    self.master = Some(addr);
-                    self.next_refresh = now;
-                    self.early = true;
-                    self.last_request = None;
-                }
-                _ => self.fail(now, CallError::Transient("no master known; retrying".into()), true),
-            }
+            self.redirected(now, m);
             return Vec::new();
         }
         let refused = self.refused(&resp.response);
+        self.answered(&refused);
+        let mut answer = Answer::new(now, &self.cfg, &mut self.rng);
+        for r in resp.response {
+            self.take_lease(now, r, &refused, &mut answer);
+        }
+        self.reschedule(now, answer);
+        refused.into_iter().map(|(resource_id, message)| Refused { resource_id, message }).collect()
+    }
+
+    /// A refresh failed: every key says why, and the next call follows the
+    /// backoff (to the next server, when the failure was transient).
+    fn refresh_failed(&mut self, now: Time, e: CallError) {
+        let rotate = matches!(e, CallError::Transient(_));
+        for k in self.keys.values_mut() {
+            k.last_error = Some(e.message().to_string());
+        }
+        self.fail(now, e, rotate);
+    }
+
+    /// An answer with no lease that names the master: calls go there at
+    /// once, for a few redirects in a row; past them, or with no master
+    /// named, the call failed.
+    fn redirected(&mut self, now: Time, m: proto::Mastership) {
+        self.in_flight = false;
+        self.redirects += 1;
+        match m.master_address.filter(|a| !a.is_empty()) {
+            Some(addr) if self.redirects <= self.cfg.servers.len() as u32 + 2 => {
+                self.master = Some(addr);
+                self.next_refresh = now;
+                self.early = true;
+                self.last_request = None;
+            }
+            _ => self.fail(now, CallError::Transient("no master known; retrying".into()), true),
+        }
+    }
+
+    /// A refresh was answered: the backoff eases, the client's error is the
+    /// leases the answer `refused` (if any), and every key the request
+    /// carried is settled.
+    fn answered(&mut self, refused: &BTreeMap<String, String>) {
         self.in_flight = false;
         self.redirects = 0;
         self.refreshes += 1;
@@ -1031,125 +1279,65 @@ impl Core {
                 self.dues.remove(&(d, id.clone()));
             }
         }
-        // When each lease asks to be refreshed: one draw of the jitter for
-        // the whole answer, so the keys it carried stay together.
-        let (min, spread) = (self.cfg.min_interval, jitter(Duration::from_secs(1), self.cfg.jitter, &mut self.rng));
-        // Also when it must be renewed by (before it runs out, leaving room
-        // for one retry), and whether it is cut short: it runs out before
-        // even the shortest draw of its interval (capped at an intermediate's
-        // own expiry, or answered already expired).
-        let shortest = 1.0 - self.cfg.jitter.clamp(0.0, 1.0);
-        let next_of = |l: &Lease| {
-            let margin = (l.expiry.since(now) / 10).max(Duration::from_millis(500));
-            let next = now.saturating_add(l.refresh_interval.mul_f64(spread.as_secs_f64()));
-            let by_expiry = l.expiry.saturating_sub(margin);
-            let cut = by_expiry < now.saturating_add(l.refresh_interval.mul_f64(shortest));
-            (next.min(by_expiry).max(now.saturating_add(min)), by_expiry, cut)
-        };
-        // The refresh of every key: the first a lease asks for, leaving out
-        // leases that ask within a second or are cut short (their keys ask
-        // on their own), unless every lease is such.
-        let (mut regular, mut cut_first, mut first): (Option<Time>, Option<Time>, Option<Time>) = (None, None, None);
-        let mut own: Vec<(String, Time)> = Vec::new();
-        // The keys' lapses as they were and as they are: `lapse` is worked
-        // out once, at the end, not once a key.
-        let (mut relapse, mut later) = (false, None);
-        for r in resp.response {
-            let Some(k) = self.keys.get_mut(&r.resource_id) else { continue };
-            if let Some(message) = refused.get(&r.resource_id) {
-                k.last_error = Some(message.clone());
-                continue;
-            }
-            self.restate = true;
-            let before = k.capacity();
-            relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
-            let lease = Lease {
-                capacity: if r.gets.capacity.is_finite() { r.gets.capacity.max(0.0) } else { 0.0 },
-                expiry: Time::from_secs(r.gets.expiry_time.max(0) as u64),
-                refresh_interval: Duration::from_secs(r.gets.refresh_interval.max(1) as u64),
-            };
-            k.server_safe = r.safe_capacity.filter(|s| s.is_finite());
-            k.fleet = r.resource_capacity.filter(|c| c.is_finite() && *c > 0.0);
-            k.renews = r
-                .upstream_quota
-                .as_ref()
-                .and_then(super::quota::from_proto)
-                .filter(|o| o.exhausted(now))
-                .map(|o| o.reset);
-            k.template = match (&r.template, &k.template) {
-                (None, _) => None,
-                (Some(t), Some(kt)) if **kt == **t => Some(kt.clone()),
-                // Most keys match one template: share its name.
-                (Some(t), _) => match &self.last_template {
-                    Some(last) if **last == **t => Some(last.clone()),
-                    _ => {
-                        let t: Arc<str> = Arc::from(t.as_str());
-                        self.last_template = Some(t.clone());
-                        Some(t)
-                    }
-                },
-            };
-            if let Some(before) = k.asked_with.take() {
-                let w = k.demand.wants;
-                let moved = (w - lease.capacity).abs() < (w - before).abs() - 1e-9;
-                k.early_wait = if moved || lease.refresh_interval <= SOON {
-                    self.cfg.min_interval
-                } else {
-                    match k.early_wait.saturating_mul(2).max(self.cfg.min_interval) {
-                        w if w >= lease.refresh_interval => Duration::MAX,
-                        w => w,
-                    }
-                };
-            }
-            k.lease = Some(lease);
-            let jitter = self.cfg.jitter;
-            k.hold_until =
-                (lease.expiry > now).then(|| lease.expiry.saturating_add(hold(&lease, k.server_safe, now, jitter)));
-            k.cached = false;
-            k.last_error = None;
-            let from = k.mode;
-            k.mode = if lease.expiry > now { Mode::Leased } else { Mode::Expired };
-            if from != k.mode {
-                self.transitions.push(Transition {
-                    resource_id: r.resource_id.clone(),
-                    from,
-                    to: k.mode,
-                    capacity: k.capacity(),
-                });
-            }
-            if k.capacity() != before {
-                self.changed.insert(r.resource_id.clone());
-            }
-            later = earliest(later, k.lapse());
-            let (next, by_expiry, cut) = next_of(&lease);
-            let soon = lease.refresh_interval <= SOON;
-            first = earliest(first, Some(next));
-            if cut && !soon {
-                cut_first = earliest(cut_first, Some(next));
-            }
-            // An early answer gives a key a refresh of its own only if it
-            // cannot wait for every key's (it would ask within a second, or
-            // its lease would run out first); the others join that refresh.
-            if soon || cut || (self.partial && by_expiry < self.next_refresh) {
-                own.push((r.resource_id, next));
-            } else if !self.partial {
-                regular = earliest(regular, Some(next));
-            }
+    }
+
+    /// Takes one lease of an answer: its key's new capacity and mode, what
+    /// the server said beside it, and when it asks to be refreshed (noted in
+    /// `answer`). A lease of a key the client does not have is ignored; a
+    /// `refused` one only says why.
+    fn take_lease(
+        &mut self,
+        now: Time,
+        r: proto::ResourceResponse,
+        refused: &BTreeMap<String, String>,
+        answer: &mut Answer,
+    ) {
+        let Some(k) = self.keys.get_mut(&r.resource_id) else { return };
+        if let Some(message) = refused.get(&r.resource_id) {
+            k.last_error = Some(message.clone());
+            return;
         }
-        match relapse {
+        self.restate = true;
+        let before = k.capacity();
+        answer.relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
+        let lease = Lease::granted(&r.gets);
+        k.heard(&r, now, &mut self.last_template);
+        if let Some(asked_with) = k.asked_with.take() {
+            k.early_wait = k.early_wait_after(asked_with, &lease, self.cfg.min_interval);
+        }
+        let from = k.take(lease, now, self.cfg.jitter);
+        if from != k.mode {
+            self.transitions.push(Transition {
+                resource_id: r.resource_id.clone(),
+                from,
+                to: k.mode,
+                capacity: k.capacity(),
+            });
+        }
+        if k.capacity() != before {
+            self.changed.insert(r.resource_id.clone());
+        }
+        answer.later = earliest(answer.later, k.lapse());
+        answer.schedule(r.resource_id, &lease, self.partial, self.next_refresh);
+    }
+
+    /// After an answer's leases are taken: the earliest lapse, the refresh
+    /// of every key, and the keys that ask on their own before it.
+    fn reschedule(&mut self, now: Time, answer: Answer) {
+        match answer.relapse {
             true => self.lapsed(self.lapse, None),
-            false => self.lapsed(None, later),
+            false => self.lapsed(None, answer.later),
         }
         // The keys an early call left out keep the refresh they had, and
         // a key it carried asks on its own if its lease wants it sooner.
         if !self.partial {
             let fallback = || {
                 now.saturating_add(jitter(Duration::from_secs(5), self.cfg.jitter, &mut self.rng))
-                    .max(now.saturating_add(min))
+                    .max(now.saturating_add(answer.min))
             };
-            self.next_refresh = regular.or(cut_first).or(first).unwrap_or_else(fallback);
+            self.next_refresh = answer.regular.or(answer.cut_first).or(answer.first).unwrap_or_else(fallback);
         }
-        for (id, t) in own.into_iter().filter(|(_, t)| *t < self.next_refresh) {
+        for (id, t) in answer.own.into_iter().filter(|(_, t)| *t < self.next_refresh) {
             if let Some(k) = self.keys.get_mut(&id) {
                 // (An answer names a key once: a key named twice was refused above.)
                 if let Some(old) = k.due.replace(t) {
@@ -1158,7 +1346,6 @@ impl Core {
                 self.dues.insert((t, id));
             }
         }
-        refused.into_iter().map(|(resource_id, message)| Refused { resource_id, message }).collect()
     }
 
     /// The leases of an answer to refuse, by resource id, and why (see
@@ -1218,7 +1405,6 @@ impl Core {
         self.keys.contains_key(resource_id)
     }
 
-    /// The last lease received for `resource_id`, expired or not.
     /// The capacity the servers last said they share for `resource_id` (an
     /// usher server's extension), if they did.
     pub fn fleet_capacity(&self, resource_id: &str) -> Option<f64> {
@@ -1231,6 +1417,7 @@ impl Core {
         self.keys.get(resource_id).and_then(|k| k.renews)
     }
 
+    /// The last lease received for `resource_id`, expired or not.
     pub fn lease_of(&self, resource_id: &str) -> Option<Lease> {
         self.keys.get(resource_id).and_then(|k| k.lease)
     }

@@ -21,6 +21,7 @@ use super::failing::Failing;
 use super::transport::Transport;
 use super::{batch, cache};
 use usher_core::clock::{Clock, Time};
+use usher_proto as proto;
 
 /// What the servers said of a key's resource beside its lease (usher's
 /// extensions; a Doorman server says neither).
@@ -145,11 +146,17 @@ pub enum Start {
 /// What status pages show of the lease client.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ClientStatus {
+    /// The id the client sends with every request.
     pub client_id: String,
+    /// The server its calls go to, once known.
     pub master: Option<String>,
+    /// What went wrong last: a failed call, or a lease the last answer refused.
     pub last_error: Option<String>,
+    /// When every key's refresh is due (unix seconds).
     pub next_refresh: i64,
+    /// Successful refreshes so far.
     pub refreshes: u64,
+    /// Every key, by id.
     pub keys: Vec<KeyStatus>,
 }
 
@@ -197,22 +204,7 @@ impl LeaseClient {
         let demand = enforcer.demand();
         core.set_demand(demand.clone());
         if let Some(path) = &cache_file {
-            let cached = cache::read(path, core.client_id(), now);
-            if !cached.is_empty() {
-                let mut first = Duration::from_secs(3600);
-                let mut n = 0;
-                for (id, lease) in cached {
-                    if let Some(d) = demand.iter().find(|d| d.resource_id == id) {
-                        first = first.min(lease.refresh_interval);
-                        core.preload(d.clone(), lease, now);
-                        n += 1;
-                    }
-                }
-                if n > 0 {
-                    tracing::info!(leases = n, path = %path.display(), "enforcing cached leases; first refresh spread over one refresh interval");
-                    core.delay_first_refresh(now, first);
-                }
-            }
+            preload(&mut core, path, &demand, now);
         }
         let client = LeaseClient {
             core: Arc::new(Mutex::new(core)),
@@ -249,7 +241,7 @@ impl LeaseClient {
     /// the servers has been answered or has failed. From then on a key with
     /// no lease follows its `on_expiry`. Logs what each key enforces.
     pub async fn ready(&self, limit: Duration) -> Start {
-        let deadline = tokio::time::Instant::now() + limit;
+        let deadline = runtime_now() + limit;
         let start = loop {
             let found = {
                 let c = self.core.lock().expect("lease core poisoned");
@@ -266,7 +258,7 @@ impl LeaseClient {
             if let Some(s) = found {
                 break s;
             }
-            if tokio::time::Instant::now() >= deadline {
+            if runtime_now() >= deadline {
                 break Start::Waited;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -318,6 +310,7 @@ impl LeaseClient {
         self.wake.notify_one();
     }
 
+    /// What status pages show of the client now.
     pub fn status(&self) -> ClientStatus {
         let c = self.core.lock().expect("lease core poisoned");
         ClientStatus {
@@ -328,6 +321,28 @@ impl LeaseClient {
             refreshes: c.refreshes(),
             keys: c.status(),
         }
+    }
+}
+
+/// Installs the unexpired leases cached at `path` of the keys in `demand`,
+/// and spreads the first refresh over the shortest of their intervals.
+fn preload(core: &mut Core, path: &std::path::Path, demand: &[KeyDemand], now: Time) {
+    let cached = cache::read(path, core.client_id(), now);
+    if cached.is_empty() {
+        return;
+    }
+    let mut first = Duration::from_secs(3600);
+    let mut n = 0;
+    for (id, lease) in cached {
+        if let Some(d) = demand.iter().find(|d| d.resource_id == id) {
+            first = first.min(lease.refresh_interval);
+            core.preload(d.clone(), lease, now);
+            n += 1;
+        }
+    }
+    if n > 0 {
+        tracing::info!(leases = n, path = %path.display(), "enforcing cached leases; first refresh spread over one refresh interval");
+        core.delay_first_refresh(now, first);
     }
 }
 
@@ -430,11 +445,11 @@ fn log_new_master(server: &str, before: Option<&str>, after: Option<&str>, how: 
     }
 }
 
+pub use super::batch::MAX_RESOURCES_PER_CALL;
+
 /// Waits for one call to the server (None on shutdown). Leases keep expiring
 /// on time meanwhile: a call can hang for the whole RPC timeout against a
 /// blackholed server, longer than what is left of a lease.
-pub use super::batch::MAX_RESOURCES_PER_CALL;
-
 async fn call<T>(
     fut: impl Future<Output = T>,
     client: &LeaseClient,
@@ -458,119 +473,198 @@ async fn nudged(activity: Option<&Notify>) {
     }
 }
 
+/// The runtime's time, for what is paced on tokio's timer as its sleeps are
+/// (the start-up wait, the demand poll), not on the lease clock.
+#[allow(clippy::disallowed_methods, reason = "start-up and the demand poll wait on tokio's timer, whose time this is")]
+fn runtime_now() -> tokio::time::Instant {
+    tokio::time::Instant::now()
+}
+
+/// Runs the client until `shutdown`, then releases every lease.
 async fn run(
     client: LeaseClient,
     transport: Arc<dyn Transport>,
     cache_file: Option<PathBuf>,
     shutdown: CancellationToken,
 ) {
-    let (clock, enforcer) = (client.clock.clone(), client.enforcer.clone());
-    let activity = enforcer.activity();
-    // When demand was last read (the runtime's time), and the poll that
-    // reading set (from what it cost in real time, not the lease clock's:
-    // what the work costs the process).
-    let mut last_read: Option<(tokio::time::Instant, Duration)> = None;
-    // Woken by activity or `LeaseClient::wake`: demand is read at once.
-    let mut woken = true;
-    // While the servers are down, one line a minute for each kind of call.
-    let mut discovery = Failing::new("discovery answers again");
-    let mut refreshing = Failing::new("lease refreshes answer again");
-    loop {
+    let mut turns = Turns::new(client, transport, cache_file, shutdown);
+    while turns.turn().await {}
+    turns.release_all().await;
+}
+
+/// The client's loop: each turn reads demand if a poll is due, asks the
+/// core what to do, and does it.
+struct Turns {
+    client: LeaseClient,
+    transport: Arc<dyn Transport>,
+    cache_file: Option<PathBuf>,
+    shutdown: CancellationToken,
+    /// Notified when a quiet enforcer needs its demand read now.
+    activity: Option<Arc<Notify>>,
+    /// When demand was last read (the runtime's time), and the poll that
+    /// reading set (from what it cost in real time, not the lease clock's:
+    /// what the work costs the process).
+    last_read: Option<(tokio::time::Instant, Duration)>,
+    /// Woken by activity or `LeaseClient::wake`: demand is read at once.
+    woken: bool,
+    /// While the servers are down, one line a minute for each kind of call.
+    discovery: Failing,
+    refreshing: Failing,
+}
+
+impl Turns {
+    fn new(
+        client: LeaseClient,
+        transport: Arc<dyn Transport>,
+        cache_file: Option<PathBuf>,
+        shutdown: CancellationToken,
+    ) -> Self {
+        let activity = client.enforcer.activity();
+        Turns {
+            client,
+            transport,
+            cache_file,
+            shutdown,
+            activity,
+            last_read: None,
+            woken: true,
+            discovery: Failing::new("discovery answers again"),
+            refreshing: Failing::new("lease refreshes answer again"),
+        }
+    }
+
+    /// One turn of the loop; false on shutdown.
+    async fn turn(&mut self) -> bool {
+        let action = self.next_action();
+        self.woken = false;
+        let (read_at, poll) = self.last_read.expect("demand is read at the first turn");
+        // Until the next read is due.
+        let poll_left = poll.saturating_sub(read_at.elapsed());
+        match action {
+            Action::Wait { until } => self.wait(until, poll_left).await,
+            Action::Discover { target } => self.discover(target, poll).await,
+            Action::Refresh { target, request } => self.refresh(target, request, poll).await,
+            Action::Release { target, request } => {
+                let r = batch::release_capacity(&*self.transport, &target, request).await;
+                let now = self.client.clock.now();
+                self.client.core.lock().expect("lease core poisoned").on_release(now, r);
+                true
+            }
+        }
+    }
+
+    /// What the core says to do now, after reading demand if a poll is due,
+    /// with the capacities of now applied.
+    fn next_action(&mut self) -> Action {
+        let client = &self.client;
         // Demand is read once a poll (and at once when woken), not after
         // every call: with many keys a read is the costly part, and new keys
         // with a short minimum interval (the embedded server's 100 ms) would
         // otherwise have it read after every early refresh.
-        let read = woken || last_read.is_none_or(|(at, poll)| at.elapsed() >= poll);
-        let action = if read {
-            let started = std::time::Instant::now();
-            let update = enforcer.demand_update();
-            let action = {
-                let mut core = client.core.lock().expect("lease core poisoned");
-                core.update_demand(update);
-                core.next_action(clock.now())
-            };
-            enforce(&client);
-            let poll = DEMAND_POLL.max(started.elapsed() * BOOKKEEPING_SHARE);
-            last_read = Some((tokio::time::Instant::now(), poll));
-            action
-        } else {
-            let action = client.core.lock().expect("lease core poisoned").next_action(clock.now());
-            enforce(&client);
-            action
+        let read = self.woken || self.last_read.is_none_or(|(at, poll)| at.elapsed() >= poll);
+        if !read {
+            let action = client.core.lock().expect("lease core poisoned").next_action(client.clock.now());
+            enforce(client);
+            return action;
+        }
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "the poll stretches with what a read costs the process in real time"
+        )]
+        let started = std::time::Instant::now();
+        let update = client.enforcer.demand_update();
+        let action = {
+            let mut core = client.core.lock().expect("lease core poisoned");
+            core.update_demand(update);
+            core.next_action(client.clock.now())
         };
-        woken = false;
-        let (read_at, poll) = last_read.expect("demand is read at the first turn");
-        // Until the next read is due.
-        let poll_left = poll.saturating_sub(read_at.elapsed());
-        match action {
-            Action::Wait { until } => {
-                let quiet = enforcer.quiet();
-                let now = clock.now();
-                let d = until.since(now).min(match quiet {
-                    true => QUIET_POLL.min(enforcer.due().map_or(Duration::MAX, |t| t.since(now))).max(poll_left),
-                    false => poll_left,
-                });
+        enforce(client);
+        let poll = DEMAND_POLL.max(started.elapsed() * BOOKKEEPING_SHARE);
+        self.last_read = Some((runtime_now(), poll));
+        action
+    }
 
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = client.wake.notified() => woken = true,
-                    _ = tokio::time::sleep(d) => {}
-                    // A busy enforcer's nudges are not listened to: its demand is read every poll anyway.
-                    _ = nudged(activity.as_deref()), if quiet => woken = true,
-                }
-            }
-            Action::Discover { target } => {
-                let Some(r) = call(transport.discovery(&target), &client, &shutdown, poll).await else {
-                    break;
-                };
-                discovery.saw(&target, "discovery failed; trying the next server", r.as_ref().err());
-                let mut core = client.core.lock().expect("lease core poisoned");
-                let before = core.master().map(str::to_string);
-                core.on_discovery(clock.now(), &target, r);
-                log_new_master(&target, before.as_deref(), core.master(), "Discovery");
-            }
-            Action::Refresh { target, request } => {
-                let Some(r) = call(batch::get_capacity(&*transport, &target, request), &client, &shutdown, poll).await
-                else {
-                    break;
-                };
-                refreshing.saw(&target, "lease refresh failed", r.as_ref().err());
-                let ok = r.is_ok();
-                let refused = {
-                    let mut core = client.core.lock().expect("lease core poisoned");
-                    let before = core.master().map(str::to_string);
-                    let refused = core.on_refresh(clock.now(), r);
-                    log_new_master(&target, before.as_deref(), core.master(), "a redirect");
-                    refused
-                };
-                log_refused(&target, &refused);
-                // New leases apply at once, not at the next turn of the loop.
-                enforce(&client);
-                if ok && let Some(path) = &cache_file {
-                    let core = client.core.lock().expect("lease core poisoned");
-                    let leases = core.leases(clock.now());
-                    let id = core.client_id().to_string();
-                    drop(core);
-                    if let Err(e) = cache::write(path, &id, &leases) {
-                        tracing::warn!(path = %path.display(), error = %e, "cannot write the lease cache");
-                    }
-                }
-            }
-            Action::Release { target, request } => {
-                let r = batch::release_capacity(&*transport, &target, request).await;
-                client.core.lock().expect("lease core poisoned").on_release(clock.now(), r);
+    /// Sleeps until `until` on the lease clock, or the next demand poll
+    /// (`poll_left`; a quiet enforcer's is longer), or a wake-up; false on
+    /// shutdown.
+    async fn wait(&mut self, until: Time, poll_left: Duration) -> bool {
+        let (clock, enforcer) = (&self.client.clock, &*self.client.enforcer);
+        let quiet = enforcer.quiet();
+        let now = clock.now();
+        let d = until.since(now).min(match quiet {
+            true => QUIET_POLL.min(enforcer.due().map_or(Duration::MAX, |t| t.since(now))).max(poll_left),
+            false => poll_left,
+        });
+
+        tokio::select! {
+            _ = self.shutdown.cancelled() => return false,
+            _ = self.client.wake.notified() => self.woken = true,
+            _ = tokio::time::sleep(d) => {}
+            // A busy enforcer's nudges are not listened to: its demand is read every poll anyway.
+            _ = nudged(self.activity.as_deref()), if quiet => self.woken = true,
+        }
+        true
+    }
+
+    /// Asks `target` who the master is; false on shutdown.
+    async fn discover(&mut self, target: String, poll: Duration) -> bool {
+        let client = &self.client;
+        let Some(r) = call(self.transport.discovery(&target), client, &self.shutdown, poll).await else {
+            return false;
+        };
+        self.discovery.saw(&target, "discovery failed; trying the next server", r.as_ref().err());
+        let mut core = client.core.lock().expect("lease core poisoned");
+        let before = core.master().map(str::to_string);
+        core.on_discovery(client.clock.now(), &target, r);
+        log_new_master(&target, before.as_deref(), core.master(), "Discovery");
+        true
+    }
+
+    /// Refreshes leases at `target`, applies them at once and keeps them in
+    /// the cache; false on shutdown.
+    async fn refresh(&mut self, target: String, request: proto::GetCapacityRequest, poll: Duration) -> bool {
+        let client = &self.client;
+        let Some(r) = call(batch::get_capacity(&*self.transport, &target, request), client, &self.shutdown, poll).await
+        else {
+            return false;
+        };
+        self.refreshing.saw(&target, "lease refresh failed", r.as_ref().err());
+        let ok = r.is_ok();
+        let refused = {
+            let mut core = client.core.lock().expect("lease core poisoned");
+            let before = core.master().map(str::to_string);
+            let refused = core.on_refresh(client.clock.now(), r);
+            log_new_master(&target, before.as_deref(), core.master(), "a redirect");
+            refused
+        };
+        log_refused(&target, &refused);
+        // New leases apply at once, not at the next turn of the loop.
+        enforce(client);
+        if ok && let Some(path) = &self.cache_file {
+            let core = client.core.lock().expect("lease core poisoned");
+            let leases = core.leases(client.clock.now());
+            let id = core.client_id().to_string();
+            drop(core);
+            if let Err(e) = cache::write(path, &id, &leases) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot write the lease cache");
             }
         }
+        true
     }
-    let release = client.core.lock().expect("lease core poisoned").release_all();
-    if let Some((target, req)) = release {
+
+    /// At shutdown: gives every lease back, within [`RELEASE_TIMEOUT`], and
+    /// empties the cache once the servers have them.
+    async fn release_all(&self) {
+        let client = &self.client;
+        let release = client.core.lock().expect("lease core poisoned").release_all();
+        let Some((target, req)) = release else { return };
         let n = req.resource_id.len();
-        match tokio::time::timeout(RELEASE_TIMEOUT, batch::release_capacity(&*transport, &target, req)).await {
+        match tokio::time::timeout(RELEASE_TIMEOUT, batch::release_capacity(&*self.transport, &target, req)).await {
             Ok(Ok(_)) => {
                 tracing::info!(server = %target, resources = n, "released every lease");
                 // The servers have them back: a restart must not enforce them
                 // again from the cache (they may be someone else's by then).
-                if let Some(path) = &cache_file {
+                if let Some(path) = &self.cache_file {
                     let id = client.core.lock().expect("lease core poisoned").client_id().to_string();
                     if let Err(e) = cache::write(path, &id, &[]) {
                         tracing::warn!(path = %path.display(), error = %e, "cannot empty the lease cache after the release");

@@ -19,12 +19,17 @@ impl Failing {
     /// How often a run of failures is logged after its first.
     pub const EVERY: Duration = Duration::from_secs(60);
 
+    /// No failure yet; `answers_again` is logged when a run of them ends.
     pub fn new(answers_again: &'static str) -> Self {
         Failing { answers_again, run: None }
     }
 
     /// Counts one call to `server`: failed with `error`, or answered (`None`).
     pub fn saw<E: Debug>(&mut self, server: &str, what: &str, error: Option<&E>) {
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "log lines are paced in real time, a minute apart, whatever clock the caller's logic runs on"
+        )]
         let now = Instant::now();
         match (error, &mut self.run) {
             (Some(e), None) => {

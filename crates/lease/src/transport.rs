@@ -16,16 +16,20 @@ use usher_core::tls::{ClientTls, Connector};
 use usher_proto as proto;
 use usher_proto::capacity_client::CapacityClient;
 
+/// The future a [`Transport`] call returns.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The three calls a lease client makes.
 pub trait Transport: Send + Sync + 'static {
+    /// Asks `addr` who the master is.
     fn discovery(&self, addr: &str) -> BoxFuture<'_, Result<proto::DiscoveryResponse, CallError>>;
+    /// Asks `addr` for leases (and renews them).
     fn get_capacity(
         &self,
         addr: &str,
         req: proto::GetCapacityRequest,
     ) -> BoxFuture<'_, Result<proto::GetCapacityResponse, CallError>>;
+    /// Gives leases back to `addr`.
     fn release_capacity(
         &self,
         addr: &str,
@@ -60,6 +64,7 @@ pub struct GrpcTransport {
 pub use usher_core::config::doorman::{check_server_address, parse_server_address};
 
 impl GrpcTransport {
+    /// A transport in cleartext, with these limits on each call and on each connection attempt.
     pub fn new(rpc_timeout: Duration, connect_timeout: Duration) -> Self {
         GrpcTransport { channels: Mutex::new(HashMap::new()), rpc_timeout, connect_timeout, tls: None }
     }

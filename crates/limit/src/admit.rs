@@ -34,6 +34,8 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// A plan of these keys and costs: sorted by key id, with the keys of
+    /// shadow resources set apart.
     pub fn new(mut items: Vec<(Arc<Limiter>, f64)>) -> Self {
         // One global order, so two requests never wait on each other's gauges crosswise.
         if items.len() > 1 {
@@ -46,6 +48,7 @@ impl Plan {
         Plan { items: items.into(), shadow: Arc::default() }
     }
 
+    /// Whether the plan names no key, enforced or shadow.
     pub fn is_empty(&self) -> bool {
         self.items.is_empty() && self.shadow.is_empty()
     }
@@ -149,15 +152,19 @@ pub struct Refused {
     pub resource: String,
     /// The resource id (key) that refused.
     pub id: String,
+    /// Whether the key is a rate or a gauge.
     pub kind: Kind,
+    /// Why it refused.
     pub reason: Reason,
     /// When to come back: rounded up to whole seconds by the responder.
     pub retry_after: Duration,
     /// How long the request waited before it was refused.
     pub waited: Duration,
+    /// The resource's `max_wait`.
     pub max_wait: Duration,
     /// Capacity per `window` (rate) or in flight (gauge), for `RateLimit-Policy`.
     pub quota: f64,
+    /// The window a rate's `quota` is counted over, as its capacity was written (`/min`: 60 s).
     pub window: Duration,
     /// Units available now, for `RateLimit`.
     pub remaining: u64,
@@ -186,7 +193,9 @@ impl std::error::Error for Refused {}
 
 /// An admitted request's hold on its resources; released when dropped.
 pub struct Admitted {
+    /// How long the request waited for capacity (zero unless `paced`).
     pub waited: Duration,
+    /// The request had to wait for a slot, a raised capacity or a gauge permit.
     pub paced: bool,
     _permits: Vec<GaugePermit>,
     in_flight: Plan,
@@ -311,7 +320,9 @@ pub async fn admit(plan: &Plan, clock: &Clock) -> Result<Admitted, Refused> {
 /// An admission under way: decided at once when nothing had to wait, else
 /// the wait (rates paced, a capacity of 0 that may be raised, gauges full).
 pub enum Admission {
+    /// Decided at once; `None` once the outcome was taken.
     Done(Option<Result<Admitted, Refused>>),
+    /// The wait, boxed: only a request that must wait pays for it.
     Waiting(Pin<Box<dyn Future<Output = Result<Admitted, Refused>> + Send>>),
 }
 

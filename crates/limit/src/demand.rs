@@ -18,6 +18,8 @@ pub const SMOOTHING: Duration = Duration::from_secs(10);
 /// Arrival counts are kept in thousandths of a cost unit so fractional costs add up exactly enough.
 const MILLI: f64 = 1000.0;
 
+/// Counts what one key is asked for: arrivals, outcomes, requests in
+/// flight and waiting, and a smoothed arrival rate.
 #[derive(Debug, Default)]
 pub struct DemandMeter {
     /// Every arrival (admitted, paced or refused), in milli-units of cost.
@@ -48,22 +50,31 @@ pub struct DemandSample {
     pub rate: f64,
     /// Highest number in flight since the last [`DemandMeter::take_peak`].
     pub peak_in_flight: i64,
+    /// Requests admitted and not yet finished.
     pub in_flight: i64,
+    /// Requests waiting for a slot, a raised capacity or a gauge permit.
     pub waiters: i64,
+    /// Requests admitted at once, since the meter was made.
     pub admitted: u64,
+    /// Requests admitted after a wait, since the meter was made.
     pub paced: u64,
+    /// Requests refused, since the meter was made.
     pub refused: u64,
 }
 
 /// How one request fared at one key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
+    /// Admitted at once.
     Admitted,
+    /// Admitted after waiting for capacity.
     Paced,
+    /// Refused.
     Refused,
 }
 
 impl DemandMeter {
+    /// Counts a request of `cost` units, whatever becomes of it.
     pub fn arrive(&self, cost: f64) {
         self.arrivals.fetch_add((cost * MILLI).round() as u64, Ordering::Relaxed);
         self.requests.fetch_add(1, Ordering::Relaxed);
@@ -79,6 +90,7 @@ impl DemandMeter {
         }
     }
 
+    /// Counts how a request fared.
     pub fn record(&self, outcome: Outcome) {
         let c = match outcome {
             Outcome::Admitted => &self.admitted,
@@ -88,27 +100,33 @@ impl DemandMeter {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts a request in flight (admitted), raising the peak if it is one.
     pub fn enter(&self) {
         let now = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
         self.peak_in_flight.fetch_max(now, Ordering::Relaxed);
     }
 
+    /// Counts a request in flight as finished.
     pub fn leave(&self) {
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 
+    /// Counts a request that starts waiting.
     pub fn wait_begin(&self) {
         self.waiters.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts a request that stops waiting, however the wait ended.
     pub fn wait_end(&self) {
         self.waiters.fetch_sub(1, Ordering::Relaxed);
     }
 
+    /// Requests waiting now.
     pub fn waiters(&self) -> i64 {
         self.waiters.load(Ordering::Relaxed)
     }
 
+    /// Requests in flight now.
     pub fn in_flight(&self) -> i64 {
         self.in_flight.load(Ordering::Relaxed)
     }

@@ -13,6 +13,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use usher_core::clock::{Clock, Time};
 
+/// Units in flight for one key, at most its capacity; waiters are served FIFO.
 pub struct Gauge {
     sem: Arc<Semaphore>,
     state: Mutex<State>,
@@ -38,6 +39,7 @@ impl std::fmt::Debug for GaugePermit {
 }
 
 impl Gauge {
+    /// A gauge of `capacity` units, none in flight.
     pub fn new(capacity: u64) -> Arc<Self> {
         Arc::new(Gauge {
             sem: Arc::new(Semaphore::new(capacity as usize)),
@@ -46,10 +48,12 @@ impl Gauge {
         })
     }
 
+    /// Units allowed in flight.
     pub fn capacity(&self) -> u64 {
         self.state.lock().expect("gauge lock").capacity
     }
 
+    /// Units held by permits now (above the capacity after a shrink, until they come back).
     pub fn in_flight(&self) -> u64 {
         self.in_flight.load(Ordering::Relaxed)
     }

@@ -17,6 +17,7 @@ pub struct Observation {
     /// When the window renews whole, or when a continuous bucket is full again.
     #[serde(serialize_with = "unix_s")]
     pub reset: Time,
+    /// When the upstream said it.
     #[serde(serialize_with = "unix_s")]
     pub observed: Time,
     /// Refilled continuously (a token bucket) rather than renewed at `reset`.

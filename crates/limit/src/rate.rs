@@ -10,9 +10,9 @@
 //! Time is exact: positions are integer nanoseconds since the limiter was
 //! made, in fixed point with 32 bits below the nanosecond, so an interval of
 //! 1/7,000,000 s drifts by less than a nanosecond over a billion units. (An
-//! `f64` of nanoseconds since the Unix epoch, as before, has a smallest step
-//! of 256 ns today: at 10M/s its state never advanced and at 1M/s it admitted
-//! about 2.4% too little.)
+//! `f64` of nanoseconds since the Unix epoch has a smallest step of 256 ns
+//! today: at 10M/s its state never advanced and at 1M/s it admitted about
+//! 2.4% too little.)
 //!
 //! A capacity increase brings waiting requests forward: each keeps its place
 //! in the queue, and the time it still had to wait shrinks by the ratio of
@@ -119,10 +119,18 @@ impl State {
 /// The outcome of [`Rate::reserve`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Reservation {
-    /// Reserved: the request may pass after waiting this long.
-    Slot { wait: Duration, cost: f64 },
+    /// Reserved: the request may pass once `wait` is over.
+    Slot {
+        /// How long the request waits for its slot.
+        wait: Duration,
+        /// The units reserved, to give back with [`Rate::release`] (0 when the rate is unlimited).
+        cost: f64,
+    },
     /// Not reserved: the earliest the request would pass (never, at capacity 0).
-    TooLate { wait: Option<Duration> },
+    TooLate {
+        /// How long the request would have waited: `None` at capacity 0.
+        wait: Option<Duration>,
+    },
 }
 
 /// Where a reservation's request passes, for [`Rate::retime`].
@@ -206,10 +214,12 @@ impl Rate {
         }
     }
 
+    /// Units per second (`f64::INFINITY`: unlimited; 0: nothing passes).
     pub fn capacity(&self) -> f64 {
         self.state.lock().expect("rate lock").capacity
     }
 
+    /// Units that may pass at once from idle (at least 1).
     pub fn burst(&self) -> f64 {
         self.state.lock().expect("rate lock").burst
     }
@@ -336,7 +346,8 @@ impl Rate {
     /// a fleet's buckets together never hold more than one fleet burst), and
     /// a smaller burst clips a full bucket. Requests already holding a slot
     /// keep it; a queue (a negative number available) is carried as it is.
-    /// Through capacity 0 the bucket stays as it was (see [`State::frozen`]).
+    /// Through capacity 0 the bucket stays as it was: a key comes back with
+    /// what it had, never with a fresh burst.
     pub fn set(&self, now: Time, capacity: f64, burst: f64) {
         let mut s = self.state.lock().expect("rate lock");
         if s.capacity == capacity && s.burst == burst {

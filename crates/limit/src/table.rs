@@ -28,16 +28,21 @@ use super::rate::Rate;
 use usher_core::clock::{Clock, Time};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// What a resource limits.
 #[serde(rename_all = "lowercase")]
 pub enum Kind {
+    /// Units per second, paced by a [`Rate`].
     Rate,
+    /// Units in flight, held by [`Gauge`] permits.
     Gauge,
 }
 
 /// How one resource is limited; built from the routes file, or a lease.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResourceSpec {
+    /// The configured name, which refusals and metrics carry.
     pub name: String,
+    /// Whether it limits a rate or what is in flight.
     pub kind: Kind,
     /// Units per second (rate) or in flight (gauge).
     pub capacity: f64,
@@ -45,8 +50,11 @@ pub struct ResourceSpec {
     /// fleet: a key's own bucket holds the share of it that its capacity is
     /// of `capacity` ([`Limiter::set_capacity`]).
     pub burst: f64,
+    /// The longest a request waits for its slot or permit before it is refused.
     pub max_wait: Duration,
+    /// How many requests may wait at one key; one more is refused at once.
     pub max_queue: usize,
+    /// The most distinct ids a templated resource makes keys for.
     pub max_keys: usize,
     /// The window the capacity was written over (`/min` → 60 s), for `RateLimit-Policy`.
     pub window: Duration,
@@ -212,10 +220,12 @@ impl Limiter {
         &self.id
     }
 
+    /// Whether the key is a rate or a gauge.
     pub fn kind(&self) -> Kind {
         self.kind
     }
 
+    /// Its resource's spec as configured now.
     pub fn spec(&self) -> Arc<ResourceSpec> {
         self.spec.load_full()
     }
@@ -225,18 +235,22 @@ impl Limiter {
         self.spec.load().shadow
     }
 
+    /// What the key is asked for.
     pub fn demand(&self) -> &DemandMeter {
         &self.demand
     }
 
+    /// The pacer of a rate key; `None` for a gauge.
     pub fn rate(&self) -> Option<&Rate> {
         self.rate.as_ref()
     }
 
+    /// The semaphore of a gauge key; `None` for a rate.
     pub fn gauge(&self) -> Option<&Arc<Gauge>> {
         self.gauge.as_ref()
     }
 
+    /// The clock its limiter reads.
     pub fn clock(&self) -> &Clock {
         &self.clock
     }
@@ -375,6 +389,7 @@ impl Activity {
         self.notify.clone()
     }
 
+    /// Wakes the lease client now.
     pub fn nudge(&self) {
         self.notify.notify_one();
     }
@@ -402,12 +417,22 @@ pub use usher_core::config::MAX_ID_BYTES;
 pub enum KeyRefused {
     /// It already has `max_keys` distinct ids.
     #[error("resource `{resource}` already tracks {max_keys} distinct ids (its max_keys)")]
-    Full { resource: String, max_keys: usize },
+    Full {
+        /// The resource's name.
+        resource: String,
+        /// Its `max_keys`.
+        max_keys: usize,
+    },
     /// The id, rendered from the request, is longer than [`MAX_ID_BYTES`].
     #[error(
         "resource `{resource}`: this request makes a lease id of {bytes} bytes; capacity servers accept at most {MAX_ID_BYTES}"
     )]
-    TooLong { resource: String, bytes: usize },
+    TooLong {
+        /// The resource's name.
+        resource: String,
+        /// The id's length in bytes.
+        bytes: usize,
+    },
 }
 
 impl ResourceLimits {
@@ -422,6 +447,7 @@ impl ResourceLimits {
         }
     }
 
+    /// The resource's spec as configured now.
     pub fn spec(&self) -> Arc<ResourceSpec> {
         self.spec.load_full()
     }
@@ -549,6 +575,7 @@ impl ResourceLimits {
         self.keys.load().len() + recent.keys.len()
     }
 
+    /// Whether it has no key yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -562,6 +589,7 @@ pub struct LeaseTable {
 }
 
 impl LeaseTable {
+    /// An empty table whose limiters read `clock`; [`LeaseTable::configure`] fills it.
     pub fn new(clock: Clock) -> Self {
         LeaseTable { clock, resources: ArcSwap::default(), activity: Arc::new(Activity::default()) }
     }
@@ -571,6 +599,7 @@ impl LeaseTable {
         self.activity.clone()
     }
 
+    /// The clock its limiters read.
     pub fn clock(&self) -> &Clock {
         &self.clock
     }
@@ -608,6 +637,7 @@ impl LeaseTable {
         self.activity.nudge();
     }
 
+    /// The resource configured as `name`.
     pub fn resource(&self, name: &str) -> Option<Arc<ResourceLimits>> {
         self.resources.load().get(name).cloned()
     }
