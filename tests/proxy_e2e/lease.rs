@@ -1,0 +1,277 @@
+//! Leases and templated keys: the embedded server's lease refreshed rarely
+//! and following a reloaded capacity, an idle key forgotten at its timeout,
+//! a header that is not UTF-8 making no key, an id that is a placeholder
+//! alone, and per-key lease state and transition metrics.
+
+use usher_test_support as support;
+use usher_test_support::assert_eventually;
+
+use std::time::Duration;
+
+use http::{Request, StatusCode};
+
+use support::upstream::{self, Upstream, h1, send1};
+use support::{http_get, metric, write_file};
+
+use crate::{replace, start_proxy};
+
+/// The embedded server's lease of `api`: (capacity, refresh interval in seconds).
+fn embedded_lease(admin: std::net::SocketAddr) -> Option<(f64, f64)> {
+    let (_, body) = http_get(admin, "/debug/status?format=json");
+    let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+    let key = v["lease"]["keys"].as_array()?.iter().find(|k| k["resource_id"] == "api")?.clone();
+    Some((key["capacity"].as_f64()?, key["refresh_interval_s"].as_f64()?))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_lease_is_refreshed_rarely_and_follows_a_reloaded_capacity_at_once() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = |capacity: &str| {
+        format!(
+            "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  api: {{ kind: rate, capacity: {capacity} }}\n\
+             routes:\n  - {{ name: api, upstream: up, resources: [api] }}\n",
+            up.addr
+        )
+    };
+    let routes = write_file(dir.path(), "routes.yaml", &file("10/s"));
+    let u = start_proxy(&routes);
+    let admin = u.addr("admin");
+    // The sidecar is its embedded server's only client: it refreshes every
+    // hour (an idle sidecar wakes rarely), and asks early when it must.
+    assert_eventually!(
+        embedded_lease(admin) == Some((10.0, 3600.0)),
+        Duration::from_secs(10),
+        "{:?}",
+        embedded_lease(admin)
+    );
+    // A raised capacity, with no request at all (no pressure to ask early):
+    // leased at once, not at the next refresh.
+    replace(&routes, &file("50/s"));
+    u.wait_for_log("routes reloaded", Duration::from_secs(20));
+    assert_eventually!(
+        embedded_lease(admin).is_some_and(|l| l.0 == 50.0),
+        Duration::from_secs(5),
+        "{:?}",
+        embedded_lease(admin)
+    );
+    // And a lowered one.
+    replace(&routes, &file("5/s"));
+    assert_eventually!(
+        embedded_lease(admin).is_some_and(|l| l.0 == 5.0),
+        Duration::from_secs(25),
+        "{:?}",
+        embedded_lease(admin)
+    );
+}
+
+/// A templated key nobody uses is forgotten at its `key_idle_timeout`, and
+/// its lease released, on a sidecar where nothing else happens (its lease
+/// client otherwise sleeps until the next hourly refresh).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  tenant: {{ kind: rate, capacity: 10/s, id: \"t/{{header.x-tenant}}\", key_idle_timeout: 2s }}\n\
+             routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
+            up.addr
+        ),
+    );
+    let u = start_proxy(&routes);
+    let keys = || {
+        let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let ids: Option<Vec<String>> =
+            v["lease"]["keys"].as_array().map(|k| k.iter().map(|k| k["resource_id"].to_string()).collect());
+        ids.unwrap_or_default()
+    };
+    let mut c = h1(u.addr("listen")).await;
+    let req = Request::get("/x").header("host", "app").header("x-tenant", "acme").body(upstream::empty()).unwrap();
+    let sent = std::time::Instant::now();
+    assert_eq!(send1(&mut c, req).await.status, StatusCode::OK);
+    assert_eventually!(keys() == ["\"t/acme\""], Duration::from_secs(5), "{:?}", keys());
+    // Nothing more happens: the key goes at 2 s after its last use (the
+    // lease client's reads between then and now end in a quiet wait).
+    assert_eventually!(keys().is_empty(), Duration::from_secs(10), "{:?}", keys());
+    let took = sent.elapsed();
+    assert!(took >= Duration::from_secs(2), "forgotten after {took:?}, before its idle timeout");
+    u.wait_for_log("forgot an idle key", Duration::from_secs(5));
+}
+
+/// A header whose value is not UTF-8 makes no lease id: two such values
+/// would both become U+FFFD and share one budget. The request gets a 400
+/// naming the resource and the header, makes no key, and UTF-8 beyond ASCII
+/// is a key as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_that_is_not_utf8_makes_no_key() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  tenant: {{ kind: rate, capacity: 10/s, burst: 5, id: \"t/{{header.x-tenant}}\" }}\n\
+         routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
+        up.addr
+    );
+    let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
+    let keys = || {
+        let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let keys = v["lease"]["keys"].as_array().cloned().unwrap_or_default();
+        keys.iter().map(|k| k["resource_id"].as_str().unwrap_or_default().to_string()).collect::<Vec<_>>()
+    };
+    // Raw bytes on the wire, one request per connection.
+    let listen = u.addr("listen");
+    let send = |tenant: &'static [u8]| async move {
+        let mut s = tokio::net::TcpStream::connect(listen).await.unwrap();
+        let mut req = b"GET /x HTTP/1.1\r\nHost: app\r\nConnection: close\r\nX-Tenant: ".to_vec();
+        req.extend_from_slice(tenant);
+        req.extend_from_slice(b"\r\n\r\n");
+        tokio::io::AsyncWriteExt::write_all(&mut s, &req).await.unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read_to_end(&mut s, &mut out))
+            .await
+            .expect("answered")
+            .unwrap();
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    for tenant in [&b"\xff"[..], b"ac\xfeme"] {
+        let got = send(tenant).await;
+        assert!(got.starts_with("HTTP/1.1 400"), "{got}");
+        assert!(got.contains("resource `tenant`") && got.contains("`x-tenant` is not UTF-8"), "{got}");
+    }
+    assert_eq!(up.stats.requests(), 0, "nothing went upstream");
+    let got = send("café".as_bytes()).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eventually!(keys() == ["t/café"], Duration::from_secs(5), "{:?}", keys());
+}
+
+/// A resource whose id is a placeholder alone (the tenant's name is the
+/// lease id) is leased its capacity by the embedded server, not the
+/// catch-all's nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_that_is_a_placeholder_alone_is_leased_its_capacity() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  tenant: {{ kind: rate, capacity: 10/s, burst: 5, id: \"{{header.x-tenant}}\" }}\n\
+         routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
+        up.addr
+    );
+    let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
+    let lease = || {
+        let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let keys = v["lease"]["keys"].as_array().cloned().unwrap_or_default();
+        keys.iter().find(|k| k["resource_id"] == "acme").map(|k| (k["mode"].to_string(), k["capacity"].to_string()))
+    };
+    let mut c = h1(u.addr("listen")).await;
+    let req = || Request::get("/x").header("host", "app").header("x-tenant", "acme").body(upstream::empty()).unwrap();
+    assert_eq!(send1(&mut c, req()).await.status, StatusCode::OK);
+    assert_eventually!(lease().is_some_and(|(mode, _)| mode == "\"leased\""), Duration::from_secs(5), "{:?}", lease());
+    assert_eq!(lease().unwrap().1, "10.0", "the resource's capacity, not the catch-all's 0");
+    assert_eq!(send1(&mut c, req()).await.status, StatusCode::OK, "and requests pass under the lease");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_keys_lease_state_and_transitions_show_on_every_scrape() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  tenant: {{ kind: rate, capacity: 10/s, id: \"t/{{header.x-tenant}}\", max_keys: 10 }}\n\
+         routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
+        up.addr
+    );
+    let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
+    let mut c = h1(u.addr("listen")).await;
+    let req = Request::get("/x").header("host", "api.test").header("x-tenant", "acme").body(upstream::empty()).unwrap();
+    assert_eq!(send1(&mut c, req).await.status, StatusCode::OK);
+    let state =
+        |text: &str, s: &str| metric(text, "usher_proxy_lease_state", &[("resource_id", "t/acme"), ("state", s)]);
+    let labels = [("resource_id", "t/acme"), ("from", "pending"), ("to", "leased")];
+    // The lease client counts the transition just after the key's state changed.
+    assert_eventually!(
+        {
+            let text = http_get(u.addr("admin"), "/metrics").1;
+            state(&text, "leased") == Some(1.0) && metric(&text, "usher_lease_transitions_total", &labels).is_some()
+        },
+        Duration::from_secs(10),
+        "the key is leased"
+    );
+    // The lease states are filled for each scrape (and dropped after it): the
+    // next scrape shows them all the same, with the transition counted once.
+    for _ in 0..2 {
+        let (_, text) = http_get(u.addr("admin"), "/metrics");
+        assert_eq!(state(&text, "leased"), Some(1.0), "{text}");
+        assert_eq!(state(&text, "pending"), Some(0.0), "{text}");
+        assert_eq!(metric(&text, "usher_lease_transitions_total", &labels), Some(1.0), "{text}");
+    }
+}
+
+/// Tenants that come and go leave no `usher_lease_transitions_total` series
+/// behind once their keys are forgotten (README: per-key series carry at
+/// most `max_keys` ids per resource); a tenant that comes back counts anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forgotten_keys_transition_counts_leave_metrics() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  fixed: {{ kind: rate, capacity: 100/s, burst: 50 }}\n  \
+         tenant: {{ kind: rate, capacity: 10/s, id: \"t/{{header.x-tenant}}\", key_idle_timeout: 1s }}\n\
+         routes:\n  - {{ name: api, upstream: up, resources: [fixed, tenant] }}\n",
+        up.addr
+    );
+    let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
+    let tenants = ["acme", "globex", "initech", "umbrella", "hooli"];
+    let series = |text: &str| -> Vec<String> {
+        text.lines().filter(|l| l.starts_with("usher_lease_transitions_total{")).map(str::to_string).collect()
+    };
+    let tenant_series =
+        |text: &str| -> usize { series(text).iter().filter(|l| l.contains("resource_id=\"t/")).count() };
+    let mut c = h1(u.addr("listen")).await;
+    for round in 0..2 {
+        for t in tenants {
+            let req =
+                Request::get("/x").header("host", "api.test").header("x-tenant", t).body(upstream::empty()).unwrap();
+            let r = send1(&mut c, req).await;
+            assert_eq!(r.status, StatusCode::OK, "round {round}, {t}: {:?}", r.body);
+        }
+        // Each tenant's key is leased (pending → leased), and counted.
+        assert_eventually!(
+            {
+                let text = http_get(u.addr("admin"), "/metrics").1;
+                tenants.iter().all(|t| {
+                    let labels =
+                        [("resource_id", format!("t/{t}")), ("from", "pending".into()), ("to", "leased".into())];
+                    let labels: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                    metric(&text, "usher_lease_transitions_total", &labels) == Some(1.0)
+                })
+            },
+            Duration::from_secs(10),
+            "round {round}: every tenant's transition is counted once:\n{:?}",
+            series(&http_get(u.addr("admin"), "/metrics").1)
+        );
+        // Idle for their timeout, the keys are forgotten, and their series with them.
+        assert_eventually!(
+            tenant_series(&http_get(u.addr("admin"), "/metrics").1) == 0,
+            Duration::from_secs(10),
+            "round {round}: series of forgotten tenants stay:\n{:?}",
+            series(&http_get(u.addr("admin"), "/metrics").1)
+        );
+        let text = http_get(u.addr("admin"), "/metrics").1;
+        assert!(
+            metric(&text, "usher_lease_transitions_total", &[("resource_id", "fixed")]).is_some(),
+            "the fixed key, never forgotten, keeps its count: {:?}",
+            series(&text)
+        );
+    }
+    u.wait_for_log("forgot an idle key", Duration::from_secs(5));
+}
