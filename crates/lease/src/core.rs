@@ -4,6 +4,17 @@
 //! what to do next; the core decides whom to call, with what, and when, and
 //! what capacity each key may use right now. Keeping it sans-I/O is what lets
 //! tests and the simulator run the exact production logic in virtual time.
+//!
+//! Refreshes: an early refresh (a new key, a key whose demand moved, a key
+//! whose lease asks to hear from it before the regular refresh:
+//! kept in `Core`'s `dues`) carries only the keys that ask early. Every key goes in
+//! the regular refresh, which follows the leases that ask later than a
+//! second ([`SOON`]) and last their interval (all of them if none does).
+//! While the servers fail ([`Core::failing`]) only the backoff times calls.
+//!
+//! Expiry: a lapsed lease is held as long again, matching the server's
+//! reservation for a lapsed client (a refresh longer when it is below its
+//! safe capacity); then the key follows its `on_expiry`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;

@@ -7,6 +7,13 @@
 //! a key with no lease keeps its configured capacity until the first call to
 //! the servers has been answered or has failed, or [`LeaseClient::ready`]
 //! stops waiting for it, and then follows its `on_expiry`.
+//!
+//! The sidecar runs this loop on a thread of its own ([`Runs::OwnThread`]),
+//! so that reading thousands of keys' demand never holds up the request
+//! workers. A refresh goes out in GetCapacity calls of at most
+//! [`MAX_RESOURCES_PER_CALL`] keys ([`crate::batch`], which an
+//! intermediate's GetServerCapacity and every release go through too), and
+//! their answers are merged.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
