@@ -34,7 +34,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => String::new(),
     };
     let yaml = format!("{doorman}resources:\n  hello: {{ kind: rate, capacity: 100/s, wants: 100 }}\n");
-    let limits = Limits::start(RoutesConfig::parse("axum_limited", &yaml)?).await;
+    let limits = Limits::start(RoutesConfig::parse("axum_limited", &yaml)?).await?;
 
     let app = Router::new().route("/hello", get(|| async { "hello\n" })).layer(limits.layer("hello")?);
     let listener = tokio::net::TcpListener::bind(listen).await?;
