@@ -1,4 +1,4 @@
-//! `examples/axum_limited.rs` end to end: a real `usher server`, the
+//! `crates/enforce/examples/axum_limited.rs` end to end: a real `usher server`, the
 //! example (an axum service with `usher_enforce::embed`'s layer) leasing from it,
 //! and requests to the example. The capacity it enforces is the one the
 //! server granted, not the one it asked for; the server sees its lease, and
@@ -19,7 +19,7 @@ use support::{Usher, http_get, metric, write_file};
 /// Builds the example (a no-op when it is up to date) and returns its path.
 fn example() -> std::path::PathBuf {
     let status = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "--example", "axum_limited"])
+        .args(["build", "--quiet", "-p", "usher-enforce", "--example", "axum_limited"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status()
         .expect("cargo runs");

@@ -15,35 +15,40 @@
 //!   or for gRPC requests `grpc-status: 8` (RESOURCE_EXHAUSTED).
 //! - [`Limits::outcomes`] and [`Limits::registry`]: what each resource
 //!   decided, as the sidecar counts it.
+//! - [`RoutesConfig`]: the routes file [`Limits::start`] takes (only its
+//!   `resources:` and `doorman:` sections are read).
+//!
+//! The embedded capacity server is the `embedded-server` feature, on by
+//! default; without it a routes file needs `doorman:` ([`EmbeddedServerOff`]).
+//! The [crate docs](crate#in-a-rust-service) show both dependencies, and
+//! `examples/axum_limited.rs` an axum service.
 //!
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! # if cfg!(not(feature = "embedded-server")) { return Ok(()) }
 //! use tower::{Service, ServiceBuilder, ServiceExt};
-//! use usher::embed::Limits;
+//! use usher_enforce::embed::{Limits, RoutesConfig};
 //!
 //! // No `doorman:` section: an embedded capacity server hands out the capacity.
 //! // Add `doorman: { servers: [capacity:15100], client_id: my-service }` to
 //! // lease it from usher servers instead.
-//! let config = usher::config::routes::RoutesConfig::parse(
-//!     "limits.yaml",
-//!     "resources:\n  api: { kind: rate, capacity: 2/s, burst: 2 }\n",
-//! )
-//! .unwrap();
-//! let limits = Limits::start(config).await;
+//! let config = RoutesConfig::parse("limits.yaml", "resources:\n  api: { kind: rate, capacity: 2/s, burst: 2 }\n")?;
+//! let limits = Limits::start(config).await?;
 //!
 //! let hello = tower::service_fn(|_req: http::Request<String>| async {
 //!     Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(bytes::Bytes::from("hello"))))
 //! });
-//! let mut svc = ServiceBuilder::new().layer(limits.layer("api").unwrap()).service(hello);
+//! let mut svc = ServiceBuilder::new().layer(limits.layer("api")?).service(hello);
 //! let mut statuses = Vec::new();
 //! for _ in 0..3 {
 //!     let req = http::Request::new(String::new());
-//!     statuses.push(svc.ready().await.unwrap().call(req).await.unwrap().status().as_u16());
+//!     statuses.push(svc.ready().await?.call(req).await?.status().as_u16());
 //! }
 //! // A burst of 2, then the third is refused with the ready-made 429.
 //! assert_eq!(statuses, [200, 200, 429]);
 //! limits.shutdown().await;
-//! # });
+//! # Ok::<_, Box<dyn std::error::Error>>(())
+//! # }).unwrap();
 //! ```
 //!
 //! # Shared third-party quotas
@@ -56,18 +61,18 @@
 //!
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! # if cfg!(not(feature = "embedded-server")) { return Ok(()) }
 //! use tower::{ServiceBuilder, ServiceExt};
-//! use usher::embed::Limits;
+//! use usher_enforce::embed::{Limits, RoutesConfig};
 //!
-//! let config = usher::config::routes::RoutesConfig::parse(
+//! let config = RoutesConfig::parse(
 //!     "limits.yaml",
 //!     "resources:\n  github: { kind: rate, capacity: 5000/h, upstream_quota: { headers: github } }\n",
-//! )
-//! .unwrap();
-//! let limits = Limits::start(config).await;
+//! )?;
+//! let limits = Limits::start(config).await?;
 //! // Stands in for a GitHub client: the quota is spent until a minute from now.
 //! let github = tower::service_fn(|_req: http::Request<String>| async {
-//!     let reset = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() + 60;
+//!     let reset = usher_core::clock::Clock::system().now().as_secs() + 60;
 //!     let answer = http::Response::builder()
 //!         .status(403)
 //!         .header("x-ratelimit-limit", "5000")
@@ -76,15 +81,16 @@
 //!         .body(http_body_util::Full::new(bytes::Bytes::new()));
 //!     Ok::<_, std::convert::Infallible>(answer.unwrap())
 //! });
-//! let svc = ServiceBuilder::new().layer(limits.layer("github").unwrap()).service(github);
-//! let first = svc.clone().oneshot(http::Request::new(String::new())).await.unwrap();
+//! let svc = ServiceBuilder::new().layer(limits.layer("github")?).service(github);
+//! let first = svc.clone().oneshot(http::Request::new(String::new())).await?;
 //! assert_eq!(first.status(), 403);
 //! // Held until the reset: refused without calling GitHub.
-//! let second = svc.oneshot(http::Request::new(String::new())).await.unwrap();
+//! let second = svc.oneshot(http::Request::new(String::new())).await?;
 //! assert_eq!(second.status(), 429);
-//! assert!(second.headers()["retry-after"].to_str().unwrap().parse::<u64>().unwrap() > 50);
+//! assert!(second.headers()["retry-after"].to_str()?.parse::<u64>()? > 50);
 //! limits.shutdown().await;
-//! # });
+//! # Ok::<_, Box<dyn std::error::Error>>(())
+//! # }).unwrap();
 //! ```
 //!
 //! # Costs, and settling them from the answer
@@ -98,36 +104,33 @@
 //!
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! # if cfg!(not(feature = "embedded-server")) { return Ok(()) }
 //! use http::HeaderName;
 //! use tower::{ServiceBuilder, ServiceExt};
-//! use usher::embed::Limits;
+//! use usher_enforce::embed::{Limits, RoutesConfig};
 //!
-//! let config = usher::config::routes::RoutesConfig::parse(
-//!     "limits.yaml",
-//!     "resources:\n  tokens: { kind: rate, capacity: 1000/min, burst: 1000 }\n",
-//! )
-//! .unwrap();
-//! let limits = Limits::start(config).await;
+//! let config = RoutesConfig::parse("limits.yaml", "resources:\n  tokens: { kind: rate, capacity: 1000/min, burst: 1000 }\n")?;
+//! let limits = Limits::start(config).await?;
 //! // Stands in for an LLM client: every request uses 300 tokens.
 //! let llm = tower::service_fn(|_req: http::Request<String>| async {
 //!     let answer = http::Response::builder().header("x-usage-total-tokens", "300");
 //!     Ok::<_, std::convert::Infallible>(answer.body(http_body_util::Full::new(bytes::Bytes::new())).unwrap())
 //! });
 //! let layer = limits
-//!     .layer("tokens")
-//!     .unwrap()
+//!     .layer("tokens")?
 //!     .cost_from_header(HeaderName::from_static("x-max-tokens"))
 //!     .settle_from_header(HeaderName::from_static("x-usage-total-tokens"));
 //! let svc = ServiceBuilder::new().layer(layer).service(llm);
 //! let mut statuses = Vec::new();
 //! for _ in 0..3 {
-//!     let req = http::Request::builder().header("x-max-tokens", "600").body(String::new()).unwrap();
-//!     statuses.push(svc.clone().oneshot(req).await.unwrap().status().as_u16());
+//!     let req = http::Request::builder().header("x-max-tokens", "600").body(String::new())?;
+//!     statuses.push(svc.clone().oneshot(req).await?.status().as_u16());
 //! }
 //! // 600 charged, 300 given back, twice; then 400 are left, not 600.
 //! assert_eq!(statuses, [200, 200, 429]);
 //! limits.shutdown().await;
-//! # });
+//! # Ok::<_, Box<dyn std::error::Error>>(())
+//! # }).unwrap();
 //! ```
 //!
 //! # Shadow mode
@@ -139,26 +142,24 @@
 //!
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! # if cfg!(not(feature = "embedded-server")) { return Ok(()) }
 //! use tower::{ServiceBuilder, ServiceExt};
-//! use usher::embed::Limits;
+//! use usher_enforce::embed::{Limits, RoutesConfig};
 //!
-//! let config = usher::config::routes::RoutesConfig::parse(
-//!     "limits.yaml",
-//!     "resources:\n  api: { kind: rate, capacity: 2/s, burst: 2, shadow: true }\n",
-//! )
-//! .unwrap();
-//! let limits = Limits::start(config).await;
+//! let config = RoutesConfig::parse("limits.yaml", "resources:\n  api: { kind: rate, capacity: 2/s, burst: 2, shadow: true }\n")?;
+//! let limits = Limits::start(config).await?;
 //! let hello = tower::service_fn(|_req: http::Request<String>| async {
 //!     Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(bytes::Bytes::from("hello"))))
 //! });
-//! let svc = ServiceBuilder::new().layer(limits.layer("api").unwrap()).service(hello);
+//! let svc = ServiceBuilder::new().layer(limits.layer("api")?).service(hello);
 //! for _ in 0..3 {
-//!     let resp = svc.clone().oneshot(http::Request::new(String::new())).await.unwrap();
+//!     let resp = svc.clone().oneshot(http::Request::new(String::new())).await?;
 //!     assert_eq!(resp.status(), 200);
 //! }
-//! assert_eq!(limits.outcomes("api").unwrap().shadow_refused, 1);
+//! assert_eq!(limits.outcomes("api").map(|o| o.shadow_refused), Some(1));
 //! limits.shutdown().await;
-//! # });
+//! # Ok::<_, Box<dyn std::error::Error>>(())
+//! # }).unwrap();
 //! ```
 
 use std::collections::HashMap;
@@ -183,11 +184,13 @@ use crate::respond::{self, ProxyError};
 use crate::{enforcer as lease, feedback, pushback, settle};
 use usher_core::clock::Clock;
 use usher_core::config::doorman::PushbackConfig;
-use usher_core::config::routes::{RoutesConfig, SettleFrom};
+use usher_core::config::routes::SettleFrom;
 use usher_lease::LeaseClient;
 use usher_limit::LeaseTable;
 use usher_limit::admit::{self, Admission, Admitted, Plan, Reason, Shadow};
 
+pub use crate::enforcer::EmbeddedServerOff;
+pub use usher_core::config::routes::RoutesConfig;
 pub use usher_limit::Refused;
 
 /// How long [`Limits::start`] waits for the first leases before enforcing
@@ -199,8 +202,13 @@ pub const FIRST_LEASE_WAIT: Duration = crate::FIRST_LEASE_WAIT;
 pub enum Source {
     /// An in-process capacity server, configured from the resources' capacities.
     Embedded,
-    /// These Doorman (or `usher server`) addresses, as `client_id`.
-    Remote { servers: Vec<String>, client_id: String },
+    /// Doorman (or `usher server`) servers.
+    Remote {
+        /// Their addresses.
+        servers: Vec<String>,
+        /// The id these limits lease as.
+        client_id: String,
+    },
 }
 
 /// The lease-client handle: the resources it enforces and the lease client
@@ -225,8 +233,9 @@ impl Limits {
     /// Starts enforcing `config`'s resources and leasing their capacity;
     /// returns once the first leases are in, or after [`FIRST_LEASE_WAIT`]
     /// (from then on a key without a lease follows its `on_expiry`).
-    /// Needs a tokio runtime.
-    pub async fn start(config: RoutesConfig) -> Limits {
+    /// Needs a tokio runtime. Fails only without the `embedded-server`
+    /// feature, for a `config` without `doorman:`.
+    pub async fn start(config: RoutesConfig) -> Result<Limits, EmbeddedServerOff> {
         let clock = Clock::system();
         let table = Arc::new(LeaseTable::new(clock.clone()));
         table.configure(route::specs(&config));
@@ -247,10 +256,10 @@ impl Limits {
         let source = config.clone();
         let stop = CancellationToken::new();
         let (client, task) =
-            lease::start_with(Arc::new(move || source.clone()), table.clone(), pushback, &registry, stop.clone());
+            lease::start_with(Arc::new(move || source.clone()), table.clone(), pushback, &registry, stop.clone())?;
         // Every key leased (at once from a cache), or the first call answered or failed, or the wait over.
         client.ready(FIRST_LEASE_WAIT).await;
-        Limits {
+        Ok(Limits {
             inner: Arc::new(Inner {
                 config,
                 table,
@@ -260,7 +269,7 @@ impl Limits {
                 stop,
                 task: std::sync::Mutex::new(Some(task)),
             }),
-        }
+        })
     }
 
     /// Where capacity comes from.
@@ -422,11 +431,11 @@ impl Permit {
 
 // === impl Resource ===
 
-/// What every layer of one [`Limits`] shares; never the lease client, which
-/// a layer does not keep running.
 /// The route label of embed's settle counters (`usher_proxy_settles_total`).
 const EMBED_ROUTE: &str = "embed";
 
+/// What every layer of one [`Limits`] shares; never the lease client, which
+/// a layer does not keep running.
 struct Shared {
     clock: Clock,
     table: Arc<LeaseTable>,
@@ -622,7 +631,7 @@ where
             match this.state.as_mut().project() {
                 StateProj::Answered { resp } => {
                     let resp = resp.take().expect("polled after completion");
-                    return Poll::Ready(Ok(resp.map(|body| LimitBody::Refused { body })));
+                    return Poll::Ready(Ok(resp.map(LimitBody::refused)));
                 }
                 StateProj::Admitting { admission, pending, grpc } => {
                     let grpc = *grpc;
@@ -645,7 +654,7 @@ where
                         this.resource.answered(this.plan, &resp);
                     }
                     let permit = permit.take();
-                    return Poll::Ready(Ok(resp.map(|body| LimitBody::Admitted { body, permit })));
+                    return Poll::Ready(Ok(resp.map(|body| LimitBody::admitted(body, permit))));
                 }
             }
         }
@@ -655,10 +664,27 @@ where
 pin_project! {
     /// A limited service's response body: the inner one, holding the
     /// request's [`Permit`] (gauge capacity) until it ends, or a refusal's.
+    pub struct LimitBody<B> {
+        #[pin]
+        inner: BodyInner<B>,
+    }
+}
+
+pin_project! {
     #[project = BodyProj]
-    pub enum LimitBody<B> {
+    enum BodyInner<B> {
         Admitted { #[pin] body: B, permit: Option<Permit> },
         Refused { #[pin] body: ProxyBody },
+    }
+}
+
+impl<B> LimitBody<B> {
+    fn admitted(body: B, permit: Option<Permit>) -> Self {
+        LimitBody { inner: BodyInner::Admitted { body, permit } }
+    }
+
+    fn refused(body: ProxyBody) -> Self {
+        LimitBody { inner: BodyInner::Refused { body } }
     }
 }
 
@@ -671,7 +697,7 @@ where
     type Error = BoxError;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.project() {
+        match self.project().inner.project() {
             BodyProj::Admitted { body, permit } => {
                 let frame = ready!(body.poll_frame(cx));
                 if !matches!(frame, Some(Ok(_))) {
@@ -684,19 +710,30 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        match self {
-            LimitBody::Admitted { body, .. } => body.is_end_stream(),
-            LimitBody::Refused { body } => body.is_end_stream(),
+        match &self.inner {
+            BodyInner::Admitted { body, .. } => body.is_end_stream(),
+            BodyInner::Refused { body } => body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self {
-            LimitBody::Admitted { body, .. } => body.size_hint(),
-            LimitBody::Refused { body } => body.size_hint(),
+        match &self.inner {
+            BodyInner::Admitted { body, .. } => body.size_hint(),
+            BodyInner::Refused { body } => body.size_hint(),
         }
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "embedded-server"))]
 mod tests;
+
+#[cfg(all(test, not(feature = "embedded-server")))]
+mod without_the_embedded_server {
+    use super::*;
+
+    #[tokio::test]
+    async fn limits_without_doorman_do_not_start() {
+        let config = RoutesConfig::parse("embed.yaml", "resources:\n  api: { kind: rate, capacity: 1/s }\n").unwrap();
+        assert_eq!(Limits::start(config).await.err(), Some(EmbeddedServerOff));
+    }
+}

@@ -3,7 +3,9 @@
 //! section the sidecar starts an embedded capacity server (the same code as
 //! `usher server`) configured from the resources' capacities, and leases from
 //! it through the same refresher, so the single-machine default runs the
-//! production path.
+//! production path. The embedded server is the `embedded-server` feature
+//! (on by default); without it a routes file needs `doorman:`
+//! ([`EmbeddedServerOff`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,29 +17,38 @@ use tokio_util::sync::CancellationToken;
 use super::pushback::Pushback;
 use usher_core::clock::Time;
 use usher_core::config::doorman::{LeaseSettings, Wants};
-use usher_core::config::resources::{Algorithm, ResourcesConfig, Template};
-use usher_core::config::routes::{ResourceKind, RoutesConfig, Segment};
+use usher_core::config::routes::{ResourceKind, RoutesConfig};
+#[cfg(feature = "embedded-server")]
+use usher_core::config::{
+    resources::{Algorithm, ResourcesConfig, Template},
+    routes::Segment,
+};
 use usher_lease::backoff::BackoffConfig;
 use usher_lease::core::{Capacity, CoreConfig, DemandUpdate, KeyDemand, Mode, OnExpiry};
 use usher_lease::driver::{Enforcer, LeaseClient, Runs, ServerSaid};
 use usher_lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, Transport};
 use usher_limit::LeaseTable;
+#[cfg(feature = "embedded-server")]
 use usher_server::{LocalTransport, Node};
 
 /// The embedded server's address in the in-process transport.
+#[cfg(feature = "embedded-server")]
 pub const EMBEDDED: &str = "embedded";
 /// How often the lease client may refresh early from the embedded server.
 const EMBEDDED_MIN_INTERVAL: Duration = Duration::from_millis(100);
-/// The embedded server's refresh interval and lease length. Its only client
-/// is this sidecar, so a refresh changes nothing that an early ask would not
-/// (new keys and demand away from the lease ask at once, a reloaded
-/// capacity by [`TableEnforcer::demand`]): long, so an idle
-/// sidecar wakes for its leases once an hour.
-pub const EMBEDDED_REFRESH_INTERVAL: Duration = Duration::from_secs(3600);
-pub const EMBEDDED_LEASE_LENGTH: Duration = Duration::from_secs(3 * 3600);
+/// The embedded server's refresh interval. Its only client is this
+/// sidecar, so a refresh changes nothing that an early ask would not (new
+/// keys and demand away from the lease ask at once, a reloaded capacity by
+/// [`TableEnforcer::demand`]): long, so an idle sidecar wakes for its
+/// leases once an hour.
+#[cfg(feature = "embedded-server")]
+const EMBEDDED_REFRESH_INTERVAL: Duration = Duration::from_secs(3600);
+/// The embedded server's lease length: three refresh intervals.
+#[cfg(feature = "embedded-server")]
+const EMBEDDED_LEASE_LENGTH: Duration = Duration::from_secs(3 * 3600);
 /// The window over which a rate resource's demand is measured: short, so
 /// that wants follow demand up and down within a refresh or two.
-pub const DEMAND_WINDOW: Duration = Duration::from_secs(2);
+const DEMAND_WINDOW: Duration = Duration::from_secs(2);
 /// How long the peak in flight of a gauge is remembered.
 const PEAK_WINDOW: Duration = Duration::from_secs(10);
 
@@ -57,7 +68,7 @@ struct KeyMemory {
 /// A slow key's demand is measured over this long (from `LONG_WINDOW` to
 /// twice as long ago): a key used at under a request a second often has no
 /// request in [`DEMAND_WINDOW`], and read there it asked for 0.
-pub const LONG_WINDOW: Duration = Duration::from_secs(30);
+const LONG_WINDOW: Duration = Duration::from_secs(30);
 /// The short window measures the rate once it holds this many requests.
 /// Requests, not cost units: one LLM call costs hundreds of tokens, and a
 /// window holding one or two calls (and the refunds of others settled
@@ -176,9 +187,9 @@ pub struct TableEnforcer {
     /// The routes file in force (a reload changes it).
     config: ConfigSource,
     transitions: Transitions,
-    embedded: Option<Arc<Node>>,
+    /// The embedded capacity server, for a routes file without `doorman:`.
+    embedded: Option<Embedded>,
     memory: Mutex<HashMap<String, KeyMemory>>,
-    seen_config: Mutex<Option<Arc<RoutesConfig>>>,
     /// The routes file in force at the last demand read: the next one
     /// reports every key if it changed.
     read_config: Mutex<Option<Arc<RoutesConfig>>>,
@@ -199,8 +210,8 @@ pub struct TableEnforcer {
     next_idle: Mutex<Option<Time>>,
 }
 
-/// A resource's lease settings, kind and configured capacity (units per second, or in flight).
-/// A resource's lease settings, kind, capacity, and whether its id is fixed.
+/// A resource's lease settings, kind, configured capacity (units per
+/// second, or in flight), and whether its id is fixed.
 type Settings<'a> = (&'a LeaseSettings, ResourceKind, f64, bool);
 
 impl TableEnforcer {
@@ -333,24 +344,11 @@ impl TableEnforcer {
         // A new routes file may have rebuilt resources (and dropped their
         // keys): the core applies every key again once this read made them
         // (a re-apply before it, `Enforcer::rebuilt`, can miss keys not made yet).
-        let rebuilt = {
-            let mut read = self.read_config.lock().expect("enforcer config");
-            let same = read.as_ref().is_some_and(|r| Arc::ptr_eq(r, &cfg));
-            *read = Some(cfg.clone());
-            !same
-        };
+        let rebuilt = self.first_read_of(&cfg);
         let full = full || rebuilt;
         // A routes file reloaded into the embedded server: every key asks for
         // its (maybe raised) capacity now, not at its next refresh.
-        let mut reloaded = false;
-        if let Some(node) = &self.embedded {
-            let mut seen = self.seen_config.lock().expect("enforcer config");
-            if !seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &cfg)) {
-                node.store.reload(embedded_resources(&cfg));
-                reloaded = seen.is_some();
-                *seen = Some(cfg.clone());
-            }
-        }
+        let reloaded = self.embedded.as_ref().is_some_and(|e| e.reload(&cfg));
         // Fixed ids need a lease before their first request; templated keys
         // appear as requests name them.
         for r in cfg.resources.values().filter(|r| r.id.is_fixed()) {
@@ -359,14 +357,26 @@ impl TableEnforcer {
             }
         }
         self.table.settle();
+        let reading = self.read_keys(&cfg, full, reloaded);
+        activity.sleep(self.note(&reading));
+        let removed = self.forget(reading.forgotten);
+        DemandUpdate { changed: reading.demand, removed, complete: full, rebuilt }
+    }
+
+    /// Whether `cfg` is not the routes file the last demand read saw; it is from now on.
+    fn first_read_of(&self, cfg: &Arc<RoutesConfig>) -> bool {
+        let mut read = self.read_config.lock().expect("enforcer config");
+        let same = read.as_ref().is_some_and(|r| Arc::ptr_eq(r, cfg));
+        *read = Some(cfg.clone());
+        !same
+    }
+
+    /// One pass over every key: what changed since the last read (to tell a
+    /// quiet table), the keys gone idle, and the demand of the others to
+    /// report (every key's when `full`; with pressure when `reloaded`).
+    fn read_keys(&self, cfg: &RoutesConfig, full: bool, reloaded: bool) -> Reading {
         let now = self.table.clock().now();
-        // Idle keys, by resource: removed together (one copy of a resource's snapshot).
-        let mut forgotten: HashMap<String, Vec<String>> = HashMap::new();
-        // One pass over every key: what changed since the last read (to tell a quiet
-        // table), and each key's demand.
-        let (mut arrivals, mut busy, mut keys) = (0.0, false, 0);
-        let mut next_idle: Option<Time> = None;
-        let mut demand = Vec::new();
+        let mut reading = Reading::default();
         // Keys come resource by resource: its settings are looked up once per run of them.
         let mut current: Option<(&str, Option<Settings<'_>>)> = None;
         let mut mem = self.memory.lock().expect("enforcer memory");
@@ -379,16 +389,16 @@ impl TableEnforcer {
             }
         }
         self.table.each_limiter(|resource, l| {
-            arrivals += l.demand().arrivals();
-            busy |= l.demand().in_flight() > 0 || l.demand().waiters() > 0;
-            keys += 1;
+            reading.arrivals += l.demand().arrivals();
+            reading.busy |= l.demand().in_flight() > 0 || l.demand().waiters() > 0;
+            reading.keys += 1;
             let settings = match current {
                 Some((name, settings)) if name == resource => settings,
                 _ => {
                     let (name, settings) = cfg
                         .resources
                         .get_key_value(resource)
-                        .map_or((None, None), |(name, _)| (Some(name.as_str()), Self::settings(&cfg, resource)));
+                        .map_or((None, None), |(name, _)| (Some(name.as_str()), Self::settings(cfg, resource)));
                     if let Some(name) = name {
                         current = Some((name, settings));
                     }
@@ -405,10 +415,10 @@ impl TableEnforcer {
                 Some(at) if at <= now => {
                     mem.remove(l.id());
                     tracing::info!(resource, id = %l.id(), idle = ?settings.key_idle_timeout, "forgot an idle key; releasing its lease");
-                    forgotten.entry(resource.to_string()).or_default().push(l.id().to_string());
+                    reading.forgotten.entry(resource.to_string()).or_default().push(l.id().to_string());
                     return;
                 }
-                Some(at) => next_idle = Some(next_idle.map_or(at, |n| n.min(at))),
+                Some(at) => reading.next_idle = Some(reading.next_idle.map_or(at, |n| n.min(at))),
                 None => {}
             }
             let (wants, pressure) = self.wants(m, l, kind, settings, capacity, now);
@@ -417,7 +427,7 @@ impl TableEnforcer {
             let (_, fresh_quota) = l.quota(false);
             if full || m.reported != reported || fresh_quota {
                 m.reported = reported;
-                demand.push(KeyDemand {
+                reading.demand.push(KeyDemand {
                     resource_id: l.id().to_string(),
                     priority: settings.priority,
                     wants,
@@ -428,14 +438,24 @@ impl TableEnforcer {
                 });
             }
         });
-        drop(mem);
-        let reading = (arrivals, keys);
+        reading
+    }
+
+    /// Keeps what `reading` found for the next read and the lease client;
+    /// returns whether nothing happened since the last read (quiet).
+    fn note(&self, reading: &Reading) -> bool {
+        let seen = (reading.arrivals, reading.keys);
         let mut last = self.last.lock().expect("enforcer reading");
-        let quiet = !busy && forgotten.is_empty() && !self.pushback.any() && *last == Some(reading);
-        *last = Some(reading);
+        let quiet = !reading.busy && reading.forgotten.is_empty() && !self.pushback.any() && *last == Some(seen);
+        *last = Some(seen);
         self.quiet.store(quiet, Ordering::Relaxed);
-        *self.next_idle.lock().expect("enforcer next idle") = next_idle;
-        activity.sleep(quiet);
+        *self.next_idle.lock().expect("enforcer next idle") = reading.next_idle;
+        quiet
+    }
+
+    /// Removes the keys gone idle, by resource (one copy of a resource's
+    /// snapshot), and returns the ids whose leases are to be released.
+    fn forget(&self, forgotten: HashMap<String, Vec<String>>) -> Vec<String> {
         let mut removed = Vec::new();
         for (resource, ids) in forgotten {
             if let Some(limits) = self.table.resource(&resource) {
@@ -444,8 +464,25 @@ impl TableEnforcer {
             // A templated id another resource also made keeps its lease for that one.
             removed.extend(ids.into_iter().filter(|id| !self.table.contains(id)));
         }
-        DemandUpdate { changed: demand, removed, complete: full, rebuilt }
+        removed
     }
+}
+
+/// What one demand read found over every key.
+#[derive(Default)]
+struct Reading {
+    /// Every key's arrivals so far.
+    arrivals: f64,
+    /// Whether any key had a request in flight or waiting.
+    busy: bool,
+    /// How many keys there were.
+    keys: usize,
+    /// When the next templated key becomes idle, if none is used until then.
+    next_idle: Option<Time>,
+    /// The keys whose demand is reported.
+    demand: Vec<KeyDemand>,
+    /// The idle keys, by resource: removed together.
+    forgotten: HashMap<String, Vec<String>>,
 }
 
 impl Enforcer for TableEnforcer {
@@ -533,6 +570,7 @@ fn on_expiry(o: usher_core::config::doorman::OnExpiry) -> OnExpiry {
 /// The embedded server's resources: one template per routes-file resource,
 /// its capacity the resource's total, shared FAIR_SHARE; templated ids become
 /// globs (`github/{header.x-tenant}` → `github/*`).
+#[cfg(feature = "embedded-server")]
 pub fn embedded_resources(cfg: &RoutesConfig) -> ResourcesConfig {
     let algorithm = Algorithm {
         kind: usher_core::config::resources::Kind::FairShare,
@@ -597,63 +635,26 @@ fn min_interval(cfg: &RoutesConfig) -> Duration {
 pub type ConfigSource = Arc<dyn Fn() -> Arc<RoutesConfig> + Send + Sync>;
 
 /// Starts a lease client for `table`, whose resources `config` describes
-/// (and whose `doorman:` section, or its absence, says where capacity comes from).
+/// (and whose `doorman:` section, or its absence, says where capacity comes
+/// from). Fails only without the `embedded-server` feature, for a routes
+/// file without `doorman:`.
 pub fn start_with(
     config: ConfigSource,
     table: Arc<LeaseTable>,
     pushback: Arc<Pushback>,
     registry: &prometheus::Registry,
     shutdown: CancellationToken,
-) -> (LeaseClient, tokio::task::JoinHandle<()>) {
+) -> Result<(LeaseClient, tokio::task::JoinHandle<()>), EmbeddedServerOff> {
     let cfg = config();
     let clock = table.clock().clone();
-    let (core_cfg, transport, embedded, cache): (CoreConfig, Arc<dyn Transport>, Option<Arc<Node>>, _) = match &cfg
-        .doorman
-    {
+    let (core_cfg, transport, embedded, cache) = match &cfg.doorman {
         Some(d) => {
-            let mut c = CoreConfig::new(d.client_id.clone(), d.servers.clone());
-            c.jitter = d.jitter;
-            c.min_interval = d.min_interval;
-            c.backoff = BackoffConfig {
-                initial: d.backoff.initial,
-                max: d.backoff.max,
-                multiplier: d.backoff.multiplier,
-                randomization: d.backoff.randomization,
-                ..BackoffConfig::default()
-            };
-            tracing::info!(servers = %d.servers.join(","), client_id = %d.client_id, "leasing capacity from Doorman servers");
-            let tls = d.tls.as_ref().map(|files| {
-                // Checked when the routes file was read; a file that went bad since is
-                // reported on every call, in the log and on the status page.
-                usher_core::tls::ClientTls::load(files).map_err(|e| format!("doorman.tls: {}: {}", e.path, e.reason))
-            });
-            if let Some(files) = &d.tls {
-                tracing::info!(ca = %files.ca.display(), client_cert = files.cert.is_some(), "capacity servers over TLS");
-            }
-            let transport = GrpcTransport::new(DEFAULT_RPC_TIMEOUT, DEFAULT_CONNECT_TIMEOUT).with_tls(tls);
-            (c, Arc::new(transport), None, d.cache_file.clone())
+            let (c, transport) = remote(d);
+            (c, transport, None, d.cache_file.clone())
         }
         None => {
-            let mut node = Node::new(
-                EMBEDDED.into(),
-                "<embedded: the routes file's capacities>".into(),
-                embedded_resources(&cfg),
-                clock.clone(),
-                Duration::ZERO,
-                prometheus::Registry::new(),
-            );
-            // The routes file's max_keys already bound the keys; the embedded server
-            // takes every one of them (a standalone server's --max-resources does not
-            // apply), from its one client, this sidecar.
-            node.store
-                .set_limits(usher_server::store::Limits { max_resources: usize::MAX, max_clients_per_resource: 1 });
-            let node = Arc::new(node);
-            let local = LocalTransport::new();
-            local.add(EMBEDDED, node.clone());
-            let mut c = CoreConfig::new(usher_core::config::doorman::default_client_id(), vec![EMBEDDED.into()]);
-            c.min_interval = min_interval(&cfg);
-            tracing::info!("no `doorman:` section: leasing from an embedded capacity server");
-            (c, Arc::new(local), Some(node), None)
+            let (c, transport, embedded) = Embedded::start(&cfg, &clock)?;
+            (c, transport, Some(embedded), None)
         }
     };
     let transitions = Transitions::default();
@@ -665,7 +666,6 @@ pub fn start_with(
         transitions,
         embedded,
         memory: Mutex::new(HashMap::new()),
-        seen_config: Mutex::new(None),
         read_config: Mutex::new(None),
         applied_config: Mutex::new(None),
         client: Mutex::new(None),
@@ -682,7 +682,121 @@ pub fn start_with(
         shutdown.cancelled().await;
         enforcer.client.lock().expect("enforcer client").take();
     });
-    (client, task)
+    Ok((client, task))
+}
+
+/// The lease client's settings and transport for the capacity servers `d` names.
+fn remote(d: &usher_core::config::doorman::DoormanConfig) -> (CoreConfig, Arc<dyn Transport>) {
+    let mut c = CoreConfig::new(d.client_id.clone(), d.servers.clone());
+    c.jitter = d.jitter;
+    c.min_interval = d.min_interval;
+    c.backoff = BackoffConfig {
+        initial: d.backoff.initial,
+        max: d.backoff.max,
+        multiplier: d.backoff.multiplier,
+        randomization: d.backoff.randomization,
+        ..BackoffConfig::default()
+    };
+    tracing::info!(servers = %d.servers.join(","), client_id = %d.client_id, "leasing capacity from Doorman servers");
+    let tls = d.tls.as_ref().map(|files| {
+        // Checked when the routes file was read; a file that went bad since is
+        // reported on every call, in the log and on the status page.
+        usher_core::tls::ClientTls::load(files).map_err(|e| format!("doorman.tls: {}: {}", e.path, e.reason))
+    });
+    if let Some(files) = &d.tls {
+        tracing::info!(ca = %files.ca.display(), client_cert = files.cert.is_some(), "capacity servers over TLS");
+    }
+    let transport = GrpcTransport::new(DEFAULT_RPC_TIMEOUT, DEFAULT_CONNECT_TIMEOUT).with_tls(tls);
+    (c, Arc::new(transport))
+}
+
+// === impl Embedded ===
+
+/// A routes file without `doorman:` needs the embedded capacity server,
+/// which this build leaves out: usher-enforce's `embedded-server` feature is off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the routes file has no `doorman:` section, and usher-enforce was built without its `embedded-server` feature: \
+     add `doorman:` to lease capacity from usher or Doorman servers, or enable the `embedded-server` feature"
+)]
+pub struct EmbeddedServerOff;
+
+/// Bad configuration: exit code 64 (`EX_USAGE`).
+impl From<EmbeddedServerOff> for usher_core::error::RunError {
+    fn from(e: EmbeddedServerOff) -> Self {
+        usher_core::error::RunError::Usage(e.to_string())
+    }
+}
+
+/// The embedded capacity server, for a routes file without `doorman:`.
+#[cfg(feature = "embedded-server")]
+struct Embedded {
+    node: Arc<Node>,
+    /// The routes file last loaded into it.
+    seen: Mutex<Option<Arc<RoutesConfig>>>,
+}
+
+/// Without the `embedded-server` feature there is none.
+#[cfg(not(feature = "embedded-server"))]
+enum Embedded {}
+
+#[cfg(feature = "embedded-server")]
+impl Embedded {
+    /// Starts the embedded capacity server for `cfg`'s resources; returns
+    /// the lease client's settings and the in-process transport to it.
+    fn start(
+        cfg: &RoutesConfig,
+        clock: &usher_core::clock::Clock,
+    ) -> Result<(CoreConfig, Arc<dyn Transport>, Embedded), EmbeddedServerOff> {
+        let mut node = Node::new(
+            EMBEDDED.into(),
+            "<embedded: the routes file's capacities>".into(),
+            embedded_resources(cfg),
+            clock.clone(),
+            Duration::ZERO,
+            prometheus::Registry::new(),
+        );
+        // The routes file's max_keys already bound the keys; the embedded server
+        // takes every one of them (a standalone server's --max-resources does not
+        // apply), from its one client, this sidecar.
+        node.store.set_limits(usher_server::store::Limits { max_resources: usize::MAX, max_clients_per_resource: 1 });
+        let node = Arc::new(node);
+        let local = LocalTransport::new();
+        local.add(EMBEDDED, node.clone());
+        let mut c = CoreConfig::new(usher_core::config::doorman::default_client_id(), vec![EMBEDDED.into()]);
+        c.min_interval = min_interval(cfg);
+        tracing::info!("no `doorman:` section: leasing from an embedded capacity server");
+        Ok((c, Arc::new(local), Embedded { node, seen: Mutex::new(None) }))
+    }
+
+    /// Loads `cfg` into the server unless it already holds it; true when
+    /// that replaced an earlier routes file (a reload).
+    fn reload(&self, cfg: &Arc<RoutesConfig>) -> bool {
+        let mut seen = self.seen.lock().expect("enforcer config");
+        if seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, cfg)) {
+            return false;
+        }
+        self.node.store.reload(embedded_resources(cfg));
+        let reloaded = seen.is_some();
+        *seen = Some(cfg.clone());
+        reloaded
+    }
+}
+
+#[cfg(not(feature = "embedded-server"))]
+impl Embedded {
+    /// Fails: this build has no embedded server.
+    fn start(
+        _cfg: &RoutesConfig,
+        _clock: &usher_core::clock::Clock,
+    ) -> Result<(CoreConfig, Arc<dyn Transport>, Embedded), EmbeddedServerOff> {
+        Err(EmbeddedServerOff)
+    }
+
+    /// Never called: there is no `Embedded` to call it on.
+    fn reload(&self, _cfg: &Arc<RoutesConfig>) -> bool {
+        match *self {}
+    }
 }
 
 // === impl Transitions ===
@@ -839,7 +953,6 @@ mod tests {
             transitions: Transitions::default(),
             embedded: None,
             memory: Mutex::new(HashMap::new()),
-            seen_config: Mutex::new(None),
             read_config: Mutex::new(None),
             applied_config: Mutex::new(None),
             client: Mutex::new(None),
@@ -848,6 +961,27 @@ mod tests {
             next_idle: Mutex::new(None),
         };
         (e, time)
+    }
+
+    /// Without the embedded server, a routes file without `doorman:` is an
+    /// error that says what to do (exit code 64), and nothing starts.
+    #[cfg(not(feature = "embedded-server"))]
+    #[test]
+    fn without_the_embedded_server_a_routes_file_needs_doorman() {
+        let cfg =
+            Arc::new(RoutesConfig::parse("routes.yaml", "resources:\n  api: { kind: rate, capacity: 1/s }\n").unwrap());
+        let table = Arc::new(LeaseTable::new(Clock::system()));
+        table.configure(crate::resource::specs(&cfg));
+        let registry = prometheus::Registry::new();
+        let pushback = Arc::new(Pushback::new(&registry));
+        let started = start_with(Arc::new(move || cfg.clone()), table, pushback, &registry, CancellationToken::new());
+        let err = started.err().expect("an error, not a lease client");
+        let said = err.to_string();
+        assert!(
+            said.contains("no `doorman:` section") && said.contains("enable the `embedded-server` feature"),
+            "{said}"
+        );
+        assert_eq!(usher_core::error::RunError::from(err).exit_code(), usher_core::error::EXIT_USAGE);
     }
 
     /// The ids an update reports as changed, sorted, and its wants by id.

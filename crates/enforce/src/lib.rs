@@ -13,6 +13,31 @@
 //!   it (the upstream's quota headers, the cost it reports).
 //! - [`respond`]: the one place a refusal or an error becomes an answer.
 //! - [`metrics`]: the counters of routes, resources and settled costs.
+//!
+//! # In a Rust service
+//!
+//! A service depends on this crate alone; neither the sidecar nor the
+//! capacity server's binary is needed:
+//!
+//! ```toml
+//! [dependencies]
+//! # Leases from the servers `doorman:` names, or without it from an
+//! # embedded capacity server (the `embedded-server` feature, on by default).
+//! usher-enforce = { path = "../usher/crates/enforce" }
+//! ```
+//!
+//! A service that always leases from servers leaves the embedded one, and
+//! the usher-server crate, out. A routes file without `doorman:` is then an
+//! error ([`EmbeddedServerOff`]):
+//!
+//! ```toml
+//! [dependencies]
+//! usher-enforce = { path = "../usher/crates/enforce", default-features = false }
+//! ```
+//!
+//! [`embed`] shows the API. `examples/axum_limited.rs` is an axum service
+//! that leases from a real `usher server`:
+//! `cargo run -p usher-enforce --example axum_limited -- --server HOST:PORT`.
 
 #![warn(missing_docs, unreachable_pub)]
 
@@ -26,7 +51,7 @@ pub mod respond;
 pub mod settle;
 
 pub use embed::{LimitLayer, Limits, Refusal};
-pub use enforcer::TableEnforcer;
+pub use enforcer::{EmbeddedServerOff, TableEnforcer};
 
 /// How long start-up waits for the first leases before accepting requests
 /// (no wait when every key has a cached lease); then keys follow `on_expiry`.

@@ -2,163 +2,129 @@
 //! Labels are bounded: route and resource names from the routes file, and
 //! upstream names (or, for passthrough, the origin authority).
 
+use prometheus::core::Collector;
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
 
 use usher_limit::LeaseTable;
 
+/// Every series of the sidecar's requests, resources and routes files.
 pub struct Metrics {
+    /// The registry every series here is registered in.
     pub registry: Registry,
     /// By route and outcome: admitted, paced, refused, upstream_error,
     /// client_timeout, no_route.
     pub requests: IntCounterVec,
     /// By resource and outcome: admitted, paced, refused.
     pub resource_requests: IntCounterVec,
+    /// How long admitted requests waited for capacity, by resource.
     pub wait_seconds: HistogramVec,
+    /// Requests in flight, by route.
     pub in_flight: IntGaugeVec,
+    /// Time until the upstream's response head, by upstream.
     pub upstream_seconds: HistogramVec,
     /// Response bodies that failed after their headers were sent, by route.
     pub body_errors: IntCounterVec,
+    /// Routes files applied.
     pub config_reloads: IntCounter,
+    /// Routes files rejected.
     pub config_reload_errors: IntCounter,
     /// HTTP/1.1 requests the native path handed to the general one, by reason.
     pub http1_handoffs: IntCounterVec,
     /// Answers read for a settled cost, by route, resource and outcome.
     settles: IntCounterVec,
-    capacity: prometheus::GaugeVec,
-    demand: prometheus::GaugeVec,
+    capacity: GaugeVec,
+    demand: GaugeVec,
     /// The upstream's own account of its quota, by resource and field.
-    upstream_quota: prometheus::GaugeVec,
+    upstream_quota: GaugeVec,
     resource_in_flight: IntGaugeVec,
     waiters: IntGaugeVec,
     keys: IntGaugeVec,
 }
 
+/// The buckets of `usher_proxy_wait_seconds`, in seconds.
+const WAIT_BUCKETS: [f64; 13] = [0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
 impl Metrics {
+    /// Makes every series and registers it in `registry`. Panics if the
+    /// registry already holds one of these names.
     pub fn new(registry: Registry) -> Self {
-        let requests = IntCounterVec::new(
-            Opts::new("usher_proxy_requests_total", "Requests by route and outcome"),
-            &["route", "outcome"],
-        )
-        .expect("metric");
-        let resource_requests = IntCounterVec::new(
-            Opts::new("usher_proxy_resource_requests_total", "Admission decisions by resource and outcome"),
-            &["resource", "outcome"],
-        )
-        .expect("metric");
-        let wait_seconds = HistogramVec::new(
-            HistogramOpts::new("usher_proxy_wait_seconds", "Time admitted requests waited for capacity")
-                .buckets(vec![0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
-            &["resource"],
-        )
-        .expect("metric");
-        let in_flight = IntGaugeVec::new(Opts::new("usher_proxy_in_flight", "Requests in flight by route"), &["route"])
-            .expect("metric");
-        let upstream_seconds = HistogramVec::new(
-            HistogramOpts::new("usher_proxy_upstream_seconds", "Time until upstream response headers"),
-            &["upstream"],
-        )
-        .expect("metric");
-        let body_errors = IntCounterVec::new(
-            Opts::new(
+        let r = &registry;
+        Metrics {
+            // Requests, by route.
+            requests: counters(r, "usher_proxy_requests_total", "Requests by route and outcome", &["route", "outcome"]),
+            in_flight: register(
+                r,
+                IntGaugeVec::new(Opts::new("usher_proxy_in_flight", "Requests in flight by route"), &["route"]),
+            ),
+            body_errors: counters(
+                r,
                 "usher_proxy_response_body_errors_total",
                 "Responses whose body failed after the headers were sent (upstream reset mid-body)",
+                &["route"],
             ),
-            &["route"],
-        )
-        .expect("metric");
-        let config_reloads =
-            IntCounter::new("usher_proxy_config_reloads_total", "Routes files applied").expect("metric");
-        let config_reload_errors =
-            IntCounter::new("usher_proxy_config_reload_errors_total", "Routes files rejected").expect("metric");
-        let http1_handoffs = IntCounterVec::new(
-            Opts::new(
+            // Admission, by resource.
+            resource_requests: counters(
+                r,
+                "usher_proxy_resource_requests_total",
+                "Admission decisions by resource and outcome",
+                &["resource", "outcome"],
+            ),
+            wait_seconds: histograms(
+                r,
+                HistogramOpts::new("usher_proxy_wait_seconds", "Time admitted requests waited for capacity")
+                    .buckets(WAIT_BUCKETS.to_vec()),
+                &["resource"],
+            ),
+            // Upstreams.
+            upstream_seconds: histograms(
+                r,
+                HistogramOpts::new("usher_proxy_upstream_seconds", "Time until upstream response headers"),
+                &["upstream"],
+            ),
+            // The routes file, and the HTTP/1.1 engines.
+            config_reloads: register(r, IntCounter::new("usher_proxy_config_reloads_total", "Routes files applied")),
+            config_reload_errors: register(
+                r,
+                IntCounter::new("usher_proxy_config_reload_errors_total", "Routes files rejected"),
+            ),
+            http1_handoffs: counters(
+                r,
                 "usher_proxy_http1_handoffs_total",
                 "HTTP/1.1 connections the native path handed to the general (hyper) path, by the request that made it",
+                &["reason"],
             ),
-            &["reason"],
-        )
-        .expect("metric");
-        let settles = IntCounterVec::new(
-            Opts::new(
+            // Settled costs.
+            settles: counters(
+                r,
                 "usher_proxy_settles_total",
                 "Answers read for a cost settled from the response, by route, resource and outcome (settled, or why not)",
+                &["route", "resource", "outcome"],
             ),
-            &["route", "resource", "outcome"],
-        )
-        .expect("metric");
-        let capacity = prometheus::GaugeVec::new(
-            Opts::new("usher_proxy_capacity", "Current capacity per resource, summed over its keys"),
-            &["resource"],
-        )
-        .expect("metric");
-        let demand = prometheus::GaugeVec::new(
-            Opts::new("usher_proxy_demand", "Smoothed arrivals per second per resource (admitted, paced and refused)"),
-            &["resource"],
-        )
-        .expect("metric");
-        let upstream_quota = prometheus::GaugeVec::new(
-            Opts::new(
+            // Per-resource gauges, refreshed at scrape time (`observe_table`).
+            capacity: gauges(
+                r,
+                "usher_proxy_capacity",
+                "Current capacity per resource, summed over its keys",
+                &["resource"],
+            ),
+            demand: gauges(
+                r,
+                "usher_proxy_demand",
+                "Smoothed arrivals per second per resource (admitted, paced and refused)",
+                &["resource"],
+            ),
+            upstream_quota: gauges(
+                r,
                 "usher_proxy_upstream_quota",
                 "The upstream's latest account of its quota, from its rate limit headers: limit, remaining, reset_seconds",
+                &["resource", "field"],
             ),
-            &["resource", "field"],
-        )
-        .expect("metric");
-        let resource_in_flight = IntGaugeVec::new(
-            Opts::new("usher_proxy_resource_in_flight", "Requests in flight per resource"),
-            &["resource"],
-        )
-        .expect("metric");
-        let waiters = IntGaugeVec::new(
-            Opts::new("usher_proxy_waiters", "Requests waiting for capacity per resource"),
-            &["resource"],
-        )
-        .expect("metric");
-        let keys = IntGaugeVec::new(
-            Opts::new("usher_proxy_resource_keys", "Distinct ids tracked per resource"),
-            &["resource"],
-        )
-        .expect("metric");
-        for c in [
-            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(resource_requests.clone()),
-            Box::new(wait_seconds.clone()),
-            Box::new(in_flight.clone()),
-            Box::new(upstream_seconds.clone()),
-            Box::new(body_errors.clone()),
-            Box::new(config_reloads.clone()),
-            Box::new(config_reload_errors.clone()),
-            Box::new(http1_handoffs.clone()),
-            Box::new(settles.clone()),
-            Box::new(capacity.clone()),
-            Box::new(demand.clone()),
-            Box::new(upstream_quota.clone()),
-            Box::new(resource_in_flight.clone()),
-            Box::new(waiters.clone()),
-            Box::new(keys.clone()),
-        ] {
-            registry.register(c).expect("metric names are unique");
-        }
-        Metrics {
+            resource_in_flight: int_gauges(r, "usher_proxy_resource_in_flight", "Requests in flight per resource"),
+            waiters: int_gauges(r, "usher_proxy_waiters", "Requests waiting for capacity per resource"),
+            keys: int_gauges(r, "usher_proxy_resource_keys", "Distinct ids tracked per resource"),
             registry,
-            requests,
-            resource_requests,
-            wait_seconds,
-            in_flight,
-            upstream_seconds,
-            body_errors,
-            config_reloads,
-            config_reload_errors,
-            http1_handoffs,
-            settles,
-            capacity,
-            demand,
-            upstream_quota,
-            resource_in_flight,
-            waiters,
-            keys,
         }
     }
 
@@ -225,28 +191,63 @@ impl Metrics {
     }
 }
 
+/// Registers the series `made`; panics when it cannot be made or its name is taken.
+fn register<C: Collector + Clone + 'static>(registry: &Registry, made: prometheus::Result<C>) -> C {
+    let c = made.expect("metric");
+    registry.register(Box::new(c.clone())).expect("metric names are unique");
+    c
+}
+
+fn counters(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    register(registry, IntCounterVec::new(Opts::new(name, help), labels))
+}
+
+fn histograms(registry: &Registry, opts: HistogramOpts, labels: &[&str]) -> HistogramVec {
+    register(registry, HistogramVec::new(opts, labels))
+}
+
+fn gauges(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    register(registry, GaugeVec::new(Opts::new(name, help), labels))
+}
+
+/// Gauges of whole numbers, by resource.
+fn int_gauges(registry: &Registry, name: &str, help: &str) -> IntGaugeVec {
+    register(registry, IntGaugeVec::new(Opts::new(name, help), &["resource"]))
+}
+
 /// A route's request counters by outcome, its in-flight gauge and its body-error counter.
 #[derive(Clone)]
 pub struct RouteMetrics {
+    /// Requests admitted at once.
     pub admitted: IntCounter,
+    /// Requests admitted after waiting for capacity.
     pub paced: IntCounter,
+    /// Requests refused.
     pub refused: IntCounter,
+    /// Requests that failed after routing (mostly the upstream's failures).
     pub upstream_error: IntCounter,
     /// The app stopped sending its request body (a 408).
     pub client_timeout: IntCounter,
+    /// Requests in flight.
     pub in_flight: IntGauge,
+    /// Response bodies that failed after their headers were sent.
     pub body_errors: IntCounter,
 }
 
 /// A resource's admission counters by outcome and its wait histogram.
 #[derive(Clone)]
 pub struct ResourceMetrics {
+    /// The resource's name.
     pub name: String,
+    /// Requests admitted at once.
     pub admitted: IntCounter,
+    /// Requests admitted after waiting for capacity.
     pub paced: IntCounter,
+    /// Requests refused.
     pub refused: IntCounter,
+    /// How long admitted requests waited.
     pub wait: Histogram,
-    upstream_quota: prometheus::GaugeVec,
+    upstream_quota: GaugeVec,
     /// The `limit`, `remaining` and `reset_seconds` series, made at the
     /// first answer that carried the upstream's quota (never for a resource
     /// without `upstream_quota`).
@@ -291,7 +292,8 @@ pub enum SettleOutcome {
 }
 
 impl SettleOutcome {
-    pub const COUNT: usize = 9;
+    /// How many outcomes there are.
+    const COUNT: usize = 9;
 
     /// The `outcome` label.
     pub fn label(self) -> &'static str {
@@ -313,7 +315,9 @@ impl SettleOutcome {
 /// use, and whether each outcome was warned about yet.
 pub struct SettleMetrics {
     vec: IntCounterVec,
+    /// The route's name.
     pub route: String,
+    /// The resource's name.
     pub resource: String,
     counts: [std::sync::OnceLock<IntCounter>; SettleOutcome::COUNT],
     warned: [std::sync::atomic::AtomicBool; SettleOutcome::COUNT],

@@ -9,7 +9,7 @@
 //! The rate a key recovers to is the capacity it had when the pushback
 //! began, never more than its lease grants now. The lease follows: a key
 //! asks for nothing while a hold has longer to run than getting the lease
-//! back takes ([`relet_lead`]), so the capacity flows to sidecars whose
+//! back takes (`relet_lead`), so the capacity flows to sidecars whose
 //! upstream is not pushing back, and then asks for its earlier capacity back
 //! so that it is in hand when the hold ends. After a pushback without
 //! `Retry-After` it asks only for its share of it.
@@ -28,11 +28,11 @@ use usher_core::config::doorman::PushbackConfig;
 use usher_limit::Limiter;
 
 /// The smallest factor a key backs off to.
-pub const MIN_FACTOR: f64 = 0.01;
+const MIN_FACTOR: f64 = 0.01;
 /// A key with no pushback for this long, counted from the end of its hold,
 /// is fully recovered, even if too little traffic passed to count
 /// `recover_after` successes.
-pub const QUIET_RECOVERY: Duration = Duration::from_secs(5);
+const QUIET_RECOVERY: Duration = Duration::from_secs(5);
 
 /// How long before a hold ends a key asks for its lease back: its own early
 /// refresh (`min_interval`), a sibling's next refresh, which is what gives
@@ -40,7 +40,7 @@ pub const QUIET_RECOVERY: Duration = Duration::from_secs(5);
 /// sooner if the sibling refreshes early), and its own again. A hold shorter
 /// than this keeps the lease: giving it away would leave the key without it
 /// when the hold ends.
-pub fn relet_lead(refresh_interval: Duration, min_interval: Duration, jitter: f64) -> Duration {
+pub(crate) fn relet_lead(refresh_interval: Duration, min_interval: Duration, jitter: f64) -> Duration {
     refresh_interval.mul_f64(1.0 + jitter.max(0.0)) + min_interval * 2
 }
 
@@ -110,7 +110,9 @@ impl KeyState {
 /// One key's pushback, for status pages.
 #[derive(Debug, Clone, Serialize)]
 pub struct KeyPushback {
+    /// The key's lease id.
     pub id: String,
+    /// The share of its capacity it admits now (1 = none backed off).
     pub factor: f64,
     /// Seconds left of the upstream's `Retry-After`.
     pub hold_s: f64,
@@ -161,6 +163,8 @@ pub struct Pushback {
 }
 
 impl Pushback {
+    /// No key backed off yet; its series are registered in `registry`
+    /// (unless it already holds series of their names).
     pub fn new(registry: &prometheus::Registry) -> Self {
         let events = IntCounterVec::new(
             Opts::new("usher_proxy_pushback_total", "Upstream 429/503 answers that made a resource key back off."),
@@ -213,7 +217,13 @@ impl Pushback {
     /// What `id` should lease while pushed back, when it would otherwise want
     /// `wants`, and whether that differs enough from its lease to refresh
     /// early. None when `id` is not pushed back. `lead`: see [`relet_lead`].
-    pub fn lease_wants(&self, id: &str, wants: f64, now: Time, lead: impl FnOnce() -> Duration) -> Option<(f64, bool)> {
+    pub(crate) fn lease_wants(
+        &self,
+        id: &str,
+        wants: f64,
+        now: Time,
+        lead: impl FnOnce() -> Duration,
+    ) -> Option<(f64, bool)> {
         if self.active.load(std::sync::atomic::Ordering::Relaxed) == 0 {
             return None;
         }
@@ -341,6 +351,7 @@ impl Pushback {
         changed
     }
 
+    /// Every key backed off at `now`, by id.
     pub fn status(&self, now: Time) -> Vec<KeyPushback> {
         let mut v: Vec<KeyPushback> = self
             .keys

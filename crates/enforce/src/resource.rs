@@ -31,12 +31,15 @@ pub struct RouteResource {
     pub quota: Option<Arc<usher_core::config::quota::UpstreamQuota>>,
     /// The limiter of a fixed id, found on the first request (fixed keys are never forgotten).
     fixed: OnceLock<Arc<Limiter>>,
+    /// The resource's counters.
     pub metrics: ResourceMetrics,
 }
 
 /// Where a route resource's real cost is settled from, and its counters.
 pub struct Settle {
+    /// The answer's header or JSON path that holds the real cost.
     pub from: SettleFrom,
+    /// How settling went, by outcome.
     pub metrics: SettleMetrics,
 }
 
@@ -70,7 +73,7 @@ impl RouteResource {
 
     /// The keys of `plan` (enforced, then shadow) that are this resource's,
     /// with the cost each was charged at admission.
-    pub fn keys_in<'p>(&'p self, plan: &'p Plan) -> impl Iterator<Item = &'p (Arc<Limiter>, f64)> {
+    pub(crate) fn keys_in<'p>(&'p self, plan: &'p Plan) -> impl Iterator<Item = &'p (Arc<Limiter>, f64)> {
         plan.items.iter().chain(plan.shadow.iter()).filter(|(l, _)| self.limits.owns(l))
     }
 
@@ -136,9 +139,11 @@ pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
 /// general path) and for the native HTTP/1.1 path's parsed request head,
 /// which routes without building a header map.
 pub trait RequestView {
+    /// The request's method.
     fn method(&self) -> &Method;
     /// The host of an absolute-form target, if the request has one.
     fn uri_host(&self) -> Option<&str>;
+    /// The target's path.
     fn path(&self) -> &str;
     /// The first value of the header `name` (lower-case).
     fn header(&self, name: &str) -> Option<&[u8]>;
@@ -185,7 +190,7 @@ fn visible_ascii(v: &[u8]) -> Option<&str> {
 /// [`request_host`]): its id rendered, the key found or made. A 400 when the
 /// id cannot be made (a header that is not UTF-8, an id over the servers'
 /// limit), a 429 when the resource already tracks `max_keys` ids.
-pub fn templated_limiter<R: RequestView>(
+fn templated_limiter<R: RequestView>(
     limits: &ResourceLimits,
     t: &IdTemplate,
     req: &R,

@@ -16,47 +16,101 @@ use serde_json::json;
 use usher_limit::admit::{Reason, Refused};
 use usher_limit::{Kind, ceil_secs};
 
-/// The body of every response the proxy sends.
 /// The error type the request path's services and bodies share.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// The body of every response the proxy sends.
 pub type ProxyBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
 /// Errors of the request path, other than a refusal.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
+    /// No route matches the request (403).
     #[error("no route for {method} {host}{path}")]
-    NoRoute { method: String, host: String, path: String },
+    NoRoute {
+        /// The request's method.
+        method: String,
+        /// The request's host.
+        host: String,
+        /// The request's path.
+        path: String,
+    },
+    /// A CONNECT to a host no route names (403).
     #[error("CONNECT to {authority} is not allowed: no route names host `{host}`")]
-    ConnectDenied { authority: String, host: String },
+    ConnectDenied {
+        /// The CONNECT target, `host:port`.
+        authority: String,
+        /// Its host.
+        host: String,
+    },
+    /// The upstream sent no response head in time (504).
     #[error("upstream `{upstream}` did not send response headers within {after:?}")]
-    UpstreamTimeout { upstream: String, after: Duration },
+    UpstreamTimeout {
+        /// The upstream's name.
+        upstream: String,
+        /// How long it was given.
+        after: Duration,
+    },
+    /// The client stopped sending its request body (408).
     #[error(
         "route `{route}`: the client stopped sending its request body (nothing for {after:?}, the upstream's timeout)"
     )]
-    ClientStalled { route: String, after: Duration },
+    ClientStalled {
+        /// The route's name.
+        route: String,
+        /// How long nothing came.
+        after: Duration,
+    },
     /// The native HTTP/1.1 path waits for a small body before it routes the
-    /// request; this one did not come within `limits.header_timeout`.
+    /// request; this one did not come within `limits.header_timeout` (408).
     #[error("the client did not send its whole request body within {after:?} (limits.header_timeout)")]
-    BodyTimeout { after: Duration },
+    BodyTimeout {
+        /// How long it was given.
+        after: Duration,
+    },
+    /// No connection to the upstream could be made (502).
     #[error("cannot connect to upstream `{upstream}`: {reason}")]
-    UpstreamConnect { upstream: String, reason: String },
+    UpstreamConnect {
+        /// The upstream's name.
+        upstream: String,
+        /// Why the connection failed.
+        reason: String,
+    },
+    /// The upstream failed before its response head (502).
     #[error("upstream `{upstream}` failed before sending response headers: {reason}")]
-    Upstream { upstream: String, reason: String },
+    Upstream {
+        /// The upstream's name.
+        upstream: String,
+        /// How it failed.
+        reason: String,
+    },
+    /// The request already passed through usher (508).
     #[error("request loop: this request already passed through usher")]
     Loop,
+    /// The request is malformed, or no lease id can be made of it (400).
     #[error("bad request: {0}")]
     BadRequest(String),
+    /// The request body has a transfer coding other than chunked (501).
     #[error(
         "transfer coding `{0}` is not supported: usher forwards request bodies chunked or with a length, never otherwise coded (RFC 9112 §6.1)"
     )]
     UnsupportedCoding(String),
+    /// The request body is over `limits.max_body_bytes` (413).
     #[error("request body larger than {limit} bytes (limits.max_body_bytes)")]
-    BodyTooLarge { limit: u64 },
+    BodyTooLarge {
+        /// The most bytes a body may have.
+        limit: u64,
+    },
+    /// A templated resource already tracks its `max_keys` ids (429).
     #[error(
         "resource `{resource}` already tracks {max_keys} distinct ids (its max_keys); this request would add another"
     )]
-    TooManyKeys { resource: String, max_keys: usize },
+    TooManyKeys {
+        /// The resource's name.
+        resource: String,
+        /// Its `max_keys`.
+        max_keys: usize,
+    },
 }
 
 impl From<usher_limit::table::KeyRefused> for ProxyError {
@@ -147,6 +201,8 @@ pub fn error_response(err: BoxError, grpc: bool) -> Response<ProxyBody> {
     }
 }
 
+/// The answer to `e`: a problem+json body with its status, or for gRPC a
+/// trailers-only response with its `grpc-status`.
 pub fn proxy_error(e: &ProxyError, grpc: bool) -> Response<ProxyBody> {
     if grpc {
         return grpc_status(e.grpc_code(), &e.to_string());
@@ -179,7 +235,7 @@ fn sf_string(s: &str) -> String {
 }
 
 /// `RateLimit-Policy` and `RateLimit` field values for a refusal.
-pub fn ratelimit_fields(r: &Refused) -> (String, String) {
+fn ratelimit_fields(r: &Refused) -> (String, String) {
     let name = sf_string(&r.resource);
     let policy = match r.kind {
         Kind::Gauge => format!("{name};q={};qu=\"concurrent-requests\"", r.quota.max(0.0).floor() as u64),
@@ -200,6 +256,8 @@ pub fn ratelimit_fields(r: &Refused) -> (String, String) {
     (policy, state)
 }
 
+/// The answer to a refusal: `429` with `Retry-After`, `RateLimit-Policy`,
+/// `RateLimit` and a problem+json body, or for gRPC `RESOURCE_EXHAUSTED`.
 pub fn refused(r: &Refused, grpc: bool) -> Response<ProxyBody> {
     refusal(r, None, grpc)
 }
@@ -329,6 +387,7 @@ fn grpc_percent_encode(s: &str) -> String {
     out
 }
 
+/// A whole body of `bytes`.
 pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
     Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
 }

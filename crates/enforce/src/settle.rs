@@ -68,7 +68,7 @@ pub fn on_answer<'a>(
 
 /// Settles the costs `resources` read from the answer's headers; true if
 /// any reads the body instead.
-pub fn from_headers<'a>(
+pub(crate) fn from_headers<'a>(
     resources: &[RouteResource],
     plan: &Plan,
     status: StatusCode,

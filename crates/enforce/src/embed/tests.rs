@@ -27,7 +27,7 @@ async fn status(svc: &Svc, req: Request<String>) -> (u16, Response<LimitBody<Ful
 
 #[tokio::test]
 async fn a_gauge_permit_lasts_until_the_body_ends_and_clones_share_one_budget() {
-    let limits = Limits::start(config("resources:\n  g: { kind: gauge, capacity: 1 }\n")).await;
+    let limits = Limits::start(config("resources:\n  g: { kind: gauge, capacity: 1 }\n")).await.unwrap();
     assert_eq!(limits.source(), Source::Embedded);
     let svc = limited(limits.layer("g").unwrap());
     let (first, body) = status(&svc, Request::new(String::new())).await;
@@ -49,7 +49,8 @@ async fn a_templated_id_keeps_one_budget_per_value_and_grpc_gets_resource_exhaus
     let limits = Limits::start(config(
         "resources:\n  t: { kind: rate, capacity: 1/min, id: \"t/{header.x-tenant}\", max_keys: 2 }\n",
     ))
-    .await;
+    .await
+    .unwrap();
     let svc = limited(limits.layer("t").unwrap());
     let tenant = |t: &str| Request::builder().header("x-tenant", t).body(String::new()).unwrap();
     assert_eq!(status(&svc, tenant("a")).await.0, 200);
@@ -90,7 +91,8 @@ async fn a_shadow_resource_forwards_every_request_and_counts_what_its_enforcing_
          shadowed: { kind: rate, capacity: 1/min, burst: 2, shadow: true }\n  \
          slots: { kind: gauge, capacity: 1, shadow: true }\n",
     ))
-    .await;
+    .await
+    .unwrap();
     let (enforced, _) = answering(limits.layer("enforced").unwrap(), |_| Response::new(Full::new(Bytes::new())));
     let (shadowed, reached) = answering(limits.layer("shadowed").unwrap(), |_| Response::new(Full::new(Bytes::new())));
     let mut codes = (Vec::new(), Vec::new());
@@ -136,7 +138,8 @@ async fn costs_read_from_a_request_header_are_settled_from_the_answer() {
         "resources:\n  tokens: { kind: rate, capacity: 1000/min, burst: 1000 }\n  \
          unsettled: { kind: rate, capacity: 1000/min, burst: 1000 }\n",
     ))
-    .await;
+    .await
+    .unwrap();
     let max_tokens = HeaderName::from_static("x-max-tokens");
     let usage = HeaderName::from_static("x-usage-total-tokens");
     // An LLM's answer: each request used 300 tokens.
@@ -164,7 +167,7 @@ async fn costs_read_from_a_request_header_are_settled_from_the_answer() {
 
 /// A GitHub-like answer: `remaining` of 60, renewed 30 s from now.
 fn github(status: u16, remaining: u32) -> Response<Full<Bytes>> {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let now = Clock::system().now().as_secs();
     Response::builder()
         .status(status)
         .header("x-ratelimit-limit", "60")
@@ -179,7 +182,8 @@ async fn an_answer_that_says_the_quota_is_spent_holds_the_key_until_its_reset() 
     let limits = Limits::start(config(
         "resources:\n  gh: { kind: rate, capacity: 100/s, burst: 100, upstream_quota: { headers: github } }\n",
     ))
-    .await;
+    .await
+    .unwrap();
     // Two answers with quota left, then GitHub's 403 with nothing remaining.
     let (svc, reached) =
         answering(limits.layer("gh").unwrap(), |n| if n < 2 { github(200, 2 - n as u32) } else { github(403, 0) });

@@ -4,11 +4,12 @@
 //!
 //! ```sh
 //! usher server --config deploy/examples/resources.yaml &       # gRPC on 0.0.0.0:15100
-//! cargo run --example axum_limited -- --server 127.0.0.1:15100 --listen 127.0.0.1:8080
+//! cargo run -p usher-enforce --example axum_limited -- --server 127.0.0.1:15100 --listen 127.0.0.1:8080
 //! curl -i http://127.0.0.1:8080/hello                          # 200, or 429 with Retry-After
 //! ```
 //!
-//! Without `--server` it leases from an embedded capacity server instead.
+//! Without `--server` it leases from an embedded capacity server instead
+//! (the `embedded-server` feature, on by default).
 //! It prints `listening on ADDR` once the first lease is in, and stops (giving
 //! its lease back) on Ctrl-C or when its standard input closes.
 
@@ -16,8 +17,7 @@ use std::net::SocketAddr;
 
 use axum::Router;
 use axum::routing::get;
-use usher_core::config::routes::RoutesConfig;
-use usher_enforce::embed::Limits;
+use usher_enforce::embed::{Limits, RoutesConfig};
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
@@ -34,7 +34,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => String::new(),
     };
     let yaml = format!("{doorman}resources:\n  hello: {{ kind: rate, capacity: 100/s, wants: 100 }}\n");
-    let limits = Limits::start(RoutesConfig::parse("axum_limited", &yaml)?).await;
+    let limits = Limits::start(RoutesConfig::parse("axum_limited", &yaml)?).await?;
 
     let app = Router::new().route("/hello", get(|| async { "hello\n" })).layer(limits.layer("hello")?);
     let listener = tokio::net::TcpListener::bind(listen).await?;
