@@ -45,7 +45,8 @@ async fn two_services(server: &Usher, resources: &str) -> (Limits, Limits) {
         let yaml = format!("doorman: {{ servers: [\"{grpc}\"], client_id: service-{i} }}\nresources:\n{resources}");
         RoutesConfig::parse("embed.yaml", &yaml).unwrap_or_else(|e| panic!("{e}"))
     };
-    tokio::join!(Limits::start(config(0)), Limits::start(config(1)))
+    let (a, b) = tokio::join!(Limits::start(config(0)), Limits::start(config(1)));
+    (a.expect("doorman: needs no embedded server"), b.expect("doorman: needs no embedded server"))
 }
 
 /// `layer` of `limits`' resource `resource` around a service answering `answer`.

@@ -155,7 +155,8 @@ async fn sidecar_bytes_per_key() -> f64 {
     let shutdown = CancellationToken::new();
     let source = cfg.clone();
     let (client, task) =
-        start_with(Arc::new(move || source.clone()), table.clone(), pushback, &registry, shutdown.clone());
+        start_with(Arc::new(move || source.clone()), table.clone(), pushback, &registry, shutdown.clone())
+            .expect("the embedded server starts");
     // The lease client, its thread and the embedded server are up, with one key.
     make_keys(&table, KEYS..KEYS + 1);
     let leased = |range: std::ops::Range<usize>| range.clone().all(|i| client.lease_of(&tenant(i)).is_some());

@@ -223,7 +223,7 @@ pub async fn run(args: ProxyOptions, shutdown: CancellationToken) -> Result<(), 
             proxy.pushback.clone(),
             &proxy.metrics.registry,
             lease_shutdown.clone(),
-        )
+        )?
     };
     // Requests are accepted once every key has a lease (at once with cached
     // ones) or after a short wait for the first: the first requests of a
