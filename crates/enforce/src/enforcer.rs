@@ -6,6 +6,26 @@
 //! production path. The embedded server is the `embedded-server` feature
 //! (on by default); without it a routes file needs `doorman:`
 //! ([`EmbeddedServerOff`]).
+//!
+//! Capacities: a lease becomes the key's capacity times its pushback factor;
+//! a long upstream hold gives the lease back and asks again before the hold
+//! ends. A key with no lease keeps the capacity it was made with until a
+//! request that carried it is answered (or a call fails). Capacity writes
+//! from pushback (the request path) and from leases (the lease client) go
+//! under the pushback lock, and a first pushback reads the capacity it backs
+//! off from under that lock too.
+//!
+//! Demand is read every 100 ms, less often when a read takes over a
+//! twentieth of that time; calls to the servers in between add no reads.
+//! While the sidecar is quiet (no request since the last read) demand is
+//! read only when an action is due: a refresh, a lease's expiry or hold end,
+//! a templated key's idle timeout. The table's `Activity` (a new key, a
+//! waiting or refused request, a reload, the first request after a quiet
+//! spell) wakes a quiet lease client at once. Each read visits every key (a
+//! measured rate moves as its window slides) but reports only the keys whose
+//! (wants, pressure) changed and those forgotten (every key after a reload);
+//! the lease core keeps the last demand of the others, and hands back only
+//! the capacities that changed (plus, every turn, the keys under pushback).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
