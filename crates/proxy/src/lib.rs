@@ -17,7 +17,6 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod engine;
-mod guard;
 pub mod listener;
 pub mod ops;
 pub mod pipeline;

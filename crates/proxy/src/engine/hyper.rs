@@ -20,7 +20,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
 use pin_project_lite::pin_project;
 
-use crate::guard;
+use crate::pipeline::guard;
 use crate::pipeline::{Answer, Held, Hold, Inbound};
 use crate::route::{Resolved, Routing};
 use crate::upstream::body::{BodyLimit, BodyTooLarge, ClientBody, Progress, RequestBody, Sending};
