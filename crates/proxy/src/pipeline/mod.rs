@@ -23,6 +23,7 @@
 //! named state machine, the admission is decided at once unless it waits, and
 //! what a stage learns travels in the exchange's [`Meta`].
 
+
 mod account;
 mod future;
 pub(crate) mod guard;
@@ -58,7 +59,9 @@ pub use route::{RouteLayer, RouteStage};
 /// Everything a request is served by that a routes file decides: its
 /// routing, upstreams and limits, swapped as one on reload.
 pub struct Pipeline {
+    /// The routes file this snapshot was built from.
     pub config: Arc<RoutesConfig>,
+    /// The main listener's view of the routes.
     routing: Arc<Routing>,
     /// By upstream listener ([`ListenerId::index`]): its view of the routes.
     listeners: Vec<Arc<Routing>>,
@@ -72,6 +75,8 @@ pub struct Pipeline {
 pub type Stack<F> = Respond<Guard<Account<RouteStage<Limit<F>>>>>;
 
 impl Pipeline {
+    /// The snapshot of one routes file: its routing, each upstream
+    /// listener's view of it, and its upstreams.
     pub(super) fn new(
         config: Arc<RoutesConfig>,
         routing: Routing,
@@ -104,6 +109,7 @@ impl Pipeline {
         self.stack_with(routing.clone(), forward)
     }
 
+    /// The stages, outermost first, around `forward`, routing with `routing`.
     fn stack_with<F>(&self, routing: Arc<Routing>, forward: F) -> Stack<F> {
         ServiceBuilder::new()
             .layer(RespondLayer::new(self.clock.clone()))
@@ -125,7 +131,7 @@ pub trait Inbound: RequestView + Sized {
     /// Whether errors are answered as gRPC statuses.
     fn grpc(&self) -> bool;
 
-    /// The checks before routing (`proxy/guard.rs`); `max_body` is `limits.max_body_bytes`.
+    /// The guard stage's checks, before routing; `max_body` is `limits.max_body_bytes`.
     fn guard(&mut self, max_body: Option<u64>) -> Result<(), ProxyError>;
 
     /// The route, plan and target.
@@ -141,6 +147,7 @@ pub trait Inbound: RequestView + Sized {
 
 /// An upstream's answer as the engine's `forward` service returns it.
 pub trait Answer {
+    /// The upstream's status code.
     fn status(&self) -> StatusCode;
     /// The upstream's `Retry-After`, for pushback.
     fn retry_after(&self) -> Option<Duration>;
@@ -158,11 +165,15 @@ pub trait Answer {
 
 /// A request in the pipeline, and what the stages learnt of it.
 pub struct Exchange<R> {
+    /// The request: as the engine read it, then as its `forward` takes it.
     pub req: R,
+    /// What the stages learnt of it so far.
     pub meta: Meta,
 }
 
 impl<R> Exchange<R> {
+    /// A request as it enters the pipeline: nothing learnt of it yet.
+    #[inline]
     pub fn new(req: R) -> Self {
         Exchange { req, meta: Meta::default() }
     }
@@ -171,11 +182,17 @@ impl<R> Exchange<R> {
 /// What the stages learn of a request, travelling with it and back.
 #[derive(Default)]
 pub struct Meta {
+    /// When the respond stage saw the request, for the access log's times.
     arrived: Time,
+    /// Errors are answered as gRPC statuses.
     grpc: bool,
+    /// The route taken, once routed.
     route: Option<Arc<Route>>,
+    /// The keys and costs the request is admitted by.
     plan: Plan,
+    /// Its place in its route's in-flight count, from routing on.
     in_flight: Option<InFlight>,
+    /// The admission's gauge permits and how long it waited, once admitted.
     admitted: Option<Admitted>,
     /// What the plan's shadow resources would have done (none: it has none).
     shadow: Option<admit::Shadow>,
@@ -186,6 +203,8 @@ pub struct Meta {
 /// Why a request got no upstream answer.
 #[derive(Debug)]
 pub enum Error {
+    /// A request usher cannot serve (bad, unroutable, too large) or one the
+    /// upstream failed.
     Proxy(ProxyError),
     /// Boxed: a refusal is the rare path, and a smaller error keeps every stage's future small.
     Refused(Box<Refused>),
@@ -195,20 +214,29 @@ pub enum Error {
 
 /// An error and what the stages had learnt by then.
 pub struct Failure {
+    /// Why the request got no upstream answer.
     pub error: Error,
+    /// What the stages had learnt of the request.
     meta: Meta,
 }
 
 /// An upstream answer and what the stages had learnt by then.
 pub struct Answered<A> {
+    /// The answer as the engine's `forward` service returned it.
     answer: A,
+    /// What the stages had learnt of the request.
     meta: Meta,
 }
 
 /// What the pipeline gives back.
 pub enum Reply<A> {
     /// The upstream answered; `held` lasts until its body has been sent.
-    Upstream { answer: A, held: Held },
+    Upstream {
+        /// The upstream's answer, its body still to relay.
+        answer: A,
+        /// What the request holds until that body has been sent.
+        held: Held,
+    },
     /// An answer usher made itself (a refusal, an error).
     Made(Response<ProxyBody>),
     /// The engine cannot forward to the route's target: nothing has happened.
@@ -220,9 +248,11 @@ pub enum Reply<A> {
 /// cost from the JSON body, that body's copy.
 #[derive(Default)]
 pub struct Held {
+    /// The route taken: its body errors are counted, its name is in gRPC trailers.
     route: Option<Arc<Route>>,
     /// The request is gRPC: a body that fails ends in trailers carrying a status.
     grpc: bool,
+    /// Released when dropped: the in-flight count, the gauge permits, the shadow keys' permits.
     _in_flight: Option<InFlight>,
     _admitted: Option<Admitted>,
     _shadow: Option<admit::Shadow>,
@@ -286,6 +316,8 @@ impl std::fmt::Debug for Hold {
 pub struct InFlight(prometheus::IntGauge);
 
 impl InFlight {
+    /// Counts one more request in `gauge` until the result is dropped.
+    #[inline]
     fn new(gauge: &prometheus::IntGauge) -> Self {
         gauge.inc();
         InFlight(gauge.clone())

@@ -56,7 +56,7 @@ where
 
     fn call(&mut self, ex: Exchange<R>) -> Self::Future {
         let Exchange { req, mut meta } = ex;
-        let fail = |error, meta| Early::Now { out: Some(Failure { error, meta }) };
+        let fail = |error, meta| Early::failed(Failure { error, meta });
         let Resolved { route, plan, target } = match req.resolve(&self.routing) {
             Ok(r) => r,
             Err(e) => return fail(Error::Proxy(e), meta),
@@ -68,6 +68,6 @@ where
         meta.in_flight = Some(InFlight::new(&route.metrics.in_flight));
         meta.route = Some(route);
         meta.plan = plan;
-        Early::Inner { fut: self.inner.call(Exchange { req, meta }) }
+        Early::inner(self.inner.call(Exchange { req, meta }))
     }
 }

@@ -19,12 +19,15 @@ use usher_limit::{Kind, LeaseTable};
 
 /// What the account stage writes to: shared by every snapshot.
 pub struct Accounts {
+    /// The proxy's metrics, by route and by resource.
     pub metrics: Arc<Metrics>,
     /// One JSON line per request, when the routes file names a file.
     pub access_log: Option<AccessLog>,
     /// This sidecar's client id, for the access log.
     pub client_id: String,
+    /// Backing off from upstreams that answer 429 or 503.
     pub pushback: Arc<Pushback>,
+    /// The limiters' keys, whose capacities pushback lowers; its clock times the access log.
     pub table: Arc<LeaseTable>,
     /// Why keys enforce 0, from the lease client once it runs: the 429 says.
     pub zero_reasons: std::sync::OnceLock<usher_lease::driver::ZeroReasons>,

@@ -1,7 +1,9 @@
-//! What every request must pass before it is routed: not a loop (a `Via`
-//! of ours), one `Host` at most, a valid one, and on HTTP/1.1 one at least unless the
-//! target names the host (RFC 9112 §3.2: a 400), a declared body within `limits.max_body_bytes`; and
-//! no HTTP/2 upgrade (`Upgrade: h2c`), which is stripped.
+//! The guard's checks on a request's head, as hyper read it: not a loop (a
+//! `Via` of ours), one `Host` at most, a valid one, and on HTTP/1.1 one at
+//! least unless the target names the host (RFC 9112 §3.2: a 400), no coding
+//! but `chunked`; and no HTTP/2 upgrade (`Upgrade: h2c`), which is stripped.
+//! The declared body's length is the engine's to check
+//! ([`Inbound::guard`](crate::pipeline::Inbound::guard)).
 //!
 //! Why strip h2c rather than refuse it: the requests that would follow an
 //! upgrade are HTTP/2 on the upstream connection, where usher no longer sees

@@ -58,8 +58,8 @@ where
 
     fn call(&mut self, mut ex: Exchange<R>) -> Self::Future {
         match ex.req.guard(self.max_body) {
-            Ok(()) => Early::Inner { fut: self.inner.call(ex) },
-            Err(e) => Early::Now { out: Some(Failure { error: Error::Proxy(e), meta: ex.meta }) },
+            Ok(()) => Early::inner(self.inner.call(ex)),
+            Err(e) => Early::failed(Failure { error: Error::Proxy(e), meta: ex.meta }),
         }
     }
 }
