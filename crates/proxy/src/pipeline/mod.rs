@@ -22,7 +22,56 @@
 //! No stage allocates per request in the common case: each future is a
 //! named state machine, the admission is decided at once unless it waits, and
 //! what a stage learns travels in the exchange's [`Meta`].
-
+//!
+//! # Why not tower-http
+//!
+//! tower-http has layers for some of what the stages and the engines do by
+//! hand. None is used. Every tower-http layer serves an `http::Request<B>`
+//! and answers an `http::Response<B>`; this stack serves an [`Exchange`] of
+//! any [`Inbound`] and answers a [`Reply`]. The native engine's request is a
+//! head parsed in place in the connection's buffer, its body already read
+//! whole: it is never an `http::Request`. So a tower-http layer could only
+//! sit inside hyper's forward service, serving one engine of two, and the
+//! native one would still do the same by hand. Each layer also misses
+//! something usher needs:
+//!
+//! - `RequestBodyLimit` answers a declared length over the limit with its
+//!   own 413 (`text/plain`, "length limit exceeded") and cuts a longer
+//!   streamed body with a `LengthLimitError`. usher's 413 is problem+json
+//!   (`urn:usher:problem:body-too-large`), or gRPC status 8 for a gRPC
+//!   request, made by the respond stage like every other error; a body cut
+//!   mid-stream fails the exchange, which the account stage counts and logs
+//!   with its route. On hyper's path the limit lives in the body wrapper
+//!   usher needs anyway (`RequestBody` in `upstream/body.rs`: it tells the
+//!   client's body errors from the upstream's and records the progress the
+//!   response deadline follows); `Limited` would be a second wrapper. The
+//!   native parser hands a request over the limit to hyper before the
+//!   pipeline sees it, at no cost to the others.
+//! - `SetRequestHeader` cannot set `Via` (`1.1 usher`) where it must go: after
+//!   hyper's forward has stripped the hop-by-hop fields (a client's
+//!   `Connection: via` would remove one set before) and rewritten `Host` for
+//!   the target. The native engine writes `Via` as bytes while it encodes the
+//!   head for the upstream: there is no header map to set it in. Reading
+//!   `Via` to catch a loop is the guard's and the native parser's.
+//! - `Timeout` runs one fixed duration from `call` and answers an empty 408
+//!   (or another fixed status). usher's deadline is the route's upstream's
+//!   `timeout`, known only after routing. It covers the response headers,
+//!   from the end of the request body, and starts over with each piece of
+//!   body the client sends: a stalled upload is a 408 `ClientStalled`, a
+//!   silent upstream a 504 `UpstreamTimeout`, each problem+json and counted
+//!   apart (`client_timeout`, `upstream_error`). A wait for admission does
+//!   not count against it; each resource bounds that with `max_wait`. The
+//!   native engine keeps one lazy timer per connection, re-armed only when
+//!   it must fire sooner, not a new `Sleep` per request.
+//! - `Trace` makes a `tracing` span per request, times it, wraps the
+//!   response body and classes the outcome by status. usher records each
+//!   request once, in the account stage: metrics and one access-log line by
+//!   admission outcome (admitted, paced, refused, shadow_refused, no_route,
+//!   upstream_error, client_timeout) with its route, keys, wait and upstream
+//!   time, timed by the injected [`Clock`] (virtual in tests and `usher
+//!   sim`) and written off the request path; `debug` events name a failure's
+//!   route. A span would be allocated per request whenever its level is on,
+//!   and a status class cannot tell refused from paced.
 
 mod account;
 mod future;
