@@ -17,7 +17,6 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod engine;
-mod guard;
 pub mod listener;
 pub mod ops;
 pub mod pipeline;
@@ -126,6 +125,10 @@ pub async fn serve_all(
     // is writing into it at that moment, which would then go unanswered. So
     // for a short grace, open connections stay open and each answer carries
     // `connection: close`: a busy client learns of the shutdown from an answer.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the drain grace and deadline are I/O deadlines on tokio's timer, which keeps tokio's time"
+    )]
     let started = tokio::time::Instant::now();
     let grace = DRAIN_GRACE.min(drain);
     while open.load(std::sync::atomic::Ordering::SeqCst) > 0 && started.elapsed() < grace {

@@ -68,6 +68,8 @@ pub struct ConnServer {
 }
 
 impl ConnServer {
+    /// A server for connections under `limits`, on the main listener, with
+    /// the native path for HTTP/1.1.
     pub fn new(limits: ListenerLimits) -> Self {
         let mut h1 = hyper::server::conn::http1::Builder::new();
         h1.timer(TokioTimer::new())
@@ -122,6 +124,7 @@ impl ConnServer {
         self
     }
 
+    /// The limits its connections are served under.
     pub fn limits(&self) -> &ListenerLimits {
         &self.limits
     }
@@ -141,6 +144,10 @@ impl ConnServer {
     where
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "the header timeout is an I/O deadline on tokio's timer, which keeps tokio's time"
+        )]
         let deadline = Instant::now() + self.limits.header_timeout;
         let mut buf = BytesMut::with_capacity(FIRST_READ);
         match tokio::time::timeout_at(deadline, sniff(&mut io, &mut buf)).await {

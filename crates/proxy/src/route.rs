@@ -2,29 +2,29 @@
 //! admission [`Plan`] (limiter keys and costs) it must pass. Built from a
 //! routes file; swapped whole on reload.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-use http::{Method, Request, header};
+use http::{Method, Request};
 
 use super::upstream::{Target, Upstream};
-use usher_core::config::routes::{
-    CostRule, DefaultAction, IdTemplate, Match, ResourceKind, RoutesConfig, Segment, SettleFrom,
-};
-use usher_enforce::metrics::{Metrics, ResourceMetrics, RouteMetrics, SettleMetrics};
+use usher_core::config::routes::{DefaultAction, Match, RoutesConfig};
+use usher_enforce::metrics::{Metrics, RouteMetrics};
 use usher_enforce::resource::{RequestView, RouteResource, request_host};
 use usher_enforce::respond::ProxyError;
-use usher_limit::{Kind, LeaseTable, Limiter, Plan, ResourceLimits, ResourceSpec};
+use usher_limit::{LeaseTable, Plan};
 
 /// One compiled route. Everything a request needs that does not depend on
 /// the request itself is resolved here once per routes file: the upstream,
 /// the resources' limiters (a fixed id's on first use) and the metric handles.
 pub struct Route {
+    /// The route's name in the routes file, and its metrics' `route` label.
     pub name: String,
     matcher: Match,
     upstream: Option<Arc<Upstream>>,
+    /// The resources a request on this route is admitted by.
     pub resources: Arc<[RouteResource]>,
+    /// The route's metric handles, resolved once.
     pub metrics: RouteMetrics,
     /// How the route backs off when its upstream answers 429 or 503.
     pub pushback: usher_core::config::doorman::PushbackConfig,
@@ -51,11 +51,14 @@ impl std::fmt::Debug for Route {
 pub struct Resolved {
     /// The route taken; for a request no route matched (default passthrough), `_passthrough`.
     pub route: Arc<Route>,
+    /// The keys and costs the request must be admitted by.
     pub plan: Plan,
+    /// Where the request goes once admitted.
     pub target: Target,
 }
 
 impl Resolved {
+    /// The route's name.
     pub fn route_name(&self) -> &str {
         &self.route.name
     }

@@ -16,7 +16,7 @@ use super::engine::hyper as hyper_engine;
 use super::engine::native;
 use super::ops::access_log;
 use super::pipeline::{Accounts, Exchange, Pipeline, Reply};
-use super::route::{self, ListenerId, Routing};
+use super::route::{ListenerId, Routing};
 use super::upstream::{self, Upstream};
 use usher_core::clock::Clock;
 use usher_core::config::routes::{RoutesConfig, UpstreamConfig};
@@ -29,12 +29,15 @@ use usher_limit::LeaseTable;
 /// One sidecar's wiring: the lease table and lease client, pushback,
 /// metrics, and the current [`Pipeline`] that requests are served by.
 pub struct Proxy {
+    /// The limiters' keys and the capacities leased for them.
     pub table: Arc<LeaseTable>,
     /// The lease client, once started.
     pub lease: std::sync::OnceLock<usher_lease::LeaseClient>,
     /// Backing off from upstreams that answer 429 or 503.
     pub pushback: Arc<pushback::Pushback>,
+    /// The proxy's metrics, in its registry.
     pub metrics: Arc<Metrics>,
+    /// Where the routes file was read from, for logs and status pages.
     pub config_source: String,
     /// The snapshot requests are served by; a reload swaps it whole.
     pub(super) pipeline: Arc<ArcSwap<Pipeline>>,
@@ -52,7 +55,9 @@ pub struct Proxy {
 /// An upstream's own listener (`upstreams.NAME.listen`): every request on it goes to that upstream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UpstreamListener {
+    /// The upstream's name.
     pub upstream: String,
+    /// The address it listens on.
     pub addr: std::net::SocketAddr,
 }
 
@@ -133,6 +138,7 @@ impl Proxy {
         &self.listeners
     }
 
+    /// The routes file in force.
     pub fn config(&self) -> Arc<RoutesConfig> {
         self.pipeline.load().config.clone()
     }
@@ -147,6 +153,7 @@ impl Proxy {
         self.pipeline.clone()
     }
 
+    /// When the routes file in force was loaded, and the last reload's error.
     pub fn config_state(&self) -> ConfigState {
         self.config_state.lock().expect("config state lock").clone()
     }

@@ -20,7 +20,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
 use pin_project_lite::pin_project;
 
-use crate::guard;
+use crate::pipeline::guard;
 use crate::pipeline::{Answer, Held, Hold, Inbound};
 use crate::route::{Resolved, Routing};
 use crate::upstream::body::{BodyLimit, BodyTooLarge, ClientBody, Progress, RequestBody, Sending};
@@ -35,7 +35,7 @@ use usher_enforce::respond::{ProxyBody, ProxyError, is_grpc};
 /// The general path's innermost stage: sends a request to its [`Target`],
 /// or opens a CONNECT tunnel.
 #[derive(Clone, Copy, Default)]
-pub struct Forward;
+pub(crate) struct Forward;
 
 impl tower::Service<Request<Incoming>> for Forward {
     type Response = Response<UpstreamBody>;
@@ -199,6 +199,10 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
         Late::Client => ProxyError::ClientStalled { route: String::new(), after: timeout },
     };
 
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the upstream's timeout is an I/O deadline on tokio's timer, and its latency is observed in tokio's time"
+    )]
     let started = tokio::time::Instant::now();
     if let Some(plain) = up.plain.as_ref().filter(|_| pooled) {
         let sent = within(timeout, progress.as_deref(), exchange::send(&plain.pool, req, upgrade)).await;
@@ -241,6 +245,10 @@ enum Late {
 /// body's end (the upstream cannot be expected to answer before it has it
 /// all), and while the body streams, within `timeout` of the client's last
 /// bytes. A body the upstream stopped taking counts against the upstream.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the response deadline is an I/O deadline on tokio's timer, which keeps tokio's time"
+)]
 async fn within<F: Future>(timeout: Duration, progress: Option<&Progress>, sent: F) -> Result<F::Output, Late> {
     tokio::pin!(sent);
     let mut deadline = tokio::time::Instant::now() + timeout;

@@ -17,7 +17,9 @@ pub const QUEUE: usize = 16_384;
 /// One key a request was admitted (or refused) by.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct KeyEntry {
+    /// The resource's name.
     pub resource: String,
+    /// The key's resource id.
     pub id: String,
     /// `rate` (capacity per second) or `gauge` (capacity in flight).
     pub kind: String,
@@ -32,11 +34,15 @@ pub struct Entry {
     pub time: f64,
     /// The sidecar's client id, so logs of many sidecars can be audited together.
     pub client: String,
+    /// The route taken; `_none` when no route matched.
     pub route: String,
+    /// The keys the request was decided by.
     pub resources: Vec<KeyEntry>,
-    /// admitted, paced, refused, upstream_error, client_timeout or no_route.
+    /// admitted, paced, refused, shadow_refused, upstream_error, client_timeout or no_route.
     pub outcome: String,
+    /// Milliseconds waited for admission.
     pub wait_ms: f64,
+    /// The status code answered.
     pub status: u16,
     /// From admission to the upstream's response headers.
     pub upstream_ms: Option<f64>,
@@ -47,6 +53,7 @@ pub struct Entry {
     pub listener: Option<String>,
 }
 
+/// The access log's request side: hands lines to the writer thread.
 pub struct AccessLog {
     tx: SyncSender<String>,
     dropped: IntCounter,
@@ -68,6 +75,7 @@ impl AccessLog {
         Ok(AccessLog { tx, dropped })
     }
 
+    /// Hands one request's line to the writer, or counts it dropped when the writer is behind.
     pub fn record(&self, e: &Entry) {
         let Ok(line) = serde_json::to_string(e) else { return };
         match self.tx.try_send(line) {
@@ -85,6 +93,10 @@ const CHECK_EVERY: Duration = Duration::from_secs(1);
 /// moved away or removed (log rotation: `mv` then a signal-less `create`, or
 /// `rm`) is noticed at the next line, at most a second late, and the path
 /// opened anew, so rotation needs no restart and no `copytruncate`.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the writer thread checks for log rotation on the wall clock, off the request path"
+)]
 fn write_lines(rx: Receiver<String>, file: std::fs::File, path: &Path) {
     let name = path.display().to_string();
     let mut w = std::io::BufWriter::new(file);

@@ -112,7 +112,8 @@ fn observe_lease_states(g: &prometheus::IntGaugeVec, proxy: &Proxy) {
     }
 }
 
-pub fn handler(proxy: Arc<Proxy>) -> Handler {
+/// The admin listener's handler: `/metrics`, `/healthz`, `/readyz` and `/debug/status` for `proxy`.
+pub(crate) fn handler(proxy: Arc<Proxy>) -> Handler {
     let lease_states = lease_state_gauge(&proxy);
     let scraping = std::sync::Mutex::new(());
     Arc::new(move |req| {

@@ -26,7 +26,7 @@ use usher_enforce::respond::BoxError;
 
 /// `limits.max_body_bytes`, set in a request's extensions when configured.
 #[derive(Debug, Clone, Copy)]
-pub struct BodyLimit(pub u64);
+pub(crate) struct BodyLimit(pub u64);
 
 /// The request body as forwarded: the client's, cut off with an error once
 /// it passes the body limit.
@@ -39,7 +39,7 @@ pub struct RequestBody {
 }
 
 /// How far a streamed request body got, as [`RequestBody`] records it.
-pub struct Progress {
+pub(crate) struct Progress {
     start: Instant,
     /// Nanoseconds from `start` to the last frame from the client, or the body's end.
     last: AtomicU64,
@@ -48,7 +48,7 @@ pub struct Progress {
 
 /// Where a streamed request body stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Sending {
+pub(crate) enum Sending {
     /// Not asked for more since its last frame (the upstream is not taking it yet).
     Streaming,
     /// Asked for more, and the client has not sent it.
@@ -58,12 +58,16 @@ pub enum Sending {
 }
 
 impl Progress {
-    pub fn new() -> Arc<Self> {
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the response deadline follows the body's progress on tokio's timer, in tokio's time"
+    )]
+    pub(crate) fn new() -> Arc<Self> {
         Arc::new(Progress { start: Instant::now(), last: AtomicU64::new(0), state: AtomicU8::new(0) })
     }
 
     /// Where the body stands, and since when (its last frame, or its end).
-    pub fn read(&self) -> (Sending, Instant) {
+    pub(crate) fn read(&self) -> (Sending, Instant) {
         let state = match self.state.load(Ordering::Acquire) {
             0 => Sending::Streaming,
             1 => Sending::AwaitingClient,
@@ -72,6 +76,10 @@ impl Progress {
         (state, self.start + Duration::from_nanos(self.last.load(Ordering::Acquire)))
     }
 
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the response deadline follows the body's progress on tokio's timer, in tokio's time"
+    )]
     fn moved(&self, state: Sending) {
         let at = Instant::now().saturating_duration_since(self.start).as_nanos() as u64;
         self.last.store(at, Ordering::Release);
@@ -86,7 +94,7 @@ impl Progress {
 /// A request body went past `limits.max_body_bytes` while streaming.
 #[derive(Debug, thiserror::Error)]
 #[error("request body larger than {limit} bytes")]
-pub struct BodyTooLarge {
+pub(crate) struct BodyTooLarge {
     pub limit: u64,
 }
 
@@ -94,7 +102,7 @@ pub struct BodyTooLarge {
 /// Content-Length the body does not match, a reset): the client's fault.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot read the request body: {0}")]
-pub struct ClientBody(hyper::Error);
+pub(crate) struct ClientBody(hyper::Error);
 
 impl hyper::body::Body for RequestBody {
     type Data = bytes::Bytes;

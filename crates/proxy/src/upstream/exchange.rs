@@ -33,7 +33,7 @@ use crate::upstream::pool::{HyperConn, Pool, Pooled};
 
 /// Why a request got no response from the pool.
 #[derive(Debug)]
-pub enum PoolError {
+pub(crate) enum PoolError {
     /// No connection: refused, unreachable, or `connect_timeout` passed.
     Connect(String),
     /// The exchange failed on an open connection.
@@ -55,7 +55,7 @@ enum On {
 /// or a new one. With `upgrade`, the request asks to switch protocols: its
 /// connection runs in a task of its own, which hyper's upgrade needs, and
 /// never returns to the pool.
-pub async fn send(
+pub(crate) async fn send(
     pool: &Arc<Pool>,
     mut req: Request<RequestBody>,
     upgrade: bool,

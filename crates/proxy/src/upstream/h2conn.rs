@@ -45,12 +45,12 @@ const CONNECTION_WINDOW: u32 = 5 * 1024 * 1024;
 const MAX_HEADER_LIST: u32 = 256 * 1024;
 /// How long a connection under suspicion (a request on it timed out) has
 /// to answer a PING before it takes no new requests.
-pub const PING_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const PING_TIMEOUT: Duration = Duration::from_secs(5);
 /// How much longer it has before it is closed, failing the streams still on it.
-pub const PING_GRACE: Duration = Duration::from_secs(30);
+pub(crate) const PING_GRACE: Duration = Duration::from_secs(30);
 
 /// Why an exchange failed.
-pub enum H2Error {
+pub(crate) enum H2Error {
     /// No connection could be made.
     Connect(String),
     /// The connection or the stream failed.
@@ -83,7 +83,7 @@ struct Current {
 }
 
 /// The upstream's multiplexed connection, opened when first needed.
-pub struct H2Upstream {
+pub(crate) struct H2Upstream {
     addr: String,
     tls: Option<Tls>,
     connect_timeout: Duration,
@@ -103,7 +103,7 @@ pub struct H2Upstream {
 impl H2Upstream {
     /// `tls` offers ALPN `h2` (and `http/1.1`, whose connection a request
     /// gets back, see [`H2Error::Http1`]); `None` for h2c (prior knowledge).
-    pub fn new(addr: String, tls: Option<Tls>, connect_timeout: Duration, idle_timeout: Duration) -> Self {
+    pub(crate) fn new(addr: String, tls: Option<Tls>, connect_timeout: Duration, idle_timeout: Duration) -> Self {
         H2Upstream {
             addr,
             tls,
@@ -122,7 +122,7 @@ impl H2Upstream {
     /// goes out once more: one never sent (on a new connection: its own had
     /// closed), one refused with `REFUSED_STREAM`, and an `idempotent` one
     /// cut off by the upstream's GOAWAY (on a new connection).
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         req: Request<()>,
         body: Bytes,
@@ -158,6 +158,10 @@ impl H2Upstream {
 
     /// The connection's handle and generation (a new connection's when
     /// there is none, or it closed).
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "orders a failed dial before the requests that waited for it, in tokio's time like the connect timeout"
+    )]
     async fn sender(&self) -> Result<(SendRequest<Bytes>, u64), NoSender> {
         if let Some(s) = self.usable() {
             return Ok(s);
@@ -191,6 +195,10 @@ impl H2Upstream {
     }
 
     /// A new connection (TCP, TLS, the h2 handshake), made the current one.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "a connection's idle time runs in tokio's time, like its other timers"
+    )]
     async fn connect(&self) -> Result<(SendRequest<Bytes>, u64), NoSender> {
         let io = dial(&self.addr, self.tls.as_ref(), self.connect_timeout).await.map_err(NoSender::Connect)?;
         if let Stream::Tls(tls) = &io
@@ -219,6 +227,10 @@ impl H2Upstream {
     }
 
     /// The current connection's handle and generation, unless it has closed or idled too long.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "a connection's idle time runs in tokio's time, like its other timers"
+    )]
     fn usable(&self) -> Option<(SendRequest<Bytes>, u64)> {
         let now = Instant::now();
         let mut current = self.current.lock().expect("h2 upstream lock");
@@ -245,7 +257,7 @@ impl H2Upstream {
     /// `drive`), so that later requests do not go on waiting on a
     /// connection a middlebox or a frozen upstream silently dropped.
     /// Nothing else times an open connection: nothing runs while it is idle.
-    pub fn timed_out(&self) {
+    pub(crate) fn timed_out(&self) {
         if let Some(c) = self.current.lock().expect("h2 upstream lock").as_ref() {
             c.check.notify_one();
         }
@@ -269,6 +281,7 @@ impl H2Upstream {
 /// the data it is sending. Still no answer [`PING_GRACE`] later: the
 /// connection is dropped, which fails those streams at once. Checks are at
 /// most one per [`PING_TIMEOUT`] (timeouts that come together make one).
+#[allow(clippy::disallowed_methods, reason = "PING checks are spaced in tokio's time, like the PING timeouts")]
 async fn drive(
     mut conn: h2::client::Connection<Stream, Bytes>,
     addr: String,

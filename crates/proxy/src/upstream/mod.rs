@@ -47,12 +47,13 @@ pub const DIRECT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Response-header timeout for origins reached without an upstream.
 pub const DIRECT_TIMEOUT: Duration = Duration::from_secs(60);
 
-pub use crate::guard::VIA;
+pub use crate::pipeline::guard::VIA;
 
 pub(crate) type HttpsClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
 
 /// One upstream: its configuration and its connection pool.
 pub struct Upstream {
+    /// The upstream as the routes file configures it.
     pub config: UpstreamConfig,
     /// hyper-util's client, for what the upstream's own pool does not serve
     /// (h2c, passthrough origins, an `https://` upstream that may pick h2); none
@@ -72,6 +73,7 @@ pub struct Upstream {
 /// An HTTP/1.1 upstream's connections (plain, or TLS to an `https://` one),
 /// whichever engine serves the app.
 pub struct Plain {
+    /// The upstream's idle connections, shared by both engines.
     pub pool: Arc<Pool>,
     /// The upstream URL's path without its trailing `/`, put before every request's path.
     pub prefix: String,
@@ -235,6 +237,7 @@ impl Upstream {
         Ok(Upstream { config, client, seconds, host: None, plain: None, h2: None })
     }
 
+    /// The upstream's name in the routes file.
     pub fn name(&self) -> &str {
         &self.config.name
     }

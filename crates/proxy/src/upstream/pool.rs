@@ -276,6 +276,11 @@ impl Pool {
         }
     }
 
+    /// Keeps `conn` idle for the next request, and starts the reaper of idle connections.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "an idle connection's age runs in tokio's time, which its reaper's timer keeps"
+    )]
     fn push(&self, conn: Pooled) {
         let mut idle = self.stack.lock().expect("pool lock");
         if idle.conns.len() < MAX_IDLE {
@@ -339,7 +344,7 @@ async fn reap(pool: Weak<Pool>, idle_timeout: Duration) {
 
 /// A new connection to `addr` (TLS over it with `tls`), within `limit`; the
 /// error says what failed, as a `502` names it.
-pub async fn dial(addr: &str, tls: Option<&Tls>, limit: Duration) -> Result<Stream, String> {
+pub(crate) async fn dial(addr: &str, tls: Option<&Tls>, limit: Duration) -> Result<Stream, String> {
     let connecting = async {
         let tcp = TcpStream::connect(addr).await.map_err(|e| format!("tcp connect error: {e}"))?;
         let _ = tcp.set_nodelay(true);
@@ -354,7 +359,7 @@ pub async fn dial(addr: &str, tls: Option<&Tls>, limit: Duration) -> Result<Stre
 }
 
 /// What a `502` adds to a certificate the upstream's roots do not trust.
-pub const UNTRUSTED: &str =
+pub(crate) const UNTRUSTED: &str =
     " (the upstream's certificate is not trusted: name the CA that signed it in the upstream's ca_file)";
 
 /// A TLS handshake's failure as a `502` names it: rustls's own words (e.g.

@@ -1,7 +1,9 @@
-//! What every request must pass before it is routed: not a loop (a `Via`
-//! of ours), one `Host` at most, a valid one, and on HTTP/1.1 one at least unless the
-//! target names the host (RFC 9112 §3.2: a 400), a declared body within `limits.max_body_bytes`; and
-//! no HTTP/2 upgrade (`Upgrade: h2c`), which is stripped.
+//! The guard's checks on a request's head, as hyper read it: not a loop (a
+//! `Via` of ours), one `Host` at most, a valid one, and on HTTP/1.1 one at
+//! least unless the target names the host (RFC 9112 §3.2: a 400), no coding
+//! but `chunked`; and no HTTP/2 upgrade (`Upgrade: h2c`), which is stripped.
+//! The declared body's length is the engine's to check
+//! ([`Inbound::guard`](crate::pipeline::Inbound::guard)).
 //!
 //! Why strip h2c rather than refuse it: the requests that would follow an
 //! upgrade are HTTP/2 on the upstream connection, where usher no longer sees
@@ -19,10 +21,11 @@ use usher_enforce::respond::ProxyError;
 /// Marks requests usher forwarded, so a route pointing back at usher is caught.
 pub const VIA: &str = "1.1 usher";
 
-pub const HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
+/// The field that carries an h2c upgrade's HTTP/2 settings (RFC 9113 §3.2.1).
+const HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");
 
 /// Checks a request's head; the error is what the client gets.
-pub fn check<B>(req: &Request<B>) -> Result<(), ProxyError> {
+pub(crate) fn check<B>(req: &Request<B>) -> Result<(), ProxyError> {
     let headers = req.headers();
     if headers.get_all(header::VIA).iter().any(|v| v.to_str().is_ok_and(|v| v.contains(VIA))) {
         return Err(ProxyError::Loop);
@@ -62,7 +65,7 @@ pub fn check<B>(req: &Request<B>) -> Result<(), ProxyError> {
 
 /// Whether a Host value is `uri-host [":" port]` (RFC 9110 §7.2): an
 /// authority without user info, whose port, if any, is a number up to 65535.
-pub fn valid_host(v: &[u8]) -> bool {
+fn valid_host(v: &[u8]) -> bool {
     let port = match v.strip_prefix(b"[") {
         // An IP literal: whatever follows its `]`.
         Some(rest) => rest.iter().position(|&b| b == b']').map(|end| &rest[end + 1..]),
@@ -82,7 +85,7 @@ pub fn valid_host(v: &[u8]) -> bool {
 /// Removes an offer to switch to HTTP/2 (`h2c`) from `Upgrade` (and the
 /// field itself, and its `Connection` token, when nothing else is offered),
 /// and `HTTP2-Settings`. Returns whether anything was removed.
-pub fn strip_h2c(headers: &mut HeaderMap) -> bool {
+pub(crate) fn strip_h2c(headers: &mut HeaderMap) -> bool {
     let settings = headers.remove(HTTP2_SETTINGS).is_some();
     if !headers.contains_key(header::UPGRADE) {
         return settings;
