@@ -2,17 +2,25 @@
 //!
 //! One listener speaks HTTP/1.1 and h2c ([`listener`]), and so does each
 //! upstream's own listener (`upstreams.NAME.listen`), whose requests go to
-//! that upstream's routes only ([`ListenerId`]). Every request, on
-//! both HTTP/1.1 engines (the native path, `h1`, and hyper), on HTTP/2 and
-//! CONNECT, passes through one tower stack ([`pipeline`]): guard, account,
-//! route ([`route`]), limit ([`usher_limit::admit`]), then the engine's own
-//! forward ([`upstream`] for hyper, `h1` for the native path). Errors become
-//! answers in one place (`usher_enforce::respond`). The stack is built from a [`Pipeline`]
+//! that upstream's routes only ([`ListenerId`]). Every request, on both
+//! HTTP/1.1 engines (`engine::native`, usher's own, and `engine::hyper`),
+//! on HTTP/2 and CONNECT, passes through one tower stack ([`pipeline`]):
+//! respond, guard, account, route ([`route`]), limit
+//! ([`usher_limit::admit`]), then the engine's own forward (through
+//! [`upstream`]). Errors become answers in one place
+//! (`usher_enforce::respond`). The stack is built from a [`Pipeline`]
 //! snapshot (routing, upstreams, config) that a reload swaps as one.
-//! [`Proxy`] (`wiring`) wires the pieces: the lease table, the lease client,
-//! pushback, metrics and reloads. This module holds the tree, [`serve`] and
-//! [`run`]; no module below imports it. On shutdown the listener stops
-//! accepting and in-flight requests drain until a deadline.
+//! [`Proxy`] (`sidecar`) wires the pieces: the lease table, the lease
+//! client, pushback, metrics and reloads; [`ops`] writes the access log and
+//! serves the status pages. This module holds the tree, [`serve`] and
+//! [`run`]. On shutdown the listener stops accepting and in-flight requests
+//! drain until a deadline.
+//!
+//! Inside the crate, no module imports this one, and the modules form no
+//! cycle: `listener` and `ops::status` → `sidecar` (`Proxy`) → `pipeline`,
+//! `engine`, `route` → `upstream`. `engine::native` imports no `listener`
+//! and no `Proxy`; `upstream` imports no `engine`, and `upstream::h2conn`
+//! and `upstream::pool` import no `upstream`.
 
 #![warn(missing_docs, unreachable_pub)]
 
