@@ -32,10 +32,14 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
 /// Default `--election-key`.
 pub const DEFAULT_KEY: &str = "/usher/master";
 
+/// What status pages show of the election.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ElectionStatus {
+    /// The etcd key the node's servers campaign for (`--election-key`).
     pub key: String,
+    /// The TTL of the etcd lease that holds the key, in seconds (`--election-ttl`).
     pub ttl_s: u64,
+    /// `master` or `follower`.
     pub state: &'static str,
     /// The etcd lease that holds the election key, while this server is master.
     pub lease_id: Option<i64>,
@@ -47,26 +51,30 @@ pub struct ElectionStatus {
     /// A master steps down this long after its last renewal when it cannot
     /// renew: before etcd can expire the key and let another server win.
     pub step_down_after_ms: u64,
+    /// The last etcd error, until a call succeeds again.
     pub last_error: Option<String>,
 }
 
+/// The election's shared state, readable by status pages.
 #[derive(Default)]
 pub struct Election {
     status: Mutex<ElectionStatus>,
 }
 
 impl Election {
+    /// The election as it stands now.
     pub fn status(&self) -> ElectionStatus {
         self.status.lock().expect("election status poisoned").clone()
     }
 
+    /// Changes the status under its lock.
     fn set(&self, f: impl FnOnce(&mut ElectionStatus)) {
         f(&mut self.status.lock().expect("election status poisoned"));
     }
 }
 
 /// Campaigns and follows until `shutdown`.
-pub async fn run(
+pub(crate) async fn run(
     node: Arc<Node>,
     election: Arc<Election>,
     etcd: Etcd,

@@ -328,7 +328,9 @@ pub const DEFAULT_DECAY_FACTOR: f64 = 0.5;
 /// Who the master is, as this server knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mastership {
+    /// This server is the master of its node: it answers capacity requests.
     pub is_master: bool,
+    /// The master's server id, which is its gRPC address; `None` while no master is known.
     pub master_address: Option<String>,
 }
 
@@ -336,6 +338,7 @@ pub use usher_core::config::ConfigState;
 
 /// Everything one capacity server shares between its tasks.
 pub struct Node {
+    /// This server's id, the address it announces as master (`--advertise-addr`).
     pub server_id: String,
     /// The identity every master of this node shares towards its parent
     /// (`--node-id`); the server id when not set.
@@ -348,16 +351,22 @@ pub struct Node {
     pub etcd: Option<etcd::Etcd>,
     /// Set when gRPC is served over TLS.
     pub tls: Option<Arc<usher_core::tls::ServerTls>>,
+    /// Every resource's leases, and the decisions on them.
     pub store: Store,
+    /// The server's Prometheus metrics.
     pub metrics: Metrics,
     /// Resources with their own series on `/metrics` (`--metrics-max-resources`).
     pub metrics_max_resources: usize,
+    /// Where the resources configuration comes from, as logs and status pages name it.
     pub config_source: String,
     mastership: ArcSwap<Mastership>,
     config_state: Mutex<ConfigState>,
 }
 
 impl Node {
+    /// A node that is master of itself, with `config` in force and its
+    /// metrics registered in `registry`. `run` then sets its role, election
+    /// and limits from the flags.
     pub fn new(
         server_id: String,
         config_source: String,
@@ -388,6 +397,7 @@ impl Node {
         }
     }
 
+    /// Who the master is, as this server knows it now.
     pub fn mastership(&self) -> Arc<Mastership> {
         self.mastership.load_full()
     }
@@ -410,6 +420,7 @@ impl Node {
         }
     }
 
+    /// When the configuration in force was loaded, and why the last reload failed, if it did.
     pub fn config_state(&self) -> ConfigState {
         self.config_state.lock().expect("config state lock poisoned").clone()
     }
@@ -638,6 +649,7 @@ fn node_id(args: &ServerOptions, server_id: &str) -> String {
     format!("{}@{}", args.election_key, endpoints.join(","))
 }
 
+/// This machine's host name, for the default server id; `localhost` when unknown.
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()

@@ -12,24 +12,33 @@ use super::store::{self, ResourceStatus};
 /// per-resource series, only their share of the per-template sums.
 pub const DEFAULT_METRICS_MAX_RESOURCES: usize = 1000;
 
+/// The server's metrics; `/metrics` serves `registry`.
 pub struct Metrics {
+    /// The registry every metric here is registered in.
     pub registry: Registry,
-    pub rpc_requests: IntCounterVec,
-    pub rpc_errors: IntCounterVec,
-    pub rpc_duration: HistogramVec,
-    pub config_reloads: IntCounter,
-    pub config_reload_errors: IntCounter,
-    pub tls_handshake_failures: IntCounter,
-    pub mastership_changes: IntCounter,
+    /// Capacity RPCs received, by method.
+    pub(crate) rpc_requests: IntCounterVec,
+    /// Capacity RPCs answered with an error, by method and gRPC code.
+    pub(crate) rpc_errors: IntCounterVec,
+    /// Time to answer a capacity RPC, by method.
+    pub(crate) rpc_duration: HistogramVec,
+    /// Configuration reloads applied.
+    pub(crate) config_reloads: IntCounter,
+    /// Configuration reloads rejected.
+    pub(crate) config_reload_errors: IntCounter,
+    /// gRPC connections whose TLS handshake failed.
+    pub(crate) tls_handshake_failures: IntCounter,
+    /// Times this server became or stopped being its node's master.
+    pub(crate) mastership_changes: IntCounter,
     /// Resource ids only the catch-all `*` template matched, while the
     /// configuration has others (each counted once; see `store::CatchAll`).
-    pub catch_all_resources: IntCounter,
+    pub(crate) catch_all_resources: IntCounter,
     /// gRPC connections open (TLS handshakes in progress included).
-    pub connections: IntGauge,
+    pub(crate) connections: IntGauge,
     /// gRPC connections closed at once because `--max-connections` were open.
-    pub connections_refused: IntCounter,
+    pub(crate) connections_refused: IntCounter,
     /// gRPC connections closed because they sent no complete HTTP/2 preface in time.
-    pub connections_timed_out: IntCounter,
+    pub(crate) connections_timed_out: IntCounter,
     resource_capacity: GaugeVec,
     resource_has: GaugeVec,
     resource_wants: GaugeVec,
@@ -44,12 +53,18 @@ pub struct Metrics {
     is_master: IntGaugeVec,
 }
 
+/// Registers `c` in `r` and hands it back.
 fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
     r.register(Box::new(c.clone())).expect("metric names are unique");
     c
 }
 
 impl Metrics {
+    /// Registers every metric in `registry`.
+    ///
+    /// # Panics
+    ///
+    /// When `registry` already holds one of them (another server's metrics).
     pub fn new(registry: Registry) -> Self {
         let r = &registry;
         let res =

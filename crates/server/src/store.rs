@@ -4,7 +4,7 @@
 //! A resource is created from the first matching template the first time it
 //! is asked for. Expired leases are dropped on every access and by a periodic
 //! [`Store::sweep`], so status and metrics never count one; what a dropped
-//! lease leaves behind is a *reservation* (see [`Reservation`]).
+//! lease leaves behind is a *reservation* (see `Reservation`).
 //!
 //! Lower usher servers carry their node's identity and epoch in their server
 //! id (`<node>#<epoch>`, see [`split_identity`]): the store keys them by node,
@@ -27,28 +27,43 @@ use usher_core::config::resources::{Algorithm, CATCH_ALL, ResourcesConfig, Templ
 /// One priority band of a lower server's demand.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Band {
+    /// The band's priority; higher is served first under `priority_mode=strict`.
     pub priority: i64,
+    /// The clients in the band (at least 1).
     pub num_clients: i64,
+    /// What they want in total.
     pub wants: f64,
 }
 
 /// Who is asking: an end client, or a lower server speaking for its clients.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Requester {
-    Client { priority: i64 },
-    Server { bands: Vec<Band> },
+    /// An end client (`GetCapacity`).
+    Client {
+        /// Its priority.
+        priority: i64,
+    },
+    /// A lower server (`GetServerCapacity`).
+    Server {
+        /// Its clients' demand, by priority.
+        bands: Vec<Band>,
+    },
 }
 
 /// One resource's part of a capacity request, already validated.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeaseRequest {
+    /// The resource asked for.
     pub resource_id: String,
+    /// What the requester wants, in capacity units (finite, >= 0).
     pub wants: f64,
+    /// The end clients it speaks for: 1 for a client, a lower server's sum over its bands.
     pub subclients: u64,
     /// The capacity the requester says it holds (its `has` lease).
     pub reported_has: Option<f64>,
     /// When that lease expires.
     pub reported_expiry: Option<Time>,
+    /// Who asks.
     pub requester: Requester,
     /// What the requester last read of the upstream's own quota.
     pub quota: Option<usher_lease::quota::Observation>,
@@ -87,7 +102,7 @@ pub const RECONNECT_ALLOWANCE: Duration = Duration::from_secs(3);
 
 /// How long past a lapsed lease's hold (at least a lease length) the server
 /// keeps reserving a client's default safe capacity (its share, see
-/// [`Resource::share_safe`]). A client cut off from the tree runs on it for
+/// `Resource::share_safe`). A client cut off from the tree runs on it for
 /// as long as it stays cut off: one that comes back later than this may have
 /// used it beside what was handed to others. A client gone for good (killed
 /// without releasing; a restart under a new id) keeps it from the others
@@ -103,9 +118,13 @@ pub const HELD_BACK_MARGIN: f64 = 0.03;
 /// The answer for one resource.
 #[derive(Debug, Clone)]
 pub struct Grant {
+    /// The capacity granted.
     pub capacity: f64,
+    /// When the lease expires.
     pub expiry: Time,
+    /// When the requester should ask again.
     pub refresh_interval: Duration,
+    /// What the requester may use once its lease lapses (< 0: unlimited).
     pub safe_capacity: f64,
     /// The algorithm in force, to hand down to a lower server.
     pub algorithm: Algorithm,
@@ -178,7 +197,9 @@ impl Predecessor {
 /// Bounds that keep one server's memory finite whatever its clients send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
+    /// The most clients one resource may have (`--max-clients-per-resource`).
     pub max_clients_per_resource: usize,
+    /// The most resources the store may track (`--max-resources`).
     pub max_resources: usize,
 }
 
@@ -196,10 +217,20 @@ impl Default for Limits {
 /// A request that would grow the store past its [`Limits`].
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LimitError {
+    /// A new client of a resource that has as many as it may.
     #[error("resource `{resource}` already has {limit} clients (the server's --max-clients-per-resource)")]
-    TooManyClients { resource: String, limit: usize },
+    TooManyClients {
+        /// The resource.
+        resource: String,
+        /// [`Limits::max_clients_per_resource`].
+        limit: usize,
+    },
+    /// A new resource while the store tracks as many as it may.
     #[error("the server already tracks {limit} resources (its --max-resources)")]
-    TooManyResources { limit: usize },
+    TooManyResources {
+        /// [`Limits::max_resources`].
+        limit: usize,
+    },
 }
 
 /// Where a server sits in the tree.
@@ -209,16 +240,24 @@ pub enum Role {
     Root,
     /// Leases its capacity from a parent; leases it hands down refresh
     /// `decay_factor` times as often as its own (never faster than every second).
-    Intermediate { decay_factor: f64 },
+    Intermediate {
+        /// The factor, in (0, 1] (`--decay-factor`).
+        decay_factor: f64,
+    },
 }
 
 /// What an intermediate server holds from its parent for one resource.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParentLease {
+    /// The capacity granted.
     pub capacity: f64,
+    /// When the lease expires.
     pub expiry: Time,
+    /// When the parent wants to be asked again.
     pub refresh_interval: Duration,
+    /// The parent's algorithm for the resource, which a catch-all template here adopts.
     pub algorithm: Option<Algorithm>,
+    /// The parent's safe capacity for the resource, per subclient.
     pub safe_capacity: Option<f64>,
     /// The parent's template for the resource, if it says.
     pub template: Option<String>,
@@ -233,8 +272,11 @@ pub struct ParentLease {
 /// One resource's demand, as an intermediate server reports it to its parent.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParentDemand {
+    /// The resource.
     pub resource_id: String,
+    /// What this server's clients want in total.
     pub wants: f64,
+    /// The same demand by priority band.
     pub bands: Vec<Band>,
     /// What this server's clients hold now, in unexpired leases, plus what is
     /// reserved for clients whose leases lapsed.
@@ -449,23 +491,33 @@ pub const CATCH_ALL_REMEMBERED: usize = 1000;
 /// What status pages and metrics show of a resource.
 #[derive(Debug, Clone, Serialize)]
 pub struct ResourceStatus {
+    /// The resource id.
     pub id: String,
+    /// The `identifier_glob` of the template it matched.
     pub template: String,
+    /// The algorithm's kind, as the configuration names it.
     pub algorithm: &'static str,
+    /// The capacity shared now (0 at an intermediate without a lease from its parent).
     pub capacity: f64,
+    /// What the unexpired leases count as held.
     pub sum_has: f64,
+    /// What the clients want.
     pub sum_wants: f64,
+    /// Clients with an unexpired lease.
     pub clients: usize,
     /// Of `clients`, how many are lower servers speaking for their own clients.
     pub server_clients: usize,
+    /// The end clients all of them speak for.
     pub subclients: u64,
     /// Capacity kept for clients whose leases lapsed (they run on their safe capacity).
     pub reserved: f64,
+    /// Learning mode: clients get back what they report holding.
     pub learning_mode: bool,
     /// Seconds left in learning mode.
     pub learning_left_s: f64,
     /// An intermediate server's lease from its parent.
     pub parent_capacity: Option<f64>,
+    /// Seconds until that lease expires (0 once it has).
     pub parent_expires_in_s: Option<f64>,
     /// The quota the capacity follows: the upstream's own account, or a
     /// calendar window's.
@@ -478,7 +530,9 @@ pub struct QuotaStatus {
     /// `upstream` (its clients read it from the upstream's answers) or
     /// `calendar` (`window: calendar`, counted by this server).
     pub source: &'static str,
+    /// The quota per window.
     pub limit: f64,
+    /// What is left of it.
     pub remaining: f64,
     /// Seconds until it renews.
     pub reset_in_s: f64,
@@ -508,18 +562,29 @@ pub fn rank(resources: &mut [ResourceStatus]) {
 /// One client's lease, for `/debug/resources`.
 #[derive(Debug, Clone, Serialize)]
 pub struct LeaseStatus {
+    /// The client's id (a lower server's node, without its epoch).
     pub client_id: String,
+    /// `client` or `server`.
     pub kind: &'static str,
+    /// An end client's priority.
     pub priority: Option<i64>,
+    /// A lower server's demand by priority band.
     pub bands: Vec<Band>,
+    /// What the last answer granted.
     pub has: f64,
+    /// What the client wants.
     pub wants: f64,
+    /// The end clients it speaks for.
     pub subclients: u64,
+    /// Seconds until the lease expires.
     pub expires_in_s: f64,
+    /// The refresh interval the lease carries, in whole seconds.
     pub refresh_interval_s: u64,
 }
 
 impl Store {
+    /// An empty store of a root server that has just become master, with
+    /// nothing known of a predecessor: it learns as long as its configuration allows.
     pub fn new(clock: Clock, config: ResourcesConfig, min_request_interval: Duration) -> Self {
         let now = clock.now();
         Store {
@@ -576,18 +641,19 @@ impl Store {
         }
     }
 
+    /// Bounds what the store may grow to from now on.
     pub fn set_limits(&mut self, limits: Limits) {
         self.limits = limits;
     }
 
-    /// Checks that serving `client` on `resource_ids` stays within the limits.
-    /// Checked before anything is stored, so a refused request changes nothing.
     /// The most clients one resource may have (`--max-clients-per-resource`);
     /// a lower server's bands count towards it.
     pub fn max_clients_per_resource(&self) -> usize {
         self.limits.max_clients_per_resource
     }
 
+    /// Checks that serving `client` on `resource_ids` stays within the limits.
+    /// Checked before anything is stored, so a refused request changes nothing.
     pub fn check_limits<'a>(
         &self,
         client: &str,
@@ -620,6 +686,7 @@ impl Store {
         self.role = role;
     }
 
+    /// Where this server sits in the tree.
     pub fn role(&self) -> Role {
         self.role
     }
@@ -692,10 +759,12 @@ impl Store {
         out
     }
 
+    /// The clock every decision reads.
     pub fn clock(&self) -> &Clock {
         &self.clock
     }
 
+    /// The configuration in force.
     pub fn config(&self) -> Arc<ResourcesConfig> {
         self.config.load_full()
     }
