@@ -75,24 +75,17 @@ impl CapacityService {
     ) -> Result<Response<T>, Status> {
         let start = rpc_start();
         let wait = deadline.map_or(self.newcomer_wait, |d| self.newcomer_wait.min(d / 2));
-        // One timer for the whole call: every round waits for what is left of it.
-        let until = tokio::time::sleep(wait);
-        tokio::pin!(until);
+        // One deadline for the whole call: every round waits for what is left of it.
+        #[allow(clippy::disallowed_methods, reason = "timeout_at takes its deadline in tokio's time")]
+        let until = tokio::time::Instant::now() + wait;
         let mut again = false;
         let out = loop {
             let changed = self.node.store.changed();
             tokio::pin!(changed);
             changed.as_mut().enable();
             let out = f(again);
-            if !matches!(out, Ok((_, true))) || wait.is_zero() {
-                break out;
-            }
-            let changed_in_time = tokio::select! {
-                biased;
-                _ = changed => true,
-                _ = until.as_mut() => false,
-            };
-            if !changed_in_time {
+            if !matches!(out, Ok((_, true))) || wait.is_zero() || tokio::time::timeout_at(until, changed).await.is_err()
+            {
                 break out;
             }
             again = true;
@@ -103,10 +96,10 @@ impl CapacityService {
     /// Counts the RPC `method` that started at `start`, and its error if it failed.
     fn record<T>(&self, method: &str, start: Instant, out: Result<T, Status>) -> Result<Response<T>, Status> {
         let m = &self.node.metrics;
-        m.rpc_requests.with_label_values(&[method]).inc();
-        m.rpc_duration.with_label_values(&[method]).observe(start.elapsed().as_secs_f64());
+        m.rpc.requests.with_label_values(&[method]).inc();
+        m.rpc.duration.with_label_values(&[method]).observe(start.elapsed().as_secs_f64());
         if let Err(s) = &out {
-            m.rpc_errors.with_label_values(&[method, code_name(s.code())]).inc();
+            m.rpc.errors.with_label_values(&[method, code_name(s.code())]).inc();
             tracing::debug!(method, code = ?s.code(), message = s.message(), "rejected request");
         }
         out.map(Response::new)
