@@ -182,6 +182,12 @@ fn status_html(s: &Status) -> String {
                 .unwrap_or_default()
         );
     }
+    resources_table(&mut b, s);
+    admin::page("usher server", &b)
+}
+
+/// The resources `/debug/status` lists, and how many it leaves out.
+fn resources_table(b: &mut String, s: &Status) {
     b.push_str("<table id=resources><tr><th>resource</th><th>template</th><th>algorithm</th><th>capacity</th><th>sum has</th><th>sum wants</th><th>clients (servers)</th><th>from parent</th><th>quota</th><th>learning</th></tr>");
     for r in &s.resources {
         let _ = write!(
@@ -218,7 +224,6 @@ fn status_html(s: &Status) -> String {
             s.resources_unlisted
         );
     }
-    admin::page("usher server", &b)
 }
 
 /// `/debug/resources` as an HTML page.
