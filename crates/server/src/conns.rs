@@ -36,18 +36,24 @@ const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The bounds, from the flags.
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    pub max_connections: usize,
-    pub preface_timeout: Duration,
+pub(crate) struct Limits {
+    /// Connections open at once, TLS handshakes included (`--max-connections`).
+    pub(crate) max_connections: usize,
+    /// How long a new connection has to send its complete HTTP/2 preface (`--preface-timeout`).
+    pub(crate) preface_timeout: Duration,
 }
 
 /// Where the listener counts what it does.
 #[derive(Clone)]
-pub struct Counters {
-    pub open: IntGauge,
-    pub refused: IntCounter,
-    pub timed_out: IntCounter,
-    pub tls_failures: IntCounter,
+pub(crate) struct Counters {
+    /// Connections open now.
+    pub(crate) open: IntGauge,
+    /// Connections closed at once because every slot was taken.
+    pub(crate) refused: IntCounter,
+    /// Connections closed because their preface came too late.
+    pub(crate) timed_out: IntCounter,
+    /// Connections whose TLS handshake failed.
+    pub(crate) tls_failures: IntCounter,
 }
 
 /// Accepts connections on `listener` and yields them to tonic, each holding
@@ -55,7 +61,7 @@ pub struct Counters {
 /// finds every slot taken is closed at once. With `tls`, handshakes run
 /// concurrently (a slot is held from the accept on, so handshakes in progress
 /// count too).
-pub fn incoming(
+pub(crate) fn incoming(
     listener: TcpListener,
     limits: Limits,
     tls: Option<Arc<ServerTls>>,
@@ -133,7 +139,12 @@ impl Refusals {
             "gRPC connections closed at once: --max-connections are open (logged at most every 10 s; \
              all are counted in usher_server_connections_refused_total)"
         );
-        self.last_logged = Some(Instant::now());
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "log lines are paced in real time, whatever clock the store runs on"
+        )]
+        let now = Instant::now();
+        self.last_logged = Some(now);
         self.unlogged = 0;
     }
 }
@@ -157,6 +168,7 @@ impl Drop for Slot {
     }
 }
 
+/// A connection's stream: plain TCP, or TLS over it.
 enum Io {
     Plain(TcpStream),
     Tls(Box<TlsConn>),
@@ -167,6 +179,7 @@ enum Io {
 const MAGIC_LEN: usize = 24;
 const FRAME_HEADER_LEN: usize = 9;
 
+/// How far a connection is with its preface.
 enum Preface {
     /// Until the whole preface is read, by `deadline`.
     Awaited {
@@ -196,7 +209,7 @@ impl Preface {
 
 /// An accepted gRPC connection: holds its slot, and fails its reads once the
 /// preface deadline passes without a complete preface.
-pub struct Conn {
+pub(crate) struct Conn {
     io: Io,
     preface: Preface,
     timed_out: IntCounter,

@@ -43,16 +43,41 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Why an etcd call failed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum EtcdError {
+    /// No endpoint answered; a retry may.
     #[error("etcd unreachable at {endpoints}: {reason}")]
-    Unreachable { endpoints: String, reason: String },
+    Unreachable {
+        /// Every endpoint tried, comma-separated.
+        endpoints: String,
+        /// Why each failed.
+        reason: String,
+    },
     /// An endpoint refused us for a reason no retry mends: TLS trust, the
     /// client certificate, the credentials, a permission.
     #[error("etcd {endpoint}: {reason}")]
-    Refused { endpoint: String, reason: String },
+    Refused {
+        /// The endpoint that refused.
+        endpoint: String,
+        /// Why, and what to change.
+        reason: String,
+    },
+    /// etcd answered with an error status.
     #[error("etcd answered {status} to {path}: {body}")]
-    Status { path: String, status: u16, body: String },
+    Status {
+        /// The gateway path called (`/v3/kv/range`).
+        path: String,
+        /// The HTTP status.
+        status: u16,
+        /// etcd's error message.
+        body: String,
+    },
+    /// etcd's answer is not what the call expects.
     #[error("unexpected answer from etcd to {path}: {body}")]
-    Decode { path: String, body: String },
+    Decode {
+        /// The gateway path called.
+        path: String,
+        /// The answer, or what is missing from it.
+        body: String,
+    },
 }
 
 impl EtcdError {
@@ -73,18 +98,23 @@ pub struct EtcdOptions {
     pub tls_hint: TlsHint,
     /// Username and password for etcd's auth.
     pub credentials: Option<(String, String)>,
+    /// How often a fresh auth token is fetched (`--etcd-token-refresh`).
     pub token_refresh: Duration,
+    /// The longest one call to one endpoint may take.
     pub timeout: Duration,
 }
 
 /// The TLS files, for error messages.
 #[derive(Clone, Debug, Default)]
 pub struct TlsHint {
+    /// The CA bundle's path (`--etcd-ca`).
     pub ca: Option<String>,
+    /// The client certificate's path (`--etcd-cert`).
     pub cert: Option<String>,
 }
 
 impl EtcdOptions {
+    /// Plain HTTP to `endpoints`, no auth, the default token refresh and timeout.
     pub fn plain(endpoints: &[String]) -> Self {
         EtcdOptions {
             endpoints: endpoints.to_vec(),
@@ -100,11 +130,15 @@ impl EtcdOptions {
 /// What the status page shows of the etcd connection.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct EtcdStatus {
+    /// Every endpoint, in the order configured.
     pub endpoints: Vec<String>,
     /// The endpoint that answered last.
     pub current: String,
+    /// Calls go over TLS.
     pub tls: bool,
+    /// A client certificate is presented.
     pub client_cert: bool,
+    /// The etcd user, with auth.
     pub user: Option<String>,
     /// Auth tokens fetched so far.
     pub tokens: u64,
@@ -112,12 +146,14 @@ pub struct EtcdStatus {
     pub failovers: u64,
 }
 
+/// The HTTP client, with the TLS connector whose errors it reads.
 #[derive(Clone)]
 enum Http {
     Plain(Client<HttpConnector, Full<Bytes>>),
     Tls(Client<usher_core::tls::Connector, Full<Bytes>>, usher_core::tls::Connector),
 }
 
+/// etcd's username/password auth, and the token it last gave.
 struct Auth {
     user: String,
     password: String,
@@ -125,6 +161,7 @@ struct Auth {
     token: tokio::sync::Mutex<Option<(String, Time)>>,
 }
 
+/// What the clones of one [`Etcd`] share.
 struct Inner {
     endpoints: Vec<String>,
     http: Http,
@@ -144,10 +181,12 @@ pub struct Etcd {
     inner: Arc<Inner>,
 }
 
+/// `s` in base64, as the gateway takes keys and values.
 fn b64(s: &[u8]) -> String {
     B64.encode(s)
 }
 
+/// A number the gateway sends as a string (int64 fields) or as a number.
 fn num(v: &Value) -> Option<i64> {
     match v {
         Value::String(s) => s.parse().ok(),
@@ -173,8 +212,11 @@ fn field<'a>(v: &'a Value, snake: &str) -> &'a Value {
 /// The outcome of [`Etcd::create_if_absent`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
-    /// This call created the key, at this revision (a fencing token: it only grows).
-    Won { revision: i64 },
+    /// This call created the key.
+    Won {
+        /// The revision it was created at: a fencing token, it only grows.
+        revision: i64,
+    },
     /// The key exists and holds this value.
     Held(String),
 }
@@ -182,16 +224,22 @@ pub enum Claim {
 /// One change to a watched key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WatchEvent {
+    /// The key was written.
     Put {
+        /// Its new value.
         value: String,
+        /// The revision of the write.
         revision: i64,
     },
+    /// The key was deleted.
     Delete {
+        /// The revision of the delete.
         revision: i64,
     },
     /// etcd compacted the history past the revision asked for: read the key
     /// again and watch from there.
     Compacted {
+        /// The revision etcd compacted up to.
         revision: i64,
     },
 }
@@ -245,6 +293,7 @@ impl Etcd {
         Etcd::with_options(o, Clock::system())
     }
 
+    /// A client configured by `o`, reading token ages from `clock`.
     pub fn with_options(o: EtcdOptions, clock: Clock) -> Self {
         let http = match &o.tls {
             None => {
@@ -285,10 +334,12 @@ impl Etcd {
         }
     }
 
+    /// The endpoints, each with its scheme.
     pub fn endpoints(&self) -> &[String] {
         &self.inner.endpoints
     }
 
+    /// What status pages show of the connection now.
     pub fn status(&self) -> EtcdStatus {
         let i = &self.inner;
         EtcdStatus {
@@ -312,6 +363,7 @@ impl Etcd {
         })
     }
 
+    /// Makes endpoint `i` the first to try, counting a failover when it changes.
     fn prefer(&self, i: usize) {
         if self.inner.preferred.swap(i, Ordering::Relaxed) != i {
             self.inner.failovers.fetch_add(1, Ordering::Relaxed);
@@ -416,6 +468,7 @@ impl Etcd {
         Err(failures.into_error(&self.inner.endpoints))
     }
 
+    /// One POST to one endpoint; the answer's `result`, or what failed.
     async fn exchange(&self, ep: &str, path: &str, body: &Value, token: Option<&str>) -> Result<Value, Attempt> {
         let resp = self.send(ep, path, body, token).await?;
         let status = resp.status().as_u16();
@@ -529,6 +582,7 @@ impl Etcd {
         Ok(num(&v["TTL"]).unwrap_or(0))
     }
 
+    /// Revokes a lease, deleting the keys attached to it.
     pub async fn revoke(&self, lease: i64) -> Result<(), EtcdError> {
         self.request("/v3/lease/revoke", json!({ "ID": lease.to_string() })).await.map(|_| ())
     }
@@ -560,6 +614,7 @@ impl Etcd {
         Ok((decode_value(&v["kvs"][0]), num(&v["header"]["revision"]).unwrap_or(0)))
     }
 
+    /// Puts `value` under `key`.
     pub async fn put(&self, key: &str, value: &str) -> Result<(), EtcdError> {
         self.request("/v3/kv/put", json!({ "key": b64(key.as_bytes()), "value": b64(value.as_bytes()) }))
             .await
@@ -588,6 +643,7 @@ impl Etcd {
         }
     }
 
+    /// Opens a watch with `token` on the first endpoint that takes it.
     async fn open_watch(&self, key: &str, start_revision: i64, token: Option<String>) -> Result<Watch, EtcdError> {
         let body =
             json!({ "create_request": { "key": b64(key.as_bytes()), "start_revision": start_revision.to_string() } });
@@ -617,6 +673,7 @@ impl Etcd {
 
 /// An open watch: the gateway streams one JSON message per line.
 pub struct Watch {
+    /// The endpoint the watch is open on.
     pub endpoint: String,
     body: hyper::body::Incoming,
     buf: Vec<u8>,
@@ -672,6 +729,7 @@ fn parse_watch_message(v: &Value) -> Option<Vec<WatchEvent>> {
     (!events.is_empty()).then_some(events)
 }
 
+/// The value of a key-value pair from the gateway; `None` without a pair.
 fn decode_value(kv: &Value) -> Option<String> {
     if kv.is_null() {
         return None;

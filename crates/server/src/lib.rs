@@ -176,7 +176,6 @@ fn server_tls(args: &ServerOptions, now: i64) -> Result<Option<usher_core::tls::
 
 /// The etcd client's settings from the `--etcd-*` flags: `None` without `--etcd-endpoints`.
 fn etcd_options(args: &ServerOptions) -> Result<Option<etcd::EtcdOptions>, RunError> {
-    use usher_core::tls::{ClientFiles, ClientTls, Which};
     if args.etcd_endpoints.is_empty() {
         let set = [
             ("--etcd-ca", args.etcd_ca.is_some()),
@@ -190,6 +189,33 @@ fn etcd_options(args: &ServerOptions) -> Result<Option<etcd::EtcdOptions>, RunEr
         }
         return Ok(None);
     }
+    let tls = etcd_tls(args)?;
+    let credentials = etcd_credentials(args)?;
+    if args.etcd_token_refresh < Duration::from_secs(1) {
+        return Err(RunError::Usage("--etcd-token-refresh must be at least 1s".into()));
+    }
+    Ok(Some(etcd::EtcdOptions {
+        endpoints: args.etcd_endpoints.clone(),
+        tls,
+        tls_hint: etcd::TlsHint {
+            ca: args.etcd_ca.as_ref().map(|p| p.display().to_string()),
+            cert: args.etcd_cert.as_ref().map(|p| p.display().to_string()),
+        },
+        credentials,
+        token_refresh: args.etcd_token_refresh,
+        // A master renewing at a quarter of the TTL has another quarter to try the
+        // next endpoint before it must step down: one endpoint may take a sixth of
+        // the TTL. Never below 1 s, which a loaded etcd can take; with a TTL under
+        // 6 s a hung endpoint then makes the master step down instead of failing over.
+        timeout: (args.election_ttl / 6).clamp(Duration::from_secs(1), etcd::DEFAULT_TIMEOUT),
+    }))
+}
+
+/// TLS to etcd from `--etcd-ca`, `--etcd-cert`, `--etcd-key` and
+/// `--etcd-server-name`: `None` without `--etcd-ca`, which needs `https://`
+/// endpoints, all of them.
+fn etcd_tls(args: &ServerOptions) -> Result<Option<usher_core::tls::ClientTls>, RunError> {
+    use usher_core::tls::{ClientFiles, ClientTls, Which};
     let https = args.etcd_endpoints.iter().filter(|e| e.starts_with("https://")).count();
     match (&args.etcd_ca, https) {
         (None, n) if n > 0 => {
@@ -229,6 +255,12 @@ fn etcd_options(args: &ServerOptions) -> Result<Option<etcd::EtcdOptions>, RunEr
             })?)
         }
     };
+    Ok(tls)
+}
+
+/// The etcd user and password from `--etcd-user` and `USHER_ETCD_PASSWORD`
+/// (`--etcd-password`) or `--etcd-password-file`: `None` without a user.
+fn etcd_credentials(args: &ServerOptions) -> Result<Option<(String, String)>, RunError> {
     let password = match (&args.etcd_password, &args.etcd_password_file) {
         (Some(_), Some(_)) => {
             return Err(RunError::Usage(
@@ -256,24 +288,7 @@ fn etcd_options(args: &ServerOptions) -> Result<Option<etcd::EtcdOptions>, RunEr
             return Err(RunError::Usage("an etcd password needs --etcd-user, the user it belongs to".into()));
         }
     };
-    if args.etcd_token_refresh < Duration::from_secs(1) {
-        return Err(RunError::Usage("--etcd-token-refresh must be at least 1s".into()));
-    }
-    Ok(Some(etcd::EtcdOptions {
-        endpoints: args.etcd_endpoints.clone(),
-        tls,
-        tls_hint: etcd::TlsHint {
-            ca: args.etcd_ca.as_ref().map(|p| p.display().to_string()),
-            cert: args.etcd_cert.as_ref().map(|p| p.display().to_string()),
-        },
-        credentials,
-        token_refresh: args.etcd_token_refresh,
-        // A master renewing at a quarter of the TTL has another quarter to try the
-        // next endpoint before it must step down: one endpoint may take a sixth of
-        // the TTL. Never below 1 s, which a loaded etcd can take; with a TTL under
-        // 6 s a hung endpoint then makes the master step down instead of failing over.
-        timeout: (args.election_ttl / 6).clamp(Duration::from_secs(1), etcd::DEFAULT_TIMEOUT),
-    }))
+    Ok(credentials)
 }
 
 /// TLS to the parent from the `--parent-tls-*` flags: `None` without `--parent-tls-ca`.
@@ -328,7 +343,9 @@ pub const DEFAULT_DECAY_FACTOR: f64 = 0.5;
 /// Who the master is, as this server knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mastership {
+    /// This server is the master of its node: it answers capacity requests.
     pub is_master: bool,
+    /// The master's server id, which is its gRPC address; `None` while no master is known.
     pub master_address: Option<String>,
 }
 
@@ -336,6 +353,7 @@ pub use usher_core::config::ConfigState;
 
 /// Everything one capacity server shares between its tasks.
 pub struct Node {
+    /// This server's id, the address it announces as master (`--advertise-addr`).
     pub server_id: String,
     /// The identity every master of this node shares towards its parent
     /// (`--node-id`); the server id when not set.
@@ -348,16 +366,22 @@ pub struct Node {
     pub etcd: Option<etcd::Etcd>,
     /// Set when gRPC is served over TLS.
     pub tls: Option<Arc<usher_core::tls::ServerTls>>,
+    /// Every resource's leases, and the decisions on them.
     pub store: Store,
+    /// The server's Prometheus metrics.
     pub metrics: Metrics,
     /// Resources with their own series on `/metrics` (`--metrics-max-resources`).
     pub metrics_max_resources: usize,
+    /// Where the resources configuration comes from, as logs and status pages name it.
     pub config_source: String,
     mastership: ArcSwap<Mastership>,
     config_state: Mutex<ConfigState>,
 }
 
 impl Node {
+    /// A node that is master of itself, with `config` in force and its
+    /// metrics registered in `registry`. `run` then sets its role, election
+    /// and limits from the flags.
     pub fn new(
         server_id: String,
         config_source: String,
@@ -388,6 +412,7 @@ impl Node {
         }
     }
 
+    /// Who the master is, as this server knows it now.
     pub fn mastership(&self) -> Arc<Mastership> {
         self.mastership.load_full()
     }
@@ -410,6 +435,7 @@ impl Node {
         }
     }
 
+    /// When the configuration in force was loaded, and why the last reload failed, if it did.
     pub fn config_state(&self) -> ConfigState {
         self.config_state.lock().expect("config state lock poisoned").clone()
     }
@@ -537,7 +563,6 @@ async fn follow_etcd_key(
     node: Arc<Node>,
     shutdown: CancellationToken,
 ) {
-    use etcd::WatchEvent;
     let name = format!("etcd:{key}");
     let mut backoff = Duration::from_millis(200);
     let apply = |text: &str| {
@@ -582,37 +607,51 @@ async fn follow_etcd_key(
                 }
             };
             backoff = Duration::from_millis(200);
-            let mut latest = None;
-            for ev in events {
-                match ev {
-                    WatchEvent::Put { value, revision: r } => {
-                        revision = revision.max(r);
-                        latest = Some(value);
-                    }
-                    WatchEvent::Delete { revision: r } => {
-                        revision = revision.max(r);
-                        latest = None;
-                        tracing::warn!(source = %name, "the configuration key was deleted; keeping the current configuration");
-                    }
-                    WatchEvent::Compacted { revision: r } => {
-                        tracing::warn!(source = %name, compacted = r, "etcd compacted past the last revision seen; reading the key again");
-                        match etcd.get_at(&key).await {
-                            Ok((value, r)) => {
-                                revision = r;
-                                latest = value;
-                            }
-                            Err(e) => {
-                                tracing::warn!(source = %name, error = %e, "cannot read the configuration from etcd")
-                            }
-                        }
-                    }
-                }
-            }
-            if let Some(text) = latest {
+            if let Some(text) = latest_value(&etcd, &key, &name, events, &mut revision).await {
                 apply(&text);
             }
         }
     }
+}
+
+/// The value a batch of watch events leaves `key` with, when the last of
+/// them wrote it (a delete keeps the configuration in force); `revision`
+/// moves on to the last one seen. After a compaction the key is read afresh.
+async fn latest_value(
+    etcd: &etcd::Etcd,
+    key: &str,
+    name: &str,
+    events: Vec<etcd::WatchEvent>,
+    revision: &mut i64,
+) -> Option<String> {
+    use etcd::WatchEvent;
+    let mut latest = None;
+    for ev in events {
+        match ev {
+            WatchEvent::Put { value, revision: r } => {
+                *revision = (*revision).max(r);
+                latest = Some(value);
+            }
+            WatchEvent::Delete { revision: r } => {
+                *revision = (*revision).max(r);
+                latest = None;
+                tracing::warn!(source = %name, "the configuration key was deleted; keeping the current configuration");
+            }
+            WatchEvent::Compacted { revision: r } => {
+                tracing::warn!(source = %name, compacted = r, "etcd compacted past the last revision seen; reading the key again");
+                match etcd.get_at(key).await {
+                    Ok((value, r)) => {
+                        *revision = r;
+                        latest = value;
+                    }
+                    Err(e) => {
+                        tracing::warn!(source = %name, error = %e, "cannot read the configuration from etcd")
+                    }
+                }
+            }
+        }
+    }
+    latest
 }
 
 /// `--state-file`, or its default for the gRPC port; `None` when empty.
@@ -638,6 +677,7 @@ fn node_id(args: &ServerOptions, server_id: &str) -> String {
     format!("{}@{}", args.election_key, endpoints.join(","))
 }
 
+/// This machine's host name, for the default server id; `localhost` when unknown.
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
@@ -649,42 +689,14 @@ fn hostname() -> String {
 
 /// Runs the server until `shutdown` is cancelled.
 pub async fn run(args: ServerOptions, shutdown: CancellationToken) -> Result<(), RunError> {
-    let etcd = etcd_options(&args)?.map(|o| etcd::Etcd::with_options(o, Clock::system()));
-    let source = ConfigSource::from_arg(args.config.as_deref(), etcd.as_ref())?;
-    let tls = server_tls(&args, Clock::system().now().as_secs())?.map(Arc::new);
-    let parent_tls = parent_tls(&args)?;
-    if args.max_connections == 0 {
-        return Err(RunError::Usage("--max-connections must be at least 1".into()));
-    }
-    if etcd.is_some() && args.state_file.as_ref().is_some_and(|p| !p.as_os_str().is_empty()) {
-        return Err(RunError::Usage(
-            "--state-file: with --etcd-endpoints the record of outstanding leases is kept in etcd".into(),
-        ));
-    }
-    for (flag, d) in [
-        ("--preface-timeout", args.preface_timeout),
-        ("--http2-keepalive-interval", args.http2_keepalive_interval),
-        ("--http2-keepalive-timeout", args.http2_keepalive_timeout),
-    ] {
-        if d.is_zero() {
-            return Err(RunError::Usage(format!("{flag} must be more than 0")));
-        }
-    }
+    let Checked { etcd, source, tls, parent_tls } = Checked::from_options(&args)?;
     // Bound before etcd and the configuration are waited for: a client that
     // connects meanwhile (a fresh tree starts sidecars, servers and etcd
     // together) waits in the listen queue and is answered as soon as the
     // server serves, instead of being refused and backing off.
     let grpc = bind("gRPC", args.listen).await?;
     if let Some(e) = &etcd {
-        // TLS, client certificate and credentials are checked now, so a mistake
-        // in them is one error line and exit 69, not a server that never elects.
-        match e.check(&args.election_key).await {
-            Ok(()) => {
-                tracing::info!(endpoints = %e.endpoints().join(","), tls = e.status().tls, user = ?e.status().user, "etcd answers")
-            }
-            Err(err) if err.is_refused() => return Err(RunError::Unavailable(err.to_string())),
-            Err(err) => tracing::warn!(error = %err, "etcd does not answer yet; the election keeps trying"),
-        }
+        check_etcd(e, &args.election_key).await?;
     }
     let (config, revision) = source.load_initial(!args.parent.is_empty()).await?;
     let source_name = source.name();
@@ -692,35 +704,7 @@ pub async fn run(args: ServerOptions, shutdown: CancellationToken) -> Result<(),
     let grpc_addr = grpc.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
     let admin_addr = admin.local_addr().map_err(|e| RunError::Other(e.to_string()))?;
     let server_id = args.advertise_addr.clone().unwrap_or_else(|| format!("{}:{}", hostname(), grpc_addr.port()));
-
-    let mut node = Node::new(
-        server_id.clone(),
-        source_name.clone(),
-        config,
-        Clock::system(),
-        args.min_request_interval,
-        prometheus::Registry::new(),
-    );
-    node.store.set_limits(store::Limits {
-        max_clients_per_resource: args.max_clients_per_resource.max(1),
-        max_resources: args.max_resources.max(1),
-    });
-    node.metrics_max_resources = args.metrics_max_resources;
-    if !args.parent.is_empty() {
-        if !(args.decay_factor > 0.0 && args.decay_factor <= 1.0) {
-            return Err(RunError::Usage(format!("--decay-factor must be in (0, 1], not {}", args.decay_factor)));
-        }
-        node.store.set_role(store::Role::Intermediate { decay_factor: args.decay_factor });
-        node.parent = Some(Arc::new(parent::ParentLink::default()));
-    }
-    if etcd.is_some() {
-        // Elected: nobody is master until the election says so.
-        node.mastership.store(Arc::new(Mastership { is_master: false, master_address: None }));
-        node.election = Some(Arc::new(election::Election::default()));
-        node.etcd = etcd.clone();
-    }
-    node.tls = tls.clone();
-    node.node_id = node_id(&args, &server_id);
+    let node = Node::from_options(&args, server_id.clone(), source_name.clone(), config, etcd.as_ref(), tls.clone())?;
     let node = Arc::new(node);
     let role = if args.parent.is_empty() { "root" } else { "intermediate" };
     let tls_mode = match &tls {
@@ -730,41 +714,167 @@ pub async fn run(args: ServerOptions, shutdown: CancellationToken) -> Result<(),
     };
     tracing::info!(grpc = %grpc_addr, admin = %admin_addr, server_id = %server_id, config = %source_name, role, parent = %args.parent.join(","), tls = tls_mode, parent_tls = parent_tls.is_some(), "usher server listening");
 
-    let parent_task = node.parent.clone().map(|link| {
-        let transport: Arc<dyn usher_lease::transport::Transport> = Arc::new(
-            usher_lease::transport::GrpcTransport::new(
-                usher_lease::transport::DEFAULT_RPC_TIMEOUT,
-                usher_lease::transport::DEFAULT_CONNECT_TIMEOUT,
-            )
-            .with_tls(parent_tls.clone().map(Ok)),
-        );
-        tokio::spawn(parent::run(
-            node.clone(),
-            link,
-            args.parent.clone(),
-            transport,
-            node.store.clock().clone(),
-            shutdown.clone(),
-        ))
-    });
-
-    // Expired leases are dropped even when no request touches their resource.
-    let sweeper = {
-        let node = node.clone();
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(SWEEP_INTERVAL);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tick.tick() => node.store.sweep(),
-                }
-            }
-        })
-    };
-
+    let parent_task = spawn_parent_link(&node, &args, parent_tls, &shutdown);
+    let sweeper = spawn_sweeper(node.clone(), shutdown.clone());
     let reloader = source.clone().watch(revision, node.clone(), shutdown.clone());
-    let election_task = match (&etcd, &node.election) {
+    let election_task = spawn_election(&node, etcd.as_ref(), &args, &shutdown);
+    let state_task = spawn_state_file(&node, etcd.is_some(), &args, &shutdown);
+    let admin_task = tokio::spawn(usher_core::admin::serve(admin, status::handler(node.clone()), shutdown.clone()));
+    let cert_reloader = tls.clone().map(|t| spawn_cert_reloader(t, node.store.clock().clone(), shutdown.clone()));
+    let served = serve_grpc(grpc, &args, &node, tls, &shutdown).await;
+    shutdown.cancel();
+    let _ = tokio::join!(sweeper, admin_task);
+    if let Some(p) = parent_task {
+        let _ = p.await;
+    }
+    for t in [reloader, election_task, cert_reloader, state_task].into_iter().flatten() {
+        let _ = t.await;
+    }
+    served.map_err(|e| RunError::Other(format!("gRPC server failed: {e}")))?;
+    tracing::info!("usher server stopped");
+    Ok(())
+}
+
+/// What the flags set up beyond plain values, checked before anything is bound.
+struct Checked {
+    etcd: Option<etcd::Etcd>,
+    source: ConfigSource,
+    tls: Option<Arc<usher_core::tls::ServerTls>>,
+    parent_tls: Option<usher_core::tls::ClientTls>,
+}
+
+impl Checked {
+    /// Checks the flags and loads the TLS files they name; the first mistake is the error.
+    fn from_options(args: &ServerOptions) -> Result<Self, RunError> {
+        let etcd = etcd_options(args)?.map(|o| etcd::Etcd::with_options(o, Clock::system()));
+        let source = ConfigSource::from_arg(args.config.as_deref(), etcd.as_ref())?;
+        let tls = server_tls(args, Clock::system().now().as_secs())?.map(Arc::new);
+        let parent_tls = parent_tls(args)?;
+        if args.max_connections == 0 {
+            return Err(RunError::Usage("--max-connections must be at least 1".into()));
+        }
+        if etcd.is_some() && args.state_file.as_ref().is_some_and(|p| !p.as_os_str().is_empty()) {
+            return Err(RunError::Usage(
+                "--state-file: with --etcd-endpoints the record of outstanding leases is kept in etcd".into(),
+            ));
+        }
+        for (flag, d) in [
+            ("--preface-timeout", args.preface_timeout),
+            ("--http2-keepalive-interval", args.http2_keepalive_interval),
+            ("--http2-keepalive-timeout", args.http2_keepalive_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(RunError::Usage(format!("{flag} must be more than 0")));
+            }
+        }
+        Ok(Checked { etcd, source, tls, parent_tls })
+    }
+}
+
+/// Checks that etcd answers with the TLS, client certificate and credentials
+/// configured, so a mistake in them is one error line and exit 69, not a
+/// server that never elects. An etcd that is merely down is waited for.
+async fn check_etcd(etcd: &etcd::Etcd, election_key: &str) -> Result<(), RunError> {
+    match etcd.check(election_key).await {
+        Ok(()) => {
+            tracing::info!(endpoints = %etcd.endpoints().join(","), tls = etcd.status().tls, user = ?etcd.status().user, "etcd answers")
+        }
+        Err(err) if err.is_refused() => return Err(RunError::Unavailable(err.to_string())),
+        Err(err) => tracing::warn!(error = %err, "etcd does not answer yet; the election keeps trying"),
+    }
+    Ok(())
+}
+
+impl Node {
+    /// The node the flags describe, with `config` in force: its limits, its
+    /// role in the tree, and whether its master is elected on `etcd`.
+    fn from_options(
+        args: &ServerOptions,
+        server_id: String,
+        config_source: String,
+        config: ResourcesConfig,
+        etcd: Option<&etcd::Etcd>,
+        tls: Option<Arc<usher_core::tls::ServerTls>>,
+    ) -> Result<Self, RunError> {
+        let mut node = Node::new(
+            server_id.clone(),
+            config_source,
+            config,
+            Clock::system(),
+            args.min_request_interval,
+            prometheus::Registry::new(),
+        );
+        node.store.set_limits(store::Limits {
+            max_clients_per_resource: args.max_clients_per_resource.max(1),
+            max_resources: args.max_resources.max(1),
+        });
+        node.metrics_max_resources = args.metrics_max_resources;
+        if !args.parent.is_empty() {
+            if !(args.decay_factor > 0.0 && args.decay_factor <= 1.0) {
+                return Err(RunError::Usage(format!("--decay-factor must be in (0, 1], not {}", args.decay_factor)));
+            }
+            node.store.set_role(store::Role::Intermediate { decay_factor: args.decay_factor });
+            node.parent = Some(Arc::new(parent::ParentLink::default()));
+        }
+        if etcd.is_some() {
+            // Elected: nobody is master until the election says so.
+            node.mastership.store(Arc::new(Mastership { is_master: false, master_address: None }));
+            node.election = Some(Arc::new(election::Election::default()));
+            node.etcd = etcd.cloned();
+        }
+        node.tls = tls;
+        node.node_id = node_id(args, &server_id);
+        Ok(node)
+    }
+}
+
+/// Starts an intermediate server's link to its parent; `None` at a root.
+fn spawn_parent_link(
+    node: &Arc<Node>,
+    args: &ServerOptions,
+    parent_tls: Option<usher_core::tls::ClientTls>,
+    shutdown: &CancellationToken,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let link = node.parent.clone()?;
+    let transport: Arc<dyn usher_lease::transport::Transport> = Arc::new(
+        usher_lease::transport::GrpcTransport::new(
+            usher_lease::transport::DEFAULT_RPC_TIMEOUT,
+            usher_lease::transport::DEFAULT_CONNECT_TIMEOUT,
+        )
+        .with_tls(parent_tls.map(Ok)),
+    );
+    Some(tokio::spawn(parent::run(
+        node.clone(),
+        link,
+        args.parent.clone(),
+        transport,
+        node.store.clock().clone(),
+        shutdown.clone(),
+    )))
+}
+
+/// Drops expired leases every [`SWEEP_INTERVAL`], even when no request
+/// touches their resource.
+fn spawn_sweeper(node: Arc<Node>, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(SWEEP_INTERVAL);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => node.store.sweep(),
+            }
+        }
+    })
+}
+
+/// Starts campaigning for mastership on `etcd`; `None` without etcd.
+fn spawn_election(
+    node: &Arc<Node>,
+    etcd: Option<&etcd::Etcd>,
+    args: &ServerOptions,
+    shutdown: &CancellationToken,
+) -> Option<tokio::task::JoinHandle<()>> {
+    match (etcd, &node.election) {
         (Some(etcd), Some(e)) => Some(tokio::spawn(election::run(
             node.clone(),
             e.clone(),
@@ -775,54 +885,77 @@ pub async fn run(args: ServerOptions, shutdown: CancellationToken) -> Result<(),
             shutdown.clone(),
         ))),
         _ => None,
-    };
+    }
+}
 
-    let state_task = match (&etcd, state_file_path(&args, args.listen.port())) {
-        (None, Some(path)) => {
+/// Without etcd: reads what the last run recorded in the state file, then
+/// keeps this run's record; `None` with etcd or without a state file.
+fn spawn_state_file(
+    node: &Arc<Node>,
+    elected: bool,
+    args: &ServerOptions,
+    shutdown: &CancellationToken,
+) -> Option<tokio::task::JoinHandle<()>> {
+    match (elected, state_file_path(args, args.listen.port())) {
+        (false, Some(path)) => {
             let clock = node.store.clock().clone();
-            let recorded = state_file::take_over(&path, &node, &clock);
+            let recorded = state_file::take_over(&path, node, &clock);
             Some(tokio::spawn(state_file::run(path, node.clone(), clock, recorded, shutdown.clone())))
         }
         _ => None,
-    };
+    }
+}
 
-    let admin_task = tokio::spawn(usher_core::admin::serve(admin, status::handler(node.clone()), shutdown.clone()));
+/// Reloads the server's certificate and key whenever the certificate file
+/// changes or on SIGHUP.
+fn spawn_cert_reloader(
+    tls: Arc<usher_core::tls::ServerTls>,
+    clock: Clock,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    // Every trigger re-reads both files (the pair is compared, not one file's
+    // bytes), so a rotation that writes the certificate before the key
+    // still lands once the key follows. A lasting error is logged once.
+    let mut causes = watch::watch(&tls.files().cert, shutdown);
+    tokio::spawn(async move {
+        let mut last_error = None;
+        while let Some(cause) = causes.recv().await {
+            match tls.reload(clock.now().as_secs()) {
+                Ok(true) => tracing::info!(?cause, cert = %tls.files().cert.display(), "TLS certificate reloaded"),
+                Ok(false) => tracing::debug!(?cause, "TLS certificate unchanged"),
+                Err(e) if cause == watch::Cause::Signal || last_error.as_ref() != Some(&e) => {
+                    tracing::error!(file = %e.path, "TLS certificate rejected, keeping the previous one: {}", e.reason);
+                    last_error = Some(e);
+                    continue;
+                }
+                Err(_) => continue,
+            }
+            last_error = None;
+        }
+    })
+}
 
+/// Serves the capacity service on `grpc` until `shutdown`, and closes the
+/// connections still open [`SHUTDOWN_GRACE`] after it.
+async fn serve_grpc(
+    grpc: tokio::net::TcpListener,
+    args: &ServerOptions,
+    node: &Arc<Node>,
+    tls: Option<Arc<usher_core::tls::ServerTls>>,
+    shutdown: &CancellationToken,
+) -> Result<(), tonic::transport::Error> {
     let svc = CapacityService::new(node.clone()).into_server();
     let builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(args.http2_keepalive_interval))
         .http2_keepalive_timeout(Some(args.http2_keepalive_timeout))
         .add_service(svc);
-    let cert_reloader = tls.clone().map(|t| {
-        // Every trigger re-reads both files (the pair is compared, not one file's
-        // bytes), so a rotation that writes the certificate before the key
-        // still lands once the key follows. A lasting error is logged once.
-        let mut causes = watch::watch(&t.files().cert, shutdown.clone());
-        let clock = node.store.clock().clone();
-        tokio::spawn(async move {
-            let mut last_error = None;
-            while let Some(cause) = causes.recv().await {
-                match t.reload(clock.now().as_secs()) {
-                    Ok(true) => tracing::info!(?cause, cert = %t.files().cert.display(), "TLS certificate reloaded"),
-                    Ok(false) => tracing::debug!(?cause, "TLS certificate unchanged"),
-                    Err(e) if cause == watch::Cause::Signal || last_error.as_ref() != Some(&e) => {
-                        tracing::error!(file = %e.path, "TLS certificate rejected, keeping the previous one: {}", e.reason);
-                        last_error = Some(e);
-                        continue;
-                    }
-                    Err(_) => continue,
-                }
-                last_error = None;
-            }
-        })
-    });
     let incoming = conns::incoming(
         grpc,
         conns::Limits {
             max_connections: args.max_connections.min(tokio::sync::Semaphore::MAX_PERMITS),
             preface_timeout: args.preface_timeout,
         },
-        tls.clone(),
+        tls,
         conns::Counters {
             open: node.metrics.connections.clone(),
             refused: node.metrics.connections_refused.clone(),
@@ -839,19 +972,8 @@ pub async fn run(args: ServerOptions, shutdown: CancellationToken) -> Result<(),
         tracing::info!("closing connections still open after the shutdown grace period");
         Ok(())
     };
-    let served = tokio::select! {
+    tokio::select! {
         r = serve => r,
         r = grace => r,
-    };
-    shutdown.cancel();
-    let _ = tokio::join!(sweeper, admin_task);
-    if let Some(p) = parent_task {
-        let _ = p.await;
     }
-    for t in [reloader, election_task, cert_reloader, state_task].into_iter().flatten() {
-        let _ = t.await;
-    }
-    served.map_err(|e| RunError::Other(format!("gRPC server failed: {e}")))?;
-    tracing::info!("usher server stopped");
-    Ok(())
 }

@@ -20,10 +20,14 @@ pub struct LocalTransport {
 }
 
 impl LocalTransport {
+    /// A transport with no server yet.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Serves `node` at `addr`, in place of any server there, and makes it
+    /// reachable; its answers are never held (see
+    /// [`CapacityService::without_newcomer_wait`]).
     pub fn add(&self, addr: impl Into<String>, node: Arc<Node>) {
         self.servers
             .lock()
@@ -46,6 +50,7 @@ impl LocalTransport {
     }
 }
 
+/// A service's answer as a transport call's result.
 fn local<T>(r: Result<tonic::Response<T>, tonic::Status>) -> Result<T, CallError> {
     r.map(tonic::Response::into_inner).map_err(|s| CallError::from_status(&s))
 }

@@ -34,10 +34,15 @@ use usher_proto as proto;
 /// What status pages show of the link to the parent.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ParentStatus {
+    /// The parent servers' addresses (`--parent`).
     pub servers: Vec<String>,
+    /// The parent node's master, once discovered.
     pub master: Option<String>,
+    /// The last failed call's error, until a refresh succeeds.
     pub last_error: Option<String>,
+    /// Refreshes the parent answered so far.
     pub refreshes: u64,
+    /// When the next regular refresh is due, in Unix seconds.
     pub next_refresh: i64,
 }
 
@@ -48,6 +53,7 @@ pub struct ParentLink {
 }
 
 impl ParentLink {
+    /// The link as it stood after its last turn.
     pub fn status(&self) -> ParentStatus {
         self.status.lock().expect("parent status poisoned").clone()
     }
@@ -61,6 +67,7 @@ fn algorithm_from_wire(a: &proto::Algorithm) -> (Option<Algorithm>, Option<u64>)
     (algorithm(a), predecessor)
 }
 
+/// The algorithm of a parent's answer; `None` for a kind this server does not know.
 fn algorithm(a: &proto::Algorithm) -> Option<Algorithm> {
     use usher_core::config::resources::Kind;
     let kind = match proto::algorithm::Kind::try_from(a.kind).ok()? {
@@ -107,9 +114,13 @@ pub const GROWTH: f64 = 1.2;
 
 /// What the parent link must do next.
 pub enum ParentAction {
+    /// Nothing to send until then.
     Wait(Time),
+    /// Ask this parent server who its master is.
     Discover(String),
+    /// Send this release to this server.
     Release(String, proto::ReleaseCapacityRequest),
+    /// Send this capacity request to this server.
     Refresh(String, proto::GetServerCapacityRequest),
 }
 
@@ -193,14 +204,17 @@ impl ParentSync {
         }
     }
 
+    /// Takes a discovery's answer from `target`.
     pub fn on_discovery(&mut self, now: Time, target: &str, r: Result<proto::DiscoveryResponse, CallError>) {
         self.core.on_discovery(now, target, r);
     }
 
+    /// Takes a release's answer.
     pub fn on_release(&mut self, now: Time, r: Result<proto::ReleaseCapacityResponse, CallError>) {
         self.core.on_release(now, r);
     }
 
+    /// Takes a refresh's answer and hands the leases it carries to the store.
     pub fn on_refresh(&mut self, node: &Node, now: Time, r: Result<proto::GetServerCapacityResponse, CallError>) {
         let r = r.map(|resp| {
             for rr in &resp.response {
@@ -219,6 +233,7 @@ impl ParentSync {
         self.publish(node);
     }
 
+    /// The link's status, for the parent servers `servers`.
     pub fn status(&self, servers: &[String]) -> ParentStatus {
         ParentStatus {
             servers: servers.to_vec(),
@@ -229,6 +244,8 @@ impl ParentSync {
         }
     }
 
+    /// The release of every lease held from the parent, and the server to
+    /// send it to; `None` when no master is known or nothing is held.
     pub fn release_all(&mut self) -> Option<(String, proto::ReleaseCapacityRequest)> {
         self.core.release_all()
     }
@@ -279,7 +296,7 @@ pub fn current_link<'a>(
 }
 
 /// Polls the parent until `shutdown`, then releases what this server holds.
-pub async fn run(
+pub(crate) async fn run(
     node: Arc<Node>,
     link: Arc<ParentLink>,
     parents: Vec<String>,
@@ -336,6 +353,9 @@ pub async fn run(
     }
 }
 
+/// The lease client's request as the server protocol's: every resource's
+/// demand in the bands the store reported, and as `has` the larger of the
+/// parent's grant and what this server has handed out.
 fn server_request(
     req: &proto::GetCapacityRequest,
     demand: &HashMap<String, (Vec<Band>, f64)>,
@@ -375,6 +395,7 @@ fn server_request(
     proto::GetServerCapacityRequest { server_id: req.client_id.clone(), resource }
 }
 
+/// A server protocol answer as the lease client reads it.
 fn client_response(resp: proto::GetServerCapacityResponse) -> proto::GetCapacityResponse {
     proto::GetCapacityResponse {
         response: resp

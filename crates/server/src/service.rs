@@ -11,7 +11,6 @@ use tonic::{Request, Response, Status};
 use super::Node;
 use super::store::{Band, Grant, LeaseRequest, PREDECESSOR_PARAMETER, Requester, split_identity};
 use usher_core::clock::Time;
-use usher_lease::quota::Observation;
 use usher_proto as proto;
 use usher_proto::capacity_server::Capacity;
 
@@ -41,6 +40,7 @@ pub struct CapacityService {
 }
 
 impl CapacityService {
+    /// The service answering for `node`.
     pub fn new(node: Arc<Node>) -> Self {
         CapacityService { node, newcomer_wait: NEWCOMER_WAIT }
     }
@@ -51,13 +51,14 @@ impl CapacityService {
         CapacityService { newcomer_wait: std::time::Duration::ZERO, ..self }
     }
 
+    /// The service as tonic serves it, accepting requests of up to [`MAX_MESSAGE_BYTES`].
     pub fn into_server(self) -> proto::capacity_server::CapacityServer<Self> {
         proto::capacity_server::CapacityServer::new(self).max_decoding_message_size(MAX_MESSAGE_BYTES)
     }
 
     /// Runs `f`, recording the RPC's count, errors and duration.
     fn observe<T>(&self, method: &str, f: impl FnOnce() -> Result<T, Status>) -> Result<Response<T>, Status> {
-        let start = Instant::now();
+        let start = rpc_start();
         let out = f();
         self.record(method, start, out)
     }
@@ -72,8 +73,10 @@ impl CapacityService {
         deadline: Option<std::time::Duration>,
         f: impl Fn(bool) -> Result<(T, bool), Status>,
     ) -> Result<Response<T>, Status> {
-        let start = Instant::now();
+        let start = rpc_start();
         let wait = deadline.map_or(self.newcomer_wait, |d| self.newcomer_wait.min(d / 2));
+        // One deadline for the whole call: every round waits for what is left of it.
+        #[allow(clippy::disallowed_methods, reason = "timeout_at takes its deadline in tokio's time")]
         let until = tokio::time::Instant::now() + wait;
         let mut again = false;
         let out = loop {
@@ -90,12 +93,13 @@ impl CapacityService {
         self.record(method, start, out.map(|(t, _)| t))
     }
 
+    /// Counts the RPC `method` that started at `start`, and its error if it failed.
     fn record<T>(&self, method: &str, start: Instant, out: Result<T, Status>) -> Result<Response<T>, Status> {
         let m = &self.node.metrics;
-        m.rpc_requests.with_label_values(&[method]).inc();
-        m.rpc_duration.with_label_values(&[method]).observe(start.elapsed().as_secs_f64());
+        m.rpc.requests.with_label_values(&[method]).inc();
+        m.rpc.duration.with_label_values(&[method]).observe(start.elapsed().as_secs_f64());
         if let Err(s) = &out {
-            m.rpc_errors.with_label_values(&[method, code_name(s.code())]).inc();
+            m.rpc.errors.with_label_values(&[method, code_name(s.code())]).inc();
             tracing::debug!(method, code = ?s.code(), message = s.message(), "rejected request");
         }
         out.map(Response::new)
@@ -106,6 +110,7 @@ impl CapacityService {
         if again { self.node.store.decide_again(client, ask) } else { self.node.store.get_capacity(client, ask) }
     }
 
+    /// Refuses a request that would grow the store past its limits.
     fn within_limits(&self, client: &str, asks: &[LeaseRequest]) -> Result<(), Status> {
         self.node
             .store
@@ -118,6 +123,15 @@ impl CapacityService {
         let m = self.node.mastership();
         (!m.is_master).then(|| proto::Mastership { master_address: m.master_address.clone() })
     }
+}
+
+/// When an RPC started, for its duration in `usher_server_rpc_duration_seconds`.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the RPC duration histogram measures real time spent answering, whatever clock the store runs on"
+)]
+fn rpc_start() -> Instant {
+    Instant::now()
 }
 
 /// Whether `g` hands nothing to a requester that holds no lease and wants some.
@@ -145,6 +159,7 @@ fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Du
     })
 }
 
+/// The gRPC code as the error metric labels it.
 fn code_name(code: tonic::Code) -> &'static str {
     match code {
         tonic::Code::InvalidArgument => "InvalidArgument",
@@ -154,6 +169,7 @@ fn code_name(code: tonic::Code) -> &'static str {
     }
 }
 
+/// The lease `g` grants, as the wire carries it.
 fn wire_lease(g: &Grant) -> proto::Lease {
     proto::Lease {
         expiry_time: g.expiry.as_secs(),
@@ -162,6 +178,7 @@ fn wire_lease(g: &Grant) -> proto::Lease {
     }
 }
 
+/// The algorithm `a`, as the wire carries it.
 pub(crate) fn wire_algorithm(a: &usher_core::config::resources::Algorithm) -> proto::Algorithm {
     let kind = match a.kind {
         usher_core::config::resources::Kind::NoAlgorithm => proto::algorithm::Kind::NoAlgorithm,
@@ -184,6 +201,7 @@ pub(crate) fn wire_algorithm(a: &usher_core::config::resources::Algorithm) -> pr
 
 // === validation ===
 
+/// An `InvalidArgument` status saying `msg`.
 fn invalid(msg: String) -> Status {
     Status::invalid_argument(msg)
 }
@@ -198,6 +216,7 @@ pub const MAX_BANDS: usize = 1000;
 /// Largest accepted request message.
 pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
 
+/// Checks that the id in `field` is neither empty nor too long.
 fn check_id(field: &str, id: &str) -> Result<(), Status> {
     if id.is_empty() {
         return Err(invalid(format!("{field} must not be empty")));
@@ -208,6 +227,7 @@ fn check_id(field: &str, id: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// Checks that a request has no more than `max` of `what`.
 fn check_count(what: &str, n: usize, max: usize) -> Result<(), Status> {
     if n > max {
         return Err(invalid(format!("{n} {what} in one request; at most {max} are accepted")));
@@ -215,6 +235,7 @@ fn check_count(what: &str, n: usize, max: usize) -> Result<(), Status> {
     Ok(())
 }
 
+/// Checks that the amount in `field` is finite and not negative.
 fn check_amount(field: &str, v: f64) -> Result<(), Status> {
     if !v.is_finite() || v < 0.0 {
         return Err(invalid(format!("{field} must be a finite number >= 0, got {v}")));
@@ -233,6 +254,7 @@ fn check_has(field: &str, has: &Option<proto::Lease>) -> Result<(Option<f64>, Op
     }
 }
 
+/// Checks that resource `id` appears once in a request.
 fn check_unique<'a>(seen: &mut HashSet<&'a str>, field: &str, id: &'a str) -> Result<(), Status> {
     if !seen.insert(id) {
         return Err(invalid(format!("{field}: resource `{id}` appears more than once in one request")));

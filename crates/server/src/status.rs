@@ -14,12 +14,13 @@ use usher_core::admin::{self, Handler, escape};
 /// Resources listed on `/debug/status` (HTML and JSON), in [`store::rank`]
 /// order; the page refreshes itself, so it must stay cheap however many
 /// resources clients create. `/debug/resources?resource=ID` shows any one.
-pub const STATUS_MAX_RESOURCES: usize = 200;
+pub(crate) const STATUS_MAX_RESOURCES: usize = 200;
 
 /// Capacities are units per second, as in Doorman's resources file (a
 /// sidecar that enforces a resource as a gauge reads them as requests in flight).
-pub const CAPACITY_UNIT: &str = "per_second";
+pub(crate) const CAPACITY_UNIT: &str = "per_second";
 
+/// What `/debug/status` shows.
 #[derive(Serialize)]
 struct Status {
     server_id: String,
@@ -43,12 +44,14 @@ struct Status {
     resources: Vec<ResourceStatus>,
 }
 
+/// What `/debug/resources` shows: one resource's leases.
 #[derive(Serialize)]
 struct ResourceLeases {
     resource: String,
     leases: Vec<LeaseStatus>,
 }
 
+/// The `/debug/status` view of `node` now.
 fn status(node: &Node) -> Status {
     let m = node.mastership();
     let cs = node.config_state();
@@ -76,7 +79,8 @@ fn status(node: &Node) -> Status {
     }
 }
 
-pub fn handler(node: Arc<Node>) -> Handler {
+/// Serves the admin pages of `node`.
+pub(crate) fn handler(node: Arc<Node>) -> Handler {
     Arc::new(move |req| {
         let json = admin::query_param(&req.uri, "format").as_deref() == Some("json");
         match req.uri.path() {
@@ -117,6 +121,7 @@ pub fn handler(node: Arc<Node>) -> Handler {
     })
 }
 
+/// `/debug/status` as an HTML page.
 fn status_html(s: &Status) -> String {
     let mut b = String::new();
     let _ = write!(
@@ -177,6 +182,12 @@ fn status_html(s: &Status) -> String {
                 .unwrap_or_default()
         );
     }
+    resources_table(&mut b, s);
+    admin::page("usher server", &b)
+}
+
+/// The resources `/debug/status` lists, and how many it leaves out.
+fn resources_table(b: &mut String, s: &Status) {
     b.push_str("<table id=resources><tr><th>resource</th><th>template</th><th>algorithm</th><th>capacity</th><th>sum has</th><th>sum wants</th><th>clients (servers)</th><th>from parent</th><th>quota</th><th>learning</th></tr>");
     for r in &s.resources {
         let _ = write!(
@@ -213,9 +224,9 @@ fn status_html(s: &Status) -> String {
             s.resources_unlisted
         );
     }
-    admin::page("usher server", &b)
 }
 
+/// `/debug/resources` as an HTML page.
 fn leases_html(r: &ResourceLeases) -> String {
     let mut b = String::from(
         "<p><a href=\"/debug/status\">back</a></p><table id=leases><tr><th>client</th><th>kind</th><th>has</th><th>wants</th><th>subclients</th><th>expires in</th></tr>",

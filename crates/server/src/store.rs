@@ -4,7 +4,7 @@
 //! A resource is created from the first matching template the first time it
 //! is asked for. Expired leases are dropped on every access and by a periodic
 //! [`Store::sweep`], so status and metrics never count one; what a dropped
-//! lease leaves behind is a *reservation* (see [`Reservation`]).
+//! lease leaves behind is a *reservation* (see `Reservation`).
 //!
 //! Lower usher servers carry their node's identity and epoch in their server
 //! id (`<node>#<epoch>`, see [`split_identity`]): the store keys them by node,
@@ -27,28 +27,43 @@ use usher_core::config::resources::{Algorithm, CATCH_ALL, ResourcesConfig, Templ
 /// One priority band of a lower server's demand.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Band {
+    /// The band's priority; higher is served first under `priority_mode=strict`.
     pub priority: i64,
+    /// The clients in the band (at least 1).
     pub num_clients: i64,
+    /// What they want in total.
     pub wants: f64,
 }
 
 /// Who is asking: an end client, or a lower server speaking for its clients.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Requester {
-    Client { priority: i64 },
-    Server { bands: Vec<Band> },
+    /// An end client (`GetCapacity`).
+    Client {
+        /// Its priority.
+        priority: i64,
+    },
+    /// A lower server (`GetServerCapacity`).
+    Server {
+        /// Its clients' demand, by priority.
+        bands: Vec<Band>,
+    },
 }
 
 /// One resource's part of a capacity request, already validated.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeaseRequest {
+    /// The resource asked for.
     pub resource_id: String,
+    /// What the requester wants, in capacity units (finite, >= 0).
     pub wants: f64,
+    /// The end clients it speaks for: 1 for a client, a lower server's sum over its bands.
     pub subclients: u64,
     /// The capacity the requester says it holds (its `has` lease).
     pub reported_has: Option<f64>,
     /// When that lease expires.
     pub reported_expiry: Option<Time>,
+    /// Who asks.
     pub requester: Requester,
     /// What the requester last read of the upstream's own quota.
     pub quota: Option<usher_lease::quota::Observation>,
@@ -87,7 +102,7 @@ pub const RECONNECT_ALLOWANCE: Duration = Duration::from_secs(3);
 
 /// How long past a lapsed lease's hold (at least a lease length) the server
 /// keeps reserving a client's default safe capacity (its share, see
-/// [`Resource::share_safe`]). A client cut off from the tree runs on it for
+/// `Resource::share_safe`). A client cut off from the tree runs on it for
 /// as long as it stays cut off: one that comes back later than this may have
 /// used it beside what was handed to others. A client gone for good (killed
 /// without releasing; a restart under a new id) keeps it from the others
@@ -103,9 +118,13 @@ pub const HELD_BACK_MARGIN: f64 = 0.03;
 /// The answer for one resource.
 #[derive(Debug, Clone)]
 pub struct Grant {
+    /// The capacity granted.
     pub capacity: f64,
+    /// When the lease expires.
     pub expiry: Time,
+    /// When the requester should ask again.
     pub refresh_interval: Duration,
+    /// What the requester may use once its lease lapses (< 0: unlimited).
     pub safe_capacity: f64,
     /// The algorithm in force, to hand down to a lower server.
     pub algorithm: Algorithm,
@@ -135,6 +154,46 @@ struct Decision {
     /// Other clients may come (a resource may have more than one): a new
     /// resource's leases carry a fast refresh during its first interval.
     arrivals: bool,
+}
+
+/// One request for one resource, as the steps of [`Resource::decide`] read it.
+struct Ask<'a> {
+    req: &'a LeaseRequest,
+    /// The client's key: a lower server's node id, without its epoch.
+    client: &'a str,
+    /// The epoch of the master speaking for a lower usher node.
+    epoch: Option<u64>,
+    now: Time,
+    role: Role,
+    /// The algorithm in force.
+    alg: Algorithm,
+    /// The capacity to share now ([`Resource::capacity`]).
+    capacity: Option<f64>,
+    /// The request's demand per priority band ([`bands_of`]).
+    bands: &'a [(i64, f64, u64)],
+    d: Decision,
+}
+
+/// What a node's new master inherits from its predecessor: the floor of
+/// what the predecessor's clients may hold, until when, and how many
+/// subclients it spoke for.
+type Inherited = (f64, Time, u64);
+
+/// A request from a master older than the one the store knows for its node.
+struct Stale;
+
+/// The client's state before the lease being decided (see [`Resource::refile`]).
+struct Prior {
+    slot: ClientSlot,
+    /// What it was counted as holding.
+    has: f64,
+    /// It asks for more than before: its measured demand may be arriving.
+    grew: bool,
+    /// What it inherited as a floor, and until when ([`ClientLease::floor`]).
+    floor: Option<(f64, Time)>,
+    /// What this server tells a node's new master of its predecessor
+    /// ([`ClientLease::predecessor_subclients`]).
+    predecessor: Option<u64>,
 }
 
 /// What a new master knows of the leases its predecessor handed out.
@@ -178,7 +237,9 @@ impl Predecessor {
 /// Bounds that keep one server's memory finite whatever its clients send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
+    /// The most clients one resource may have (`--max-clients-per-resource`).
     pub max_clients_per_resource: usize,
+    /// The most resources the store may track (`--max-resources`).
     pub max_resources: usize,
 }
 
@@ -196,10 +257,20 @@ impl Default for Limits {
 /// A request that would grow the store past its [`Limits`].
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LimitError {
+    /// A new client of a resource that has as many as it may.
     #[error("resource `{resource}` already has {limit} clients (the server's --max-clients-per-resource)")]
-    TooManyClients { resource: String, limit: usize },
+    TooManyClients {
+        /// The resource.
+        resource: String,
+        /// [`Limits::max_clients_per_resource`].
+        limit: usize,
+    },
+    /// A new resource while the store tracks as many as it may.
     #[error("the server already tracks {limit} resources (its --max-resources)")]
-    TooManyResources { limit: usize },
+    TooManyResources {
+        /// [`Limits::max_resources`].
+        limit: usize,
+    },
 }
 
 /// Where a server sits in the tree.
@@ -209,16 +280,24 @@ pub enum Role {
     Root,
     /// Leases its capacity from a parent; leases it hands down refresh
     /// `decay_factor` times as often as its own (never faster than every second).
-    Intermediate { decay_factor: f64 },
+    Intermediate {
+        /// The factor, in (0, 1] (`--decay-factor`).
+        decay_factor: f64,
+    },
 }
 
 /// What an intermediate server holds from its parent for one resource.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParentLease {
+    /// The capacity granted.
     pub capacity: f64,
+    /// When the lease expires.
     pub expiry: Time,
+    /// When the parent wants to be asked again.
     pub refresh_interval: Duration,
+    /// The parent's algorithm for the resource, which a catch-all template here adopts.
     pub algorithm: Option<Algorithm>,
+    /// The parent's safe capacity for the resource, per subclient.
     pub safe_capacity: Option<f64>,
     /// The parent's template for the resource, if it says.
     pub template: Option<String>,
@@ -233,8 +312,11 @@ pub struct ParentLease {
 /// One resource's demand, as an intermediate server reports it to its parent.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParentDemand {
+    /// The resource.
     pub resource_id: String,
+    /// What this server's clients want in total.
     pub wants: f64,
+    /// The same demand by priority band.
     pub bands: Vec<Band>,
     /// What this server's clients hold now, in unexpired leases, plus what is
     /// reserved for clients whose leases lapsed.
@@ -449,23 +531,33 @@ pub const CATCH_ALL_REMEMBERED: usize = 1000;
 /// What status pages and metrics show of a resource.
 #[derive(Debug, Clone, Serialize)]
 pub struct ResourceStatus {
+    /// The resource id.
     pub id: String,
+    /// The `identifier_glob` of the template it matched.
     pub template: String,
+    /// The algorithm's kind, as the configuration names it.
     pub algorithm: &'static str,
+    /// The capacity shared now (0 at an intermediate without a lease from its parent).
     pub capacity: f64,
+    /// What the unexpired leases count as held.
     pub sum_has: f64,
+    /// What the clients want.
     pub sum_wants: f64,
+    /// Clients with an unexpired lease.
     pub clients: usize,
     /// Of `clients`, how many are lower servers speaking for their own clients.
     pub server_clients: usize,
+    /// The end clients all of them speak for.
     pub subclients: u64,
     /// Capacity kept for clients whose leases lapsed (they run on their safe capacity).
     pub reserved: f64,
+    /// Learning mode: clients get back what they report holding.
     pub learning_mode: bool,
     /// Seconds left in learning mode.
     pub learning_left_s: f64,
     /// An intermediate server's lease from its parent.
     pub parent_capacity: Option<f64>,
+    /// Seconds until that lease expires (0 once it has).
     pub parent_expires_in_s: Option<f64>,
     /// The quota the capacity follows: the upstream's own account, or a
     /// calendar window's.
@@ -478,7 +570,9 @@ pub struct QuotaStatus {
     /// `upstream` (its clients read it from the upstream's answers) or
     /// `calendar` (`window: calendar`, counted by this server).
     pub source: &'static str,
+    /// The quota per window.
     pub limit: f64,
+    /// What is left of it.
     pub remaining: f64,
     /// Seconds until it renews.
     pub reset_in_s: f64,
@@ -508,18 +602,29 @@ pub fn rank(resources: &mut [ResourceStatus]) {
 /// One client's lease, for `/debug/resources`.
 #[derive(Debug, Clone, Serialize)]
 pub struct LeaseStatus {
+    /// The client's id (a lower server's node, without its epoch).
     pub client_id: String,
+    /// `client` or `server`.
     pub kind: &'static str,
+    /// An end client's priority.
     pub priority: Option<i64>,
+    /// A lower server's demand by priority band.
     pub bands: Vec<Band>,
+    /// What the last answer granted.
     pub has: f64,
+    /// What the client wants.
     pub wants: f64,
+    /// The end clients it speaks for.
     pub subclients: u64,
+    /// Seconds until the lease expires.
     pub expires_in_s: f64,
+    /// The refresh interval the lease carries, in whole seconds.
     pub refresh_interval_s: u64,
 }
 
 impl Store {
+    /// An empty store of a root server that has just become master, with
+    /// nothing known of a predecessor: it learns as long as its configuration allows.
     pub fn new(clock: Clock, config: ResourcesConfig, min_request_interval: Duration) -> Self {
         let now = clock.now();
         Store {
@@ -576,18 +681,19 @@ impl Store {
         }
     }
 
+    /// Bounds what the store may grow to from now on.
     pub fn set_limits(&mut self, limits: Limits) {
         self.limits = limits;
     }
 
-    /// Checks that serving `client` on `resource_ids` stays within the limits.
-    /// Checked before anything is stored, so a refused request changes nothing.
     /// The most clients one resource may have (`--max-clients-per-resource`);
     /// a lower server's bands count towards it.
     pub fn max_clients_per_resource(&self) -> usize {
         self.limits.max_clients_per_resource
     }
 
+    /// Checks that serving `client` on `resource_ids` stays within the limits.
+    /// Checked before anything is stored, so a refused request changes nothing.
     pub fn check_limits<'a>(
         &self,
         client: &str,
@@ -620,6 +726,7 @@ impl Store {
         self.role = role;
     }
 
+    /// Where this server sits in the tree.
     pub fn role(&self) -> Role {
         self.role
     }
@@ -692,10 +799,12 @@ impl Store {
         out
     }
 
+    /// The clock every decision reads.
     pub fn clock(&self) -> &Clock {
         &self.clock
     }
 
+    /// The configuration in force.
     pub fn config(&self) -> Arc<ResourcesConfig> {
         self.config.load_full()
     }
@@ -1396,13 +1505,10 @@ impl Resource {
         }
     }
 
+    /// Decides the request of client `id` for this resource, and files the
+    /// lease it answers with.
     fn decide(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
-        let Decision { learning, min_interval, again, arrivals } = d;
-        if let Some(o) = req.quota {
-            let granted = self.index.total_has();
-            self.quota.get_or_insert_default().observe(o, granted);
-        }
-        self.follow_calendar(now, role);
+        self.observe_quota(req, now, role);
         let (client, epoch) = match req.requester {
             Requester::Server { .. } => split_identity(id),
             Requester::Client { .. } => (id, None),
@@ -1415,95 +1521,192 @@ impl Resource {
             // what every lease held until now.
             self.by_priority();
         }
-        // A node's new master takes its predecessor's place, inheriting what
-        // the predecessor's clients may still hold as a floor; a stale master
-        // changes nothing.
-        let mut inherited: Option<(f64, Time, u64)> = None;
-        if let (Some(e), Some(l)) = (epoch, self.clients.get(client))
-            && let Some(le) = l.epoch
-        {
-            if e < le {
-                return self.unchanged(client, now, capacity, alg);
-            }
-            if e > le {
-                let floor = l.has.max(l.floor.filter(|f| f.1 > now).map_or(0.0, |f| f.0));
-                inherited = Some((floor, l.expiry, l.subclients));
-                self.remove(client);
-            }
-        }
+        let ask = Ask { req, client, epoch, now, role, alg, capacity, bands: &bands, d };
+        let Ok(inherited) = self.succeed(&ask) else {
+            return self.unchanged(client, now, capacity, ask.alg);
+        };
         // A client that holds nothing, asking while there is nothing to hand
         // out, is answered so again, and stays known (with its demand) for
         // two more seconds: were its entry left to lapse, a lower server
         // whose clients all lapsed at once would have no demand for an
         // instant and give its own lease back.
-        if capacity.is_none() && !learning && self.clients.get(client).is_none_or(|l| l.granted <= 0.0 && l.has <= 0.0)
+        if capacity.is_none()
+            && !d.learning
+            && self.clients.get(client).is_none_or(|l| l.granted <= 0.0 && l.has <= 0.0)
         {
             self.remove(client);
-            return self.nothing_to_hand_out(client, req, now, alg, &bands);
+            return self.nothing_to_hand_out(client, req, now, ask.alg, &bands);
         }
-        if let Some(r) = self.reservations.get(client) {
-            if epoch.is_some() && r.epoch > epoch {
-                // A stale master of a node whose lease lapsed: nothing to give it.
-                return Grant {
-                    quota: self.quota_view(now),
-                    resource_capacity: None,
-                    capacity: 0.0,
-                    expiry: now,
-                    refresh_interval: alg.refresh_interval,
-                    safe_capacity: self.safe_capacity(capacity.unwrap_or(0.0)),
-                    algorithm: alg,
-                    template: self.template_name(),
-                    predecessor_subclients: None,
-                };
-            }
-            let r = self.unreserve(client).expect("checked above");
-            if epoch.is_some() {
-                let (floor, until, holders) = inherited.unwrap_or((0.0, now, 0));
-                inherited = Some((floor.max(r.amount), until.max(r.until), holders.max(r.holders)));
-            }
-        }
+        let Ok(inherited) = self.take_reservation(&ask, inherited) else {
+            return self.nothing_for_a_stale_master(now, capacity, ask.alg);
+        };
         // A too-early request gets its lease back unchanged; only its demand
         // is recorded. So does every request while an intermediate server's
         // own lease has lapsed: granted leases run to their expiry, and no new
         // capacity is handed out until the parent renews. Not in learning
         // mode, which hands back what each client holds.
-        let too_early = self.clients.get(client).is_some_and(|l| now.since(l.last_request) < min_interval);
-        let lapsed = !learning && capacity.is_none() && self.clients.contains_key(client);
+        let too_early = self.clients.get(client).is_some_and(|l| now.since(l.last_request) < d.min_interval);
+        let lapsed = !d.learning && capacity.is_none() && self.clients.contains_key(client);
         if too_early || lapsed {
-            let l = self.clients.get_mut(client).expect("checked above");
-            let old_bands: Vec<_> = bands_of(&l.requester, l.wants, l.subclients).collect();
-            if l.share {
-                // Its share per subclient stands; what it was told follows its subclients.
-                self.told += l.safe * (req.subclients as f64 - l.subclients as f64);
-            }
-            l.wants = req.wants;
-            l.subclients = req.subclients;
-            l.requester = req.requester.clone();
-            let (slot, has) = (l.slot, l.has);
-            self.index.upsert(slot, req.wants, req.subclients, has);
-            self.unfile_bands(slot, old_bands);
-            self.file_bands(slot, bands.iter().copied(), has);
-            return self.unchanged(client, now, capacity, alg);
+            self.record_demand(&ask);
+            return self.unchanged(client, now, capacity, ask.alg);
         }
-        let slot = match self.clients.get(client) {
+        self.renew(ask, inherited)
+    }
+
+    /// Takes the upstream quota the request reports, and brings a calendar
+    /// window's count up to `now`.
+    fn observe_quota(&mut self, req: &LeaseRequest, now: Time, role: Role) {
+        if let Some(o) = req.quota {
+            let granted = self.index.total_has();
+            self.quota.get_or_insert_default().observe(o, granted);
+        }
+        self.follow_calendar(now, role);
+    }
+
+    /// A node's new master takes its predecessor's place, inheriting what
+    /// the predecessor's clients may still hold as a floor; a stale master
+    /// changes nothing (`Err`).
+    fn succeed(&mut self, a: &Ask<'_>) -> Result<Option<Inherited>, Stale> {
+        let mut inherited: Option<Inherited> = None;
+        if let (Some(e), Some(l)) = (a.epoch, self.clients.get(a.client))
+            && let Some(le) = l.epoch
+        {
+            if e < le {
+                return Err(Stale);
+            }
+            if e > le {
+                let floor = l.has.max(l.floor.filter(|f| f.1 > a.now).map_or(0.0, |f| f.0));
+                inherited = Some((floor, l.expiry, l.subclients));
+                self.remove(a.client);
+            }
+        }
+        Ok(inherited)
+    }
+
+    /// Ends the reservation a lapsed lease of the client left, if any: a
+    /// node's master inherits it beside what it inherited from its
+    /// predecessor's lease; a stale master of that node gets nothing (`Err`).
+    fn take_reservation(&mut self, a: &Ask<'_>, inherited: Option<Inherited>) -> Result<Option<Inherited>, Stale> {
+        let Some(r) = self.reservations.get(a.client) else { return Ok(inherited) };
+        if a.epoch.is_some() && r.epoch > a.epoch {
+            // A stale master of a node whose lease lapsed: nothing to give it.
+            return Err(Stale);
+        }
+        let r = self.unreserve(a.client).expect("checked above");
+        if a.epoch.is_some() {
+            let (floor, until, holders) = inherited.unwrap_or((0.0, a.now, 0));
+            return Ok(Some((floor.max(r.amount), until.max(r.until), holders.max(r.holders))));
+        }
+        Ok(inherited)
+    }
+
+    /// The answer to a stale master of a node whose lease lapsed: an
+    /// expired lease of nothing.
+    fn nothing_for_a_stale_master(&self, now: Time, capacity: Option<f64>, alg: Algorithm) -> Grant {
+        Grant {
+            quota: self.quota_view(now),
+            resource_capacity: None,
+            capacity: 0.0,
+            expiry: now,
+            refresh_interval: alg.refresh_interval,
+            safe_capacity: self.safe_capacity(capacity.unwrap_or(0.0)),
+            algorithm: alg,
+            template: self.template_name(),
+            predecessor_subclients: None,
+        }
+    }
+
+    /// Records the demand of a request whose lease stays as it is.
+    fn record_demand(&mut self, a: &Ask<'_>) {
+        let req = a.req;
+        let l = self.clients.get_mut(a.client).expect("checked above");
+        let old_bands: Vec<_> = bands_of(&l.requester, l.wants, l.subclients).collect();
+        if l.share {
+            // Its share per subclient stands; what it was told follows its subclients.
+            self.told += l.safe * (req.subclients as f64 - l.subclients as f64);
+        }
+        l.wants = req.wants;
+        l.subclients = req.subclients;
+        l.requester = req.requester.clone();
+        let (slot, has) = (l.slot, l.has);
+        self.index.upsert(slot, req.wants, req.subclients, has);
+        self.unfile_bands(slot, old_bands);
+        self.file_bands(slot, a.bands.iter().copied(), has);
+    }
+
+    /// Decides a new lease for the client, files it, and answers with it.
+    fn renew(&mut self, a: Ask<'_>, inherited: Option<Inherited>) -> Grant {
+        let (req, now) = (a.req, a.now);
+        let prior = self.refile(&a, inherited);
+        let (granted, held_back) = self.grant(&a, &prior);
+        let has = self.counted_has(&a, granted, &prior);
+        let (expiry, refresh) = self.lease_times(&a, held_back);
+        let safe = self.safe_capacity(a.capacity.unwrap_or(0.0));
+        let (share, told) = self.tell_share(&a);
+        let lease = ClientLease {
+            slot: prior.slot,
+            share,
+            granted,
+            has,
+            wants: req.wants,
+            subclients: req.subclients,
+            requester: req.requester.clone(),
+            expiry,
+            refresh_interval: refresh,
+            last_request: now,
+            epoch: a.epoch,
+            floor: prior.floor,
+            predecessor_subclients: prior.predecessor,
+            safe: match told {
+                Some(t) => t / req.subclients.max(1) as f64,
+                None => self.configured_safe_capacity().unwrap_or(safe),
+            },
+        };
+        self.index.upsert(prior.slot, req.wants, req.subclients, has);
+        self.file_bands(prior.slot, a.bands.iter().copied(), has);
+        self.expiries.insert((expiry, prior.slot));
+        self.clients.insert(self.owner(prior.slot), Box::new(lease));
+        Grant {
+            quota: self.quota_view(now),
+            // (What the root shares: an intermediate passes on its parent's.)
+            resource_capacity: match a.role {
+                Role::Root => a.capacity,
+                Role::Intermediate { .. } => self.parent.as_ref().and_then(|p| p.resource_capacity),
+            },
+            capacity: granted,
+            expiry,
+            refresh_interval: refresh,
+            safe_capacity: told.unwrap_or_else(|| safe_for(&req.requester, safe, granted)),
+            algorithm: a.alg,
+            template: self.template_name(),
+            predecessor_subclients: prior.predecessor,
+        }
+    }
+
+    /// Files the request's demand in the client's slot, still counting what
+    /// it holds, and says what it held before.
+    fn refile(&mut self, a: &Ask<'_>, inherited: Option<Inherited>) -> Prior {
+        let (req, now) = (a.req, a.now);
+        let slot = match self.clients.get(a.client) {
             Some(l) => {
                 self.expiries.remove(&(l.expiry, l.slot));
                 l.slot
             }
-            None => self.new_slot(client),
+            None => self.new_slot(a.client),
         };
-        let previous = self.clients.get(client);
+        let previous = self.clients.get(a.client);
         let (old_has, old_bands): (f64, Vec<_>) =
             previous.map_or((0.0, Vec::new()), |l| (l.has, bands_of(&l.requester, l.wants, l.subclients).collect()));
         // The client asked before for less: its measured demand may be arriving.
         let grew = previous.is_some_and(|l| req.wants > l.wants + 1e-9);
-        // Kept for a lease length past its end: see `lapsed` below.
+        // Kept for a lease length past its end: see `lapsed` in `counted_has`.
         let lease_length = self.algorithm().lease_length;
         let floor = inherited
             .map(|(f, until, _)| (f, until))
             .or(previous.and_then(|l| l.floor))
             .filter(|f| f.1.saturating_add(lease_length) > now && f.0 > 0.0);
-        let predecessor = match (epoch, learning) {
+        let predecessor = match (a.epoch, a.d.learning) {
             (None, _) | (_, true) => None,
             (Some(_), false) => match (inherited, previous) {
                 (Some((_, _, n)), _) => Some(n),
@@ -1513,70 +1716,84 @@ impl Resource {
         };
         self.index.upsert(slot, req.wants, req.subclients, old_has);
         self.unfile_bands(slot, old_bands);
-        self.file_bands(slot, bands.iter().copied(), old_has);
-        // Set when others still hold what this client is due: it comes back
-        // soon to collect it, instead of a whole refresh interval later.
-        let mut held_back = false;
-        let granted = match capacity {
-            _ if learning => self.learning_grant(req, capacity.unwrap_or(self.template.capacity)),
-            None => 0.0,
-            Some(cap) => {
-                // Capacity reserved for lapsed clients is nobody's to share.
-                let cap = (cap - self.reserved).max(0.0);
-                let unused = cap - (self.index.total_has() - old_has);
-                held_back = unused < req.wants - 1e-9 && is_shared(alg.kind);
-                let r = algorithm::Request { wants: req.wants, subclients: req.subclients, has: old_has };
-                let strict = alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind);
-                let decide = |r: &algorithm::Request| {
-                    if strict {
-                        self.strict_priority(cap, &bands, r)
-                    } else {
-                        algorithm::decide(alg.kind, cap, &self.index, r)
-                    }
-                };
-                let mut granted = decide(&r);
-                if again {
-                    // A newcomer decided again after its answer was held:
-                    // others held with it are about to be decided too, and
-                    // must find their shares unused, so no more than the
-                    // share it would have if nobody held more than theirs
-                    // (not the others' shares while they still hold nothing).
-                    granted = granted.min(decide(&algorithm::Request { has: self.index.total_has(), ..r }));
-                }
-                if held_back {
-                    // The share the algorithm would give if nobody held more
-                    // than theirs: counting everyone's holdings as this
-                    // client's lifts the "never above unused" cap.
-                    let share = decide(&algorithm::Request { has: self.index.total_has(), ..r });
-                    // A client keeps what it holds, up to its share: that
-                    // never adds to what is outstanding. When this server's
-                    // own capacity was cut below what its clients hold, each
-                    // of them comes down to its share at its next request,
-                    // instead of the first to ask dropping to nothing while
-                    // the others still hold theirs.
-                    granted = granted.max(old_has.min(share));
-                    held_back = granted < share * (1.0 - HELD_BACK_MARGIN) - 1e-9;
-                }
-                if grew && arrivals && now.since(self.created) < alg.refresh_interval && is_shared(alg.kind) {
-                    // Clients are still arriving, and the wants of those that
-                    // asked first may not be their demand yet (a sidecar asks
-                    // for its routes file's capacity, 1/s say, before it has
-                    // measured any): a client asking for more than before
-                    // grows no further than its equal share then, or the
-                    // first whose measured demand arrives takes what the
-                    // others are about to ask for (47-58/s of 90 for a
-                    // second, the others 1-15/s).
-                    let equal = cap * req.subclients as f64 / self.index.total_subclients().max(1) as f64;
-                    granted = granted.min(equal.max(old_has));
-                }
-                granted
+        self.file_bands(slot, a.bands.iter().copied(), old_has);
+        Prior { slot, has: old_has, grew, floor, predecessor }
+    }
+
+    /// What the client is granted, and whether others still hold what it
+    /// is due: then it comes back soon to collect it, instead of a whole
+    /// refresh interval later.
+    fn grant(&self, a: &Ask<'_>, prior: &Prior) -> (f64, bool) {
+        match a.capacity {
+            _ if a.d.learning => (self.learning_grant(a.req, a.capacity.unwrap_or(self.template.capacity)), false),
+            None => (0.0, false),
+            Some(cap) => self.shared_grant(a, prior, cap),
+        }
+    }
+
+    /// [`Resource::grant`] out of `cap`, the capacity to share now.
+    fn shared_grant(&self, a: &Ask<'_>, prior: &Prior, cap: f64) -> (f64, bool) {
+        let (req, alg, old_has) = (a.req, &a.alg, prior.has);
+        // Capacity reserved for lapsed clients is nobody's to share.
+        let cap = (cap - self.reserved).max(0.0);
+        let unused = cap - (self.index.total_has() - old_has);
+        let mut held_back = unused < req.wants - 1e-9 && is_shared(alg.kind);
+        let r = algorithm::Request { wants: req.wants, subclients: req.subclients, has: old_has };
+        let strict = alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind);
+        let decide = |r: &algorithm::Request| {
+            if strict {
+                self.strict_priority(cap, a.bands, r)
+            } else {
+                algorithm::decide(alg.kind, cap, &self.index, r)
             }
         };
-        let has = match req.requester {
+        let mut granted = decide(&r);
+        if a.d.again {
+            // A newcomer decided again after its answer was held:
+            // others held with it are about to be decided too, and
+            // must find their shares unused, so no more than the
+            // share it would have if nobody held more than theirs
+            // (not the others' shares while they still hold nothing).
+            granted = granted.min(decide(&algorithm::Request { has: self.index.total_has(), ..r }));
+        }
+        if held_back {
+            // The share the algorithm would give if nobody held more
+            // than theirs: counting everyone's holdings as this
+            // client's lifts the "never above unused" cap.
+            let share = decide(&algorithm::Request { has: self.index.total_has(), ..r });
+            // A client keeps what it holds, up to its share: that
+            // never adds to what is outstanding. When this server's
+            // own capacity was cut below what its clients hold, each
+            // of them comes down to its share at its next request,
+            // instead of the first to ask dropping to nothing while
+            // the others still hold theirs.
+            granted = granted.max(old_has.min(share));
+            held_back = granted < share * (1.0 - HELD_BACK_MARGIN) - 1e-9;
+        }
+        if prior.grew && a.d.arrivals && a.now.since(self.created) < alg.refresh_interval && is_shared(alg.kind) {
+            // Clients are still arriving, and the wants of those that
+            // asked first may not be their demand yet (a sidecar asks
+            // for its routes file's capacity, 1/s say, before it has
+            // measured any): a client asking for more than before
+            // grows no further than its equal share then, or the
+            // first whose measured demand arrives takes what the
+            // others are about to ask for (47-58/s of 90 for a
+            // second, the others 1-15/s).
+            let equal = cap * req.subclients as f64 / self.index.total_subclients().max(1) as f64;
+            granted = granted.min(equal.max(old_has));
+        }
+        (granted, held_back)
+    }
+
+    /// What counts as outstanding for the client: its grant, or for a lower
+    /// server at least what it reports having handed out and what it inherited.
+    fn counted_has(&self, a: &Ask<'_>, granted: f64, prior: &Prior) -> f64 {
+        let req = a.req;
+        match req.requester {
             Requester::Server { .. } => {
                 let reported = granted.max(req.reported_has.unwrap_or(0.0));
-                match floor {
-                    Some((f, until)) if until > now => reported.max(f),
+                match prior.floor {
+                    Some((f, until)) if until > a.now => reported.max(f),
                     // The predecessor's leases have lapsed: those of its
                     // subclients that have not come back to the new master
                     // are counted at their safe capacity (at most the floor)
@@ -1587,7 +1804,7 @@ impl Resource {
                     // and hand it out again: scenario seven reached 110.55%
                     // (benches/RESULTS.md, step 13).
                     Some((f, _)) => {
-                        let missing = predecessor.unwrap_or(0).saturating_sub(req.subclients);
+                        let missing = prior.predecessor.unwrap_or(0).saturating_sub(req.subclients);
                         let safe = self.configured_safe_capacity().unwrap_or(f);
                         let lapsed = if safe < 0.0 { f } else { (safe * missing as f64).min(f) };
                         reported + lapsed
@@ -1596,17 +1813,22 @@ impl Resource {
                 }
             }
             Requester::Client { .. } => granted,
-        };
+        }
+    }
+
+    /// The new lease's expiry and refresh interval.
+    fn lease_times(&self, a: &Ask<'_>, held_back: bool) -> (Time, Duration) {
+        let (req, now, alg) = (a.req, a.now, &a.alg);
         let (mut expiry, mut refresh) = (now.saturating_add(alg.lease_length), alg.refresh_interval);
         let parent = self.parent.as_ref().filter(|p| p.expiry > now);
-        if let (Role::Intermediate { decay_factor }, Some(p)) = (role, &self.parent) {
+        if let (Role::Intermediate { decay_factor }, Some(p)) = (a.role, &self.parent) {
             // Never promise beyond what this server itself holds.
             expiry = expiry.min(p.expiry);
             refresh = p.refresh_interval.mul_f64(decay_factor).max(Duration::from_secs(1));
         }
-        if learning {
+        if a.d.learning {
             // Hand back what the client holds, for at least as long as it holds it.
-            if matches!(role, Role::Intermediate { .. }) && parent.is_none() {
+            if matches!(a.role, Role::Intermediate { .. }) && parent.is_none() {
                 expiry = now.saturating_add(Duration::from_secs(2));
             }
             // (No predecessor's lease lasted longer than a lease length from
@@ -1621,11 +1843,12 @@ impl Resource {
                 let left = Duration::from_secs(end.since(now).as_secs_f64().ceil() as u64);
                 refresh = refresh.min(left).max(Duration::from_secs(1));
             }
-        } else if capacity.is_none() {
+        } else if a.capacity.is_none() {
             // Nothing to hand out yet (no lease from the parent): come back soon.
             refresh = Duration::from_secs(1);
             expiry = now.saturating_add(Duration::from_secs(2));
-        } else if held_back || self.quota.is_some() || (arrivals && now.since(self.created) < alg.refresh_interval) {
+        } else if held_back || self.quota.is_some() || (a.d.arrivals && now.since(self.created) < alg.refresh_interval)
+        {
             // (A capacity that follows the upstream's quota changes by the
             // second: its clients come back every second to follow it.)
             // Adaptive refresh: the grant was cut to what others leave
@@ -1641,56 +1864,25 @@ impl Resource {
             let to_reset = Duration::from_secs(c.reset().since(now).as_secs_f64().ceil() as u64);
             refresh = refresh.min((c.unit() / 60).max(FAST_REFRESH)).min(to_reset.max(FAST_REFRESH));
         }
-        let expiry = self.cap_expiry(expiry);
-        let safe = self.safe_capacity(capacity.unwrap_or(0.0));
+        (self.cap_expiry(expiry), refresh)
+    }
+
+    /// Whether the client's safe capacity is its share, and that share,
+    /// counted in [`Resource::told`] in place of what it was told before.
+    fn tell_share(&mut self, a: &Ask<'_>) -> (bool, Option<f64>) {
+        let req = a.req;
         // Not while learning: a new master does not know the shares its
         // predecessor told, and the first client back would be told all of it.
-        let share =
-            !learning && matches!(req.requester, Requester::Client { .. }) && self.configured_safe_capacity().is_none();
-        let told_before = self.clients.get(client).filter(|l| l.share).map_or(0.0, |l| l.safe * l.subclients as f64);
-        let told = share.then(|| self.share_safe(req.subclients, capacity.unwrap_or(0.0), told_before));
+        let share = !a.d.learning
+            && matches!(req.requester, Requester::Client { .. })
+            && self.configured_safe_capacity().is_none();
+        let told_before = self.clients.get(a.client).filter(|l| l.share).map_or(0.0, |l| l.safe * l.subclients as f64);
+        let told = share.then(|| self.share_safe(req.subclients, a.capacity.unwrap_or(0.0), told_before));
         if let Some(t) = told {
             self.told += t;
         }
         self.told = (self.told - told_before).max(0.0);
-        let lease = ClientLease {
-            slot,
-            share,
-            granted,
-            has,
-            wants: req.wants,
-            subclients: req.subclients,
-            requester: req.requester.clone(),
-            expiry,
-            refresh_interval: refresh,
-            last_request: now,
-            epoch,
-            floor,
-            predecessor_subclients: predecessor,
-            safe: match told {
-                Some(t) => t / req.subclients.max(1) as f64,
-                None => self.configured_safe_capacity().unwrap_or(safe),
-            },
-        };
-        self.index.upsert(slot, req.wants, req.subclients, has);
-        self.file_bands(slot, bands.iter().copied(), has);
-        self.expiries.insert((expiry, slot));
-        self.clients.insert(self.owner(slot), Box::new(lease));
-        Grant {
-            quota: self.quota_view(now),
-            // (What the root shares: an intermediate passes on its parent's.)
-            resource_capacity: match role {
-                Role::Root => capacity,
-                Role::Intermediate { .. } => self.parent.as_ref().and_then(|p| p.resource_capacity),
-            },
-            capacity: granted,
-            expiry,
-            refresh_interval: refresh,
-            safe_capacity: told.unwrap_or_else(|| safe_for(&req.requester, safe, granted)),
-            algorithm: alg,
-            template: self.template_name(),
-            predecessor_subclients: predecessor,
-        }
+        (share, told)
     }
 
     /// Strict priorities: higher bands are satisfied first, up to their wants;

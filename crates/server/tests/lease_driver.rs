@@ -2,6 +2,11 @@
 //! test of `usher_lease::driver` that needs `usher_server`, so it lives here
 //! (the lease crate does not depend on the server).
 
+#![allow(
+    clippy::disallowed_methods,
+    reason = "tests bound waits in tokio's time and measure real stalls on the wall clock"
+)]
+
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use std::path::PathBuf;

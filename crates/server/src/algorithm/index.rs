@@ -65,6 +65,8 @@ impl Node {
     }
 }
 
+/// One resource's clients ordered by demand per subclient, with running
+/// sums of wants, subclients and has.
 #[derive(Debug, Clone)]
 pub struct DemandIndex {
     nodes: Vec<Node>,
@@ -97,14 +99,17 @@ fn saturate(x: u128) -> u64 {
 }
 
 impl DemandIndex {
+    /// An index with no client.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// The number of clients.
     pub fn len(&self) -> usize {
         self.by_slot.len()
     }
 
+    /// True when no client is in the index.
     pub fn is_empty(&self) -> bool {
         self.by_slot.is_empty()
     }
@@ -185,15 +190,17 @@ impl DemandIndex {
         }
     }
 
+    /// What every client wants, summed.
     pub fn total_wants(&self) -> f64 {
         self.sums(self.root).wants.max(0.0)
     }
 
+    /// What every client holds, summed.
     pub fn total_has(&self) -> f64 {
         self.sums(self.root).has.max(0.0)
     }
 
-    /// Saturates at `u64::MAX`.
+    /// Every client's subclients, summed; saturates at `u64::MAX`.
     pub fn total_subclients(&self) -> u64 {
         saturate(self.sums(self.root).subclients)
     }

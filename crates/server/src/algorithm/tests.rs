@@ -71,7 +71,7 @@ mod naive {
     }
 
     #[derive(Debug, Default, Clone)]
-    pub struct DemandIndex {
+    pub(super) struct DemandIndex {
         entries: Vec<Entry>,
         total_wants: f64,
         total_has: f64,
@@ -79,11 +79,11 @@ mod naive {
     }
 
     impl DemandIndex {
-        pub fn len(&self) -> usize {
+        pub(super) fn len(&self) -> usize {
             self.entries.len()
         }
 
-        pub fn upsert(&mut self, slot: ClientSlot, wants: f64, subclients: u64, has: f64) {
+        pub(super) fn upsert(&mut self, slot: ClientSlot, wants: f64, subclients: u64, has: f64) {
             self.remove(slot);
             self.entries.push(Entry { slot, wants, subclients, has });
             self.total_wants += wants;
@@ -91,7 +91,7 @@ mod naive {
             self.total_subclients += subclients;
         }
 
-        pub fn remove(&mut self, slot: ClientSlot) {
+        pub(super) fn remove(&mut self, slot: ClientSlot) {
             if let Some(i) = self.entries.iter().position(|e| e.slot == slot) {
                 let e = self.entries.swap_remove(i);
                 self.total_wants -= e.wants;
@@ -104,30 +104,30 @@ mod naive {
             }
         }
 
-        pub fn get(&self, slot: ClientSlot) -> Option<(f64, u64, f64)> {
+        pub(super) fn get(&self, slot: ClientSlot) -> Option<(f64, u64, f64)> {
             self.entries.iter().find(|e| e.slot == slot).map(|e| (e.wants, e.subclients, e.has))
         }
 
-        pub fn total_wants(&self) -> f64 {
+        pub(super) fn total_wants(&self) -> f64 {
             self.total_wants.max(0.0)
         }
 
-        pub fn total_has(&self) -> f64 {
+        pub(super) fn total_has(&self) -> f64 {
             self.total_has.max(0.0)
         }
 
-        pub fn total_subclients(&self) -> u64 {
+        pub(super) fn total_subclients(&self) -> u64 {
             self.total_subclients
         }
 
-        pub fn sums_at_or_below(&self, per_subclient: f64) -> (f64, u64) {
+        pub(super) fn sums_at_or_below(&self, per_subclient: f64) -> (f64, u64) {
             self.entries
                 .iter()
                 .filter(|e| e.wants / e.subclients as f64 <= per_subclient)
                 .fold((0.0, 0), |(w, s), e| (w + e.wants, s + e.subclients))
         }
 
-        pub fn water_level(&self, capacity: f64) -> f64 {
+        pub(super) fn water_level(&self, capacity: f64) -> f64 {
             if self.total_wants() <= capacity {
                 return f64::INFINITY;
             }

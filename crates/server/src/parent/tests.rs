@@ -1,3 +1,5 @@
+#![allow(clippy::disallowed_methods, reason = "the test bounds a real wait in tokio's time")]
+
 use super::*;
 use crate::LocalTransport;
 use crate::store::{LeaseRequest, Predecessor, Requester, Role};
