@@ -208,7 +208,7 @@ fn invalid(msg: String) -> Status {
 
 /// Longest accepted client, server or resource id, in bytes: the sidecar's
 /// limit on the ids it makes, so one it sends is never refused.
-pub const MAX_ID_BYTES: usize = usher_limit::table::MAX_ID_BYTES;
+pub const MAX_ID_BYTES: usize = usher_core::config::MAX_ID_BYTES;
 /// Most resources accepted in one request.
 pub const MAX_RESOURCES_PER_REQUEST: usize = 10_000;
 /// Most priority bands accepted for one resource.
