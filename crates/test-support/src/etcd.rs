@@ -5,9 +5,11 @@ use std::time::{Duration, Instant};
 
 use super::free_port;
 
+/// A running etcd with its data in a temporary directory; killed when dropped.
 pub struct EtcdServer {
     child: Child,
     _dir: tempfile::TempDir,
+    /// The client URL, e.g. `http://127.0.0.1:PORT` (`https` with TLS).
     pub endpoint: String,
 }
 
@@ -39,6 +41,8 @@ pub fn elected_member_at(
 }
 
 impl EtcdServer {
+    /// Starts etcd serving clients over plain HTTP, once it is healthy;
+    /// panics if it is not healthy within 20 s.
     pub fn start() -> EtcdServer {
         EtcdServer::launch(None)
     }

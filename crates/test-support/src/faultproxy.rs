@@ -23,16 +23,24 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
+/// What a [`FaultProxy`] does to the connections it forwards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
+    /// Bytes flow unchanged.
     Pass,
+    /// Every chunk is delivered this long after it arrived.
     Delay(Duration),
+    /// Nothing is delivered; what is held goes through once the mode changes back.
     Blackhole,
+    /// Every connection is aborted with an RST.
     Reset,
+    /// Every connection is closed with a FIN.
     Close,
 }
 
+/// A running fault proxy; stops accepting when dropped.
 pub struct FaultProxy {
+    /// The address it listens on, for clients to connect to instead of the target.
     pub addr: SocketAddr,
     mode: watch::Sender<Mode>,
     /// Connections accepted so far.
@@ -74,10 +82,12 @@ impl FaultProxy {
         FaultProxy { addr, mode, accepted, task }
     }
 
+    /// Switches to `mode`, for open connections as well as new ones.
     pub fn set(&self, mode: Mode) {
         self.mode.send_replace(mode);
     }
 
+    /// The current mode.
     pub fn mode(&self) -> Mode {
         *self.mode.borrow()
     }

@@ -42,6 +42,7 @@ pub fn usher_bin() -> PathBuf {
 
 /// A running `usher` process; killed when dropped.
 pub struct Usher {
+    /// The process, to read its id or kill it before the drop does.
     pub child: Child,
     /// `key=value` fields of the first log line containing the ready marker.
     pub fields: HashMap<String, String>,
@@ -160,6 +161,8 @@ impl Usher {
         )
     }
 
+    /// The socket address in field `field` (`listen`, `admin`, `grpc`) of
+    /// the ready line; panics if the line has no such field.
     pub fn addr(&self, field: &str) -> SocketAddr {
         self.fields
             .get(field)
@@ -181,6 +184,8 @@ impl Usher {
         fields["listen"].parse().expect("socket address")
     }
 
+    /// Everything the process has written to stderr so far, colours
+    /// stripped, for assertions and failure messages.
     pub fn log(&self) -> String {
         self.log.lock().unwrap().join("\n")
     }
@@ -197,6 +202,8 @@ impl Usher {
         panic!("log never contained {needle:?}:\n{}", self.log());
     }
 
+    /// Sends signal `sig` (a name such as `TERM` or `HUP`) to the process
+    /// with `kill`; panics if `kill` fails.
     pub fn signal(&self, sig: &str) {
         let ok = Command::new("kill").args([&format!("-{sig}"), &self.child.id().to_string()]).status().unwrap();
         assert!(ok.success());

@@ -8,10 +8,14 @@ use std::time::{Duration, Instant};
 
 use super::upstream::{get, h1};
 
+/// Counts of how a load's requests ended, shared with the tasks sending them.
 #[derive(Default)]
 pub struct Tally {
+    /// Requests answered `200` ([`drive`]) or any `2xx` (the strict loads).
     pub ok: AtomicU64,
+    /// Requests answered `429`.
     pub refused: AtomicU64,
+    /// Requests answered with any other status.
     pub other: AtomicU64,
     /// Requests that got no response at all (connection refused, reset or closed).
     pub errors: AtomicU64,
@@ -20,11 +24,12 @@ pub struct Tally {
 }
 
 impl Tally {
+    /// How many requests got a response of any status.
     pub fn answered(&self) -> u64 {
         self.ok.load(Ordering::Relaxed) + self.refused.load(Ordering::Relaxed) + self.other.load(Ordering::Relaxed)
     }
 
-    /// `ok / refused / other / errors`, for messages.
+    /// All five counts on one line, for assertion messages.
     pub fn summary(&self) -> String {
         format!(
             "ok {} refused {} other {} errors {} closed {}",
@@ -93,8 +98,11 @@ pub async fn drive_recorded(
 /// One answer of a [`drive_recorded`] load.
 #[derive(Debug, Clone, Copy)]
 pub struct Answer {
+    /// When the request was sent.
     pub sent: Instant,
+    /// When the response body had been read whole.
     pub answered: Instant,
+    /// The response's status code.
     pub status: u16,
     /// `Retry-After` in seconds, when the answer has one.
     pub retry_after: Option<u64>,

@@ -16,6 +16,8 @@ pub struct Ca {
 }
 
 impl Ca {
+    /// Generates a CA named after `name` and writes its certificate to
+    /// `dir/NAME-ca.pem`; the leaves it signs go to `dir` too.
     pub fn new(dir: &Path, name: &str) -> Ca {
         let key = KeyPair::generate().unwrap();
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();

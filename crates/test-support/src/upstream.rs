@@ -28,17 +28,24 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
+/// The body of the upstream's responses and of the client helpers' requests;
+/// reading it never fails.
 pub type TestBody = UnsyncBoxBody<Bytes, Infallible>;
 
 /// What an upstream saw.
 #[derive(Default)]
 pub struct Stats {
+    /// Requests received.
     pub requests: AtomicU64,
+    /// Requests received whose response is not ready yet.
     pub in_flight: AtomicI64,
+    /// The most requests in flight at any one time.
     pub max_in_flight: AtomicI64,
+    /// Request body bytes read by `/sink`.
     pub bytes_received: AtomicU64,
     /// `x-seq` header of each request, in arrival order.
     pub seq: Mutex<Vec<String>>,
+    /// HTTP version of each request, in arrival order.
     pub versions: Mutex<Vec<Version>>,
     /// `host` header (or :authority) of each request.
     pub hosts: Mutex<Vec<String>>,
@@ -60,15 +67,22 @@ struct Push {
 }
 
 impl Stats {
+    /// How many requests have arrived so far.
     pub fn requests(&self) -> u64 {
         self.requests.load(Ordering::SeqCst)
     }
+
+    /// How many requests are being handled now.
     pub fn in_flight(&self) -> i64 {
         self.in_flight.load(Ordering::SeqCst)
     }
+
+    /// The most requests handled at once so far.
     pub fn max_in_flight(&self) -> i64 {
         self.max_in_flight.load(Ordering::SeqCst)
     }
+
+    /// The `x-seq` headers received so far, in arrival order.
     pub fn seq(&self) -> Vec<String> {
         self.seq.lock().unwrap().clone()
     }
@@ -142,8 +156,11 @@ pub fn routes(upstream: &Upstream, doorman: &str, resource: &str) -> String {
     )
 }
 
+/// A running upstream; stops accepting connections when dropped.
 pub struct Upstream {
+    /// The address it listens on.
     pub addr: SocketAddr,
+    /// What it has seen so far, updated as requests arrive.
     pub stats: Arc<Stats>,
     /// Permits for gated responses and `/hold-body`.
     pub gate: Arc<Semaphore>,
@@ -158,12 +175,17 @@ impl Drop for Upstream {
 
 /// A CA and a `localhost` certificate it signed.
 pub struct TestPki {
+    /// The CA certificate in PEM, for clients to trust.
     pub ca_pem: String,
+    /// The `localhost` certificate in DER.
     pub cert_der: Vec<u8>,
+    /// The `localhost` certificate's private key in PKCS #8 DER.
     pub key_der: Vec<u8>,
 }
 
 impl TestPki {
+    /// Generates the CA and certificate, with new keys on every call.
+    #[allow(clippy::new_without_default, reason = "each call generates new keys, which `default()` would hide")]
     pub fn new() -> TestPki {
         use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
         let ca_key = KeyPair::generate().unwrap();
@@ -193,10 +215,13 @@ impl TestPki {
 }
 
 impl Upstream {
+    /// An upstream without TLS, speaking HTTP/1.1 and HTTP/2 (prior knowledge).
     pub async fn start() -> Upstream {
         Self::start_with(false, None, true).await
     }
 
+    /// As [`Upstream::start`], but a request to a path with no special
+    /// meaning waits for a permit of [`Upstream::gate`] before it is answered.
     pub async fn gated() -> Upstream {
         Self::start_with(true, None, true).await
     }
@@ -344,10 +369,12 @@ async fn handle(
     resp
 }
 
+/// A body of the bytes `b`, sent in one frame.
 pub fn full(b: impl Into<Bytes>) -> TestBody {
     Full::new(b.into()).boxed_unsync()
 }
 
+/// A body with no bytes.
 pub fn empty() -> TestBody {
     full(Bytes::new())
 }
@@ -359,6 +386,7 @@ pub struct Generated {
 }
 
 impl Generated {
+    /// A body of `n` bytes of `x`.
     pub fn new(n: u64) -> Self {
         Generated { left: n, chunk: Bytes::from(vec![b'x'; 64 * 1024]) }
     }
@@ -415,7 +443,9 @@ impl Body for HeldBody {
 
 // === clients ===
 
+/// The sending half of an HTTP/1.1 client connection, from [`h1`].
 pub type H1 = hyper::client::conn::http1::SendRequest<TestBody>;
+/// The sending half of an HTTP/2 client connection, from [`h2`].
 pub type H2 = hyper::client::conn::http2::SendRequest<TestBody>;
 
 /// One HTTP/1.1 connection to `addr`.
@@ -437,23 +467,32 @@ pub async fn h2(addr: SocketAddr) -> H2 {
 /// A response read whole.
 #[derive(Debug)]
 pub struct Got {
+    /// The response's status code.
     pub status: StatusCode,
+    /// The response's headers.
     pub headers: http::HeaderMap,
+    /// The whole body; empty if reading it failed.
     pub body: Bytes,
 }
 
 impl Got {
+    /// The body as text, invalid UTF-8 replaced with U+FFFD.
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
     }
+
+    /// The body parsed as JSON; panics with the text if it is not JSON.
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
     }
+
+    /// The value of header `name`; panics if it is missing or not visible ASCII.
     pub fn header(&self, name: &str) -> &str {
         self.headers.get(name).map(|v| v.to_str().unwrap()).unwrap_or_else(|| panic!("no {name} in {:?}", self.headers))
     }
 }
 
+/// Reads `resp` whole into a [`Got`].
 pub async fn read(resp: Response<Incoming>) -> Got {
     let (parts, body) = resp.into_parts();
     let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
