@@ -1,0 +1,301 @@
+//! Relaying an upstream's answer to the client: the head parsing left in
+//! the connection's `out` buffer, then the body, by its framing (a length,
+//! chunks, or until the upstream closes) from a pooled stream, or as data
+//! frames from an h2 stream. While the body is idle the client is watched
+//! ([`App`]), and what the request holds is released as the body's last
+//! bytes come in, before they are written.
+
+use bytes::{Buf, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::buffers::Buffers;
+use super::conn::Taken;
+use super::forward::{Carried, Sending};
+use super::response::{self, Dechunker, Framing};
+use super::watch::App;
+use super::{Connection, READ_CHUNK};
+use crate::pipeline;
+use crate::upstream::pool::{Pool, Stream};
+use usher_enforce::respond::BoxError;
+
+/// Why relaying a body stopped short.
+pub(super) enum BodyError {
+    /// The upstream failed or broke the body's framing.
+    Upstream(String),
+    /// The client's connection failed, or the client left.
+    Client(std::io::Error),
+}
+
+/// Sends the client an upstream's answer (head and body); returns whether
+/// the connection stays open for another request.
+pub(super) async fn answered<I>(
+    server: &impl Connection,
+    app: &mut App<'_, I>,
+    bufs: &mut Buffers,
+    answer: Sending,
+    held: pipeline::Held,
+    taken: Taken,
+) -> Result<bool, BoxError>
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    let Sending { body, head, upstream } = answer;
+    let close = taken.close || server.is_draining();
+    if close {
+        bufs.out.extend_from_slice(b"connection: close\r\n");
+    }
+    bufs.out.extend_from_slice(b"\r\n");
+    let mut held = Some(held);
+    let relayed = match body {
+        Carried::Stream(stream) => {
+            let pool = upstream.plain.as_ref().filter(|_| head.reusable).map(|p| &*p.pool);
+            let relay = Relay { stream, up: &mut bufs.up, app, out: &mut bufs.out, held: &mut held, pool };
+            match head.framing {
+                Framing::Empty => relay.empty().await,
+                Framing::Length(n) => relay.length(n).await,
+                Framing::Chunked => relay.chunked().await,
+                Framing::Close => relay.until_close().await,
+            }
+        }
+        Carried::Shared(body) => relay_frames(head.framing, body, app, &mut bufs.out, &mut held).await,
+    };
+    let open = match relayed {
+        Ok(()) => !close,
+        Err(BodyError::Upstream(e)) => {
+            // The status is already sent: the client sees its body cut.
+            if let Some(held) = &held {
+                held.body_failed();
+            }
+            tracing::debug!(error = %e, "response body failed after the headers");
+            false
+        }
+        Err(BodyError::Client(e)) => {
+            tracing::debug!(error = %e, "client connection failed while sending the response");
+            false
+        }
+    };
+    // A body that failed holds until here; one that ended was released as its last bytes went out.
+    drop(held);
+    Ok(open)
+}
+
+// === impl Relay ===
+
+/// An answer's body on a pooled stream, relayed after the head in `out`
+/// (its first bytes already in `up`). When the body ended cleanly with
+/// nothing after it, the stream goes back to `pool` (if given: the answer
+/// left the connection reusable) to carry another request.
+///
+/// `held` (the admission's gauge permits, the in-flight count) is released,
+/// and the stream put back, once the body's last bytes are in hand, before
+/// they are written: a client that has the whole answer may send its next
+/// request on another connection at once, and must find the slot free and
+/// the upstream connection in the pool (as hyper's body does, `h1pool`).
+struct Relay<'r, 'a, I> {
+    /// The upstream's stream, the rest of the body on it.
+    stream: Stream,
+    /// Bytes read from the upstream.
+    up: &'r mut BytesMut,
+    /// The client.
+    app: &'r mut App<'a, I>,
+    /// Bytes for the client: the head at first.
+    out: &'r mut Vec<u8>,
+    /// What the request holds until the body's last bytes are in hand.
+    held: &'r mut Option<pipeline::Held>,
+    /// Where the stream goes back after a clean end.
+    pool: Option<&'r Pool>,
+}
+
+impl<I> Relay<'_, '_, I>
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    /// Relays an answer without a body: the head alone.
+    async fn empty(self) -> Result<(), BodyError> {
+        home(self.stream, self.up.is_empty(), self.held, self.pool);
+        send(self.app.io, self.out).await?;
+        self.app.io.flush().await.map_err(BodyError::Client)
+    }
+
+    /// Relays a body of `n` bytes (`content-length`).
+    async fn length(mut self, n: u64) -> Result<(), BodyError> {
+        let first = self.up.len().min(usize::try_from(n).unwrap_or(usize::MAX));
+        tee(self.held, &self.up[..first]);
+        self.out.extend_from_slice(&self.up[..first]);
+        self.up.advance(first);
+        let mut left = n - first as u64;
+        if left == 0 {
+            home(self.stream, self.up.is_empty(), self.held, self.pool);
+            send(self.app.io, self.out).await?;
+        } else {
+            send(self.app.io, self.out).await?;
+            loop {
+                self.up.clear();
+                self.up.reserve(READ_CHUNK);
+                match self.app.wait(self.stream.read_buf(self.up)).await? {
+                    Ok(0) => return Err(cut(&format!("{left} bytes before the end of the body"))),
+                    Ok(_) => {}
+                    Err(e) => return Err(BodyError::Upstream(e.to_string())),
+                }
+                let take = self.up.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                tee(self.held, &self.up[..take]);
+                left -= take as u64;
+                if left == 0 {
+                    home(self.stream, self.up.len() == take, self.held, self.pool);
+                    self.app.io.write_all(&self.up[..take]).await.map_err(BodyError::Client)?;
+                    self.up.advance(take);
+                    break;
+                }
+                self.app.io.write_all(&self.up[..take]).await.map_err(BodyError::Client)?;
+                self.up.advance(take);
+            }
+        }
+        self.app.io.flush().await.map_err(BodyError::Client)
+    }
+
+    /// Relays a chunked body, decoded and re-encoded ([`Dechunker`]).
+    async fn chunked(mut self) -> Result<(), BodyError> {
+        let mut chunks = Dechunker::default();
+        loop {
+            let used = match chunks.feed(self.up, self.out, |data| tee(self.held, data)) {
+                Ok(used) => used,
+                Err(e) => {
+                    // The head and what decoded before the fault still go
+                    // out, so the client always sees the same cut answer,
+                    // however the upstream's bytes were split into reads.
+                    send(self.app.io, self.out).await?;
+                    self.app.io.flush().await.map_err(BodyError::Client)?;
+                    return Err(BodyError::Upstream(e.to_string()));
+                }
+            };
+            self.up.advance(used);
+            if chunks.is_done() {
+                home(self.stream, self.up.is_empty(), self.held, self.pool);
+                send(self.app.io, self.out).await?;
+                break;
+            }
+            send(self.app.io, self.out).await?;
+            self.up.clear();
+            self.up.reserve(READ_CHUNK);
+            match self.app.wait(self.stream.read_buf(self.up)).await? {
+                Ok(0) => return Err(cut("in the middle of a chunked body")),
+                Ok(_) => {}
+                Err(e) => return Err(BodyError::Upstream(e.to_string())),
+            }
+        }
+        self.app.io.flush().await.map_err(BodyError::Client)
+    }
+
+    /// Relays a body that ends when the upstream closes the connection, as chunks.
+    async fn until_close(mut self) -> Result<(), BodyError> {
+        loop {
+            // What has come goes out before the next read: a body that
+            // trickles (a stream of events) is not held back by the wait.
+            tee(self.held, self.up);
+            response::push_chunk(self.out, self.up);
+            send(self.app.io, self.out).await?;
+            self.up.clear();
+            self.up.reserve(READ_CHUNK);
+            let n =
+                self.app.wait(self.stream.read_buf(self.up)).await?.map_err(|e| BodyError::Upstream(e.to_string()))?;
+            if n == 0 {
+                release(self.held);
+                self.out.extend_from_slice(b"0\r\n\r\n");
+                send(self.app.io, self.out).await?;
+                self.app.io.flush().await.map_err(BodyError::Client)?;
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// The body is all in hand: what the request holds is released, and the
+/// stream goes back to `pool` if the body ended `clean` (bytes after it are
+/// a broken upstream, whose connection is not reused).
+#[inline]
+fn home(stream: Stream, clean: bool, held: &mut Option<pipeline::Held>, pool: Option<&Pool>) {
+    release(held);
+    if let (true, Some(pool)) = (clean, pool) {
+        pool.put(stream);
+    }
+}
+
+/// The upstream closed its connection before the body's end (`what` says where).
+fn cut(what: &str) -> BodyError {
+    BodyError::Upstream(format!("the upstream closed the connection {what}"))
+}
+
+/// Sends the client the head in `out` and the body of an answer from a
+/// multiplexed upstream, as it comes (chunked unless its length is known;
+/// trailers are dropped, as the client asked for none). `held` is released
+/// once the last data is in hand, as in [`Relay`].
+async fn relay_frames<I>(
+    framing: Framing,
+    mut body: h2::RecvStream,
+    app: &mut App<'_, I>,
+    out: &mut Vec<u8>,
+    held: &mut Option<pipeline::Held>,
+) -> Result<(), BodyError>
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    let chunked = framing == Framing::Chunked;
+    if framing != Framing::Empty {
+        while !body.is_end_stream() {
+            match app.wait(body.data()).await? {
+                None => break,
+                Some(Ok(data)) => {
+                    tee(held, &data);
+                    if chunked {
+                        response::push_chunk(out, &data);
+                    } else {
+                        out.extend_from_slice(&data);
+                    }
+                    if !body.is_end_stream() {
+                        send(app.io, out).await?;
+                    }
+                    // Written: the upstream may send as much again (a slow app slows it down).
+                    let _ = body.flow_control().release_capacity(data.len());
+                }
+                Some(Err(e)) => {
+                    // What came before the fault still goes out, head first.
+                    send(app.io, out).await?;
+                    app.io.flush().await.map_err(BodyError::Client)?;
+                    return Err(BodyError::Upstream(usher_core::error::error_chain(&e)));
+                }
+            }
+        }
+        if chunked {
+            out.extend_from_slice(b"0\r\n\r\n");
+        }
+    }
+    release(held);
+    send(app.io, out).await?;
+    app.io.flush().await.map_err(BodyError::Client)
+}
+
+/// Copies relayed body bytes for the costs they settle, if the route reads them.
+#[inline]
+fn tee(held: &mut Option<pipeline::Held>, data: &[u8]) {
+    if let Some(h) = held {
+        h.tee(data);
+    }
+}
+
+/// The body's last bytes are in hand: its costs are settled, and what the
+/// request holds is released.
+#[inline]
+fn release(held: &mut Option<pipeline::Held>) {
+    if let Some(mut h) = held.take() {
+        h.end();
+    }
+}
+
+/// Writes and empties `out`.
+async fn send<I: AsyncWrite + Unpin>(io: &mut I, out: &mut Vec<u8>) -> Result<(), BodyError> {
+    if !out.is_empty() {
+        io.write_all(out).await.map_err(BodyError::Client)?;
+        out.clear();
+    }
+    Ok(())
+}
