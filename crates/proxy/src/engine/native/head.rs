@@ -21,34 +21,52 @@ use usher_core::config::listener::ListenerLimits;
 use usher_enforce::resource::RequestView;
 
 /// Header fields the parser has room for; a request with more is handed off.
-pub const MAX_HEADERS: usize = 128;
+pub(super) const MAX_HEADERS: usize = 128;
 /// Largest request body the native path buffers before forwarding; a longer
 /// one is handed to the general path, which streams it.
-pub const MAX_BODY: u64 = 64 * 1024;
+pub(super) const MAX_BODY: u64 = 64 * 1024;
 /// `Connection` fields one request may carry on the native path.
 const MAX_CONNECTION_FIELDS: usize = 4;
 
 /// Why a request left the native path: the `reason` label of
 /// `usher_proxy_http1_handoffs_total`.
-pub mod why {
-    pub const MALFORMED: &str = "malformed";
-    pub const HEAD_LIMITS: &str = "head_limits";
-    pub const VERSION: &str = "http_1_0";
-    pub const CONNECT: &str = "connect";
-    pub const TARGET: &str = "target";
-    pub const HOST: &str = "host";
-    pub const CONTENT_LENGTH: &str = "content_length";
-    pub const TRANSFER_ENCODING: &str = "transfer_encoding";
-    pub const EXPECT: &str = "expect";
-    pub const UPGRADE: &str = "upgrade";
-    pub const TE: &str = "te";
-    pub const CONNECTION: &str = "connection";
-    pub const GRPC: &str = "grpc";
-    pub const LOOP: &str = "loop";
-    pub const BODY: &str = "body";
-    pub const UPSTREAM: &str = "upstream";
+pub(crate) mod why {
+    /// A head httparse cannot parse, or a method `http` does not accept.
+    pub(crate) const MALFORMED: &str = "malformed";
+    /// A head over the listener's limits: too large, or too many fields.
+    pub(crate) const HEAD_LIMITS: &str = "head_limits";
+    /// Not HTTP/1.1.
+    pub(crate) const VERSION: &str = "http_1_0";
+    /// A CONNECT request.
+    pub(crate) const CONNECT: &str = "connect";
+    /// A target not in origin form, or with bytes the native path does not forward as they are.
+    pub(crate) const TARGET: &str = "target";
+    /// No Host, several, or one that is not a plain host[:port].
+    pub(crate) const HOST: &str = "host";
+    /// Several Content-Length fields, or one that is not a number.
+    pub(crate) const CONTENT_LENGTH: &str = "content_length";
+    /// A Transfer-Encoding (a chunked body).
+    pub(crate) const TRANSFER_ENCODING: &str = "transfer_encoding";
+    /// An `Expect` (`100-continue`).
+    pub(crate) const EXPECT: &str = "expect";
+    /// An `Upgrade`.
+    pub(crate) const UPGRADE: &str = "upgrade";
+    /// A `TE`.
+    pub(crate) const TE: &str = "te";
+    /// More `Connection` fields than the native path keeps.
+    pub(crate) const CONNECTION: &str = "connection";
+    /// A gRPC request (`content-type: application/grpc`).
+    pub(crate) const GRPC: &str = "grpc";
+    /// A `Via` of usher's own: a request that came back around.
+    pub(crate) const LOOP: &str = "loop";
+    /// A body over the native path's buffer or the body limit in force.
+    pub(crate) const BODY: &str = "body";
+    /// A target the native path does not forward to (an origin the request
+    /// names, an upstream it has no connection for), or a request an h2
+    /// upstream's head cannot carry.
+    pub(crate) const UPSTREAM: &str = "upstream";
     /// Every label, for registering the counter's series up front.
-    pub const ALL: &[&str] = &[
+    pub(crate) const ALL: &[&str] = &[
         MALFORMED,
         HEAD_LIMITS,
         VERSION,
@@ -69,9 +87,12 @@ pub mod why {
 }
 
 /// What the front of a connection's buffer holds.
-pub enum Parsed<'b> {
+pub(super) enum Parsed<'b> {
     /// Not all of it yet: the head (`head_complete` false), or the body.
-    Partial { head_complete: bool },
+    Partial {
+        /// The head is in: only the body is still to come.
+        head_complete: bool,
+    },
     /// A whole request the native path serves.
     Ready(Head<'b>),
     /// A request for the general path, for this reason.
@@ -79,8 +100,9 @@ pub enum Parsed<'b> {
 }
 
 /// A parsed request head, borrowing the connection's buffer.
-pub struct Head<'b> {
-    pub method: Method,
+pub(super) struct Head<'b> {
+    /// The request's method.
+    pub(super) method: Method,
     /// The whole head as received: [`Head::request`] copies it once and
     /// shares the copy among the target and the field values.
     raw: &'b [u8],
@@ -88,18 +110,21 @@ pub struct Head<'b> {
     target: &'b str,
     path_len: usize,
     headers: &'b [httparse::Header<'b>],
-    /// Bytes of the head, then of the body that follows it.
-    pub head_len: usize,
-    pub body_len: usize,
+    /// Bytes of the head.
+    pub(super) head_len: usize,
+    /// Bytes of the body that follows the head.
+    pub(super) body_len: usize,
     /// The client asked to close the connection after this exchange.
-    pub close: bool,
+    pub(super) close: bool,
+    /// The Connection fields' values: they name more hop-by-hop fields.
     connection: [&'b [u8]; MAX_CONNECTION_FIELDS],
+    /// How many of `connection` the request has.
     connections: usize,
 }
 
 /// Parses the request at the front of `buf` under `limits`. `storage` is
 /// the parser's room for header fields.
-pub fn parse<'b>(
+pub(super) fn parse<'b>(
     buf: &'b [u8],
     storage: &'b mut [MaybeUninit<httparse::Header<'b>>],
     limits: &ListenerLimits,
@@ -131,57 +156,11 @@ pub fn parse<'b>(
     }
     let Ok(method) = Method::from_bytes(method.as_bytes()) else { return Parsed::HandOff(why::MALFORMED) };
 
-    let mut hosts = 0;
-    let mut length = None;
-    let mut close = false;
-    let mut connection = [&b""[..]; MAX_CONNECTION_FIELDS];
-    let mut connections = 0;
-    for h in headers {
-        let (name, v) = (h.name, h.value);
-        match name.len() {
-            4 if eq_name(name, "host") => {
-                // Anything but a plain name or address with a port is left
-                // to the general path, which refuses what is not host[:port].
-                if !plain_host(v) {
-                    return Parsed::HandOff(why::HOST);
-                }
-                hosts += 1;
-            }
-            14 if eq_name(name, "content-length") => {
-                if length.is_some() {
-                    return Parsed::HandOff(why::CONTENT_LENGTH);
-                }
-                match parse_length(v) {
-                    Some(n) => length = Some(n),
-                    None => return Parsed::HandOff(why::CONTENT_LENGTH),
-                }
-            }
-            17 if eq_name(name, "transfer-encoding") => return Parsed::HandOff(why::TRANSFER_ENCODING),
-            6 if eq_name(name, "expect") => return Parsed::HandOff(why::EXPECT),
-            7 if eq_name(name, "upgrade") => return Parsed::HandOff(why::UPGRADE),
-            2 if eq_name(name, "te") => return Parsed::HandOff(why::TE),
-            10 if eq_name(name, "connection") => {
-                if connections == MAX_CONNECTION_FIELDS {
-                    return Parsed::HandOff(why::CONNECTION);
-                }
-                close |= list_has(v, b"close");
-                connection[connections] = v;
-                connections += 1;
-            }
-            12 if eq_name(name, "content-type")
-                && v.len() >= 16
-                && v[..16].eq_ignore_ascii_case(b"application/grpc") =>
-            {
-                return Parsed::HandOff(why::GRPC);
-            }
-            3 if eq_name(name, "via") && contains(v, VIA.as_bytes()) => return Parsed::HandOff(why::LOOP),
-            _ => {}
-        }
-    }
-    if hosts != 1 {
-        return Parsed::HandOff(why::HOST);
-    }
-    let body_len = length.unwrap_or(0);
+    let fields = match Fields::scan(headers) {
+        Ok(fields) => fields,
+        Err(why) => return Parsed::HandOff(why),
+    };
+    let body_len = fields.length.unwrap_or(0);
     if body_len > MAX_BODY || limits.max_body_bytes.is_some_and(|max| body_len > max) {
         return Parsed::HandOff(why::BODY);
     }
@@ -197,17 +176,91 @@ pub fn parse<'b>(
         headers,
         head_len,
         body_len,
-        close,
-        connection,
-        connections,
+        close: fields.close,
+        connection: fields.connection,
+        connections: fields.connections,
     })
+}
+
+/// What the native path reads of a request's fields: its body's length,
+/// and its Connection fields.
+struct Fields<'b> {
+    /// `Content-Length`, if the request has one.
+    length: Option<u64>,
+    /// The client asked to close the connection after this exchange.
+    close: bool,
+    /// The Connection fields' values: they name more hop-by-hop fields.
+    connection: [&'b [u8]; MAX_CONNECTION_FIELDS],
+    /// How many of `connection` the request has.
+    connections: usize,
+}
+
+impl<'b> Fields<'b> {
+    /// Reads the fields of a request head, or says why the request goes to
+    /// the general path: a field it does not serve, or one it leaves to the
+    /// general path's checks (a Host other than one plain host[:port], a
+    /// Content-Length that is not one number, a `Via` of ours).
+    #[inline]
+    fn scan(headers: &'b [httparse::Header<'b>]) -> Result<Self, &'static str> {
+        let mut hosts = 0;
+        let mut length = None;
+        let mut close = false;
+        let mut connection = [&b""[..]; MAX_CONNECTION_FIELDS];
+        let mut connections = 0;
+        for h in headers {
+            let (name, v) = (h.name, h.value);
+            match name.len() {
+                4 if eq_name(name, "host") => {
+                    // Anything but a plain name or address with a port is left
+                    // to the general path, which refuses what is not host[:port].
+                    if !plain_host(v) {
+                        return Err(why::HOST);
+                    }
+                    hosts += 1;
+                }
+                14 if eq_name(name, "content-length") => {
+                    if length.is_some() {
+                        return Err(why::CONTENT_LENGTH);
+                    }
+                    match parse_length(v) {
+                        Some(n) => length = Some(n),
+                        None => return Err(why::CONTENT_LENGTH),
+                    }
+                }
+                17 if eq_name(name, "transfer-encoding") => return Err(why::TRANSFER_ENCODING),
+                6 if eq_name(name, "expect") => return Err(why::EXPECT),
+                7 if eq_name(name, "upgrade") => return Err(why::UPGRADE),
+                2 if eq_name(name, "te") => return Err(why::TE),
+                10 if eq_name(name, "connection") => {
+                    if connections == MAX_CONNECTION_FIELDS {
+                        return Err(why::CONNECTION);
+                    }
+                    close |= list_has(v, b"close");
+                    connection[connections] = v;
+                    connections += 1;
+                }
+                12 if eq_name(name, "content-type")
+                    && v.len() >= 16
+                    && v[..16].eq_ignore_ascii_case(b"application/grpc") =>
+                {
+                    return Err(why::GRPC);
+                }
+                3 if eq_name(name, "via") && contains(v, VIA.as_bytes()) => return Err(why::LOOP),
+                _ => {}
+            }
+        }
+        if hosts != 1 {
+            return Err(why::HOST);
+        }
+        Ok(Fields { length, close, connection, connections })
+    }
 }
 
 impl Head<'_> {
     /// Appends the request as sent upstream to `out`: the target under the
     /// upstream's base path (`prefix`), the upstream's `host`, the client's
     /// fields less the hop-by-hop ones, `via`, then `body`.
-    pub fn encode(&self, prefix: &str, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
+    pub(super) fn encode(&self, prefix: &str, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
         out.extend_from_slice(self.method.as_str().as_bytes());
         out.push(b' ');
         out.extend_from_slice(prefix.as_bytes());
@@ -239,7 +292,7 @@ impl Head<'_> {
     /// [`Head::encode`] writes (the authority comes from `base`), and `via`.
     /// `None` if a field is not one `http` accepts; the general path then
     /// serves the request and answers for it.
-    pub fn request(&self, base: &Uri) -> Option<http::Request<()>> {
+    pub(super) fn request(&self, base: &Uri) -> Option<http::Request<()>> {
         // One copy of the head; the target and every value are views of it
         // (a copy of each made an allocation per field).
         let raw = bytes::Bytes::copy_from_slice(self.raw);
@@ -274,7 +327,7 @@ impl Head<'_> {
     /// ([`Head::request`]: its target under the base path, its fields with
     /// `via`), for the upstream's HTTP/1.1 pool once the upstream turned out
     /// to pick `http/1.1` in ALPN after all.
-    pub fn encode_made(req: &http::Request<()>, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
+    pub(super) fn encode_made(req: &http::Request<()>, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
         out.extend_from_slice(req.method().as_str().as_bytes());
         out.push(b' ');
         out.extend_from_slice(req.uri().path_and_query().map_or("/", |p| p.as_str()).as_bytes());
@@ -289,7 +342,7 @@ impl Head<'_> {
 
     /// Safe to send twice (RFC 9110 §9.2.2): a reused connection that
     /// closed before answering may be retried on a new one.
-    pub fn idempotent(&self) -> bool {
+    pub(super) fn idempotent(&self) -> bool {
         self.method.is_idempotent()
     }
 }
@@ -312,9 +365,6 @@ impl RequestView for Head<'_> {
     }
 }
 
-/// A byte the native path forwards in a request target as it is: RFC 3986's
-/// `pchar`, `/` and `?`. Any other (`#`, `"`, `{`, `\`, non-ASCII ...) sends
-/// the request to the general path, whose URI parser decides.
 /// A Host value the native path takes as it is: a name or IPv4 address of
 /// letters, digits, `-`, `.` and `_`, and at most a port of up to five digits
 /// (the general path checks the rest: IPv6 literals, other characters, a
@@ -346,10 +396,14 @@ static HOST_NAME: [bool; 256] = {
     t
 };
 
+/// A byte the native path forwards in a request target as it is: RFC 3986's
+/// `pchar`, `/` and `?`. Any other (`#`, `"`, `{`, `\`, non-ASCII ...) sends
+/// the request to the general path, whose URI parser decides.
 fn target_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@%/?".contains(&b)
 }
 
+/// Whether `needle` occurs in `hay`.
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
