@@ -18,9 +18,9 @@ use http::StatusCode;
 use super::fields::{eq_name, list_has, parse_length, push_field, tokens};
 
 /// Most header fields in an upstream response (hyper's client allows 100).
-pub const MAX_HEADERS: usize = 128;
+pub(super) const MAX_HEADERS: usize = 128;
 /// Largest upstream response head.
-pub const MAX_HEAD_BYTES: usize = 256 * 1024;
+pub(super) const MAX_HEAD_BYTES: usize = 256 * 1024;
 /// Chunk extensions and trailers are read and dropped, up to these limits (hyper's).
 const EXTENSIONS_LIMIT: u64 = 16 * 1024;
 const TRAILER_LIMIT: usize = 16 * 1024;
@@ -28,7 +28,7 @@ const TRAILER_COUNT: usize = 100;
 
 /// How a response body is delimited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Framing {
+pub(super) enum Framing {
     /// No body: a response to HEAD, a 204 or a 304.
     Empty,
     /// `content-length`.
@@ -41,18 +41,21 @@ pub enum Framing {
 
 /// What the native path needs of an upstream's final response head.
 #[derive(Debug)]
-pub struct ResponseHead {
-    pub status: StatusCode,
-    pub framing: Framing,
+pub(super) struct ResponseHead {
+    /// The final status.
+    pub(super) status: StatusCode,
+    /// How the body is delimited for the client: by usher, not as the upstream sent it.
+    pub(super) framing: Framing,
     /// The upstream connection may carry another request after this body.
-    pub reusable: bool,
+    pub(super) reusable: bool,
     /// `Retry-After` in whole seconds, for pushback.
-    pub retry_after: Option<Duration>,
+    pub(super) retry_after: Option<Duration>,
 }
 
 /// The outcome of parsing the bytes an upstream has sent so far.
 #[derive(Debug)]
-pub enum Parsed {
+pub(super) enum Parsed {
+    /// Not all of the head yet.
     Partial,
     /// An interim (1xx) response of this many bytes: skipped, as hyper's client does.
     Interim(usize),
@@ -65,7 +68,12 @@ pub enum Parsed {
 /// to send the client to `out`, without its closing blank line, so the
 /// caller can add `connection: close`, and marks its fields in `fields`
 /// (if it records).
-pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>, fields: &mut FieldStarts) -> Result<Parsed, String> {
+pub(super) fn parse(
+    buf: &[u8],
+    head_request: bool,
+    out: &mut Vec<u8>,
+    fields: &mut FieldStarts,
+) -> Result<Parsed, String> {
     let mut storage = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut []);
     let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(&mut resp, buf, &mut storage) {
@@ -90,48 +98,8 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>, fields: &mut Fie
 
     // Framing, RFC 9112 §6.3: Transfer-Encoding wins over Content-Length.
     let no_body = head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
-    let mut chunked = None::<bool>;
-    let mut length = None::<u64>;
-    let mut close = !http11;
-    let mut retry_after = None;
-    // The Connection fields' values (nearly always at most one) name more hop-by-hop fields.
-    let mut connection = [&b""[..]; 4];
-    let mut connections = 0;
-    let mut more_connection = Vec::new();
-    for h in headers.iter() {
-        let v = h.value;
-        if eq_name(h.name, "transfer-encoding") {
-            if !http11 {
-                // As hyper's client: HTTP/1.0 has no transfer codings.
-                return Err("invalid HTTP response: transfer-encoding in an HTTP/1.0 response".into());
-            }
-            // Only `chunked` is understood; a coding before it (gzip, chunked)
-            // would reach the client undeclared once the field is dropped.
-            let all_chunked = tokens(v).all(|t| t.eq_ignore_ascii_case(b"chunked"));
-            chunked = Some(chunked.unwrap_or(true) && all_chunked && tokens(v).next().is_some());
-        } else if eq_name(h.name, "content-length") {
-            for t in v.split(|&b| b == b',') {
-                let n = parse_length(t.trim_ascii())
-                    .ok_or_else(|| format!("invalid HTTP response: content-length {:?}", String::from_utf8_lossy(v)))?;
-                if length.is_some_and(|l| l != n) {
-                    return Err("invalid HTTP response: conflicting content-length values".into());
-                }
-                length = Some(n);
-            }
-        } else if eq_name(h.name, "connection") {
-            close |= list_has(v, b"close");
-            match connection.get_mut(connections) {
-                Some(slot) => {
-                    *slot = v;
-                    connections += 1;
-                }
-                None => more_connection.push(v),
-            }
-        } else if eq_name(h.name, "retry-after") {
-            retry_after = usher_enforce::pushback::retry_after_value(v);
-        }
-    }
-    let framing = match (no_body, chunked, length) {
+    let scanned = Scanned::of(headers, http11)?;
+    let framing = match (no_body, scanned.chunked, scanned.length) {
         (true, _, _) => Framing::Empty,
         (false, Some(true), _) => Framing::Chunked,
         (false, Some(false), _) => return Err("unsupported transfer-encoding from the upstream (only chunked)".into()),
@@ -139,7 +107,8 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>, fields: &mut Fie
         (false, None, None) => Framing::Close,
     };
     // A message with both framings is suspect: its connection is not reused.
-    let reusable = !close && framing != Framing::Close && !(chunked.is_some() && length.is_some());
+    let reusable =
+        !scanned.close && framing != Framing::Close && !(scanned.chunked.is_some() && scanned.length.is_some());
 
     // The client's head.
     out.extend_from_slice(b"HTTP/1.1 ");
@@ -151,14 +120,12 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>, fields: &mut Fie
     }
     out.extend_from_slice(b"\r\n");
     let mut has_date = false;
-    let named =
-        |name: &str| connection[..connections].iter().chain(&more_connection).any(|c| list_has(c, name.as_bytes()));
     for h in headers.iter() {
         let keep = if eq_name(h.name, "content-length") {
             // Kept as sent where there is no body to measure (HEAD, 304).
             framing == Framing::Empty && status != StatusCode::NO_CONTENT
         } else {
-            !crate::upstream::hop_by_hop(h.name) && !named(h.name)
+            !crate::upstream::hop_by_hop(h.name) && !scanned.names(h.name)
         };
         if keep {
             has_date |= eq_name(h.name, "date");
@@ -166,7 +133,82 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>, fields: &mut Fie
         }
     }
     end_head(out, framing, has_date, fields);
-    Ok(Parsed::Final(len, ResponseHead { status, framing, reusable, retry_after }))
+    Ok(Parsed::Final(len, ResponseHead { status, framing, reusable, retry_after: scanned.retry_after }))
+}
+
+/// What an upstream's fields say of its answer's framing and connection.
+struct Scanned<'h> {
+    /// `transfer-encoding`: whether its codings are `chunked` alone (`None`: no such field).
+    chunked: Option<bool>,
+    /// `content-length`, if the answer has one.
+    length: Option<u64>,
+    /// The upstream closes the connection after this answer.
+    close: bool,
+    /// `retry-after`, for pushback.
+    retry_after: Option<Duration>,
+    /// The Connection fields' values (nearly always at most one): they name more hop-by-hop fields.
+    connection: [&'h [u8]; 4],
+    /// How many of `connection` the answer has.
+    connections: usize,
+    /// The Connection fields' values past the first four.
+    more_connection: Vec<&'h [u8]>,
+}
+
+impl<'h> Scanned<'h> {
+    /// Reads the fields of an answer's head (`http11`: an HTTP/1.1 one);
+    /// an error says why the answer cannot be relayed.
+    #[inline]
+    fn of(headers: &[httparse::Header<'h>], http11: bool) -> Result<Self, String> {
+        let mut chunked = None::<bool>;
+        let mut length = None::<u64>;
+        let mut close = !http11;
+        let mut retry_after = None;
+        // The Connection fields' values (nearly always at most one) name more hop-by-hop fields.
+        let mut connection = [&b""[..]; 4];
+        let mut connections = 0;
+        let mut more_connection = Vec::new();
+        for h in headers.iter() {
+            let v = h.value;
+            if eq_name(h.name, "transfer-encoding") {
+                if !http11 {
+                    // As hyper's client: HTTP/1.0 has no transfer codings.
+                    return Err("invalid HTTP response: transfer-encoding in an HTTP/1.0 response".into());
+                }
+                // Only `chunked` is understood; a coding before it (gzip, chunked)
+                // would reach the client undeclared once the field is dropped.
+                let all_chunked = tokens(v).all(|t| t.eq_ignore_ascii_case(b"chunked"));
+                chunked = Some(chunked.unwrap_or(true) && all_chunked && tokens(v).next().is_some());
+            } else if eq_name(h.name, "content-length") {
+                for t in v.split(|&b| b == b',') {
+                    let n = parse_length(t.trim_ascii()).ok_or_else(|| {
+                        format!("invalid HTTP response: content-length {:?}", String::from_utf8_lossy(v))
+                    })?;
+                    if length.is_some_and(|l| l != n) {
+                        return Err("invalid HTTP response: conflicting content-length values".into());
+                    }
+                    length = Some(n);
+                }
+            } else if eq_name(h.name, "connection") {
+                close |= list_has(v, b"close");
+                match connection.get_mut(connections) {
+                    Some(slot) => {
+                        *slot = v;
+                        connections += 1;
+                    }
+                    None => more_connection.push(v),
+                }
+            } else if eq_name(h.name, "retry-after") {
+                retry_after = usher_enforce::pushback::retry_after_value(v);
+            }
+        }
+        Ok(Scanned { chunked, length, close, retry_after, connection, connections, more_connection })
+    }
+
+    /// Whether the Connection fields name `name` as hop-by-hop.
+    #[inline]
+    fn names(&self, name: &str) -> bool {
+        self.connection[..self.connections].iter().chain(&self.more_connection).any(|c| list_has(c, name.as_bytes()))
+    }
 }
 
 /// The client's head for an answer from an h2 upstream (`crate::upstream::h2conn`),
@@ -175,7 +217,7 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>, fields: &mut Fie
 /// its length when it is known (`exact`: a `content-length`, or an answer
 /// whose stream ended with its head), else chunked, as hyper's server
 /// frames it on the general path.
-pub fn from_parts(
+pub(super) fn from_parts(
     parts: &http::response::Parts,
     head_request: bool,
     exact: Option<u64>,
@@ -240,10 +282,11 @@ fn field(out: &mut Vec<u8>, fields: &mut FieldStarts, name: &[u8], value: &[u8])
 }
 
 /// Appends `date: <now>`, formatted once a second per thread (as hyper does).
-pub fn push_date(out: &mut Vec<u8>) {
+pub(super) fn push_date(out: &mut Vec<u8>) {
     thread_local! {
         static DATE: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
     }
+    #[allow(clippy::disallowed_methods, reason = "a response's Date field is the wall-clock time (RFC 9110 §6.6.1)")]
     let now = SystemTime::now();
     let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     DATE.with(|d| {
@@ -263,7 +306,7 @@ pub fn push_date(out: &mut Vec<u8>) {
 /// how long its name is, as [`parse`] and [`from_parts`] write it; recorded
 /// only when switched on, for a route that reads the answer's fields.
 #[derive(Debug, Default)]
-pub struct FieldStarts {
+pub(super) struct FieldStarts {
     marks: Vec<Mark>,
     on: bool,
 }
@@ -279,13 +322,13 @@ struct Mark {
 impl FieldStarts {
     /// Forgets the fields of the head written last; the next head's are
     /// recorded if `on`.
-    pub fn reset(&mut self, on: bool) {
+    pub(super) fn reset(&mut self, on: bool) {
         self.marks.clear();
         self.on = on;
     }
 
     /// Forgets the fields of the head written last (a head is written anew).
-    pub fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.marks.clear();
     }
 
@@ -299,7 +342,7 @@ impl FieldStarts {
 
     /// The value of the first field of `head` (the client's head these
     /// starts were recorded for) named `name` (lower-case), trimmed.
-    pub fn find<'h>(&self, head: &'h [u8], name: &str) -> Option<&'h [u8]> {
+    pub(super) fn find<'h>(&self, head: &'h [u8], name: &str) -> Option<&'h [u8]> {
         let name = name.as_bytes();
         // Names are compared only where their lengths match: exactly first
         // (most upstreams send lower-case names), then without case.
@@ -320,6 +363,7 @@ impl FieldStarts {
 
 // === chunked bodies ===
 
+/// Where a [`Dechunker`] is in a chunked body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Start,
@@ -344,7 +388,7 @@ enum State {
 /// bounded extensions, and a trailer section that is a valid field section
 /// of at most 100 lines and 16 KiB (counted as hyper counts it).
 #[derive(Debug)]
-pub struct Dechunker {
+pub(super) struct Dechunker {
     state: State,
     size: u64,
     extensions: u64,
@@ -360,7 +404,8 @@ impl Default for Dechunker {
 }
 
 impl Dechunker {
-    pub fn is_done(&self) -> bool {
+    /// Whether the body has ended (its last chunk and trailer section are in).
+    pub(super) fn is_done(&self) -> bool {
         self.state == State::Done
     }
 
@@ -369,7 +414,7 @@ impl Dechunker {
     /// `data` (a copy for a settled cost; a no-op otherwise). Returns how
     /// many bytes were consumed: all of `input`, or fewer once the body has
     /// ended.
-    pub fn feed(
+    pub(super) fn feed(
         &mut self,
         input: &[u8],
         out: &mut Vec<u8>,
@@ -479,7 +524,7 @@ impl Dechunker {
 }
 
 /// Appends `data` as one chunk (nothing for empty data, which would end the body).
-pub fn push_chunk(out: &mut Vec<u8>, data: &[u8]) {
+pub(super) fn push_chunk(out: &mut Vec<u8>, data: &[u8]) {
     if data.is_empty() {
         return;
     }
