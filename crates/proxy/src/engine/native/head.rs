@@ -41,7 +41,7 @@ pub(crate) mod why {
     pub(crate) const CONNECT: &str = "connect";
     /// A target not in origin form, or with bytes the native path does not forward as they are.
     pub(crate) const TARGET: &str = "target";
-    /// No Host, several, or one that is not a plain host[:port].
+    /// No Host, several, or one that is not a plain `host[:port]`.
     pub(crate) const HOST: &str = "host";
     /// Several Content-Length fields, or one that is not a number.
     pub(crate) const CONTENT_LENGTH: &str = "content_length";
@@ -198,7 +198,7 @@ struct Fields<'b> {
 impl<'b> Fields<'b> {
     /// Reads the fields of a request head, or says why the request goes to
     /// the general path: a field it does not serve, or one it leaves to the
-    /// general path's checks (a Host other than one plain host[:port], a
+    /// general path's checks (a Host other than one plain `host[:port]`, a
     /// Content-Length that is not one number, a `Via` of ours).
     #[inline]
     fn scan(headers: &'b [httparse::Header<'b>]) -> Result<Self, &'static str> {

@@ -8,7 +8,7 @@
 //! against nginx's 16,000. Here one task per client connection parses the
 //! request in place ([`head`]), hands it to the same request pipeline as
 //! every other request ([`crate::pipeline`]: guard, account, route, limit)
-//! as a [`Request`], whose forward stage ([`forward`]) writes it to a pooled
+//! as a [`Request`](request::Request), whose forward stage ([`forward`]) writes it to a pooled
 //! upstream stream this task drives itself (`crate::upstream::pool`), and streams the
 //! response back ([`response`]), all in reused buffers. The engine is
 //! framing only: it sees the pipeline, not `Proxy`, through [`Connection`]
