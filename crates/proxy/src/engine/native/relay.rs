@@ -1,4 +1,4 @@
-//! Relaying an upstream's answer to the client: the head parsing left in
+//! Relaying an upstream's answer to the client: the head that parsing left in
 //! the connection's `out` buffer, then the body, by its framing (a length,
 //! chunks, or until the upstream closes) from a pooled stream, or as data
 //! frames from an h2 stream. While the body is idle the client is watched
