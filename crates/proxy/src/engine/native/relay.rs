@@ -11,7 +11,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use super::buffers::Buffers;
 use super::conn::Taken;
 use super::forward::{Carried, Sending};
-use super::response::{self, Dechunker, Framing};
+use super::response::{self, Dechunker, Framing, ResponseHead};
 use super::watch::App;
 use super::{Connection, READ_CHUNK};
 use crate::pipeline;
@@ -49,13 +49,7 @@ where
     let relayed = match body {
         Carried::Stream(stream) => {
             let pool = upstream.plain.as_ref().filter(|_| head.reusable).map(|p| &*p.pool);
-            let relay = Relay { stream, up: &mut bufs.up, app, out: &mut bufs.out, held: &mut held, pool };
-            match head.framing {
-                Framing::Empty => relay.empty().await,
-                Framing::Length(n) => relay.length(n).await,
-                Framing::Chunked => relay.chunked().await,
-                Framing::Close => relay.until_close().await,
-            }
+            relay(&head, stream, &mut bufs.up, app, &mut bufs.out, &mut held, pool).await
         }
         Carried::Shared(body) => relay_frames(head.framing, body, app, &mut bufs.out, &mut held).await,
     };
@@ -79,133 +73,123 @@ where
     Ok(open)
 }
 
-// === impl Relay ===
-
-/// An answer's body on a pooled stream, relayed after the head in `out`
-/// (its first bytes already in `up`). When the body ended cleanly with
-/// nothing after it, the stream goes back to `pool` (if given: the answer
-/// left the connection reusable) to carry another request.
+/// Sends the client the head in `out` and the body that follows `head` on
+/// `stream` (its first bytes already in `up`). When the body ended cleanly
+/// with nothing after it, the stream goes back to `pool` (if given: the
+/// answer left the connection reusable) to carry another request.
 ///
 /// `held` (the admission's gauge permits, the in-flight count) is released,
 /// and the stream put back, once the body's last bytes are in hand, before
 /// they are written: a client that has the whole answer may send its next
 /// request on another connection at once, and must find the slot free and
 /// the upstream connection in the pool (as hyper's body does, `h1pool`).
-struct Relay<'r, 'a, I> {
-    /// The upstream's stream, the rest of the body on it.
-    stream: Stream,
-    /// Bytes read from the upstream.
-    up: &'r mut BytesMut,
-    /// The client.
-    app: &'r mut App<'a, I>,
-    /// Bytes for the client: the head at first.
-    out: &'r mut Vec<u8>,
-    /// What the request holds until the body's last bytes are in hand.
-    held: &'r mut Option<pipeline::Held>,
-    /// Where the stream goes back after a clean end.
-    pool: Option<&'r Pool>,
-}
-
-impl<I> Relay<'_, '_, I>
+async fn relay<I>(
+    head: &ResponseHead,
+    mut stream: Stream,
+    up: &mut BytesMut,
+    app: &mut App<'_, I>,
+    out: &mut Vec<u8>,
+    held: &mut Option<pipeline::Held>,
+    pool: Option<&Pool>,
+) -> Result<(), BodyError>
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
-    /// Relays an answer without a body: the head alone.
-    async fn empty(self) -> Result<(), BodyError> {
-        home(self.stream, self.up.is_empty(), self.held, self.pool);
-        send(self.app.io, self.out).await?;
-        self.app.io.flush().await.map_err(BodyError::Client)
-    }
-
-    /// Relays a body of `n` bytes (`content-length`).
-    async fn length(mut self, n: u64) -> Result<(), BodyError> {
-        let first = self.up.len().min(usize::try_from(n).unwrap_or(usize::MAX));
-        tee(self.held, &self.up[..first]);
-        self.out.extend_from_slice(&self.up[..first]);
-        self.up.advance(first);
-        let mut left = n - first as u64;
-        if left == 0 {
-            home(self.stream, self.up.is_empty(), self.held, self.pool);
-            send(self.app.io, self.out).await?;
-        } else {
-            send(self.app.io, self.out).await?;
-            loop {
-                self.up.clear();
-                self.up.reserve(READ_CHUNK);
-                match self.app.wait(self.stream.read_buf(self.up)).await? {
-                    Ok(0) => return Err(cut(&format!("{left} bytes before the end of the body"))),
-                    Ok(_) => {}
-                    Err(e) => return Err(BodyError::Upstream(e.to_string())),
+    match head.framing {
+        Framing::Empty => {
+            home(stream, up.is_empty(), held, pool);
+            send(app.io, out).await?
+        }
+        Framing::Length(n) => {
+            let first = up.len().min(usize::try_from(n).unwrap_or(usize::MAX));
+            tee(held, &up[..first]);
+            out.extend_from_slice(&up[..first]);
+            up.advance(first);
+            let mut left = n - first as u64;
+            if left == 0 {
+                home(stream, up.is_empty(), held, pool);
+                send(app.io, out).await?;
+            } else {
+                send(app.io, out).await?;
+                loop {
+                    refill(up);
+                    more(app.wait(stream.read_buf(up)).await?, || {
+                        cut(&format!("{left} bytes before the end of the body"))
+                    })?;
+                    let take = up.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                    tee(held, &up[..take]);
+                    left -= take as u64;
+                    if left == 0 {
+                        home(stream, up.len() == take, held, pool);
+                        app.io.write_all(&up[..take]).await.map_err(BodyError::Client)?;
+                        up.advance(take);
+                        break;
+                    }
+                    app.io.write_all(&up[..take]).await.map_err(BodyError::Client)?;
+                    up.advance(take);
                 }
-                let take = self.up.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-                tee(self.held, &self.up[..take]);
-                left -= take as u64;
-                if left == 0 {
-                    home(self.stream, self.up.len() == take, self.held, self.pool);
-                    self.app.io.write_all(&self.up[..take]).await.map_err(BodyError::Client)?;
-                    self.up.advance(take);
+            }
+        }
+        Framing::Chunked => {
+            let mut chunks = Dechunker::default();
+            loop {
+                let used = match chunks.feed(up, out, |data| tee(held, data)) {
+                    Ok(used) => used,
+                    Err(e) => {
+                        // The head and what decoded before the fault still go
+                        // out, so the client always sees the same cut answer,
+                        // however the upstream's bytes were split into reads.
+                        send(app.io, out).await?;
+                        app.io.flush().await.map_err(BodyError::Client)?;
+                        return Err(BodyError::Upstream(e.to_string()));
+                    }
+                };
+                up.advance(used);
+                if chunks.is_done() {
+                    home(stream, up.is_empty(), held, pool);
+                    send(app.io, out).await?;
                     break;
                 }
-                self.app.io.write_all(&self.up[..take]).await.map_err(BodyError::Client)?;
-                self.up.advance(take);
+                send(app.io, out).await?;
+                refill(up);
+                more(app.wait(stream.read_buf(up)).await?, || cut("in the middle of a chunked body"))?;
             }
         }
-        self.app.io.flush().await.map_err(BodyError::Client)
-    }
-
-    /// Relays a chunked body, decoded and re-encoded ([`Dechunker`]).
-    async fn chunked(mut self) -> Result<(), BodyError> {
-        let mut chunks = Dechunker::default();
-        loop {
-            let used = match chunks.feed(self.up, self.out, |data| tee(self.held, data)) {
-                Ok(used) => used,
-                Err(e) => {
-                    // The head and what decoded before the fault still go
-                    // out, so the client always sees the same cut answer,
-                    // however the upstream's bytes were split into reads.
-                    send(self.app.io, self.out).await?;
-                    self.app.io.flush().await.map_err(BodyError::Client)?;
-                    return Err(BodyError::Upstream(e.to_string()));
-                }
-            };
-            self.up.advance(used);
-            if chunks.is_done() {
-                home(self.stream, self.up.is_empty(), self.held, self.pool);
-                send(self.app.io, self.out).await?;
-                break;
-            }
-            send(self.app.io, self.out).await?;
-            self.up.clear();
-            self.up.reserve(READ_CHUNK);
-            match self.app.wait(self.stream.read_buf(self.up)).await? {
-                Ok(0) => return Err(cut("in the middle of a chunked body")),
-                Ok(_) => {}
-                Err(e) => return Err(BodyError::Upstream(e.to_string())),
-            }
-        }
-        self.app.io.flush().await.map_err(BodyError::Client)
-    }
-
-    /// Relays a body that ends when the upstream closes the connection, as chunks.
-    async fn until_close(mut self) -> Result<(), BodyError> {
-        loop {
+        Framing::Close => loop {
             // What has come goes out before the next read: a body that
             // trickles (a stream of events) is not held back by the wait.
-            tee(self.held, self.up);
-            response::push_chunk(self.out, self.up);
-            send(self.app.io, self.out).await?;
-            self.up.clear();
-            self.up.reserve(READ_CHUNK);
-            let n =
-                self.app.wait(self.stream.read_buf(self.up)).await?.map_err(|e| BodyError::Upstream(e.to_string()))?;
+            tee(held, up);
+            response::push_chunk(out, up);
+            send(app.io, out).await?;
+            refill(up);
+            let n = app.wait(stream.read_buf(up)).await?.map_err(|e| BodyError::Upstream(e.to_string()))?;
             if n == 0 {
-                release(self.held);
-                self.out.extend_from_slice(b"0\r\n\r\n");
-                send(self.app.io, self.out).await?;
-                self.app.io.flush().await.map_err(BodyError::Client)?;
+                release(held);
+                out.extend_from_slice(b"0\r\n\r\n");
+                send(app.io, out).await?;
+                app.io.flush().await.map_err(BodyError::Client)?;
                 return Ok(());
             }
-        }
+        },
+    }
+    app.io.flush().await.map_err(BodyError::Client)
+}
+
+/// Empties `up` for the upstream's next bytes, with room for a read.
+#[inline]
+fn refill(up: &mut BytesMut) {
+    up.clear();
+    up.reserve(READ_CHUNK);
+}
+
+/// A read of a body whose end is still to come: more bytes, or `cut` at
+/// the upstream's EOF, or the upstream's error.
+#[inline]
+fn more(read: std::io::Result<usize>, cut: impl FnOnce() -> BodyError) -> Result<(), BodyError> {
+    match read {
+        Ok(0) => Err(cut()),
+        Ok(_) => Ok(()),
+        Err(e) => Err(BodyError::Upstream(e.to_string())),
     }
 }
 
@@ -228,7 +212,7 @@ fn cut(what: &str) -> BodyError {
 /// Sends the client the head in `out` and the body of an answer from a
 /// multiplexed upstream, as it comes (chunked unless its length is known;
 /// trailers are dropped, as the client asked for none). `held` is released
-/// once the last data is in hand, as in [`Relay`].
+/// once the last data is in hand, as in [`relay`].
 async fn relay_frames<I>(
     framing: Framing,
     mut body: h2::RecvStream,
