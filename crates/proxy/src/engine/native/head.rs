@@ -144,23 +144,62 @@ pub(super) fn parse<'b>(
     if head_len > limits.max_header_bytes || headers.len() > limits.max_headers {
         return Parsed::HandOff(why::HEAD_LIMITS);
     }
-    if req.version != Some(1) {
-        return Parsed::HandOff(why::VERSION);
-    }
-    let (Some(method), Some(target)) = (req.method, req.path) else { return Parsed::HandOff(why::MALFORMED) };
-    if method == "CONNECT" {
-        return Parsed::HandOff(why::CONNECT);
-    }
-    if !target.starts_with('/') || !target.bytes().all(target_byte) {
-        return Parsed::HandOff(why::TARGET);
-    }
-    let Ok(method) = Method::from_bytes(method.as_bytes()) else { return Parsed::HandOff(why::MALFORMED) };
-
-    let fields = match Fields::scan(headers) {
-        Ok(fields) => fields,
+    let (method, target) = match request_line(&req) {
+        Ok(line) => line,
         Err(why) => return Parsed::HandOff(why),
     };
-    let body_len = fields.length.unwrap_or(0);
+
+    let mut hosts = 0;
+    let mut length = None;
+    let mut close = false;
+    let mut connection = [&b""[..]; MAX_CONNECTION_FIELDS];
+    let mut connections = 0;
+    for h in headers {
+        let (name, v) = (h.name, h.value);
+        match name.len() {
+            4 if eq_name(name, "host") => {
+                // Anything but a plain name or address with a port is left
+                // to the general path, which refuses what is not host[:port].
+                if !plain_host(v) {
+                    return Parsed::HandOff(why::HOST);
+                }
+                hosts += 1;
+            }
+            14 if eq_name(name, "content-length") => {
+                if length.is_some() {
+                    return Parsed::HandOff(why::CONTENT_LENGTH);
+                }
+                match parse_length(v) {
+                    Some(n) => length = Some(n),
+                    None => return Parsed::HandOff(why::CONTENT_LENGTH),
+                }
+            }
+            17 if eq_name(name, "transfer-encoding") => return Parsed::HandOff(why::TRANSFER_ENCODING),
+            6 if eq_name(name, "expect") => return Parsed::HandOff(why::EXPECT),
+            7 if eq_name(name, "upgrade") => return Parsed::HandOff(why::UPGRADE),
+            2 if eq_name(name, "te") => return Parsed::HandOff(why::TE),
+            10 if eq_name(name, "connection") => {
+                if connections == MAX_CONNECTION_FIELDS {
+                    return Parsed::HandOff(why::CONNECTION);
+                }
+                close |= list_has(v, b"close");
+                connection[connections] = v;
+                connections += 1;
+            }
+            12 if eq_name(name, "content-type")
+                && v.len() >= 16
+                && v[..16].eq_ignore_ascii_case(b"application/grpc") =>
+            {
+                return Parsed::HandOff(why::GRPC);
+            }
+            3 if eq_name(name, "via") && contains(v, VIA.as_bytes()) => return Parsed::HandOff(why::LOOP),
+            _ => {}
+        }
+    }
+    if hosts != 1 {
+        return Parsed::HandOff(why::HOST);
+    }
+    let body_len = length.unwrap_or(0);
     if body_len > MAX_BODY || limits.max_body_bytes.is_some_and(|max| body_len > max) {
         return Parsed::HandOff(why::BODY);
     }
@@ -176,84 +215,30 @@ pub(super) fn parse<'b>(
         headers,
         head_len,
         body_len,
-        close: fields.close,
-        connection: fields.connection,
-        connections: fields.connections,
+        close,
+        connection,
+        connections,
     })
 }
 
-/// What the native path reads of a request's fields: its body's length,
-/// and its Connection fields.
-struct Fields<'b> {
-    /// `Content-Length`, if the request has one.
-    length: Option<u64>,
-    /// The client asked to close the connection after this exchange.
-    close: bool,
-    /// The Connection fields' values: they name more hop-by-hop fields.
-    connection: [&'b [u8]; MAX_CONNECTION_FIELDS],
-    /// How many of `connection` the request has.
-    connections: usize,
-}
-
-impl<'b> Fields<'b> {
-    /// Reads the fields of a request head, or says why the request goes to
-    /// the general path: a field it does not serve, or one it leaves to the
-    /// general path's checks (a Host other than one plain `host[:port]`, a
-    /// Content-Length that is not one number, a `Via` of ours).
-    #[inline]
-    fn scan(headers: &'b [httparse::Header<'b>]) -> Result<Self, &'static str> {
-        let mut hosts = 0;
-        let mut length = None;
-        let mut close = false;
-        let mut connection = [&b""[..]; MAX_CONNECTION_FIELDS];
-        let mut connections = 0;
-        for h in headers {
-            let (name, v) = (h.name, h.value);
-            match name.len() {
-                4 if eq_name(name, "host") => {
-                    // Anything but a plain name or address with a port is left
-                    // to the general path, which refuses what is not host[:port].
-                    if !plain_host(v) {
-                        return Err(why::HOST);
-                    }
-                    hosts += 1;
-                }
-                14 if eq_name(name, "content-length") => {
-                    if length.is_some() {
-                        return Err(why::CONTENT_LENGTH);
-                    }
-                    match parse_length(v) {
-                        Some(n) => length = Some(n),
-                        None => return Err(why::CONTENT_LENGTH),
-                    }
-                }
-                17 if eq_name(name, "transfer-encoding") => return Err(why::TRANSFER_ENCODING),
-                6 if eq_name(name, "expect") => return Err(why::EXPECT),
-                7 if eq_name(name, "upgrade") => return Err(why::UPGRADE),
-                2 if eq_name(name, "te") => return Err(why::TE),
-                10 if eq_name(name, "connection") => {
-                    if connections == MAX_CONNECTION_FIELDS {
-                        return Err(why::CONNECTION);
-                    }
-                    close |= list_has(v, b"close");
-                    connection[connections] = v;
-                    connections += 1;
-                }
-                12 if eq_name(name, "content-type")
-                    && v.len() >= 16
-                    && v[..16].eq_ignore_ascii_case(b"application/grpc") =>
-                {
-                    return Err(why::GRPC);
-                }
-                3 if eq_name(name, "via") && contains(v, VIA.as_bytes()) => return Err(why::LOOP),
-                _ => {}
-            }
-        }
-        if hosts != 1 {
-            return Err(why::HOST);
-        }
-        Ok(Fields { length, close, connection, connections })
+/// The method and origin-form target of a request line the native path
+/// serves, or why the request goes to the general path: not HTTP/1.1, a
+/// CONNECT, a target in another form or with bytes it does not forward as
+/// they are, a method `http` does not accept.
+#[inline]
+fn request_line<'b>(req: &httparse::Request<'_, 'b>) -> Result<(Method, &'b str), &'static str> {
+    if req.version != Some(1) {
+        return Err(why::VERSION);
     }
+    let (Some(method), Some(target)) = (req.method, req.path) else { return Err(why::MALFORMED) };
+    if method == "CONNECT" {
+        return Err(why::CONNECT);
+    }
+    if !target.starts_with('/') || !target.bytes().all(target_byte) {
+        return Err(why::TARGET);
+    }
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else { return Err(why::MALFORMED) };
+    Ok((method, target))
 }
 
 impl Head<'_> {
