@@ -98,34 +98,62 @@ pub(super) fn parse(
 
     // Framing, RFC 9112 §6.3: Transfer-Encoding wins over Content-Length.
     let no_body = head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
-    let scanned = Scanned::of(headers, http11)?;
-    let framing = match (no_body, scanned.chunked, scanned.length) {
-        (true, _, _) => Framing::Empty,
-        (false, Some(true), _) => Framing::Chunked,
-        (false, Some(false), _) => return Err("unsupported transfer-encoding from the upstream (only chunked)".into()),
-        (false, None, Some(n)) => Framing::Length(n),
-        (false, None, None) => Framing::Close,
-    };
+    let mut chunked = None::<bool>;
+    let mut length = None::<u64>;
+    let mut close = !http11;
+    let mut retry_after = None;
+    // The Connection fields' values (nearly always at most one) name more hop-by-hop fields.
+    let mut connection = [&b""[..]; 4];
+    let mut connections = 0;
+    let mut more_connection = Vec::new();
+    for h in headers.iter() {
+        let v = h.value;
+        if eq_name(h.name, "transfer-encoding") {
+            if !http11 {
+                // As hyper's client: HTTP/1.0 has no transfer codings.
+                return Err("invalid HTTP response: transfer-encoding in an HTTP/1.0 response".into());
+            }
+            // Only `chunked` is understood; a coding before it (gzip, chunked)
+            // would reach the client undeclared once the field is dropped.
+            let all_chunked = tokens(v).all(|t| t.eq_ignore_ascii_case(b"chunked"));
+            chunked = Some(chunked.unwrap_or(true) && all_chunked && tokens(v).next().is_some());
+        } else if eq_name(h.name, "content-length") {
+            for t in v.split(|&b| b == b',') {
+                let n = parse_length(t.trim_ascii())
+                    .ok_or_else(|| format!("invalid HTTP response: content-length {:?}", String::from_utf8_lossy(v)))?;
+                if length.is_some_and(|l| l != n) {
+                    return Err("invalid HTTP response: conflicting content-length values".into());
+                }
+                length = Some(n);
+            }
+        } else if eq_name(h.name, "connection") {
+            close |= list_has(v, b"close");
+            match connection.get_mut(connections) {
+                Some(slot) => {
+                    *slot = v;
+                    connections += 1;
+                }
+                None => more_connection.push(v),
+            }
+        } else if eq_name(h.name, "retry-after") {
+            retry_after = usher_enforce::pushback::retry_after_value(v);
+        }
+    }
+    let framing = choose_framing(no_body, chunked, length)?;
     // A message with both framings is suspect: its connection is not reused.
-    let reusable =
-        !scanned.close && framing != Framing::Close && !(scanned.chunked.is_some() && scanned.length.is_some());
+    let reusable = !close && framing != Framing::Close && !(chunked.is_some() && length.is_some());
 
     // The client's head.
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.as_str().as_bytes());
-    out.push(b' ');
-    match resp.reason {
-        Some(r) if !r.is_empty() => out.extend_from_slice(r.as_bytes()),
-        _ => out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes()),
-    }
-    out.extend_from_slice(b"\r\n");
+    status_line(out, status, resp.reason);
     let mut has_date = false;
+    let named =
+        |name: &str| connection[..connections].iter().chain(&more_connection).any(|c| list_has(c, name.as_bytes()));
     for h in headers.iter() {
         let keep = if eq_name(h.name, "content-length") {
             // Kept as sent where there is no body to measure (HEAD, 304).
             framing == Framing::Empty && status != StatusCode::NO_CONTENT
         } else {
-            !crate::upstream::hop_by_hop(h.name) && !scanned.names(h.name)
+            !crate::upstream::hop_by_hop(h.name) && !named(h.name)
         };
         if keep {
             has_date |= eq_name(h.name, "date");
@@ -133,82 +161,34 @@ pub(super) fn parse(
         }
     }
     end_head(out, framing, has_date, fields);
-    Ok(Parsed::Final(len, ResponseHead { status, framing, reusable, retry_after: scanned.retry_after }))
+    Ok(Parsed::Final(len, ResponseHead { status, framing, reusable, retry_after }))
 }
 
-/// What an upstream's fields say of its answer's framing and connection.
-struct Scanned<'h> {
-    /// `transfer-encoding`: whether its codings are `chunked` alone (`None`: no such field).
-    chunked: Option<bool>,
-    /// `content-length`, if the answer has one.
-    length: Option<u64>,
-    /// The upstream closes the connection after this answer.
-    close: bool,
-    /// `retry-after`, for pushback.
-    retry_after: Option<Duration>,
-    /// The Connection fields' values (nearly always at most one): they name more hop-by-hop fields.
-    connection: [&'h [u8]; 4],
-    /// How many of `connection` the answer has.
-    connections: usize,
-    /// The Connection fields' values past the first four.
-    more_connection: Vec<&'h [u8]>,
+/// How the body of an answer is delimited for the client, from its
+/// `transfer-encoding` (`chunked`: whether it is `chunked` alone) and
+/// `content-length`, unless it has none (`no_body`).
+#[inline]
+fn choose_framing(no_body: bool, chunked: Option<bool>, length: Option<u64>) -> Result<Framing, String> {
+    Ok(match (no_body, chunked, length) {
+        (true, _, _) => Framing::Empty,
+        (false, Some(true), _) => Framing::Chunked,
+        (false, Some(false), _) => return Err("unsupported transfer-encoding from the upstream (only chunked)".into()),
+        (false, None, Some(n)) => Framing::Length(n),
+        (false, None, None) => Framing::Close,
+    })
 }
 
-impl<'h> Scanned<'h> {
-    /// Reads the fields of an answer's head (`http11`: an HTTP/1.1 one);
-    /// an error says why the answer cannot be relayed.
-    #[inline]
-    fn of(headers: &[httparse::Header<'h>], http11: bool) -> Result<Self, String> {
-        let mut chunked = None::<bool>;
-        let mut length = None::<u64>;
-        let mut close = !http11;
-        let mut retry_after = None;
-        // The Connection fields' values (nearly always at most one) name more hop-by-hop fields.
-        let mut connection = [&b""[..]; 4];
-        let mut connections = 0;
-        let mut more_connection = Vec::new();
-        for h in headers.iter() {
-            let v = h.value;
-            if eq_name(h.name, "transfer-encoding") {
-                if !http11 {
-                    // As hyper's client: HTTP/1.0 has no transfer codings.
-                    return Err("invalid HTTP response: transfer-encoding in an HTTP/1.0 response".into());
-                }
-                // Only `chunked` is understood; a coding before it (gzip, chunked)
-                // would reach the client undeclared once the field is dropped.
-                let all_chunked = tokens(v).all(|t| t.eq_ignore_ascii_case(b"chunked"));
-                chunked = Some(chunked.unwrap_or(true) && all_chunked && tokens(v).next().is_some());
-            } else if eq_name(h.name, "content-length") {
-                for t in v.split(|&b| b == b',') {
-                    let n = parse_length(t.trim_ascii()).ok_or_else(|| {
-                        format!("invalid HTTP response: content-length {:?}", String::from_utf8_lossy(v))
-                    })?;
-                    if length.is_some_and(|l| l != n) {
-                        return Err("invalid HTTP response: conflicting content-length values".into());
-                    }
-                    length = Some(n);
-                }
-            } else if eq_name(h.name, "connection") {
-                close |= list_has(v, b"close");
-                match connection.get_mut(connections) {
-                    Some(slot) => {
-                        *slot = v;
-                        connections += 1;
-                    }
-                    None => more_connection.push(v),
-                }
-            } else if eq_name(h.name, "retry-after") {
-                retry_after = usher_enforce::pushback::retry_after_value(v);
-            }
-        }
-        Ok(Scanned { chunked, length, close, retry_after, connection, connections, more_connection })
+/// Appends the client's status line: the upstream's reason, else the canonical one.
+#[inline]
+fn status_line(out: &mut Vec<u8>, status: StatusCode, reason: Option<&str>) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    match reason {
+        Some(r) if !r.is_empty() => out.extend_from_slice(r.as_bytes()),
+        _ => out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes()),
     }
-
-    /// Whether the Connection fields name `name` as hop-by-hop.
-    #[inline]
-    fn names(&self, name: &str) -> bool {
-        self.connection[..self.connections].iter().chain(&self.more_connection).any(|c| list_has(c, name.as_bytes()))
-    }
+    out.extend_from_slice(b"\r\n");
 }
 
 /// The client's head for an answer from an h2 upstream (`crate::upstream::h2conn`),
