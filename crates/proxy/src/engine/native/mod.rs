@@ -31,7 +31,7 @@
 //! answer's body is idle (a stream of events between two events: the
 //! upstream's connection is closed, or its h2 stream reset, and the
 //! request's permits are freed at once, not when the next event comes).
-
+//!
 //! The files follow an exchange: [`conn`] runs the connection (read,
 //! parse, hand off, keep alive), [`request`] makes a parsed request ready
 //! for its upstream, [`forward`] sends it on a pooled stream (or, in
