@@ -21,34 +21,52 @@ use usher_core::config::listener::ListenerLimits;
 use usher_enforce::resource::RequestView;
 
 /// Header fields the parser has room for; a request with more is handed off.
-pub const MAX_HEADERS: usize = 128;
+pub(super) const MAX_HEADERS: usize = 128;
 /// Largest request body the native path buffers before forwarding; a longer
 /// one is handed to the general path, which streams it.
-pub const MAX_BODY: u64 = 64 * 1024;
+pub(super) const MAX_BODY: u64 = 64 * 1024;
 /// `Connection` fields one request may carry on the native path.
 const MAX_CONNECTION_FIELDS: usize = 4;
 
 /// Why a request left the native path: the `reason` label of
 /// `usher_proxy_http1_handoffs_total`.
-pub mod why {
-    pub const MALFORMED: &str = "malformed";
-    pub const HEAD_LIMITS: &str = "head_limits";
-    pub const VERSION: &str = "http_1_0";
-    pub const CONNECT: &str = "connect";
-    pub const TARGET: &str = "target";
-    pub const HOST: &str = "host";
-    pub const CONTENT_LENGTH: &str = "content_length";
-    pub const TRANSFER_ENCODING: &str = "transfer_encoding";
-    pub const EXPECT: &str = "expect";
-    pub const UPGRADE: &str = "upgrade";
-    pub const TE: &str = "te";
-    pub const CONNECTION: &str = "connection";
-    pub const GRPC: &str = "grpc";
-    pub const LOOP: &str = "loop";
-    pub const BODY: &str = "body";
-    pub const UPSTREAM: &str = "upstream";
+pub(crate) mod why {
+    /// A head httparse cannot parse, or a method `http` does not accept.
+    pub(crate) const MALFORMED: &str = "malformed";
+    /// A head over the listener's limits: too large, or too many fields.
+    pub(crate) const HEAD_LIMITS: &str = "head_limits";
+    /// Not HTTP/1.1.
+    pub(crate) const VERSION: &str = "http_1_0";
+    /// A CONNECT request.
+    pub(crate) const CONNECT: &str = "connect";
+    /// A target not in origin form, or with bytes the native path does not forward as they are.
+    pub(crate) const TARGET: &str = "target";
+    /// No Host, several, or one that is not a plain `host[:port]`.
+    pub(crate) const HOST: &str = "host";
+    /// Several Content-Length fields, or one that is not a number.
+    pub(crate) const CONTENT_LENGTH: &str = "content_length";
+    /// A Transfer-Encoding (a chunked body).
+    pub(crate) const TRANSFER_ENCODING: &str = "transfer_encoding";
+    /// An `Expect` (`100-continue`).
+    pub(crate) const EXPECT: &str = "expect";
+    /// An `Upgrade`.
+    pub(crate) const UPGRADE: &str = "upgrade";
+    /// A `TE`.
+    pub(crate) const TE: &str = "te";
+    /// More `Connection` fields than the native path keeps.
+    pub(crate) const CONNECTION: &str = "connection";
+    /// A gRPC request (`content-type: application/grpc`).
+    pub(crate) const GRPC: &str = "grpc";
+    /// A `Via` of usher's own: a request that came back around.
+    pub(crate) const LOOP: &str = "loop";
+    /// A body over the native path's buffer or the body limit in force.
+    pub(crate) const BODY: &str = "body";
+    /// A target the native path does not forward to (an origin the request
+    /// names, an upstream it has no connection for), or a request an h2
+    /// upstream's head cannot carry.
+    pub(crate) const UPSTREAM: &str = "upstream";
     /// Every label, for registering the counter's series up front.
-    pub const ALL: &[&str] = &[
+    pub(crate) const ALL: &[&str] = &[
         MALFORMED,
         HEAD_LIMITS,
         VERSION,
@@ -69,9 +87,12 @@ pub mod why {
 }
 
 /// What the front of a connection's buffer holds.
-pub enum Parsed<'b> {
+pub(super) enum Parsed<'b> {
     /// Not all of it yet: the head (`head_complete` false), or the body.
-    Partial { head_complete: bool },
+    Partial {
+        /// The head is in: only the body is still to come.
+        head_complete: bool,
+    },
     /// A whole request the native path serves.
     Ready(Head<'b>),
     /// A request for the general path, for this reason.
@@ -79,8 +100,9 @@ pub enum Parsed<'b> {
 }
 
 /// A parsed request head, borrowing the connection's buffer.
-pub struct Head<'b> {
-    pub method: Method,
+pub(super) struct Head<'b> {
+    /// The request's method.
+    pub(super) method: Method,
     /// The whole head as received: [`Head::request`] copies it once and
     /// shares the copy among the target and the field values.
     raw: &'b [u8],
@@ -88,18 +110,21 @@ pub struct Head<'b> {
     target: &'b str,
     path_len: usize,
     headers: &'b [httparse::Header<'b>],
-    /// Bytes of the head, then of the body that follows it.
-    pub head_len: usize,
-    pub body_len: usize,
+    /// Bytes of the head.
+    pub(super) head_len: usize,
+    /// Bytes of the body that follows the head.
+    pub(super) body_len: usize,
     /// The client asked to close the connection after this exchange.
-    pub close: bool,
+    pub(super) close: bool,
+    /// The Connection fields' values: they name more hop-by-hop fields.
     connection: [&'b [u8]; MAX_CONNECTION_FIELDS],
+    /// How many of `connection` the request has.
     connections: usize,
 }
 
 /// Parses the request at the front of `buf` under `limits`. `storage` is
 /// the parser's room for header fields.
-pub fn parse<'b>(
+pub(super) fn parse<'b>(
     buf: &'b [u8],
     storage: &'b mut [MaybeUninit<httparse::Header<'b>>],
     limits: &ListenerLimits,
@@ -119,17 +144,10 @@ pub fn parse<'b>(
     if head_len > limits.max_header_bytes || headers.len() > limits.max_headers {
         return Parsed::HandOff(why::HEAD_LIMITS);
     }
-    if req.version != Some(1) {
-        return Parsed::HandOff(why::VERSION);
-    }
-    let (Some(method), Some(target)) = (req.method, req.path) else { return Parsed::HandOff(why::MALFORMED) };
-    if method == "CONNECT" {
-        return Parsed::HandOff(why::CONNECT);
-    }
-    if !target.starts_with('/') || !target.bytes().all(target_byte) {
-        return Parsed::HandOff(why::TARGET);
-    }
-    let Ok(method) = Method::from_bytes(method.as_bytes()) else { return Parsed::HandOff(why::MALFORMED) };
+    let (method, target) = match request_line(&req) {
+        Ok(line) => line,
+        Err(why) => return Parsed::HandOff(why),
+    };
 
     let mut hosts = 0;
     let mut length = None;
@@ -203,11 +221,31 @@ pub fn parse<'b>(
     })
 }
 
+/// The method and origin-form target of a request line the native path
+/// serves, or why the request goes to the general path: not HTTP/1.1, a
+/// CONNECT, a target in another form or with bytes it does not forward as
+/// they are, a method `http` does not accept.
+#[inline]
+fn request_line<'b>(req: &httparse::Request<'_, 'b>) -> Result<(Method, &'b str), &'static str> {
+    if req.version != Some(1) {
+        return Err(why::VERSION);
+    }
+    let (Some(method), Some(target)) = (req.method, req.path) else { return Err(why::MALFORMED) };
+    if method == "CONNECT" {
+        return Err(why::CONNECT);
+    }
+    if !target.starts_with('/') || !target.bytes().all(target_byte) {
+        return Err(why::TARGET);
+    }
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else { return Err(why::MALFORMED) };
+    Ok((method, target))
+}
+
 impl Head<'_> {
     /// Appends the request as sent upstream to `out`: the target under the
     /// upstream's base path (`prefix`), the upstream's `host`, the client's
     /// fields less the hop-by-hop ones, `via`, then `body`.
-    pub fn encode(&self, prefix: &str, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
+    pub(super) fn encode(&self, prefix: &str, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
         out.extend_from_slice(self.method.as_str().as_bytes());
         out.push(b' ');
         out.extend_from_slice(prefix.as_bytes());
@@ -239,7 +277,7 @@ impl Head<'_> {
     /// [`Head::encode`] writes (the authority comes from `base`), and `via`.
     /// `None` if a field is not one `http` accepts; the general path then
     /// serves the request and answers for it.
-    pub fn request(&self, base: &Uri) -> Option<http::Request<()>> {
+    pub(super) fn request(&self, base: &Uri) -> Option<http::Request<()>> {
         // One copy of the head; the target and every value are views of it
         // (a copy of each made an allocation per field).
         let raw = bytes::Bytes::copy_from_slice(self.raw);
@@ -274,7 +312,7 @@ impl Head<'_> {
     /// ([`Head::request`]: its target under the base path, its fields with
     /// `via`), for the upstream's HTTP/1.1 pool once the upstream turned out
     /// to pick `http/1.1` in ALPN after all.
-    pub fn encode_made(req: &http::Request<()>, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
+    pub(super) fn encode_made(req: &http::Request<()>, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
         out.extend_from_slice(req.method().as_str().as_bytes());
         out.push(b' ');
         out.extend_from_slice(req.uri().path_and_query().map_or("/", |p| p.as_str()).as_bytes());
@@ -289,7 +327,7 @@ impl Head<'_> {
 
     /// Safe to send twice (RFC 9110 §9.2.2): a reused connection that
     /// closed before answering may be retried on a new one.
-    pub fn idempotent(&self) -> bool {
+    pub(super) fn idempotent(&self) -> bool {
         self.method.is_idempotent()
     }
 }
@@ -312,9 +350,6 @@ impl RequestView for Head<'_> {
     }
 }
 
-/// A byte the native path forwards in a request target as it is: RFC 3986's
-/// `pchar`, `/` and `?`. Any other (`#`, `"`, `{`, `\`, non-ASCII ...) sends
-/// the request to the general path, whose URI parser decides.
 /// A Host value the native path takes as it is: a name or IPv4 address of
 /// letters, digits, `-`, `.` and `_`, and at most a port of up to five digits
 /// (the general path checks the rest: IPv6 literals, other characters, a
@@ -346,10 +381,14 @@ static HOST_NAME: [bool; 256] = {
     t
 };
 
+/// A byte the native path forwards in a request target as it is: RFC 3986's
+/// `pchar`, `/` and `?`. Any other (`#`, `"`, `{`, `\`, non-ASCII ...) sends
+/// the request to the general path, whose URI parser decides.
 fn target_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@%/?".contains(&b)
 }
 
+/// Whether `needle` occurs in `hay`.
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }

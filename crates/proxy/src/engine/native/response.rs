@@ -18,9 +18,9 @@ use http::StatusCode;
 use super::fields::{eq_name, list_has, parse_length, push_field, tokens};
 
 /// Most header fields in an upstream response (hyper's client allows 100).
-pub const MAX_HEADERS: usize = 128;
+pub(super) const MAX_HEADERS: usize = 128;
 /// Largest upstream response head.
-pub const MAX_HEAD_BYTES: usize = 256 * 1024;
+pub(super) const MAX_HEAD_BYTES: usize = 256 * 1024;
 /// Chunk extensions and trailers are read and dropped, up to these limits (hyper's).
 const EXTENSIONS_LIMIT: u64 = 16 * 1024;
 const TRAILER_LIMIT: usize = 16 * 1024;
@@ -28,7 +28,7 @@ const TRAILER_COUNT: usize = 100;
 
 /// How a response body is delimited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Framing {
+pub(super) enum Framing {
     /// No body: a response to HEAD, a 204 or a 304.
     Empty,
     /// `content-length`.
@@ -41,18 +41,21 @@ pub enum Framing {
 
 /// What the native path needs of an upstream's final response head.
 #[derive(Debug)]
-pub struct ResponseHead {
-    pub status: StatusCode,
-    pub framing: Framing,
+pub(super) struct ResponseHead {
+    /// The final status.
+    pub(super) status: StatusCode,
+    /// How the body is delimited for the client: by usher, not as the upstream sent it.
+    pub(super) framing: Framing,
     /// The upstream connection may carry another request after this body.
-    pub reusable: bool,
+    pub(super) reusable: bool,
     /// `Retry-After` in whole seconds, for pushback.
-    pub retry_after: Option<Duration>,
+    pub(super) retry_after: Option<Duration>,
 }
 
 /// The outcome of parsing the bytes an upstream has sent so far.
 #[derive(Debug)]
-pub enum Parsed {
+pub(super) enum Parsed {
+    /// Not all of the head yet.
     Partial,
     /// An interim (1xx) response of this many bytes: skipped, as hyper's client does.
     Interim(usize),
@@ -65,7 +68,12 @@ pub enum Parsed {
 /// to send the client to `out`, without its closing blank line, so the
 /// caller can add `connection: close`, and marks its fields in `fields`
 /// (if it records).
-pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>, fields: &mut FieldStarts) -> Result<Parsed, String> {
+pub(super) fn parse(
+    buf: &[u8],
+    head_request: bool,
+    out: &mut Vec<u8>,
+    fields: &mut FieldStarts,
+) -> Result<Parsed, String> {
     let mut storage = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut []);
     let len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(&mut resp, buf, &mut storage) {
@@ -131,25 +139,12 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>, fields: &mut Fie
             retry_after = usher_enforce::pushback::retry_after_value(v);
         }
     }
-    let framing = match (no_body, chunked, length) {
-        (true, _, _) => Framing::Empty,
-        (false, Some(true), _) => Framing::Chunked,
-        (false, Some(false), _) => return Err("unsupported transfer-encoding from the upstream (only chunked)".into()),
-        (false, None, Some(n)) => Framing::Length(n),
-        (false, None, None) => Framing::Close,
-    };
+    let framing = choose_framing(no_body, chunked, length)?;
     // A message with both framings is suspect: its connection is not reused.
     let reusable = !close && framing != Framing::Close && !(chunked.is_some() && length.is_some());
 
     // The client's head.
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.as_str().as_bytes());
-    out.push(b' ');
-    match resp.reason {
-        Some(r) if !r.is_empty() => out.extend_from_slice(r.as_bytes()),
-        _ => out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes()),
-    }
-    out.extend_from_slice(b"\r\n");
+    status_line(out, status, resp.reason);
     let mut has_date = false;
     let named =
         |name: &str| connection[..connections].iter().chain(&more_connection).any(|c| list_has(c, name.as_bytes()));
@@ -169,13 +164,40 @@ pub fn parse(buf: &[u8], head_request: bool, out: &mut Vec<u8>, fields: &mut Fie
     Ok(Parsed::Final(len, ResponseHead { status, framing, reusable, retry_after }))
 }
 
+/// How the body of an answer is delimited for the client, from its
+/// `transfer-encoding` (`chunked`: whether it is `chunked` alone) and
+/// `content-length`, unless it has none (`no_body`).
+#[inline]
+fn choose_framing(no_body: bool, chunked: Option<bool>, length: Option<u64>) -> Result<Framing, String> {
+    Ok(match (no_body, chunked, length) {
+        (true, _, _) => Framing::Empty,
+        (false, Some(true), _) => Framing::Chunked,
+        (false, Some(false), _) => return Err("unsupported transfer-encoding from the upstream (only chunked)".into()),
+        (false, None, Some(n)) => Framing::Length(n),
+        (false, None, None) => Framing::Close,
+    })
+}
+
+/// Appends the client's status line: the upstream's reason, else the canonical one.
+#[inline]
+fn status_line(out: &mut Vec<u8>, status: StatusCode, reason: Option<&str>) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    match reason {
+        Some(r) if !r.is_empty() => out.extend_from_slice(r.as_bytes()),
+        _ => out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes()),
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
 /// The client's head for an answer from an h2 upstream (`crate::upstream::h2conn`),
 /// appended to `out` without its closing
 /// blank line, as [`parse`] does for an HTTP/1.1 one. The body is framed by
 /// its length when it is known (`exact`: a `content-length`, or an answer
 /// whose stream ended with its head), else chunked, as hyper's server
 /// frames it on the general path.
-pub fn from_parts(
+pub(super) fn from_parts(
     parts: &http::response::Parts,
     head_request: bool,
     exact: Option<u64>,
@@ -240,10 +262,11 @@ fn field(out: &mut Vec<u8>, fields: &mut FieldStarts, name: &[u8], value: &[u8])
 }
 
 /// Appends `date: <now>`, formatted once a second per thread (as hyper does).
-pub fn push_date(out: &mut Vec<u8>) {
+pub(super) fn push_date(out: &mut Vec<u8>) {
     thread_local! {
         static DATE: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
     }
+    #[allow(clippy::disallowed_methods, reason = "a response's Date field is the wall-clock time (RFC 9110 §6.6.1)")]
     let now = SystemTime::now();
     let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     DATE.with(|d| {
@@ -263,7 +286,7 @@ pub fn push_date(out: &mut Vec<u8>) {
 /// how long its name is, as [`parse`] and [`from_parts`] write it; recorded
 /// only when switched on, for a route that reads the answer's fields.
 #[derive(Debug, Default)]
-pub struct FieldStarts {
+pub(super) struct FieldStarts {
     marks: Vec<Mark>,
     on: bool,
 }
@@ -279,13 +302,13 @@ struct Mark {
 impl FieldStarts {
     /// Forgets the fields of the head written last; the next head's are
     /// recorded if `on`.
-    pub fn reset(&mut self, on: bool) {
+    pub(super) fn reset(&mut self, on: bool) {
         self.marks.clear();
         self.on = on;
     }
 
     /// Forgets the fields of the head written last (a head is written anew).
-    pub fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.marks.clear();
     }
 
@@ -299,7 +322,7 @@ impl FieldStarts {
 
     /// The value of the first field of `head` (the client's head these
     /// starts were recorded for) named `name` (lower-case), trimmed.
-    pub fn find<'h>(&self, head: &'h [u8], name: &str) -> Option<&'h [u8]> {
+    pub(super) fn find<'h>(&self, head: &'h [u8], name: &str) -> Option<&'h [u8]> {
         let name = name.as_bytes();
         // Names are compared only where their lengths match: exactly first
         // (most upstreams send lower-case names), then without case.
@@ -320,6 +343,7 @@ impl FieldStarts {
 
 // === chunked bodies ===
 
+/// Where a [`Dechunker`] is in a chunked body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Start,
@@ -344,7 +368,7 @@ enum State {
 /// bounded extensions, and a trailer section that is a valid field section
 /// of at most 100 lines and 16 KiB (counted as hyper counts it).
 #[derive(Debug)]
-pub struct Dechunker {
+pub(super) struct Dechunker {
     state: State,
     size: u64,
     extensions: u64,
@@ -360,7 +384,8 @@ impl Default for Dechunker {
 }
 
 impl Dechunker {
-    pub fn is_done(&self) -> bool {
+    /// Whether the body has ended (its last chunk and trailer section are in).
+    pub(super) fn is_done(&self) -> bool {
         self.state == State::Done
     }
 
@@ -369,7 +394,7 @@ impl Dechunker {
     /// `data` (a copy for a settled cost; a no-op otherwise). Returns how
     /// many bytes were consumed: all of `input`, or fewer once the body has
     /// ended.
-    pub fn feed(
+    pub(super) fn feed(
         &mut self,
         input: &[u8],
         out: &mut Vec<u8>,
@@ -479,7 +504,7 @@ impl Dechunker {
 }
 
 /// Appends `data` as one chunk (nothing for empty data, which would end the body).
-pub fn push_chunk(out: &mut Vec<u8>, data: &[u8]) {
+pub(super) fn push_chunk(out: &mut Vec<u8>, data: &[u8]) {
     if data.is_empty() {
         return;
     }
