@@ -11,8 +11,6 @@
 
 #![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
 
-use usher_test_support as support;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

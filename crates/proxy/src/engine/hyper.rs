@@ -20,14 +20,12 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::TokioIo;
 use pin_project_lite::pin_project;
 
-use crate::pipeline::guard;
+use crate::pipeline::guard::{self, VIA};
 use crate::pipeline::{Answer, Held, Hold, Inbound};
 use crate::route::{Resolved, Routing};
 use crate::upstream::body::{BodyLimit, BodyTooLarge, ClientBody, Progress, RequestBody, Sending};
 use crate::upstream::exchange::{self, PoolError};
-use crate::upstream::{
-    DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, VIA, client_error, strip_hop_by_hop, upstream_uri,
-};
+use crate::upstream::{DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, client_error, strip_hop_by_hop, upstream_uri};
 use usher_core::error::error_chain;
 use usher_enforce::respond::BoxError;
 use usher_enforce::respond::{ProxyBody, ProxyError, is_grpc};

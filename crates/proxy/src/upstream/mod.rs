@@ -47,8 +47,6 @@ pub const DIRECT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Response-header timeout for origins reached without an upstream.
 pub const DIRECT_TIMEOUT: Duration = Duration::from_secs(60);
 
-pub use crate::pipeline::guard::VIA;
-
 pub(crate) type HttpsClient = Client<HttpsConnector<HttpConnector>, RequestBody>;
 
 /// One upstream: its configuration and its connection pool.

@@ -16,7 +16,8 @@ use http::uri::PathAndQuery;
 use http::{Method, Uri, Version};
 
 use super::fields::{eq_name, list_has, parse_length, push_field};
-use crate::upstream::{VIA, hop_by_hop};
+use crate::pipeline::guard::VIA;
+use crate::upstream::hop_by_hop;
 use usher_core::config::listener::ListenerLimits;
 use usher_enforce::resource::RequestView;
 

@@ -19,7 +19,7 @@ use http::{Request, Version};
 use usher_enforce::respond::ProxyError;
 
 /// Marks requests usher forwarded, so a route pointing back at usher is caught.
-pub const VIA: &str = "1.1 usher";
+pub(crate) const VIA: &str = "1.1 usher";
 
 /// The field that carries an h2c upgrade's HTTP/2 settings (RFC 9113 §3.2.1).
 const HTTP2_SETTINGS: HeaderName = HeaderName::from_static("http2-settings");

@@ -11,7 +11,7 @@ use tower::{Layer, Service};
 
 use super::{Early, Error, Exchange, Failure, Inbound};
 
-pub use checks::VIA;
+pub(crate) use checks::VIA;
 pub(crate) use checks::{check, strip_h2c};
 
 /// The checks every request must pass before anything else.
