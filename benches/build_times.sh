@@ -4,8 +4,9 @@
 #   benches/build_times.sh BEFORE_DIR AFTER_DIR LIMIT_FILE_BEFORE PROXY_FILE_BEFORE LIMIT_FILE_AFTER PROXY_FILE_AFTER
 #
 # For each checkout (its own target/):
-#   1. release: `cargo build --release --locked --bin usher` from a clean
-#      target/release (the registry's crates compiled too);
+#   1. release: `cargo build --release --locked --bin usher` after
+#      `cargo clean --release` of the checkout's own packages (the registry's
+#      crates already built: what a change to usher's code costs);
 #   2. the tests rebuilt after an edit: with every test binary up to date
 #      (`cargo test --no-run --locked`), a comment line is appended to one
 #      file of the limiters and then to one file of the sidecar, and
@@ -32,7 +33,10 @@ edit_and_time() { # DIR FILE
 
 for which in before after; do
     dir=$BEFORE; [ $which = after ] && dir=$AFTER
-    rm -rf "$dir/target/release"
+    (cd "$dir" && cargo build --release --locked --bin usher >/dev/null 2>&1)
+    own=$(cd "$dir" && cargo metadata --format-version 1 --no-deps --locked |
+        python3 -c 'import json,sys; print(" ".join("-p " + p["name"] for p in json.load(sys.stdin)["packages"]))')
+    (cd "$dir" && cargo clean --release $own >/dev/null 2>&1)
     echo "$which release_build_s $(cd "$dir" && secs cargo build --release --locked --bin usher)"
     (cd "$dir" && cargo test --no-run --locked >/dev/null 2>&1)
     echo "$which tests_after_limit_edit_s $(edit_and_time "$dir" "${LIMIT[$which]}")"
