@@ -26,6 +26,7 @@ const KEEP: usize = 32 * 1024;
 impl Buffers {
     /// Between requests: gives back what grew past [`KEEP`], and the
     /// client's buffer `client` too once it holds nothing (no pipelined request).
+    #[inline]
     pub(super) fn trim(&mut self, client: &mut BytesMut) {
         if self.req.capacity() > KEEP {
             self.req = Vec::new();

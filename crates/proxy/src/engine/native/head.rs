@@ -125,6 +125,7 @@ pub(super) struct Head<'b> {
 
 /// Parses the request at the front of `buf` under `limits`. `storage` is
 /// the parser's room for header fields.
+#[inline]
 pub(super) fn parse<'b>(
     buf: &'b [u8],
     storage: &'b mut [MaybeUninit<httparse::Header<'b>>],

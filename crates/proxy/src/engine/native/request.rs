@@ -60,6 +60,7 @@ impl<'c> Inbound for Request<'_, 'c> {
         Ok(())
     }
 
+    #[inline]
     fn ready(self, target: Target, keep_head: bool) -> Result<Prepared<'c>, &'static str> {
         let Target::Upstream(upstream) = target else { return Err(why::UPSTREAM) };
         let send = match upstream.plain.as_ref() {

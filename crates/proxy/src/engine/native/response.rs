@@ -68,6 +68,7 @@ pub(super) enum Parsed {
 /// to send the client to `out`, without its closing blank line, so the
 /// caller can add `connection: close`, and marks its fields in `fields`
 /// (if it records).
+#[inline]
 pub(super) fn parse(
     buf: &[u8],
     head_request: bool,
