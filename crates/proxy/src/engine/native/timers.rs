@@ -77,7 +77,6 @@ impl Timers {
         clippy::disallowed_methods,
         reason = "the header timeout is an I/O deadline on tokio's timer, which keeps tokio's time"
     )]
-    #[inline]
     pub(super) fn next_head(&mut self, timeout: Duration) {
         self.head.set(Instant::now() + timeout);
     }
