@@ -710,13 +710,7 @@ fn remote(d: &usher_core::config::doorman::DoormanConfig) -> (CoreConfig, Arc<dy
     let mut c = CoreConfig::new(d.client_id.clone(), d.servers.clone());
     c.jitter = d.jitter;
     c.min_interval = d.min_interval;
-    c.backoff = BackoffConfig {
-        initial: d.backoff.initial,
-        max: d.backoff.max,
-        multiplier: d.backoff.multiplier,
-        randomization: d.backoff.randomization,
-        ..BackoffConfig::default()
-    };
+    c.backoff = BackoffConfig::from(d.backoff);
     tracing::info!(servers = %d.servers.join(","), client_id = %d.client_id, "leasing capacity from Doorman servers");
     let tls = d.tls.as_ref().map(|files| {
         // Checked when the routes file was read; a file that went bad since is

@@ -9,10 +9,9 @@ use std::time::Duration;
 
 use rand::Rng;
 
-/// Default `backoff.max`: short, so that clients cut off by a failover are
-/// back within a few seconds of a new master; the jitter keeps a fleet that
-/// failed together from retrying together.
-pub const DEFAULT_MAX: Duration = Duration::from_secs(2);
+/// Default `backoff.max`: the routes file's
+/// ([`usher_core::config::doorman::DEFAULT_BACKOFF_MAX`]).
+pub const DEFAULT_MAX: Duration = usher_core::config::doorman::DEFAULT_BACKOFF_MAX;
 /// How long a permanent error (the server refused the request itself) waits
 /// before the same request is tried again.
 pub const PERMANENT_RETRY: Duration = Duration::from_secs(15);
@@ -35,12 +34,22 @@ pub struct BackoffConfig {
 }
 
 impl Default for BackoffConfig {
+    /// The routes file's defaults (`usher_core::config::doorman::Backoff`),
+    /// and halving the delay after three successes in a row.
     fn default() -> Self {
+        BackoffConfig::from(usher_core::config::doorman::Backoff::default())
+    }
+}
+
+impl From<usher_core::config::doorman::Backoff> for BackoffConfig {
+    /// A routes file's `doorman.backoff`, with the delay halved after three
+    /// successes in a row.
+    fn from(b: usher_core::config::doorman::Backoff) -> Self {
         BackoffConfig {
-            initial: Duration::from_millis(500),
-            max: DEFAULT_MAX,
-            multiplier: 1.5,
-            randomization: 0.3,
+            initial: b.initial,
+            max: b.max,
+            multiplier: b.multiplier,
+            randomization: b.randomization,
             down_multiplier: 0.5,
             down_threshold: 3,
         }

@@ -39,15 +39,16 @@ pub struct Backoff {
     pub randomization: f64,
 }
 
+/// Default `backoff.max`: short, so that clients cut off by a failover are
+/// back within a few seconds of a new master; the jitter keeps a fleet that
+/// failed together from retrying together.
+pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(2);
+
 impl Default for Backoff {
-    /// The defaults in docs/proxy.md's `doorman.` table.
+    /// The defaults in docs/proxy.md's `doorman.` table, which the lease
+    /// client's own defaults are too.
     fn default() -> Self {
-        Backoff {
-            initial: Duration::from_millis(500),
-            max: Duration::from_secs(2),
-            multiplier: 1.5,
-            randomization: 0.3,
-        }
+        Backoff { initial: Duration::from_millis(500), max: DEFAULT_BACKOFF_MAX, multiplier: 1.5, randomization: 0.3 }
     }
 }
 

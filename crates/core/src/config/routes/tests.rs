@@ -463,3 +463,18 @@ fn a_cost_settled_from_the_json_body_is_read_and_checked() {
     let e = parse(&format!("{{ resource: tokens, settle: {{ response_json: {deep} }} }}")).unwrap_err().to_string();
     assert!(e.contains(&format!("more than {MAX_JSON_PATH_STEPS}")), "{e}");
 }
+
+#[test]
+fn a_doorman_section_without_backoff_backs_off_as_documented() {
+    let cfg = RoutesConfig::parse(
+        "routes.yaml",
+        "doorman: { servers: [\"capacity:15100\"], client_id: app }\nresources:\n  api: { kind: rate, capacity: 5/s }\n",
+    )
+    .unwrap();
+    let b = cfg.doorman.expect("the doorman section").backoff;
+    // docs/proxy.md's `doorman.` table: 500ms, 2s, 1.5, 0.3.
+    assert_eq!(b.initial, Duration::from_millis(500));
+    assert_eq!(b.max, Duration::from_secs(2));
+    assert_eq!(b.multiplier, 1.5);
+    assert_eq!(b.randomization, 0.3);
+}
