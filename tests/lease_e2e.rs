@@ -613,6 +613,7 @@ impl usher_proto::capacity_server::Capacity for FakeDoorman {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
         let lease = |id: &str, capacity: f64, safe_capacity: Option<f64>| ResourceResponse {
             resource_capacity: None,
+            spare: None,
             upstream_quota: None,
             resource_id: id.into(),
             // 3 s, asked again every second: a refused lease runs out soon.

@@ -205,6 +205,9 @@ struct KeyState {
     server_safe: Option<f64>,
     /// The capacity the server shares for the resource (usher's extension).
     fleet: Option<f64>,
+    /// The part of the lease that is spare: capacity nobody wanted, handed
+    /// out beyond `wants` (usher's extension; 0 from other servers).
+    spare: f64,
     /// When the quota the server follows renews, while it says that quota
     /// is spent (usher's extension: its account of the upstream's quota, or
     /// of a calendar window): refusals meanwhile say how long to wait.
@@ -247,6 +250,7 @@ impl KeyState {
             hold_until: None,
             server_safe: None,
             fleet: None,
+            spare: 0.0,
             renews: None,
             template: None,
             mode: Mode::Pending,
@@ -264,12 +268,21 @@ impl KeyState {
     /// Whether the demand is away from the lease (see [`Core::set_demand`]);
     /// a key that is not asks early again after the minimum interval.
     fn restate(&mut self, min: Duration) -> bool {
-        let (d, lease) = (&self.demand, self.lease.filter(|_| self.mode == Mode::Leased).map(|l| l.capacity));
-        self.away = lease.is_some_and(|c| (d.pressure && d.wants > c + 1e-9) || d.wants < c * (1.0 - GIVE_BACK) - 1e-9);
+        let d = &self.demand;
+        let lease = self.lease.filter(|_| self.mode == Mode::Leased).map(|l| (l.capacity, self.earned(&l)));
+        // Spare capacity is not given back: the server hands it out because nobody wants it.
+        self.away = lease.is_some_and(|(c, earned)| {
+            (d.pressure && d.wants > c + 1e-9) || d.wants < earned * (1.0 - GIVE_BACK) - 1e-9
+        });
         if !self.away {
             self.early_wait = min;
         }
         self.away
+    }
+
+    /// What `lease` grants for the key's wants: the lease without its spare part.
+    fn earned(&self, lease: &Lease) -> f64 {
+        (lease.capacity - self.spare).max(0.0)
     }
 
     /// Whether an early refresh made before `by` carries it: a key made
@@ -296,6 +309,7 @@ impl KeyState {
     fn heard(&mut self, r: &proto::ResourceResponse, now: Time, last: &mut Option<Arc<str>>) {
         self.server_safe = r.safe_capacity.filter(|s| s.is_finite());
         self.fleet = r.resource_capacity.filter(|c| c.is_finite() && *c > 0.0);
+        self.spare = r.spare.filter(|c| c.is_finite() && *c > 0.0).map_or(0.0, |c| c.min(r.gets.capacity.max(0.0)));
         self.renews =
             r.upstream_quota.as_ref().and_then(super::quota::from_proto).filter(|o| o.exhausted(now)).map(|o| o.reset);
         self.template = match (&r.template, &self.template) {
@@ -320,7 +334,7 @@ impl KeyState {
     /// `Duration::MAX` (the key waits for its refresh).
     fn early_wait_after(&self, asked_with: f64, lease: &Lease, min: Duration) -> Duration {
         let w = self.demand.wants;
-        let moved = (w - lease.capacity).abs() < (w - asked_with).abs() - 1e-9;
+        let moved = (w - self.earned(lease)).abs() < (w - asked_with).abs() - 1e-9;
         if moved || lease.refresh_interval <= SOON {
             min
         } else {
@@ -336,8 +350,9 @@ impl KeyState {
     /// mode the key had.
     fn take(&mut self, lease: Lease, now: Time, jitter: f64) -> Mode {
         self.lease = Some(lease);
-        self.hold_until =
-            (lease.expiry > now).then(|| lease.expiry.saturating_add(hold(&lease, self.server_safe, now, jitter)));
+        let on_expiry = self.demand.on_expiry;
+        self.hold_until = (lease.expiry > now)
+            .then(|| lease.expiry.saturating_add(hold(&lease, self.server_safe, on_expiry, now, jitter)));
         self.cached = false;
         self.last_error = None;
         let from = self.mode;
@@ -347,15 +362,25 @@ impl KeyState {
 
     fn capacity(&self) -> Capacity {
         match (self.mode, self.lease) {
-            (Mode::Leased | Mode::Held, Some(l)) => Capacity::Limited(l.capacity),
-            _ => match self.demand.on_expiry {
-                OnExpiry::Optimistic => Capacity::Limited(self.demand.wants),
-                OnExpiry::Pessimistic => Capacity::Limited(0.0),
-                OnExpiry::Safe => match self.server_safe.or(self.demand.safe_capacity) {
-                    Some(s) if s < 0.0 => Capacity::Unlimited,
-                    Some(s) => Capacity::Limited(s),
-                    None => Capacity::Limited(0.0),
-                },
+            (Mode::Leased, Some(l)) => Capacity::Limited(l.capacity),
+            // Held with on_expiry safe: no more than the safe capacity (see [`hold`]).
+            (Mode::Held, Some(l)) => match (self.demand.on_expiry, self.fallback()) {
+                (OnExpiry::Safe, Capacity::Limited(s)) => Capacity::Limited(l.capacity.min(s)),
+                _ => Capacity::Limited(l.capacity),
+            },
+            _ => self.fallback(),
+        }
+    }
+
+    /// What the key may use with no lease: its `on_expiry`.
+    fn fallback(&self) -> Capacity {
+        match self.demand.on_expiry {
+            OnExpiry::Optimistic => Capacity::Limited(self.demand.wants),
+            OnExpiry::Pessimistic => Capacity::Limited(0.0),
+            OnExpiry::Safe => match self.server_safe.or(self.demand.safe_capacity) {
+                Some(s) if s < 0.0 => Capacity::Unlimited,
+                Some(s) => Capacity::Limited(s),
+                None => Capacity::Limited(0.0),
             },
         }
     }
@@ -391,7 +416,8 @@ impl KeyState {
         }
         Some(match (self.mode, self.lease) {
             (Mode::Leased | Mode::Held, Some(_)) if self.renews.is_some() => ZeroReason::QUOTA_SPENT,
-            (Mode::Leased | Mode::Held, Some(_)) => ZeroReason::LEASE_ZERO,
+            (Mode::Leased, Some(_)) => ZeroReason::LEASE_ZERO,
+            (Mode::Held, Some(l)) if l.capacity <= 0.0 => ZeroReason::LEASE_ZERO,
             (mode, _) => match self.demand.on_expiry {
                 OnExpiry::Pessimistic => ZeroReason::PESSIMISTIC,
                 OnExpiry::Optimistic => ZeroReason::WANTS_ZERO,
@@ -405,17 +431,33 @@ impl KeyState {
     }
 }
 
-/// How long a lapsed `lease`, received at `now`, is held (see
-/// [`Mode::Held`]): as long as it was granted for; with a safe capacity above
-/// the lease (an usher server's default, the client's share), a refresh
-/// interval more, jittered as refreshes are (`jitter`). Another client's
-/// lease, granted up to a refresh after this key's last one and held as long
-/// again, has then ended before this key runs on its share, also when every
-/// server is gone.
-fn hold(lease: &Lease, safe: Option<f64>, now: Time, jitter: f64) -> Duration {
+/// How long a lapsed `lease`, received at `now`, is held (see [`Mode::Held`]).
+///
+/// With `on_expiry: safe`, for one refresh interval (jittered as refreshes
+/// are, `jitter`), at the lease or the safe capacity, whichever is less; then
+/// the key runs on its safe capacity, whatever the lease length. No other
+/// client's lease outlives that interval: the servers stopped answering this
+/// key less than a refresh interval after its last lease, and granted nobody
+/// anything after that. So once it is over every client of the resource is
+/// at or below its safe capacity, and the safe capacities (shares, by
+/// default) add up to no more than the capacity. Before it, a key uses no
+/// more than its lease, and the leases add up to no more either.
+///
+/// (A second more: expiries go on the wire in whole seconds.) A lease cut
+/// short, shorter than its refresh interval (an intermediate's, near the end
+/// of its own lease), says nothing of how long the others' last: it is held
+/// as with the other `on_expiry`s.
+///
+/// With the other `on_expiry`s, as long as it was granted for; with a safe
+/// capacity above the lease, a refresh interval more.
+fn hold(lease: &Lease, safe: Option<f64>, on_expiry: OnExpiry, now: Time, jitter: f64) -> Duration {
+    let stagger = lease.refresh_interval.mul_f64(1.0 + jitter.clamp(0.0, 1.0));
     let held = lease.expiry.since(now);
+    if on_expiry == OnExpiry::Safe && held >= lease.refresh_interval {
+        return stagger + Duration::from_secs(1);
+    }
     match safe {
-        Some(s) if s > lease.capacity + 1e-9 => held + lease.refresh_interval.mul_f64(1.0 + jitter.clamp(0.0, 1.0)),
+        Some(s) if s > lease.capacity + 1e-9 => held + stagger,
         _ => held,
     }
 }
@@ -1115,7 +1157,7 @@ impl Core {
         self.early = false;
         self.last_request = Some(now);
         for k in self.keys.values_mut().filter(|k| carried(k)) {
-            k.asked_with = k.away.then(|| k.lease.map_or(0.0, |l| l.capacity));
+            k.asked_with = k.away.then(|| k.lease.map_or(0.0, |l| k.earned(&l)));
             k.asked = true;
         }
         Action::Refresh { target, request: self.request(now, early) }

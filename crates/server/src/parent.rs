@@ -403,6 +403,7 @@ fn client_response(resp: proto::GetServerCapacityResponse) -> proto::GetCapacity
             .into_iter()
             .map(|r| proto::ResourceResponse {
                 resource_capacity: r.resource_capacity,
+                spare: r.spare,
                 upstream_quota: r.upstream_quota,
                 resource_id: r.resource_id,
                 gets: r.gets,

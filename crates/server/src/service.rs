@@ -372,6 +372,7 @@ impl Capacity for CapacityService {
                     starved |= starves_a_newcomer(a, &g);
                     proto::ResourceResponse {
                         resource_capacity: g.resource_capacity,
+                        spare: (g.spare > 0.0).then_some(g.spare),
                         upstream_quota: g.quota.as_ref().map(usher_lease::quota::to_proto),
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),
@@ -424,6 +425,7 @@ impl Capacity for CapacityService {
                     }
                     proto::ServerCapacityResourceResponse {
                         resource_capacity: g.resource_capacity,
+                        spare: (g.spare > 0.0).then_some(g.spare),
                         upstream_quota: g.quota.as_ref().map(usher_lease::quota::to_proto),
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),

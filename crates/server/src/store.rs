@@ -140,7 +140,21 @@ pub struct Grant {
     /// The capacity a root shares for the resource now (clients size their
     /// share of its burst by it); `None` elsewhere.
     pub resource_capacity: Option<f64>,
+    /// The part of `capacity` that is spare: capacity nobody wants now,
+    /// handed out beyond the client's wants (see [`SPARE_PARAMETER`]).
+    pub spare: f64,
 }
+
+/// The algorithm parameter that says what a resource does with capacity
+/// nobody wants: `share` hands it out beside the grants (FAIR_SHARE's
+/// default), `keep` hands out no more than is wanted (the default of the
+/// other algorithms, and Doorman's behaviour).
+pub const SPARE_PARAMETER: &str = "spare";
+
+/// Spare capacity is shared as if this many more subclients wanted some: a
+/// share of it stays free, so that a client whose demand rises, or a new
+/// one, finds some at once rather than a refresh interval later.
+pub const SPARE_KEPT_FREE: f64 = 1.0;
 
 /// How a request is decided (see [`Resource::decide`]).
 #[derive(Debug, Clone, Copy)]
@@ -355,6 +369,8 @@ struct ClientLease {
     predecessor_subclients: Option<u64>,
     /// The safe capacity per subclient the last answer carried (< 0: unlimited).
     safe: f64,
+    /// The part of `granted` that is spare (see [`Grant::spare`]).
+    spare: f64,
 }
 
 /// What a lease leaves behind when it expires unrenewed: its client now holds
@@ -1407,6 +1423,7 @@ impl Resource {
         Grant {
             quota: self.quota_view(now),
             resource_capacity: None,
+            spare: l.spare,
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
@@ -1462,6 +1479,7 @@ impl Resource {
                 floor: None,
                 predecessor_subclients: None,
                 safe,
+                spare: 0.0,
             }),
         );
         // While its reservation lasts, it may run on that and no more.
@@ -1472,6 +1490,7 @@ impl Resource {
         Grant {
             quota: self.quota_view(now),
             resource_capacity: None,
+            spare: 0.0,
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
@@ -1607,6 +1626,7 @@ impl Resource {
         Grant {
             quota: self.quota_view(now),
             resource_capacity: None,
+            spare: 0.0,
             capacity: 0.0,
             expiry: now,
             refresh_interval: alg.refresh_interval,
@@ -1639,7 +1659,9 @@ impl Resource {
     fn renew(&mut self, a: Ask<'_>, inherited: Option<Inherited>) -> Grant {
         let (req, now) = (a.req, a.now);
         let prior = self.refile(&a, inherited);
-        let (granted, held_back) = self.grant(&a, &prior);
+        let (earned, held_back) = self.grant(&a, &prior);
+        let spare = self.spare(&a, &prior, earned);
+        let granted = earned + spare;
         let has = self.counted_has(&a, granted, &prior);
         let (expiry, refresh) = self.lease_times(&a, held_back);
         let safe = self.safe_capacity(a.capacity.unwrap_or(0.0));
@@ -1662,6 +1684,7 @@ impl Resource {
                 Some(t) => t / req.subclients.max(1) as f64,
                 None => self.configured_safe_capacity().unwrap_or(safe),
             },
+            spare,
         };
         self.index.upsert(prior.slot, req.wants, req.subclients, has);
         self.file_bands(prior.slot, a.bands.iter().copied(), has);
@@ -1674,6 +1697,7 @@ impl Resource {
                 Role::Root => a.capacity,
                 Role::Intermediate { .. } => self.parent.as_ref().and_then(|p| p.resource_capacity),
             },
+            spare,
             capacity: granted,
             expiry,
             refresh_interval: refresh,
@@ -1783,6 +1807,31 @@ impl Resource {
             granted = granted.min(equal.max(old_has));
         }
         (granted, held_back)
+    }
+
+    /// The spare capacity handed to the client beside the `earned` grant:
+    /// when all wants together are below the capacity to share, what
+    /// nobody wants is split among the clients by subclients, as if
+    /// [`SPARE_KEPT_FREE`] more wanted some, within what the others leave
+    /// unused. So a burst passes at once wherever it lands, and a quiet
+    /// client keeps some capacity instead of none. Not in learning mode,
+    /// not while a new resource's clients are still arriving (the first to
+    /// ask would take what the others are about to want), and not where
+    /// the template keeps spare capacity (see [`SPARE_PARAMETER`]).
+    fn spare(&self, a: &Ask<'_>, prior: &Prior, earned: f64) -> f64 {
+        let Some(cap) = a.capacity.filter(|_| !a.d.learning && shares_spare(&a.alg)) else { return 0.0 };
+        if a.d.arrivals && a.now.since(self.created) < a.alg.refresh_interval {
+            return 0.0;
+        }
+        let cap = (cap - self.reserved).max(0.0);
+        let free = cap - self.index.total_wants();
+        let others = self.index.total_has() - prior.has;
+        let unused = cap - others - earned;
+        if free <= 1e-9 || unused <= 1e-9 {
+            return 0.0;
+        }
+        let n = self.index.total_subclients() as f64 + SPARE_KEPT_FREE;
+        (free * a.req.subclients as f64 / n).min(unused).max(0.0)
     }
 
     /// What counts as outstanding for the client: its grant, or for a lower
@@ -1948,6 +1997,16 @@ fn safe_for(requester: &Requester, safe: f64, held: f64) -> f64 {
     match requester {
         Requester::Client { .. } if safe >= 0.0 => safe.min(held.max(0.0)),
         _ => safe,
+    }
+}
+
+/// Whether a template hands out spare capacity (see [`SPARE_PARAMETER`]):
+/// FAIR_SHARE does unless told `keep`; the others only when told `share`.
+pub fn shares_spare(alg: &Algorithm) -> bool {
+    match alg.parameter(SPARE_PARAMETER) {
+        Some("share") => is_shared(alg.kind),
+        Some(_) => false,
+        None => alg.kind == Kind::FairShare,
     }
 }
 

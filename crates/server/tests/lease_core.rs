@@ -16,7 +16,10 @@ use usher_proto as proto;
 use usher_server::LocalTransport;
 use usher_server::{Mastership, Node};
 
-const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    safe_capacity: 4\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 12, learning_mode_duration: 0 }\n";
+/// Most tests here follow exact grants, so the template hands out no spare
+/// capacity (`spare: keep`); [`SPARE`] is FAIR_SHARE as it comes.
+const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    safe_capacity: 4\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 12, learning_mode_duration: 0, parameters: [{name: spare, value: keep}] }\n";
+const SPARE: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    safe_capacity: 4\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 12, learning_mode_duration: 0 }\n";
 
 /// Real capacity servers in-process, a manual clock, and a stepper that
 /// carries out a core's actions the way the driver does.
@@ -30,11 +33,15 @@ struct World {
 
 impl World {
     fn new(servers: &[&str]) -> World {
+        World::with(servers, CONFIG)
+    }
+
+    fn with(servers: &[&str], config: &str) -> World {
         let (clock, time) = Clock::manual(Time::from_secs(1_700_000_000));
         let net = LocalTransport::new();
         let mut nodes = HashMap::new();
         for s in servers {
-            let cfg = ResourcesConfig::parse("test", CONFIG).unwrap();
+            let cfg = ResourcesConfig::parse("test", config).unwrap();
             let node = Arc::new(Node::new(
                 s.to_string(),
                 "test".into(),
@@ -253,22 +260,32 @@ fn expiry_follows_on_expiry_per_key() {
         w.step(&mut c);
     }
     assert_eq!(cap(&mut c, w.clock.now(), "pes"), Capacity::Limited(50.0), "still within the lease");
-    // Expired unrenewed: each lease is held for as long again as it was
-    // granted for (the server keeps it reserved that long), and reported.
+    // Expired unrenewed: each lease is held (the server keeps it reserved),
+    // and reported. With on_expiry safe, at no more than the safe capacity.
     w.advance(Duration::from_secs(3));
     w.step(&mut c);
     let now = w.clock.now();
-    for k in ["opt", "pes", "safe"] {
+    for k in ["opt", "pes"] {
         assert_eq!(cap(&mut c, now, k), Capacity::Limited(50.0), "{k} is held");
     }
+    assert_eq!(
+        cap(&mut c, now, "safe"),
+        Capacity::Limited(4.0),
+        "held at the server's safe capacity, not the configured 2"
+    );
     assert!(c.status().iter().all(|k| k.mode == Mode::Held && k.source == Source::Lease), "{:?}", c.status());
     let tr = c.take_transitions();
     assert_eq!(tr.iter().filter(|t| (t.from, t.to) == (Mode::Leased, Mode::Held)).count(), 3);
     assert!(c.request(now, None).resource.iter().all(|r| r.has.as_ref().is_some_and(|h| h.capacity == 50.0)));
-    // The hold ends 30 s after the expiry: on_expiry applies.
-    w.advance(Duration::from_secs(27));
+    // The safe key's hold ends a refresh interval (12 s × 7/6, and a second) after the expiry.
+    w.advance(Duration::from_secs(13));
     w.step(&mut c);
-    assert_eq!(c.status()[0].mode, Mode::Held, "the hold lasts as long as the lease did");
+    let mode = |c: &Core, id: &str| c.status().into_iter().find(|k| k.resource_id == id).unwrap().mode;
+    assert_eq!(mode(&c, "safe"), Mode::Expired, "on_expiry safe: a refresh interval, whatever the lease length");
+    // The others' hold ends 30 s after the expiry: on_expiry applies.
+    w.advance(Duration::from_secs(14));
+    w.step(&mut c);
+    assert_eq!(mode(&c, "pes"), Mode::Held, "the hold lasts as long as the lease did");
     w.advance(Duration::from_secs(3));
     w.step(&mut c);
     let now = w.clock.now();
@@ -298,7 +315,8 @@ fn a_wait_ends_when_a_lease_lapses_and_when_its_hold_ends() {
     w.step(&mut c);
     let now = w.clock.now();
     let lease = c.lease_of("r").expect("leased");
-    let hold_end = lease.expiry.saturating_add(lease.expiry.since(now));
+    // Held a refresh interval (jittered up to 7/6) and a second.
+    let hold_end = lease.expiry.saturating_add(lease.refresh_interval.mul_f64(7.0 / 6.0) + Duration::from_secs(1));
     // Nothing else due for a long time (as with a refresh that backed off).
     c.set_next_refresh(hold_end.saturating_add(Duration::from_secs(3600)));
     assert_eq!(c.next_action(now), Action::Wait { until: lease.expiry });
@@ -876,6 +894,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
     let now = w.clock.now();
     let lease = |id: &str, expires_in: u64| proto::ResourceResponse {
         resource_capacity: None,
+        spare: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
@@ -913,6 +932,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
         let now = w.clock.now();
         let lease = |id: &str, interval: i64| proto::ResourceResponse {
             resource_capacity: None,
+            spare: None,
             upstream_quota: None,
             resource_id: id.into(),
             gets: proto::Lease {
@@ -960,6 +980,7 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64, safe: Option<f64>| proto::ResourceResponse {
         resource_capacity: None,
+        spare: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
@@ -1059,14 +1080,15 @@ fn a_key_at_zero_says_why_and_one_above_says_nothing() {
     assert_eq!(nothing.zero_reason, Some(ZeroReason::LEASE_ZERO));
 }
 
-/// A lease below its safe capacity (an usher server's default safe capacity
-/// is the client's share: an idle client holds 0 and falls back on more) is
-/// held a jittered refresh interval longer than it was granted for, so that
-/// another client's lease, granted up to a refresh later and held as long
-/// again, has ended before this one runs on its share. A lease at or above
-/// its safe capacity is held as long as it was granted for, as before.
+/// A lapsed lease with `on_expiry: safe` is held for a jittered refresh
+/// interval (and a second), whatever the lease length, at the lease or the
+/// safe capacity, whichever is less: an idle key holding 0 runs on its
+/// share a refresh interval after its expiry (never a lease length later),
+/// and a busy key holding more than its share comes down to it at once. So
+/// whoever falls back, the fleet stays within the sum of the leases, then
+/// of the shares.
 #[test]
-fn a_lease_below_its_safe_capacity_is_held_a_refresh_interval_longer() {
+fn a_lapsed_lease_is_held_a_refresh_interval_at_no_more_than_its_safe_capacity() {
     let w = World::new(&["s1"]);
     let mut c = w.core("a", &["s1"]);
     c.set_demand(vec![demand("idle", 0.0, OnExpiry::Safe), demand("busy", 5.0, OnExpiry::Safe)]);
@@ -1076,35 +1098,77 @@ fn a_lease_below_its_safe_capacity_is_held_a_refresh_interval_longer() {
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64| proto::ResourceResponse {
         resource_capacity: None,
+        spare: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
             capacity,
-            expiry_time: now.saturating_add(Duration::from_secs(30)).as_secs(),
+            expiry_time: now.saturating_add(Duration::from_secs(60)).as_secs(),
             refresh_interval: 12,
         },
         safe_capacity: Some(5.0),
         template: None,
     };
     let answer =
-        proto::GetCapacityResponse { response: vec![lease("idle", 0.0), lease("busy", 5.0)], mastership: None };
+        proto::GetCapacityResponse { response: vec![lease("idle", 0.0), lease("busy", 30.0)], mastership: None };
     assert!(c.on_refresh(now, Ok(answer)).is_empty());
     c.set_next_refresh(now.saturating_add(Duration::from_secs(3600)));
     let expiry = c.lease_of("idle").unwrap().expiry;
-    let held = expiry.since(now);
     let mode = |c: &Core, id: &str| c.status().into_iter().find(|k| k.resource_id == id).unwrap().mode;
-    w.advance(expiry.since(now) + held - Duration::from_millis(1));
+    w.advance(expiry.since(now));
     w.step(&mut c);
+    let at = w.clock.now();
     assert_eq!((mode(&c, "idle"), mode(&c, "busy")), (Mode::Held, Mode::Held));
-    w.advance(Duration::from_millis(1));
-    w.step(&mut c);
-    assert_eq!((mode(&c, "idle"), mode(&c, "busy")), (Mode::Held, Mode::Expired), "the lease at its safe capacity");
-    // 12 s × (1 + 1/6) later.
-    w.advance(Duration::from_secs(14) - Duration::from_millis(1));
+    assert_eq!(cap(&mut c, at, "idle"), Capacity::Limited(0.0), "held at its lease, below its safe capacity");
+    assert_eq!(cap(&mut c, at, "busy"), Capacity::Limited(5.0), "held at its safe capacity, below its lease");
+    // 12 s × (1 + 1/6) and a second later, not 60 s.
+    w.advance(Duration::from_secs(15) - Duration::from_millis(1));
     w.step(&mut c);
     assert_eq!(mode(&c, "idle"), Mode::Held);
     w.advance(Duration::from_millis(1));
     w.step(&mut c);
-    assert_eq!(mode(&c, "idle"), Mode::Expired);
+    assert_eq!((mode(&c, "idle"), mode(&c, "busy")), (Mode::Expired, Mode::Expired));
     assert_eq!(cap(&mut c, w.clock.now(), "idle"), Capacity::Limited(5.0), "then its share");
+    assert_eq!(cap(&mut c, w.clock.now(), "busy"), Capacity::Limited(5.0));
+}
+
+/// Spare capacity (what nobody wants, handed out beside the grants) is not
+/// given back early: a key whose demand is far below its lease only because
+/// of spare waits for its refresh. A key whose demand rises gets the share
+/// kept free at once, and the rest once the others' refreshes give back
+/// their spare.
+#[test]
+fn spare_capacity_is_kept_until_the_refresh_and_a_rise_finds_some_at_once() {
+    let w = World::with(&["s1"], SPARE);
+    w.settle("s1", "r");
+    let (mut a, mut b) = (w.core("a", &["s1"]), w.core("b", &["s1"]));
+    a.set_demand(vec![demand("r", 10.0, OnExpiry::Safe)]);
+    w.step(&mut a);
+    b.set_demand(vec![demand("r", 20.0, OnExpiry::Safe)]);
+    w.step(&mut b);
+    let Capacity::Limited(la) = cap(&mut a, w.clock.now(), "r") else { panic!("a is limited") };
+    assert!(la > 35.0, "a holds its 10 and spare beside it: {la}");
+    let at = calls_over(&w, &mut a, 9, || vec![demand("r", 10.0, OnExpiry::Safe)]);
+    assert!(at.is_empty(), "a key holding spare asks no earlier than its refresh: {at:?}");
+    // b's demand rises above what is free: it gets the share kept free at once.
+    let Capacity::Limited(before) = cap(&mut b, w.clock.now(), "r") else { panic!("b is limited") };
+    b.set_demand(vec![KeyDemand { pressure: true, ..demand("r", 85.0, OnExpiry::Safe) }]);
+    w.step(&mut b);
+    let Capacity::Limited(after) = cap(&mut b, w.clock.now(), "r") else { panic!("b is limited") };
+    assert!(after > before + 1.0, "the free share at once: {before} -> {after}");
+    // Once a refreshes (it gives its spare back), b reaches all but a's 10 within a refresh interval.
+    for _ in 0..60 {
+        w.advance(Duration::from_millis(250));
+        a.set_demand(vec![demand("r", 10.0, OnExpiry::Safe)]);
+        w.step(&mut a);
+        b.set_demand(vec![KeyDemand { pressure: true, ..demand("r", 85.0, OnExpiry::Safe) }]);
+        w.step(&mut b);
+    }
+    let (Capacity::Limited(la), Capacity::Limited(lb)) =
+        (cap(&mut a, w.clock.now(), "r"), cap(&mut b, w.clock.now(), "r"))
+    else {
+        panic!("both limited")
+    };
+    assert!(lb >= 85.0 && la <= 15.0, "b has what it wants, a its 10 and a little spare: a {la}, b {lb}");
+    assert!(la + lb <= 100.0 + 1e-9);
 }

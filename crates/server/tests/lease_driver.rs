@@ -257,6 +257,7 @@ impl Transport for Steady {
             .into_iter()
             .map(|r| proto::ResourceResponse {
                 resource_capacity: None,
+                spare: None,
                 upstream_quota: None,
                 resource_id: r.resource_id,
                 gets: proto::Lease { expiry_time, refresh_interval: 3600, capacity: r.wants },

@@ -326,6 +326,13 @@ fn read_parameters(ck: &mut Checker, node: &Node, path: &str) -> Vec<(String, Op
         let Some(m) = ck.map(item, &p, &["name", "value"]) else { continue };
         let name = ck.required(&m, "name", None).and_then(|n| ck.string(n, &m.child("name")));
         let value = m.get("value").and_then(|n| ck.string(n, &m.child("value")));
+        if let (Some("spare"), Some(v)) = (name.as_deref(), value.as_deref())
+            && !matches!(v, "share" | "keep")
+        {
+            let at = m.get("value").map_or(item.loc, |n| n.loc);
+            let hint = Some("`share` hands out capacity nobody wants; `keep` grants no more than is wanted".into());
+            ck.error(at, &m.child("value"), format!("spare must be `share` or `keep`, not `{v}`"), hint);
+        }
         if let Some(name) = name {
             out.push((name, value));
         }

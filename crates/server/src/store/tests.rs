@@ -112,7 +112,41 @@ fn learning_mode_believes_a_reported_lease_only_within_the_capacity_and_a_lease_
     // lapsed: the liar may still hold it; asked while learning, it was told
     // no share), an honest client gets its share.
     clock.advance(Duration::from_secs(21));
-    assert_eq!(s.get_capacity("honest", &req("r", 10.0, None)).capacity, 10.0);
+    let g = s.get_capacity("honest", &req("r", 10.0, None));
+    assert_eq!(g.capacity - g.spare, 10.0);
+}
+
+/// Below the capacity, what nobody wants is handed out beside the grants,
+/// split by subclients with one share kept free for a client whose demand
+/// rises; above it, nothing is spare. A template that keeps spare capacity
+/// grants no more than is wanted.
+#[test]
+fn spare_capacity_is_shared_below_the_capacity_and_one_share_kept_free() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    // A new resource's first refresh interval hands out no spare: its clients are still arriving.
+    let a = s.get_capacity("a", &req("r", 10.0, None));
+    assert_eq!((a.capacity, a.spare), (10.0, 0.0));
+    clock.advance(Duration::from_secs(6));
+    let a = s.get_capacity("a", &req("r", 10.0, None));
+    assert_eq!((a.capacity, a.spare), (55.0, 45.0), "90 spare over a and one share kept free");
+    let b = s.get_capacity("b", &req("r", 20.0, None));
+    // 70 spare over three shares, within what a leaves unused (100 - 55).
+    assert!((b.spare - 70.0 / 3.0).abs() < 1e-9, "{b:?}");
+    assert_eq!(b.capacity, 20.0 + b.spare);
+    let c = s.get_capacity("c", &req("r", 90.0, None));
+    assert_eq!(c.spare, 0.0, "wants above the capacity: nothing is spare");
+    assert!(c.capacity <= 100.0 - a.capacity - b.capacity + 1e-9);
+    let total: f64 = s.status()[0].sum_has;
+    assert!(total <= 100.0 + 1e-9, "{total}");
+
+    let mut keep = (*template(Kind::FairShare, 100.0, 10, 5, 0)).clone();
+    keep.algorithm.parameters = vec![(SPARE_PARAMETER.into(), Some("keep".into()))];
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let s = Store::new(clock, ResourcesConfig { templates: vec![Arc::new(keep)] }, Duration::ZERO);
+    s.get_capacity("a", &req("r", 10.0, None));
+    handle.advance(Duration::from_secs(6));
+    let g = s.get_capacity("a", &req("r", 10.0, None));
+    assert_eq!((g.capacity, g.spare), (10.0, 0.0));
 }
 
 #[test]
@@ -415,7 +449,9 @@ proptest! {
                     let g = s.get_capacity(&format!("c{client}"), &r);
                     prop_assert!(g.capacity >= 0.0 && !g.capacity.is_nan());
                     if kind != Kind::NoAlgorithm {
-                        prop_assert!(g.capacity <= wants + 1e-9);
+                        // Beyond wants only what nobody wants (FAIR_SHARE's spare).
+                        prop_assert!(g.capacity - g.spare <= wants + 1e-9);
+                        prop_assert!(g.spare == 0.0 || kind == Kind::FairShare);
                     }
                     if kind == Kind::Static {
                         prop_assert!(g.capacity <= capacity + 1e-9);
