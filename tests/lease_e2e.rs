@@ -614,6 +614,7 @@ impl usher_proto::capacity_server::Capacity for FakeDoorman {
         let lease = |id: &str, capacity: f64, safe_capacity: Option<f64>| ResourceResponse {
             resource_capacity: None,
             spare: None,
+            share_safe: None,
             upstream_quota: None,
             resource_id: id.into(),
             // 3 s, asked again every second: a refused lease runs out soon.

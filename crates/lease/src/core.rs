@@ -208,6 +208,9 @@ struct KeyState {
     /// The part of the lease that is spare: capacity nobody wanted, handed
     /// out beyond `wants` (usher's extension; 0 from other servers).
     spare: f64,
+    /// The server's safe capacity is the key's share of the resource, which
+    /// may be above its lease (usher's extension): see [`hold`].
+    share_safe: bool,
     /// When the quota the server follows renews, while it says that quota
     /// is spent (usher's extension: its account of the upstream's quota, or
     /// of a calendar window): refusals meanwhile say how long to wait.
@@ -251,6 +254,7 @@ impl KeyState {
             server_safe: None,
             fleet: None,
             spare: 0.0,
+            share_safe: false,
             renews: None,
             template: None,
             mode: Mode::Pending,
@@ -310,6 +314,7 @@ impl KeyState {
         self.server_safe = r.safe_capacity.filter(|s| s.is_finite());
         self.fleet = r.resource_capacity.filter(|c| c.is_finite() && *c > 0.0);
         self.spare = r.spare.filter(|c| c.is_finite() && *c > 0.0).map_or(0.0, |c| c.min(r.gets.capacity.max(0.0)));
+        self.share_safe = r.share_safe == Some(true);
         self.renews =
             r.upstream_quota.as_ref().and_then(super::quota::from_proto).filter(|o| o.exhausted(now)).map(|o| o.reset);
         self.template = match (&r.template, &self.template) {
@@ -350,9 +355,9 @@ impl KeyState {
     /// mode the key had.
     fn take(&mut self, lease: Lease, now: Time, jitter: f64) -> Mode {
         self.lease = Some(lease);
-        let on_expiry = self.demand.on_expiry;
+        let short = self.demand.on_expiry == OnExpiry::Safe && self.share_safe;
         self.hold_until = (lease.expiry > now)
-            .then(|| lease.expiry.saturating_add(hold(&lease, self.server_safe, on_expiry, now, jitter)));
+            .then(|| lease.expiry.saturating_add(hold(&lease, self.server_safe, short, now, jitter)));
         self.cached = false;
         self.last_error = None;
         let from = self.mode;
@@ -365,7 +370,7 @@ impl KeyState {
             (Mode::Leased, Some(l)) => Capacity::Limited(l.capacity),
             // Held with on_expiry safe: no more than the safe capacity (see [`hold`]).
             (Mode::Held, Some(l)) => match (self.demand.on_expiry, self.fallback()) {
-                (OnExpiry::Safe, Capacity::Limited(s)) => Capacity::Limited(l.capacity.min(s)),
+                (OnExpiry::Safe, Capacity::Limited(s)) if self.share_safe => Capacity::Limited(l.capacity.min(s)),
                 _ => Capacity::Limited(l.capacity),
             },
             _ => self.fallback(),
@@ -433,7 +438,10 @@ impl KeyState {
 
 /// How long a lapsed `lease`, received at `now`, is held (see [`Mode::Held`]).
 ///
-/// With `on_expiry: safe`, for one refresh interval (jittered as refreshes
+/// `short`: `on_expiry` is safe and the safe capacity is the key's share of
+/// the resource (an usher server's default), which may be above its lease:
+/// an idle key holds little or nothing and falls back on more. Then the
+/// lease is held for one refresh interval (jittered as refreshes
 /// are, `jitter`), at the lease or the safe capacity, whichever is less; then
 /// the key runs on its safe capacity, whatever the lease length. No other
 /// client's lease outlives that interval: the servers stopped answering this
@@ -448,12 +456,15 @@ impl KeyState {
 /// of its own lease), says nothing of how long the others' last: it is held
 /// as with the other `on_expiry`s.
 ///
-/// With the other `on_expiry`s, as long as it was granted for; with a safe
-/// capacity above the lease, a refresh interval more.
-fn hold(lease: &Lease, safe: Option<f64>, on_expiry: OnExpiry, now: Time, jitter: f64) -> Duration {
+/// Otherwise (a configured safe capacity, never above the lease; another
+/// `on_expiry`; a server that does not say), as long as it was granted for;
+/// with a safe capacity above the lease, a refresh interval more. Every key
+/// then comes down only once the others' holds are over, and a long outage
+/// costs nothing for a lease length.
+fn hold(lease: &Lease, safe: Option<f64>, short: bool, now: Time, jitter: f64) -> Duration {
     let stagger = lease.refresh_interval.mul_f64(1.0 + jitter.clamp(0.0, 1.0));
     let held = lease.expiry.since(now);
-    if on_expiry == OnExpiry::Safe && held >= lease.refresh_interval {
+    if short && held >= lease.refresh_interval {
         return stagger + Duration::from_secs(1);
     }
     match safe {

@@ -143,6 +143,9 @@ pub struct Grant {
     /// The part of `capacity` that is spare: capacity nobody wants now,
     /// handed out beyond the client's wants (see [`SPARE_PARAMETER`]).
     pub spare: f64,
+    /// `safe_capacity` is the client's share of the resource (none is
+    /// configured): it may be above the client's lease.
+    pub share_safe: bool,
 }
 
 /// The algorithm parameter that says what a resource does with capacity
@@ -1424,6 +1427,7 @@ impl Resource {
             quota: self.quota_view(now),
             resource_capacity: None,
             spare: l.spare,
+            share_safe: l.share,
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
@@ -1491,6 +1495,7 @@ impl Resource {
             quota: self.quota_view(now),
             resource_capacity: None,
             spare: 0.0,
+            share_safe: false,
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
@@ -1627,6 +1632,7 @@ impl Resource {
             quota: self.quota_view(now),
             resource_capacity: None,
             spare: 0.0,
+            share_safe: false,
             capacity: 0.0,
             expiry: now,
             refresh_interval: alg.refresh_interval,
@@ -1698,6 +1704,7 @@ impl Resource {
                 Role::Intermediate { .. } => self.parent.as_ref().and_then(|p| p.resource_capacity),
             },
             spare,
+            share_safe: share,
             capacity: granted,
             expiry,
             refresh_interval: refresh,

@@ -260,32 +260,22 @@ fn expiry_follows_on_expiry_per_key() {
         w.step(&mut c);
     }
     assert_eq!(cap(&mut c, w.clock.now(), "pes"), Capacity::Limited(50.0), "still within the lease");
-    // Expired unrenewed: each lease is held (the server keeps it reserved),
-    // and reported. With on_expiry safe, at no more than the safe capacity.
+    // Expired unrenewed: each lease is held for as long again as it was
+    // granted for (the server keeps it reserved that long), and reported.
     w.advance(Duration::from_secs(3));
     w.step(&mut c);
     let now = w.clock.now();
-    for k in ["opt", "pes"] {
+    for k in ["opt", "pes", "safe"] {
         assert_eq!(cap(&mut c, now, k), Capacity::Limited(50.0), "{k} is held");
     }
-    assert_eq!(
-        cap(&mut c, now, "safe"),
-        Capacity::Limited(4.0),
-        "held at the server's safe capacity, not the configured 2"
-    );
     assert!(c.status().iter().all(|k| k.mode == Mode::Held && k.source == Source::Lease), "{:?}", c.status());
     let tr = c.take_transitions();
     assert_eq!(tr.iter().filter(|t| (t.from, t.to) == (Mode::Leased, Mode::Held)).count(), 3);
     assert!(c.request(now, None).resource.iter().all(|r| r.has.as_ref().is_some_and(|h| h.capacity == 50.0)));
-    // The safe key's hold ends a refresh interval (12 s × 7/6, and a second) after the expiry.
-    w.advance(Duration::from_secs(13));
+    // The hold ends 30 s after the expiry: on_expiry applies.
+    w.advance(Duration::from_secs(27));
     w.step(&mut c);
-    let mode = |c: &Core, id: &str| c.status().into_iter().find(|k| k.resource_id == id).unwrap().mode;
-    assert_eq!(mode(&c, "safe"), Mode::Expired, "on_expiry safe: a refresh interval, whatever the lease length");
-    // The others' hold ends 30 s after the expiry: on_expiry applies.
-    w.advance(Duration::from_secs(14));
-    w.step(&mut c);
-    assert_eq!(mode(&c, "pes"), Mode::Held, "the hold lasts as long as the lease did");
+    assert_eq!(c.status()[0].mode, Mode::Held, "the hold lasts as long as the lease did");
     w.advance(Duration::from_secs(3));
     w.step(&mut c);
     let now = w.clock.now();
@@ -315,8 +305,7 @@ fn a_wait_ends_when_a_lease_lapses_and_when_its_hold_ends() {
     w.step(&mut c);
     let now = w.clock.now();
     let lease = c.lease_of("r").expect("leased");
-    // Held a refresh interval (jittered up to 7/6) and a second.
-    let hold_end = lease.expiry.saturating_add(lease.refresh_interval.mul_f64(7.0 / 6.0) + Duration::from_secs(1));
+    let hold_end = lease.expiry.saturating_add(lease.expiry.since(now));
     // Nothing else due for a long time (as with a refresh that backed off).
     c.set_next_refresh(hold_end.saturating_add(Duration::from_secs(3600)));
     assert_eq!(c.next_action(now), Action::Wait { until: lease.expiry });
@@ -895,6 +884,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
     let lease = |id: &str, expires_in: u64| proto::ResourceResponse {
         resource_capacity: None,
         spare: None,
+        share_safe: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
@@ -933,6 +923,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
         let lease = |id: &str, interval: i64| proto::ResourceResponse {
             resource_capacity: None,
             spare: None,
+            share_safe: None,
             upstream_quota: None,
             resource_id: id.into(),
             gets: proto::Lease {
@@ -981,6 +972,7 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
     let lease = |id: &str, capacity: f64, safe: Option<f64>| proto::ResourceResponse {
         resource_capacity: None,
         spare: None,
+        share_safe: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
@@ -1080,7 +1072,60 @@ fn a_key_at_zero_says_why_and_one_above_says_nothing() {
     assert_eq!(nothing.zero_reason, Some(ZeroReason::LEASE_ZERO));
 }
 
-/// A lapsed lease with `on_expiry: safe` is held for a jittered refresh
+/// From a server that does not say its safe capacity is a share (a Doorman
+/// server), a lease below its safe capacity is
+/// held a jittered refresh interval longer than it was granted for, so that
+/// another client's lease, granted up to a refresh later and held as long
+/// again, has ended before this one runs on its share. A lease at or above
+/// its safe capacity is held as long as it was granted for, as before.
+#[test]
+fn a_lease_below_its_safe_capacity_is_held_a_refresh_interval_longer() {
+    let w = World::new(&["s1"]);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("idle", 0.0, OnExpiry::Safe), demand("busy", 5.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    w.advance(c.next_refresh().since(w.clock.now()));
+    let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
+    let now = w.clock.now();
+    let lease = |id: &str, capacity: f64| proto::ResourceResponse {
+        resource_capacity: None,
+        spare: None,
+        share_safe: None,
+        upstream_quota: None,
+        resource_id: id.into(),
+        gets: proto::Lease {
+            capacity,
+            expiry_time: now.saturating_add(Duration::from_secs(30)).as_secs(),
+            refresh_interval: 12,
+        },
+        safe_capacity: Some(5.0),
+        template: None,
+    };
+    let answer =
+        proto::GetCapacityResponse { response: vec![lease("idle", 0.0), lease("busy", 5.0)], mastership: None };
+    assert!(c.on_refresh(now, Ok(answer)).is_empty());
+    c.set_next_refresh(now.saturating_add(Duration::from_secs(3600)));
+    let expiry = c.lease_of("idle").unwrap().expiry;
+    let held = expiry.since(now);
+    let mode = |c: &Core, id: &str| c.status().into_iter().find(|k| k.resource_id == id).unwrap().mode;
+    w.advance(expiry.since(now) + held - Duration::from_millis(1));
+    w.step(&mut c);
+    assert_eq!((mode(&c, "idle"), mode(&c, "busy")), (Mode::Held, Mode::Held));
+    w.advance(Duration::from_millis(1));
+    w.step(&mut c);
+    assert_eq!((mode(&c, "idle"), mode(&c, "busy")), (Mode::Held, Mode::Expired), "the lease at its safe capacity");
+    // 12 s × (1 + 1/6) later.
+    w.advance(Duration::from_secs(14) - Duration::from_millis(1));
+    w.step(&mut c);
+    assert_eq!(mode(&c, "idle"), Mode::Held);
+    w.advance(Duration::from_millis(1));
+    w.step(&mut c);
+    assert_eq!(mode(&c, "idle"), Mode::Expired);
+    assert_eq!(cap(&mut c, w.clock.now(), "idle"), Capacity::Limited(5.0), "then its share");
+}
+
+/// A lapsed lease with `on_expiry: safe` whose safe capacity is its share
+/// (an usher server's default) is held for a jittered refresh
 /// interval (and a second), whatever the lease length, at the lease or the
 /// safe capacity, whichever is less: an idle key holding 0 runs on its
 /// share a refresh interval after its expiry (never a lease length later),
@@ -1099,6 +1144,7 @@ fn a_lapsed_lease_is_held_a_refresh_interval_at_no_more_than_its_safe_capacity()
     let lease = |id: &str, capacity: f64| proto::ResourceResponse {
         resource_capacity: None,
         spare: None,
+        share_safe: Some(true),
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {

@@ -129,6 +129,7 @@ fn spare_capacity_is_shared_below_the_capacity_and_one_share_kept_free() {
     clock.advance(Duration::from_secs(6));
     let a = s.get_capacity("a", &req("r", 10.0, None));
     assert_eq!((a.capacity, a.spare), (55.0, 45.0), "90 spare over a and one share kept free");
+    assert!(a.share_safe, "no safe capacity is configured: a's is its share");
     let b = s.get_capacity("b", &req("r", 20.0, None));
     // 70 spare over three shares, within what a leaves unused (100 - 55).
     assert!((b.spare - 70.0 / 3.0).abs() < 1e-9, "{b:?}");
@@ -147,6 +148,12 @@ fn spare_capacity_is_shared_below_the_capacity_and_one_share_kept_free() {
     handle.advance(Duration::from_secs(6));
     let g = s.get_capacity("a", &req("r", 10.0, None));
     assert_eq!((g.capacity, g.spare), (10.0, 0.0));
+
+    let (s, _) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    let mut configured = (*template(Kind::FairShare, 100.0, 10, 5, 0)).clone();
+    configured.safe_capacity = Some(5.0);
+    s.reload(ResourcesConfig { templates: vec![Arc::new(configured)] });
+    assert!(!s.get_capacity("a", &req("r", 10.0, None)).share_safe, "a configured safe capacity is no share");
 }
 
 #[test]
