@@ -1,5 +1,7 @@
-//! A sidecar that enforces 0 says why: once per key and cause at WARN, on
-//! its status page and in the 429's problem+json; and servers that are down
+//! A sidecar that enforces 0 says why: at WARN once per key and cause when
+//! it first refuses a request for it (a key that idles down to 0 refuses
+//! nobody and says so at debug), on its status page and in the 429's
+//! problem+json; and servers that are down
 //! are logged when the failures start, not at every retry, and once when
 //! they answer again.
 
@@ -47,8 +49,10 @@ fn a_key_at_zero_says_why_and_down_servers_are_logged_once_until_they_answer() {
         std::thread::sleep(Duration::from_millis(20));
     }
 
+    assert_eq!(lines_with(&p.log(), &["WARN", "capacity of 0"]), 0, "not before it refuses anyone:\n{}", p.log());
     let (code, body) = http_get(p.addr("listen"), "/x");
     assert_eq!(code, 429, "{body}");
+    assert_eq!(http_get(p.addr("listen"), "/x").0, 429);
     let problem: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(problem["zero_capacity_reason"], why, "{problem}");
     assert!(problem["detail"].as_str().unwrap().contains(why), "{problem}");
@@ -61,7 +65,7 @@ fn a_key_at_zero_says_why_and_down_servers_are_logged_once_until_they_answer() {
 
     let log = p.log();
     assert_eq!(lines_with(&log, &["WARN", "discovery failed"]), 1, "{log}");
-    assert_eq!(lines_with(&log, &["WARN", "enforcing a capacity of 0", "resource_id=api", why]), 1, "{log}");
+    assert_eq!(lines_with(&log, &["WARN", "refusing requests", "capacity of 0", "resource_id=api", why]), 1, "{log}");
 
     // The server comes up: said once, and the key leaves 0.
     let config = write_file(
@@ -78,5 +82,6 @@ fn a_key_at_zero_says_why_and_down_servers_are_logged_once_until_they_answer() {
     assert_eq!(st["lease"]["keys"][0]["mode"], "leased", "{st}");
     let log = p.log();
     assert_eq!(lines_with(&log, &["discovery answers again"]), 1, "{log}");
-    assert_eq!(lines_with(&log, &["WARN", "enforcing a capacity of 0"]), 1, "{log}");
+    assert_eq!(lines_with(&log, &["WARN", "capacity of 0"]), 1, "{log}");
+    assert_eq!(lines_with(&log, &["INFO", "no longer enforcing 0"]), 1, "it had refused someone: {log}");
 }

@@ -137,9 +137,12 @@ impl Measured {
     /// or None before traffic was seen over half a second. Over
     /// [`DEMAND_WINDOW`] once that holds [`SHORT_REQUESTS`]; for a slower
     /// key over the long window, until no request came for three times its
-    /// usual gap (it stopped: the short window's rate, 0, applies). Once
-    /// measured, a read that cannot measure keeps the last rate.
-    fn measure(&mut self, now: Time, total: Arrivals) -> Option<f64> {
+    /// usual gap (it stopped: the short window's rate, 0, applies), and
+    /// apps it refused are not due back (`retries_due`: the latest
+    /// `Retry-After` it gave; an app that waits it out is not gone, and its
+    /// share must be there when it comes back). Once measured, a read that
+    /// cannot measure keeps the last rate.
+    fn measure(&mut self, now: Time, total: Arrivals, retries_due: Option<Time>) -> Option<f64> {
         if total.requests > 0 {
             self.first.get_or_insert((now, total));
             if self.last_arrival.is_none_or(|(_, n)| n != total.requests) {
@@ -184,7 +187,8 @@ impl Measured {
             (Some((requests, rate)), _) if requests >= SHORT_REQUESTS => Some(rate),
             (short, Some((long, requests_per_s))) => {
                 let gap = self.last_arrival.map_or(Duration::MAX, |(t, _)| now.since(t));
-                let stopped = gap.as_secs_f64() > (3.0 / requests_per_s).max(DEMAND_WINDOW.as_secs_f64());
+                let waited_out = retries_due.is_none_or(|t| now > t.saturating_add(DEMAND_WINDOW));
+                let stopped = waited_out && gap.as_secs_f64() > (3.0 / requests_per_s).max(DEMAND_WINDOW.as_secs_f64());
                 match stopped {
                     true => short.map(|(_, r)| r).or(Some(0.0)),
                     false => Some(long.max(short.map_or(0.0, |(_, r)| r))),
@@ -287,7 +291,7 @@ impl TableEnforcer {
                         {
                             m.arrivals.pop_front();
                         }
-                        m.measure(now, total)
+                        m.measure(now, total, l.demand().retries_due())
                             .map(|rate| rate * m.headroom.factor(now, rate, pressure_signal, settings.headroom))
                     }
                     ResourceKind::Gauge => {
@@ -559,6 +563,10 @@ impl Enforcer for TableEnforcer {
 
     fn reapply(&self) -> Vec<String> {
         self.pushback.ids()
+    }
+
+    fn next_renewal(&self, at: Time) {
+        self.table.set_renewal(Some(at));
     }
 
     fn apply(&self, capacities: &[(String, Capacity)]) {

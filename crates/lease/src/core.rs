@@ -846,6 +846,15 @@ impl Core {
         self.next_refresh
     }
 
+    /// The next moment a key's capacity can change that the client knows
+    /// of: its next call to the servers (every key's refresh, or a key's own
+    /// earlier one), or a lease's expiry or the end of its hold. A refusal's
+    /// `Retry-After` says no later (see `usher_limit::admit`).
+    pub fn next_renewal(&self) -> Time {
+        let own = self.dues.first().map(|(t, _)| *t);
+        earliest(earliest(Some(self.next_refresh), own), self.lapse).unwrap_or(self.next_refresh)
+    }
+
     /// Moves the next regular refresh to `at`, for a simulation or a test
     /// that looks at early refreshes alone.
     pub fn set_next_refresh(&mut self, at: Time) {

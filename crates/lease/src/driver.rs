@@ -75,6 +75,11 @@ pub trait Enforcer: Send + Sync + 'static {
     /// share of its resource's burst is reckoned against it), and when a
     /// spent quota renews (refusals meanwhile say how long to wait).
     fn server_said(&self, _said: &[(String, ServerSaid)]) {}
+    /// The next moment a key's capacity can change that the lease client
+    /// knows of (see [`Core::next_renewal`]), told at every turn.
+    ///
+    /// [`Core::next_renewal`]: super::core::Core::next_renewal
+    fn next_renewal(&self, _at: Time) {}
     /// Whether the last [`Enforcer::demand`] found nothing going on (no
     /// request since the one before, none in flight or waiting, no key
     /// made or forgotten): demand is then re-read when an action is due (at
@@ -135,7 +140,32 @@ pub struct LeaseClient {
 }
 
 /// The keys that enforce a capacity of 0, and why (a [`super::core::ZeroReason`]).
-pub type ZeroReasons = Arc<std::sync::RwLock<std::collections::HashMap<String, &'static str>>>;
+pub type ZeroReasons = Arc<std::sync::RwLock<std::collections::HashMap<String, ZeroNote>>>;
+
+/// Why a key enforces 0, and whether a refusal for it was logged.
+#[derive(Debug)]
+pub struct ZeroNote {
+    /// Why (a [`super::core::ZeroReason`]).
+    pub why: &'static str,
+    /// A request was refused for it and logged as a warning: once per key
+    /// and cause (a key that idles down to 0 refuses nobody and is not worth one).
+    pub warned: AtomicBool,
+}
+
+impl ZeroNote {
+    /// Logs, once per key and cause, that `id` refuses requests that have
+    /// demand because it enforces 0: the first such refusal is worth a
+    /// warning, the rest are counted in metrics and the access log.
+    pub fn refused(&self, id: &str) {
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                resource_id = %id,
+                reason = self.why,
+                "refusing requests: this key enforces a capacity of 0 (said once per key and cause)"
+            );
+        }
+    }
+}
 
 /// How start-up ended, as [`LeaseClient::ready`] reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -381,6 +411,7 @@ fn enforce(client: &LeaseClient) {
         // hangs, `on_expiry` applies.
         let hanging = client.started.load(Ordering::SeqCst) && core.refreshes() == 0 && !core.failing();
         let caps = core.take_changes(clock.now(), &also, hanging);
+        enforcer.next_renewal(core.next_renewal());
         note_zeros(&client.zeros, &core, &caps);
         let said: Vec<(String, ServerSaid)> = caps
             .iter()
@@ -414,16 +445,19 @@ fn note_zeros(zeros: &ZeroReasons, core: &Core, changed: &[(String, Capacity)]) 
             _ => None,
         };
         match why {
-            Some(why) if z.get(id) != Some(&why) => {
-                tracing::warn!(resource_id = %id, reason = why, "enforcing a capacity of 0: every request is refused");
-                grew |= z.insert(id.clone(), why).is_none();
+            Some(why) if z.get(id).is_none_or(|n| n.why != why) => {
+                // Idle keys give their leases back: a capacity of 0 is news only once it refuses someone.
+                tracing::debug!(resource_id = %id, reason = why, "enforcing a capacity of 0");
+                grew |= z.insert(id.clone(), ZeroNote { why, warned: AtomicBool::new(false) }).is_none();
             }
             Some(_) => {}
-            None => {
-                if z.remove(id).is_some() {
-                    tracing::info!(resource_id = %id, capacity = %show(*cap), "no longer enforcing 0");
+            None => match z.remove(id) {
+                Some(n) if n.warned.load(Ordering::Relaxed) => {
+                    tracing::info!(resource_id = %id, capacity = %show(*cap), "no longer enforcing 0")
                 }
-            }
+                Some(_) => tracing::debug!(resource_id = %id, capacity = %show(*cap), "no longer enforcing 0"),
+                None => {}
+            },
         }
     }
     if grew && z.len() > ZEROS_KEPT {

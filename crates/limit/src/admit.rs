@@ -250,9 +250,34 @@ impl Drop for Waiting<'_> {
     }
 }
 
+/// The longest `Retry-After` usher says, whatever the wait: an hour.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+
+/// A refusal's `Retry-After` for a wait of `wait` at `now`: at least a
+/// second, at most [`MAX_RETRY_AFTER`], and for a key paced or leased 0, no
+/// later than the next moment its capacity can change that the sidecar knows
+/// of (the lease client's next call, a lease's expiry): a queue that is full
+/// now may have room after a new lease, and the app should ask then rather
+/// than after the whole queue (tens of seconds under a fair share). A spent
+/// quota's renewal or an upstream's hold says when by itself.
+fn retry_after(l: &Limiter, reason: Reason, wait: Duration, now: Time) -> Duration {
+    let wait = match (reason, l.renewal()) {
+        (Reason::Exhausted | Reason::QueueFull, Some(t)) => wait.min(t.since(now)),
+        // Leased 0 by shared servers, no quota spent: nothing passes before
+        // the lease changes. (An embedded server's lease changes when the
+        // routes file does, which no call foretells.)
+        (Reason::ZeroCapacity, Some(t)) if l.renews().is_none() && l.spec().shared => t.since(now),
+        _ => wait,
+    };
+    wait.clamp(Duration::from_secs(1), MAX_RETRY_AFTER)
+}
+
 fn refused(l: &Limiter, reason: Reason, retry_after: Duration, waited: Duration) -> Refused {
     l.demand().record(Outcome::Refused);
     l.nudge();
+    let now = l.clock().now();
+    let retry_after = self::retry_after(l, reason, retry_after, now);
+    l.demand().retry_at(now.saturating_add(retry_after));
     let spec = l.spec();
     let quota = match l.kind() {
         Kind::Rate => l.capacity() * spec.window.as_secs_f64(),
@@ -595,5 +620,63 @@ mod tests {
         key.rate().unwrap().charge(clock.now(), -1.0);
         let third = tokio::time::timeout(Duration::from_secs(5), third).await;
         assert!(matches!(third, Ok(Ok(Ok(_)))), "admitted on the refund");
+    }
+
+    /// A refusal's Retry-After is a whole second at least, never past the
+    /// lease client's next call for a paced key or one leased 0, and for a
+    /// spent quota the moment it renews; never the 584-year wait of a
+    /// near-zero capacity.
+    #[tokio::test]
+    #[allow(clippy::result_large_err, reason = "a test's closure hands the refusal back as admit does")]
+    async fn retry_after_is_at_least_a_second_and_never_past_the_next_renewal() {
+        let (clock, time) = Clock::manual(Time::from_secs(10));
+        let table = LeaseTable::new(clock.clone());
+        let spec = |name: &str, capacity: f64| ResourceSpec {
+            name: name.into(),
+            kind: Kind::Rate,
+            capacity,
+            burst: 1.0,
+            max_wait: Duration::ZERO,
+            max_queue: 10,
+            max_keys: 1,
+            window: Duration::from_secs(1),
+            shared: false,
+            burst_one_second: false,
+            shadow: false,
+            upstream_quota: false,
+        };
+        table.configure(vec![
+            spec("slow", 0.01),
+            spec("tiny", 1e-12),
+            ResourceSpec { shared: true, ..spec("zero", 0.0) },
+        ]);
+        let attempt = |name: &str| {
+            let key = table.resource(name).unwrap().limiter(name);
+            let plan = Plan::new(vec![(key, 1.0)]);
+            let mut a = start(&plan, &clock);
+            let waker = std::task::Waker::noop();
+            match Pin::new(&mut a).poll(&mut Context::from_waker(waker)) {
+                Poll::Ready(r) => r,
+                Poll::Pending => panic!("{name}: waits"),
+            }
+        };
+        let refusal = |name: &str| attempt(name).expect_err("refused");
+        // The burst passes; the next would wait 100 s.
+        assert!(attempt("slow").is_ok() && attempt("tiny").is_ok());
+        let slow = refusal("slow");
+        assert_eq!(slow.retry_after, Duration::from_secs(100), "nothing renews sooner: the slot's wait");
+        let tiny = refusal("tiny");
+        assert_eq!(tiny.retry_after, MAX_RETRY_AFTER, "never more than an hour");
+        table.set_renewal(Some(clock.now().saturating_add(Duration::from_millis(3500))));
+        assert_eq!(refusal("slow").retry_after, Duration::from_millis(3500), "the lease client calls in 3.5 s");
+        assert_eq!(refusal("zero").retry_after, Duration::from_millis(3500), "a lease of 0 may change then too");
+        table.set_renewal(Some(clock.now().saturating_add(Duration::from_millis(200))));
+        assert_eq!(refusal("slow").retry_after, Duration::from_secs(1), "at least a second");
+        let zero = table.resource("zero").unwrap().limiter("zero");
+        zero.set_renews(Some(clock.now().saturating_add(Duration::from_secs(42))));
+        assert_eq!(refusal("zero").retry_after, Duration::from_secs(42), "a spent quota: when it renews");
+        time.advance(Duration::from_secs(1));
+        let due = zero.demand().retries_due().expect("the refusals said when to come back");
+        assert_eq!(due, Time::from_secs(10).saturating_add(Duration::from_secs(42)));
     }
 }

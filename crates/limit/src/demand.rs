@@ -32,6 +32,9 @@ pub struct DemandMeter {
     in_flight: AtomicI64,
     peak_in_flight: AtomicI64,
     waiters: AtomicI64,
+    /// The latest `Retry-After` a refusal gave (nanoseconds of [`Time`], 0:
+    /// none): until then the apps told to wait are coming back.
+    retry_at: AtomicU64,
     smooth: Mutex<Smooth>,
 }
 
@@ -98,6 +101,17 @@ impl DemandMeter {
             Outcome::Refused => &self.refused,
         };
         c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A refusal told its app to come back at `at` (its `Retry-After`).
+    pub fn retry_at(&self, at: Time) {
+        self.retry_at.fetch_max(at.as_nanos(), Ordering::Relaxed);
+    }
+
+    /// The latest moment a refused app was told to come back, if any was.
+    pub fn retries_due(&self) -> Option<Time> {
+        let n = self.retry_at.load(Ordering::Relaxed);
+        (n > 0).then(|| Time::from_nanos(n))
     }
 
     /// Counts a request in flight (admitted), raising the peak if it is one.

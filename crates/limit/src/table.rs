@@ -292,11 +292,23 @@ impl Limiter {
         }
     }
 
+    /// The next moment the lease client may change this key's capacity, if
+    /// it said (see [`LeaseTable::set_renewal`]).
+    pub fn renewal(&self) -> Option<Time> {
+        self.activity.renewal()
+    }
+
     /// Records when the quota the servers follow for this key's resource
     /// renews, while they say it is spent (None: it is not): a refusal for
     /// capacity 0 meanwhile says to retry then.
     pub fn set_renews(&self, renews: Option<Time>) {
         self.renews.store(renews.map_or(0, |t| t.as_nanos().max(1)), Ordering::Relaxed);
+    }
+
+    /// When the spent quota the servers follow for this key renews, while they say it is spent.
+    pub fn renews(&self) -> Option<Time> {
+        let n = self.renews.load(Ordering::Relaxed);
+        (n > 0).then(|| Time::from_nanos(n))
     }
 
     /// How long a request refused for capacity 0 at `now` should wait: until
@@ -381,6 +393,9 @@ pub const FOLD_AFTER: Duration = Duration::from_secs(1);
 pub struct Activity {
     notify: Arc<Notify>,
     asleep: AtomicBool,
+    /// The next moment the lease client may change a capacity (nanoseconds
+    /// of [`Time`], 0: not said): see [`LeaseTable::set_renewal`].
+    renewal: AtomicU64,
 }
 
 impl Activity {
@@ -399,6 +414,12 @@ impl Activity {
     /// during the read is not missed.
     pub fn sleep(&self, asleep: bool) {
         self.asleep.store(asleep, Ordering::Relaxed);
+    }
+
+    /// The next moment the lease client may change a capacity, if it said.
+    pub fn renewal(&self) -> Option<Time> {
+        let n = self.renewal.load(Ordering::Relaxed);
+        (n > 0).then(|| Time::from_nanos(n))
     }
 
     /// On the request path: one relaxed load while the lease client is awake.
@@ -597,6 +618,13 @@ impl LeaseTable {
     /// What wakes the lease client before its next demand poll: see [`Activity`].
     pub fn activity(&self) -> Arc<Activity> {
         self.activity.clone()
+    }
+
+    /// Records the next moment the lease client may change a capacity (its
+    /// next call to the servers, a lease's expiry): a refusal's
+    /// `Retry-After` says no later than that ([`Limiter::renewal`]).
+    pub fn set_renewal(&self, at: Option<Time>) {
+        self.activity.renewal.store(at.map_or(0, |t| t.as_nanos().max(1)), Ordering::Relaxed);
     }
 
     /// The clock its limiters read.

@@ -100,7 +100,12 @@ impl Accounts {
             if r.reason == Reason::ZeroCapacity
                 && let Some(zeros) = self.zero_reasons.get()
             {
-                r.why = zeros.read().expect("zero reasons poisoned").get(&r.id).copied();
+                let zeros = zeros.read().expect("zero reasons poisoned");
+                let note = zeros.get(&r.id);
+                if let Some(n) = note {
+                    n.refused(&r.id);
+                }
+                r.why = note.map(|n| n.why);
             }
         }
         let meta = &f.meta;
