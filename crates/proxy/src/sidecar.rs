@@ -52,6 +52,14 @@ pub struct Proxy {
     listeners: Vec<UpstreamListener>,
 }
 
+/// Logs the settings of a routes file that are taken but ignored, each
+/// with its position (at start and on every reload that applies the file).
+pub(crate) fn log_warnings(cfg: &RoutesConfig) {
+    for w in &cfg.warnings {
+        tracing::warn!("{w}");
+    }
+}
+
 /// An upstream's own listener (`upstreams.NAME.listen`): every request on it goes to that upstream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UpstreamListener {
@@ -183,6 +191,7 @@ impl Proxy {
                         "upstream listeners change only on restart: those opened at start stay open, each serving its upstream's routes"
                     );
                 }
+                log_warnings(&cfg);
                 self.table.configure(usher_enforce::resource::specs(&cfg));
                 let routing = Routing::new(&cfg, &ups, self.direct.clone(), &self.table, &self.metrics);
                 let views = listener_routings(&cfg, &self.listeners, &ups, &self.direct, &self.table, &self.metrics);
