@@ -14,6 +14,9 @@ use std::time::Duration;
 use super::yaml::{Checker, ConfigError, Loc, MapView, Node, Value, closest, parse};
 
 mod checks;
+mod dialect;
+
+pub use dialect::ApiDialect;
 
 /// Proxy listener when neither the file nor `--listen` sets one.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:15001";

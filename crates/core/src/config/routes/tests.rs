@@ -537,3 +537,25 @@ fn a_calendar_window_with_a_doorman_section_is_warned_of() {
           file, on the entry whose identifier_glob matches `r` (docs/server.md, \"Calendar windows\"))"]
     );
 }
+
+/// The API a route leads to, from its resources' quota presets.
+#[test]
+fn a_routes_api_dialect_comes_from_its_quota_presets() {
+    let text = "\
+upstreams:
+  up: { url: http://a.test }
+resources:
+  oa: { kind: rate, capacity: 5, upstream_quota: { headers: openai-tokens } }
+  an: { kind: rate, capacity: 5, upstream_quota: { headers: anthropic-input-tokens } }
+  gh: { kind: rate, capacity: 5, upstream_quota: { headers: github } }
+  plain: { kind: rate, capacity: 5 }
+routes:
+  - { name: openai, upstream: up, resources: [plain, oa] }
+  - { name: anthropic, upstream: up, resources: [an, oa] }
+  - { name: github, upstream: up, resources: [gh, plain] }
+  - { name: none, upstream: up }
+";
+    let c = RoutesConfig::parse("r.yaml", text).unwrap();
+    let dialects: Vec<_> = c.routes.iter().map(|r| c.api_dialect(r)).collect();
+    assert_eq!(dialects, [Some(ApiDialect::OpenAi), Some(ApiDialect::Anthropic), None, None]);
+}
