@@ -195,7 +195,7 @@ impl Proxy {
                 self.table.configure(usher_enforce::resource::specs(&cfg));
                 let routing = Routing::new(&cfg, &ups, self.direct.clone(), &self.table, &self.metrics);
                 let views = listener_routings(&cfg, &self.listeners, &ups, &self.direct, &self.table, &self.metrics);
-                tracing::info!(source = %self.config_source, routes = cfg.routes.len(), resources = cfg.resources.len(), "routes reloaded");
+                let (routes, resources) = (cfg.routes.len(), cfg.resources.len());
                 self.pipeline.store(Arc::new(Pipeline::new(
                     Arc::new(cfg),
                     routing,
@@ -212,6 +212,8 @@ impl Proxy {
                 self.metrics.config_reloads.inc();
                 state.loaded_at = Some(self.clock.now());
                 state.last_error = None;
+                // Once in force: a request after this line is served by the new routes.
+                tracing::info!(source = %self.config_source, routes, resources, "routes reloaded");
             }
             Err(e) => {
                 self.metrics.config_reload_errors.inc();
