@@ -349,6 +349,17 @@ for path, d, pod, labels in workloads:
             if replicas > 1 and "--election-key" not in f:
                 err(path, d, f"{replicas} replicas without an election would be {replicas} masters")
         else:  # proxy
+            # The sidecar's restrictions are its container's own: at pod level,
+            # runAsNonRoot or runAsUser would refuse or change the app's image.
+            pod_sc = pod.get("securityContext") or {}
+            if pod_sc.get("runAsNonRoot") or "runAsUser" in pod_sc or "runAsGroup" in pod_sc:
+                err(path, d, "pod securityContext sets runAsNonRoot/runAsUser/runAsGroup: an app image that runs as root "
+                             "would be refused or changed; set them on the usher container")
+            csc = c.get("securityContext") or {}
+            if not (csc.get("runAsNonRoot") and csc.get("readOnlyRootFilesystem")
+                    and csc.get("allowPrivilegeEscalation") is False and "runAsUser" in csc):
+                err(path, d, f"{where}: the usher container needs its own runAsNonRoot, runAsUser, "
+                             "readOnlyRootFilesystem and allowPrivilegeEscalation: false")
             text = file_in_configmap(f.get("--routes", ""))
             if text is None:
                 continue

@@ -148,6 +148,7 @@ fn routes_summary(cfg: &RoutesConfig, unset: &[String]) -> Vec<String> {
     if !unset.is_empty() {
         out.push(format!("unset environment variables, checked as written: {}", unset.join(", ")));
     }
+    out.extend(cfg.warnings.iter().map(|w| format!("warning: {w}")));
     out.push(match &cfg.doorman {
         None => "capacity from: the embedded capacity server (this file's capacities)".to_string(),
         Some(d) => format!(

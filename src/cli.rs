@@ -19,7 +19,7 @@ pub struct ServerArgs {
     /// --etcd-endpoints the record is kept in etcd instead
     /// [default: $XDG_STATE_HOME/usher/server-PORT.state, or ~/.local/state/usher/server-PORT.state,
     /// PORT being --listen's; none with port 0]
-    #[arg(long, env = "USHER_STATE_FILE", value_name = "FILE")]
+    #[arg(long, env = "USHER_STATE_FILE", value_name = "FILE", value_parser = empty_or_path())]
     pub state_file: Option<PathBuf>,
     /// Address for the gRPC `doorman.Capacity` service.
     #[arg(long, env = "USHER_LISTEN", value_name = "ADDR", default_value = usher_server::DEFAULT_LISTEN)]
@@ -133,6 +133,13 @@ pub struct ServerArgs {
     /// Name to verify in the parent's certificate [default: the host of each parent address].
     #[arg(long, env = "USHER_PARENT_TLS_SERVER_NAME", value_name = "NAME")]
     pub parent_tls_server_name: Option<String>,
+}
+
+/// A path that may be empty (clap's `PathBuf` parser refuses an empty value):
+/// `--state-file ""` keeps no record.
+fn empty_or_path() -> impl clap::builder::TypedValueParser<Value = PathBuf> {
+    use clap::builder::TypedValueParser;
+    clap::builder::OsStringValueParser::new().map(PathBuf::from)
 }
 
 impl From<ServerArgs> for usher_server::ServerOptions {

@@ -20,7 +20,7 @@ use hyper::body::Bytes;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use support::load::{Tally, drive};
-use support::{Usher, free_port, http_get, write_file};
+use support::{Usher, free_port, http_get, run_usher, write_file};
 
 fn unix_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
@@ -136,4 +136,40 @@ async fn an_embedded_sidecar_spends_a_calendar_minute_once() {
     );
     let sidecar = Usher::proxy(&write_file(dir.path(), "routes.yaml", &routes));
     offer_and_check(&[sidecar], 6.0, &minutes, 120, 1, 110).await;
+}
+
+/// With a `doorman:` section the capacity servers' resources file decides a
+/// resource's window: a routes file's `window: calendar` is ignored there.
+/// `usher check` (exit 0) and the sidecar's start-up log say so, naming the
+/// field's position; without `doorman:` neither says anything.
+#[test]
+fn a_calendar_window_beside_a_doorman_section_is_said_to_be_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    let resources = "resources:\n  reports:\n    kind: rate\n    capacity: 120/min\n    window: calendar\n";
+    let leased = write_file(
+        dir.path(),
+        "leased.yaml",
+        &format!("doorman:\n  servers: [\"127.0.0.1:{}\"]\n  client_id: a\n{resources}", free_port()),
+    );
+    let embedded = write_file(dir.path(), "embedded.yaml", resources);
+    let file = leased.to_str().unwrap();
+    let want = format!(
+        "{file}:8:13: resources.reports.window: `window: calendar` applies only without a `doorman:` section; \
+         with capacity servers it is ignored here (hint: write `window: calendar` in the capacity server's \
+         resources file, on the entry whose identifier_glob matches `reports`"
+    );
+    let (code, out, err) = run_usher(&["check", file]);
+    assert_eq!(code, 0, "a warning, not an error:\n{out}{err}");
+    assert!(out.contains(&format!("  warning: {want}")), "{out}");
+    let (code, out, _) = run_usher(&["check", embedded.to_str().unwrap()]);
+    assert_eq!(code, 0);
+    assert!(!out.contains("warning"), "embedded mode keeps the window: {out}");
+
+    let sidecar = Usher::start(
+        &["proxy", "--routes", file, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+        &[],
+        "usher proxy listening",
+    );
+    let log = sidecar.log();
+    assert!(log.lines().any(|l| l.contains("WARN") && l.contains(&want)), "{log}");
 }

@@ -115,3 +115,59 @@ async fn a_corrupt_state_file_is_warned_about_and_learnt_from() {
     let text = std::fs::read_to_string(&state).unwrap();
     assert!(text.trim().parse::<u64>().is_ok(), "the record is written anew: {text:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_state_file_keeps_no_record() {
+    let dir = tempfile::tempdir().unwrap();
+    // The server's own state home: the default record would go in it.
+    let home = dir.path().join("state-home");
+    std::fs::create_dir(&home).unwrap();
+    let config = write_file(dir.path(), "resources.yaml", CONFIG);
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let args = [
+        "server",
+        "--config",
+        config.to_str().unwrap(),
+        "--listen",
+        &listen,
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--state-file",
+        "",
+    ];
+    let mut server = Usher::start(&args, &[("XDG_STATE_HOME", home.to_str().unwrap())], "usher server listening");
+    server.wait_for_log("no state file", Duration::from_secs(5));
+    let up = Upstream::start().await;
+    let proxy = sidecar(dir.path(), &up, port, "a");
+    assert_eventually!(learning(&server).is_some(), Duration::from_secs(15), "no request reached the server");
+    assert_eq!(learning(&server), Some(true), "nothing recorded: every start learns");
+    drop(proxy);
+    server.signal("TERM");
+    assert_eq!(server.wait_exit(Duration::from_secs(10)), Some(0), "{}", server.log());
+    let written: Vec<_> = walk(&home);
+    assert!(written.is_empty(), "--state-file \"\" writes nothing, found {written:?}");
+    // The environment variable takes the empty value too.
+    let env_args = &args[..args.len() - 2];
+    let mut server = Usher::start(
+        env_args,
+        &[("XDG_STATE_HOME", home.to_str().unwrap()), ("USHER_STATE_FILE", "")],
+        "usher server listening",
+    );
+    server.wait_for_log("no state file", Duration::from_secs(5));
+    server.signal("TERM");
+    assert_eq!(server.wait_exit(Duration::from_secs(10)), Some(0), "{}", server.log());
+    assert!(walk(&home).is_empty(), "USHER_STATE_FILE=\"\" writes nothing");
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().map(Result::unwrap) {
+        match e.file_type().unwrap().is_dir() {
+            true => out.extend(walk(&e.path())),
+            false => out.push(e.path()),
+        }
+    }
+    out
+}

@@ -264,8 +264,13 @@ fn a_taken_upstream_listener_address_stops_the_sidecar_at_start() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let routes =
-        write_file(dir.path(), "routes.yaml", &format!("upstreams:\n  a: {{ url: http://a.test, listen: {addr} }}\n"));
+    let routes = write_file(
+        dir.path(),
+        "routes.yaml",
+        &format!(
+            "upstreams:\n  a: {{ url: http://a.test, listen: {addr} }}\nroutes:\n  - {{ name: a, upstream: a }}\n"
+        ),
+    );
     let (code, _, err) = run_usher(&[
         "proxy",
         "--routes",
@@ -277,4 +282,39 @@ fn a_taken_upstream_listener_address_stops_the_sidecar_at_start() {
     ]);
     assert_eq!(code, 69, "{err}");
     assert!(err.contains(&format!("cannot listen on {addr} (upstream listener)")), "{err}");
+}
+
+/// A route without `upstream` is served on the main listener only (forward
+/// proxy style). A file whose upstream listener no route names could only
+/// answer 403 there: `usher check` and start-up refuse it at that `listen`,
+/// naming the route to add `upstream:` to. The same route beside one that
+/// names the upstream is a forward proxy's, and is kept.
+#[test]
+fn an_upstream_listener_no_route_names_is_refused_and_forward_proxy_routes_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "upstreams:\n\
+                \x20 llm: { url: http://llm.test, listen: 127.0.0.1:0 }\n\
+                resources:\n\
+                \x20 calls: { kind: rate, capacity: 5/s }\n\
+                routes:\n\
+                \x20 - name: chat\n\
+                \x20   resources: [calls]\n";
+    let bad = write_file(dir.path(), "bad.yaml", text);
+    let file = bad.to_str().unwrap();
+    for args in [
+        vec!["check", file],
+        vec!["proxy", "--routes", file, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+    ] {
+        let (code, _, err) = run_usher(&args);
+        assert_eq!(code, 64, "{args:?}: {err}");
+        let want = format!(
+            "{file}:2:40: upstreams.llm.listen: no route has `upstream: llm`, so every request on this listener \
+             would get 403 (no-route) (hint: add `upstream: llm` to route `chat` (line 6): a route without \
+             `upstream` serves only the main listener)"
+        );
+        assert!(err.contains(&want), "{args:?}: missing {want:?} in:\n{err}");
+    }
+    let good = write_file(dir.path(), "good.yaml", &format!("{text}  - {{ name: llm, upstream: llm }}\n"));
+    let (code, out, err) = run_usher(&["check", good.to_str().unwrap()]);
+    assert_eq!(code, 0, "a route without upstream beside one naming it is valid:\n{out}{err}");
 }

@@ -27,7 +27,7 @@ fn arg(name: &str) -> Option<String> {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let listen: SocketAddr = arg("--listen").unwrap_or_else(|| "127.0.0.1:8080".into()).parse()?;
-    // The routes file's format (README, "The routes file"): `resources:`,
+    // The routes file's format (docs/proxy.md, "The routes file"): `resources:`,
     // and `doorman:` to lease from servers rather than an embedded one.
     let doorman = match arg("--server") {
         Some(server) => format!("doorman: {{ servers: [\"{server}\"], client_id: axum-example }}\n"),

@@ -6,7 +6,7 @@
 //!   routes file's `resources:` section and leases their capacity from the
 //!   servers its `doorman:` section names, or, without one, from an embedded
 //!   capacity server ([`Source`] tells which). Same code, same settings and
-//!   same defaults as `usher proxy` (README, "The routes file").
+//!   same defaults as `usher proxy` (docs/proxy.md, "The routes file").
 //! - [`LimitLayer`]: a tower layer admitting each request by one resource
 //!   (a templated id is rendered from the request, as in the sidecar), and
 //!   answering a refusal itself with the ready-made response.

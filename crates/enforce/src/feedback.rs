@@ -10,6 +10,7 @@ use std::time::Duration;
 use http::StatusCode;
 
 use super::pushback::Pushback;
+use crate::metrics::{QUOTA_UNSEEN_AFTER, QuotaWatch};
 use crate::resource::RouteResource;
 use usher_core::clock::{Clock, Time};
 use usher_core::config::doorman::PushbackConfig;
@@ -35,9 +36,11 @@ pub fn observe_quota<'a>(
     let mut now = || *read.get_or_insert_with(|| clock.now());
     for r in resources {
         let Some(q) = &r.quota else { continue };
-        let Some((limit, remaining, secs)) = usher_core::config::quota::parse(q, header, || now().as_secs_f64()) else {
-            continue;
-        };
+        let read = usher_core::config::quota::parse(q, header, || now().as_secs_f64());
+        if let Some(w) = &r.quota_watch {
+            watch(w, read.is_some(), status);
+        }
+        let Some((limit, remaining, secs)) = read else { continue };
         let at = now();
         let until = Duration::from_secs_f64(secs.min(86_400.0));
         let o =
@@ -59,6 +62,25 @@ pub fn observe_quota<'a>(
         }
     }
     hold
+}
+
+/// Counts whether an answer carried the quota a resource reads: a
+/// successful answer without it towards the warning, any answer with it
+/// as the end of one.
+fn watch(w: &QuotaWatch, carried: bool, status: StatusCode) {
+    if carried {
+        if w.seen() {
+            tracing::info!(route = %w.route, resource = %w.resource, preset = %w.preset, "the upstream's quota headers are back: its quota is followed again");
+        }
+    } else if status.is_success() && w.missed() {
+        tracing::warn!(
+            route = %w.route,
+            resource = %w.resource,
+            preset = %w.preset,
+            headers = ?w.headers,
+            "{QUOTA_UNSEEN_AFTER} successful answers in a row carried no quota these headers give: the upstream's quota is not followed; check `upstream_quota` (its preset is for another API?)"
+        );
+    }
 }
 
 /// Holds every key of `plan` for `hold` ([`observe_quota`] found the

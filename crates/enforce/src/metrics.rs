@@ -41,6 +41,9 @@ pub struct Metrics {
     resource_in_flight: IntGaugeVec,
     waiters: IntGaugeVec,
     keys: IntGaugeVec,
+    /// Whether each route's answers carry its resources' quota headers, by
+    /// (route, resource): kept across reloads while the preset is the same.
+    quota_watches: std::sync::Mutex<Vec<std::sync::Arc<QuotaWatch>>>,
 }
 
 /// The buckets of `usher_proxy_wait_seconds`, in seconds.
@@ -124,6 +127,7 @@ impl Metrics {
             resource_in_flight: int_gauges(r, "usher_proxy_resource_in_flight", "Requests in flight per resource"),
             waiters: int_gauges(r, "usher_proxy_waiters", "Requests waiting for capacity per resource"),
             keys: int_gauges(r, "usher_proxy_resource_keys", "Distinct ids tracked per resource"),
+            quota_watches: Default::default(),
             registry,
         }
     }
@@ -169,6 +173,45 @@ impl Metrics {
         // Shown from the start: a dashboard has a series to rate.
         m.counter(SettleOutcome::Settled);
         m
+    }
+
+    /// The watch on whether route `route`'s answers carry the headers
+    /// resource `resource` reads (`quota`): the one made before for the same
+    /// preset and headers (a reload keeps its count), or a new one.
+    pub fn quota_watch(
+        &self,
+        route: &str,
+        resource: &str,
+        quota: &usher_core::config::quota::UpstreamQuota,
+    ) -> std::sync::Arc<QuotaWatch> {
+        let headers = match quota.ietf {
+            true => "ratelimit, ratelimit-policy".to_string(),
+            false => format!("{}, {}, {}", quota.limit, quota.remaining, quota.reset),
+        };
+        let mut all = self.quota_watches.lock().expect("quota watches poisoned");
+        let same = |w: &QuotaWatch| w.route == route && w.resource == resource;
+        if let Some(w) = all.iter().find(|w| same(w) && w.preset == quota.source && w.headers == headers) {
+            return w.clone();
+        }
+        all.retain(|w| !same(w));
+        let w = std::sync::Arc::new(QuotaWatch {
+            route: route.to_string(),
+            resource: resource.to_string(),
+            preset: quota.source.clone(),
+            headers,
+            missed: Default::default(),
+            unseen: Default::default(),
+            warned: Default::default(),
+        });
+        all.push(w.clone());
+        w
+    }
+
+    /// The (route, resource) pairs whose quota headers are missing from the
+    /// route's answers now ([`QuotaWatch::unseen`]).
+    pub fn quota_unseen(&self) -> Vec<std::sync::Arc<QuotaWatch>> {
+        let all = self.quota_watches.lock().expect("quota watches poisoned");
+        all.iter().filter(|w| w.unseen().is_some()).cloned().collect()
     }
 
     /// Refreshes the per-resource gauges from the LeaseTable (at scrape time).
@@ -337,5 +380,64 @@ impl SettleMetrics {
             !warned.load(std::sync::atomic::Ordering::Relaxed)
                 && !warned.swap(true, std::sync::atomic::Ordering::Relaxed)
         }
+    }
+}
+
+/// How many successful answers in a row must lack the quota headers a
+/// resource reads before usher says they are missing.
+pub const QUOTA_UNSEEN_AFTER: u32 = 10;
+
+/// Whether a route's answers carry the quota headers one of its resources
+/// reads (`upstream_quota`). A preset that names headers the upstream never
+/// sends (`github` on an OpenAI route) leaves the quota unfollowed without a
+/// word; this makes it said: after [`QUOTA_UNSEEN_AFTER`] successful answers
+/// in a row without them, until an answer carries them again.
+pub struct QuotaWatch {
+    /// The route's name.
+    pub route: String,
+    /// The resource's name.
+    pub resource: String,
+    /// The preset's name, or `headers` for headers named in the file.
+    pub preset: String,
+    /// The headers read, lower-case, comma-separated.
+    pub headers: String,
+    /// Successful answers in a row without them (saturating).
+    missed: std::sync::atomic::AtomicU32,
+    /// Set once `QUOTA_UNSEEN_AFTER` answers in a row lacked them.
+    unseen: std::sync::atomic::AtomicBool,
+    /// The warning was logged (once per route and resource).
+    warned: std::sync::atomic::AtomicBool,
+}
+
+impl QuotaWatch {
+    /// An answer carried the quota: clears the count. True when the headers
+    /// had been missing until now (the caller says they are back).
+    pub fn seen(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.missed.load(Relaxed) != 0 {
+            self.missed.store(0, Relaxed);
+        }
+        self.unseen.load(Relaxed) && self.unseen.swap(false, Relaxed)
+    }
+
+    /// A successful answer without the quota. True the first time the
+    /// headers count as missing (the caller warns, once).
+    pub fn missed(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let n = self.missed.fetch_add(1, Relaxed).saturating_add(1);
+        if n == u32::MAX {
+            self.missed.store(u32::MAX - 1, Relaxed);
+        }
+        n >= QUOTA_UNSEEN_AFTER
+            && !self.unseen.load(Relaxed)
+            && !self.unseen.swap(true, Relaxed)
+            && !self.warned.swap(true, Relaxed)
+    }
+
+    /// How many successful answers in a row lacked the headers, when that
+    /// is enough to say they are missing.
+    pub fn unseen(&self) -> Option<u32> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.unseen.load(Relaxed).then(|| self.missed.load(Relaxed))
     }
 }

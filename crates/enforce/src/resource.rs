@@ -29,6 +29,8 @@ pub struct RouteResource {
     burst: f64,
     /// The upstream's quota headers, when they steer the resource.
     pub quota: Option<Arc<usher_core::config::quota::UpstreamQuota>>,
+    /// Whether the route's answers carry them.
+    pub quota_watch: Option<Arc<crate::metrics::QuotaWatch>>,
     /// The limiter of a fixed id, found on the first request (fixed keys are never forgotten).
     fixed: OnceLock<Arc<Limiter>>,
     /// The resource's counters.
@@ -66,6 +68,7 @@ impl RouteResource {
                 .map(|from| Arc::new(Settle { from, metrics: metrics.settle(route, name) })),
             burst: res.burst,
             quota: res.upstream_quota.clone().map(Arc::new),
+            quota_watch: res.upstream_quota.as_ref().map(|q| metrics.quota_watch(route, name, q)),
             fixed: OnceLock::new(),
             metrics: metrics.resource(name),
         })

@@ -5,6 +5,12 @@
 //! failure a 502 or 504; all as `application/problem+json`, or as a
 //! `grpc-status` for gRPC requests; an upstream body that fails after its
 //! head was sent ends a gRPC response with trailers carrying `UNAVAILABLE`.
+//!
+//! On a route that leads to an API usher knows ([`ApiDialect`], decided by
+//! `RoutesConfig::api_dialect`), the same answers take that API's error
+//! shape instead of problem+json, with a message that starts `usher:`: the
+//! API's SDK in the app raises its usual exception (a `RateLimitError` for
+//! a 429) carrying usher's message, so the app's logs say what happened.
 
 use std::time::Duration;
 
@@ -13,6 +19,7 @@ use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use serde_json::json;
 
+pub use usher_core::config::routes::ApiDialect;
 use usher_limit::admit::{Reason, Refused};
 use usher_limit::{Kind, ceil_secs};
 
@@ -204,8 +211,17 @@ pub fn error_response(err: BoxError, grpc: bool) -> Response<ProxyBody> {
 /// The answer to `e`: a problem+json body with its status, or for gRPC a
 /// trailers-only response with its `grpc-status`.
 pub fn proxy_error(e: &ProxyError, grpc: bool) -> Response<ProxyBody> {
+    proxy_error_in(e, grpc, None)
+}
+
+/// The answer to `e` on a route whose API is `dialect`: as
+/// [`proxy_error`], in that API's error shape when there is one.
+pub fn proxy_error_in(e: &ProxyError, grpc: bool, dialect: Option<ApiDialect>) -> Response<ProxyBody> {
     if grpc {
         return grpc_status(e.grpc_code(), &e.to_string());
+    }
+    if let Some(d) = dialect {
+        return api_error(d, e.status(), &format!("usher: {e}"), e.kind());
     }
     let status = e.status();
     let mut body = json!({
@@ -259,51 +275,59 @@ fn ratelimit_fields(r: &Refused) -> (String, String) {
 /// The answer to a refusal: `429` with `Retry-After`, `RateLimit-Policy`,
 /// `RateLimit` and a problem+json body, or for gRPC `RESOURCE_EXHAUSTED`.
 pub fn refused(r: &Refused, grpc: bool) -> Response<ProxyBody> {
-    refusal(r, None, grpc)
+    refused_in(r, None, grpc, None)
 }
 
 /// A refusal while the upstream's `Retry-After` holds a key of the request
 /// for `hold` more: it says to come back when the hold ends, not sooner.
 pub fn refused_held(r: &Refused, hold: Duration, grpc: bool) -> Response<ProxyBody> {
-    let r = Refused { retry_after: r.retry_after.max(hold), ..r.clone() };
-    refusal(&r, Some(hold), grpc)
+    refused_in(r, Some(hold), grpc, None)
 }
 
-fn refusal(r: &Refused, hold: Option<Duration>, grpc: bool) -> Response<ProxyBody> {
-    let retry = ceil_secs(r.retry_after);
-    let (policy, state) = ratelimit_fields(r);
-    let detail = match r.reason {
+/// The answer to a refusal ([`refused`], or [`refused_held`] with `hold`)
+/// on a route whose API is `dialect`: in that API's error shape when there
+/// is one, with the same status and headers.
+pub fn refused_in(r: &Refused, hold: Option<Duration>, grpc: bool, dialect: Option<ApiDialect>) -> Response<ProxyBody> {
+    match hold {
+        Some(h) => refusal(&Refused { retry_after: r.retry_after.max(h), ..r.clone() }, hold, grpc, dialect),
+        None => refusal(r, None, grpc, dialect),
+    }
+}
+
+/// Why `r` was refused, as a predicate of its key: `has no capacity within ...`.
+fn refusal_reason(r: &Refused, hold: Option<Duration>) -> String {
+    match r.reason {
         Reason::Held => format!(
-            "resource `{}` (id `{}`) is held: its upstream asked to wait (Retry-After) {}, longer than max_wait {}; retry in {retry} s",
-            r.resource,
-            r.id,
+            "is held: its upstream asked to wait (Retry-After) {}, longer than max_wait {}",
             fmt_ms(hold.unwrap_or(r.retry_after)),
             fmt_ms(r.max_wait)
         ),
-        _ if hold.is_some() => format!(
-            "resource `{}` (id `{}`) is held: its upstream asked to wait (Retry-After); retry in {retry} s",
-            r.resource, r.id
-        ),
-        Reason::Exhausted => format!(
-            "resource `{}` (id `{}`) has no capacity within max_wait {}; waited {}; retry in {retry} s",
-            r.resource,
-            r.id,
-            fmt_ms(r.max_wait),
-            fmt_ms(r.waited)
-        ),
-        Reason::QueueFull => {
-            format!("resource `{}` (id `{}`) has too many requests waiting; retry in {retry} s", r.resource, r.id)
+        _ if hold.is_some() => "is held: its upstream asked to wait (Retry-After)".to_string(),
+        Reason::Exhausted => {
+            format!("has no capacity within max_wait {}; waited {}", fmt_ms(r.max_wait), fmt_ms(r.waited))
         }
+        Reason::QueueFull => "has too many requests waiting".to_string(),
         Reason::ZeroCapacity => format!(
-            "resource `{}` (id `{}`) has capacity 0{}; waited {}; retry in {retry} s",
-            r.resource,
-            r.id,
+            "has capacity 0{}; waited {}",
             r.why.map(|w| format!(" ({w})")).unwrap_or_default(),
             fmt_ms(r.waited)
         ),
-    };
+    }
+}
+
+fn refusal(r: &Refused, hold: Option<Duration>, grpc: bool, dialect: Option<ApiDialect>) -> Response<ProxyBody> {
+    let retry = ceil_secs(r.retry_after);
+    let (policy, state) = ratelimit_fields(r);
+    let reason = refusal_reason(r, hold);
+    let detail = format!("resource `{}` (id `{}`) {reason}; retry in {retry} s", r.resource, r.id);
     let mut resp = if grpc {
         grpc_status(8, &detail)
+    } else if let Some(d) = dialect {
+        let message = format!(
+            "usher: rate limit of resource `{}` reached on this replica; retry in {retry} s (id `{}` {reason})",
+            r.resource, r.id
+        );
+        api_error(d, StatusCode::TOO_MANY_REQUESTS, &message, "rate-limited")
     } else {
         let mut body = json!({
             "type": "urn:usher:problem:rate-limited",
@@ -336,15 +360,46 @@ fn refusal(r: &Refused, hold: Option<Duration>, grpc: bool) -> Response<ProxyBod
     resp
 }
 
+/// An error in `dialect`'s shape: its status, `message`, and the type and
+/// code its SDK reads for that status (`kind`, usher's problem type, is
+/// OpenAI's `code` where OpenAI has none of its own).
+fn api_error(dialect: ApiDialect, status: StatusCode, message: &str, kind: &str) -> Response<ProxyBody> {
+    let body = match dialect {
+        // As OpenAI answers: `type` names the limit (`requests`, `tokens`), `code` is `rate_limit_exceeded`.
+        ApiDialect::OpenAi => {
+            let (kind, code) = match status {
+                StatusCode::TOO_MANY_REQUESTS => ("requests", "rate_limit_exceeded".to_string()),
+                s if s.is_server_error() => ("server_error", kind.replace('-', "_")),
+                _ => ("invalid_request_error", kind.replace('-', "_")),
+            };
+            json!({ "error": { "message": message, "type": kind, "param": null, "code": code } })
+        }
+        ApiDialect::Anthropic => {
+            let kind = match status {
+                StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+                StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+                s if s.is_server_error() => "api_error",
+                _ => "invalid_request_error",
+            };
+            json!({ "type": "error", "error": { "type": kind, "message": message } })
+        }
+    };
+    json_body(status, &body, "application/json")
+}
+
 fn fmt_ms(d: Duration) -> String {
     format!("{}ms", d.as_millis())
 }
 
 fn problem(status: StatusCode, body: &serde_json::Value) -> Response<ProxyBody> {
+    json_body(status, body, "application/problem+json")
+}
+
+fn json_body(status: StatusCode, body: &serde_json::Value, content_type: &'static str) -> Response<ProxyBody> {
     let bytes = serde_json::to_vec(body).expect("JSON values serialise");
     let mut resp = Response::new(full(bytes));
     *resp.status_mut() = status;
-    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     resp
 }
 
@@ -444,6 +499,66 @@ mod tests {
         assert_eq!(resp.headers()["ratelimit"], "\"api-core\";r=0;t=5");
         let resp = refused_held(&refusal(Kind::Rate, 0.0, 1, 1000), Duration::from_millis(300), false);
         assert_eq!(resp.headers()[header::RETRY_AFTER], "1", "never 0");
+    }
+
+    /// The JSON body of an answer made here (one frame, ready at once).
+    fn body(resp: Response<ProxyBody>) -> serde_json::Value {
+        use hyper::body::Body as _;
+        let mut body = resp.into_body();
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        let bytes = match std::pin::Pin::new(&mut body).poll_frame(&mut cx) {
+            std::task::Poll::Ready(Some(Ok(f))) => f.into_data().unwrap(),
+            _ => Bytes::new(),
+        };
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    #[test]
+    fn on_an_api_route_a_refusal_takes_the_apis_error_shape() {
+        let r = refusal(Kind::Rate, 5.0, 1, 2500);
+        let resp = refused_in(&r, None, false, Some(ApiDialect::OpenAi));
+        assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(resp.headers()[header::CONTENT_TYPE], "application/json");
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "3");
+        assert_eq!(resp.headers()["ratelimit"], "\"api-core\";r=0;t=3");
+        let message = "usher: rate limit of resource `api-core` reached on this replica; retry in 3 s \
+                       (id `api/acme` has no capacity within max_wait 500ms; waited 500ms)";
+        assert_eq!(
+            body(resp),
+            json!({"error": {"message": message, "type": "requests", "param": null, "code": "rate_limit_exceeded"}})
+        );
+        let resp = refused_in(&r, Some(Duration::from_millis(4200)), false, Some(ApiDialect::Anthropic));
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "5");
+        let b = body(resp);
+        assert_eq!((&b["type"], &b["error"]["type"]), (&json!("error"), &json!("rate_limit_error")), "{b}");
+        let m = b["error"]["message"].as_str().unwrap();
+        assert!(m.starts_with("usher: rate limit of resource `api-core` reached on this replica; retry in 5 s"), "{m}");
+        // gRPC stays gRPC, and without a dialect the body stays problem+json.
+        assert_eq!(refused_in(&r, None, true, Some(ApiDialect::OpenAi)).headers()["grpc-status"], "8");
+        let resp = refused_in(&r, None, false, None);
+        assert_eq!(resp.headers()[header::CONTENT_TYPE], "application/problem+json");
+        assert_eq!(
+            body(resp)["detail"],
+            "resource `api-core` (id `api/acme`) has no capacity within max_wait 500ms; waited 500ms; retry in 3 s"
+        );
+    }
+
+    #[test]
+    fn on_an_api_route_other_answers_take_its_error_shape_too() {
+        let e = ProxyError::UpstreamTimeout { upstream: "llm".into(), after: Duration::from_secs(30) };
+        let resp = proxy_error_in(&e, false, Some(ApiDialect::OpenAi));
+        assert_eq!(resp.status(), StatusCode::GATEWAY_TIMEOUT);
+        let b = body(resp);
+        assert_eq!(b["error"]["type"], "server_error");
+        assert_eq!(b["error"]["code"], "upstream_timeout");
+        assert_eq!(b["error"]["message"], "usher: upstream `llm` did not send response headers within 30s");
+        let b = body(proxy_error_in(&ProxyError::BodyTooLarge { limit: 10 }, false, Some(ApiDialect::Anthropic)));
+        assert_eq!(b["error"]["type"], "request_too_large");
+        let b = body(proxy_error_in(&ProxyError::BadRequest("x".into()), false, Some(ApiDialect::Anthropic)));
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        let tk = ProxyError::TooManyKeys { resource: "r".into(), max_keys: 3 };
+        assert_eq!(body(proxy_error_in(&tk, false, Some(ApiDialect::OpenAi)))["error"]["code"], "rate_limit_exceeded");
     }
 
     #[test]

@@ -197,6 +197,7 @@ impl Drop for OpenConnection {
 pub async fn run(args: ProxyOptions, shutdown: CancellationToken) -> Result<(), RunError> {
     let source = args.routes.display().to_string();
     let cfg = RoutesConfig::load(&args.routes)?;
+    sidecar::log_warnings(&cfg);
     let listen_addr = args.listen.unwrap_or(cfg.listen);
     let admin_addr = args.admin_listen.unwrap_or(cfg.admin);
     let drain = cfg.drain_timeout;

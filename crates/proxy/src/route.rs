@@ -38,6 +38,9 @@ pub struct Route {
     pub quotas: bool,
     /// Set on an upstream listener's routes: that upstream, for the access log.
     pub listener: Option<String>,
+    /// The API the route leads to, whose error shape usher's own answers
+    /// take ([`RoutesConfig::api_dialect`]).
+    pub dialect: Option<usher_enforce::respond::ApiDialect>,
 }
 
 impl std::fmt::Debug for Route {
@@ -169,6 +172,7 @@ impl Routing {
                     settles: r.cost_rules.values().any(|c| c.settle.is_some()),
                     quotas: r.resources.iter().any(|(name, _)| cfg.resources[name].upstream_quota.is_some()),
                     listener: listener_of.map(str::to_string),
+                    dialect: cfg.api_dialect(r),
                 })
             })
             .collect();
@@ -183,6 +187,7 @@ impl Routing {
             settles: false,
             quotas: false,
             listener: None,
+            dialect: None,
         });
         let default = if listener_of.is_some() { DefaultAction::Deny } else { cfg.default };
         Routing { routes, passthrough, default, direct }

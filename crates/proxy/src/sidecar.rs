@@ -52,6 +52,14 @@ pub struct Proxy {
     listeners: Vec<UpstreamListener>,
 }
 
+/// Logs the settings of a routes file that are taken but ignored, each
+/// with its position (at start and on every reload that applies the file).
+pub(crate) fn log_warnings(cfg: &RoutesConfig) {
+    for w in &cfg.warnings {
+        tracing::warn!("{w}");
+    }
+}
+
 /// An upstream's own listener (`upstreams.NAME.listen`): every request on it goes to that upstream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UpstreamListener {
@@ -183,10 +191,11 @@ impl Proxy {
                         "upstream listeners change only on restart: those opened at start stay open, each serving its upstream's routes"
                     );
                 }
+                log_warnings(&cfg);
                 self.table.configure(usher_enforce::resource::specs(&cfg));
                 let routing = Routing::new(&cfg, &ups, self.direct.clone(), &self.table, &self.metrics);
                 let views = listener_routings(&cfg, &self.listeners, &ups, &self.direct, &self.table, &self.metrics);
-                tracing::info!(source = %self.config_source, routes = cfg.routes.len(), resources = cfg.resources.len(), "routes reloaded");
+                let (routes, resources) = (cfg.routes.len(), cfg.resources.len());
                 self.pipeline.store(Arc::new(Pipeline::new(
                     Arc::new(cfg),
                     routing,
@@ -203,6 +212,8 @@ impl Proxy {
                 self.metrics.config_reloads.inc();
                 state.loaded_at = Some(self.clock.now());
                 state.last_error = None;
+                // Once in force: a request after this line is served by the new routes.
+                tracing::info!(source = %self.config_source, routes, resources, "routes reloaded");
             }
             Err(e) => {
                 self.metrics.config_reload_errors.inc();

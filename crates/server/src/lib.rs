@@ -902,7 +902,11 @@ fn spawn_state_file(
             let recorded = state_file::take_over(&path, node, &clock);
             Some(tokio::spawn(state_file::run(path, node.clone(), clock, recorded, shutdown.clone())))
         }
-        _ => None,
+        (false, None) => {
+            tracing::info!("no state file (--state-file is empty, or --listen's port is 0): every start learns");
+            None
+        }
+        (true, _) => None,
     }
 }
 

@@ -369,6 +369,34 @@ async fn handle(
     resp
 }
 
+/// A stand-in for an API: serves every connection to a new listener on
+/// 127.0.0.1:0 (HTTP/1.1 and h2c) with `answer`, until the runtime stops.
+/// Returns the listener's address.
+pub async fn serve<F, Fut>(answer: F) -> SocketAddr
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Response<TestBody>> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { return };
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    let reply = answer(req);
+                    async move { Ok::<_, Infallible>(reply.await) }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
 /// A body of the bytes `b`, sent in one frame.
 pub fn full(b: impl Into<Bytes>) -> TestBody {
     Full::new(b.into()).boxed_unsync()

@@ -37,8 +37,16 @@ pub struct UpstreamQuota {
 }
 
 /// The presets, by name.
-pub const PRESETS: &[&str] =
-    &["ietf", "github", "openai-requests", "openai-tokens", "anthropic-requests", "anthropic-tokens"];
+pub const PRESETS: &[&str] = &[
+    "ietf",
+    "github",
+    "openai-requests",
+    "openai-tokens",
+    "anthropic-requests",
+    "anthropic-tokens",
+    "anthropic-input-tokens",
+    "anthropic-output-tokens",
+];
 
 fn preset(name: &str) -> Option<UpstreamQuota> {
     let named = |limit: &str, remaining: &str, reset: &str, reset_format, continuous| UpstreamQuota {
@@ -49,6 +57,10 @@ fn preset(name: &str) -> Option<UpstreamQuota> {
         reset: reset.into(),
         reset_format,
         continuous,
+    };
+    let anthropic = |what: &str| {
+        let h = |field: &str| format!("anthropic-ratelimit-{what}-{field}");
+        named(&h("limit"), &h("remaining"), &h("reset"), ResetFormat::Rfc3339, true)
     };
     use ResetFormat::*;
     Some(match name {
@@ -70,20 +82,11 @@ fn preset(name: &str) -> Option<UpstreamQuota> {
             Duration,
             true,
         ),
-        "anthropic-requests" => named(
-            "anthropic-ratelimit-requests-limit",
-            "anthropic-ratelimit-requests-remaining",
-            "anthropic-ratelimit-requests-reset",
-            Rfc3339,
-            true,
-        ),
-        "anthropic-tokens" => named(
-            "anthropic-ratelimit-tokens-limit",
-            "anthropic-ratelimit-tokens-remaining",
-            "anthropic-ratelimit-tokens-reset",
-            Rfc3339,
-            true,
-        ),
+        "anthropic-requests" => anthropic("requests"),
+        "anthropic-tokens" => anthropic("tokens"),
+        // Anthropic's separate input (ITPM) and output (OTPM) token limits.
+        "anthropic-input-tokens" => anthropic("input-tokens"),
+        "anthropic-output-tokens" => anthropic("output-tokens"),
         _ => return None,
     })
 }
@@ -298,6 +301,17 @@ mod tests {
         ];
         // 2027-01-15T08:00:10Z is 1,800,000,010 s after the epoch: 10 s from now.
         assert_eq!(parse(&an, headers(&h), || now), Some((50.0, 49.0, 10.0)));
+        for (what, name) in [("input", "anthropic-input-tokens"), ("output", "anthropic-output-tokens")] {
+            let p = preset(name).unwrap();
+            let limit = format!("anthropic-ratelimit-{what}-tokens-limit");
+            let remaining = format!("anthropic-ratelimit-{what}-tokens-remaining");
+            let reset = format!("anthropic-ratelimit-{what}-tokens-reset");
+            let h = [(&*limit, "40000"), (&*remaining, "39000"), (&*reset, "2027-01-15T08:00:30Z")];
+            assert_eq!(parse(&p, headers(&h), || now), Some((40000.0, 39000.0, 30.0)), "{name}");
+            assert!(p.continuous, "{name}");
+            // The combined preset's headers are not these.
+            assert_eq!(parse(&preset("anthropic-tokens").unwrap(), headers(&h), || now), None);
+        }
         let ietf = preset("ietf").unwrap();
         let h = [("ratelimit", "\"api\";r=7;t=12"), ("ratelimit-policy", "\"api\";q=100;w=60")];
         assert_eq!(parse(&ietf, headers(&h), || now), Some((100.0, 7.0, 12.0)));

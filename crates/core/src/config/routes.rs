@@ -13,6 +13,11 @@ use std::time::Duration;
 
 use super::yaml::{Checker, ConfigError, Loc, MapView, Node, Value, closest, parse};
 
+mod checks;
+mod dialect;
+
+pub use dialect::ApiDialect;
+
 /// Proxy listener when neither the file nor `--listen` sets one.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:15001";
 /// Admin listener when neither the file nor `--admin-listen` sets one.
@@ -53,6 +58,9 @@ pub struct RoutesConfig {
     pub routes: Vec<RouteConfig>,
     /// What the listener accepts from clients (`limits:`).
     pub limits: super::listener::ListenerLimits,
+    /// Settings that are valid but ignored, each with its position:
+    /// `usher check` prints them, the sidecar logs them at start and reload.
+    pub warnings: Vec<super::yaml::Diagnostic>,
 }
 
 /// What happens to a request that no route matches.
@@ -370,7 +378,8 @@ impl RoutesConfig {
         ck.unset_env = allow_unset_env.then(Vec::new);
         let cfg = read_root(&mut ck, &root);
         let unset = ck.unset_env.take().unwrap_or_default();
-        let cfg = cfg.map(|c| (c, unset));
+        let warnings = std::mem::take(&mut ck.warnings);
+        let cfg = cfg.map(|c| (RoutesConfig { warnings, ..c }, unset));
         match cfg {
             Some(cfg) => ck.finish(cfg),
             None => {
@@ -448,6 +457,10 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
     let (upstreams, up_names) = read_upstreams(ck, &top, [("listen", listen), ("admin", admin)]);
     let (resources, res_names) = read_resources(ck, &top);
     let routes = read_routes(ck, &top, &up_names, &res_names, &resources);
+    checks::listeners_served(ck, &top, &upstreams, &routes);
+    if doorman.as_ref().is_some_and(Option::is_some) {
+        checks::calendar_with_doorman(ck, &top, &resources);
+    }
     Some(RoutesConfig {
         listen: listen?,
         admin: admin?,
@@ -459,6 +472,7 @@ fn read_root(ck: &mut Checker, root: &Node) -> Option<RoutesConfig> {
         resources,
         routes,
         limits: limits?,
+        warnings: Vec::new(),
     })
 }
 

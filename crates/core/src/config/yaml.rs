@@ -279,6 +279,9 @@ pub struct Checker {
     /// `None`: an unset `${VAR}` is an error. `Some`: it is left as written
     /// and its name recorded here (`usher check --allow-unset-env`).
     pub unset_env: Option<Vec<String>>,
+    /// What is valid but likely not what the file means (a setting that is
+    /// ignored): reported, and the file is still taken.
+    pub warnings: Vec<Diagnostic>,
 }
 
 /// A mapping being read: remembers which keys were used so unknown ones can be reported.
@@ -318,7 +321,7 @@ impl<'a> MapView<'a> {
 impl Checker {
     /// A checker for `file`, with no diagnostics yet.
     pub fn new(file: &str) -> Self {
-        Checker { file: file.to_string(), diagnostics: Vec::new(), unset_env: None }
+        Checker { file: file.to_string(), diagnostics: Vec::new(), unset_env: None, warnings: Vec::new() }
     }
 
     /// The file's name, as diagnostics give it.
@@ -329,6 +332,18 @@ impl Checker {
     /// Reports a problem at `loc` in the field at `field`.
     pub fn error(&mut self, loc: Loc, field: &str, message: impl Into<String>, hint: Option<String>) {
         self.diagnostics.push(Diagnostic {
+            file: self.file.clone(),
+            loc,
+            field: field.to_string(),
+            message: message.into(),
+            hint,
+        });
+    }
+
+    /// Reports, at `loc` in the field at `field`, a setting that is valid but
+    /// will not do what it says; the file is still taken.
+    pub fn warn(&mut self, loc: Loc, field: &str, message: impl Into<String>, hint: Option<String>) {
+        self.warnings.push(Diagnostic {
             file: self.file.clone(),
             loc,
             field: field.to_string(),

@@ -24,6 +24,8 @@ struct Status {
     lease: Option<usher_lease::driver::ClientStatus>,
     /// Keys backing off because their upstream answered 429 or 503.
     pushback: Vec<usher_enforce::pushback::KeyPushback>,
+    /// Resources whose quota headers a route's answers lack: their upstream quota is not followed.
+    upstream_quota_unseen: Vec<QuotaUnseen>,
     /// Seconds since the epoch when this status was taken.
     now_s: i64,
 }
@@ -46,15 +48,51 @@ struct KeyStatus {
     demand: DemandSample,
 }
 
+/// A resource whose quota headers have not been in its route's last successful answers.
+#[derive(Serialize)]
+struct QuotaUnseen {
+    route: String,
+    resource: String,
+    /// The `upstream_quota` preset, or `headers` for named ones.
+    preset: String,
+    /// The headers it reads.
+    headers: String,
+    /// Successful answers in a row without them.
+    answers: u32,
+}
+
+/// The resources of `cfg`'s routes whose quota headers are missing now.
+fn quota_unseen(p: &Proxy, cfg: &usher_core::config::routes::RoutesConfig) -> Vec<QuotaUnseen> {
+    let configured = |route: &str, resource: &str| {
+        cfg.routes.iter().any(|r| r.name == route && r.resources.iter().any(|(n, _)| n == resource))
+    };
+    p.metrics
+        .quota_unseen()
+        .into_iter()
+        .filter(|w| configured(&w.route, &w.resource))
+        .filter_map(|w| {
+            Some(QuotaUnseen {
+                answers: w.unseen()?,
+                route: w.route.clone(),
+                resource: w.resource.clone(),
+                preset: w.preset.clone(),
+                headers: w.headers.clone(),
+            })
+        })
+        .collect()
+}
+
 fn status(p: &Proxy) -> Status {
     let cs = p.config_state();
     let now = p.table.clock().now();
+    let cfg = p.config();
     Status {
         ready: readiness(p) == StatusCode::OK,
         routes_file: p.config_source.clone(),
         config_loaded_at: cs.loaded_at.map(|t| t.as_secs()),
         config_error: cs.last_error,
-        routes: p.config().routes.iter().map(|r| r.name.clone()).collect(),
+        routes: cfg.routes.iter().map(|r| r.name.clone()).collect(),
+        upstream_quota_unseen: quota_unseen(p, &cfg),
         keys: p
             .table
             .limiters()
@@ -210,6 +248,26 @@ fn status_html(s: &Status) -> String {
         );
     }
     b.push_str("</table>");
+    if !s.upstream_quota_unseen.is_empty() {
+        b.push_str(
+            "<h2>Upstream quota headers not seen</h2><p class=err>These resources follow quota headers that \
+             their route's recent successful answers did not carry: the upstream's quota is not followed.</p>\
+             <table id=quota-unseen><tr><th>route</th><th>resource</th><th>preset</th><th>headers read</th>\
+             <th>answers without</th></tr>",
+        );
+        for u in &s.upstream_quota_unseen {
+            let _ = write!(
+                b,
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                escape(&u.route),
+                escape(&u.resource),
+                escape(&u.preset),
+                escape(&u.headers),
+                u.answers
+            );
+        }
+        b.push_str("</table>");
+    }
     if let Some(l) = &s.lease {
         let _ = write!(
             b,

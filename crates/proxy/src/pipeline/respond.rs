@@ -1,8 +1,8 @@
 //! The respond stage, the stack's outermost: the one place a request's
 //! failure becomes the answer usher makes (`usher_enforce::respond`:
-//! problem+json, or a gRPC status for a gRPC request). It stamps the
-//! request's arrival and whether it is gRPC, which the stages below and
-//! the answer go by.
+//! problem+json, a gRPC status for a gRPC request, or the error shape of
+//! the API the route leads to). It stamps the request's arrival and whether
+//! it is gRPC, which the stages below and the answer go by.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -85,11 +85,18 @@ where
         Poll::Ready(Ok(match ready!(self.project().inner.poll(cx)) {
             Ok(reply) => reply,
             Err(Failure { error: Error::Unserved(why), .. }) => Reply::Unserved(why),
-            Err(Failure { error: Error::Refused(r), meta }) => Reply::Made(match meta.hold {
-                Some(hold) => respond::refused_held(&r, hold, meta.grpc),
-                None => respond::refused(&r, meta.grpc),
-            }),
-            Err(Failure { error: Error::Proxy(e), meta }) => Reply::Made(respond::proxy_error(&e, meta.grpc)),
+            Err(Failure { error: Error::Refused(r), meta }) => {
+                Reply::Made(respond::refused_in(&r, meta.hold, meta.grpc, dialect(&meta)))
+            }
+            Err(Failure { error: Error::Proxy(e), meta }) => {
+                Reply::Made(respond::proxy_error_in(&e, meta.grpc, dialect(&meta)))
+            }
         }))
     }
+}
+
+/// The error shape of the API the request's route leads to, if it has one
+/// (a request that found no route gets problem+json).
+fn dialect(meta: &super::Meta) -> Option<respond::ApiDialect> {
+    meta.route.as_ref().and_then(|r| r.dialect)
 }

@@ -105,7 +105,9 @@ routes:
     match: { methods: [GET], colour: red }
 ";
     let e = RoutesConfig::parse("bad.yaml", text).unwrap_err();
-    let lines: Vec<String> = e.diagnostics.iter().map(|d| d.to_string()).collect();
+    // No route serves these listeners either: another error (below), not this test's.
+    let lines: Vec<String> =
+        e.diagnostics.iter().map(|d| d.to_string()).filter(|l| !l.contains("no route has")).collect();
     let want = [
         "bad.yaml:1:9: listen:",
         "bad.yaml:4:10: upstreams.api.url:",
@@ -347,7 +349,8 @@ fn a_cost_that_can_never_pass_is_refused_where_it_is_written() {
 /// listener of the file has is refused at the upstream's `listen`.
 #[test]
 fn upstream_listeners_have_addresses_of_their_own() {
-    let good = "upstreams:\n  a: { url: http://a.test, listen: 127.0.0.1:15002 }\n  b: { url: http://b.test, listen: 127.0.0.1:0 }\n  c: { url: http://c.test, listen: \"127.0.0.1:0\" }\n  d: { url: http://d.test }\n";
+    let good = "upstreams:\n  a: { url: http://a.test, listen: 127.0.0.1:15002 }\n  b: { url: http://b.test, listen: 127.0.0.1:0 }\n  c: { url: http://c.test, listen: \"127.0.0.1:0\" }\n  d: { url: http://d.test }\n\
+                routes:\n  - { name: a, upstream: a }\n  - { name: b, upstream: b }\n  - { name: c, upstream: c }\n";
     let c = RoutesConfig::parse("ok.yaml", good).unwrap();
     assert_eq!(c.upstreams["a"].listen, Some("127.0.0.1:15002".parse().unwrap()));
     assert_eq!(c.upstreams["b"].listen, Some("127.0.0.1:0".parse().unwrap()), "port 0 clashes with nothing");
@@ -367,7 +370,9 @@ upstreams:
   port: { url: http://f.test, listen: 15004 }
 ";
     let e = RoutesConfig::parse("bad.yaml", text).unwrap_err();
-    let lines: Vec<String> = e.diagnostics.iter().map(|d| d.to_string()).collect();
+    // No route serves these listeners either: another error (below), not this test's.
+    let lines: Vec<String> =
+        e.diagnostics.iter().map(|d| d.to_string()).filter(|l| !l.contains("no route has")).collect();
     let want = [
         "bad.yaml:4:39: upstreams.main.listen: `127.0.0.1:15001` is already the address of `listen`",
         "bad.yaml:7:13: upstreams.admin.listen: `127.0.0.1:15000` is already the address of `admin`",
@@ -477,4 +482,80 @@ fn a_doorman_section_without_backoff_backs_off_as_documented() {
     assert_eq!(b.max, Duration::from_secs(2));
     assert_eq!(b.multiplier, 1.5);
     assert_eq!(b.randomization, 0.3);
+}
+
+/// An upstream's own listener serves only the routes that name its
+/// upstream: with none, every request there would get 403, so the file is
+/// refused at that `listen`, naming the routes that lack `upstream:`. A
+/// route without `upstream` stays valid: it serves the main listener
+/// (forward-proxy style).
+#[test]
+fn an_upstream_listener_no_route_serves_is_refused() {
+    let text = "\
+upstreams:
+  api: { url: http://a.test, listen: 127.0.0.1:0 }
+routes:
+  - name: chat
+    resources: []
+";
+    let e = RoutesConfig::parse("r.yaml", text).unwrap_err().to_string();
+    assert!(
+        e.contains(
+            "r.yaml:2:38: upstreams.api.listen: no route has `upstream: api`, so every request on this listener \
+             would get 403 (no-route) (hint: add `upstream: api` to route `chat` (line 4): a route without \
+             `upstream` serves only the main listener)"
+        ),
+        "{e}"
+    );
+    let e = RoutesConfig::parse("r.yaml", "upstreams:\n  api: { url: http://a.test, listen: 127.0.0.1:0 }\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("hint: add a route with `upstream: api`, or drop this `listen`"), "{e}");
+    // Named by one route, the listener is served; the route without `upstream` stays (forward proxy).
+    let ok = format!("{text}  - {{ name: api, upstream: api }}\n");
+    let c = RoutesConfig::parse("r.yaml", &ok).unwrap();
+    assert_eq!(c.routes[0].upstream, None);
+    // Without upstream listeners, routes without `upstream` are a forward proxy's.
+    let forward = "resources:\n  r: { kind: rate, capacity: 5 }\nroutes:\n  - { name: any, resources: [r] }\n";
+    assert!(RoutesConfig::parse("r.yaml", forward).is_ok());
+}
+
+/// With a `doorman:` section the capacity servers decide a resource's
+/// window: a routes file's `window: calendar` is taken, with a warning at
+/// the field saying so; without one there is nothing to warn of.
+#[test]
+fn a_calendar_window_with_a_doorman_section_is_warned_of() {
+    let res = "resources:\n  r:\n    kind: rate\n    capacity: 120/min\n    window: calendar\n";
+    let c = RoutesConfig::parse("r.yaml", res).unwrap();
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    let c = RoutesConfig::parse("r.yaml", &format!("doorman:\n  servers: [\"127.0.0.1:1\"]\n{res}")).unwrap();
+    let w: Vec<String> = c.warnings.iter().map(|d| d.to_string()).collect();
+    assert_eq!(
+        w,
+        ["r.yaml:7:13: resources.r.window: `window: calendar` applies only without a `doorman:` section; with \
+          capacity servers it is ignored here (hint: write `window: calendar` in the capacity server's resources \
+          file, on the entry whose identifier_glob matches `r` (docs/server.md, \"Calendar windows\"))"]
+    );
+}
+
+/// The API a route leads to, from its resources' quota presets.
+#[test]
+fn a_routes_api_dialect_comes_from_its_quota_presets() {
+    let text = "\
+upstreams:
+  up: { url: http://a.test }
+resources:
+  oa: { kind: rate, capacity: 5, upstream_quota: { headers: openai-tokens } }
+  an: { kind: rate, capacity: 5, upstream_quota: { headers: anthropic-input-tokens } }
+  gh: { kind: rate, capacity: 5, upstream_quota: { headers: github } }
+  plain: { kind: rate, capacity: 5 }
+routes:
+  - { name: openai, upstream: up, resources: [plain, oa] }
+  - { name: anthropic, upstream: up, resources: [an, oa] }
+  - { name: github, upstream: up, resources: [gh, plain] }
+  - { name: none, upstream: up }
+";
+    let c = RoutesConfig::parse("r.yaml", text).unwrap();
+    let dialects: Vec<_> = c.routes.iter().map(|r| c.api_dialect(r)).collect();
+    assert_eq!(dialects, [Some(ApiDialect::OpenAi), Some(ApiDialect::Anthropic), None, None]);
 }

@@ -1,0 +1,165 @@
+//! `upstream_quota` presets against stand-in upstreams that send real APIs'
+//! headers: Anthropic's separate input and output token limits each steer
+//! their own resource; and a preset whose headers never come (`github` on an
+//! OpenAI-like API) is warned of once and shown on the status page until
+//! its headers appear.
+
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
+use usher_test_support as support;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use hyper::Response;
+use support::upstream::{full, get, h1, send1, serve};
+use support::{Usher, http_get, metric, write_file};
+
+/// The header fields the stand-in answers with; the test changes them.
+type Fields = Arc<Mutex<Vec<(String, String)>>>;
+
+/// An API stand-in: answers every request `200` with a small JSON body and
+/// the header fields in `fields` at the time.
+async fn stand_in(fields: Fields) -> SocketAddr {
+    serve(move |_req| {
+        let mut b = Response::builder().header("content-type", "application/json");
+        for (k, v) in fields.lock().unwrap().iter() {
+            b = b.header(k.as_str(), v.as_str());
+        }
+        let resp = b.body(full("{}")).unwrap();
+        async move { resp }
+    })
+    .await
+}
+
+fn fields(pairs: &[(&str, String)]) -> Vec<(String, String)> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+}
+
+/// A sidecar whose one route (`chat`) sends every request on upstream `llm`'s
+/// own listener to `up`, admitted by `resources` (YAML entries, indented).
+fn sidecar(dir: &std::path::Path, up: SocketAddr, resources: &str, names: &str) -> Usher {
+    let text = format!(
+        "upstreams:\n  llm: {{ url: \"http://{up}\", listen: \"127.0.0.1:0\" }}\n\
+         resources:\n{resources}\
+         routes:\n  - {{ name: chat, upstream: llm, resources: [{names}] }}\n"
+    );
+    Usher::proxy(&write_file(dir, "routes.yaml", &text))
+}
+
+fn status(u: &Usher) -> serde_json::Value {
+    let (code, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Sends `n` requests on one connection to the route; each must be answered 200.
+async fn send(u: &Usher, n: usize) {
+    let at = u.upstream_listener("llm");
+    let mut c = h1(at).await;
+    for _ in 0..n {
+        let got = send1(&mut c, get(&at.to_string(), "/v1/messages")).await;
+        assert_eq!(got.status, 200, "{}", got.text());
+    }
+}
+
+/// Anthropic sends its input and output token limits apart
+/// (`anthropic-ratelimit-input-tokens-*`, `-output-tokens-*`, resets in RFC
+/// 3339): each preset reads its own into its resource's key, the status
+/// page and `usher_proxy_upstream_quota`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_input_and_output_token_presets_each_read_their_own_headers() {
+    let reset = humantime::format_rfc3339_seconds(SystemTime::now() + Duration::from_secs(30)).to_string();
+    let answer = fields(&[
+        ("anthropic-ratelimit-input-tokens-limit", "40000".into()),
+        ("anthropic-ratelimit-input-tokens-remaining", "39000".into()),
+        ("anthropic-ratelimit-input-tokens-reset", reset.clone()),
+        ("anthropic-ratelimit-output-tokens-limit", "8000".into()),
+        ("anthropic-ratelimit-output-tokens-remaining", "7990".into()),
+        ("anthropic-ratelimit-output-tokens-reset", reset),
+    ]);
+    let up = stand_in(Arc::new(Mutex::new(answer))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let resources = "  input: { kind: rate, capacity: 40000/min, upstream_quota: { headers: anthropic-input-tokens } }\n\
+                     \x20 output: { kind: rate, capacity: 8000/min, upstream_quota: { headers: anthropic-output-tokens } }\n";
+    let u = sidecar(dir.path(), up, resources, "input, output");
+    send(&u, 1).await;
+
+    let st = status(&u);
+    let key = |name: &str| {
+        st["keys"].as_array().unwrap().iter().find(|k| k["resource"] == name).cloned().unwrap_or_else(|| panic!("{st}"))
+    };
+    for (name, limit, remaining) in [("input", 40000.0, 39000.0), ("output", 8000.0, 7990.0)] {
+        let q = &key(name)["upstream_quota"];
+        assert_eq!((q["limit"].as_f64(), q["remaining"].as_f64()), (Some(limit), Some(remaining)), "{name}: {q}");
+        let until = q["reset"].as_f64().unwrap() - q["observed"].as_f64().unwrap();
+        assert!((20.0..=31.0).contains(&until), "{name}: resets {until} s after it was read: {q}");
+        assert_eq!(q["continuous"], true, "{name}: {q}");
+    }
+    let (_, text) = http_get(u.addr("admin"), "/metrics");
+    let m = |r: &str| metric(&text, "usher_proxy_upstream_quota", &[("resource", r), ("field", "remaining")]);
+    assert_eq!((m("input"), m("output")), (Some(39000.0), Some(7990.0)), "{text}");
+    assert_eq!(st["upstream_quota_unseen"], serde_json::json!([]), "both presets saw their headers");
+}
+
+/// `upstream_quota: { headers: github }` on an OpenAI-like API never sees its
+/// headers, so the quota is not followed. After 10 successful answers in a
+/// row without them the sidecar warns once (route, resource, preset) and the
+/// status page (JSON and HTML) lists the resource; the resource whose preset
+/// fits is never listed. Once answers carry the headers, the listing goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preset_whose_headers_never_come_is_warned_of_and_shown_until_they_do() {
+    let openai = fields(&[
+        ("x-ratelimit-limit-tokens", "30000".into()),
+        ("x-ratelimit-remaining-tokens", "29000".into()),
+        ("x-ratelimit-reset-tokens", "2s".into()),
+    ]);
+    let answer: Fields = Arc::new(Mutex::new(openai.clone()));
+    let up = stand_in(answer.clone()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let resources = "  wrong: { kind: rate, capacity: 1000/s, upstream_quota: { headers: github } }\n\
+                     \x20 tokens: { kind: rate, capacity: 1000/s, upstream_quota: { headers: openai-tokens } }\n";
+    let u = sidecar(dir.path(), up, resources, "wrong, tokens");
+    const WARNING: &str = "successful answers in a row carried no quota these headers give";
+
+    send(&u, 9).await;
+    assert_eq!(status(&u)["upstream_quota_unseen"], serde_json::json!([]), "9 answers are not yet enough");
+    send(&u, 1).await;
+    u.wait_for_log(WARNING, Duration::from_secs(5));
+    let unseen = status(&u)["upstream_quota_unseen"].clone();
+    assert_eq!(
+        unseen,
+        serde_json::json!([{
+            "route": "chat",
+            "resource": "wrong",
+            "preset": "github",
+            "headers": "x-ratelimit-limit, x-ratelimit-remaining, x-ratelimit-reset",
+            "answers": 10,
+        }])
+    );
+    let (code, html) = http_get(u.addr("admin"), "/debug/status");
+    assert_eq!(code, 200);
+    assert!(html.contains("Upstream quota headers not seen") && html.contains("<td>wrong</td>"), "{html}");
+    send(&u, 5).await;
+    assert_eq!(status(&u)["upstream_quota_unseen"][0]["answers"], 15);
+
+    // The upstream starts sending GitHub's headers: the next answer clears it.
+    let reset = (SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs() + 60).to_string();
+    let mut github = openai;
+    github.extend(fields(&[
+        ("x-ratelimit-limit", "100000".into()),
+        ("x-ratelimit-remaining", "99000".into()),
+        ("x-ratelimit-reset", reset),
+    ]));
+    *answer.lock().unwrap() = github;
+    send(&u, 1).await;
+    u.wait_for_log("quota headers are back", Duration::from_secs(5));
+    assert_eq!(status(&u)["upstream_quota_unseen"], serde_json::json!([]));
+    let log = u.log();
+    let warned: Vec<&str> = log.lines().filter(|l| l.contains(WARNING)).collect();
+    assert_eq!(warned.len(), 1, "warned once:\n{log}");
+    for field in ["WARN", "route=chat", "resource=wrong", "preset=github"] {
+        assert!(warned[0].contains(field), "{field} in {}", warned[0]);
+    }
+}
