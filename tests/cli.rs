@@ -304,7 +304,7 @@ fn a_routes_file_prints_every_resource_as_it_resolves() {
     assert_eq!(code, 0, "{out}{err}");
     for want in [
         "  capacity from: the Doorman servers doorman-0:15100, doorman-1:15100 as client `pod-a` (a resource's capacity is its first `wants`)",
-        "  resource gh: rate 100/min = 1.67/s, burst 1.67, max_wait 0s, id `gh/{header.x-tenant}`",
+        "  resource gh: rate 100/min = 1.67/s, burst 100, max_wait 0s, id `gh/{header.x-tenant}`",
     ] {
         assert!(out.lines().any(|l| l == want), "missing {want:?} in:\n{out}");
     }

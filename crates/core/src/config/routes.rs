@@ -133,7 +133,7 @@ pub struct ResourceConfig {
     pub max_wait: Duration,
     /// Rate only: units that may pass at once from an idle start.
     pub burst: f64,
-    /// The file gives no burst and the capacity is not per day: each key
+    /// The file gives no burst and the capacity is per second: each key
     /// bursts one second's worth of what it is leased (`burst` is then that
     /// of the file's capacity, for `usher check` and cost checks).
     pub burst_one_second: bool,
@@ -775,7 +775,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
     let capacity = read_capacity(ck, &m, kind);
     let max_wait = m.get("max_wait").map_or(Some(DEFAULT_MAX_WAIT), |n| ck.duration(n, &m.child("max_wait")));
     let burst = read_burst(ck, &m, kind, capacity);
-    let burst_one_second = m.get("burst").is_none() && capacity.is_some_and(|c| c.window < Duration::from_secs(86400));
+    let burst_one_second = m.get("burst").is_none() && capacity.is_some_and(|c| c.window <= Duration::from_secs(1));
     let max_keys = count(ck, &m, "max_keys", DEFAULT_MAX_KEYS);
     let max_queue = count(ck, &m, "max_queue", DEFAULT_MAX_QUEUE);
     let lease = super::doorman::read_lease_settings(ck, &m);
@@ -919,14 +919,22 @@ fn read_calendar(
     }
 }
 
-/// A rate resource's burst when the file gives none: one second's worth of
-/// its capacity, at least one request, so that a few requests in a row
-/// within the rate are never refused; a daily quota's whole day, since it
-/// may be spent at any time of the day. The burst is the whole fleet's.
+/// A rate resource's burst when the file gives none, for the whole fleet,
+/// at least one request:
+/// - per second (`50` or `50/s`): one second's worth, so that a few
+///   requests in a row within the rate are never refused;
+/// - per minute (`6000/min`): the minute's count, as an API whose limit is
+///   written per minute lets it be spent at once (and as governor's
+///   `Quota::per_minute` bursts): calls that come a few at a time, a few
+///   times a minute, are not held back below the quota;
+/// - per hour: a minute's worth;
+/// - per day: the whole day, since it may be spent at any time of the day.
 pub fn default_burst(capacity: Option<Capacity>) -> f64 {
+    let minute = Duration::from_secs(60);
     match capacity {
         Some(c) if c.window >= Duration::from_secs(86400) => c.per_window.max(1.0),
-        Some(c) => c.per_second().max(1.0),
+        Some(c) if c.window > minute => (c.per_second() * minute.as_secs_f64()).max(1.0),
+        Some(c) => c.per_window.max(1.0),
         None => 1.0,
     }
 }

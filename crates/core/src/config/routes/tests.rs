@@ -323,14 +323,19 @@ fn an_id_longer_than_servers_accept_is_refused() {
 }
 
 #[test]
-fn a_rate_bursts_one_seconds_worth_by_default() {
+fn a_rate_bursts_what_its_unit_allows_by_default() {
     let yaml = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
                 resources:\n  fast: { kind: rate, capacity: 100/s }\n  slow: { kind: rate, capacity: 5000/h }\n  \
-                day: { kind: rate, capacity: 300/day }\n\
-                routes:\n  - { name: all, upstream: up, resources: [fast, slow, day] }\n";
+                day: { kind: rate, capacity: 300/day }\n  tpm: { kind: rate, capacity: 6000/min }\n  \
+                trickle: { kind: rate, capacity: 30/h }\n\
+                routes:\n  - { name: all, upstream: up, resources: [fast, slow, day, tpm, trickle] }\n";
     let c = RoutesConfig::parse("r.yaml", yaml).unwrap();
     assert_eq!(c.resources["fast"].burst, 100.0, "two requests in a row within 100/s both pass");
-    assert!((c.resources["slow"].burst - 5000.0 / 3600.0).abs() < 1e-9, "one second's worth, at least one request");
+    assert!(c.resources["fast"].burst_one_second);
+    assert_eq!(c.resources["tpm"].burst, 6000.0, "a per-minute limit may be spent at once");
+    assert!(!c.resources["tpm"].burst_one_second, "the fleet's burst, shared by lease");
+    assert!((c.resources["slow"].burst - 5000.0 / 60.0).abs() < 1e-9, "a minute's worth");
+    assert_eq!(c.resources["trickle"].burst, 1.0, "at least one request");
     assert_eq!(c.resources["day"].burst, 300.0);
 }
 
