@@ -285,6 +285,16 @@ impl Bucket {
     }
 }
 
+/// FNV-1a, 64 bits.
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// A body's digest as `tests/llm/app.py` writes it: FNV-1a 64, 16 hex digits.
+pub fn digest(body: &[u8]) -> String {
+    format!("{:016x}", fnv1a(body))
+}
+
 /// Now, in Unix seconds.
 pub fn unix_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).expect("after 1970").as_secs_f64()

@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 
 use super::render::{self, Draft};
 use super::request::{self, Ask};
-use super::{Bucket, Call, Endpoint, LlmConfig, Metering, Spend, spend_by_minute, unix_now};
+use super::{Bucket, Call, Endpoint, LlmConfig, Metering, Spend, fnv1a, spend_by_minute, unix_now};
 use crate::upstream::{TestBody, full};
 
 /// Whose API a stand-in plays.
@@ -229,11 +229,6 @@ fn splitmix(x: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
-}
-
-/// FNV-1a, 64 bits.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 const WORDS: [&str; 16] = [
