@@ -11,7 +11,9 @@
 //! of output; short prompts (10 to 100) with 50 to 250 output tokens against
 //! 3,000 output tokens a minute and plenty of input. The bars, after the
 //! first minute (a warm-up): no 429 from the API, and the tighter side's
-//! spend at the API at least 90% of its limit in each minute.
+//! spend at the API at least 90% of its limit in each minute. Over the whole
+//! run: at least 99% of the answers settled on each resource, and every app
+//! received exactly what the API sent.
 
 use usher_test_support::llm::{LlmApi, LlmConfig, Spend};
 
@@ -95,6 +97,11 @@ async fn three_apps(v: Variant) {
     );
     eprintln!("{report}");
     let mut missed = common_bars(late_429, &problems);
+    for (name, outcomes) in [("llm-input", &input), ("llm-output", &output)] {
+        if settled_share(outcomes) < 0.99 {
+            missed.push(format!("under 99% of the answers settled on {name}"));
+        }
+    }
     for m in 1..(RUN / 60.0) as usize {
         let spent = minutes.get(m).map_or(0, side) as f64;
         if spent < 0.9 * limit {

@@ -11,7 +11,8 @@
 //! fleet's spend in a UTC day never exceeds the budget plus one call's
 //! largest price, and the fleet spends at least 80% of the budget (the
 //! quota is spendable from the start of the day, so two minutes of this
-//! load spend it).
+//! load spend it). A run that would straddle a UTC midnight starts just
+//! after it.
 
 use std::collections::BTreeMap;
 
@@ -46,7 +47,13 @@ pub(crate) async fn daily_dollars() {
             template("budget-routes.yaml", &vars)
         })
         .await;
-    let origin = start_in(10.0);
+    // A run that a UTC midnight cuts in two would spend two budgets, each in
+    // part: near midnight, the apps start just after it.
+    let mut origin = start_in(10.0);
+    let day = |t: f64| (t / 86_400.0) as u64;
+    if day(origin) != day(origin + RUN + 10.0) {
+        origin = (day(origin) + 1) as f64 * 86_400.0 + 1.0;
+    }
     let specs = (0..SIDECARS)
         .map(|i| {
             let base = format!("http://{}/v1", fleet.listener(i));

@@ -14,7 +14,10 @@ use crate::app::AppCall;
 /// Runs blocking `f` (process starts, admin requests) off the runtime's
 /// threads, which serve the stand-ins meanwhile.
 pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    tokio::task::spawn_blocking(f).await.unwrap()
+    match tokio::task::spawn_blocking(f).await {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
 }
 
 /// `tests/llm/NAME` with each `@KEY@` replaced by its value; panics if a

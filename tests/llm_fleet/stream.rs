@@ -183,6 +183,7 @@ pub(crate) async fn every_shape() {
         ["chat", "responses", "messages"].into_iter().flat_map(|a| [(a, false), (a, true)]).enumerate()
     {
         let before = solo.remaining().await;
+        let settled_before = solo.settles().await.get("settled").copied().unwrap_or(0.0);
         let app = solo.one_call(api, &format!("shape{i}"), |s| s.stream_share = f64::from(u8::from(streamed))).await;
         let up = solo.upstream(&app.id).await;
         let settles = solo.settles_reach(i as f64 + 1.0).await;
@@ -197,7 +198,7 @@ pub(crate) async fn every_shape() {
                 .into_iter()
                 .map(|p| format!("{what}: {p}")),
         );
-        if settles.get("settled") != Some(&(i as f64 + 1.0)) {
+        if settles.get("settled").copied().unwrap_or(0.0) != settled_before + 1.0 {
             problems.push(format!("{what}: not settled ({settles:?})"));
         }
         if let Some(p) = charge_problem(before, after, &up) {
