@@ -74,8 +74,9 @@ pub(crate) async fn apps_and_stand_in_agree() {
         (0.8 * TPM..=1.2 * TPM).contains(&minute),
         "the API's own bucket let {minute} through in a minute\n{report}"
     );
+    // Those two APIs have room for every call.
     for (calls, n) in [(&per_app[3], "responses"), (&per_app[4], "messages")] {
-        assert!(calls.iter().filter(|c| c.outcome == "ok").count() >= 10, "{n}: too few answered\n{report}");
+        assert!(!calls.is_empty() && calls.iter().all(|c| c.outcome == "ok"), "{n}: calls failed\n{report}");
     }
 }
 
