@@ -50,6 +50,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use support::llm::{Bucket, go_duration};
 use support::{Usher, free_port, write_file};
 
 /// The account's TPM: the upstream's bucket.
@@ -73,49 +74,6 @@ const MAX_RETRY_AFTER: Duration = Duration::from_secs(20);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 // === the OpenAI-like upstream ===
-
-/// A bucket refilled continuously: `size` units over a minute.
-#[derive(Debug)]
-struct Bucket {
-    size: f64,
-    level: f64,
-    at: Instant,
-}
-
-impl Bucket {
-    fn full(size: f64, now: Instant) -> Self {
-        Bucket { size, level: size, at: now }
-    }
-
-    fn per_s(&self) -> f64 {
-        self.size / 60.0
-    }
-
-    fn refill(&mut self, now: Instant) {
-        let dt = now.saturating_duration_since(self.at).as_secs_f64();
-        self.level = (self.level + dt * self.per_s()).min(self.size);
-        self.at = now;
-    }
-
-    /// Until the bucket is full again, as OpenAI's `x-ratelimit-reset-*` says.
-    fn reset(&self) -> String {
-        go_duration((self.size - self.level) / self.per_s())
-    }
-}
-
-/// A duration as Go (and OpenAI's headers) write it: `6m0s`, `1.5s`, `120ms`, `0s`.
-fn go_duration(secs: f64) -> String {
-    let ms = (secs * 1000.0).round() as u64;
-    if ms == 0 {
-        "0s".into()
-    } else if ms < 1000 {
-        format!("{ms}ms")
-    } else {
-        let (m, s) = (ms / 60_000, (ms % 60_000) as f64 / 1000.0);
-        let s = format!("{s}");
-        if m > 0 { format!("{m}m{s}s") } else { format!("{s}s") }
-    }
-}
 
 /// What the upstream answered, and when.
 #[derive(Debug, Clone, Copy)]
@@ -150,21 +108,21 @@ impl Api {
         let now = Instant::now();
         self.tokens.refill(now);
         self.requests.refill(now);
-        let ok = self.requests.level >= 1.0 && self.tokens.level >= cost as f64;
+        let ok = self.requests.fits(1.0) && self.tokens.fits(cost as f64);
         if ok {
-            self.requests.level -= 1.0;
-            self.tokens.level -= cost as f64;
+            self.requests.take(1.0);
+            self.tokens.take(cost as f64);
         }
         self.log.push(Answered { at: now, app, tokens: if ok { cost } else { 0 }, status: if ok { 200 } else { 429 } });
         let b = Response::builder()
             .status(if ok { 200 } else { 429 })
             .header("content-type", "application/json")
-            .header("x-ratelimit-limit-requests", format!("{}", self.requests.size))
-            .header("x-ratelimit-remaining-requests", format!("{}", self.requests.level.floor()))
-            .header("x-ratelimit-reset-requests", self.requests.reset())
-            .header("x-ratelimit-limit-tokens", format!("{}", self.tokens.size))
-            .header("x-ratelimit-remaining-tokens", format!("{}", self.tokens.level.floor()))
-            .header("x-ratelimit-reset-tokens", self.tokens.reset());
+            .header("x-ratelimit-limit-requests", format!("{}", self.requests.size()))
+            .header("x-ratelimit-remaining-requests", self.requests.remaining().to_string())
+            .header("x-ratelimit-reset-requests", go_duration(self.requests.until_full()))
+            .header("x-ratelimit-limit-tokens", format!("{}", self.tokens.size()))
+            .header("x-ratelimit-remaining-tokens", self.tokens.remaining().to_string())
+            .header("x-ratelimit-reset-tokens", go_duration(self.tokens.until_full()));
         let b = if ok { b.header("x-usage-total-tokens", cost.to_string()) } else { b };
         let body = if ok {
             format!(r#"{{"object":"chat.completion","usage":{{"total_tokens":{cost}}}}}"#)
@@ -383,10 +341,6 @@ fn sliding_windows_find_every_extreme() {
     lump.push((100.0, 500));
     lump.sort_by(|a, b| a.0.total_cmp(&b.0));
     assert_eq!(sliding_extremes(&lump, 60.0, 180.0), (6000, 6500));
-    assert_eq!(go_duration(360.0), "6m0s");
-    assert_eq!(go_duration(1.5), "1.5s");
-    assert_eq!(go_duration(0.12), "120ms");
-    assert_eq!(go_duration(0.0), "0s");
 }
 
 /// Why the bar is held to fixed minutes: three ideal pacers (each passes

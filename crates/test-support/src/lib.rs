@@ -395,6 +395,7 @@ pub mod deploy;
 pub mod edits;
 pub mod etcd;
 pub mod faultproxy;
+pub mod llm;
 pub mod load;
 pub mod pki;
 pub mod upstream;

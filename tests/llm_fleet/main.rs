@@ -1,0 +1,129 @@
+//! Fleets of apps calling LLM APIs through their official Python SDKs
+//! (`tests/llm/app.py`), each through its own `usher proxy` sidecar, the
+//! sidecars leasing from one `usher server`, against the stand-in APIs of
+//! `usher_test_support::llm`. The routes and resources files are those in
+//! `tests/llm/`, as a user writes them from the docs.
+//!
+//! - [`openai`]: three apps share 6,000 tokens and 120 requests a minute,
+//!   75% of their calls streamed; with and without the API's quota headers.
+//! - [`anthropic`]: streamed messages on separate input- and output-token
+//!   resources, each the tighter one in one variant.
+//! - [`budget`]: a daily dollar budget, priced from each answer's usage.
+//! - [`stream`]: an app that leaves a stream after two events is charged
+//!   what the call really used; an app that asks for usage gets it; every
+//!   API shape settles.
+//! - [`direct`]: the harness itself: the apps straight at the stand-in, no
+//!   usher, so what the apps and the stand-in record must pair up exactly.
+//!
+//! The scenarios take minutes each, so this binary has its own main, which
+//! runs them all at once (libtest would run two at a time on two cores).
+//! Arguments as libtest's: words filter by name (`--exact` for whole
+//! names), `--list` lists. Each scenario prints its figures; a failure says
+//! which bar it missed, with them.
+//!
+//! Needs python3 with the `openai` and `anthropic` packages; `.ci/test`
+//! installs them.
+
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
+mod anthropic;
+mod app;
+mod budget;
+mod direct;
+mod fleet;
+mod openai;
+mod stream;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::process::ExitCode;
+use std::time::Instant;
+
+type Run = fn() -> Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Every scenario, by name.
+const SCENARIOS: &[(&str, Run)] = &[
+    ("openai::three_apps_share_a_tpm_with_quota_headers", || Box::pin(openai::with_quota_headers())),
+    ("openai::three_apps_share_a_tpm_without_quota_headers", || Box::pin(openai::without_quota_headers())),
+    ("anthropic::input_tokens_are_the_tighter_limit", || Box::pin(anthropic::input_bound())),
+    ("anthropic::output_tokens_are_the_tighter_limit", || Box::pin(anthropic::output_bound())),
+    ("budget::a_daily_dollar_budget_is_spent_once", || Box::pin(budget::daily_dollars())),
+    ("stream::an_app_that_leaves_a_stream_is_charged_its_real_usage", || Box::pin(stream::client_gone())),
+    ("stream::an_app_that_asks_for_usage_gets_it", || Box::pin(stream::asked_usage())),
+    ("stream::every_api_shape_settles", || Box::pin(stream::every_shape())),
+    ("direct::the_apps_and_the_stand_in_agree_without_usher", || Box::pin(direct::apps_and_stand_in_agree())),
+];
+
+/// libtest's flags that take a value, whose value is not a filter.
+const VALUED: &[&str] = &["--test-threads", "--skip", "--format", "--color", "--logfile", "-Z"];
+
+fn selected(args: &[String]) -> Vec<(&'static str, Run)> {
+    let exact = args.iter().any(|a| a == "--exact");
+    let (mut filters, mut skips) = (Vec::new(), Vec::new());
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--skip" {
+            skips.extend(it.next().cloned());
+        } else if VALUED.contains(&a.as_str()) {
+            it.next();
+        } else if !a.starts_with('-') {
+            filters.push(a.clone());
+        }
+    }
+    let hit = |name: &str, f: &String| if exact { name == f } else { name.contains(f.as_str()) };
+    SCENARIOS
+        .iter()
+        .filter(|(name, _)| filters.is_empty() || filters.iter().any(|f| hit(name, f)))
+        .filter(|(name, _)| !skips.iter().any(|s| name.contains(s.as_str())))
+        .copied()
+        .collect()
+}
+
+fn panic_message(e: tokio::task::JoinError) -> String {
+    if !e.is_panic() {
+        return e.to_string();
+    }
+    let p = e.into_panic();
+    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let chosen = selected(&args);
+    if args.iter().any(|a| a == "--list") {
+        for (name, _) in &chosen {
+            println!("{name}: test");
+        }
+        return ExitCode::SUCCESS;
+    }
+    println!("\nrunning {} tests (at once)", chosen.len());
+    let started = Instant::now();
+    // The stand-ins serve from this runtime while the scenarios wait on
+    // processes: threads to spare keep one from holding up another.
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
+    let results: Vec<(&str, Result<(), String>)> = rt.block_on(async {
+        let tasks: Vec<_> = chosen.iter().map(|(name, run)| (*name, tokio::spawn(run()))).collect();
+        let mut results = Vec::new();
+        for (name, task) in tasks {
+            let r = task.await.map_err(panic_message);
+            println!("test {name} ... {}", if r.is_ok() { "ok" } else { "FAILED" });
+            results.push((name, r));
+        }
+        results
+    });
+    let failed: Vec<_> = results.iter().filter_map(|(n, r)| r.as_ref().err().map(|e| (n, e))).collect();
+    if !failed.is_empty() {
+        println!("\nfailures:\n");
+        for (name, e) in &failed {
+            println!("---- {name} ----\n{e}\n");
+        }
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed; finished in {:.1}s\n",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        results.len() - failed.len(),
+        failed.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(101) }
+}
