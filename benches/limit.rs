@@ -35,7 +35,7 @@ fn spec(kind: Kind) -> ResourceSpec {
         max_keys: 1,
         window: Duration::from_secs(1),
         shared: false,
-        burst_one_second: false,
+        burst_span: None,
         shadow: false,
         upstream_quota: false,
     }

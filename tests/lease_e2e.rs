@@ -615,6 +615,7 @@ impl usher_proto::capacity_server::Capacity for FakeDoorman {
             resource_capacity: None,
             spare: None,
             share_safe: None,
+            fresh: None,
             upstream_quota: None,
             resource_id: id.into(),
             // 3 s, asked again every second: a refused lease runs out soon.

@@ -189,8 +189,9 @@ use usher_lease::LeaseClient;
 use usher_limit::LeaseTable;
 use usher_limit::admit::{self, Admission, Admitted, Plan, Reason, Shadow};
 
-pub use crate::enforcer::EmbeddedServerOff;
+pub use crate::enforcer::{EmbeddedServerOff, Wiring};
 pub use usher_core::config::routes::RoutesConfig;
+pub use usher_lease::driver::Runs;
 pub use usher_limit::Refused;
 
 /// How long [`Limits::start`] waits for the first leases before enforcing
@@ -236,7 +237,18 @@ impl Limits {
     /// Needs a tokio runtime. Fails only without the `embedded-server`
     /// feature, for a `config` without `doorman:`.
     pub async fn start(config: RoutesConfig) -> Result<Limits, EmbeddedServerOff> {
-        let clock = Clock::system();
+        Limits::start_wired(config, Clock::system(), lease::Wiring::default()).await
+    }
+
+    /// [`Limits::start`] on `clock`, wired to its servers and runtime as
+    /// `wiring` says: for a simulation that runs many services in one
+    /// process in virtual time (a manual clock, an in-process transport to
+    /// real capacity servers, the lease client on the test's runtime).
+    pub async fn start_wired(
+        config: RoutesConfig,
+        clock: Clock,
+        wiring: lease::Wiring,
+    ) -> Result<Limits, EmbeddedServerOff> {
         let table = Arc::new(LeaseTable::new(clock.clone()));
         table.configure(route::specs(&config));
         let registry = prometheus::Registry::new();
@@ -255,8 +267,14 @@ impl Limits {
         let config = Arc::new(config);
         let source = config.clone();
         let stop = CancellationToken::new();
-        let (client, task) =
-            lease::start_with(Arc::new(move || source.clone()), table.clone(), pushback, &registry, stop.clone())?;
+        let (client, task) = lease::start_wired(
+            Arc::new(move || source.clone()),
+            table.clone(),
+            pushback,
+            &registry,
+            stop.clone(),
+            wiring,
+        )?;
         // Every key leased (at once from a cache), or the first call answered or failed, or the wait over.
         client.ready(FIRST_LEASE_WAIT).await;
         Ok(Limits {
@@ -289,6 +307,12 @@ impl Limits {
     /// (rate) or in flight (gauge); `None` for an id nothing has used yet.
     pub fn capacity(&self, id: &str) -> Option<f64> {
         self.inner.table.limiters().into_iter().find(|(_, l)| l.id() == id).map(|(_, l)| l.capacity())
+    }
+
+    /// The units `id` (a resource id) could admit now without waiting;
+    /// `None` for an id nothing has used yet.
+    pub fn remaining(&self, id: &str) -> Option<u64> {
+        self.inner.table.limiters().into_iter().find(|(_, l)| l.id() == id).map(|(_, l)| l.remaining())
     }
 
     /// What `resource`'s layers and admissions decided since the start;

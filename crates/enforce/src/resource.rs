@@ -126,7 +126,7 @@ pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
                 ResourceKind::Gauge => r.capacity.per_window,
             },
             burst: r.burst,
-            burst_one_second: r.burst_one_second,
+            burst_span: r.burst_span,
             max_wait: r.max_wait,
             max_queue: r.max_queue,
             max_keys: r.max_keys,

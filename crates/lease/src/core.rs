@@ -211,6 +211,9 @@ struct KeyState {
     /// The server's safe capacity is the key's share of the resource, which
     /// may be above its lease (usher's extension): see [`hold`].
     share_safe: bool,
+    /// The last answer's lease was the server's first above 0 for the key
+    /// (usher's extension): its bucket may start full, once.
+    fresh: bool,
     /// When the quota the server follows renews, while it says that quota
     /// is spent (usher's extension: its account of the upstream's quota, or
     /// of a calendar window): refusals meanwhile say how long to wait.
@@ -255,6 +258,7 @@ impl KeyState {
             fleet: None,
             spare: 0.0,
             share_safe: false,
+            fresh: false,
             renews: None,
             template: None,
             mode: Mode::Pending,
@@ -315,6 +319,7 @@ impl KeyState {
         self.fleet = r.resource_capacity.filter(|c| c.is_finite() && *c > 0.0);
         self.spare = r.spare.filter(|c| c.is_finite() && *c > 0.0).map_or(0.0, |c| c.min(r.gets.capacity.max(0.0)));
         self.share_safe = r.share_safe == Some(true);
+        self.fresh |= r.fresh == Some(true);
         self.renews =
             r.upstream_quota.as_ref().and_then(super::quota::from_proto).filter(|o| o.exhausted(now)).map(|o| o.reset);
         self.template = match (&r.template, &self.template) {
@@ -1482,6 +1487,12 @@ impl Core {
     /// usher server's extension), if they did.
     pub fn fleet_capacity(&self, resource_id: &str) -> Option<f64> {
         self.keys.get(resource_id).and_then(|k| k.fleet)
+    }
+
+    /// Whether the server's last lease for `resource_id` was its first
+    /// above 0 for the key, not yet taken: true once, then false.
+    pub fn take_fresh(&mut self, resource_id: &str) -> bool {
+        self.keys.get_mut(resource_id).is_some_and(|k| std::mem::take(&mut k.fresh))
     }
 
     /// When the quota the server follows for `resource_id` renews, while

@@ -38,6 +38,9 @@ pub struct ServerSaid {
     pub fleet: Option<f64>,
     /// When the quota they follow renews, while they say it is spent.
     pub renews: Option<Time>,
+    /// The lease is their first above 0 for the key: nobody's bucket holds
+    /// its share of the fleet's burst, so the key's may start full.
+    pub fresh: bool,
 }
 
 /// The enforcement side, as the lease client sees it.
@@ -415,7 +418,10 @@ fn enforce(client: &LeaseClient) {
         note_zeros(&client.zeros, &core, &caps);
         let said: Vec<(String, ServerSaid)> = caps
             .iter()
-            .map(|(id, _)| (id.clone(), ServerSaid { fleet: core.fleet_capacity(id), renews: core.renews(id) }))
+            .map(|(id, _)| {
+                let fresh = core.take_fresh(id);
+                (id.clone(), ServerSaid { fleet: core.fleet_capacity(id), renews: core.renews(id), fresh })
+            })
             .collect();
         (caps, core.take_transitions(), said)
     };

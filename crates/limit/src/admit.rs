@@ -592,7 +592,7 @@ mod tests {
             max_keys: 1,
             window: Duration::from_secs(1),
             shared: false,
-            burst_one_second: false,
+            burst_span: None,
             shadow: false,
             upstream_quota: false,
         }]);
@@ -641,7 +641,7 @@ mod tests {
             max_keys: 1,
             window: Duration::from_secs(1),
             shared: false,
-            burst_one_second: false,
+            burst_span: None,
             shadow: false,
             upstream_quota: false,
         };

@@ -46,7 +46,7 @@
 //!     max_keys: 1,
 //!     window: Duration::from_secs(1),
 //!     shared: false,
-//!     burst_one_second: false,
+//!     burst_span: None,
 //!     shadow: false,
 //!     upstream_quota: false,
 //! }]);

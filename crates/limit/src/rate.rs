@@ -297,6 +297,16 @@ impl Rate {
         }
     }
 
+    /// Units reserved beyond what the bucket holds at `now`: the requests
+    /// waiting for their slots, in units (0 when none waits).
+    pub fn backlog(&self, now: Time) -> f64 {
+        let s = self.state.lock().expect("rate lock");
+        match s.interval {
+            Some(i) if i > 0 => (s.tat.saturating_sub(s.pos(now)) as f64 / i as f64 - s.burst).max(0.0),
+            _ => 0.0,
+        }
+    }
+
     /// Units that could pass right now without waiting, rounded down.
     pub fn remaining(&self, now: Time) -> u64 {
         let s = self.state.lock().expect("rate lock");

@@ -63,9 +63,9 @@ pub struct ResourceSpec {
     /// the fleet's burst may be spent already; its first lease fills it if
     /// that lease is the whole capacity ([`Limiter::fill`]).
     pub shared: bool,
-    /// No burst was written: a key bursts one second's worth of its own
-    /// capacity (its lease), whatever the fleet's capacity.
-    pub burst_one_second: bool,
+    /// No burst was written: a key bursts this long of its own capacity
+    /// (its lease), whatever the fleet's capacity.
+    pub burst_span: Option<Duration>,
     /// Shadow mode: decisions are made and counted, never enforced.
     pub shadow: bool,
     /// The upstream reports its own quota: each key keeps the freshest
@@ -79,15 +79,16 @@ impl ResourceSpec {
     /// servers share it, else the configured one; all of it at or above
     /// that), at least one unit.
     pub fn burst_at(&self, capacity: f64, fleet: Option<f64>) -> f64 {
-        if self.burst_one_second {
-            // One second at the leased rate (the fleet's burst is one second
-            // of the capacity the servers share), and room for one request
-            // more below two: a bucket of one at a slow lease is full between
+        if let Some(span) = self.burst_span {
+            // The span at the leased rate (the fleet's burst is the span of
+            // the capacity the servers share), and room for one request more
+            // below two: a bucket of one at a slow lease is full between
             // most requests and drops what it earns meanwhile (a key leased
             // 0.67/s, asked every second, would pass one request in two
             // seconds). The one more is the fleet bound's one per sidecar.
             return if capacity.is_finite() {
-                capacity.max(1.0 + capacity.clamp(0.0, 1.0))
+                let b = capacity * span.as_secs_f64();
+                b.max(1.0 + b.clamp(0.0, 1.0))
             } else {
                 self.burst.max(1.0)
             };
@@ -278,15 +279,19 @@ impl Limiter {
         }
     }
 
-    /// Fills a shared key's bucket at its first lease, if that lease is
-    /// the whole configured capacity: nobody else holds any of it, so
-    /// nobody else can hold any of the fleet's burst either.
-    pub fn fill(&self) {
+    /// Fills a shared key's bucket at its first lease, if nobody else can
+    /// hold that share of the fleet's burst: the servers said they held no
+    /// lease for the key before (`fresh`: a new client, or a new key of
+    /// one; a sidecar restarted under the same id is not, so a restart
+    /// adds no burst), or the lease is the whole capacity. Each bucket
+    /// holds its lease's share of the burst, and a new lease comes from
+    /// capacity nobody holds.
+    pub fn fill(&self, fresh: bool) {
         let spec = self.spec.load();
         let whole = self.fleet().unwrap_or(spec.capacity);
         if let Some(r) = &self.rate
             && spec.shared
-            && r.capacity() >= whole * (1.0 - 1e-9)
+            && (fresh || r.capacity() >= whole * (1.0 - 1e-9))
         {
             r.charge(self.clock.now(), -r.burst());
         }
@@ -719,10 +724,10 @@ impl LeaseTable {
 
     /// Fills the bucket of every key whose id is `id` at its first lease
     /// (see [`Limiter::fill`]).
-    pub fn fill(&self, id: &str) {
+    pub fn fill(&self, id: &str, fresh: bool) {
         for r in self.resources.load().values() {
             if let Some(l) = r.get(id) {
-                l.fill();
+                l.fill(fresh);
             }
         }
     }
@@ -775,7 +780,7 @@ mod tests {
             max_keys: 3,
             window: Duration::from_secs(1),
             shared: false,
-            burst_one_second: false,
+            burst_span: None,
             shadow: false,
             upstream_quota: false,
         }
@@ -788,7 +793,7 @@ mod tests {
     fn a_slow_lease_asked_often_passes_all_of_it() {
         let (clock, h) = Clock::manual(Time::from_secs(10));
         let t = LeaseTable::new(clock);
-        t.configure(vec![ResourceSpec { burst_one_second: true, ..spec("r", Kind::Rate, 2.0) }]);
+        t.configure(vec![ResourceSpec { burst_span: Some(Duration::from_secs(1)), ..spec("r", Kind::Rate, 2.0) }]);
         let k = t.resource("r").unwrap().limiter("r");
         assert!(t.set_capacity("r", 2.0 / 3.0));
         let passed = (0..60)

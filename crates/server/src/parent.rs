@@ -405,6 +405,7 @@ fn client_response(resp: proto::GetServerCapacityResponse) -> proto::GetCapacity
                 resource_capacity: r.resource_capacity,
                 spare: r.spare,
                 share_safe: None,
+                fresh: None,
                 upstream_quota: r.upstream_quota,
                 resource_id: r.resource_id,
                 gets: r.gets,

@@ -374,6 +374,7 @@ impl Capacity for CapacityService {
                         resource_capacity: g.resource_capacity,
                         spare: (g.spare > 0.0).then_some(g.spare),
                         share_safe: g.share_safe.then_some(true),
+                        fresh: g.fresh.then_some(true),
                         upstream_quota: g.quota.as_ref().map(usher_lease::quota::to_proto),
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),

@@ -146,6 +146,11 @@ pub struct Grant {
     /// `safe_capacity` is the client's share of the resource (none is
     /// configured): it may be above the client's lease.
     pub share_safe: bool,
+    /// The first grant above 0 to a client this server held no lease and no
+    /// reservation for when it first asked, outside learning mode: nobody's
+    /// bucket holds the share of the burst this lease brings (see the
+    /// proto's `fresh`).
+    pub fresh: bool,
 }
 
 /// The algorithm parameter that says what a resource does with capacity
@@ -154,9 +159,21 @@ pub struct Grant {
 /// other algorithms, and Doorman's behaviour).
 pub const SPARE_PARAMETER: &str = "spare";
 
-/// Spare capacity is shared as if this many more subclients wanted some: a
-/// share of it stays free, so that a client whose demand rises, or a new
-/// one, finds some at once rather than a refresh interval later.
+/// A resource new to a server counts as still meeting its clients for at
+/// least this long (see `Resource::arriving`): long enough for sidecars
+/// started together to measure their demand and ask again (half a second of
+/// traffic, and the lease client's minimum interval of a second), also
+/// where the refresh interval is a second.
+pub const ARRIVALS: Duration = Duration::from_secs(5);
+
+/// A lease that carries spare capacity is refreshed at least this often:
+/// when a client's demand rises beyond what is free, the others give their
+/// spare back within this long, not a whole refresh interval later.
+pub const SPARE_REFRESH: Duration = Duration::from_secs(5);
+
+/// Spare capacity is handed out as if this many more subclients wanted a
+/// share of it: that share stays free, so that a client whose demand rises,
+/// or a new one, finds some at once rather than a refresh interval later.
 pub const SPARE_KEPT_FREE: f64 = 1.0;
 
 /// How a request is decided (see [`Resource::decide`]).
@@ -189,6 +206,8 @@ struct Ask<'a> {
     /// The request's demand per priority band ([`bands_of`]).
     bands: &'a [(i64, f64, u64)],
     d: Decision,
+    /// This server held a lease or a reservation for the client before the request.
+    known: bool,
 }
 
 /// What a node's new master inherits from its predecessor: the floor of
@@ -374,6 +393,9 @@ struct ClientLease {
     safe: f64,
     /// The part of `granted` that is spare (see [`Grant::spare`]).
     spare: f64,
+    /// A grant above 0 was made to the client since this server first knew
+    /// it (see [`Grant::fresh`]).
+    granted_some: bool,
 }
 
 /// What a lease leaves behind when it expires unrenewed: its client now holds
@@ -1428,6 +1450,7 @@ impl Resource {
             resource_capacity: None,
             spare: l.spare,
             share_safe: l.share,
+            fresh: false,
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
@@ -1484,6 +1507,7 @@ impl Resource {
                 predecessor_subclients: None,
                 safe,
                 spare: 0.0,
+                granted_some: false,
             }),
         );
         // While its reservation lasts, it may run on that and no more.
@@ -1496,6 +1520,7 @@ impl Resource {
             resource_capacity: None,
             spare: 0.0,
             share_safe: false,
+            fresh: false,
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
@@ -1545,7 +1570,8 @@ impl Resource {
             // what every lease held until now.
             self.by_priority();
         }
-        let ask = Ask { req, client, epoch, now, role, alg, capacity, bands: &bands, d };
+        let known = self.clients.contains_key(client) || self.reservations.contains_key(client);
+        let ask = Ask { req, client, epoch, now, role, alg, capacity, bands: &bands, d, known };
         let Ok(inherited) = self.succeed(&ask) else {
             return self.unchanged(client, now, capacity, ask.alg);
         };
@@ -1633,6 +1659,7 @@ impl Resource {
             resource_capacity: None,
             spare: 0.0,
             share_safe: false,
+            fresh: false,
             capacity: 0.0,
             expiry: now,
             refresh_interval: alg.refresh_interval,
@@ -1664,12 +1691,23 @@ impl Resource {
     /// Decides a new lease for the client, files it, and answers with it.
     fn renew(&mut self, a: Ask<'_>, inherited: Option<Inherited>) -> Grant {
         let (req, now) = (a.req, a.now);
+        // A client met anew (or one whose grants so far were all 0).
+        let first = match self.clients.get(a.client) {
+            Some(l) => !l.granted_some,
+            None => !a.known,
+        };
         let prior = self.refile(&a, inherited);
         let (earned, held_back) = self.grant(&a, &prior);
         let spare = self.spare(&a, &prior, earned);
         let granted = earned + spare;
+        let fresh = first && !a.d.learning && granted > 0.0;
+        let granted_some = !first || granted > 0.0;
         let has = self.counted_has(&a, granted, &prior);
-        let (expiry, refresh) = self.lease_times(&a, held_back);
+        let (expiry, mut refresh) = self.lease_times(&a, held_back);
+        if spare > 0.0 {
+            // Spare capacity comes back within this long when another client needs it.
+            refresh = refresh.min(SPARE_REFRESH);
+        }
         let safe = self.safe_capacity(a.capacity.unwrap_or(0.0));
         let (share, told) = self.tell_share(&a);
         let lease = ClientLease {
@@ -1691,6 +1729,7 @@ impl Resource {
                 None => self.configured_safe_capacity().unwrap_or(safe),
             },
             spare,
+            granted_some,
         };
         self.index.upsert(prior.slot, req.wants, req.subclients, has);
         self.file_bands(prior.slot, a.bands.iter().copied(), has);
@@ -1705,6 +1744,7 @@ impl Resource {
             },
             spare,
             share_safe: share,
+            fresh,
             capacity: granted,
             expiry,
             refresh_interval: refresh,
@@ -1801,7 +1841,7 @@ impl Resource {
             granted = granted.max(old_has.min(share));
             held_back = granted < share * (1.0 - HELD_BACK_MARGIN) - 1e-9;
         }
-        if prior.grew && a.d.arrivals && a.now.since(self.created) < alg.refresh_interval && is_shared(alg.kind) {
+        if prior.grew && self.arriving(a) && is_shared(alg.kind) {
             // Clients are still arriving, and the wants of those that
             // asked first may not be their demand yet (a sidecar asks
             // for its routes file's capacity, 1/s say, before it has
@@ -1816,20 +1856,28 @@ impl Resource {
         (granted, held_back)
     }
 
+    /// Whether the resource's clients may still be arriving: it is new to
+    /// this server (a refresh interval, and at least [`ARRIVALS`]) and may
+    /// have more than one client. Its first clients' wants may not be their
+    /// demand yet (a sidecar asks for its routes file's capacity before it
+    /// has measured any), so none grows past an equal share meanwhile, and
+    /// their leases refresh every second.
+    fn arriving(&self, a: &Ask<'_>) -> bool {
+        a.d.arrivals && a.now.since(self.created) < a.alg.refresh_interval.max(ARRIVALS)
+    }
+
     /// The spare capacity handed to the client beside the `earned` grant:
     /// when all wants together are below the capacity to share, what
-    /// nobody wants is split among the clients by subclients, as if
-    /// [`SPARE_KEPT_FREE`] more wanted some, within what the others leave
-    /// unused. So a burst passes at once wherever it lands, and a quiet
-    /// client keeps some capacity instead of none. Not in learning mode,
-    /// not while a new resource's clients are still arriving (the first to
-    /// ask would take what the others are about to want), and not where
+    /// nobody wants is handed out, within what the others leave unused,
+    /// half in proportion to the wants and half raising the clients that
+    /// want least to one level (per subclient); a share of it (as if
+    /// [`SPARE_KEPT_FREE`] more subclients wanted some) stays free. So a
+    /// burst passes at once wherever it lands (a client's bucket is its
+    /// lease's share of the fleet's burst), the busiest clients' queues
+    /// have room, and a quiet client keeps some capacity instead of none. Not in learning mode, and not where
     /// the template keeps spare capacity (see [`SPARE_PARAMETER`]).
     fn spare(&self, a: &Ask<'_>, prior: &Prior, earned: f64) -> f64 {
         let Some(cap) = a.capacity.filter(|_| !a.d.learning && shares_spare(&a.alg)) else { return 0.0 };
-        if a.d.arrivals && a.now.since(self.created) < a.alg.refresh_interval {
-            return 0.0;
-        }
         let cap = (cap - self.reserved).max(0.0);
         let free = cap - self.index.total_wants();
         let others = self.index.total_has() - prior.has;
@@ -1838,7 +1886,26 @@ impl Resource {
             return 0.0;
         }
         let n = self.index.total_subclients() as f64 + SPARE_KEPT_FREE;
-        (free * a.req.subclients as f64 / n).min(unused).max(0.0)
+        // While a new resource's clients are still arriving, a whole equal
+        // share stays free for the next (the first to ask would otherwise
+        // take what the others are about to want); then, a share of the spare.
+        let arriving = self.arriving(a);
+        let kept = if arriving { cap * SPARE_KEPT_FREE / n } else { free * SPARE_KEPT_FREE / n };
+        // Half of what is handed out goes in proportion to the wants (the
+        // busiest clients' queues have room too), half raises those that
+        // want least to one level.
+        let target = cap - kept;
+        let wants = self.index.total_wants();
+        let scale = if wants > 0.0 { 1.0 + (target - wants).max(0.0) / 2.0 / wants } else { 1.0 };
+        let floor = self.index.floor_level(target / scale) * scale * a.req.subclients as f64;
+        let mut lease = floor.max(a.req.wants * scale);
+        if arriving {
+            // No more than an equal share while others may be about to ask
+            // (as for the wants themselves, in `shared_grant`).
+            let equal = cap * a.req.subclients as f64 / self.index.total_subclients().max(1) as f64;
+            lease = lease.min(equal.max(prior.has));
+        }
+        (lease - earned).min(unused).max(0.0)
     }
 
     /// What counts as outstanding for the client: its grant, or for a lower
@@ -1903,8 +1970,7 @@ impl Resource {
             // Nothing to hand out yet (no lease from the parent): come back soon.
             refresh = Duration::from_secs(1);
             expiry = now.saturating_add(Duration::from_secs(2));
-        } else if held_back || self.quota.is_some() || (a.d.arrivals && now.since(self.created) < alg.refresh_interval)
-        {
+        } else if held_back || self.quota.is_some() || self.arriving(a) {
             // (A capacity that follows the upstream's quota changes by the
             // second: its clients come back every second to follow it.)
             // Adaptive refresh: the grant was cut to what others leave

@@ -885,6 +885,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
         resource_capacity: None,
         spare: None,
         share_safe: None,
+        fresh: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
@@ -924,6 +925,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
             resource_capacity: None,
             spare: None,
             share_safe: None,
+            fresh: None,
             upstream_quota: None,
             resource_id: id.into(),
             gets: proto::Lease {
@@ -973,6 +975,7 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
         resource_capacity: None,
         spare: None,
         share_safe: None,
+        fresh: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
@@ -1091,6 +1094,7 @@ fn a_lease_below_its_safe_capacity_is_held_a_refresh_interval_longer() {
         resource_capacity: None,
         spare: None,
         share_safe: None,
+        fresh: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
@@ -1145,6 +1149,7 @@ fn a_lapsed_lease_is_held_a_refresh_interval_at_no_more_than_its_safe_capacity()
         resource_capacity: None,
         spare: None,
         share_safe: Some(true),
+        fresh: None,
         upstream_quota: None,
         resource_id: id.into(),
         gets: proto::Lease {
@@ -1186,16 +1191,23 @@ fn a_lapsed_lease_is_held_a_refresh_interval_at_no_more_than_its_safe_capacity()
 #[test]
 fn spare_capacity_is_kept_until_the_refresh_and_a_rise_finds_some_at_once() {
     let w = World::with(&["s1"], SPARE);
-    w.settle("s1", "r");
     let (mut a, mut b) = (w.core("a", &["s1"]), w.core("b", &["s1"]));
-    a.set_demand(vec![demand("r", 10.0, OnExpiry::Safe)]);
-    w.step(&mut a);
-    b.set_demand(vec![demand("r", 20.0, OnExpiry::Safe)]);
-    w.step(&mut b);
+    // Past a new resource's first refresh interval (12 s), while its clients arrive.
+    for _ in 0..56 {
+        a.set_demand(vec![demand("r", 10.0, OnExpiry::Safe)]);
+        w.step(&mut a);
+        b.set_demand(vec![demand("r", 20.0, OnExpiry::Safe)]);
+        w.step(&mut b);
+        w.advance(Duration::from_millis(250));
+    }
     let Capacity::Limited(la) = cap(&mut a, w.clock.now(), "r") else { panic!("a is limited") };
-    assert!(la > 35.0, "a holds its 10 and spare beside it: {la}");
+    assert!(la > 15.0, "a holds its 10 and spare beside it: {la}");
+    // A lease carrying spare refreshes every 5 s (not 12): never earlier.
     let at = calls_over(&w, &mut a, 9, || vec![demand("r", 10.0, OnExpiry::Safe)]);
-    assert!(at.is_empty(), "a key holding spare asks no earlier than its refresh: {at:?}");
+    assert!(
+        at.len() <= 2 && at.windows(2).all(|w| w[1] - w[0] >= 5.0 * 5.0 / 6.0),
+        "a key holding spare asks no earlier than its refresh: {at:?}"
+    );
     // b's demand rises above what is free: it gets the share kept free at once.
     let Capacity::Limited(before) = cap(&mut b, w.clock.now(), "r") else { panic!("b is limited") };
     b.set_demand(vec![KeyDemand { pressure: true, ..demand("r", 85.0, OnExpiry::Safe) }]);

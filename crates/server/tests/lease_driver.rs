@@ -259,6 +259,7 @@ impl Transport for Steady {
                 resource_capacity: None,
                 spare: None,
                 share_safe: None,
+                fresh: None,
                 upstream_quota: None,
                 resource_id: r.resource_id,
                 gets: proto::Lease { expiry_time, refresh_interval: 3600, capacity: r.wants },

@@ -133,10 +133,11 @@ pub struct ResourceConfig {
     pub max_wait: Duration,
     /// Rate only: units that may pass at once from an idle start.
     pub burst: f64,
-    /// The file gives no burst and the capacity is per second: each key
-    /// bursts one second's worth of what it is leased (`burst` is then that
-    /// of the file's capacity, for `usher check` and cost checks).
-    pub burst_one_second: bool,
+    /// The file gives no burst: each key bursts this long of what it is
+    /// leased (see [`default_burst_span`]; `burst` is then that of the
+    /// file's capacity, for `usher check`). `None`: the file's `burst` is
+    /// the fleet's, each key holding its lease's share of it.
+    pub burst_span: Option<Duration>,
     /// The most distinct ids a templated resource tracks (at least 1).
     pub max_keys: usize,
     /// The most requests waiting for one key (at least 1).
@@ -775,7 +776,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
     let capacity = read_capacity(ck, &m, kind);
     let max_wait = m.get("max_wait").map_or(Some(DEFAULT_MAX_WAIT), |n| ck.duration(n, &m.child("max_wait")));
     let burst = read_burst(ck, &m, kind, capacity);
-    let burst_one_second = m.get("burst").is_none() && capacity.is_some_and(|c| c.window <= Duration::from_secs(1));
+    let burst_span = capacity.filter(|_| m.get("burst").is_none()).map(|c| default_burst_span(c.window));
     let max_keys = count(ck, &m, "max_keys", DEFAULT_MAX_KEYS);
     let max_queue = count(ck, &m, "max_queue", DEFAULT_MAX_QUEUE);
     let lease = super::doorman::read_lease_settings(ck, &m);
@@ -792,7 +793,7 @@ fn read_resource(ck: &mut Checker, name: &str, node: &Node, path: &str) -> Optio
         capacity: capacity?,
         max_wait: max_wait?,
         burst: burst?,
-        burst_one_second,
+        burst_span,
         max_keys: max_keys?,
         max_queue: max_queue?,
         lease: lease?,
@@ -919,22 +920,30 @@ fn read_calendar(
     }
 }
 
-/// A rate resource's burst when the file gives none, for the whole fleet,
-/// at least one request:
-/// - per second (`50` or `50/s`): one second's worth, so that a few
-///   requests in a row within the rate are never refused;
-/// - per minute (`6000/min`): the minute's count, as an API whose limit is
-///   written per minute lets it be spent at once (and as governor's
+/// A rate resource's burst when the file gives none: this long of its
+/// capacity, for the whole fleet, at least one request (each key bursts
+/// this long of its lease, its share of the capacity the servers share):
+/// - per second (`50` or `50/s`): a second, so that a few requests in a
+///   row within the rate are never refused;
+/// - per minute (`6000/min`): the minute, as an API whose limit is written
+///   per minute lets it be spent at once (and as governor's
 ///   `Quota::per_minute` bursts): calls that come a few at a time, a few
 ///   times a minute, are not held back below the quota;
-/// - per hour: a minute's worth;
+/// - per hour: a minute;
 /// - per day: the whole day, since it may be spent at any time of the day.
-pub fn default_burst(capacity: Option<Capacity>) -> f64 {
+pub fn default_burst_span(window: Duration) -> Duration {
     let minute = Duration::from_secs(60);
+    match window {
+        w if w >= Duration::from_secs(86400) => w,
+        w if w > minute => minute,
+        w => w.max(Duration::from_secs(1)),
+    }
+}
+
+/// A rate resource's burst when the file gives none (see [`default_burst_span`]).
+pub fn default_burst(capacity: Option<Capacity>) -> f64 {
     match capacity {
-        Some(c) if c.window >= Duration::from_secs(86400) => c.per_window.max(1.0),
-        Some(c) if c.window > minute => (c.per_second() * minute.as_secs_f64()).max(1.0),
-        Some(c) => c.per_window.max(1.0),
+        Some(c) => (c.per_second() * default_burst_span(c.window).as_secs_f64()).max(1.0),
         None => 1.0,
     }
 }
@@ -1145,7 +1154,9 @@ fn check_cost(
     resources: &BTreeMap<String, ResourceConfig>,
 ) -> bool {
     let Some(rc) = resources.get(res) else { return true };
-    if rc.kind == ResourceKind::Rate && cost > rc.burst {
+    // (A default burst follows the lease: with capacity servers the file's
+    // capacity is only a first guess, and its span of it says nothing.)
+    if rc.kind == ResourceKind::Rate && rc.burst_span.is_none() && cost > rc.burst {
         ck.error(
             at.loc,
             path,

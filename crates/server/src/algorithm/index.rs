@@ -257,6 +257,38 @@ impl DemandIndex {
         ((capacity - satisfied.wants) / unsatisfied as f64).max(0.0)
     }
 
+    /// The floor `F` per subclient with `sum(max(wants, F * subclients)) =
+    /// target`: the clients that want least raised to one level, as far as
+    /// `target` allows (how spare capacity is handed out: it goes where
+    /// least is wanted). 0 when `target` is no more than the total wants.
+    pub fn floor_level(&self, target: f64) -> f64 {
+        let total = self.sums(self.root);
+        if target <= total.wants || total.subclients == 0 {
+            return 0.0;
+        }
+        // In level order, raising the clients up to `c` (and `c`) to `c`'s
+        // level stays within `target` for a prefix of the clients: one
+        // descent finds its end.
+        let mut raised = Sums::default();
+        let mut before = Sums::default();
+        let mut t = self.root;
+        while t != NIL {
+            let n = self.node(t);
+            let with = add(add(before, self.sums(n.left)), n.own());
+            if (total.wants - with.wants) + n.level * with.subclients as f64 <= target {
+                before = with;
+                raised = with;
+                t = n.right;
+            } else {
+                t = n.left;
+            }
+        }
+        if raised.subclients == 0 {
+            return 0.0;
+        }
+        ((target - (total.wants - raised.wants)) / raised.subclients as f64).max(0.0)
+    }
+
     // === tree plumbing ===
 
     fn node(&self, id: NodeId) -> &Node {

@@ -581,3 +581,24 @@ fn a_million_upserts_do_not_drift() {
     }
     check(&idx, &current);
 }
+
+/// The floor level raises the clients that want least, per subclient, as
+/// far as the target allows; the others keep their wants.
+#[test]
+fn the_floor_level_raises_those_that_want_least() {
+    let mut idx = DemandIndex::new();
+    idx.upsert(0, 11.5, 1, 0.0);
+    idx.upsert(1, 23.0, 1, 0.0);
+    idx.upsert(2, 46.0, 1, 0.0);
+    assert_eq!(idx.floor_level(80.5), 0.0, "no more than the wants: no floor");
+    let f = idx.floor_level(95.0);
+    assert!((f - 24.5).abs() < 1e-9, "{f}");
+    let f = idx.floor_level(150.0);
+    assert!((f - 50.0).abs() < 1e-9, "everyone raised: {f}");
+    // Subclients weigh: a client of three subclients is raised three times as far.
+    idx.upsert(3, 0.0, 3, 0.0);
+    let f = idx.floor_level(80.5 + 30.0);
+    assert!((f - 10.0).abs() < 1e-9, "{f}");
+    let floor: f64 = [(11.5f64, 1.0), (23.0, 1.0), (46.0, 1.0), (0.0, 3.0)].iter().map(|(w, s)| w.max(f * s)).sum();
+    assert!((floor - 110.5).abs() < 1e-9, "{floor}");
+}

@@ -5,7 +5,16 @@ use proptest::prelude::*;
 use super::*;
 use usher_core::config::resources::{Algorithm, ResourcesConfig, Template};
 
+/// A template that grants no more than is wanted (`spare: keep`): most tests
+/// here follow exact grants; [`sharing`] is FAIR_SHARE as it comes.
 fn template(kind: Kind, capacity: f64, lease: u64, refresh: u64, learning: u64) -> Arc<Template> {
+    let mut t = (*sharing(kind, capacity, lease, refresh, learning)).clone();
+    t.algorithm.parameters = vec![(SPARE_PARAMETER.into(), Some("keep".into()))];
+    Arc::new(t)
+}
+
+/// A template as written, with no parameters.
+fn sharing(kind: Kind, capacity: f64, lease: u64, refresh: u64, learning: u64) -> Arc<Template> {
     Arc::new(Template {
         identifier_glob: "*".into(),
         capacity,
@@ -117,22 +126,24 @@ fn learning_mode_believes_a_reported_lease_only_within_the_capacity_and_a_lease_
 }
 
 /// Below the capacity, what nobody wants is handed out beside the grants,
-/// split by subclients with one share kept free for a client whose demand
-/// rises; above it, nothing is spare. A template that keeps spare capacity
+/// raising the clients that want least to one level, with one share kept
+/// free for a client whose demand rises; above it, nothing is spare. A template that keeps spare capacity
 /// grants no more than is wanted.
 #[test]
 fn spare_capacity_is_shared_below_the_capacity_and_one_share_kept_free() {
-    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
-    // A new resource's first refresh interval hands out no spare: its clients are still arriving.
+    let (clock, time) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![sharing(Kind::FairShare, 100.0, 10, 5, 0)] };
+    let (s, clock) = (Store::new(clock, cfg, Duration::ZERO), time);
+    // While a new resource's clients are still arriving, a whole equal share stays free.
     let a = s.get_capacity("a", &req("r", 10.0, None));
-    assert_eq!((a.capacity, a.spare), (10.0, 0.0));
-    clock.advance(Duration::from_secs(6));
+    assert_eq!((a.capacity, a.spare), (50.0, 40.0));
+    clock.advance(ARRIVALS + Duration::from_secs(1));
     let a = s.get_capacity("a", &req("r", 10.0, None));
     assert_eq!((a.capacity, a.spare), (55.0, 45.0), "90 spare over a and one share kept free");
     assert!(a.share_safe, "no safe capacity is configured: a's is its share");
     let b = s.get_capacity("b", &req("r", 20.0, None));
-    // 70 spare over three shares, within what a leaves unused (100 - 55).
-    assert!((b.spare - 70.0 / 3.0).abs() < 1e-9, "{b:?}");
+    // 70 spare, a third of it kept free: a and b raised to (100 - 70/3) / 2 each.
+    assert!((b.spare - ((100.0 - 70.0 / 3.0) / 2.0 - 20.0)).abs() < 1e-9, "{b:?}");
     assert_eq!(b.capacity, 20.0 + b.spare);
     let c = s.get_capacity("c", &req("r", 90.0, None));
     assert_eq!(c.spare, 0.0, "wants above the capacity: nothing is spare");

@@ -331,9 +331,9 @@ fn a_rate_bursts_what_its_unit_allows_by_default() {
                 routes:\n  - { name: all, upstream: up, resources: [fast, slow, day, tpm, trickle] }\n";
     let c = RoutesConfig::parse("r.yaml", yaml).unwrap();
     assert_eq!(c.resources["fast"].burst, 100.0, "two requests in a row within 100/s both pass");
-    assert!(c.resources["fast"].burst_one_second);
+    assert_eq!(c.resources["fast"].burst_span, Some(Duration::from_secs(1)));
     assert_eq!(c.resources["tpm"].burst, 6000.0, "a per-minute limit may be spent at once");
-    assert!(!c.resources["tpm"].burst_one_second, "the fleet's burst, shared by lease");
+    assert_eq!(c.resources["tpm"].burst_span, Some(Duration::from_secs(60)), "a minute of each key's lease");
     assert!((c.resources["slow"].burst - 5000.0 / 60.0).abs() < 1e-9, "a minute's worth");
     assert_eq!(c.resources["trickle"].burst, 1.0, "at least one request");
     assert_eq!(c.resources["day"].burst, 300.0);
