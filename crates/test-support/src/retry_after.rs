@@ -25,7 +25,7 @@ use http::{HeaderMap, HeaderValue};
 /// a day, the longest unit a quota renews in.
 pub const DAY_S: u64 = 86_400;
 
-/// How many bad values a [`Checked`] keeps to name (it counts them all).
+/// How many distinct bad values a [`Checked`] keeps to name (it counts them all).
 const KEEP: usize = 16;
 
 /// The latest a 429 may tell the app to retry.
@@ -110,7 +110,7 @@ impl Checked {
             Err(e) => {
                 self.bad.fetch_add(1, Ordering::Relaxed);
                 let mut named = self.named.lock().unwrap();
-                if named.len() < KEEP {
+                if named.len() < KEEP && !named.contains(&e) {
                     named.push(e);
                 }
                 None
@@ -118,7 +118,7 @@ impl Checked {
         }
     }
 
-    /// The bad values seen (the first few, by what is wrong with them).
+    /// What was wrong with the bad values seen: each distinct one, the first few.
     pub fn bad(&self) -> Vec<String> {
         self.named.lock().unwrap().clone()
     }
@@ -192,7 +192,9 @@ mod tests {
         assert_eq!(c.check(&h), Some(3));
         h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("18446744074"));
         assert_eq!(c.check(&h), None);
-        assert!(c.summary().contains("2 checked, longest 3 s, 1 bad"), "{}", c.summary());
+        assert_eq!(c.check(&h), None);
+        assert!(c.summary().contains("3 checked, longest 3 s, 2 bad"), "{}", c.summary());
+        assert_eq!(c.bad().len(), 1, "named once: {:?}", c.bad());
         let caught = std::panic::catch_unwind(|| c.assert_sane()).unwrap_err();
         assert!(caught.downcast_ref::<String>().unwrap().contains("18446744074"));
     }
