@@ -306,8 +306,10 @@ impl Ticks {
     /// Waits for the next send time; `false` once the run is over (a send
     /// time at or past the end of the run is not one).
     async fn next(&mut self) -> bool {
+        // `timeout_at` polls the tick first: a connection behind its pace
+        // would get a tick at once, however late, without the first check.
         let end = tokio::time::Instant::from_std(self.deadline);
-        tokio::time::timeout_at(end, self.interval.tick()).await.is_ok()
+        Instant::now() < self.deadline && tokio::time::timeout_at(end, self.interval.tick()).await.is_ok()
     }
 }
 
