@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use support::load::{Tally, drive};
-use support::upstream::{Upstream, routes};
+use support::upstream::{Upstream, doorman, routes};
 use support::{Usher, free_port, write_file};
 
 /// The server has been running for a while: what it learns at its own start
@@ -43,12 +43,10 @@ async fn cold_start(first_wants: u32) {
         .iter()
         .enumerate()
         .map(|(i, up)| {
-            let doorman = format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: cold-{i}\n");
-            write_file(dir.path(), &format!("s{i}.yaml"), &routes(up, &doorman, &res))
+            write_file(dir.path(), &format!("s{i}.yaml"), &routes(up, &doorman(port, &format!("cold-{i}")), &res))
         })
         .collect();
-    let starting: Vec<_> = files.into_iter().map(|f| std::thread::spawn(move || Usher::proxy(&f))).collect();
-    let sidecars: Vec<Usher> = starting.into_iter().map(|t| t.join().unwrap()).collect();
+    let sidecars = Usher::proxies(&files);
     let started = Instant::now();
     let secs = 8;
     let loads: Vec<_> = sidecars

@@ -13,35 +13,19 @@ use usher_test_support as support;
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use support::upstream::{Upstream, get, h1, routes};
+use support::load::{self, Tally};
+use support::upstream::{Upstream, doorman, get, h1, routes};
 use support::{Usher, free_port, write_file};
 
 /// Sends `n` requests to the sidecar at `addr` as fast as 8 connections
 /// allow, and returns how many were admitted (200).
 async fn fire(addr: std::net::SocketAddr, n: usize) -> u64 {
-    let ok = Arc::new(AtomicU64::new(0));
-    let conns: Vec<_> = (0..8)
-        .map(|c| {
-            let ok = ok.clone();
-            tokio::spawn(async move {
-                let mut client = h1(addr).await;
-                for _ in (c..n).step_by(8) {
-                    client.ready().await.unwrap();
-                    let r = client.send_request(get("app.local", "/x")).await.unwrap();
-                    if r.status() == 200 {
-                        ok.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            })
-        })
-        .collect();
-    for c in conns {
-        c.await.unwrap();
-    }
-    ok.load(Ordering::Relaxed)
+    let tally = Arc::new(Tally::default());
+    load::fire(addr, n, 8, tally.clone()).await;
+    tally.ok.load(Ordering::Relaxed)
 }
 
 /// A capacity server sharing one resource of `capacity` per second, with no
@@ -57,13 +41,9 @@ fn server(dir: &Path, capacity: f64) -> (Usher, u16) {
 /// Three sidecars of one upstream, each with the resource `res` (indented YAML).
 fn sidecars(dir: &Path, port: u16, up: &Upstream, res: &str) -> Vec<Usher> {
     let files: Vec<_> = (0..3)
-        .map(|i| {
-            let doorman = format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: fleet-{i}\n");
-            write_file(dir, &format!("s{i}.yaml"), &routes(up, &doorman, res))
-        })
+        .map(|i| write_file(dir, &format!("s{i}.yaml"), &routes(up, &doorman(port, &format!("fleet-{i}")), res)))
         .collect();
-    let starting: Vec<_> = files.into_iter().map(|f| std::thread::spawn(move || Usher::proxy(&f))).collect();
-    starting.into_iter().map(|t| t.join().unwrap()).collect()
+    Usher::proxies(&files)
 }
 
 /// The three apps fire `n` requests each at once; returns what reached the

@@ -149,6 +149,21 @@ impl Usher {
         )
     }
 
+    /// [`Usher::proxy`] of every routes file at once, as a fleet starts
+    /// together; in the order of `routes`.
+    pub fn proxies(routes: &[PathBuf]) -> Vec<Usher> {
+        let starting: Vec<_> = routes.iter().cloned().map(|r| std::thread::spawn(move || Usher::proxy(&r))).collect();
+        starting.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    /// The process's status page as JSON (`/debug/status?format=json` on its
+    /// admin address); panics unless it answers 200 with JSON.
+    pub fn status(&self) -> serde_json::Value {
+        let (code, body) = http_get(self.addr("admin"), "/debug/status?format=json");
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
+    }
+
     /// `usher proxy --routes ROUTES` listening on the fixed `127.0.0.1:PORT` (so a
     /// restarted sidecar takes over its predecessor's address), admin on 127.0.0.1:0.
     pub fn proxy_at(routes: &Path, port: u16) -> Usher {
@@ -398,4 +413,5 @@ pub mod faultproxy;
 pub mod llm;
 pub mod load;
 pub mod pki;
+pub mod retry_after;
 pub mod upstream;

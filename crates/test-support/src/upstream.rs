@@ -9,7 +9,8 @@
 //! quota headers (900 of 1000 left, resetting in an hour); anything else answers `ok`
 //! (after taking a gate permit if the upstream is gated), or `429` with
 //! `Retry-After` while the upstream is told to push back ([`Stats::push_back`]).
-//! Every request's arrival time and status is kept, for per-second counts.
+//! Every request's arrival time and status is kept, for counts per second or
+//! per UTC minute.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -134,6 +135,20 @@ impl Stats {
         counts
     }
 
+    /// How many requests arrived in each UTC unit of `unit_s` seconds (60:
+    /// each clock minute), by the unit's number since the epoch (unix
+    /// seconds ÷ `unit_s`).
+    pub fn per_utc_unit(&self, unit_s: u64) -> std::collections::BTreeMap<u64, usize> {
+        // This process's clock readings, placed in UTC from one moment read on both clocks.
+        let (now, unix) = (Instant::now(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap());
+        let mut counts = std::collections::BTreeMap::new();
+        for (t, _) in self.arrivals.lock().unwrap().iter() {
+            let at = unix.saturating_sub(now.saturating_duration_since(*t)) + t.saturating_duration_since(now);
+            *counts.entry(at.as_secs() / unit_s).or_default() += 1;
+        }
+        counts
+    }
+
     /// The longest time in `[from, to)` with no request arriving (the edges count).
     pub fn longest_gap(&self, from: Instant, to: Instant) -> Duration {
         let mut last = from;
@@ -154,6 +169,12 @@ pub fn routes(upstream: &Upstream, doorman: &str, resource: &str) -> String {
         "{doorman}upstreams:\n  up: {{ url: \"http://{}\" }}\nresources:\n  api:\n{resource}routes:\n  - name: all\n    match: {{ path_prefix: / }}\n    upstream: up\n    resources: [api]\n",
         upstream.addr
     )
+}
+
+/// A routes file's `doorman:` section leasing from the server at
+/// `127.0.0.1:PORT` as `client_id`, for [`routes`].
+pub fn doorman(port: u16, client_id: &str) -> String {
+    format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: {client_id}\n")
 }
 
 /// A running upstream; stops accepting connections when dropped.
