@@ -124,11 +124,25 @@ pub(crate) struct AppCall {
     pub(crate) statuses: Vec<u16>,
     /// The last attempt's status.
     pub(crate) status: Option<u16>,
+    /// Each attempt answered 429, in order.
+    #[serde(default)]
+    pub(crate) refusals: Vec<Refusal>,
     /// The last attempt's body, as received: length, digest, and whether it ended with `data: [DONE]`.
     pub(crate) bytes: u64,
     pub(crate) digest: String,
     pub(crate) done: bool,
     pub(crate) body: Option<String>,
+}
+
+/// An attempt answered 429, as the app saw it.
+#[derive(Clone, Debug, Deserialize)]
+pub(crate) struct Refusal {
+    /// Its `retry-after` header, as sent.
+    pub(crate) retry_after: Option<String>,
+    /// usher sent it (it carries `ratelimit-policy`), not the API.
+    pub(crate) usher: bool,
+    /// Its body's first 400 bytes: who refused, and why.
+    pub(crate) body: String,
 }
 
 /// A running app; killed when dropped.
