@@ -265,8 +265,15 @@ async def main(args):
     client, sdk = client_for(args, tee)
     arrivals = random.Random(args.seed)
     calls = random.Random(args.seed * 7919 + 1)
-    if args.start_at:
-        await asyncio.sleep(max(0.0, args.start_at - time.time()))
+    start_at = args.start_at
+    if start_at == "stdin":
+        # Loaded: say so, and wait to be told when to start (Unix seconds, a line on stdin).
+        print("ready", flush=True)
+        start_at = (await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)).strip()
+        if not start_at:
+            sys.exit(f"{args.name}: stdin closed before it said when to start")
+    if start_at:
+        await asyncio.sleep(max(0.0, float(start_at) - time.time()))
     start = time.monotonic()
     tasks = []
     at = 0.0
@@ -306,7 +313,11 @@ def parse():
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     p.add_argument("--calls", type=int, default=10_000, help="at most this many calls")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to wait for calls after the last arrival")
-    p.add_argument("--start-at", type=float, default=0.0, help="Unix time of the first arrival's clock start")
+    p.add_argument(
+        "--start-at",
+        default="",
+        help="Unix time when the arrivals' clock starts; `stdin`: print `ready` once loaded, then read it from stdin",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--stream-share", type=float, default=0.0)
     p.add_argument("--usage-share", type=float, default=0.0, help="of streamed chat calls, those asking for usage")

@@ -202,9 +202,3 @@ pub(crate) fn first<T: std::fmt::Display>(items: &[T], n: usize) -> String {
     }
     s.join("\n")
 }
-
-/// Unix time `lead` seconds from now: when the apps' arrivals start, late
-/// enough for every app to have started.
-pub(crate) fn start_in(lead: f64) -> f64 {
-    usher_test_support::llm::unix_now() + lead
-}

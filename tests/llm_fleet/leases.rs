@@ -15,7 +15,7 @@ use crate::fleet::blocking;
 
 /// One key of one sidecar at one moment.
 struct Sample {
-    /// Seconds from the arrivals' start.
+    /// When, Unix seconds.
     at: f64,
     sidecar: usize,
     resource: String,
@@ -33,14 +33,14 @@ pub(crate) struct Sampler {
 const MAX_SAMPLES: usize = 100;
 
 impl Sampler {
-    /// Starts reading the sidecars at `admins` every `every`; times are from `origin` (Unix seconds).
-    pub(crate) fn start(admins: Vec<SocketAddr>, origin: f64, every: Duration) -> Sampler {
+    /// Starts reading the sidecars at `admins` every `every`.
+    pub(crate) fn start(admins: Vec<SocketAddr>, every: Duration) -> Sampler {
         let (stop, mut stopped) = watch::channel(false);
         let task = tokio::spawn(async move {
             let mut samples = Vec::new();
             for _ in 0..MAX_SAMPLES {
                 let admins = admins.clone();
-                samples.extend(blocking(move || read_all(&admins, origin)).await);
+                samples.extend(blocking(move || read_all(&admins)).await);
                 tokio::select! {
                     _ = stopped.changed() => break,
                     _ = tokio::time::sleep(every) => {}
@@ -52,15 +52,15 @@ impl Sampler {
     }
 
     /// Stops, and writes what it read: per resource, one line per sidecar,
-    /// `per minute (remaining)` at each sample.
-    pub(crate) async fn finish(self) -> String {
+    /// `per minute (remaining)` at each sample, from `origin` (Unix seconds).
+    pub(crate) async fn finish(self, origin: f64) -> String {
         let _ = self.stop.send(true);
         let samples = self.task.await.unwrap_or_default();
         let mut rows: BTreeMap<(&str, usize), Vec<String>> = BTreeMap::new();
         for s in &samples {
             rows.entry((&s.resource, s.sidecar)).or_default().push(format!("{:.0}({})", s.per_min, s.remaining));
         }
-        let from = samples.first().map_or(0.0, |s| s.at);
+        let from = samples.first().map_or(0.0, |s| s.at - origin);
         let mut out =
             format!("keys: per minute (remaining) every {} s from {from:+.0} s, by sidecar", self.every.as_secs_f64());
         for ((resource, sidecar), values) in rows {
@@ -71,8 +71,8 @@ impl Sampler {
 }
 
 /// Every key of every sidecar now.
-fn read_all(admins: &[SocketAddr], origin: f64) -> Vec<Sample> {
-    let at = unix_now() - origin;
+fn read_all(admins: &[SocketAddr]) -> Vec<Sample> {
+    let at = unix_now();
     let mut out = Vec::new();
     for (sidecar, a) in admins.iter().enumerate() {
         let (code, body) = http_get(*a, "/debug/status?format=json");

@@ -25,7 +25,9 @@
 //! runs them all at once (libtest would run two at a time on two cores).
 //! Arguments as libtest's: words filter by name (`--exact` for whole
 //! names), `--list` lists. Each scenario prints its figures; a failure says
-//! which bar it missed, with them.
+//! which bar it missed, with them. `USHER_LLM_FLEET_FIXED_COST=1` runs
+//! `underload` and `overload` with a token rule a sidecar without the
+//! OpenAI dialect accepts ([`twins`]).
 //!
 //! Needs python3 with the `openai` and `anthropic` packages; `.ci/test`
 //! installs them.

@@ -21,13 +21,12 @@ use std::collections::BTreeMap;
 use usher_test_support::llm::Spend;
 
 use crate::app::{AppCall, check_python};
-use crate::fleet::{first, start_in, unaltered};
+use crate::fleet::{first, unaltered};
 use crate::twins::{Account, Twins, failed, refusals, usher_refusal_causes};
 use crate::underload::{SETUP_A, SETUP_A_WEIGHTS};
 
 /// Seconds of arrivals: a minute's warm-up and two measured.
 const RUN: f64 = 180.0;
-const LEAD: f64 = 20.0;
 /// The resources' refresh interval, in seconds (`tests/llm/fleet-resources.yaml`).
 const REFRESH_INTERVAL: u64 = 10;
 
@@ -36,8 +35,8 @@ pub(crate) async fn setup_a() {
     let account = &SETUP_A;
     let rates = account.rates(1.7, &SETUP_A_WEIGHTS);
     let twins = Twins::start(account, 81, rates.len()).await;
-    let origin = start_in(LEAD);
-    let runs = twins.run("oa-", &rates, origin, RUN).await;
+    let runs = twins.run("oa-", &rates, RUN).await;
+    let origin = runs.origin;
     let (via, direct): (Vec<AppCall>, Vec<AppCall>) = (runs.via.concat(), runs.direct.concat());
     let (minutes, direct_minutes) = (twins.api.spend_by_minute(origin), twins.direct.spend_by_minute(origin));
     let api_429 = twins.api.refusals_since(0.0);

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use usher_test_support::llm::{Endpoint, LlmApi, LlmConfig, base_url};
 
-use crate::app::{AppCall, AppSpec, outcomes, run_all};
+use crate::app::{AppCall, AppSpec, outcomes, run_together};
 use crate::fleet::{Fleet, problems_line, template};
 use crate::leases::Sampler;
 
@@ -78,6 +78,8 @@ pub(crate) struct Twins {
 
 /// What the apps recorded: through the fleet and direct, app by app.
 pub(crate) struct Runs {
+    /// When the arrivals started, Unix seconds.
+    pub(crate) origin: f64,
     pub(crate) via: Vec<Vec<AppCall>>,
     pub(crate) direct: Vec<Vec<AppCall>>,
     /// The sidecars' keys over the run ([`crate::leases`]), for reports.
@@ -111,9 +113,10 @@ impl Twins {
 
     /// Runs an app at each of `rates` (calls a second, 75% of them
     /// streamed, the SDK's default retries) through sidecar `i`, and its
-    /// twin (same name, same seed) directly, all at once, for `run` seconds
-    /// of arrivals from `origin`; reads the sidecars' keys meanwhile.
-    pub(crate) async fn run(&self, name: &str, rates: &[f64], origin: f64, run: f64) -> Runs {
+    /// twin (same name, same seed) directly, for `run` seconds of arrivals
+    /// that start together once every app has loaded; reads the sidecars'
+    /// keys meanwhile.
+    pub(crate) async fn run(&self, name: &str, rates: &[f64], run: f64) -> Runs {
         let spec = |i: usize, base: String| AppSpec {
             stream_share: 0.75,
             rate: rates[i],
@@ -121,14 +124,16 @@ impl Twins {
             max_tokens: self.max_tokens,
             prompt_chars: self.prompt_chars,
             grace: 60.0,
-            ..AppSpec::chat(base, &format!("{name}{i}"), run, origin)
+            ..AppSpec::chat(base, &format!("{name}{i}"), run)
         };
-        let via = (0..rates.len()).map(|i| spec(i, format!("http://{}/v1", self.fleet.listener(i)))).collect();
-        let direct = (0..rates.len()).map(|i| spec(i, base_url(self.direct.addr, Endpoint::Chat))).collect();
+        let n = rates.len();
+        let via = (0..n).map(|i| (spec(i, format!("http://{}/v1", self.fleet.listener(i))), self.fleet.dir.path()));
+        let direct = (0..n).map(|i| (spec(i, base_url(self.direct.addr, Endpoint::Chat)), self.direct_dir.path()));
         let admins = self.fleet.sidecars.iter().map(|s| s.addr("admin")).collect();
-        let sampler = Sampler::start(admins, origin, Duration::from_secs(10));
-        let (via, direct) = tokio::join!(run_all(via, self.fleet.dir.path()), run_all(direct, self.direct_dir.path()));
-        Runs { via, direct, keys: sampler.finish().await }
+        let sampler = Sampler::start(admins, Duration::from_secs(10));
+        let (origin, mut via) = run_together(via.chain(direct).collect(), |now| now + 2.0).await;
+        let direct = via.split_off(n);
+        Runs { origin, via, direct, keys: sampler.finish(origin).await }
     }
 
     /// The sidecars' admissions of each resource by outcome, for reports.

@@ -20,14 +20,12 @@
 //! The direct run meeting a 429 says the load is not under the account.
 
 use crate::app::{AppCall, check_python};
-use crate::fleet::{first, start_in, unaltered};
+use crate::fleet::{first, unaltered};
 use crate::latency;
 use crate::twins::{Account, Twins, failed, refusals, usher_refusals};
 
 /// Seconds of arrivals.
 const RUN: f64 = 180.0;
-/// Seconds from the apps' start to their first arrival: python and the SDK load meanwhile.
-const LEAD: f64 = 20.0;
 
 /// The three-replica account.
 pub(crate) const SMALL: Account =
@@ -51,8 +49,8 @@ pub(crate) async fn setup_a() {
 async fn underload(name: &str, account: &Account, rates: &[f64], seed: u64) {
     check_python().await;
     let twins = Twins::start(account, seed, rates.len()).await;
-    let origin = start_in(LEAD);
-    let runs = twins.run(name, rates, origin, RUN).await;
+    let runs = twins.run(name, rates, RUN).await;
+    let origin = runs.origin;
     let (via, direct): (Vec<AppCall>, Vec<AppCall>) = (runs.via.concat(), runs.direct.concat());
     let (api_seen, usher_seen) = refusals(&via);
     let api_429 = twins.api.refusals_since(0.0);
