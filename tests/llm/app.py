@@ -12,8 +12,11 @@ for usage itself (`stream_options={"include_usage": True}`).
 It writes one JSON line per call to --out: times (Unix seconds: start,
 first_chunk, end), outcome, final status, every attempt's status, what the
 app received (events, whether any chunk had usage or empty choices, the usage
-it saw), and the last attempt's body as the app received it: its length, an
-FNV-1a 64-bit digest (hex) and whether it ended with `data: [DONE]`. With
+it saw), each 429 attempt's `retry-after`, body (its first 400 bytes) and
+whether usher sent it (usher's refusals carry a `ratelimit-policy` header,
+the APIs' do not), and the
+last attempt's body as the app received it: its length, an FNV-1a 64-bit
+digest (hex) and whether it ended with `data: [DONE]`. With
 --keep-bodies the body itself is kept too. Every call sends `x-call-id`,
 which the stand-in upstreams record, so a test can pair each line with what
 the upstream sent.
@@ -67,9 +70,22 @@ class Tee(httpx2.AsyncHTTPTransport):
 
     async def handle_async_request(self, request):
         response = await super().handle_async_request(request)
-        attempt = {"status": response.status_code, "body": bytearray()}
+        attempt = {
+            "status": response.status_code,
+            "body": bytearray(),
+            "retry_after": response.headers.get("retry-after"),
+            # usher's refusals carry RateLimit-Policy; the APIs' do not.
+            "usher": "ratelimit-policy" in response.headers,
+        }
         self.attempts.setdefault(request.headers.get("x-call-id"), []).append(attempt)
-        response.stream = TeeStream(response.stream, attempt["body"])
+        if response.status_code == 429:
+            # The SDK closes a refusal it retries unread: read it here, so every refusal's body is kept.
+            body = b"".join([part async for part in response.stream])
+            await response.stream.aclose()
+            attempt["body"].extend(body)
+            response.stream = httpx2.ByteStream(body)
+        else:
+            response.stream = TeeStream(response.stream, attempt["body"])
         return response
 
 
@@ -212,6 +228,11 @@ async def one_call(args, client, tee, rng, n, sdk):
     rec["attempts"] = len(attempts)
     rec["statuses"] = [a["status"] for a in attempts]
     rec["status"] = attempts[-1]["status"] if attempts else None
+    rec["refusals"] = [
+        {"retry_after": a["retry_after"], "usher": a["usher"], "body": bytes(a["body"][:400]).decode("utf-8", "replace")}
+        for a in attempts
+        if a["status"] == 429
+    ]
     body = bytes(attempts[-1]["body"]) if attempts else b""
     rec["bytes"] = len(body)
     rec["digest"] = fnv1a64(body)
@@ -244,8 +265,15 @@ async def main(args):
     client, sdk = client_for(args, tee)
     arrivals = random.Random(args.seed)
     calls = random.Random(args.seed * 7919 + 1)
-    if args.start_at:
-        await asyncio.sleep(max(0.0, args.start_at - time.time()))
+    start_at = args.start_at
+    if start_at == "stdin":
+        # Loaded: say so, and wait to be told when to start (Unix seconds, a line on stdin).
+        print("ready", flush=True)
+        start_at = (await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)).strip()
+        if not start_at:
+            sys.exit(f"{args.name}: stdin closed before it said when to start")
+    if start_at:
+        await asyncio.sleep(max(0.0, float(start_at) - time.time()))
     start = time.monotonic()
     tasks = []
     at = 0.0
@@ -285,7 +313,11 @@ def parse():
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     p.add_argument("--calls", type=int, default=10_000, help="at most this many calls")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to wait for calls after the last arrival")
-    p.add_argument("--start-at", type=float, default=0.0, help="Unix time of the first arrival's clock start")
+    p.add_argument(
+        "--start-at",
+        default="",
+        help="Unix time when the arrivals' clock starts; `stdin`: print `ready` once loaded, then read it from stdin",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--stream-share", type=float, default=0.0)
     p.add_argument("--usage-share", type=float, default=0.0, help="of streamed chat calls, those asking for usage")

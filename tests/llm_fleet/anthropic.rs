@@ -18,7 +18,7 @@
 use usher_test_support::llm::{LlmApi, LlmConfig, Spend};
 
 use crate::app::{AppSpec, check_python, outcomes, run_all};
-use crate::fleet::{Fleet, common_bars, problems_line, settled_share, start_in, template, unaltered};
+use crate::fleet::{Fleet, common_bars, problems_line, settled_share, template, unaltered};
 
 const SIDECARS: usize = 3;
 const RUN: f64 = 180.0;
@@ -64,7 +64,6 @@ async fn three_apps(v: Variant) {
         template("anthropic-routes.yaml", &vars)
     })
     .await;
-    let origin = start_in(10.0);
     let specs = (0..SIDECARS)
         .map(|i| AppSpec {
             api: "messages",
@@ -73,10 +72,10 @@ async fn three_apps(v: Variant) {
             prompt_chars: v.prompt_chars,
             seed: i as u64 + 1,
             grace: 60.0,
-            ..AppSpec::chat(format!("http://{}", fleet.listener(i)), &format!("{}{i}", v.name), RUN, origin)
+            ..AppSpec::chat(format!("http://{}", fleet.listener(i)), &format!("{}{i}", v.name), RUN)
         })
         .collect();
-    let per_app = run_all(specs, fleet.dir.path()).await;
+    let (origin, per_app) = run_all(specs, fleet.dir.path()).await;
     let calls = per_app.concat();
     let minutes = api.spend_by_minute(origin);
     let late_429 = api.refusals_since(origin + WARM_UP);

@@ -1,11 +1,15 @@
 //! Apps: `tests/llm/app.py` processes, one per app, killed if dropped (a
 //! scenario that panics takes its apps with it), and the calls they record.
+//! Apps that run together start their arrivals together, once every one of
+//! them says it has loaded: python and the SDKs take seconds to load, and
+//! tens of them at once on a busy machine can take most of a minute.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
 use serde::Deserialize;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 /// The Python packages the apps need, as `.ci/test` installs them.
 const PIP: &str = "python3 -m pip install openai==3.57.0 anthropic==2.14.0";
@@ -25,7 +29,8 @@ pub(crate) struct AppSpec {
     pub(crate) duration: f64,
     /// At most this many calls.
     pub(crate) calls: u32,
-    /// Unix time when its arrivals start.
+    /// Unix time when its arrivals start: set by [`App::start`] (at once)
+    /// or by [`run_together`] (once every app has loaded).
     pub(crate) start_at: f64,
     pub(crate) seed: u64,
     pub(crate) stream_share: f64,
@@ -44,7 +49,7 @@ pub(crate) struct AppSpec {
 
 impl AppSpec {
     /// An OpenAI chat app at 0.5 calls a second for `duration` seconds.
-    pub(crate) fn chat(base_url: String, name: &str, duration: f64, start_at: f64) -> Self {
+    pub(crate) fn chat(base_url: String, name: &str, duration: f64) -> Self {
         AppSpec {
             api: "chat",
             base_url,
@@ -53,7 +58,7 @@ impl AppSpec {
             rate: 0.5,
             duration,
             calls: 10_000,
-            start_at,
+            start_at: 0.0,
             seed: 1,
             stream_share: 0.0,
             usage_share: 0.0,
@@ -66,7 +71,8 @@ impl AppSpec {
         }
     }
 
-    fn args(&self, out: &Path) -> Vec<String> {
+    /// `start`: `--start-at`'s value, a Unix time or `stdin`.
+    fn args(&self, out: &Path, start: String) -> Vec<String> {
         let mut a: Vec<String> = [
             ("--api", self.api.to_string()),
             ("--base-url", self.base_url.clone()),
@@ -76,7 +82,7 @@ impl AppSpec {
             ("--rate", self.rate.to_string()),
             ("--duration", self.duration.to_string()),
             ("--calls", self.calls.to_string()),
-            ("--start-at", format!("{:.3}", self.start_at)),
+            ("--start-at", start),
             ("--seed", self.seed.to_string()),
             ("--stream-share", self.stream_share.to_string()),
             ("--usage-share", self.usage_share.to_string()),
@@ -124,11 +130,25 @@ pub(crate) struct AppCall {
     pub(crate) statuses: Vec<u16>,
     /// The last attempt's status.
     pub(crate) status: Option<u16>,
+    /// Each attempt answered 429, in order.
+    #[serde(default)]
+    pub(crate) refusals: Vec<Refusal>,
     /// The last attempt's body, as received: length, digest, and whether it ended with `data: [DONE]`.
     pub(crate) bytes: u64,
     pub(crate) digest: String,
     pub(crate) done: bool,
     pub(crate) body: Option<String>,
+}
+
+/// An attempt answered 429, as the app saw it.
+#[derive(Clone, Debug, Deserialize)]
+pub(crate) struct Refusal {
+    /// Its `retry-after` header, as sent.
+    pub(crate) retry_after: Option<String>,
+    /// usher sent it (it carries `ratelimit-policy`), not the API.
+    pub(crate) usher: bool,
+    /// Its body's first 400 bytes: who refused, and why.
+    pub(crate) body: String,
 }
 
 /// A running app; killed when dropped.
@@ -156,20 +176,52 @@ pub(crate) async fn check_python() {
 }
 
 impl App {
-    /// Starts `spec`'s app, writing its calls under `dir`.
-    pub(crate) fn start(spec: AppSpec, dir: &Path) -> App {
+    /// Starts `spec`'s app at once, writing its calls under `dir`.
+    pub(crate) fn start(mut spec: AppSpec, dir: &Path) -> App {
+        spec.start_at = support_now();
+        let start = format!("{:.3}", spec.start_at);
+        Self::spawn(spec, dir, start, Stdio::null)
+    }
+
+    /// Starts `spec`'s app, writing its calls under `dir`; once loaded, it
+    /// waits for [`App::go`].
+    fn start_waiting(spec: AppSpec, dir: &Path) -> App {
+        Self::spawn(spec, dir, "stdin".into(), Stdio::piped)
+    }
+
+    fn spawn(spec: AppSpec, dir: &Path, start: String, io: fn() -> Stdio) -> App {
         let out = dir.join(format!("{}.jsonl", spec.name));
         let child = tokio::process::Command::new("python3")
             .arg(script())
-            .args(spec.args(&out))
+            .args(spec.args(&out, start))
             .env("PYTHONDONTWRITEBYTECODE", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdin(io())
+            .stdout(io())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
             .spawn()
             .expect("spawn python3");
         App { child, out, spec }
+    }
+
+    /// Waits (up to `patience`) until a waiting app has loaded python and its SDK.
+    async fn ready(&mut self, patience: Duration) {
+        let stdout = self.child.stdout.as_mut().expect("started waiting");
+        let mut line = String::new();
+        let read = tokio::time::timeout(patience, BufReader::new(stdout).read_line(&mut line)).await;
+        match read {
+            Ok(Ok(_)) if line.trim() == "ready" => {}
+            Ok(r) => panic!("app {}: expected `ready`, got {line:?} ({r:?})", self.spec.name),
+            Err(_) => panic!("app {} not ready after {patience:?}", self.spec.name),
+        }
+    }
+
+    /// Starts a waiting app's arrivals at `at` (Unix seconds).
+    async fn go(&mut self, at: f64) {
+        self.spec.start_at = at;
+        let stdin = self.child.stdin.as_mut().expect("started waiting");
+        stdin.write_all(format!("{at:.3}\n").as_bytes()).await.expect("tell the app when to start");
+        stdin.flush().await.expect("tell the app when to start");
     }
 
     /// Waits for the app to finish its run (its arrivals, its grace and a
@@ -192,14 +244,34 @@ fn support_now() -> f64 {
     usher_test_support::llm::unix_now()
 }
 
-/// Runs an app for each of `specs` at once, writing under `dir`; each one's calls.
-pub(crate) async fn run_all(specs: Vec<AppSpec>, dir: &Path) -> Vec<Vec<AppCall>> {
-    let apps: Vec<App> = specs.into_iter().map(|s| App::start(s, dir)).collect();
+/// Runs an app for each of `specs`, each writing under its directory: waits
+/// until every one has loaded python and its SDK, then starts their
+/// arrivals together at `when(now)`. That moment (Unix seconds), and each
+/// one's calls.
+pub(crate) async fn run_together(
+    specs: Vec<(AppSpec, &Path)>,
+    when: impl FnOnce(f64) -> f64,
+) -> (f64, Vec<Vec<AppCall>>) {
+    let mut apps: Vec<App> = specs.into_iter().map(|(s, dir)| App::start_waiting(s, dir)).collect();
+    for a in &mut apps {
+        a.ready(Duration::from_secs(120)).await;
+    }
+    let origin = when(support_now());
+    for a in &mut apps {
+        a.go(origin).await;
+    }
     let mut calls = Vec::new();
     for a in apps {
         calls.push(a.finish().await);
     }
-    calls
+    (origin, calls)
+}
+
+/// Runs an app for each of `specs`, writing under `dir`, their arrivals
+/// starting together two seconds after every one has loaded. That moment
+/// (Unix seconds), and each one's calls.
+pub(crate) async fn run_all(specs: Vec<AppSpec>, dir: &Path) -> (f64, Vec<Vec<AppCall>>) {
+    run_together(specs.into_iter().map(|s| (s, dir)).collect(), |now| now + 2.0).await
 }
 
 /// Counts of each outcome and status, app by app, for reports:

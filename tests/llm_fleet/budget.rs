@@ -18,8 +18,8 @@ use std::collections::BTreeMap;
 
 use usher_test_support::llm::{Call, LlmApi, LlmConfig};
 
-use crate::app::{AppSpec, check_python, outcomes, run_all};
-use crate::fleet::{Fleet, settled_share, start_in, template};
+use crate::app::{AppSpec, check_python, outcomes, run_together};
+use crate::fleet::{Fleet, settled_share, template};
 
 const SIDECARS: usize = 3;
 const RUN: f64 = 120.0;
@@ -47,20 +47,20 @@ pub(crate) async fn daily_dollars() {
             template("budget-routes.yaml", &vars)
         })
         .await;
-    // A run that a UTC midnight cuts in two would spend two budgets, each in
-    // part: near midnight, the apps start just after it.
-    let mut origin = start_in(10.0);
-    let day = |t: f64| (t / 86_400.0) as u64;
-    if day(origin) != day(origin + RUN + 10.0) {
-        origin = (day(origin) + 1) as f64 * 86_400.0 + 1.0;
-    }
-    let specs = (0..SIDECARS)
+    let specs: Vec<_> = (0..SIDECARS)
         .map(|i| {
             let base = format!("http://{}/v1", fleet.listener(i));
-            AppSpec { stream_share: 0.75, seed: i as u64 + 1, ..AppSpec::chat(base, &format!("b{i}"), RUN, origin) }
+            AppSpec { stream_share: 0.75, seed: i as u64 + 1, ..AppSpec::chat(base, &format!("b{i}"), RUN) }
         })
         .collect();
-    let per_app = run_all(specs, fleet.dir.path()).await;
+    // A run that a UTC midnight cuts in two would spend two budgets, each in
+    // part: near midnight, the apps start just after it.
+    let day = |t: f64| (t / 86_400.0) as u64;
+    let when = |now: f64| {
+        let origin = now + 2.0;
+        if day(origin) == day(origin + RUN + 10.0) { origin } else { (day(origin) + 1) as f64 * 86_400.0 + 1.0 }
+    };
+    let (_, per_app) = run_together(specs.into_iter().map(|s| (s, fleet.dir.path())).collect(), when).await;
     // Dollars spent by UTC day, by when each answer ended.
     let mut days: BTreeMap<u64, f64> = BTreeMap::new();
     for c in api.calls().iter().filter(|c| c.status == 200) {

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use usher_test_support::llm::{Call, Endpoint, LlmApi, LlmConfig, base_url};
 
 use crate::app::{AppCall, AppSpec, check_python, outcomes, run_all};
-use crate::fleet::{first, start_in, unaltered};
+use crate::fleet::{first, unaltered};
 
 const TPM: f64 = 6000.0;
 const RUN: f64 = 120.0;
@@ -29,25 +29,24 @@ pub(crate) async fn apps_and_stand_in_agree() {
     let responses = LlmApi::openai(roomy.clone()).await;
     let messages = LlmApi::anthropic(roomy).await;
     let dir = tempfile::tempdir().unwrap();
-    let origin = start_in(8.0);
     let mut specs: Vec<AppSpec> = (0..3)
         .map(|i| AppSpec {
             stream_share: 0.75,
             usage_share: 0.2,
             seed: i + 1,
             grace: 60.0,
-            ..AppSpec::chat(base_url(chat.addr, Endpoint::Chat), &format!("d{i}"), RUN, origin)
+            ..AppSpec::chat(base_url(chat.addr, Endpoint::Chat), &format!("d{i}"), RUN)
         })
         .collect();
     let short = |api, base, name: &str| AppSpec {
         api,
         stream_share: 0.5,
         model: if api == "messages" { "claude-haiku-4-5" } else { "gpt-4o-mini" },
-        ..AppSpec::chat(base, name, 30.0, origin)
+        ..AppSpec::chat(base, name, 30.0)
     };
     specs.push(short("responses", base_url(responses.addr, Endpoint::Responses), "r"));
     specs.push(short("messages", base_url(messages.addr, Endpoint::Messages), "m"));
-    let per_app = run_all(specs, dir.path()).await;
+    let (origin, per_app) = run_all(specs, dir.path()).await;
     let chat_calls: Vec<AppCall> = per_app[..3].concat();
     let mut problems = Vec::new();
     for (calls, api) in [(&chat_calls, &chat), (&per_app[3], &responses), (&per_app[4], &messages)] {

@@ -78,6 +78,13 @@ impl Fleet {
         settles(admins, resource).await
     }
 
+    /// `usher_proxy_resource_requests_total` of `resource` by outcome
+    /// (admitted, paced, refused), summed over the sidecars.
+    pub(crate) async fn admissions(&self, resource: &str) -> BTreeMap<String, f64> {
+        let admins: Vec<_> = self.sidecars.iter().map(|s| s.addr("admin")).collect();
+        counter_by_outcome(admins, "usher_proxy_resource_requests_total", resource).await
+    }
+
     /// Each sidecar's log, for a failure's report.
     pub(crate) fn logs(&self) -> String {
         let mut out = format!("--- server\n{}\n", tail(&self.server.log(), 30));
@@ -95,15 +102,20 @@ fn tail(log: &str, n: usize) -> String {
 
 /// `usher_proxy_settles_total` of `resource` by outcome, summed over the sidecars at `admins`.
 pub(crate) async fn settles(admins: Vec<SocketAddr>, resource: &str) -> BTreeMap<String, f64> {
-    let resource = resource.to_string();
+    counter_by_outcome(admins, "usher_proxy_settles_total", resource).await
+}
+
+/// Counter `metric` of `resource` by its `outcome` label, summed over the sidecars at `admins`.
+pub(crate) async fn counter_by_outcome(admins: Vec<SocketAddr>, metric: &str, resource: &str) -> BTreeMap<String, f64> {
+    let (prefix, resource) = (format!("{metric}{{"), format!("resource=\"{resource}\""));
     blocking(move || {
         let mut out = BTreeMap::new();
         for a in admins {
             let (code, text) = http_get(a, "/metrics");
             assert_eq!(code, 200, "{text}");
-            for line in text.lines().filter(|l| l.starts_with("usher_proxy_settles_total{")) {
+            for line in text.lines().filter(|l| l.starts_with(&prefix)) {
                 let (series, value) = line.rsplit_once(' ').unwrap();
-                if !series.contains(&format!("resource=\"{resource}\"")) {
+                if !series.contains(&resource) {
                     continue;
                 }
                 let outcome = series.split("outcome=\"").nth(1).and_then(|s| s.split('"').next()).unwrap_or("?");
@@ -189,10 +201,4 @@ pub(crate) fn first<T: std::fmt::Display>(items: &[T], n: usize) -> String {
         s.push(format!("... and {} more", items.len() - n));
     }
     s.join("\n")
-}
-
-/// Unix time `lead` seconds from now: when the apps' arrivals start, late
-/// enough for every app to have started.
-pub(crate) fn start_in(lead: f64) -> f64 {
-    usher_test_support::llm::unix_now() + lead
 }

@@ -12,6 +12,12 @@
 //! - [`stream`]: an app that leaves a stream after two events is charged
 //!   what the call really used; an app that asks for usage gets it; every
 //!   API shape settles.
+//! - [`underload`]: fleets under their account's limits (three replicas;
+//!   Setup A, six replicas on one capacity server) meet no 429 and wait no
+//!   longer than their twins that call the API directly.
+//! - [`overload`]: Setup A at 1.7 times its TPM, on the SDK's retries:
+//!   the account spent, no call refused by the API, no more calls failed
+//!   than direct, and usher's Retry-After within a refresh interval.
 //! - [`direct`]: the harness itself: the apps straight at the stand-in, no
 //!   usher, so what the apps and the stand-in record must pair up exactly.
 //!
@@ -19,7 +25,9 @@
 //! runs them all at once (libtest would run two at a time on two cores).
 //! Arguments as libtest's: words filter by name (`--exact` for whole
 //! names), `--list` lists. Each scenario prints its figures; a failure says
-//! which bar it missed, with them.
+//! which bar it missed, with them. `USHER_LLM_FLEET_FIXED_COST=1` runs
+//! `underload` and `overload` with a token rule a sidecar without the
+//! OpenAI dialect accepts ([`twins`]).
 //!
 //! Needs python3 with the `openai` and `anthropic` packages; `.ci/test`
 //! installs them.
@@ -31,8 +39,13 @@ mod app;
 mod budget;
 mod direct;
 mod fleet;
+mod latency;
+mod leases;
 mod openai;
+mod overload;
 mod stream;
+mod twins;
+mod underload;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -52,6 +65,9 @@ const SCENARIOS: &[(&str, Run)] = &[
     ("stream::an_app_that_asks_for_usage_gets_it", || Box::pin(stream::asked_usage())),
     ("stream::every_api_shape_settles", || Box::pin(stream::every_shape())),
     ("direct::the_apps_and_the_stand_in_agree_without_usher", || Box::pin(direct::apps_and_stand_in_agree())),
+    ("underload::three_replicas_meet_no_429_and_no_added_latency", || Box::pin(underload::three_replicas())),
+    ("underload::setup_a_meets_no_429_and_no_added_latency", || Box::pin(underload::setup_a())),
+    ("overload::setup_a_spends_the_account_and_fails_no_more_calls_than_direct", || Box::pin(overload::setup_a())),
 ];
 
 /// libtest's flags that take a value, whose value is not a filter.

@@ -18,7 +18,7 @@
 use usher_test_support::llm::{LlmApi, LlmConfig};
 
 use crate::app::{AppCall, AppSpec, check_python, outcomes, run_all};
-use crate::fleet::{Fleet, common_bars, problems_line, settled_share, start_in, template, unaltered, without_quota};
+use crate::fleet::{Fleet, common_bars, problems_line, settled_share, template, unaltered, without_quota};
 
 const SIDECARS: usize = 3;
 const TPM: f64 = 6000.0;
@@ -44,15 +44,14 @@ async fn three_apps(headers: bool) {
         if headers { routes } else { without_quota(&routes) }
     })
     .await;
-    let origin = start_in(10.0);
     let specs = (0..SIDECARS)
         .map(|i| {
             let base = format!("http://{}/v1", fleet.listener(i));
             let name = format!("{}{i}", if headers { "h" } else { "n" });
-            AppSpec { stream_share: 0.75, seed: i as u64 + 1, grace: 60.0, ..AppSpec::chat(base, &name, RUN, origin) }
+            AppSpec { stream_share: 0.75, seed: i as u64 + 1, grace: 60.0, ..AppSpec::chat(base, &name, RUN) }
         })
         .collect();
-    let per_app = run_all(specs, fleet.dir.path()).await;
+    let (origin, per_app) = run_all(specs, fleet.dir.path()).await;
     let calls: Vec<AppCall> = per_app.concat();
     let minutes = api.spend_by_minute(origin);
     let late_429 = api.refusals_since(origin + WARM_UP);

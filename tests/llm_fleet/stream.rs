@@ -18,7 +18,7 @@ use usher_test_support::llm::{Call, LlmApi, LlmConfig, digest};
 use usher_test_support::{Usher, http_get, write_file};
 
 use crate::app::{App, AppCall, AppSpec, check_python};
-use crate::fleet::{blocking, settles, start_in, template, unaltered};
+use crate::fleet::{blocking, settles, template, unaltered};
 
 /// The sidecar, the two APIs behind it, and where the apps write.
 struct Solo {
@@ -71,7 +71,7 @@ impl Solo {
             max_tokens: 400,
             max_retries: Some(0),
             keep_bodies: true,
-            ..AppSpec::chat(base, name, 5.0, start_in(0.0))
+            ..AppSpec::chat(base, name, 5.0)
         };
         tweak(&mut spec);
         let mut calls = App::start(spec, self.dir.path()).finish().await;
