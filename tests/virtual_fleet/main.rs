@@ -70,7 +70,7 @@ async fn below_the_quota_calls_pass_at_once() {
                     latency,
                     1.0,
                     600.0,
-                    7 + i as u64,
+                    std::env::var("USHER_VT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7u64) + i as u64,
                     r,
                 ));
             }

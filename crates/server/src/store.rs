@@ -166,10 +166,14 @@ pub const SPARE_PARAMETER: &str = "spare";
 /// where the refresh interval is a second.
 pub const ARRIVALS: Duration = Duration::from_secs(5);
 
+/// While a new resource's clients are still arriving, spare capacity goes
+/// out as if this many more subclients were about to ask for their share.
+const ARRIVING_MORE: f64 = 2.0;
+
 /// A lease that carries spare capacity is refreshed at least this often:
 /// when a client's demand rises beyond what is free, the others give their
 /// spare back within this long, not a whole refresh interval later.
-pub const SPARE_REFRESH: Duration = Duration::from_secs(5);
+pub const SPARE_REFRESH: Duration = Duration::from_secs(3);
 
 /// Spare capacity is handed out as if this many more subclients wanted a
 /// share of it: that share stays free, so that a client whose demand rises,
@@ -393,9 +397,9 @@ struct ClientLease {
     safe: f64,
     /// The part of `granted` that is spare (see [`Grant::spare`]).
     spare: f64,
-    /// A grant above 0 was made to the client since this server first knew
-    /// it (see [`Grant::fresh`]).
-    granted_some: bool,
+    /// An answer told the client it was fresh (see [`Grant::fresh`]): its
+    /// bucket was filled once, and never is again.
+    filled: bool,
 }
 
 /// What a lease leaves behind when it expires unrenewed: its client now holds
@@ -1507,7 +1511,7 @@ impl Resource {
                 predecessor_subclients: None,
                 safe,
                 spare: 0.0,
-                granted_some: false,
+                filled: false,
             }),
         );
         // While its reservation lasts, it may run on that and no more.
@@ -1691,17 +1695,22 @@ impl Resource {
     /// Decides a new lease for the client, files it, and answers with it.
     fn renew(&mut self, a: Ask<'_>, inherited: Option<Inherited>) -> Grant {
         let (req, now) = (a.req, a.now);
-        // A client met anew (or one whose grants so far were all 0).
+        // A client met anew, whose bucket no answer has filled yet.
         let first = match self.clients.get(a.client) {
-            Some(l) => !l.granted_some,
+            Some(l) => !l.filled,
             None => !a.known,
         };
         let prior = self.refile(&a, inherited);
         let (earned, held_back) = self.grant(&a, &prior);
         let spare = self.spare(&a, &prior, earned);
         let granted = earned + spare;
-        let fresh = first && !a.d.learning && granted > 0.0;
-        let granted_some = !first || granted > 0.0;
+        // Its bucket fills with its first lease above 0 that is its share:
+        // with spare capacity below the capacity (the first leases, while a
+        // resource's clients arrive, are only their first guesses), or any
+        // above it (or where nothing is spared).
+        let settled = spare > 0.0 || !shares_spare(&a.alg) || a.capacity.is_some_and(|c| self.index.total_wants() >= c);
+        let fresh = first && !a.d.learning && granted > 0.0 && settled;
+        let filled = !first || fresh;
         let has = self.counted_has(&a, granted, &prior);
         let (expiry, mut refresh) = self.lease_times(&a, held_back);
         if spare > 0.0 {
@@ -1729,7 +1738,7 @@ impl Resource {
                 None => self.configured_safe_capacity().unwrap_or(safe),
             },
             spare,
-            granted_some,
+            filled,
         };
         self.index.upsert(prior.slot, req.wants, req.subclients, has);
         self.file_bands(prior.slot, a.bands.iter().copied(), has);
@@ -1886,11 +1895,7 @@ impl Resource {
             return 0.0;
         }
         let n = self.index.total_subclients() as f64 + SPARE_KEPT_FREE;
-        // While a new resource's clients are still arriving, a whole equal
-        // share stays free for the next (the first to ask would otherwise
-        // take what the others are about to want); then, a share of the spare.
-        let arriving = self.arriving(a);
-        let kept = if arriving { cap * SPARE_KEPT_FREE / n } else { free * SPARE_KEPT_FREE / n };
+        let kept = free * SPARE_KEPT_FREE / n;
         // Half of what is handed out goes in proportion to the wants (the
         // busiest clients' queues have room too), half raises those that
         // want least to one level.
@@ -1899,11 +1904,14 @@ impl Resource {
         let scale = if wants > 0.0 { 1.0 + (target - wants).max(0.0) / 2.0 / wants } else { 1.0 };
         let floor = self.index.floor_level(target / scale) * scale * a.req.subclients as f64;
         let mut lease = floor.max(a.req.wants * scale);
-        if arriving {
-            // No more than an equal share while others may be about to ask
-            // (as for the wants themselves, in `shared_grant`).
-            let equal = cap * a.req.subclients as f64 / self.index.total_subclients().max(1) as f64;
-            lease = lease.min(equal.max(prior.has));
+        if self.arriving(a) {
+            // While a new resource's clients are still arriving, no more than
+            // an equal share as if two more were about to ask: the first to
+            // ask would hold what the others are about to want (a lone first
+            // sidecar given half of it held 45/s for two seconds while the
+            // third had 13 of its 30).
+            let equal = cap * a.req.subclients as f64 / (self.index.total_subclients() as f64 + ARRIVING_MORE);
+            lease = lease.min(equal.max(earned));
         }
         (lease - earned).min(unused).max(0.0)
     }

@@ -134,12 +134,14 @@ fn spare_capacity_is_shared_below_the_capacity_and_one_share_kept_free() {
     let (clock, time) = Clock::manual(Time::from_secs(1_000_000));
     let cfg = ResourcesConfig { templates: vec![sharing(Kind::FairShare, 100.0, 10, 5, 0)] };
     let (s, clock) = (Store::new(clock, cfg, Duration::ZERO), time);
-    // While a new resource's clients are still arriving, a whole equal share stays free.
+    // While a new resource's clients are still arriving, spare capacity goes
+    // out as if two more were about to ask; the first lease with spare fills a bucket, once.
     let a = s.get_capacity("a", &req("r", 10.0, None));
-    assert_eq!((a.capacity, a.spare), (50.0, 40.0));
+    assert!((a.capacity - 100.0 / 3.0).abs() < 1e-9 && a.fresh, "{a:?}");
     clock.advance(ARRIVALS + Duration::from_secs(1));
     let a = s.get_capacity("a", &req("r", 10.0, None));
     assert_eq!((a.capacity, a.spare), (55.0, 45.0), "90 spare over a and one share kept free");
+    assert!(!a.fresh, "once");
     assert!(a.share_safe, "no safe capacity is configured: a's is its share");
     let b = s.get_capacity("b", &req("r", 20.0, None));
     // 70 spare, a third of it kept free: a and b raised to (100 - 70/3) / 2 each.
