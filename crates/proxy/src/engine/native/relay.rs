@@ -8,23 +8,17 @@
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::Connection;
+use super::body::{BodyError, home, refill, release, send, tee};
 use super::buffers::Buffers;
 use super::conn::Taken;
 use super::forward::{Carried, Sending};
 use super::response::{self, Dechunker, Framing, ResponseHead};
+use super::stream;
 use super::watch::App;
-use super::{Connection, READ_CHUNK};
 use crate::pipeline;
 use crate::upstream::pool::{Pool, Stream};
 use usher_enforce::respond::BoxError;
-
-/// Why relaying a body stopped short.
-pub(super) enum BodyError {
-    /// The upstream failed or broke the body's framing.
-    Upstream(String),
-    /// The client's connection failed, or the client left.
-    Client(std::io::Error),
-}
 
 /// Sends the client an upstream's answer (head and body); returns whether
 /// the connection stays open for another request.
@@ -40,6 +34,11 @@ where
     I: AsyncRead + AsyncWrite + Unpin,
 {
     let Sending { body, head, upstream } = answer;
+    // A stream of events read for a cost goes its own way (`stream`).
+    let events = held.reads_stream() && head.framing != Framing::Empty;
+    if events && held.edits() && matches!(head.framing, Framing::Length(_)) {
+        response::rechunk(&mut bufs.out);
+    }
     let close = taken.close || server.is_draining();
     if close {
         bufs.out.extend_from_slice(b"connection: close\r\n");
@@ -47,6 +46,10 @@ where
     bufs.out.extend_from_slice(b"\r\n");
     let mut held = Some(held);
     let relayed = match body {
+        body if events => {
+            let pool = upstream.plain.as_ref().filter(|_| head.reusable).map(|p| &*p.pool);
+            stream::relay(&head, body, &mut bufs.up, app, &mut bufs.out, &mut held, pool).await
+        }
         Carried::Stream(stream) => {
             let pool = upstream.plain.as_ref().filter(|_| head.reusable).map(|p| &*p.pool);
             relay(&head, stream, &mut bufs.up, app, &mut bufs.out, &mut held, pool).await
@@ -175,13 +178,6 @@ where
     app.io.flush().await.map_err(BodyError::Client)
 }
 
-/// Empties `up` for the upstream's next bytes, with room for a read.
-#[inline]
-fn refill(up: &mut BytesMut) {
-    up.clear();
-    up.reserve(READ_CHUNK);
-}
-
 /// A read of a body whose end is still to come: more bytes, or `cut` at
 /// the upstream's EOF, or the upstream's error.
 #[inline]
@@ -190,17 +186,6 @@ fn more(read: std::io::Result<usize>, cut: impl FnOnce() -> BodyError) -> Result
         Ok(0) => Err(cut()),
         Ok(_) => Ok(()),
         Err(e) => Err(BodyError::Upstream(e.to_string())),
-    }
-}
-
-/// The body is all in hand: what the request holds is released, and the
-/// stream goes back to `pool` if the body ended `clean` (bytes after it are
-/// a broken upstream, whose connection is not reused).
-#[inline]
-fn home(stream: Stream, clean: bool, held: &mut Option<pipeline::Held>, pool: Option<&Pool>) {
-    release(held);
-    if let (true, Some(pool)) = (clean, pool) {
-        pool.put(stream);
     }
 }
 
@@ -256,30 +241,4 @@ where
     release(held);
     send(app.io, out).await?;
     app.io.flush().await.map_err(BodyError::Client)
-}
-
-/// Copies relayed body bytes for the costs they settle, if the route reads them.
-#[inline]
-fn tee(held: &mut Option<pipeline::Held>, data: &[u8]) {
-    if let Some(h) = held {
-        h.tee(data);
-    }
-}
-
-/// The body's last bytes are in hand: its costs are settled, and what the
-/// request holds is released.
-#[inline]
-fn release(held: &mut Option<pipeline::Held>) {
-    if let Some(mut h) = held.take() {
-        h.end();
-    }
-}
-
-/// Writes and empties `out`.
-async fn send<I: AsyncWrite + Unpin>(io: &mut I, out: &mut Vec<u8>) -> Result<(), BodyError> {
-    if !out.is_empty() {
-        io.write_all(out).await.map_err(BodyError::Client)?;
-        out.clear();
-    }
-    Ok(())
 }

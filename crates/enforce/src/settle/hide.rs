@@ -1,0 +1,188 @@
+//! The usage an app did not ask for, taken out of an OpenAI stream.
+//!
+//! For a streamed Chat Completions request without
+//! `stream_options.include_usage`, usher asks for it on the app's behalf
+//! (the request side marks the request so). OpenAI then sends two things
+//! the app would not have seen: a last chunk that carries only the usage,
+//! with `"choices": []` (clients that read `choices[0]` of every chunk fail
+//! on it), and a `"usage": null` member in every other chunk. [`judge`]
+//! drops the first and cuts the second out, so that the app receives the
+//! bytes it would have received without usher.
+
+use std::ops::Range;
+
+use super::events::Verdict;
+
+/// What becomes of an event whose data is `data`: a chunk whose top-level
+/// `usage` is an object and whose `choices` is empty or absent is dropped;
+/// any other top-level `usage` member is cut out, with its comma; anything
+/// else (another event, data that is not a JSON object) is kept.
+pub(crate) fn judge(data: &[u8]) -> Verdict {
+    let Some(top) = members(data) else { return Verdict::Keep };
+    let Some(usage) = top.iter().find(|m| m.key(data) == b"usage") else { return Verdict::Keep };
+    let choices = top.iter().find(|m| m.key(data) == b"choices").map(|m| &data[m.value.clone()]);
+    if data[usage.value.start] == b'{' && choices.is_none_or(is_empty_array) {
+        return Verdict::Drop;
+    }
+    Verdict::Cut(usage.with_comma.clone())
+}
+
+/// A member of a JSON object: where its key (within quotes) and value are,
+/// and the bytes to cut to remove it (with the comma before it, or for the
+/// first member the one after it).
+#[derive(Debug)]
+struct Member {
+    key: Range<usize>,
+    value: Range<usize>,
+    with_comma: Range<usize>,
+}
+
+impl Member {
+    fn key<'d>(&self, data: &'d [u8]) -> &'d [u8] {
+        &data[self.key.clone()]
+    }
+}
+
+/// The members of the JSON object `data` (with blanks around it), not
+/// looking inside their values; `None` when it is not one.
+fn members(data: &[u8]) -> Option<Vec<Member>> {
+    let mut at = skip_blanks(data, 0);
+    if data.get(at) != Some(&b'{') {
+        return None;
+    }
+    at = skip_blanks(data, at + 1);
+    let mut out: Vec<Member> = Vec::new();
+    if data.get(at) == Some(&b'}') {
+        return Some(out);
+    }
+    loop {
+        let start = at;
+        let key_end = string_end(data, at)?;
+        at = skip_blanks(data, key_end);
+        if data.get(at) != Some(&b':') {
+            return None;
+        }
+        let value_start = skip_blanks(data, at + 1);
+        let value_end = value_end(data, value_start)?;
+        // A member after the first goes with what follows the value before it: its comma.
+        let from = out.last().map_or(start, |m| m.value.end);
+        out.push(Member { key: start + 1..key_end - 1, value: value_start..value_end, with_comma: from..value_end });
+        at = skip_blanks(data, value_end);
+        match data.get(at) {
+            Some(b',') => {
+                at = skip_blanks(data, at + 1);
+                // The first member goes with its comma, up to the next key.
+                if let [first] = &mut out[..] {
+                    first.with_comma.end = at;
+                }
+            }
+            Some(b'}') => return Some(out),
+            _ => return None,
+        }
+    }
+}
+
+fn skip_blanks(data: &[u8], mut at: usize) -> usize {
+    while data.get(at).is_some_and(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r')) {
+        at += 1;
+    }
+    at
+}
+
+/// Where the string that starts (with its quote) at `at` ends: after its closing quote.
+fn string_end(data: &[u8], at: usize) -> Option<usize> {
+    if data.get(at) != Some(&b'"') {
+        return None;
+    }
+    let mut i = at + 1;
+    loop {
+        i += memchr::memchr2(b'"', b'\\', data.get(i..)?)?;
+        match data[i] {
+            b'\\' => i += 2,
+            _ => return Some(i + 1),
+        }
+    }
+}
+
+/// Where the value that starts at `at` ends: at the `,` or `}` that
+/// follows it at its object's level, less the blanks before them.
+fn value_end(data: &[u8], at: usize) -> Option<usize> {
+    let mut depth = 0usize;
+    let mut i = at;
+    let mut end = at;
+    loop {
+        match *data.get(i)? {
+            b'"' => {
+                i = string_end(data, i)?;
+                end = i;
+                continue;
+            }
+            b'{' | b'[' => depth += 1,
+            b'}' | b']' if depth > 0 => depth -= 1,
+            b',' | b'}' if depth == 0 => return (end > at).then_some(end),
+            b' ' | b'\t' | b'\n' | b'\r' => {
+                i += 1;
+                continue;
+            }
+            _ => {}
+        }
+        i += 1;
+        end = i;
+    }
+}
+
+fn is_empty_array(value: &[u8]) -> bool {
+    value.first() == Some(&b'[') && skip_blanks(value, 1) == value.len() - 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn apply(data: &str) -> Option<String> {
+        match judge(data.as_bytes()) {
+            Verdict::Keep => Some(data.to_string()),
+            Verdict::Drop => None,
+            Verdict::Cut(r) => Some(format!("{}{}", &data[..r.start], &data[r.end..])),
+        }
+    }
+
+    #[test]
+    fn the_usage_chunk_goes_and_null_usage_is_cut_out() {
+        let chunk = r#"{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hi"}}],"usage":null}"#;
+        let plain = r#"{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hi"}}]}"#;
+        assert_eq!(apply(chunk).as_deref(), Some(plain));
+        let usage = r#"{"id":"c1","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11}}"#;
+        assert_eq!(apply(usage), None);
+        assert_eq!(apply(r#"{"usage":{"total_tokens":1}}"#), None, "no choices at all: a usage chunk");
+        for (data, want) in [
+            (r#"{"usage":null,"id":"x"}"#, r#"{"id":"x"}"#),
+            (r#"{"usage":null}"#, "{}"),
+            (r#"{ "id" : "x" , "usage" : null }"#, r#"{ "id" : "x" }"#),
+            (r#"{ "usage" : null , "id" : 1 }"#, r#"{ "id" : 1 }"#),
+            (r#"{"a":"}\",","usage":null,"b":[1,{"usage":null}]}"#, r#"{"a":"}\",","b":[1,{"usage":null}]}"#),
+            // Usage beside content (servers that report it on every chunk): the member goes, the chunk stays.
+            (r#"{"choices":[{"delta":{}}],"usage":{"total_tokens":3}}"#, r#"{"choices":[{"delta":{}}]}"#),
+        ] {
+            assert_eq!(apply(data).as_deref(), Some(want), "{data}");
+        }
+    }
+
+    #[test]
+    fn anything_else_is_kept_as_it_is() {
+        for data in [
+            "[DONE]",
+            r#"{"id":"x","choices":[]}"#,
+            r#"{"content":"\"usage\":null"}"#,
+            r#"{"nested":{"usage":null}}"#,
+            r#"{"type":"response.completed","response":{"usage":{"total_tokens":5}}}"#,
+            r#"{"usage":null"#,
+            r#"{"usage"}"#,
+            "",
+            "{}",
+            r#"["usage",null]"#,
+        ] {
+            assert_eq!(apply(data).as_deref(), Some(data), "{data}");
+        }
+    }
+}
