@@ -218,10 +218,15 @@ async fn streamed_answers_settle_on_both_engines() {
         ("h2c-anthropic-out", "{ usage: anthropic, tokens: output }", "anthropic", Some(15.0)),
         ("anthropic-json", "{ usage: anthropic }", "anthropic-json", Some(148.0)),
     ];
-    let routes: Vec<(&str, &str)> = cases.iter().map(|(r, s, _, _)| (*r, *s)).collect();
+    let mut routes: Vec<(&str, &str)> = cases.iter().map(|(r, s, _, _)| (*r, *s)).collect();
+    routes.push(("head", "{ usage: openai }"));
     let sidecar = Usher::proxy(&write_file(dir.path(), "routes.yaml", &routes_file(up, &routes)));
     for engine in ["native", "hyper"] {
         let mut client = Client::new(engine, sidecar.addr("listen")).await;
+        // An answer without a body (to HEAD) has no cost in it: its charge stands.
+        let req = Request::head("/head/v1/chat-usage").header("host", "llm.local").body(empty()).unwrap();
+        let got = read(client.send(req).await).await;
+        assert!(got.status == StatusCode::OK && got.body.is_empty(), "{engine}: {got:?}");
         for framing in ["chunked", "length"] {
             for (route, _, kind, _) in cases {
                 let got = read(post(&mut client, &format!("/{route}/v1/{kind}"), framing).await).await;
@@ -240,6 +245,8 @@ async fn streamed_answers_settle_on_both_engines() {
         assert_eq!(settles(&text, route, "settled"), settled, "{route}:\n{text}");
         assert_eq!(settles(&text, route, "missing"), missing, "{route}:\n{text}");
     }
+    assert_eq!(settles(&text, "head", "empty"), 2.0, "{text}");
+    assert!((remaining(&sidecar, "head") - (BURST - 200.0)).abs() < 0.5);
     let handoffs = metric(&text, "usher_proxy_http1_handoffs_total", &[]).unwrap_or(0.0);
     assert_eq!(handoffs, 0.0, "the HTTP/1.1 requests stayed on the native engine");
     let log = sidecar.log();

@@ -240,7 +240,8 @@ impl BodySettle {
         match &mut self.body {
             Body::Json(copy) => copy.push(data),
             Body::Events(ev) => {
-                let Events { scan, found } = &mut **ev;
+                let Events { scan, found, any } = &mut **ev;
+                *any |= !data.is_empty();
                 scan.scan(data, &mut |event| read_event(&self.resources, found, event, false));
             }
         }
@@ -265,7 +266,8 @@ impl BodySettle {
     pub fn edit(&mut self, data: &[u8], out: &mut Vec<u8>) {
         match &mut self.body {
             Body::Events(ev) if ev.scan.edits() => {
-                let Events { scan, found } = &mut **ev;
+                let Events { scan, found, any } = &mut **ev;
+                *any |= !data.is_empty();
                 scan.edit(data, out, &mut |event| read_event(&self.resources, found, event, true));
             }
             _ => {
@@ -279,7 +281,7 @@ impl BodySettle {
     /// back (an event the stream did not end).
     pub fn flush(&mut self, out: &mut Vec<u8>) {
         if let Body::Events(ev) = &mut self.body {
-            let Events { scan, found } = &mut **ev;
+            let Events { scan, found, .. } = &mut **ev;
             scan.end(out, &mut |event| read_event(&self.resources, found, event, false));
         }
     }
@@ -404,6 +406,8 @@ fn rule_cost(rule: &UsageRule, counts: usage::Counts) -> Result<f64, NoCost> {
 struct Events {
     scan: Scanner,
     found: Vec<Found>,
+    /// Some byte of the body came.
+    any: bool,
 }
 
 /// What a stream's events said so far for one rule.
@@ -427,7 +431,7 @@ impl Events {
                 SettleFrom::Header(_) => Found::Number(None, None),
             })
             .collect();
-        Events { scan: Scanner::new(edited), found }
+        Events { scan: Scanner::new(edited), found, any: false }
     }
 
     /// The cost the stream said for the `i`th body rule, reading `from`.
@@ -440,6 +444,7 @@ impl Events {
             ),
         };
         match (&self.found[i], from) {
+            _ if !self.any => Err((SettleOutcome::Empty, "the answer's body is empty".into())),
             (Found::Number(Some(v), _), _) => Ok(*v),
             (Found::Counts(counts), SettleFrom::Usage(rule)) => rule_cost(rule, *counts).map_err(|(_, why)| none(why)),
             (_, SettleFrom::Json(path)) => {
