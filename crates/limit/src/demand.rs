@@ -19,11 +19,14 @@ pub const SMOOTHING: Duration = Duration::from_secs(10);
 /// flight and waiting, and a smoothed arrival rate.
 #[derive(Debug, Default)]
 pub struct DemandMeter {
-    /// Every arrival (admitted, paced or refused), in cost units: the bits
-    /// of an `f64`. A float keeps any cost (a budget's 0.00015 $ as well
-    /// as a million tokens) to its relative precision, where a count of
-    /// thousandths lost the tiny ones; whole costs add up exactly (below 2^53).
-    arrivals: AtomicU64,
+    /// Every arrival (admitted, paced or refused) of a whole cost, in cost
+    /// units: most routes charge whole costs, counted by one `fetch_add`.
+    whole: AtomicU64,
+    /// The rest of the arrivals, in cost units: fractional costs and settled
+    /// differences, as the bits of an `f64`. A float keeps any cost (a
+    /// budget's 0.00015 $ as well as a refund of a thousand tokens) to its
+    /// relative precision, where a count of thousandths lost the tiny ones.
+    rest: AtomicU64,
     /// Every arrival, counted once whatever its cost.
     requests: AtomicU64,
     admitted: AtomicU64,
@@ -77,7 +80,13 @@ impl DemandMeter {
     /// Counts a request of `cost` units, whatever becomes of it.
     #[inline]
     pub fn arrive(&self, cost: f64) {
-        self.add(cost);
+        // (Casts and a comparison: `fract` is a library call.)
+        let whole = cost as u64;
+        if whole as f64 == cost {
+            self.whole.fetch_add(whole, Ordering::Relaxed);
+        } else {
+            self.add(cost);
+        }
         self.requests.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -86,15 +95,14 @@ impl DemandMeter {
         self.add(delta);
     }
 
-    /// Adds `units` (a cost, or a settled difference) to the arrivals, which never go below 0.
-    #[inline]
+    /// Adds `units` (a fractional cost, or a settled difference) to the rest of the arrivals.
     fn add(&self, units: f64) {
         if !units.is_finite() {
             return;
         }
-        let _ = self.arrivals.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |a| {
-            Some((f64::from_bits(a) + units).max(0.0).to_bits())
-        });
+        let _ = self
+            .rest
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |a| Some((f64::from_bits(a) + units).to_bits()));
     }
 
     /// Counts how a request fared.
@@ -138,9 +146,11 @@ impl DemandMeter {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Total arrivals so far, in cost units.
+    /// Total arrivals so far, in cost units (never below 0: a refund
+    /// takes back at most the cost that arrived).
     pub fn arrivals(&self) -> f64 {
-        f64::from_bits(self.arrivals.load(Ordering::Relaxed))
+        let rest = f64::from_bits(self.rest.load(Ordering::Relaxed));
+        (self.whole.load(Ordering::Relaxed) as f64 + rest).max(0.0)
     }
 
     /// Total arrivals so far, in requests.
@@ -248,7 +258,7 @@ mod tests {
         assert!((m.arrivals() - 0.14995).abs() < 1e-12, "{}", m.arrivals());
         t = t.saturating_add(Duration::from_secs(1));
         assert!(m.sample(t).rate > 0.0, "tiny costs make a rate");
-        m.settle(-1.0);
+        m.settle(-0.15);
         assert_eq!(m.arrivals(), 0.0, "a refund never takes the count below 0");
         let big = DemandMeter::default();
         for _ in 0..1000 {

@@ -18,13 +18,17 @@ use super::events::Verdict;
 /// any other top-level `usage` member is cut out, with its comma; anything
 /// else (another event, data that is not a JSON object) is kept.
 pub(crate) fn judge(data: &[u8]) -> Verdict {
-    let Some(top) = members(data) else { return Verdict::Keep };
-    let Some(usage) = top.iter().find(|m| m.key(data) == b"usage") else { return Verdict::Keep };
-    let choices = top.iter().find(|m| m.key(data) == b"choices").map(|m| &data[m.value.clone()]);
-    if data[usage.value.start] == b'{' && choices.is_none_or(is_empty_array) {
+    let (mut usage, mut choices) = (None, None);
+    let whole = members(data, |m| match m.key(data) {
+        b"usage" => usage = Some(m),
+        b"choices" => choices = Some(m.value),
+        _ => {}
+    });
+    let (true, Some(usage)) = (whole, usage) else { return Verdict::Keep };
+    if data[usage.value.start] == b'{' && choices.is_none_or(|c| is_empty_array(&data[c])) {
         return Verdict::Drop;
     }
-    Verdict::Cut(usage.with_comma.clone())
+    Verdict::Cut(usage.with_comma)
 }
 
 /// A member of a JSON object: where its key (within quotes) and value are,
@@ -43,43 +47,53 @@ impl Member {
     }
 }
 
-/// The members of the JSON object `data` (with blanks around it), not
-/// looking inside their values; `None` when it is not one.
-fn members(data: &[u8]) -> Option<Vec<Member>> {
+/// Hands each member of the JSON object `data` (with blanks around it) to
+/// `each`, not looking inside their values; false when `data` is not one
+/// object (what came before was handed all the same).
+fn members(data: &[u8], mut each: impl FnMut(Member)) -> bool {
     let mut at = skip_blanks(data, 0);
     if data.get(at) != Some(&b'{') {
-        return None;
+        return false;
     }
     at = skip_blanks(data, at + 1);
-    let mut out: Vec<Member> = Vec::new();
     if data.get(at) == Some(&b'}') {
-        return Some(out);
+        return true;
     }
+    // The end of the value before: a member after the first goes with what follows it (its comma).
+    let mut before: Option<usize> = None;
     loop {
-        let start = at;
-        let key_end = string_end(data, at)?;
-        at = skip_blanks(data, key_end);
-        if data.get(at) != Some(&b':') {
-            return None;
-        }
-        let value_start = skip_blanks(data, at + 1);
-        let value_end = value_end(data, value_start)?;
-        // A member after the first goes with what follows the value before it: its comma.
-        let from = out.last().map_or(start, |m| m.value.end);
-        out.push(Member { key: start + 1..key_end - 1, value: value_start..value_end, with_comma: from..value_end });
-        at = skip_blanks(data, value_end);
-        match data.get(at) {
-            Some(b',') => {
-                at = skip_blanks(data, at + 1);
-                // The first member goes with its comma, up to the next key.
-                if let [first] = &mut out[..] {
-                    first.with_comma.end = at;
-                }
-            }
-            Some(b'}') => return Some(out),
-            _ => return None,
+        let Some(m) = member(data, at) else { return false };
+        let end = m.value.end;
+        at = skip_blanks(data, end);
+        let next = match data.get(at) {
+            Some(b',') => Some(skip_blanks(data, at + 1)),
+            Some(b'}') => None,
+            _ => return false,
+        };
+        let with_comma = match before {
+            Some(b) => b..end,
+            // The first member goes with its comma, up to the next key.
+            None => m.with_comma.start..next.unwrap_or(end),
+        };
+        each(Member { with_comma, ..m });
+        before = Some(end);
+        match next {
+            Some(n) => at = n,
+            None => return true,
         }
     }
+}
+
+/// The member whose key starts (with its quote) at `at`.
+fn member(data: &[u8], at: usize) -> Option<Member> {
+    let key_end = string_end(data, at)?;
+    let colon = skip_blanks(data, key_end);
+    if data.get(colon) != Some(&b':') {
+        return None;
+    }
+    let value_start = skip_blanks(data, colon + 1);
+    let value_end = value_end(data, value_start)?;
+    Some(Member { key: at + 1..key_end - 1, value: value_start..value_end, with_comma: at..value_end })
 }
 
 fn skip_blanks(data: &[u8], mut at: usize) -> usize {
