@@ -18,6 +18,7 @@ use usher_test_support as support;
 use usher_test_support::assert_eventually;
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -104,7 +105,14 @@ struct Pieces {
     stalls: bool,
     pause: Duration,
     sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Awaited before the second piece.
+    gate: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    sent: usize,
 }
+
+/// What a `-gated` answer waits for after its first event: the test's word
+/// that the app has that event.
+static GATE: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(0);
 
 impl Body for Pieces {
     type Data = Bytes;
@@ -114,7 +122,13 @@ impl Body for Pieces {
         let pause = self.pause;
         let sleep = self.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(pause)));
         std::task::ready!(sleep.as_mut().poll(cx));
+        let second = self.sent == 1;
+        if let Some(gate) = self.gate.as_mut().filter(|_| second) {
+            std::task::ready!(gate.as_mut().poll(cx));
+            self.gate = None;
+        }
         self.sleep = None;
+        self.sent += 1;
         match self.pieces.next() {
             Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
             None if self.stalls => Poll::Pending,
@@ -137,6 +151,10 @@ fn respond(req: &Request<Incoming>) -> Response<Pieces> {
         Some(k) => (true, k.to_string()),
         None => (false, kind),
     };
+    let (gated, kind) = match kind.strip_suffix("-gated") {
+        Some(k) => (true, k.to_string()),
+        None => (false, kind),
+    };
     let (content_type, body) = answer(&kind);
     let body = Bytes::from(body);
     let step = if kind == "slow" { body.len() / 12 } else { 37 };
@@ -145,9 +163,16 @@ fn respond(req: &Request<Incoming>) -> Response<Pieces> {
     if stalls {
         pieces.truncate(4);
     }
+    let gate: Option<Pin<Box<dyn Future<Output = ()> + Send>>> = gated.then(|| {
+        // The first event whole, then the rest once the app has it.
+        let first = body.windows(2).position(|w| w == b"\n\n").unwrap() + 2;
+        pieces = vec![body.slice(..first), body.slice(first..)];
+        Box::pin(async { GATE.acquire().await.unwrap().forget() }) as _
+    });
     let pause = Duration::from_millis(if kind == "slow" || stalls { 40 } else { 3 });
     let sized = req.headers().get("x-framing").is_some_and(|v| v == "length") && !stalls;
-    let body = Pieces { pieces: pieces.into_iter(), len: body.len() as u64, sized, stalls, pause, sleep: None };
+    let len = body.len() as u64;
+    let body = Pieces { pieces: pieces.into_iter(), len, sized, stalls, pause, sleep: None, gate, sent: 0 };
     Response::builder().header("content-type", content_type).body(body).unwrap()
 }
 
@@ -252,6 +277,36 @@ async fn streamed_answers_settle_on_both_engines() {
     let log = sidecar.log();
     let warned = log.lines().filter(|l| l.contains("WARN") && l.contains("cost not settled")).collect::<Vec<_>>();
     assert!(warned.len() == 1 && warned[0].contains("chat-none"), "one warning, for the stream without usage:\n{log}");
+}
+
+/// No piece of a stream waits for usher: the stand-in sends its second
+/// piece only once the app has the first event, on both engines, chunked
+/// and with a length. (Had usher held the stream back, the app would wait
+/// for ever.) The stream is settled all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_piece_of_a_stream_reaches_the_app_before_the_next_is_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = serve(respond).await;
+    let sidecar =
+        Usher::proxy(&write_file(dir.path(), "routes.yaml", &routes_file(up, &[("chat", "{ usage: openai }")])));
+    for engine in ["native", "hyper"] {
+        let mut client = Client::new(engine, sidecar.addr("listen")).await;
+        for framing in ["chunked", "length"] {
+            let mut body = post(&mut client, "/chat/v1/chat-usage-gated", framing).await.into_body();
+            let mut got = Vec::new();
+            while !got.ends_with(b"\n\n") {
+                let frame = tokio::time::timeout(Duration::from_secs(10), body.frame()).await;
+                let frame = frame.unwrap_or_else(|_| panic!("{engine}, {framing}: the first event was held back"));
+                got.extend_from_slice(frame.unwrap().unwrap().data_ref().unwrap());
+            }
+            assert_eq!(got, CHAT_USAGE[0].as_bytes(), "{engine}, {framing}");
+            GATE.add_permits(1);
+            got.extend_from_slice(&body.collect().await.unwrap().to_bytes());
+            assert_eq!(String::from_utf8_lossy(&got), CHAT_USAGE.concat(), "{engine}, {framing}");
+        }
+    }
+    assert_eq!(settles(&sidecar.metrics(), "chat", "settled"), 4.0);
+    assert!((remaining(&sidecar, "chat") - (BURST - 4.0 * 21.0)).abs() < 0.5);
 }
 
 /// Reads `resp`'s body until it has the start of `events` events, then drops it.
