@@ -47,7 +47,7 @@ where
     let mut held = Some(held);
     let relayed = match body {
         body if events => {
-            let pool = upstream.plain.as_ref().filter(|_| head.reusable).map(|p| &*p.pool);
+            let pool = upstream.plain.as_ref().filter(|_| head.reusable).map(|p| p.pool.clone());
             stream::relay(&head, body, &mut bufs.up, app, &mut bufs.out, &mut held, pool).await
         }
         Carried::Stream(stream) => {

@@ -9,9 +9,10 @@
 //!   of usher's own: a length the upstream gave no longer holds, and the
 //!   head said `transfer-encoding: chunked` instead ([`response::rechunk`]).
 //! - When the app leaves, the stream is read on, for its cost, within the
-//!   upstream's `timeout` and [`MAX_READ_ON`] bytes ([`Held::left`]).
+//!   upstream's `timeout` and [`MAX_READ_ON`] bytes ([`Held::left`]), in a
+//!   task of its own: the app's connection closes at once.
 
-use std::time::Duration;
+use std::sync::Arc;
 
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -26,9 +27,9 @@ use usher_enforce::settle::MAX_READ_ON;
 
 /// Sends the client the head in `out` and the stream that follows it (its
 /// first bytes in `up`, for a pooled stream), read for its cost by `held`;
-/// when the app leaves, reads on ([`Held::read_on_for`]). `held` is
-/// released (the cost settled), and a pooled stream put back in `pool`,
-/// once the last bytes are in hand, as in [`relay`](super::relay).
+/// when the app leaves, reads on ([`read_on`]). `held` is released (the
+/// cost settled), and a pooled stream put back in `pool`, once the last
+/// bytes are in hand, as in [`relay`](super::relay).
 pub(super) async fn relay<I>(
     head: &ResponseHead,
     body: Carried,
@@ -36,12 +37,11 @@ pub(super) async fn relay<I>(
     app: &mut App<'_, I>,
     out: &mut Vec<u8>,
     held: &mut Option<Held>,
-    pool: Option<&Pool>,
+    pool: Option<Arc<Pool>>,
 ) -> Result<(), BodyError>
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
-    let read_on = held.as_ref().map_or(Duration::ZERO, Held::read_on_for);
     let mut source = Source::new(head.framing, body, up);
     let edits = held.as_ref().is_some_and(Held::edits);
     // The client's framing: the upstream's length, unless edited; chunks otherwise.
@@ -65,10 +65,10 @@ where
         };
         if !ended {
             if let Err(e) = send(app.io, out).await {
-                return Err(read_on_for(e, source, up, held, pool, read_on).await);
+                return Err(gone(e, source, up, held, pool));
             }
             match app.wait(source.read(up)).await {
-                Err(e) => return Err(read_on_for(e, source, up, held, pool, read_on).await),
+                Err(e) => return Err(gone(e, source, up, held, pool)),
                 Ok(Err(e)) => return Err(upstream_failed(app, out, e).await),
                 Ok(Ok(false)) => continue,
                 Ok(Ok(true)) if source.ends_at_eof() => {}
@@ -82,7 +82,7 @@ where
         if chunked {
             out.extend_from_slice(b"0\r\n\r\n");
         }
-        source.home(up.is_empty(), held, pool);
+        source.home(up.is_empty(), held, pool.as_deref());
         send(app.io, out).await?;
         return app.io.flush().await.map_err(BodyError::Client);
     }
@@ -114,44 +114,54 @@ where
     BodyError::Upstream(why)
 }
 
-/// The app left (`gone`): reads the rest of the stream for its cost, to
-/// its end within `within` and [`MAX_READ_ON`] bytes, then settles it
-/// (and puts a pooled stream back); otherwise the admission's charge
-/// stands when `held` is dropped. Returns `gone`.
-async fn read_on_for(
-    gone: BodyError,
-    mut source: Source,
+/// The app left (`why`): the rest of the stream is read for its cost in a
+/// task of its own ([`read_on`]), with what is held. Returns `why`.
+fn gone(
+    why: BodyError,
+    source: Source,
     up: &mut BytesMut,
     held: &mut Option<Held>,
-    pool: Option<&Pool>,
-    within: Duration,
+    pool: Option<Arc<Pool>>,
 ) -> BodyError {
-    let Some(h) = held.as_mut() else { return gone };
-    h.left();
+    if let Some(mut h) = held.take() {
+        h.left();
+        tokio::spawn(read_on(source, up.split(), h, pool));
+    }
+    why
+}
+
+/// Reads the rest of a stream its app left (its next bytes in `up`), for
+/// its cost: to its end, within the route's upstream `timeout` and
+/// [`MAX_READ_ON`] bytes. Then `held` settles it (and a pooled stream goes
+/// back to `pool`); otherwise the admission's charge stands when `held` is
+/// dropped. Either way the answer counts as `client_gone`.
+async fn read_on(mut source: Source, mut up: BytesMut, held: Held, pool: Option<Arc<Pool>>) {
     #[allow(
         clippy::disallowed_methods,
         reason = "reading on is bounded by the upstream's timeout, an I/O deadline on tokio's timer"
     )]
-    let deadline = tokio::time::Instant::now() + within;
+    let deadline = tokio::time::Instant::now() + held.read_on_for();
+    let mut held = Some(held);
     let mut left = MAX_READ_ON;
     loop {
-        let taken = source.take(up, |data| {
+        let taken = source.take(&mut up, |data| {
             left = left.saturating_sub(data.len() as u64);
-            h.tee(data);
+            if let Some(h) = &mut held {
+                h.tee(data);
+            }
         });
         match taken {
             Ok(true) => break,
             Ok(false) if left > 0 => {}
-            _ => return gone,
+            _ => return,
         }
-        match tokio::time::timeout_at(deadline, source.read(up)).await {
+        match tokio::time::timeout_at(deadline, source.read(&mut up)).await {
             Ok(Ok(false)) => {}
             Ok(Ok(true)) if source.ends_at_eof() => break,
-            _ => return gone,
+            _ => return,
         }
     }
-    source.home(up.is_empty(), held, pool);
-    gone
+    source.home(up.is_empty(), &mut held, pool.as_deref());
 }
 
 /// Where the stream comes from: a pooled stream, with its framing and
