@@ -332,7 +332,8 @@ fn source_of<'a, T: std::error::Error + 'static>(e: &'a (dyn std::error::Error +
 /// holds until its last bytes are handed out. An edited body (usage taken
 /// out) loses its length: hyper frames it in chunks, or h2 data frames.
 pub(crate) fn respond(mut answer: Response<UpstreamBody>, mut held: Held) -> Response<ProxyBody> {
-    let edits = held.edits();
+    // (An answer without a body, to HEAD, keeps the length it states.)
+    let edits = held.edits() && !answer.body().is_end_stream();
     if edits {
         answer.headers_mut().remove(header::CONTENT_LENGTH);
     }
