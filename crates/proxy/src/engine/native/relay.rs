@@ -14,14 +14,14 @@ use super::buffers::Buffers;
 use super::conn::Taken;
 use super::forward::{Carried, Sending};
 use super::response::{self, Dechunker, Framing, ResponseHead};
-use super::stream;
 use super::watch::App;
 use crate::pipeline;
 use crate::upstream::pool::{Pool, Stream};
 use usher_enforce::respond::BoxError;
 
 /// Sends the client an upstream's answer (head and body); returns whether
-/// the connection stays open for another request.
+/// the connection stays open for another request. (A stream of events
+/// read for a cost goes its own way: [`stream::answered`](super::stream::answered).)
 pub(super) async fn answered<I>(
     server: &impl Connection,
     app: &mut App<'_, I>,
@@ -34,29 +34,38 @@ where
     I: AsyncRead + AsyncWrite + Unpin,
 {
     let Sending { body, head, upstream } = answer;
-    // A stream of events read for a cost goes its own way (`stream`).
-    let events = held.reads_stream() && head.framing != Framing::Empty;
-    if events && held.edits() && matches!(head.framing, Framing::Length(_)) {
-        response::rechunk(&mut bufs.out);
-    }
-    let close = taken.close || server.is_draining();
-    if close {
-        bufs.out.extend_from_slice(b"connection: close\r\n");
-    }
-    bufs.out.extend_from_slice(b"\r\n");
+    let close = end_head(server, taken, &mut bufs.out);
     let mut held = Some(held);
     let relayed = match body {
-        body if events => {
-            let pool = upstream.plain.as_ref().filter(|_| head.reusable).map(|p| p.pool.clone());
-            stream::relay(&head, body, &mut bufs.up, app, &mut bufs.out, &mut held, pool).await
-        }
         Carried::Stream(stream) => {
             let pool = upstream.plain.as_ref().filter(|_| head.reusable).map(|p| &*p.pool);
             relay(&head, stream, &mut bufs.up, app, &mut bufs.out, &mut held, pool).await
         }
         Carried::Shared(body) => relay_frames(head.framing, body, app, &mut bufs.out, &mut held).await,
     };
-    let open = match relayed {
+    Ok(stays_open(relayed, close, held))
+}
+
+/// Ends the client's head in `out` (`connection: close` when the
+/// connection closes after this answer); returns whether it does.
+#[inline(always)]
+pub(super) fn end_head(server: &impl Connection, taken: Taken, out: &mut Vec<u8>) -> bool {
+    let close = taken.close || server.is_draining();
+    if close {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    close
+}
+
+/// Whether the connection stays open after a body was `relayed` (not if
+/// it failed, or `close`). A body that failed is counted, and what its
+/// request holds released here; one that ended was released as its last
+/// bytes went out. (Always inlined: `answered` is the connection loop's,
+/// callgrind.)
+#[inline(always)]
+pub(super) fn stays_open(relayed: Result<(), BodyError>, close: bool, held: Option<pipeline::Held>) -> bool {
+    match relayed {
         Ok(()) => !close,
         Err(BodyError::Upstream(e)) => {
             // The status is already sent: the client sees its body cut.
@@ -70,10 +79,7 @@ where
             tracing::debug!(error = %e, "client connection failed while sending the response");
             false
         }
-    };
-    // A body that failed holds until here; one that ended was released as its last bytes went out.
-    drop(held);
-    Ok(open)
+    }
 }
 
 /// Sends the client the head in `out` and the body that follows `head` on

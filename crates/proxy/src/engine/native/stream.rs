@@ -17,20 +17,51 @@ use std::sync::Arc;
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::Connection;
 use super::body::{BodyError, home, refill, release, send};
-use super::forward::Carried;
+use super::buffers::Buffers;
+use super::conn::Taken;
+use super::forward::{Carried, Sending};
+use super::relay::{end_head, stays_open};
 use super::response::{self, Dechunker, Framing, ResponseHead};
 use super::watch::App;
 use crate::pipeline::Held;
 use crate::upstream::pool::{Pool, Stream};
+use usher_enforce::respond::BoxError;
 use usher_enforce::settle::MAX_READ_ON;
+
+/// Sends the client an upstream's answer that is a stream of events read
+/// for its cost (`held` [reads a stream](Held::reads_stream), and the
+/// answer has a body); returns whether the connection stays open, as
+/// [`answered`](super::relay::answered) does for any other.
+pub(super) async fn answered<I>(
+    server: &impl Connection,
+    app: &mut App<'_, I>,
+    bufs: &mut Buffers,
+    answer: Sending,
+    held: Held,
+    taken: Taken,
+) -> Result<bool, BoxError>
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    let Sending { body, head, upstream } = answer;
+    if held.edits() && matches!(head.framing, Framing::Length(_)) {
+        response::rechunk(&mut bufs.out);
+    }
+    let close = end_head(server, taken, &mut bufs.out);
+    let mut held = Some(held);
+    let pool = upstream.plain.as_ref().filter(|_| head.reusable).map(|p| p.pool.clone());
+    let relayed = relay(&head, body, &mut bufs.up, app, &mut bufs.out, &mut held, pool).await;
+    Ok(stays_open(relayed, close, held))
+}
 
 /// Sends the client the head in `out` and the stream that follows it (its
 /// first bytes in `up`, for a pooled stream), read for its cost by `held`;
 /// when the app leaves, reads on ([`read_on`]). `held` is released (the
 /// cost settled), and a pooled stream put back in `pool`, once the last
 /// bytes are in hand, as in [`relay`](super::relay).
-pub(super) async fn relay<I>(
+async fn relay<I>(
     head: &ResponseHead,
     body: Carried,
     up: &mut BytesMut,
@@ -136,32 +167,40 @@ fn gone(
 /// back to `pool`); otherwise the admission's charge stands when `held` is
 /// dropped. Either way the answer counts as `client_gone`.
 async fn read_on(mut source: Source, mut up: BytesMut, held: Held, pool: Option<Arc<Pool>>) {
-    #[allow(
-        clippy::disallowed_methods,
-        reason = "reading on is bounded by the upstream's timeout, an I/O deadline on tokio's timer"
-    )]
-    let deadline = tokio::time::Instant::now() + held.read_on_for();
+    let within = held.read_on_for();
     let mut held = Some(held);
+    // (A sleep, not a deadline: the connection loop's clock reads stay inlined, callgrind.)
+    let ended = tokio::select! {
+        ended = read_rest(&mut source, &mut up, &mut held) => ended,
+        () = tokio::time::sleep(within) => false,
+    };
+    if ended {
+        source.home(up.is_empty(), &mut held, pool.as_deref());
+    }
+}
+
+/// Reads the rest of a stream into `held`: true once it has ended, false
+/// when it fails or passes [`MAX_READ_ON`] bytes.
+async fn read_rest(source: &mut Source, up: &mut BytesMut, held: &mut Option<Held>) -> bool {
     let mut left = MAX_READ_ON;
     loop {
-        let taken = source.take(&mut up, |data| {
+        let taken = source.take(up, |data| {
             left = left.saturating_sub(data.len() as u64);
-            if let Some(h) = &mut held {
+            if let Some(h) = held.as_mut() {
                 h.tee(data);
             }
         });
         match taken {
-            Ok(true) => break,
+            Ok(true) => return true,
             Ok(false) if left > 0 => {}
-            _ => return,
+            _ => return false,
         }
-        match tokio::time::timeout_at(deadline, source.read(&mut up)).await {
-            Ok(Ok(false)) => {}
-            Ok(Ok(true)) if source.ends_at_eof() => break,
-            _ => return,
+        match source.read(up).await {
+            Ok(false) => {}
+            Ok(true) => return source.ends_at_eof(),
+            Err(_) => return false,
         }
     }
-    source.home(up.is_empty(), &mut held, pool.as_deref());
 }
 
 /// Where the stream comes from: a pooled stream, with its framing and
