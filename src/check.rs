@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::sim::Scenario;
 use usher_core::config::ConfigError;
 use usher_core::config::resources::{ResourcesConfig, Template};
-use usher_core::config::routes::{ResourceConfig, ResourceKind, RoutesConfig};
+use usher_core::config::routes::{CostRule, ResourceConfig, ResourceKind, RoutesConfig, SettleFrom};
 use usher_core::config::yaml::{Node, Value, parse};
 use usher_core::error::RunError;
 
@@ -160,11 +160,34 @@ fn routes_summary(cfg: &RoutesConfig, unset: &[String]) -> Vec<String> {
     for r in cfg.resources.values() {
         out.push(resource_line(r));
     }
+    for r in &cfg.routes {
+        out.extend(
+            r.resources.iter().filter_map(|(res, cost)| Some(cost_line(&r.name, res, *cost, r.cost_rules.get(res)?))),
+        );
+    }
     out.push(format!("listener limits: {}", cfg.limits));
     for (name, a) in cfg.upstreams.iter().filter_map(|(n, u)| Some((n, u.listen?))) {
         out.push(format!("upstream listener: {a} (every request on it goes to upstream `{name}`)"));
     }
     out
+}
+
+/// How a route's resource is charged beyond a fixed cost: read from the
+/// request, settled from the answer.
+fn cost_line(route: &str, resource: &str, cost: f64, rule: &CostRule) -> String {
+    let charged = match &rule.header {
+        Some(h) => format!("the request's `{h}` header ({} without it)", number(cost)),
+        None => number(cost),
+    };
+    let settled = match &rule.settle {
+        None => String::new(),
+        Some(SettleFrom::Header(h)) => format!(", settled from the answer's `{h}` header"),
+        Some(SettleFrom::Json(p)) => {
+            format!(", settled from `{}` in the answer's JSON (or its last event that has it)", p.text)
+        }
+        Some(SettleFrom::Usage(u)) => format!(", settled from the answer's {u}"),
+    };
+    format!("route {route}: resource {resource} costs {charged} at admission{settled}")
 }
 
 fn resource_line(r: &ResourceConfig) -> String {

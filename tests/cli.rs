@@ -271,6 +271,40 @@ fn check_names_calendar_windows_quota_headers_and_shadow_resources() {
     );
 }
 
+/// `usher check` prints how each route's resource is charged: a cost read
+/// from the request, and the rule that settles it from the answer.
+#[test]
+fn check_prints_each_settle_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let routes = "upstreams:\n  llm: { url: \"http://127.0.0.1:9\" }\n\
+                  resources:\n  llm-usd: { kind: rate, capacity: 200/day, window: calendar }\n  \
+                  tokens: { kind: rate, capacity: 1000/min, burst: 2000 }\n\
+                  routes:\n  - name: chat\n    upstream: llm\n    resources:\n      \
+                  - { resource: llm-usd, cost: 0.05, settle: { usage: openai, price: { input_per_million: 0.15, output_per_million: 0.60 } } }\n      \
+                  - { resource: tokens, cost: \"{header.x-max-tokens}\", default_cost: 500, settle: { usage: anthropic, tokens: output } }\n  \
+                  - name: plain\n    upstream: llm\n    resources:\n      \
+                  - { resource: tokens, settle: { response_json: usage.total_tokens } }\n";
+    let file = write_file(dir.path(), "routes.yaml", routes);
+    let (code, out, err) = run_usher(&["check", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    for line in [
+        "route chat: resource llm-usd costs 0.05 at admission, settled from the answer's usage (openai, total tokens, \
+         at 0.15 per million input tokens and 0.6 per million output tokens)",
+        "route chat: resource tokens costs the request's `x-max-tokens` header (500 without it) at admission, \
+         settled from the answer's usage (anthropic, output tokens)",
+        "route plain: resource tokens costs 1 at admission, settled from `usage.total_tokens` in the answer's JSON",
+    ] {
+        assert!(out.contains(line), "missing {line:?} in:\n{out}");
+    }
+    let bad = write_file(dir.path(), "bad.yaml", &routes.replace("usage: anthropic", "usage: antropic"));
+    let (code, _, err) = run_usher(&["check", bad.to_str().unwrap()]);
+    assert_eq!(code, 64, "{err}");
+    assert!(
+        err.contains("bad.yaml:11:96: routes[0].resources[1].settle.usage: unknown usage preset `antropic` (hint: did you mean `anthropic`?)"),
+        "{err}"
+    );
+}
+
 /// `usher check` prints each resource of a routes file as it resolves: the
 /// per-second rate, burst, max_wait and where the capacity comes from.
 #[test]

@@ -34,6 +34,8 @@ pub struct Metrics {
     pub http1_handoffs: IntCounterVec,
     /// Answers read for a settled cost, by route, resource and outcome.
     settles: IntCounterVec,
+    /// Server-sent events passed over for their size, by route and resource.
+    settle_skipped: IntCounterVec,
     capacity: GaugeVec,
     demand: GaugeVec,
     /// The upstream's own account of its quota, by resource and field.
@@ -105,6 +107,13 @@ impl Metrics {
                 "Answers read for a cost settled from the response, by route, resource and outcome (settled, or why not)",
                 &["route", "resource", "outcome"],
             ),
+            settle_skipped: counters(
+                r,
+                "usher_proxy_settle_events_skipped_total",
+                "Server-sent events of answers read for a settled cost that were passed over for their size (over 1 MiB), \
+                 by route and resource",
+                &["route", "resource"],
+            ),
             // Per-resource gauges, refreshed at scrape time (`observe_table`).
             capacity: gauges(
                 r,
@@ -165,10 +174,12 @@ impl Metrics {
     pub fn settle(&self, route: &str, resource: &str) -> SettleMetrics {
         let m = SettleMetrics {
             vec: self.settles.clone(),
+            skipped_vec: self.settle_skipped.clone(),
             route: route.to_string(),
             resource: resource.to_string(),
             counts: Default::default(),
             warned: Default::default(),
+            skipped: Default::default(),
         };
         // Shown from the start: a dashboard has a series to rate.
         m.counter(SettleOutcome::Settled);
@@ -316,20 +327,24 @@ impl ResourceMetrics {
 pub enum SettleOutcome {
     /// The real cost was read and the difference charged or given back.
     Settled,
-    /// The header is absent, or the JSON path holds no number of at least 0.
+    /// The header is absent, or the body (or its events) holds no number
+    /// of at least 0 at the JSON path, or no token counts.
     Missing,
     /// The body is not JSON.
     NotJson,
-    /// The body is over the most that is read (`settle::MAX_JSON_BODY`).
+    /// The body is over the most that is read (`settle::MAX_JSON_BODY`), or
+    /// the events that would carry the cost were (`settle::MAX_EVENT`).
     TooLarge,
     /// The body is compressed (`content-encoding`).
     Encoded,
-    /// The body is a stream of events (`text/event-stream`).
-    Streaming,
     /// The body is empty (a HEAD request, a 204).
     Empty,
-    /// The body did not end: the app left, or the upstream cut it.
+    /// The body did not end: the upstream cut it (or the app left a body
+    /// that is not a stream of events).
     Incomplete,
+    /// The app left while a stream of events was relayed: usher read on,
+    /// and settled the cost if the stream ended in time.
+    ClientGone,
     /// An answer other than 2xx that did not carry the cost.
     Status,
 }
@@ -346,9 +361,9 @@ impl SettleOutcome {
             SettleOutcome::NotJson => "not_json",
             SettleOutcome::TooLarge => "too_large",
             SettleOutcome::Encoded => "encoded",
-            SettleOutcome::Streaming => "streaming",
             SettleOutcome::Empty => "empty",
             SettleOutcome::Incomplete => "incomplete",
+            SettleOutcome::ClientGone => "client_gone",
             SettleOutcome::Status => "status",
         }
     }
@@ -358,17 +373,24 @@ impl SettleOutcome {
 /// use, and whether each outcome was warned about yet.
 pub struct SettleMetrics {
     vec: IntCounterVec,
+    skipped_vec: IntCounterVec,
     /// The route's name.
     pub route: String,
     /// The resource's name.
     pub resource: String,
     counts: [std::sync::OnceLock<IntCounter>; SettleOutcome::COUNT],
     warned: [std::sync::atomic::AtomicBool; SettleOutcome::COUNT],
+    skipped: std::sync::OnceLock<IntCounter>,
 }
 
 impl SettleMetrics {
     fn counter(&self, o: SettleOutcome) -> &IntCounter {
         self.counts[o as usize].get_or_init(|| self.vec.with_label_values(&[&self.route, &self.resource, o.label()]))
+    }
+
+    /// Counts `n` server-sent events passed over for their size.
+    pub fn skipped(&self, n: u64) {
+        self.skipped.get_or_init(|| self.skipped_vec.with_label_values(&[&self.route, &self.resource])).inc_by(n);
     }
 
     /// Counts one answer's outcome; true the first time it is not `Settled`

@@ -15,15 +15,18 @@ use usher_core::clock::Time;
 /// Time constant of the smoothed arrival rate.
 pub const SMOOTHING: Duration = Duration::from_secs(10);
 
-/// Arrival counts are kept in thousandths of a cost unit so fractional costs add up exactly enough.
-const MILLI: f64 = 1000.0;
-
 /// Counts what one key is asked for: arrivals, outcomes, requests in
 /// flight and waiting, and a smoothed arrival rate.
 #[derive(Debug, Default)]
 pub struct DemandMeter {
-    /// Every arrival (admitted, paced or refused), in milli-units of cost.
-    arrivals: AtomicU64,
+    /// Every arrival (admitted, paced or refused) of a whole cost, in cost
+    /// units: most routes charge whole costs, counted by one `fetch_add`.
+    whole: AtomicU64,
+    /// The rest of the arrivals, in cost units: fractional costs and settled
+    /// differences, as the bits of an `f64`. A float keeps any cost (a
+    /// budget's 0.00015 $ as well as a refund of a thousand tokens) to its
+    /// relative precision, where a count of thousandths lost the tiny ones.
+    rest: AtomicU64,
     /// Every arrival, counted once whatever its cost.
     requests: AtomicU64,
     admitted: AtomicU64,
@@ -40,7 +43,7 @@ pub struct DemandMeter {
 
 #[derive(Debug, Default)]
 struct Smooth {
-    last: Option<(Time, u64)>,
+    last: Option<(Time, f64)>,
     rate: f64,
     /// Peak in flight in the current window.
     peak: i64,
@@ -78,19 +81,31 @@ pub enum Outcome {
 
 impl DemandMeter {
     /// Counts a request of `cost` units, whatever becomes of it.
+    #[inline]
     pub fn arrive(&self, cost: f64) {
-        self.arrivals.fetch_add((cost * MILLI).round() as u64, Ordering::Relaxed);
+        // (Casts and a comparison: `fract` is a library call.)
+        let whole = cost as u64;
+        if whole as f64 == cost {
+            self.whole.fetch_add(whole, Ordering::Relaxed);
+        } else {
+            self.add(cost);
+        }
         self.requests.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A settled cost differs from the one that arrived by `delta` units.
     pub fn settle(&self, delta: f64) {
-        let milli = (delta.abs() * MILLI).round() as u64;
-        if delta >= 0.0 {
-            self.arrivals.fetch_add(milli, Ordering::Relaxed);
-        } else {
-            let _ = self.arrivals.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |a| Some(a.saturating_sub(milli)));
+        self.add(delta);
+    }
+
+    /// Adds `units` (a fractional cost, or a settled difference) to the rest of the arrivals.
+    fn add(&self, units: f64) {
+        if !units.is_finite() {
+            return;
         }
+        let _ = self
+            .rest
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |a| Some((f64::from_bits(a) + units).to_bits()));
     }
 
     /// Counts how a request fared.
@@ -145,9 +160,11 @@ impl DemandMeter {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Total arrivals so far, in cost units.
+    /// Total arrivals so far, in cost units (never below 0: a refund
+    /// takes back at most the cost that arrived).
     pub fn arrivals(&self) -> f64 {
-        self.arrivals.load(Ordering::Relaxed) as f64 / MILLI
+        let rest = f64::from_bits(self.rest.load(Ordering::Relaxed));
+        (self.whole.load(Ordering::Relaxed) as f64 + rest).max(0.0)
     }
 
     /// Total arrivals so far, in requests.
@@ -165,7 +182,7 @@ impl DemandMeter {
     /// Updates the smoothed rate at `now` and returns a reading. Any number
     /// of readers may sample: the smoothing is weighted by elapsed time.
     pub fn sample(&self, now: Time) -> DemandSample {
-        let count = self.arrivals.load(Ordering::Relaxed);
+        let count = self.arrivals();
         let in_flight = self.in_flight.load(Ordering::Relaxed);
         let mut s = self.smooth.lock().expect("demand lock");
         let window_peak = self.peak_in_flight.load(Ordering::Relaxed);
@@ -176,7 +193,7 @@ impl DemandMeter {
                 if dt > 0.0 {
                     // A cost settled below its charge takes arrivals back:
                     // the count may be below the last reading's.
-                    let inst = count.wrapping_sub(c0) as i64 as f64 / MILLI / dt;
+                    let inst = (count - c0) / dt;
                     let alpha = 1.0 - (-dt / SMOOTHING.as_secs_f64()).exp();
                     s.rate += alpha * (inst - s.rate);
                     s.last = Some((now, count));
@@ -238,5 +255,30 @@ mod tests {
         let settled = m.sample(t).rate;
         assert!((0.0..charged).contains(&settled), "{settled} after {charged}");
         assert_eq!(m.arrivals(), 50.0);
+    }
+
+    /// A cost far below one unit counts (a budget in dollars: 0.00015 $ a
+    /// call), and so does one far above it, each to its own precision.
+    #[test]
+    fn tiny_and_huge_costs_both_count() {
+        let m = DemandMeter::default();
+        let mut t = Time::from_secs(1000);
+        m.sample(t);
+        for _ in 0..1000 {
+            m.arrive(0.00015);
+        }
+        assert!((m.arrivals() - 0.15).abs() < 1e-12, "{}", m.arrivals());
+        m.settle(-0.00005);
+        assert!((m.arrivals() - 0.14995).abs() < 1e-12, "{}", m.arrivals());
+        t = t.saturating_add(Duration::from_secs(1));
+        assert!(m.sample(t).rate > 0.0, "tiny costs make a rate");
+        m.settle(-0.15);
+        assert_eq!(m.arrivals(), 0.0, "a refund never takes the count below 0");
+        let big = DemandMeter::default();
+        for _ in 0..1000 {
+            big.arrive(1e9);
+            big.arrive(1.0);
+        }
+        assert_eq!(big.arrivals(), 1_000_000_001_000.0, "whole costs add up exactly");
     }
 }

@@ -309,13 +309,21 @@ impl Rate {
 
     /// Units that could pass right now without waiting, rounded down.
     pub fn remaining(&self, now: Time) -> u64 {
+        let units = self.available(now);
+        if units.is_infinite() { u64::MAX } else { units.floor() as u64 }
+    }
+
+    /// Units that could pass right now without waiting, fractions
+    /// included (a budget in dollars has few whole units); infinite when
+    /// unlimited.
+    pub fn available(&self, now: Time) -> f64 {
         let s = self.state.lock().expect("rate lock");
         match s.interval {
-            None => 0,
-            Some(0) => u64::MAX,
+            None => 0.0,
+            Some(0) => f64::INFINITY,
             Some(i) => {
                 let used = s.tat.saturating_sub(s.pos(now)) as f64 / i as f64;
-                (s.burst - used).max(0.0).floor() as u64
+                (s.burst - used).max(0.0)
             }
         }
     }

@@ -344,6 +344,15 @@ impl Limiter {
         }
     }
 
+    /// Units that could be admitted now without waiting, fractions included.
+    pub fn available(&self) -> f64 {
+        match (&self.rate, &self.gauge) {
+            (Some(r), _) => r.available(self.clock.now()),
+            (_, Some(g)) => g.remaining() as f64,
+            _ => 0.0,
+        }
+    }
+
     /// Units that could be admitted now without waiting.
     pub fn remaining(&self) -> u64 {
         match (&self.rate, &self.gauge) {

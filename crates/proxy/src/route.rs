@@ -43,6 +43,13 @@ pub struct Route {
     pub dialect: Option<usher_enforce::respond::ApiDialect>,
 }
 
+impl Route {
+    /// The upstream's `timeout` (the default one for the origins a request names).
+    pub fn timeout(&self) -> std::time::Duration {
+        self.upstream.as_ref().map_or(usher_core::config::routes::DEFAULT_TIMEOUT, |u| u.config.timeout)
+    }
+}
+
 impl std::fmt::Debug for Route {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Route").field("name", &self.name).field("matcher", &self.matcher).finish()

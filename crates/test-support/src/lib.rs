@@ -199,6 +199,13 @@ impl Usher {
         fields["listen"].parse().expect("socket address")
     }
 
+    /// The text of the process's `/metrics` on its admin listener.
+    pub fn metrics(&self) -> String {
+        let (code, text) = http_get(self.addr("admin"), "/metrics");
+        assert_eq!(code, 200, "{text}");
+        text
+    }
+
     /// Everything the process has written to stderr so far, colours
     /// stripped, for assertions and failure messages.
     pub fn log(&self) -> String {

@@ -541,6 +541,63 @@ impl Got {
     }
 }
 
+/// A client of the sidecar, by the engine that serves it: `native` speaks
+/// HTTP/1.1 (usher's own engine serves it), any other h2c (hyper does).
+pub enum Client {
+    /// One HTTP/1.1 connection.
+    Native(H1),
+    /// One HTTP/2 (h2c) connection.
+    Hyper(H2),
+}
+
+impl Client {
+    /// One connection to `addr`, for `engine`.
+    pub async fn new(engine: &str, addr: SocketAddr) -> Client {
+        match engine {
+            "native" => Client::Native(h1(addr).await),
+            _ => Client::Hyper(h2(addr).await),
+        }
+    }
+
+    /// Sends `req` once the connection is ready; the answer's body is still to read.
+    pub async fn send(&mut self, req: Request<TestBody>) -> Response<Incoming> {
+        match self {
+            Client::Native(c) => {
+                c.ready().await.unwrap();
+                c.send_request(req).await.unwrap()
+            }
+            Client::Hyper(c) => {
+                c.ready().await.unwrap();
+                c.send_request(req).await.unwrap()
+            }
+        }
+    }
+}
+
+/// Serves `respond` on 127.0.0.1:0, HTTP/1.1 and h2c, for as long as the
+/// runtime runs: a stand-in upstream of a test's own, answering at once
+/// with a body of any kind (see [`serve`] for one that awaits its answer).
+pub async fn serve_fn<B>(respond: fn(&Request<Incoming>) -> Response<B>) -> SocketAddr
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { return };
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| async move { Ok::<_, Infallible>(respond(&req)) });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
 /// Reads `resp` whole into a [`Got`].
 pub async fn read(resp: Response<Incoming>) -> Got {
     let (parts, body) = resp.into_parts();

@@ -8,6 +8,7 @@ pub mod listener;
 pub mod quota;
 pub mod resources;
 pub mod routes;
+pub mod usage;
 pub mod watch;
 pub mod yaml;
 

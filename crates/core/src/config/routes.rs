@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::usage::{self, UsageRule};
 use super::yaml::{Checker, ConfigError, Loc, MapView, Node, Value, closest, parse};
 
 mod checks;
@@ -318,8 +319,12 @@ pub struct CostRule {
 pub enum SettleFrom {
     /// `response_header: NAME`: a response header (lower-case name).
     Header(String),
-    /// `response_json: PATH`: a number in the answer's JSON body.
+    /// `response_json: PATH`: a number in the answer's JSON body, or in the
+    /// last of its server-sent events whose data has one there.
     Json(JsonPath),
+    /// `usage: PRESET`: the token counts an LLM API reports, in its JSON
+    /// body or its stream of events.
+    Usage(UsageRule),
 }
 
 /// The most steps a `response_json` path may have.
@@ -1184,34 +1189,50 @@ fn check_cost(
     true
 }
 
-/// Reads a resource's `settle:` mapping: one of `response_header: NAME` or
-/// `response_json: PATH`.
+/// The keys of a `settle:` mapping that say where the cost is read from.
+const SETTLE_SOURCES: [&str; 3] = ["response_header", "response_json", "usage"];
+
+/// Reads a resource's `settle:` mapping: one of `response_header: NAME`,
+/// `response_json: PATH` or `usage: PRESET` (with its `tokens` and `price`).
 fn settle_from(ck: &mut Checker, node: &Node, path: &str) -> Option<SettleFrom> {
-    let m = ck.map(node, path, &["response_header", "response_json"])?;
+    let m = ck.map(node, path, &[&SETTLE_SOURCES[..], &["tokens", "price"]].concat())?;
     // Looked up with nulls kept: `response_json:` with no value is a missing path, not a missing field.
     let given = |key: &str| m.entries().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v);
-    match (given("response_header"), given("response_json")) {
-        (Some(_), Some(j)) => {
+    let sources: Vec<(&str, &Node)> = SETTLE_SOURCES.iter().filter_map(|k| Some((*k, given(k)?))).collect();
+    let extras: Vec<(&str, &Node)> = ["tokens", "price"].iter().filter_map(|k| Some((*k, given(k)?))).collect();
+    match sources[..] {
+        [_, (key, second), ..] => {
             ck.error(
-                j.loc,
-                &m.child("response_json"),
-                "give response_header or response_json, not both",
+                second.loc,
+                &m.child(key),
+                "give one of response_header, response_json or usage",
                 Some("a cost is settled from one place".into()),
             );
             None
         }
-        // Keys that are there were unknown, and said so.
-        (None, None) if m.entries().next().is_some() => None,
-        (None, None) => {
+        // Keys that are there and say no source were unknown, and said so.
+        [] if extras.is_empty() && m.entries().next().is_some() => None,
+        [] if extras.is_empty() => {
             ck.error(
                 m.loc(),
                 path,
-                "expected response_header or response_json",
-                Some("e.g. settle: { response_json: usage.total_tokens }".into()),
+                "expected response_header, response_json or usage",
+                Some("e.g. settle: { usage: openai } or settle: { response_json: usage.total_tokens }".into()),
             );
             None
         }
-        (Some(h), None) => {
+        [] | [("response_header" | "response_json", _)] if !extras.is_empty() => {
+            let (key, at) = extras[0];
+            ck.error(
+                at.loc,
+                &m.child(key),
+                format!("`{key}` applies to a cost settled from token counts (usage)"),
+                Some("e.g. settle: { usage: openai, tokens: output }".into()),
+            );
+            None
+        }
+        [("usage", n)] => usage::read(ck, &m, n).map(SettleFrom::Usage),
+        [("response_header", h)] => {
             let field = m.child("response_header");
             let name = ck.string(h, &field)?;
             if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
@@ -1220,7 +1241,7 @@ fn settle_from(ck: &mut Checker, node: &Node, path: &str) -> Option<SettleFrom> 
             }
             Some(SettleFrom::Header(name.to_ascii_lowercase()))
         }
-        (None, Some(j)) => {
+        [(_, j)] => {
             let field = m.child("response_json");
             let text = ck.string(j, &field)?;
             match JsonPath::parse(&text) {
@@ -1231,6 +1252,7 @@ fn settle_from(ck: &mut Checker, node: &Node, path: &str) -> Option<SettleFrom> 
                 }
             }
         }
+        [] => None,
     }
 }
 

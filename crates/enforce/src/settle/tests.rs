@@ -80,15 +80,135 @@ fn a_body_copy_stops_at_the_limit() {
 fn the_head_says_which_bodies_cannot_be_read() {
     let check = |fields: &[(&str, &'static [u8])], length: Option<u64>| {
         let header = |name: &str| fields.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
-        unreadable(&header, length).map(|(o, _)| o)
+        unreadable(&header, length, is_event_stream(&header)).map(|(o, _)| o)
     };
     assert_eq!(check(&[("content-type", b"application/json")], Some(100)), None);
     assert_eq!(check(&[("content-encoding", b" identity ")], None), None);
     assert_eq!(check(&[("content-encoding", b"")], None), None);
     assert_eq!(check(&[("content-encoding", b"gzip")], None), Some(SettleOutcome::Encoded));
     assert_eq!(check(&[("content-encoding", b"br")], Some(10)), Some(SettleOutcome::Encoded));
-    assert_eq!(check(&[("content-type", b"Text/Event-Stream; charset=utf-8")], None), Some(SettleOutcome::Streaming));
-    assert_eq!(check(&[("content-type", b"text/event")], None), None);
+    assert_eq!(check(&[("content-type", b"Text/Event-Stream; charset=utf-8")], None), None, "a stream is read");
+    assert_eq!(
+        check(&[("content-type", b"text/event-stream"), ("content-encoding", b"gzip")], None),
+        Some(SettleOutcome::Encoded)
+    );
     assert_eq!(check(&[], Some(MAX_JSON_BODY as u64)), None, "the limit itself is read");
     assert_eq!(check(&[], Some(MAX_JSON_BODY as u64 + 1)), Some(SettleOutcome::TooLarge));
+    assert_eq!(
+        check(&[("content-type", b"text/event-stream")], Some(MAX_JSON_BODY as u64 + 1)),
+        None,
+        "a stream of any length is read, an event at a time"
+    );
+    let header = |name: &str| (name == "content-type").then_some(&b"text/event"[..]);
+    assert!(!is_event_stream(&header));
+}
+
+// === token counts ===
+
+use usher_core::config::usage::UsageApi;
+
+fn counts(input: f64, output: f64, total: Option<f64>) -> usage::Counts {
+    usage::Counts { input: Some(input), output: Some(output), total }
+}
+
+#[test]
+fn each_api_s_bodies_give_their_counts() {
+    let chat = br#"{"id":"chatcmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant",
+        "content":"\"usage\": {\"prompt_tokens\": 1}"},"finish_reason":"stop"}],
+        "usage":{"prompt_tokens":19,"completion_tokens":10,"total_tokens":29,
+        "prompt_tokens_details":{"cached_tokens":0},"completion_tokens_details":{"reasoning_tokens":0}}}"#;
+    assert_eq!(usage::read(chat, UsageApi::OpenAi).unwrap(), counts(19.0, 10.0, Some(29.0)));
+    let responses = br#"{"id":"resp_1","object":"response","status":"completed","output":[{"type":"message",
+        "content":[{"type":"output_text","text":"Hi"}]}],
+        "usage":{"input_tokens":36,"input_tokens_details":{"cached_tokens":0},"output_tokens":87,
+        "output_tokens_details":{"reasoning_tokens":0},"total_tokens":123}}"#;
+    assert_eq!(usage::read(responses, UsageApi::OpenAi).unwrap(), counts(36.0, 87.0, Some(123.0)));
+    let anthropic = br#"{"id":"msg_1","type":"message","role":"assistant","content":[{"type":"text","text":"Hi"}],
+        "model":"claude-sonnet-4-5","stop_reason":"end_turn","usage":{"input_tokens":2095,"output_tokens":503,
+        "cache_creation_input_tokens":0,"cache_read_input_tokens":0}}"#;
+    assert_eq!(usage::read(anthropic, UsageApi::Anthropic).unwrap(), counts(2095.0, 503.0, None));
+    // Each preset reads its own API's names only.
+    assert_eq!(usage::read(chat, UsageApi::Anthropic).unwrap(), usage::Counts::default());
+    assert!(usage::read(b"{\"usage\":", UsageApi::OpenAi).is_err());
+    assert_eq!(
+        usage::read(br#"{"usage":{"prompt_tokens":-1,"completion_tokens":"2","total_tokens":null}}"#, UsageApi::OpenAi)
+            .unwrap(),
+        usage::Counts::default(),
+        "only numbers of at least 0 count"
+    );
+}
+
+#[test]
+fn only_documents_with_a_usage_object_are_read() {
+    for (doc, may) in [
+        (&br#"{"usage":{"total_tokens":1}}"#[..], true),
+        (br#"{"a":1, "usage" : { }}"#, true),
+        (br#"{"message":{"usage":{"input_tokens":1}}}"#, true),
+        (br#"{"choices":[],"usage":null}"#, false),
+        (br#"{"content":"\"usage\": {}"}"#, false),
+        (br#"{"usage"}"#, false),
+        (b"[DONE]", false),
+    ] {
+        assert_eq!(usage::may_have(doc), may, "{}", String::from_utf8_lossy(doc));
+    }
+}
+
+/// Counts merged over a stream's events, read by a scanner, however the
+/// stream is cut.
+fn streamed(stream: &[u8], api: UsageApi) -> usage::Counts {
+    let whole = merged(&[stream], api);
+    for cut in 0..=stream.len() {
+        let (a, b) = stream.split_at(cut);
+        assert_eq!(merged(&[a, b], api), whole, "cut at {cut}");
+    }
+    whole
+}
+
+fn merged(pieces: &[&[u8]], api: UsageApi) -> usage::Counts {
+    let mut scan = Scanner::new(false);
+    let mut total = usage::Counts::default();
+    let mut on = |data: &[u8]| {
+        if usage::may_have(data)
+            && let Ok(c) = usage::read(data, api)
+        {
+            total.merge(c);
+        }
+        Verdict::Keep
+    };
+    for p in pieces {
+        scan.scan(p, &mut on);
+    }
+    scan.end(&mut Vec::new(), &mut on);
+    total
+}
+
+#[test]
+fn each_api_s_streams_give_their_counts() {
+    let chat = b"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}\n\n\
+        data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":12,\"total_tokens\":21}}\n\n\
+        data: [DONE]\n\n";
+    assert_eq!(streamed(chat, UsageApi::OpenAi), counts(9.0, 12.0, Some(21.0)));
+    let responses = b"event: response.created\r\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}\r\n\r\n\
+        event: response.output_text.delta\r\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hi\"}\r\n\r\n\
+        event: response.completed\r\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"status\":\"completed\",\
+        \"usage\":{\"input_tokens\":5,\"output_tokens\":7,\"total_tokens\":12}}}\r\n\r\n";
+    assert_eq!(streamed(responses, UsageApi::OpenAi), counts(5.0, 7.0, Some(12.0)));
+    let anthropic = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"content\":[],\
+        \"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n\
+        event: ping\ndata: {\"type\": \"ping\"}\n\n\
+        event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n\
+        event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":null},\"usage\":{\"output_tokens\":10}}\n\n\
+        event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":15}}\n\n\
+        event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+    assert_eq!(streamed(anthropic, UsageApi::Anthropic), counts(25.0, 15.0, None), "the last delta's output");
+}
+
+#[test]
+fn a_later_count_replaces_an_earlier_and_drops_a_stale_total() {
+    let mut c = usage::Counts::default();
+    c.merge(counts(10.0, 1.0, Some(11.0)));
+    c.merge(usage::Counts { output: Some(30.0), ..Default::default() });
+    assert_eq!(c, counts(10.0, 30.0, None));
+    c.merge(usage::Counts::default());
+    assert_eq!(c, counts(10.0, 30.0, None), "nothing new changes nothing");
 }

@@ -29,6 +29,7 @@ use crate::upstream::{DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, client_error
 use usher_core::error::error_chain;
 use usher_enforce::respond::BoxError;
 use usher_enforce::respond::{ProxyBody, ProxyError, is_grpc};
+use usher_enforce::settle::MAX_READ_ON;
 
 /// The general path's innermost stage: sends a request to its [`Target`],
 /// or opens a CONNECT tunnel.
@@ -328,27 +329,49 @@ fn source_of<'a, T: std::error::Error + 'static>(e: &'a (dyn std::error::Error +
 }
 
 /// The answer hyper sends for an upstream's: its body holds what the request
-/// holds until its last bytes are handed out.
-pub(crate) fn respond(answer: Response<UpstreamBody>, mut held: Held) -> Response<ProxyBody> {
+/// holds until its last bytes are handed out. An edited body (usage taken
+/// out) loses its length: hyper frames it in chunks, or h2 data frames.
+pub(crate) fn respond(mut answer: Response<UpstreamBody>, mut held: Held) -> Response<ProxyBody> {
+    // (An answer without a body, to HEAD, keeps the length it states.)
+    let edits = held.edits() && !answer.body().is_end_stream();
+    if edits {
+        answer.headers_mut().remove(header::CONTENT_LENGTH);
+    }
     answer.map(|b| {
         // hyper may never poll a body that is over before it starts (a HEAD, a 204).
         if b.is_end_stream() {
             held.end();
         }
-        Tracked { inner: b, held, ended: false }.boxed_unsync()
+        Tracked { inner: b, held, ended: false, edits }.boxed_unsync()
     })
 }
 
 pin_project! {
     /// An upstream's response body on the general path: holds what its
     /// request holds (gauge permits, in flight) until it ends, and counts a
-    /// failure after the head was sent.
+    /// failure after the head was sent. A stream of events read for a cost
+    /// is read on, in a task of its own, if the app leaves before its end.
     struct Tracked {
         #[pin]
         inner: UpstreamBody,
         held: Held,
         // The body ended early (gRPC trailers made of an error): the inner body is done with.
         ended: bool,
+        // The app gets the body as `Held::edit` makes it.
+        edits: bool,
+    }
+
+    impl PinnedDrop for Tracked {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            if this.held.reads_stream() {
+                // The app left mid-stream (hyper drops the body it cannot send).
+                let body = std::mem::replace(this.inner.get_mut(), UpstreamBody::Empty);
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(read_on(body, std::mem::take(this.held)));
+                }
+            }
+        }
     }
 }
 
@@ -357,6 +380,9 @@ impl Body for Tracked {
     type Error = BoxError;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.edits {
+            return self.poll_edited(cx);
+        }
         let mut this = self.project();
         if *this.ended {
             return Poll::Ready(None);
@@ -366,8 +392,7 @@ impl Body for Tracked {
             // The status is already sent: a gRPC client gets trailers with a
             // status, any other sees its body cut; counted either way.
             Some(Err(e)) => {
-                tracing::debug!(error = %e, "response body failed after the headers");
-                if let Some(trailers) = this.held.body_error(e) {
+                if let Some(trailers) = Tracked::failed(this.held, e) {
                     *this.ended = true;
                     return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
                 }
@@ -396,6 +421,81 @@ impl Body for Tracked {
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match self.edits {
+            true => SizeHint::default(),
+            false => self.inner.size_hint(),
+        }
+    }
+}
+
+impl Tracked {
+    /// Polls an edited body: each piece of data as [`Held::edit`] makes
+    /// it, none while it holds an event back; what it still holds goes out
+    /// at the end.
+    fn poll_edited(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        loop {
+            if *this.ended {
+                return Poll::Ready(None);
+            }
+            let mut edited = Vec::new();
+            match ready!(this.inner.as_mut().poll_frame(cx)) {
+                Some(Err(e)) => {
+                    let trailers = Tracked::failed(this.held, &e);
+                    *this.ended = trailers.is_some();
+                    return Poll::Ready(Some(trailers.map(Frame::trailers).ok_or_else(|| Box::new(e) as BoxError)));
+                }
+                Some(Ok(f)) => match f.into_data() {
+                    Ok(data) => this.held.edit(&data, &mut edited),
+                    // Trailers, after the last data: nothing is held back then.
+                    Err(f) => return Poll::Ready(Some(Ok(f))),
+                },
+                None => *this.ended = true,
+            }
+            if *this.ended || this.inner.is_end_stream() {
+                this.held.flush(&mut edited);
+                this.held.end();
+                *this.held = Held::default();
+                *this.ended = true;
+            }
+            if !edited.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(Bytes::from(edited)))));
+            }
+        }
+    }
+
+    /// The body failed after its head was sent: counted, and for gRPC the trailers it ends with.
+    fn failed(held: &mut Held, e: &hyper::Error) -> Option<http::HeaderMap> {
+        tracing::debug!(error = %e, "response body failed after the headers");
+        held.body_error(e)
+    }
+}
+
+/// Reads on a stream of events whose app left, for its cost: to its end,
+/// within the route's upstream `timeout` and [`MAX_READ_ON`] bytes. Its
+/// cost is settled if it ends so; else the admission's charge stands.
+/// Either way it counts as `client_gone`.
+async fn read_on(mut body: UpstreamBody, mut held: Held) {
+    held.left();
+    let within = held.read_on_for();
+    let read = async {
+        let mut left = MAX_READ_ON;
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else { return false };
+            if let Some(data) = frame.data_ref() {
+                let Some(l) = left.checked_sub(data.len() as u64) else { return false };
+                left = l;
+                held.tee(data);
+            }
+        }
+        true
+    };
+    // (A sleep, not a timeout: the connection loop's clock reads stay inlined, callgrind.)
+    let ended = tokio::select! {
+        ended = read => ended,
+        () = tokio::time::sleep(within) => false,
+    };
+    if ended {
+        held.end();
     }
 }

@@ -5,3 +5,6 @@
 
 pub(crate) mod hyper;
 pub(crate) mod native;
+
+#[cfg(test)]
+mod tests;

@@ -39,7 +39,10 @@ struct KeyStatus {
     capacity: f64,
     /// `per_second` (a rate) or `in_flight` (a gauge).
     unit: &'static str,
-    remaining: u64,
+    /// Units that could pass now, to a millionth (a budget's fractions
+    /// count): a whole number when it is one.
+    #[serde(serialize_with = "plain_number")]
+    remaining: f64,
     max_wait_ms: u64,
     /// Shadow mode: decided and counted, never enforced.
     shadow: bool,
@@ -103,7 +106,7 @@ fn status(p: &Proxy) -> Status {
                 kind: l.kind(),
                 capacity: l.capacity(),
                 unit: unit_name(l.kind()),
-                remaining: l.remaining(),
+                remaining: (l.available() * 1e6).floor() / 1e6,
                 max_wait_ms: l.spec().max_wait.as_millis() as u64,
                 shadow: l.is_shadow(),
                 upstream_quota: l.quota(false).0,
@@ -188,10 +191,29 @@ fn plain_capacity<S: serde::Serializer>(c: &f64, s: S) -> Result<S::Ok, S::Error
     if c.is_infinite() { s.serialize_str("unlimited") } else { s.serialize_f64(*c) }
 }
 
+/// A number of units: whole ones as integers (`3`, not `3.0`), unlimited as the most a `u64` holds.
+fn plain_number<S: serde::Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+    match *v {
+        v if v.is_infinite() || v >= u64::MAX as f64 => s.serialize_u64(u64::MAX),
+        v if v.fract() == 0.0 && v >= 0.0 => s.serialize_u64(v as u64),
+        v => s.serialize_f64(v),
+    }
+}
+
 fn unit_name(kind: Kind) -> &'static str {
     match kind {
         Kind::Rate => "per_second",
         Kind::Gauge => "in_flight",
+    }
+}
+
+/// A rate as the HTML page shows it: two decimals, or three significant
+/// digits below 1 (a budget's demand in dollars a second is tiny).
+fn figure(v: f64) -> String {
+    match v {
+        0.0 => "0.00".into(),
+        v if v.abs() >= 1.0 || !v.is_finite() => format!("{v:.2}"),
+        v => format!("{v:.*}", (2 - v.abs().log10().floor() as i32).clamp(2, 12) as usize),
     }
 }
 
@@ -231,14 +253,14 @@ fn status_html(s: &Status) -> String {
     for k in &s.keys {
         let _ = write!(
             b,
-            "<tr><td>{}</td><td>{}</td><td>{:?}{}</td><td>{}</td><td>{}</td><td>{:.2}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{:?}{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             escape(&k.resource),
             escape(&k.id),
             k.kind,
             if k.shadow { " (shadow)" } else { "" },
             with_unit(k.capacity, k.kind),
             k.remaining,
-            k.demand.rate,
+            figure(k.demand.rate),
             k.demand.in_flight,
             k.demand.peak_in_flight,
             k.demand.waiters,

@@ -247,6 +247,11 @@ pub struct Meta {
     shadow: Option<admit::Shadow>,
     /// A refusal's: how long an upstream's `Retry-After` still holds a key of the plan.
     hold: Option<Duration>,
+    /// usher asked the upstream for the usage the app did not ask for
+    /// (`stream_options.include_usage` added to a streamed request): the
+    /// answer's stream loses it again on its way to the app
+    /// (`usher_enforce::settle`'s `hide`).
+    usage_injected: bool,
 }
 
 /// Why a request got no upstream answer.
@@ -317,6 +322,51 @@ impl Held {
         if let Some(s) = &mut self.settle {
             s.push(data);
         }
+    }
+
+    /// Whether the body is a stream of events read for a cost: the engine
+    /// reads it on when the app leaves ([`Held::left`]).
+    #[inline]
+    pub fn reads_stream(&self) -> bool {
+        self.settle.as_ref().is_some_and(|s| s.is_stream())
+    }
+
+    /// Whether the app gets the body edited: the engine relays what
+    /// [`Held::edit`] gives it, not what the upstream sent (and frames it
+    /// anew: a length the upstream gave no longer holds).
+    #[inline]
+    pub fn edits(&self) -> bool {
+        self.settle.as_ref().is_some_and(|s| s.edits())
+    }
+
+    /// Reads the body's next bytes (de-chunked) and appends to `out` what
+    /// of them the app gets ([`usher_enforce::settle::BodySettle::edit`]).
+    pub fn edit(&mut self, data: &[u8], out: &mut Vec<u8>) {
+        match &mut self.settle {
+            Some(s) => s.edit(data, out),
+            None => out.extend_from_slice(data),
+        }
+    }
+
+    /// The body has ended: appends to `out` what an edited body still held back.
+    pub fn flush(&mut self, out: &mut Vec<u8>) {
+        if let Some(s) = &mut self.settle {
+            s.flush(out);
+        }
+    }
+
+    /// The app left before the body's end: what the engine reads on is
+    /// read for the cost only, which counts as `client_gone`.
+    pub fn left(&mut self) {
+        if let Some(s) = &mut self.settle {
+            s.left();
+        }
+    }
+
+    /// How long the engine reads on after the app left: the route's
+    /// upstream `timeout`.
+    pub fn read_on_for(&self) -> Duration {
+        self.route.as_ref().map_or(usher_core::config::routes::DEFAULT_TIMEOUT, |r| r.timeout())
     }
 
     /// The body's last bytes are in hand: the costs it carries are settled,

@@ -430,12 +430,16 @@ fn a_calendar_window_is_for_rates_written_with_a_unit() {
     assert!(e.contains("resources.g.window: a window applies to rate resources only"), "{e}");
 }
 
-#[test]
-fn a_cost_settled_from_the_json_body_is_read_and_checked() {
+/// A routes file whose one route lists `entry` (at line 9) among its resources.
+fn parse_entry(entry: &str) -> Result<RoutesConfig, ConfigError> {
     let head = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
                 resources:\n  tokens: { kind: rate, capacity: 100/s, burst: 500 }\n\
                 routes:\n  - name: all\n    upstream: up\n    resources:\n";
-    let parse = |entry: &str| RoutesConfig::parse("r.yaml", &format!("{head}      - {entry}\n"));
+    RoutesConfig::parse("r.yaml", &format!("{head}      - {entry}\n"))
+}
+
+#[test]
+fn a_cost_settled_from_the_json_body_is_read_and_checked() {
     for (entry, steps) in [
         (
             "{ resource: tokens, cost: 150, settle: { response_json: usage.total_tokens } }",
@@ -444,7 +448,7 @@ fn a_cost_settled_from_the_json_body_is_read_and_checked() {
         ("{ resource: tokens, settle: { response_json: choices.0.usage.n } }", &["choices", "0", "usage", "n"]),
         ("{ resource: tokens, settle: { response_json: \"tokens\" } }", &["tokens"]),
     ] {
-        let c = parse(entry).unwrap_or_else(|e| panic!("{entry}: {e}"));
+        let c = parse_entry(entry).unwrap_or_else(|e| panic!("{entry}: {e}"));
         let Some(SettleFrom::Json(p)) = &c.routes[0].cost_rules["tokens"].settle else {
             panic!("{entry}: no JSON path")
         };
@@ -454,9 +458,9 @@ fn a_cost_settled_from_the_json_body_is_read_and_checked() {
     for (entry, error) in [
         (
             "{ resource: tokens, settle: { response_header: x-tokens, response_json: usage.total } }",
-            "resources[0].settle.response_json: give response_header or response_json, not both",
+            "resources[0].settle.response_json: give one of response_header, response_json or usage",
         ),
-        ("{ resource: tokens, settle: {} }", "resources[0].settle: expected response_header or response_json"),
+        ("{ resource: tokens, settle: {} }", "resources[0].settle: expected response_header, response_json or usage"),
         ("{ resource: tokens, settle: { response_json: \"\" } }", "settle.response_json: the path is empty"),
         ("{ resource: tokens, settle: { response_json: } }", "settle.response_json: expected a string"),
         ("{ resource: tokens, settle: { response_json: usage..total } }", "`usage..total` has an empty step"),
@@ -465,12 +469,13 @@ fn a_cost_settled_from_the_json_body_is_read_and_checked() {
         ("{ resource: tokens, settle: { response_jsn: usage.total } }", "did you mean `response_json`?"),
         ("{ resource: tokens, settle: usage.total }", "settle: expected a mapping"),
     ] {
-        let e = parse(entry).unwrap_err().to_string();
+        let e = parse_entry(entry).unwrap_err().to_string();
         assert!(e.starts_with(prefix) && e.contains(error), "{entry}: {e}");
         assert_eq!(e.lines().count(), 1, "{entry}: one error, not a cascade: {e}");
     }
     let deep = vec!["a"; MAX_JSON_PATH_STEPS + 1].join(".");
-    let e = parse(&format!("{{ resource: tokens, settle: {{ response_json: {deep} }} }}")).unwrap_err().to_string();
+    let e =
+        parse_entry(&format!("{{ resource: tokens, settle: {{ response_json: {deep} }} }}")).unwrap_err().to_string();
     assert!(e.contains(&format!("more than {MAX_JSON_PATH_STEPS}")), "{e}");
 }
 
@@ -563,4 +568,76 @@ routes:
     let c = RoutesConfig::parse("r.yaml", text).unwrap();
     let dialects: Vec<_> = c.routes.iter().map(|r| c.api_dialect(r)).collect();
     assert_eq!(dialects, [Some(ApiDialect::OpenAi), Some(ApiDialect::Anthropic), None, None]);
+}
+
+#[test]
+fn a_cost_settled_from_token_counts_is_read_and_checked() {
+    use crate::config::usage::{Price, Tokens, UsageApi, UsageRule};
+    let price = Some(Price { input_per_million: 0.15, output_per_million: 0.6 });
+    for (entry, want) in [
+        ("{ resource: tokens, settle: { usage: openai } }", (UsageApi::OpenAi, Tokens::Total, None)),
+        (
+            "{ resource: tokens, settle: { usage: anthropic, tokens: output } }",
+            (UsageApi::Anthropic, Tokens::Output, None),
+        ),
+        ("{ resource: tokens, settle: { usage: openai, tokens: input } }", (UsageApi::OpenAi, Tokens::Input, None)),
+        (
+            "{ resource: tokens, cost: 0.05, settle: { usage: openai, price: { input_per_million: 0.15, output_per_million: 0.60 } } }",
+            (UsageApi::OpenAi, Tokens::Total, price),
+        ),
+        (
+            "{ resource: tokens, settle: { usage: anthropic, tokens: output, price: { output_per_million: 15 } } }",
+            (UsageApi::Anthropic, Tokens::Output, Some(Price { input_per_million: 0.0, output_per_million: 15.0 })),
+        ),
+    ] {
+        let c = parse_entry(entry).unwrap_or_else(|e| panic!("{entry}: {e}"));
+        let (api, tokens, price) = want;
+        assert_eq!(c.routes[0].cost_rules["tokens"].settle, Some(SettleFrom::Usage(UsageRule { api, tokens, price })));
+    }
+    assert_eq!(
+        parse_entry("{ resource: tokens, cost: 0.05, settle: { usage: openai } }").unwrap().routes[0].resources[0].1,
+        0.05
+    );
+    for (entry, error) in [
+        (
+            "{ resource: tokens, settle: { usage: openia } }",
+            "settle.usage: unknown usage preset `openia` (hint: did you mean `openai`?)",
+        ),
+        (
+            "{ resource: tokens, settle: { usage: gemini } }",
+            "unknown usage preset `gemini` (hint: one of openai, anthropic)",
+        ),
+        (
+            "{ resource: tokens, settle: { usage: openai, tokens: all } }",
+            "settle.tokens: expected input, output or total, not `all`",
+        ),
+        (
+            "{ resource: tokens, settle: { usage: openai, price: { input_per_million: -1, output_per_million: 1 } } }",
+            "settle.price.input_per_million: must be a number of at least 0, not -1",
+        ),
+        (
+            "{ resource: tokens, settle: { usage: openai, price: { input_per_million: 1 } } }",
+            "settle.price.output_per_million: missing required field: tokens: total counts these tokens",
+        ),
+        (
+            "{ resource: tokens, settle: { usage: openai, price: { input: 1 } } }",
+            "price.input: unknown field (hint: known fields: input_per_million",
+        ),
+        (
+            "{ resource: tokens, settle: { response_header: x-cost, price: { input_per_million: 1, output_per_million: 1 } } }",
+            "settle.price: `price` applies to a cost settled from token counts (usage)",
+        ),
+        ("{ resource: tokens, settle: { response_json: usage.n, tokens: output } }", "settle.tokens: `tokens` applies"),
+        ("{ resource: tokens, settle: { tokens: output } }", "settle.tokens: `tokens` applies"),
+        (
+            "{ resource: tokens, settle: { usage: openai, response_json: usage.n } }",
+            "give one of response_header, response_json or usage",
+        ),
+        ("{ resource: tokens, settle: { usage: } }", "settle.usage: expected a string"),
+        ("{ resource: tokens, settle: { usage: openai, tokens: [input] } }", "settle.tokens: expected a string"),
+    ] {
+        let e = parse_entry(entry).unwrap_err().to_string();
+        assert!(e.starts_with("r.yaml:9:") && e.contains(error), "{entry}: {e}");
+        assert_eq!(e.lines().count(), 1, "{entry}: one error, not a cascade: {e}");
+    }
 }

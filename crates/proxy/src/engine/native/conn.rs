@@ -19,6 +19,7 @@ use super::forward::forward;
 use super::head::{self, Head, Parsed, why};
 use super::relay::answered;
 use super::request::Request;
+use super::stream;
 use super::timers::Timers;
 use super::watch::{App, watching};
 use super::{Connection, READ_CHUNK, Served, Services, fields, response};
@@ -108,7 +109,11 @@ where
                 let mut app = App { io: &mut io, buf: &mut buf, room };
                 // The pipeline is done with the answer: the buffers it borrowed are free again.
                 let sending = answer.sending;
-                answered(server, &mut app, &mut bufs, sending, held, taken).await?
+                match held.reads_stream() && sending.head.framing != response::Framing::Empty {
+                    // Boxed: its state would make every request's future larger.
+                    true => Box::pin(stream::answered(server, &mut app, &mut bufs, sending, held, taken)).await?,
+                    false => answered(server, &mut app, &mut bufs, sending, held, taken).await?,
+                }
             }
         };
         if !open {

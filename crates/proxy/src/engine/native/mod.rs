@@ -37,10 +37,11 @@
 //! for its upstream, [`forward`] sends it on a pooled stream (or, in
 //! [`shared`], on an h2 connection) and reads the answer's head, and
 //! [`relay`] streams the answer's body back while [`watch`] keeps an eye on
-//! the client. [`buffers`] and [`timers`] are what a connection keeps
+//! the client ([`stream`] a stream of events read for its cost). [`buffers`] and [`timers`] are what a connection keeps
 //! between requests; [`head`], [`response`] and [`fields`] are the parsers
 //! and encoders.
 
+mod body;
 mod buffers;
 mod conn;
 mod fields;
@@ -50,6 +51,7 @@ mod relay;
 mod request;
 mod response;
 mod shared;
+mod stream;
 mod timers;
 mod watch;
 

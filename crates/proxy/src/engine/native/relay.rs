@@ -8,26 +8,20 @@
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::Connection;
+use super::body::{BodyError, home, refill, release, send, tee};
 use super::buffers::Buffers;
 use super::conn::Taken;
 use super::forward::{Carried, Sending};
 use super::response::{self, Dechunker, Framing, ResponseHead};
 use super::watch::App;
-use super::{Connection, READ_CHUNK};
 use crate::pipeline;
 use crate::upstream::pool::{Pool, Stream};
 use usher_enforce::respond::BoxError;
 
-/// Why relaying a body stopped short.
-pub(super) enum BodyError {
-    /// The upstream failed or broke the body's framing.
-    Upstream(String),
-    /// The client's connection failed, or the client left.
-    Client(std::io::Error),
-}
-
 /// Sends the client an upstream's answer (head and body); returns whether
-/// the connection stays open for another request.
+/// the connection stays open for another request. (A stream of events
+/// read for a cost goes its own way: [`stream::answered`](super::stream::answered).)
 pub(super) async fn answered<I>(
     server: &impl Connection,
     app: &mut App<'_, I>,
@@ -40,11 +34,7 @@ where
     I: AsyncRead + AsyncWrite + Unpin,
 {
     let Sending { body, head, upstream } = answer;
-    let close = taken.close || server.is_draining();
-    if close {
-        bufs.out.extend_from_slice(b"connection: close\r\n");
-    }
-    bufs.out.extend_from_slice(b"\r\n");
+    let close = end_head(server, taken, &mut bufs.out);
     let mut held = Some(held);
     let relayed = match body {
         Carried::Stream(stream) => {
@@ -53,7 +43,29 @@ where
         }
         Carried::Shared(body) => relay_frames(head.framing, body, app, &mut bufs.out, &mut held).await,
     };
-    let open = match relayed {
+    Ok(stays_open(relayed, close, held))
+}
+
+/// Ends the client's head in `out` (`connection: close` when the
+/// connection closes after this answer); returns whether it does.
+#[inline(always)]
+pub(super) fn end_head(server: &impl Connection, taken: Taken, out: &mut Vec<u8>) -> bool {
+    let close = taken.close || server.is_draining();
+    if close {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    close
+}
+
+/// Whether the connection stays open after a body was `relayed` (not if
+/// it failed, or `close`). A body that failed is counted, and what its
+/// request holds released here; one that ended was released as its last
+/// bytes went out. (Always inlined: `answered` is the connection loop's,
+/// callgrind.)
+#[inline(always)]
+pub(super) fn stays_open(relayed: Result<(), BodyError>, close: bool, held: Option<pipeline::Held>) -> bool {
+    match relayed {
         Ok(()) => !close,
         Err(BodyError::Upstream(e)) => {
             // The status is already sent: the client sees its body cut.
@@ -67,10 +79,7 @@ where
             tracing::debug!(error = %e, "client connection failed while sending the response");
             false
         }
-    };
-    // A body that failed holds until here; one that ended was released as its last bytes went out.
-    drop(held);
-    Ok(open)
+    }
 }
 
 /// Sends the client the head in `out` and the body that follows `head` on
@@ -175,13 +184,6 @@ where
     app.io.flush().await.map_err(BodyError::Client)
 }
 
-/// Empties `up` for the upstream's next bytes, with room for a read.
-#[inline]
-fn refill(up: &mut BytesMut) {
-    up.clear();
-    up.reserve(READ_CHUNK);
-}
-
 /// A read of a body whose end is still to come: more bytes, or `cut` at
 /// the upstream's EOF, or the upstream's error.
 #[inline]
@@ -190,17 +192,6 @@ fn more(read: std::io::Result<usize>, cut: impl FnOnce() -> BodyError) -> Result
         Ok(0) => Err(cut()),
         Ok(_) => Ok(()),
         Err(e) => Err(BodyError::Upstream(e.to_string())),
-    }
-}
-
-/// The body is all in hand: what the request holds is released, and the
-/// stream goes back to `pool` if the body ended `clean` (bytes after it are
-/// a broken upstream, whose connection is not reused).
-#[inline]
-fn home(stream: Stream, clean: bool, held: &mut Option<pipeline::Held>, pool: Option<&Pool>) {
-    release(held);
-    if let (true, Some(pool)) = (clean, pool) {
-        pool.put(stream);
     }
 }
 
@@ -256,30 +247,4 @@ where
     release(held);
     send(app.io, out).await?;
     app.io.flush().await.map_err(BodyError::Client)
-}
-
-/// Copies relayed body bytes for the costs they settle, if the route reads them.
-#[inline]
-fn tee(held: &mut Option<pipeline::Held>, data: &[u8]) {
-    if let Some(h) = held {
-        h.tee(data);
-    }
-}
-
-/// The body's last bytes are in hand: its costs are settled, and what the
-/// request holds is released.
-#[inline]
-fn release(held: &mut Option<pipeline::Held>) {
-    if let Some(mut h) = held.take() {
-        h.end();
-    }
-}
-
-/// Writes and empties `out`.
-async fn send<I: AsyncWrite + Unpin>(io: &mut I, out: &mut Vec<u8>) -> Result<(), BodyError> {
-    if !out.is_empty() {
-        io.write_all(out).await.map_err(BodyError::Client)?;
-        out.clear();
-    }
-    Ok(())
 }

@@ -234,6 +234,17 @@ pub(super) fn from_parts(
     ResponseHead { status, framing, reusable: false, retry_after }
 }
 
+/// Rewrites a client's head in `out` (as [`parse`] or [`from_parts`] wrote
+/// it, without its blank line) that gives its body's length to send the
+/// body in chunks instead: for a body usher edits on its way.
+pub(super) fn rechunk(out: &mut Vec<u8>) {
+    let field = b"\r\ncontent-length: ";
+    let Some(at) = out.windows(field.len()).position(|w| w == field) else { return };
+    let start = at + 2;
+    let end = out[start..].windows(2).position(|w| w == b"\r\n").map_or(out.len(), |n| start + n + 2);
+    out.splice(start..end, b"transfer-encoding: chunked\r\n".iter().copied());
+}
+
 /// Appends the fields usher adds to a client's head: its framing, and
 /// `date` when the upstream sent none.
 fn end_head(out: &mut Vec<u8>, framing: Framing, has_date: bool, fields: &mut FieldStarts) {

@@ -11,7 +11,7 @@ use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 use super::READ_CHUNK;
-use super::relay::BodyError;
+use super::body::BodyError;
 
 /// Runs `fut` while reading whatever the client sends meanwhile into `buf`
 /// (a pipelined request), up to `room` bytes. The client's EOF, or a read
