@@ -2,14 +2,24 @@
 //! admission plan and its target, and makes the request ready for that
 //! target ([`Inbound::ready`]). From here the request counts as in flight
 //! for its route.
+//!
+//! A route that reads the request's body ([`Route::body`](crate::route::Route::body):
+//! a cost taken from it, or OpenAI's usage asked for) has it read first
+//! ([`RouteFuture`]); every other request goes on at once.
+
+mod body;
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tower::{Layer, Service};
 
-use super::{Early, Error, Exchange, Failure, InFlight, Inbound};
+use super::{Error, Exchange, Failure, InFlight, Inbound, Meta, ReadAhead};
 use crate::route::{Resolved, Routing};
+use crate::upstream::Target;
+use usher_enforce::request_body::MAX_REQUEST_BODY;
+
+pub use body::RouteFuture;
 
 /// Routes requests with one view of the routes (the main listener's, or an
 /// upstream listener's).
@@ -44,11 +54,11 @@ pub struct RouteStage<S> {
 impl<S, R> Service<Exchange<R>> for RouteStage<S>
 where
     R: Inbound,
-    S: Service<Exchange<R::Ready>, Error = Failure>,
+    S: Service<Exchange<R::Ready>, Error = Failure> + Clone,
 {
     type Response = S::Response;
     type Error = Failure;
-    type Future = Early<S::Future>;
+    type Future = RouteFuture<S, R::Ready>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Failure>> {
         self.inner.poll_ready(cx)
@@ -56,11 +66,14 @@ where
 
     fn call(&mut self, ex: Exchange<R>) -> Self::Future {
         let Exchange { req, mut meta } = ex;
-        let fail = |error, meta| Early::failed(Failure { error, meta });
+        let fail = |error, meta| RouteFuture::failed(Failure { error, meta });
         let Resolved { route, plan, target } = match req.resolve(&self.routing) {
             Ok(r) => r,
             Err(e) => return fail(Error::Proxy(e), meta),
         };
+        if route.body.is_some() {
+            return self.call_reading(req, meta, Resolved { route, plan, target });
+        }
         let req = match req.ready(target, route.settles || route.quotas) {
             Ok(r) => r,
             Err(why) => return fail(Error::Unserved(why), meta),
@@ -68,6 +81,41 @@ where
         meta.in_flight = Some(InFlight::new(&route.metrics.in_flight));
         meta.route = Some(route);
         meta.plan = plan;
-        Early::inner(self.inner.call(Exchange { req, meta }))
+        RouteFuture::inner(self.inner.call(Exchange { req, meta }))
+    }
+}
+
+impl<S: Clone> RouteStage<S> {
+    /// [`Service::call`] for a request whose route reads its body: read in
+    /// hand (the native path), or ahead once the request is ready. Out of
+    /// line: no other request comes here.
+    #[inline(never)]
+    fn call_reading<R>(&mut self, mut req: R, mut meta: Meta, resolved: Resolved) -> RouteFuture<S, R::Ready>
+    where
+        R: Inbound,
+        S: Service<Exchange<R::Ready>, Error = Failure>,
+    {
+        let Resolved { route, plan, target } = resolved;
+        // In flight while its body comes; a failure then is the route's, with its keys.
+        meta.in_flight = Some(InFlight::new(&route.metrics.in_flight));
+        meta.route = Some(route.clone());
+        meta.plan = plan;
+        let timeout = match &target {
+            Target::Upstream(u) | Target::Direct(u) => u.config.timeout,
+        };
+        let found = req.in_hand().map(|body| body::read(&route, &mut meta, body));
+        let req = match req.ready(target, route.settles || route.quotas) {
+            Ok(r) => r,
+            // Nothing happened: the engine that serves it counts its body.
+            Err(why) => return RouteFuture::failed(Failure { error: Error::Unserved(why), meta }),
+        };
+        if let Some(outcome) = found {
+            body::count(&route, outcome);
+            return RouteFuture::inner(self.inner.call(Exchange { req, meta }));
+        }
+        // The ready service goes with the request; a clone stays for the next call.
+        let clone = self.inner.clone();
+        let svc = std::mem::replace(&mut self.inner, clone);
+        RouteFuture::reading(req.read_ahead(MAX_REQUEST_BODY, timeout), svc, meta)
     }
 }

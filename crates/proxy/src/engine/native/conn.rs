@@ -82,7 +82,8 @@ where
                     }
                     let taken = Taken::of(&h);
                     let body = &buf[h.head_len..taken.consumed];
-                    let req = Request { head: h, body, bufs: &mut bufs, deadline: &mut timers.upstream };
+                    let req =
+                        Request { head: h, body, bufs: &mut bufs, deadline: &mut timers.upstream, rewritten: None };
                     (current.stack.call(Exchange::new(req)), taken)
                 }
             }

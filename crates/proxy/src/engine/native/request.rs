@@ -10,8 +10,9 @@ use http::Method;
 use super::buffers::Buffers;
 use super::head::{Head, why};
 use super::timers::Lazy;
-use crate::pipeline::Inbound;
+use crate::pipeline::{BodyAccess, Inbound, ReadAhead};
 use crate::upstream::{Target, Upstream};
+use usher_enforce::request_body::Body;
 use usher_enforce::resource::RequestView;
 use usher_enforce::respond::ProxyError;
 
@@ -25,6 +26,9 @@ pub(super) struct Request<'a, 'c> {
     pub(super) bufs: &'c mut Buffers,
     /// The connection's deadline for the upstream's answer.
     pub(super) deadline: &'c mut Lazy,
+    /// The body sent upstream instead of `body`, for a route that asked for
+    /// usage on the app's behalf; None for every other request.
+    pub(super) rewritten: Option<Vec<u8>>,
 }
 
 impl RequestView for Request<'_, '_> {
@@ -60,28 +64,67 @@ impl<'c> Inbound for Request<'_, 'c> {
         Ok(())
     }
 
+    fn in_hand(&mut self) -> Option<&mut dyn BodyAccess> {
+        Some(self)
+    }
+
     #[inline]
-    fn ready(self, target: Target, keep_head: bool) -> Result<Prepared<'c>, &'static str> {
+    fn ready(mut self, target: Target, keep_head: bool) -> Result<Prepared<'c>, &'static str> {
+        match self.rewritten.take() {
+            None => {
+                let body = self.body;
+                self.prepare(target, keep_head, body, Head::encode, |_| {})
+            }
+            Some(body) => self.ready_rewritten(target, keep_head, body),
+        }
+    }
+}
+
+impl<'a, 'c> Request<'a, 'c> {
+    /// [`Inbound::ready`] with the body usher rewrote: its length is that body's.
+    #[inline(never)]
+    fn ready_rewritten(self, target: Target, keep_head: bool, body: Vec<u8>) -> Result<Prepared<'c>, &'static str> {
+        let length = http::HeaderValue::from(body.len());
+        let h2_length = |h: &mut http::Request<()>| {
+            h.headers_mut().insert(http::header::CONTENT_LENGTH, length.clone());
+        };
+        self.prepare(target, keep_head, &body, Head::encode_rewritten, h2_length)
+    }
+
+    /// Makes the request ready for `target` with `body`: encoded (by
+    /// `encode`) for its HTTP/1.1 pool, or made for its h2 connection (its
+    /// head then passed to `h2_head`).
+    #[inline]
+    fn prepare(
+        self,
+        target: Target,
+        keep_head: bool,
+        body: &[u8],
+        encode: impl Fn(&Head<'a>, &str, &[u8], &[u8], &mut Vec<u8>),
+        h2_head: impl Fn(&mut http::Request<()>),
+    ) -> Result<Prepared<'c>, &'static str> {
         let Target::Upstream(upstream) = target else { return Err(why::UPSTREAM) };
+        let h2 = || {
+            let mut head = self.head.request(&upstream.config.url).ok_or(why::UPSTREAM)?;
+            h2_head(&mut head);
+            Ok::<_, &'static str>(Box::new((head, bytes::Bytes::copy_from_slice(body))))
+        };
         let send = match upstream.plain.as_ref() {
             Some(plain) if plain.h1() => {
                 self.bufs.req.clear();
                 let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
-                self.head.encode(&plain.prefix, host, self.body, &mut self.bufs.req);
+                encode(&self.head, &plain.prefix, host, body, &mut self.bufs.req);
                 Send::Pool
             }
-            _ if upstream.multiplexed().is_some() => {
-                let head = self.head.request(&upstream.config.url).ok_or(why::UPSTREAM)?;
-                Send::Shared(Box::new((head, bytes::Bytes::copy_from_slice(self.body))))
-            }
+            _ if upstream.multiplexed().is_some() => Send::Shared(h2()?),
             // An `https://` upstream whose ALPN answer is still to come: the
             // request is made ready for either, and the answer picks.
             Some(plain) if plain.unknown() && upstream.h2.is_some() => {
-                let head = self.head.request(&upstream.config.url).ok_or(why::UPSTREAM)?;
+                let made = h2()?;
                 self.bufs.req.clear();
                 let host = upstream.host.as_ref().map_or(&b""[..], |h| h.as_bytes());
-                self.head.encode(&plain.prefix, host, self.body, &mut self.bufs.req);
-                Send::Probe(Box::new((head, bytes::Bytes::copy_from_slice(self.body))))
+                encode(&self.head, &plain.prefix, host, body, &mut self.bufs.req);
+                Send::Probe(made)
             }
             _ => return Err(why::UPSTREAM),
         };
@@ -94,6 +137,39 @@ impl<'c> Inbound for Request<'_, 'c> {
             bufs: self.bufs,
             deadline: self.deadline,
         })
+    }
+}
+
+/// The native path holds a request's body whole before routing
+/// ([`Inbound::in_hand`]): a route that reads it reads it there.
+impl BodyAccess for Request<'_, '_> {
+    fn body(&self) -> Body<'_> {
+        match &self.rewritten {
+            Some(b) => Body::Whole(b),
+            None => Body::Whole(self.body),
+        }
+    }
+
+    fn replace_body(&mut self, body: Vec<u8>) {
+        self.rewritten = Some(body);
+    }
+}
+
+/// Never read ahead: the native path's bodies are in hand before routing.
+impl BodyAccess for Prepared<'_> {
+    fn body(&self) -> Body<'_> {
+        Body::TooLarge
+    }
+
+    fn replace_body(&mut self, _body: Vec<u8>) {}
+}
+
+/// Never read ahead: the native path's bodies are in hand before routing.
+impl ReadAhead for Prepared<'_> {
+    type Reading = std::future::Ready<Result<Self, ProxyError>>;
+
+    fn read_ahead(self, _bound: usize, _timeout: std::time::Duration) -> Self::Reading {
+        std::future::ready(Ok(self))
     }
 }
 
