@@ -334,6 +334,22 @@ pub enum BodyCost {
     Estimate(Estimate),
 }
 
+/// `the number at `budget.max` in the request's JSON`, or `an estimate of
+/// the openai call's tokens (1024 output tokens when it sets no limit)`.
+impl std::fmt::Display for BodyCost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BodyCost::Json(p) => write!(f, "the number at `{}` in the request's JSON", p.text),
+            BodyCost::Estimate(e) => write!(
+                f,
+                "an estimate of the {} call's tokens ({} output tokens when it sets no limit)",
+                e.api.name(),
+                e.default_output_tokens
+            ),
+        }
+    }
+}
+
 /// `cost: { estimate: API, default_output_tokens: N }`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Estimate {
