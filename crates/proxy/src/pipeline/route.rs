@@ -16,7 +16,6 @@ use tower::{Layer, Service};
 
 use super::{Error, Exchange, Failure, InFlight, Inbound, Meta, ReadAhead};
 use crate::route::{Resolved, Routing};
-use crate::upstream::Target;
 use usher_enforce::request_body::MAX_REQUEST_BODY;
 
 pub use body::RouteFuture;
@@ -65,54 +64,55 @@ where
     }
 
     fn call(&mut self, ex: Exchange<R>) -> Self::Future {
-        let Exchange { req, mut meta } = ex;
+        let Exchange { mut req, mut meta } = ex;
         let fail = |error, meta| RouteFuture::failed(Failure { error, meta });
-        let Resolved { route, plan, target } = match req.resolve(&self.routing) {
+        let Resolved { route, mut plan, target } = match req.resolve(&self.routing) {
             Ok(r) => r,
             Err(e) => return fail(Error::Proxy(e), meta),
         };
-        if route.body.is_some() {
-            return self.call_reading(req, meta, Resolved { route, plan, target });
-        }
+        let body = match route.body.is_some() {
+            false => BodyRead::None,
+            true => body::in_hand(&route, &mut plan, &mut meta, &mut req, &target),
+        };
         let req = match req.ready(target, route.settles || route.quotas) {
             Ok(r) => r,
+            // Nothing happened: the engine that serves it counts its body.
             Err(why) => return fail(Error::Unserved(why), meta),
         };
         meta.in_flight = Some(InFlight::new(&route.metrics.in_flight));
+        if let BodyRead::InHand(outcome) = body {
+            body::count(&route, outcome);
+        }
         meta.route = Some(route);
         meta.plan = plan;
+        if let BodyRead::Ahead(timeout) = body {
+            return self.read_ahead(req, meta, timeout);
+        }
         RouteFuture::inner(self.inner.call(Exchange { req, meta }))
     }
 }
 
+/// What a route that reads bodies did with the request's, before it is ready.
+#[derive(Clone, Copy)]
+pub(super) enum BodyRead {
+    /// The route reads no body.
+    None,
+    /// Read where the engine held it (the native path), with this outcome.
+    InHand(usher_enforce::metrics::BodyOutcome),
+    /// To read once the request is ready, each piece within this long of the last.
+    Ahead(std::time::Duration),
+}
+
 impl<S: Clone> RouteStage<S> {
-    /// [`Service::call`] for a request whose route reads its body: read in
-    /// hand (the native path), or ahead once the request is ready. Out of
-    /// line: no other request comes here.
+    /// Reads ahead the body of a ready request whose route reads it, before
+    /// it goes on ([`ReadAhead`]). Out of line: no other request comes here.
+    #[cold]
     #[inline(never)]
-    fn call_reading<R>(&mut self, mut req: R, mut meta: Meta, resolved: Resolved) -> RouteFuture<S, R::Ready>
+    fn read_ahead<T>(&mut self, req: T, meta: Meta, timeout: std::time::Duration) -> RouteFuture<S, T>
     where
-        R: Inbound,
-        S: Service<Exchange<R::Ready>, Error = Failure>,
+        T: ReadAhead,
+        S: Service<Exchange<T>, Error = Failure>,
     {
-        let Resolved { route, plan, target } = resolved;
-        // In flight while its body comes; a failure then is the route's, with its keys.
-        meta.in_flight = Some(InFlight::new(&route.metrics.in_flight));
-        meta.route = Some(route.clone());
-        meta.plan = plan;
-        let timeout = match &target {
-            Target::Upstream(u) | Target::Direct(u) => u.config.timeout,
-        };
-        let found = req.in_hand().map(|body| body::read(&route, &mut meta, body));
-        let req = match req.ready(target, route.settles || route.quotas) {
-            Ok(r) => r,
-            // Nothing happened: the engine that serves it counts its body.
-            Err(why) => return RouteFuture::failed(Failure { error: Error::Unserved(why), meta }),
-        };
-        if let Some(outcome) = found {
-            body::count(&route, outcome);
-            return RouteFuture::inner(self.inner.call(Exchange { req, meta }));
-        }
         // The ready service goes with the request; a clone stays for the next call.
         let clone = self.inner.clone();
         let svc = std::mem::replace(&mut self.inner, clone);

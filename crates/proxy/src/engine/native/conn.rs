@@ -82,8 +82,7 @@ where
                     }
                     let taken = Taken::of(&h);
                     let body = &buf[h.head_len..taken.consumed];
-                    let req =
-                        Request { head: h, body, bufs: &mut bufs, deadline: &mut timers.upstream, rewritten: None };
+                    let req = Request { head: h, body, bufs: &mut bufs, deadline: &mut timers.upstream };
                     (current.stack.call(Exchange::new(req)), taken)
                 }
             }

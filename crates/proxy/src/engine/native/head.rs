@@ -269,7 +269,7 @@ impl Head<'_> {
     }
 
     /// The request line as sent upstream, and the upstream's `host`.
-    #[inline]
+    #[inline(always)]
     fn encode_line(&self, prefix: &str, host: &[u8], out: &mut Vec<u8>) {
         out.extend_from_slice(self.method.as_str().as_bytes());
         out.push(b' ');
@@ -370,7 +370,7 @@ impl RequestView for Head<'_> {
 }
 
 /// The end of a request head as sent upstream (`via`), and its body.
-#[inline]
+#[inline(always)]
 fn end(body: &[u8], out: &mut Vec<u8>) {
     push_field(out, b"via", VIA.as_bytes());
     out.extend_from_slice(b"\r\n");

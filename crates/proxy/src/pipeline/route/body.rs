@@ -10,11 +10,14 @@ use std::task::{Context, Poll, ready};
 use pin_project_lite::pin_project;
 use tower::Service;
 
-use crate::pipeline::{BodyAccess, Error, Exchange, Failure, Meta, ReadAhead};
+use super::BodyRead;
+use crate::pipeline::{BodyAccess, Error, Exchange, Failure, Inbound, Meta, ReadAhead};
 use crate::route::Route;
+use crate::upstream::Target;
 use usher_enforce::metrics::BodyOutcome;
 use usher_enforce::request_body;
 use usher_enforce::respond::ProxyError;
+use usher_limit::admit::Plan;
 
 pin_project! {
     /// The route stage's future: failed at once, reading ahead the body of
@@ -101,43 +104,63 @@ where
 
 /// The body was read ahead (or failed to be): what it says is worked out
 /// and the request goes on to `svc`.
-fn go_on<S, T>(read: Result<T, ProxyError>, r: Reading<S, T>) -> RouteFuture<S, T>
+fn go_on<S, T>(ahead: Result<T, ProxyError>, r: Reading<S, T>) -> RouteFuture<S, T>
 where
     T: ReadAhead,
     S: Service<Exchange<T>, Error = Failure>,
 {
     let Reading { read: _, mut svc, mut meta } = r;
-    let mut req = match read {
+    let mut req = match ahead {
         Ok(req) => req,
         Err(e) => return RouteFuture::failed(Failure { error: Error::Proxy(e), meta }),
     };
     let route = meta.route.clone().expect("routed");
-    count(&route, read_into(&route, &mut meta, &mut req));
+    let mut plan = std::mem::take(&mut meta.plan);
+    count(&route, read(&route, &mut plan, &mut meta, &mut req));
+    meta.plan = plan;
     RouteFuture::inner(svc.call(Exchange { req, meta }))
 }
 
-/// Reads the body of a request on `route` (routed: `meta`): its costs go
-/// in the plan, and a body that asks for OpenAI's usage on the app's behalf
-/// replaces the app's. Returns what became of the body, to count once the
-/// request goes on ([`count`]).
-pub(super) fn read(route: &Route, meta: &mut Meta, body: &mut dyn BodyAccess) -> BodyOutcome {
-    read_into(route, meta, body)
+/// The body of a request on `route`, a route that reads it: read now if the
+/// engine holds it ([`Inbound::in_hand`]), else to read once the request is
+/// ready, within its upstream's `timeout` per piece. Out of line, and by
+/// reference: the everyday request's path stays as it was.
+#[cold]
+#[inline(never)]
+pub(super) fn in_hand<R: Inbound>(
+    route: &Route,
+    plan: &mut Plan,
+    meta: &mut Meta,
+    req: &mut R,
+    target: &Target,
+) -> BodyRead {
+    match req.in_hand() {
+        Some(body) => BodyRead::InHand(read(route, plan, meta, body)),
+        None => BodyRead::Ahead(match target {
+            Target::Upstream(u) | Target::Direct(u) => u.config.timeout,
+        }),
+    }
 }
 
-fn read_into(route: &Route, meta: &mut Meta, body: &mut (impl BodyAccess + ?Sized)) -> BodyOutcome {
+/// Reads the body of a request on `route`: its costs go in `plan`, and a
+/// body that asks for OpenAI's usage on the app's behalf replaces the app's
+/// (`meta` says so). Returns what became of the body, to count once the
+/// request goes on ([`count`]).
+fn read(route: &Route, plan: &mut Plan, meta: &mut Meta, body: &mut (impl BodyAccess + ?Sized)) -> BodyOutcome {
     let ask_usage = route.body.as_ref().is_some_and(|b| b.ask_usage);
-    let found = request_body::read(&route.resources, &meta.plan, body.body(), ask_usage);
+    let found = request_body::read(&route.resources, plan, body.body(), ask_usage);
     if let Some(sent) = found.body {
         body.replace_body(sent);
         meta.usage_injected = true;
     }
-    if let Some(plan) = found.plan {
-        meta.plan = plan;
+    if let Some(recosted) = found.plan {
+        *plan = recosted;
     }
     found.outcome
 }
 
 /// Counts what became of a body the route read.
+#[cold]
 pub(super) fn count(route: &Route, outcome: BodyOutcome) {
     if let Some(b) = &route.body {
         b.metrics.count(outcome);
