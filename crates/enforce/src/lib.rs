@@ -8,6 +8,8 @@
 //!   limiters: demand becomes `wants`, leases become capacities; and the
 //!   embedded capacity server for a routes file without `doorman:`.
 //! - [`resource`]: a route's resource: the key a request is admitted by, its cost.
+//! - [`request_body`]: what a route reads of a request's body: costs, and
+//!   the usage it asks an LLM API for.
 //! - [`pushback`]: backing off when the upstream answers 429 or 503.
 //! - [`feedback`] and [`settle`]: what an answer tells the keys that admitted
 //!   it (the upstream's quota headers, the cost it reports).
@@ -46,6 +48,7 @@ pub mod enforcer;
 pub mod feedback;
 pub mod metrics;
 pub mod pushback;
+pub mod request_body;
 pub mod resource;
 pub mod respond;
 pub mod settle;

@@ -36,6 +36,8 @@ pub struct Metrics {
     settles: IntCounterVec,
     /// Server-sent events passed over for their size, by route and resource.
     settle_skipped: IntCounterVec,
+    /// Request bodies read for a route's costs or usage, by route and outcome.
+    request_bodies: IntCounterVec,
     capacity: GaugeVec,
     demand: GaugeVec,
     /// The upstream's own account of its quota, by resource and field.
@@ -113,6 +115,12 @@ impl Metrics {
                 "Server-sent events of answers read for a settled cost that were passed over for their size (over 1 MiB), \
                  by route and resource",
                 &["route", "resource"],
+            ),
+            request_bodies: counters(
+                r,
+                "usher_proxy_request_body_total",
+                "Request bodies read for costs or for the usage asked of an LLM API, by route and outcome",
+                &["route", "outcome"],
             ),
             // Per-resource gauges, refreshed at scrape time (`observe_table`).
             capacity: gauges(
@@ -225,6 +233,12 @@ impl Metrics {
         all.iter().filter(|w| w.unseen().is_some()).cloned().collect()
     }
 
+    /// The request-body counters of a route that reads bodies, every
+    /// outcome's series shown from the start.
+    pub fn request_body(&self, route: &str) -> RequestBodyMetrics {
+        RequestBodyMetrics(BodyOutcome::ALL.map(|o| self.request_bodies.with_label_values(&[route, o.label()])))
+    }
+
     /// Refreshes the per-resource gauges from the LeaseTable (at scrape time).
     pub fn observe_table(&self, table: &LeaseTable) {
         let now = table.clock().now();
@@ -318,6 +332,50 @@ impl ResourceMetrics {
         limit.set(o.limit);
         remaining.set(o.remaining);
         reset.set(o.reset.since(now).as_secs_f64());
+    }
+}
+
+/// What became of a request body a route reads (for its costs, or to ask
+/// for usage): the `outcome` of `usher_proxy_request_body_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyOutcome {
+    /// A JSON body, read and forwarded as it came.
+    Read,
+    /// A JSON body to which `stream_options.include_usage` was added.
+    UsageAdded,
+    /// A body that is not one JSON document: its costs fall back.
+    NotJson,
+    /// A body over the most that is read: forwarded as it came, its costs fall back.
+    TooLarge,
+    /// No body: its costs fall back.
+    Empty,
+}
+
+impl BodyOutcome {
+    /// Every outcome, in the order of their counters.
+    const ALL: [BodyOutcome; 5] =
+        [BodyOutcome::Read, BodyOutcome::UsageAdded, BodyOutcome::NotJson, BodyOutcome::TooLarge, BodyOutcome::Empty];
+
+    /// The `outcome` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            BodyOutcome::Read => "read",
+            BodyOutcome::UsageAdded => "usage_added",
+            BodyOutcome::NotJson => "not_json",
+            BodyOutcome::TooLarge => "too_large",
+            BodyOutcome::Empty => "empty",
+        }
+    }
+}
+
+/// One route's request-body counters, by outcome.
+#[derive(Clone)]
+pub struct RequestBodyMetrics([IntCounter; 5]);
+
+impl RequestBodyMetrics {
+    /// Counts one request body's outcome.
+    pub fn count(&self, o: BodyOutcome) {
+        self.0[o as usize].inc();
     }
 }
 

@@ -9,7 +9,7 @@ use http::{Method, Request, header};
 
 use crate::metrics::{Metrics, ResourceMetrics, SettleMetrics};
 use crate::respond::ProxyError;
-use usher_core::config::routes::{CostRule, IdTemplate, ResourceKind, RoutesConfig, Segment, SettleFrom};
+use usher_core::config::routes::{BodyCost, CostRule, IdTemplate, ResourceKind, RoutesConfig, Segment, SettleFrom};
 use usher_limit::{Kind, LeaseTable, Limiter, Plan, ResourceLimits, ResourceSpec};
 
 /// One resource a route must be admitted by (and, in `crate::embed`, the
@@ -23,6 +23,9 @@ pub struct RouteResource {
     pub cost: f64,
     /// The request header the cost is read from (`cost` when it has none).
     pub cost_header: Option<String>,
+    /// The entry's rule, when the cost is read from the request's body
+    /// (`cost` when it cannot be): its `body` is set.
+    body_rule: Option<Box<CostRule>>,
     /// Where the real cost is settled from, and how settling went.
     pub settle: Option<Arc<Settle>>,
     /// The resource's burst: a cost read from a request counts as at most this.
@@ -63,6 +66,7 @@ impl RouteResource {
             template: res.id.clone(),
             cost,
             cost_header: rule.and_then(|c| c.header.clone()),
+            body_rule: rule.filter(|c| c.body.is_some()).map(|c| Box::new(c.clone())),
             settle: rule
                 .and_then(|c| c.settle.clone())
                 .map(|from| Arc::new(Settle { from, metrics: metrics.settle(route, name) })),
@@ -80,9 +84,33 @@ impl RouteResource {
         plan.items.iter().chain(plan.shadow.iter()).filter(|(l, _)| self.limits.owns(l))
     }
 
+    /// Whether the key `l` is one of this resource's.
+    pub fn owns(&self, l: &Limiter) -> bool {
+        self.limits.owns(l)
+    }
+
     /// Whether every request gets the same key at the same cost.
     pub fn is_fixed(&self) -> bool {
-        self.template.is_fixed() && self.cost_header.is_none()
+        self.template.is_fixed() && self.cost_header.is_none() && self.body_rule.is_none()
+    }
+
+    /// Whether the cost is read from the request's body ([`RouteResource::body_cost`]).
+    pub fn reads_body(&self) -> bool {
+        self.body_rule.is_some()
+    }
+
+    /// The cost of a request whose JSON body is `doc`, as the entry says to
+    /// read it (at most the resource's burst); `cost` when the body does not
+    /// give one above 0.
+    pub fn body_cost(&self, doc: &serde_json::Value) -> f64 {
+        let Some(rule) = &self.body_rule else { return self.cost };
+        let read = match &rule.body {
+            Some(BodyCost::Json(path)) => crate::request_body::number_at(doc, path),
+            Some(BodyCost::Estimate(e)) => crate::request_body::estimate::tokens(e, doc)
+                .map(|(input, output)| rule.units(input as f64, output as f64)),
+            None => None,
+        };
+        self.capped(read)
     }
 
     /// The key `req` is admitted by and its cost (`host`: [`request_host`]).
@@ -98,8 +126,13 @@ impl RouteResource {
     /// most the resource's burst), else the configured one.
     fn cost_of<R: RequestView>(&self, req: &R) -> f64 {
         let Some(h) = &self.cost_header else { return self.cost };
-        let named = req.header(h).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<f64>().ok());
-        match named {
+        self.capped(req.header(h).and_then(|v| std::str::from_utf8(v).ok()).and_then(|v| v.trim().parse::<f64>().ok()))
+    }
+
+    /// A cost read from the request: at most the resource's burst; the
+    /// configured one when there is none above 0.
+    fn capped(&self, read: Option<f64>) -> f64 {
+        match read {
             Some(c) if c.is_finite() && c > 0.0 => c.min(self.burst.max(1.0)),
             _ => self.cost,
         }

@@ -8,8 +8,8 @@ use std::sync::{Arc, OnceLock};
 use http::{Method, Request};
 
 use super::upstream::{Target, Upstream};
-use usher_core::config::routes::{DefaultAction, Match, RoutesConfig};
-use usher_enforce::metrics::{Metrics, RouteMetrics};
+use usher_core::config::routes::{CostRule, DefaultAction, Match, RouteConfig, RoutesConfig};
+use usher_enforce::metrics::{Metrics, RequestBodyMetrics, RouteMetrics};
 use usher_enforce::resource::{RequestView, RouteResource, request_host};
 use usher_enforce::respond::ProxyError;
 use usher_limit::{LeaseTable, Plan};
@@ -36,6 +36,9 @@ pub struct Route {
     pub settles: bool,
     /// A resource reads the upstream's quota headers (the head is kept too).
     pub quotas: bool,
+    /// The route reads the request's body before admission (a cost taken
+    /// from it, or OpenAI's usage asked for); none for every other route.
+    pub body: Option<BodyReads>,
     /// Set on an upstream listener's routes: that upstream, for the access log.
     pub listener: Option<String>,
     /// The API the route leads to, whose error shape usher's own answers
@@ -48,6 +51,15 @@ impl Route {
     pub fn timeout(&self) -> std::time::Duration {
         self.upstream.as_ref().map_or(usher_core::config::routes::DEFAULT_TIMEOUT, |u| u.config.timeout)
     }
+}
+
+/// What a route reads the request's body for.
+pub struct BodyReads {
+    /// A resource settles from OpenAI's usage: a streamed Chat Completions
+    /// request is made to ask for it.
+    pub ask_usage: bool,
+    /// `usher_proxy_request_body_total` of the route, by outcome.
+    pub metrics: RequestBodyMetrics,
 }
 
 impl std::fmt::Debug for Route {
@@ -173,11 +185,12 @@ impl Routing {
                         .iter()
                         .all(|(name, _)| {
                             cfg.resources.get(name).is_some_and(|res| res.id.is_fixed())
-                                && r.cost_rules.get(name).is_none_or(|c| c.header.is_none())
+                                && r.cost_rules.get(name).is_none_or(|c| c.header.is_none() && c.body.is_none())
                         })
                         .then(OnceLock::new),
                     settles: r.cost_rules.values().any(|c| c.settle.is_some()),
                     quotas: r.resources.iter().any(|(name, _)| cfg.resources[name].upstream_quota.is_some()),
+                    body: body_reads(r, metrics),
                     listener: listener_of.map(str::to_string),
                     dialect: cfg.api_dialect(r),
                 })
@@ -193,6 +206,7 @@ impl Routing {
             fixed_plan: None,
             settles: false,
             quotas: false,
+            body: None,
             listener: None,
             dialect: None,
         });
@@ -240,6 +254,13 @@ impl Routing {
             }),
         }
     }
+}
+
+/// What route `r` reads the request's body for; None when nothing.
+fn body_reads(r: &RouteConfig, metrics: &Metrics) -> Option<BodyReads> {
+    let costs = r.cost_rules.values().any(|c| c.body.is_some());
+    let ask_usage = r.cost_rules.values().any(CostRule::wants_openai_usage);
+    (costs || ask_usage).then(|| BodyReads { ask_usage, metrics: metrics.request_body(&r.name) })
 }
 
 fn resolved<R: RequestView>(route: &Arc<Route>, req: &R, host: &str, target: Target) -> Result<Resolved, ProxyError> {

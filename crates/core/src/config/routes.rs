@@ -308,11 +308,77 @@ pub struct CostRule {
     /// (`default_cost`) is charged. A cost above the resource's burst counts
     /// as the burst.
     pub header: Option<String>,
+    /// `cost: "{json.PATH}"` or `cost: { estimate: API }`: the cost read from
+    /// the request's JSON body; when it cannot be, the route's `cost` is
+    /// charged. A cost above the resource's burst counts as the burst.
+    pub body: Option<BodyCost>,
     /// `settle: { .. }`: where the real cost is read from the answer; the
     /// difference from what was charged at admission is charged to the key,
     /// or given back.
     pub settle: Option<SettleFrom>,
 }
+
+impl CostRule {
+    /// The cost, in this entry's units, of an LLM call of `input_tokens`
+    /// prompt tokens and `output_tokens` answer tokens: what an estimate
+    /// charges at admission. A token is a unit.
+    pub fn units(&self, input_tokens: f64, output_tokens: f64) -> f64 {
+        let (i, o) = (input_tokens, output_tokens);
+        match &self.settle {
+            // The tokens and the price the answer is settled by.
+            Some(SettleFrom::Usage(u)) => u.cost(Some(i), Some(o), None).unwrap_or(i + o),
+            _ => i + o,
+        }
+    }
+
+    /// Whether the entry settles from OpenAI's usage (`settle: { usage:
+    /// openai }`): a streamed Chat Completions request then asks for it
+    /// (`stream_options.include_usage`).
+    pub fn wants_openai_usage(&self) -> bool {
+        matches!(&self.settle, Some(SettleFrom::Usage(u)) if u.api == LlmApi::OpenAi)
+    }
+}
+
+/// A cost read from the request's JSON body.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BodyCost {
+    /// `cost: "{json.PATH}"`: a number greater than 0 at PATH.
+    Json(JsonPath),
+    /// `cost: { estimate: API }`: an LLM call's tokens, estimated from its
+    /// prompt and the output limit it sets.
+    Estimate(Estimate),
+}
+
+/// `the number at `budget.max` in the request's JSON`, or `an estimate of
+/// the openai call's tokens (1024 output tokens when it sets no limit)`.
+impl std::fmt::Display for BodyCost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BodyCost::Json(p) => write!(f, "the number at `{}` in the request's JSON", p.text),
+            BodyCost::Estimate(e) => write!(
+                f,
+                "an estimate of the {} call's tokens ({} output tokens when it sets no limit)",
+                e.api, e.default_output_tokens
+            ),
+        }
+    }
+}
+
+/// `cost: { estimate: API, default_output_tokens: N }`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Estimate {
+    /// Whose request shapes are read.
+    pub api: LlmApi,
+    /// The output tokens counted for a request that sets no output limit (at least 1).
+    pub default_output_tokens: u64,
+}
+
+/// The output tokens an estimate counts for a request that sets no output
+/// limit: a long answer's, not the model's most.
+pub const DEFAULT_OUTPUT_TOKENS: u64 = 1024;
+
+/// An LLM API whose request and answer shapes usher reads.
+pub use super::usage::UsageApi as LlmApi;
 
 /// Where a resource's real cost is read from once the upstream has answered.
 #[derive(Debug, Clone, PartialEq)]
@@ -1031,11 +1097,25 @@ fn read_route_resources(
         for (i, item) in items.iter().enumerate() {
             let p = format!("{}[{i}]", m.child("resources"));
             let entry = match &item.value {
-                Value::Scalar(..) => ck.string(item, &p).map(|s| (s, 1.0, item)),
+                Value::Scalar(..) => ck.string(item, &p).map(|s| (s, 1.0, item, false)),
                 _ => read_cost_entry(ck, item, &p, &mut rules),
             };
-            let Some((res, cost, at)) = entry else { continue };
-            if check_listed(ck, at, &p, &res, resource_names, &list) && check_cost(ck, at, &p, &res, cost, resources) {
+            let Some((res, mut cost, at, worked_out)) = entry else { continue };
+            if !check_listed(ck, at, &p, &res, resource_names, &list) {
+                continue;
+            }
+            if let Some(rc) = resources.get(&res) {
+                if worked_out {
+                    cost = cost.min(rc.burst);
+                }
+                if rc.kind == ResourceKind::Gauge && rules.get(&res).is_some_and(|r| r.body.is_some()) {
+                    let why =
+                        format!("`{res}` is a gauge: a cost read from the request's body applies to rate resources");
+                    ck.error(at.loc, &p, why, None);
+                    continue;
+                }
+            }
+            if check_cost(ck, at, &p, &res, cost, resources) {
                 list.push((res, cost));
             }
         }
@@ -1045,51 +1125,70 @@ fn read_route_resources(
 }
 
 /// Reads a mapping in a route's `resources:` (`resource`, `cost`,
-/// `default_cost`, `settle`), adding its cost rule, if any, to `rules`.
-/// Returns the resource's name, the cost and the node that names it.
+/// `default_cost`, `default_output_tokens`, `settle`), adding its cost rule,
+/// if any, to `rules`. Returns the resource's name, the cost, the node that
+/// names it, and whether the cost was worked out rather than written (an
+/// estimate's fallback, which counts as the burst at most).
 fn read_cost_entry<'a>(
     ck: &mut Checker,
     item: &'a Node,
     path: &str,
     rules: &mut BTreeMap<String, CostRule>,
-) -> Option<(String, f64, &'a Node)> {
-    let rm = ck.map(item, path, &["resource", "cost", "default_cost", "settle"])?;
+) -> Option<(String, f64, &'a Node, bool)> {
+    let rm = ck.map(item, path, &["resource", "cost", "default_cost", "default_output_tokens", "settle"])?;
     let r = ck.required(&rm, "resource", None).and_then(|n| ck.string(n, &rm.child("resource")).map(|s| (s, n)));
     let mut rule = CostRule::default();
-    let cost = read_cost(ck, &rm, &mut rule);
     if let Some(n) = rm.get("settle") {
         rule.settle = settle_from(ck, n, &rm.child("settle"));
     }
+    let cost = read_cost(ck, &rm, &mut rule);
     if rule != CostRule::default()
         && let Some((name, _)) = &r
     {
         rules.insert(name.clone(), rule);
     }
     match (r, cost) {
-        (Some((s, n)), Some(c)) => Some((s, c, n)),
+        (Some((s, n)), Some((c, worked_out))) => Some((s, c, n, worked_out)),
         _ => None,
     }
 }
 
-/// Reads an entry's `cost:`: a number > 0 (1 when absent), or
-/// `"{header.NAME}"`, which sets `rule.header` and returns `default_cost`
-/// (1 when absent) for a request without the header.
-fn read_cost(ck: &mut Checker, rm: &MapView<'_>, rule: &mut CostRule) -> Option<f64> {
+/// Reads an entry's `cost:`: a number > 0 (1 when absent);
+/// `"{header.NAME}"` or `"{json.PATH}"`, which set `rule` and return
+/// `default_cost` (1 when absent) for a request that names none; or
+/// `{ estimate: API }`, whose fallback is `default_cost`, else the estimate
+/// of a request with no prompt and no output limit (worked out: true).
+fn read_cost(ck: &mut Checker, rm: &MapView<'_>, rule: &mut CostRule) -> Option<(f64, bool)> {
+    if let Some(n) = rm.get("default_output_tokens")
+        && !rm.get("cost").is_some_and(|c| matches!(c.value, Value::Map(_)))
+    {
+        let hint = "e.g. cost: { estimate: openai, default_output_tokens: 1000 }";
+        let field = rm.child("default_output_tokens");
+        ck.error(n.loc, &field, "default_output_tokens applies to an estimated cost", Some(hint.into()));
+    }
     match rm.get("cost") {
+        Some(n) if matches!(n.value, Value::Map(_)) => {
+            let estimate = read_estimate(ck, n, rm);
+            let default = positive(ck, rm, "default_cost");
+            let estimate = estimate?;
+            rule.body = Some(BodyCost::Estimate(estimate));
+            match default? {
+                Some(c) => Some((c, false)),
+                None => Some((rule.units(0.0, estimate.default_output_tokens as f64), true)),
+            }
+        }
         Some(n) if matches!(&n.value, Value::Scalar(t, _) if t.trim_start().starts_with('{')) => {
-            match n.as_str().map(IdTemplate::parse) {
-                Some(Ok(t)) if matches!(&t.segments[..], [Segment::Header(_)]) => {
-                    let Segment::Header(h) = &t.segments[0] else { unreachable!() };
-                    rule.header = Some(h.clone());
-                    positive(ck, rm, "default_cost").map(|c| c.unwrap_or(1.0))
+            let text = n.as_str().unwrap_or_default().trim();
+            match request_cost(text) {
+                Ok(from) => {
+                    match from {
+                        Ok(header) => rule.header = Some(header),
+                        Err(path) => rule.body = Some(BodyCost::Json(path)),
+                    }
+                    positive(ck, rm, "default_cost").map(|c| (c.unwrap_or(1.0), false))
                 }
-                _ => {
-                    ck.error(
-                        n.loc,
-                        &rm.child("cost"),
-                        "expected a number or \"{header.NAME}\"",
-                        Some("e.g. cost: 150 or cost: \"{header.x-max-tokens}\"".into()),
-                    );
+                Err(why) => {
+                    ck.error(n.loc, &rm.child("cost"), why, Some(COST_FORMS.into()));
                     None
                 }
             }
@@ -1099,11 +1198,83 @@ fn read_cost(ck: &mut Checker, rm: &MapView<'_>, rule: &mut CostRule) -> Option<
                 ck.error(
                     n.loc,
                     &rm.child("default_cost"),
-                    "default_cost applies to a cost read from a request header",
-                    Some("write cost: \"{header.NAME}\", or drop default_cost".into()),
+                    "default_cost applies to a cost read from the request",
+                    Some(
+                        "write cost: \"{header.NAME}\", \"{json.PATH}\" or { estimate: openai }, or drop default_cost"
+                            .into(),
+                    ),
                 );
             }
-            positive(ck, rm, "cost").map(|c| c.unwrap_or(1.0))
+            positive(ck, rm, "cost").map(|c| (c.unwrap_or(1.0), false))
+        }
+    }
+}
+
+/// The forms a `cost:` takes, for hints.
+const COST_FORMS: &str =
+    "e.g. cost: 150, cost: \"{header.x-max-tokens}\", cost: \"{json.max_tokens}\" or cost: { estimate: openai }";
+
+/// A cost read from the request, as written (`{header.NAME}` or
+/// `{json.PATH}`): the header's lower-case name, or the JSON path; `Err`
+/// says what is wrong.
+fn request_cost(text: &str) -> Result<Result<String, JsonPath>, String> {
+    if let Some(path) = text.strip_prefix("{json.").and_then(|t| t.strip_suffix('}')) {
+        return JsonPath::parse(path).map(Err).map_err(|why| format!("`{text}`: {why}"));
+    }
+    match IdTemplate::parse(text) {
+        Ok(t) => match &t.segments[..] {
+            [Segment::Header(h)] => Ok(Ok(h.clone())),
+            _ => Err("expected a number, \"{header.NAME}\", \"{json.PATH}\" or { estimate: API }".into()),
+        },
+        Err(why) => Err(why),
+    }
+}
+
+/// Reads `cost: { estimate: API, default_output_tokens: N }`;
+/// `default_output_tokens` may also be written beside `cost`, in `entry`.
+fn read_estimate(ck: &mut Checker, node: &Node, entry: &MapView<'_>) -> Option<Estimate> {
+    let path = entry.child("cost");
+    let m = ck.map(node, &path, &["estimate", "default_output_tokens"])?;
+    let hint = "openai (Chat Completions, Responses) or anthropic (Messages)";
+    // A misspelt key was reported as unknown: it is not also missing.
+    let misspelt = m.entries().any(|(k, _)| !matches!(k.as_str(), Some("estimate" | "default_output_tokens")));
+    let api = match m.get("estimate") {
+        None if misspelt => None,
+        None => ck.required(&m, "estimate", Some(hint)).and(None),
+        Some(n) => ck.string(n, &m.child("estimate")).and_then(|name| {
+            let api = llm_api(&name);
+            if api.is_none() {
+                ck.error(n.loc, &m.child("estimate"), format!("unknown API `{name}`"), Some(hint.into()));
+            }
+            api
+        }),
+    };
+    let output = match (m.get("default_output_tokens"), entry.get("default_output_tokens")) {
+        (Some(_), Some(n)) => {
+            let why = "default_output_tokens is given twice: in cost and beside it";
+            ck.error(n.loc, &entry.child("default_output_tokens"), why, None);
+            None
+        }
+        (Some(n), None) => tokens(ck, n, &m.child("default_output_tokens")),
+        (None, Some(n)) => tokens(ck, n, &entry.child("default_output_tokens")),
+        (None, None) => Some(DEFAULT_OUTPUT_TOKENS),
+    };
+    Some(Estimate { api: api?, default_output_tokens: output? })
+}
+
+/// An API's name in the routes file.
+fn llm_api(name: &str) -> Option<LlmApi> {
+    [LlmApi::OpenAi, LlmApi::Anthropic].into_iter().find(|a| a.to_string() == name)
+}
+
+/// A count of tokens, at least 1.
+fn tokens(ck: &mut Checker, n: &Node, path: &str) -> Option<u64> {
+    let v = ck.i64(n, path)?;
+    match u64::try_from(v) {
+        Ok(t) if t >= 1 => Some(t),
+        _ => {
+            ck.error(n.loc, path, format!("must be at least 1, not {v}"), None);
+            None
         }
     }
 }

@@ -21,12 +21,13 @@ use hyper_util::rt::TokioIo;
 use pin_project_lite::pin_project;
 
 use crate::pipeline::guard::{self, VIA};
-use crate::pipeline::{Answer, Held, Hold, Inbound};
+use crate::pipeline::{Answer, BodyAccess, Held, Hold, Inbound, ReadAhead};
 use crate::route::{Resolved, Routing};
-use crate::upstream::body::{BodyLimit, BodyTooLarge, ClientBody, Progress, RequestBody, Sending};
+use crate::upstream::body::{self, BodyPlan, BodyTooLarge, ClientBody, Progress, RequestBody, Sending};
 use crate::upstream::exchange::{self, PoolError};
 use crate::upstream::{DIRECT_CONNECT_TIMEOUT, Target, UpstreamBody, client_error, strip_hop_by_hop, upstream_uri};
 use usher_core::error::error_chain;
+use usher_enforce::request_body::Body as RequestBodyRead;
 use usher_enforce::respond::BoxError;
 use usher_enforce::respond::{ProxyBody, ProxyError, is_grpc};
 use usher_enforce::settle::MAX_READ_ON;
@@ -70,7 +71,7 @@ impl Inbound for Request<Incoming> {
             if hyper::body::Body::size_hint(self.body()).lower() > limit {
                 return Err(ProxyError::BodyTooLarge { limit });
             }
-            self.extensions_mut().insert(BodyLimit(limit));
+            self.extensions_mut().insert(BodyPlan { limit: Some(limit), ahead: None });
         }
         Ok(())
     }
@@ -82,6 +83,34 @@ impl Inbound for Request<Incoming> {
     fn ready(mut self, target: Target, _keep_head: bool) -> Result<Self, &'static str> {
         self.extensions_mut().insert(target);
         Ok(self)
+    }
+}
+
+/// A route that reads the body reads it once the request is ready: its
+/// first bytes ([`body::read_ahead`]) go upstream before the rest.
+impl ReadAhead for Request<Incoming> {
+    type Reading = Pin<Box<dyn Future<Output = Result<Self, ProxyError>> + Send>>;
+
+    fn read_ahead(self, bound: usize, timeout: Duration) -> Self::Reading {
+        Box::pin(body::read_ahead(self, bound, timeout))
+    }
+}
+
+impl BodyAccess for Request<Incoming> {
+    fn body(&self) -> RequestBodyRead<'_> {
+        match self.extensions().get::<BodyPlan>().and_then(|p| p.ahead.as_deref()) {
+            Some(ahead) if ahead.whole => RequestBodyRead::Whole(&ahead.data),
+            _ => RequestBodyRead::TooLarge,
+        }
+    }
+
+    fn replace_body(&mut self, body: Vec<u8>) {
+        if self.headers().contains_key(header::CONTENT_LENGTH) {
+            self.headers_mut().insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+        }
+        if let Some(ahead) = self.extensions_mut().get_mut::<BodyPlan>().and_then(|p| p.ahead.as_deref_mut()) {
+            ahead.data = Bytes::from(body);
+        }
     }
 }
 
@@ -188,9 +217,10 @@ async fn forward(mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, P
     *req.uri_mut() = uri;
     *req.version_mut() = if up.config.h2c { Version::HTTP_2 } else { Version::HTTP_11 };
 
-    let limit = req.extensions().get::<BodyLimit>().map(|l| l.0);
+    let (limit, ahead) = req.extensions_mut().get_mut::<BodyPlan>().map_or((None, None), |p| (p.limit, p.ahead.take()));
     let progress = (!req.body().is_end_stream()).then(Progress::new);
-    let req = req.map(|inner| RequestBody { inner, limit, seen: 0, progress: progress.clone() });
+    let ahead = ahead.filter(|a| !a.is_empty());
+    let req = req.map(|inner| RequestBody { inner, ahead, limit, seen: 0, progress: progress.clone() });
     let timeout = up.config.timeout;
     let late = |late: Late| match late {
         Late::Upstream => ProxyError::UpstreamTimeout { upstream: name(), after: timeout },

@@ -1,8 +1,8 @@
 //! Both engines relay an edited stream of events: an OpenAI stream whose
-//! usage usher asked for on the app's behalf reaches the app as OpenAI
-//! would have sent it without, and its cost is settled. A sidecar runs in
-//! this process (routes named `injected...` mark their requests so, see
-//! `pipeline::account`), between a stand-in upstream and a client, all on
+//! usage usher asked for on the app's behalf (a streamed Chat Completions
+//! request without `stream_options.include_usage`) reaches the app as
+//! OpenAI would have sent it without, and its cost is settled. A sidecar
+//! runs in this process, between a stand-in upstream and a client, all on
 //! 127.0.0.1:0.
 
 use std::convert::Infallible;
@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use http_body_util::{BodyExt, Empty, Full};
+use http_body_util::{BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio_util::sync::CancellationToken;
@@ -122,18 +122,21 @@ async fn sidecar(up: SocketAddr, http1: Http1) -> (Arc<Proxy>, SocketAddr, Cance
 /// Asks the sidecar at `addr` for `path` over HTTP/1.1 (or h2c), and returns the body it relays.
 async fn ask(addr: SocketAddr, path: &str, h2c: bool) -> Bytes {
     let io = TokioIo::new(tokio::net::TcpStream::connect(addr).await.unwrap());
-    let req = Request::post(path).header("host", "llm.local");
+    let req = Request::post(path).header("host", "llm.local").header("content-type", "application/json");
+    // A streamed call that does not ask for its usage: usher asks for it.
+    let body =
+        Full::new(Bytes::from_static(br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#));
     let resp = match h2c {
         true => {
             let (mut send, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await.unwrap();
             tokio::spawn(conn);
-            send.send_request(req.body(Empty::<Bytes>::new()).unwrap()).await.unwrap()
+            send.send_request(req.body(body).unwrap()).await.unwrap()
         }
         false => {
             let (mut send, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
             tokio::spawn(conn);
             // A small body with a length: the native engine serves it.
-            send.send_request(req.body(Full::new(Bytes::from_static(b"{}"))).unwrap()).await.unwrap()
+            send.send_request(req.body(body).unwrap()).await.unwrap()
         }
     };
     assert_eq!(resp.status(), 200);

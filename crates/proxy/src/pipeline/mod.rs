@@ -6,7 +6,7 @@
 //! respond  the one place errors become answers (problem+json, gRPC status)  respond.rs
 //!  guard   loop, Host, body limit, no h2c upgrade                            guard/
 //!  account in flight, metrics, access log, pushback                          account/
-//!  route   the route, its admission Plan, the target                         route.rs
+//!  route   the route, its admission Plan, the target; a body it reads        route.rs, route/
 //!  limit   admission by the Plan (usher_limit::admit): a typed Refused       limit/
 //!  forward the engine's own: hyper's client, or the native path's pooled stream
 //! ```
@@ -81,6 +81,7 @@ mod respond;
 mod route;
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -91,6 +92,7 @@ use crate::route::{ListenerId, Resolved, Route, Routing};
 use crate::upstream::Upstream;
 use usher_core::clock::{Clock, Time};
 use usher_core::config::routes::RoutesConfig;
+use usher_enforce::request_body::Body;
 use usher_enforce::resource::RequestView;
 use usher_enforce::respond::{ProxyBody, ProxyError};
 use usher_enforce::settle::BodySettle;
@@ -101,7 +103,7 @@ pub use future::Early;
 pub use guard::{Guard, GuardLayer};
 pub use limit::{Limit, LimitFuture, LimitLayer};
 pub use respond::{Respond, RespondFuture, RespondLayer};
-pub use route::{RouteLayer, RouteStage};
+pub use route::{RouteFuture, RouteLayer, RouteStage};
 
 // === the snapshot ===
 
@@ -175,7 +177,7 @@ impl Pipeline {
 /// A request as an engine hands it to the pipeline.
 pub trait Inbound: RequestView + Sized {
     /// The request as the engine's `forward` service takes it, once routed.
-    type Ready;
+    type Ready: ReadAhead;
 
     /// Whether errors are answered as gRPC statuses.
     fn grpc(&self) -> bool;
@@ -188,10 +190,38 @@ pub trait Inbound: RequestView + Sized {
         routing.resolve_view(self)
     }
 
+    /// The request's body, for a route that reads it, when the engine holds
+    /// it whole before routing (the native path's small bodies); None when
+    /// it streams: it is then read once the request is ready ([`ReadAhead`]).
+    fn in_hand(&mut self) -> Option<&mut dyn BodyAccess> {
+        None
+    }
+
     /// Prepares the request for its target, or says why this engine cannot
     /// forward it there (the target is another engine's). `keep_head`: the
     /// route reads the answer's header fields ([`Answer::header`]).
     fn ready(self, target: crate::upstream::Target, keep_head: bool) -> Result<Self::Ready, &'static str>;
+}
+
+/// A request's body as a route that reads it sees it (`Route::body`).
+pub trait BodyAccess {
+    /// The body as read: whole, or over the bound.
+    fn body(&self) -> Body<'_>;
+
+    /// Sends `body` upstream instead of the one read, with its length.
+    fn replace_body(&mut self, body: Vec<u8>);
+}
+
+/// A request made ready for its target whose body a route reads before
+/// admission, when the engine did not hold it whole ([`Inbound::in_hand`]).
+pub trait ReadAhead: BodyAccess + Sized {
+    /// [`ReadAhead::read_ahead`]'s future.
+    type Reading: Future<Output = Result<Self, ProxyError>> + Unpin;
+
+    /// Reads up to `bound` bytes of the body, each piece within `timeout`
+    /// of the last (else [`ProxyError::ClientStalled`]); what it read goes
+    /// upstream first, then the rest as it streams.
+    fn read_ahead(self, bound: usize, timeout: Duration) -> Self::Reading;
 }
 
 /// An upstream's answer as the engine's `forward` service returns it.

@@ -406,13 +406,68 @@ fn costs_from_the_request_and_the_response_are_read_and_checked() {
     assert_eq!(rule.header.as_deref(), Some("x-max-tokens"));
     assert_eq!(rule.settle, Some(SettleFrom::Header("x-usage-total-tokens".into())));
     for (entry, error) in [
-        ("{ resource: tokens, cost: \"{path.1}\" }", "expected a number or \"{header.NAME}\""),
-        ("{ resource: tokens, cost: 5, default_cost: 3 }", "default_cost applies to a cost read from a request header"),
+        ("{ resource: tokens, cost: \"{path.1}\" }", "expected a number, \"{header.NAME}\", \"{json.PATH}\""),
+        ("{ resource: tokens, cost: 5, default_cost: 3 }", "default_cost applies to a cost read from the request"),
         ("{ resource: tokens, settle: { response_header: \"a b\" } }", "`a b` is not a valid header name"),
         ("{ resource: tokens, settle: { body: usage.total } }", "settle.body: unknown field"),
     ] {
         let e = RoutesConfig::parse("r.yaml", &format!("{head}      - {entry}\n")).unwrap_err().to_string();
         assert!(e.contains("r.yaml:9:") && e.contains(error), "{entry}: {e}");
+    }
+}
+
+#[test]
+fn costs_from_the_request_body_are_read_and_checked() {
+    let head = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+                resources:\n  tokens: { kind: rate, capacity: 100/s, burst: 5000 }\n  \
+                slots: { kind: gauge, capacity: 4 }\n\
+                routes:\n  - name: all\n    upstream: up\n    resources:\n";
+    let parse = |entry: &str| RoutesConfig::parse("r.yaml", &format!("{head}      - {entry}\n"));
+    let rule = |entry: &str| {
+        let c = parse(entry).unwrap_or_else(|e| panic!("{entry}: {e}"));
+        let route = &c.routes[0];
+        (route.resources[0].1, route.cost_rules["tokens"].clone())
+    };
+    let (cost, r) = rule("{ resource: tokens, cost: \"{json.usage.0.max}\", default_cost: 20 }");
+    let Some(BodyCost::Json(p)) = &r.body else { panic!("{r:?}") };
+    assert_eq!((cost, p.text.as_str(), p.steps.len()), (20.0, "usage.0.max", 3));
+    assert_eq!(r.header, None);
+    assert_eq!(r.body.as_ref().unwrap().to_string(), "the number at `usage.0.max` in the request's JSON");
+    let estimate = |api, default_output_tokens| Some(BodyCost::Estimate(Estimate { api, default_output_tokens }));
+    // An estimate's fallback is the estimate of a request without prompt or output limit.
+    let (cost, r) = rule("{ resource: tokens, cost: { estimate: openai } }");
+    assert_eq!((cost, r.body), (DEFAULT_OUTPUT_TOKENS as f64, estimate(LlmApi::OpenAi, DEFAULT_OUTPUT_TOKENS)));
+    let (cost, r) = rule("{ resource: tokens, cost: { estimate: anthropic, default_output_tokens: 300 } }");
+    let said = "an estimate of the anthropic call's tokens (300 output tokens when it sets no limit)";
+    assert_eq!(r.body.as_ref().unwrap().to_string(), said);
+    assert_eq!((cost, r.body), (300.0, estimate(LlmApi::Anthropic, 300)));
+    let (cost, r) =
+        rule("{ resource: tokens, cost: { estimate: openai }, default_output_tokens: 200, default_cost: 9 }");
+    assert_eq!((cost, r.body), (9.0, estimate(LlmApi::OpenAi, 200)));
+    // Worked out, not written: above the burst it counts as the burst.
+    let (cost, _) = rule("{ resource: tokens, cost: { estimate: openai, default_output_tokens: 90000 } }");
+    assert_eq!(cost, 5000.0);
+    let (_, r) = rule("{ resource: tokens, settle: { usage: openai } }");
+    assert!(r.wants_openai_usage());
+    let (_, r) = rule("{ resource: tokens, settle: { usage: anthropic } }");
+    assert!(!r.wants_openai_usage());
+    for (entry, error) in [
+        ("{ resource: tokens, cost: \"{json.}\" }", "resources[0].cost: `{json.}`: the path is empty"),
+        ("{ resource: tokens, cost: \"{json.a..b}\" }", "`a..b` has an empty step"),
+        ("{ resource: tokens, cost: { estimate: gemini } }", "resources[0].cost.estimate: unknown API `gemini`"),
+        ("{ resource: tokens, cost: { estimat: openai } }", "did you mean `estimate`?"),
+        ("{ resource: tokens, cost: { default_output_tokens: 5 } }", "cost.estimate: missing required field"),
+        ("{ resource: tokens, cost: { estimate: openai, default_output_tokens: 0 } }", "must be at least 1, not 0"),
+        (
+            "{ resource: tokens, cost: { estimate: openai, default_output_tokens: 5 }, default_output_tokens: 5 }",
+            "default_output_tokens is given twice",
+        ),
+        ("{ resource: tokens, cost: 5, default_output_tokens: 5 }", "applies to an estimated cost"),
+        ("{ resource: slots, cost: \"{json.n}\" }", "`slots` is a gauge: a cost read from the request's body"),
+    ] {
+        let e = parse(entry).unwrap_err().to_string();
+        assert!(e.starts_with("r.yaml:10:") && e.contains(error), "{entry}: {e}");
+        assert_eq!(e.lines().count(), 1, "{entry}: one error, not a cascade: {e}");
     }
 }
 
@@ -568,6 +623,19 @@ routes:
     let c = RoutesConfig::parse("r.yaml", text).unwrap();
     let dialects: Vec<_> = c.routes.iter().map(|r| c.api_dialect(r)).collect();
     assert_eq!(dialects, [Some(ApiDialect::OpenAi), Some(ApiDialect::Anthropic), None, None]);
+    // A cost settled from an API's usage, or estimated from its requests, names the API too.
+    let text = "\
+upstreams:
+  up: { url: http://a.test }
+resources:
+  tokens: { kind: rate, capacity: 5 }
+routes:
+  - { name: settled, upstream: up, resources: [{ resource: tokens, settle: { usage: anthropic } }] }
+  - { name: estimated, upstream: up, resources: [{ resource: tokens, cost: { estimate: openai } }] }
+";
+    let c = RoutesConfig::parse("r.yaml", text).unwrap();
+    let dialects: Vec<_> = c.routes.iter().map(|r| c.api_dialect(r)).collect();
+    assert_eq!(dialects, [Some(ApiDialect::Anthropic), Some(ApiDialect::OpenAi)]);
 }
 
 #[test]

@@ -17,6 +17,11 @@ pub(super) struct Buffers {
     /// Where the fields of the response head in `out` start, for a route
     /// that reads them.
     pub(super) fields: FieldStarts,
+    /// The body sent upstream instead of the app's, for a route that asked
+    /// for usage on its behalf: set while the request is routed, taken as it
+    /// is made ready. Kept here, not in the request, which the everyday path
+    /// moves through every stage.
+    pub(super) rewritten: Option<Vec<u8>>,
 }
 
 /// Buffer capacity a connection keeps between requests; a buffer a large
@@ -56,6 +61,7 @@ mod tests {
             up: BytesMut::with_capacity(KEEP / 2),
             out: Vec::with_capacity(KEEP + 1),
             fields: FieldStarts::default(),
+            rewritten: None,
         };
         let mut client = BytesMut::with_capacity(KEEP * 2);
         client.extend_from_slice(b"GET / HTTP/1.1\r\n");

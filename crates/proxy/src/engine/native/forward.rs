@@ -132,7 +132,7 @@ pub(super) async fn roundtrip(
     idempotent: bool,
     bufs: &mut Buffers,
 ) -> Result<(Stream, ResponseHead), ProxyError> {
-    let Buffers { req, up, out, fields } = bufs;
+    let Buffers { req, up, out, fields, .. } = bufs;
     let failed = |reason: String| ProxyError::Upstream { upstream: name(), reason };
     let mut fresh = false;
     'connection: loop {

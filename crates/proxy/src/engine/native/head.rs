@@ -248,18 +248,35 @@ impl Head<'_> {
     /// upstream's base path (`prefix`), the upstream's `host`, the client's
     /// fields less the hop-by-hop ones, `via`, then `body`.
     pub(super) fn encode(&self, prefix: &str, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
+        self.encode_line(prefix, host, out);
+        for h in self.forwarded() {
+            push_field(out, h.name.as_bytes(), h.value);
+        }
+        end(body, out);
+    }
+
+    /// [`Head::encode`] with a body usher rewrote (a route asked for
+    /// usage): its `content-length` is that body's.
+    pub(super) fn encode_rewritten(&self, prefix: &str, host: &[u8], body: &[u8], out: &mut Vec<u8>) {
+        self.encode_line(prefix, host, out);
+        let mut length = itoa::Buffer::new();
+        let length = length.format(body.len()).as_bytes();
+        for h in self.forwarded() {
+            let value = if eq_name(h.name, "content-length") { length } else { h.value };
+            push_field(out, h.name.as_bytes(), value);
+        }
+        end(body, out);
+    }
+
+    /// The request line as sent upstream, and the upstream's `host`.
+    #[inline(always)]
+    fn encode_line(&self, prefix: &str, host: &[u8], out: &mut Vec<u8>) {
         out.extend_from_slice(self.method.as_str().as_bytes());
         out.push(b' ');
         out.extend_from_slice(prefix.as_bytes());
         out.extend_from_slice(self.target.as_bytes());
         out.extend_from_slice(b" HTTP/1.1\r\n");
         push_field(out, b"host", host);
-        for h in self.forwarded() {
-            push_field(out, h.name.as_bytes(), h.value);
-        }
-        push_field(out, b"via", VIA.as_bytes());
-        out.extend_from_slice(b"\r\n");
-        out.extend_from_slice(body);
     }
 
     /// The client's fields that go upstream: all but Host (the upstream's
@@ -350,6 +367,14 @@ impl RequestView for Head<'_> {
     fn header(&self, name: &str) -> Option<&[u8]> {
         self.headers.iter().find(|h| eq_name(h.name, name)).map(|h| h.value)
     }
+}
+
+/// The end of a request head as sent upstream (`via`), and its body.
+#[inline(always)]
+fn end(body: &[u8], out: &mut Vec<u8>) {
+    push_field(out, b"via", VIA.as_bytes());
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body);
 }
 
 /// A Host value the native path takes as it is: a name or IPv4 address of

@@ -17,18 +17,6 @@ use usher_enforce::settle::{self, BodySettle};
 use usher_limit::admit::{self, Plan, Reason};
 use usher_limit::{Kind, LeaseTable};
 
-/// Whether usher asked the upstream for usage the app did not ask for.
-/// (In this crate's tests, every request on a route named `injected...`:
-/// they test the answer's side before any request side sets it.)
-#[inline]
-fn usage_injected(meta: &Meta, _route: &Route) -> bool {
-    #[cfg(test)]
-    if _route.name.starts_with("injected") {
-        return true;
-    }
-    meta.usage_injected
-}
-
 /// What the account stage writes to: shared by every snapshot.
 pub struct Accounts {
     /// The proxy's metrics, by route and by resource.
@@ -82,7 +70,7 @@ impl Accounts {
             None => self.observe_pushback(route, &meta.plan, status, retry_after),
         }
         let settle = match route.settles {
-            true => settle::on_answer(&route.resources, &meta.plan, status, &header, usage_injected(meta, route)),
+            true => settle::on_answer(&route.resources, &meta.plan, status, &header, meta.usage_injected),
             false => None,
         };
         let outcome = match &meta.shadow {
