@@ -46,8 +46,8 @@ async fn idle_sidecars_cut_off_for_good_admit_their_share() {
         })
         .collect();
     // One request each measures a demand; then idle (a lone request's demand
-    // fades over 10 s), each asks for 0 and is told its share (5) as its
-    // safe capacity.
+    // fades over 10 s), each asks for 0, holds some of the spare capacity,
+    // and is told its share (5) as its safe capacity.
     for s in &sidecars {
         let mut c = h1(s.addr("listen")).await;
         send1(&mut c, get("api.test", "/")).await;
@@ -55,7 +55,7 @@ async fn idle_sidecars_cut_off_for_good_admit_their_share() {
     assert_eventually!(
         sidecars.iter().all(|s| {
             let k = key(s);
-            k["mode"] == "leased" && k["has"] == 0.0 && k["safe_capacity"] == 5.0
+            k["mode"] == "leased" && k["wants"] == 0.0 && k["safe_capacity"] == 5.0
         }),
         Duration::from_secs(25),
         "idle sidecars told their share: {} {}",

@@ -41,9 +41,11 @@ fn llm_cost(rng: &mut rand::rngs::SmallRng) -> f64 {
 /// Below the quota a call passes at once wherever it lands: three replicas
 /// calling at Poisson arrivals of 0.05, 0.10 and 0.20 calls a second
 /// (73% of a 6,000 tokens/min budget), bursts and lulls included, with the
-/// settings docs/guides/llm.md gives (`max_wait: 30s`, the burst left to
-/// its default: the minute's count). No call is refused, and 95% of the
-/// fleet's calls pass within a second of the upstream's own latency.
+/// settings docs/guides/llm.md gives (`max_wait: 60s`, the burst left to
+/// its default: the minute's count). The apps start calling 20 s after
+/// their sidecars (an SDK takes seconds to load). No call is refused, and
+/// 95% of the fleet's calls pass within a second of the upstream's own
+/// latency.
 #[tokio::test(start_paused = true, flavor = "current_thread")]
 async fn below_the_quota_calls_pass_at_once() {
     let mut failures = Vec::new();
@@ -53,7 +55,7 @@ async fn below_the_quota_calls_pass_at_once() {
             world.server("root:1", &resources("llm-tokens", "6000/min", lease, refresh, ""));
             let mut sidecars = Vec::new();
             for i in 0..3 {
-                let settings = format!("capacity: {first}, max_wait: 30s");
+                let settings = format!("capacity: {first}, max_wait: 60s");
                 sidecars.push(world.sidecar(&routes(&format!("app-{i}"), "llm-tokens", &settings)).await);
             }
             let records: Vec<Record> = (0..3).map(|_| Record::default()).collect();
@@ -68,7 +70,7 @@ async fn below_the_quota_calls_pass_at_once() {
                     Load::Poisson(rate),
                     llm_cost,
                     latency,
-                    1.0,
+                    20.0,
                     600.0,
                     std::env::var("USHER_VT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7u64) + i as u64,
                     r,

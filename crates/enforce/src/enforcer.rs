@@ -69,6 +69,9 @@ const EMBEDDED_LEASE_LENGTH: Duration = Duration::from_secs(3 * 3600);
 /// The window over which a rate resource's demand is measured: short, so
 /// that wants follow demand up and down within a refresh or two.
 const DEMAND_WINDOW: Duration = Duration::from_secs(2);
+/// A slow key's demand never reads below its traffic over this long (see `Measured::floor`).
+const FLOOR_WINDOW: Duration = Duration::from_secs(300);
+const MINUTE: Duration = Duration::from_secs(60);
 /// A queue at a rate key asks for what passes it within this long at most (see [`drain`]).
 const DRAIN: Duration = Duration::from_secs(5);
 /// How long the peak in flight of a gauge is remembered.
@@ -131,6 +134,9 @@ struct Measured {
     last_rate: Option<f64>,
     /// (time, peak in flight + waiters) over the peak window.
     peaks: VecDeque<(Time, f64)>,
+    /// (time, arrivals so far) a minute or more apart, over the last
+    /// [`FLOOR_WINDOW`] (see [`Measured::floor`]).
+    minutes: VecDeque<(Time, Arrivals)>,
     headroom: usher_lease::headroom::Headroom,
 }
 
@@ -158,6 +164,12 @@ impl Measured {
                 }
                 _ => {}
             }
+            if self.minutes.back().is_none_or(|(t, _)| now.since(*t) >= MINUTE) {
+                self.minutes.push_back((now, total));
+            }
+            while self.minutes.len() > 2 && self.minutes.front().is_some_and(|(t, _)| now.since(*t) > FLOOR_WINDOW) {
+                self.minutes.pop_front();
+            }
         }
         // (Refunds settled in a window may outweigh what arrived in it.)
         let short = match (self.arrivals.front(), self.arrivals.back()) {
@@ -168,10 +180,10 @@ impl Measured {
         };
         let long = match (self.anchors[0], self.last_arrival) {
             (Some((t0, a0)), Some((_, n))) if now.since(t0) >= DEMAND_WINDOW && n > a0.requests => {
-                // Over the long window at least: a few calls in a sidecar's
-                // first seconds are no rate yet (read over the seconds they
-                // came in, three LLM calls asked for 130 tokens a second
-                // where 40 were wanted, and the fleet looked overloaded).
+                // Over ten seconds at least: a few calls in a sidecar's first
+                // seconds are no rate yet (read over the seconds they came
+                // in, three LLM calls asked for 130 tokens a second where 40
+                // were wanted, and the fleet looked overloaded).
                 let secs = now.since(t0).max(LONG_WINDOW).as_secs_f64();
                 Some((((total.units - a0.units) / secs).max(0.0), (n - a0.requests) as f64 / secs))
             }
@@ -187,7 +199,7 @@ impl Measured {
                     && n == a0.requests
                     && (FIRST_SPAN..FIRST_FADE).contains(&now.since(t0)) =>
             {
-                let secs = FIRST_FADE.as_secs_f64();
+                let secs = LONG_WINDOW.as_secs_f64();
                 Some((a0.units / secs, a0.requests as f64 / secs))
             }
             _ => None,
@@ -208,7 +220,28 @@ impl Measured {
         if rate.is_some() {
             self.last_rate = rate;
         }
-        rate.or(self.last_rate)
+        rate.or(self.last_rate).map(|r| r.max(self.floor(now, total)))
+    }
+
+    /// What the key's traffic came to over the last few minutes (from one
+    /// to [`FLOOR_WINDOW`]), a floor under its measured rate: a key called a
+    /// few times a minute reads 0 between its calls, and asking for 0 while
+    /// the others' rates wander up to the capacity, it was leased nothing
+    /// and its next call waited for a lease. A key that stopped gives its
+    /// lease back as its calls leave the window.
+    fn floor(&self, now: Time, total: Arrivals) -> f64 {
+        match self.minutes.front() {
+            Some((t0, a0)) if now.since(*t0) >= MINUTE => {
+                let secs = now.since(*t0).as_secs_f64();
+                // Only a slow key's (under two requests a second, as the
+                // short window counts them): a busy key that stops gives
+                // its lease back at once.
+                let slow = ((total.requests - a0.requests) as f64 / secs)
+                    < SHORT_REQUESTS as f64 / DEMAND_WINDOW.as_secs_f64();
+                if slow { ((total.units - a0.units) / secs).max(0.0) } else { 0.0 }
+            }
+            _ => 0.0,
+        }
     }
 }
 
@@ -324,8 +357,13 @@ impl TableEnforcer {
                         seen.then(|| m.peaks.iter().map(|(_, p)| *p).fold(0.0, f64::max))
                     }
                 };
-                // Cold start: before any demand was measured, ask for the configured capacity.
-                let w = measured.unwrap_or(capacity).max(settings.min_wants);
+                // Before any demand was measured, ask for nothing (or
+                // `min_wants`): below the capacity the servers' spare
+                // capacity serves the first requests, and a first guess of
+                // the routes file's capacity held most of an LLM budget for
+                // a sidecar whose app called once a minute, while a busier
+                // one's calls waited 18 s.
+                let w = measured.unwrap_or(0.0).max(settings.min_wants);
                 settings.max_wants.map_or(w, |mx| w.min(mx))
             }
         };
@@ -1180,9 +1218,9 @@ mod tests {
         assert_eq!(wants(&e), 0.0);
     }
 
-    /// A key asked once keeps asking for that request over ten seconds,
-    /// so that a second request a few seconds later finds a lease; one that
-    /// sent a burst and stopped asks for nothing soon.
+    /// A key asked once keeps asking for that request over thirty seconds,
+    /// for ten, so that a second request a few seconds later finds a lease;
+    /// one that sent a burst and stopped asks for nothing soon.
     #[test]
     fn a_key_asked_once_keeps_a_fading_lease() {
         let (e, time) = enforcer_of(
@@ -1204,11 +1242,11 @@ mod tests {
             time.advance(Duration::from_millis(100));
             seen.push((wants(&e, "llm"), wants(&e, "burst")));
         }
-        // From half a second on: about one request over ten seconds, never 0
+        // From half a second on: about one request over thirty seconds, never 0
         // in between; then it stopped.
         for (i, (w, _)) in seen.iter().enumerate().skip(5).take(90) {
             let t = (i + 1) as f64 / 10.0;
-            assert!(*w >= 0.5 / 10.0 && *w <= 2.0 / 10.0, "at {t} s one request asks for {w}");
+            assert!(*w >= 0.5 / 30.0 && *w <= 2.0 / 30.0, "at {t} s one request asks for {w}");
         }
         for _ in 0..10 {
             time.advance(Duration::from_millis(100));
@@ -1311,7 +1349,8 @@ mod tests {
         e.table.resource("tenant").unwrap().try_limiter("t/acme").unwrap();
         let u = e.demand_update();
         assert!(!u.complete && !u.rebuilt, "{u:?}");
-        assert_eq!(reported(&u), (vec!["t/acme"], HashMap::from([("t/acme", 10.0)])));
+        // (Nothing measured yet: it asks for nothing.)
+        assert_eq!(reported(&u), (vec!["t/acme"], HashMap::from([("t/acme", 0.0)])));
     }
 
     #[test]

@@ -1713,8 +1713,10 @@ impl Resource {
         let filled = !first || fresh;
         let has = self.counted_has(&a, granted, &prior);
         let (expiry, mut refresh) = self.lease_times(&a, held_back);
-        if spare > 0.0 {
-            // Spare capacity comes back within this long when another client needs it.
+        if spare > 0.0 && matches!(req.requester, Requester::Client { .. }) {
+            // Spare capacity comes back within this long when another client
+            // needs it. (Not a lower server's: the root's load stays that of
+            // its intermediates, each refreshing at its interval.)
             refresh = refresh.min(SPARE_REFRESH);
         }
         let safe = self.safe_capacity(a.capacity.unwrap_or(0.0));
