@@ -31,6 +31,10 @@
 //! one go 4.5 s after a call of 59 tokens, or right after one of 250, and
 //! its minute's spend strayed from its lease by up to twice one call's cost.)
 //!
+//! A key of a calendar quota holds an allotment instead (`allot`): while
+//! it does, [`Rate::reserve`] takes from it and the GCRA state waits unused
+//! ([`Rate::allot`]).
+//!
 //! Why not governor: a live capacity change must carry the GCRA state across
 //! (no fresh burst) and an all-or-nothing admission must undo a reservation;
 //! governor exposes neither its TAT nor an undo, and a replaced limiter starts
@@ -42,6 +46,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use super::allot::{Account, Allot, Allotment};
 use usher_core::clock::{Clock, Time};
 
 /// Bits of a position below the nanosecond.
@@ -83,6 +88,9 @@ struct State {
     generation: u64,
     /// The last such changes, with their generations.
     changes: VecDeque<(u64, Change)>,
+    /// A calendar quota's allotment, which admits instead of the GCRA while
+    /// there is one (boxed: other keys pay a pointer).
+    allot: Option<Box<Allot>>,
 }
 
 /// A change that moves the slots of the requests waiting ([`Rate::retime`]).
@@ -208,6 +216,7 @@ impl Rate {
                     frozen: if interval.is_none() { backlog } else { 0.0 },
                     generation: 0,
                     changes: VecDeque::new(),
+                    allot: None,
                 }
             }),
             changed: Notify::new(),
@@ -233,8 +242,15 @@ impl Rate {
     /// request's place up to date through capacity increases ([`Rate::retime`]).
     pub fn reserve_ticket(&self, now: Time, cost: f64, max_wait: Duration) -> (Reservation, Ticket) {
         let mut s = self.state.lock().expect("rate lock");
+        let at = now;
         let now = s.pos(now);
         let ticket = Ticket { slot: now, deadline: now, generation: s.generation };
+        if let Some(a) = &mut s.allot {
+            return match a.take(at, cost) {
+                true => (Reservation::Slot { wait: Duration::ZERO, cost }, ticket),
+                false => (Reservation::TooLate { wait: None }, ticket),
+            };
+        }
         let interval = match s.interval {
             None => return (Reservation::TooLate { wait: None }, ticket),
             Some(0) => return (Reservation::Slot { wait: Duration::ZERO, cost: 0.0 }, ticket),
@@ -291,6 +307,9 @@ impl Rate {
     /// Gives a reservation of `cost` units back.
     pub fn release(&self, cost: f64) {
         let mut s = self.state.lock().expect("rate lock");
+        if let Some(a) = &mut s.allot {
+            return a.give_back(cost);
+        }
         match s.interval {
             Some(i) => s.tat = s.tat.saturating_sub(times(i, cost)),
             None => s.frozen = (s.frozen - cost).max(0.0),
@@ -299,7 +318,10 @@ impl Rate {
 
     /// Units that could pass right now without waiting, rounded down.
     pub fn remaining(&self, now: Time) -> u64 {
-        let s = self.state.lock().expect("rate lock");
+        let mut s = self.state.lock().expect("rate lock");
+        if let Some(a) = &mut s.allot {
+            return a.left(now).floor() as u64;
+        }
         match s.interval {
             None => 0,
             Some(0) => u64::MAX,
@@ -319,6 +341,14 @@ impl Rate {
             return;
         }
         let mut s = self.state.lock().expect("rate lock");
+        if let Some(a) = &mut s.allot {
+            a.charge(units);
+            drop(s);
+            if units < 0.0 {
+                self.changed.notify_waiters();
+            }
+            return;
+        }
         let now = s.pos(now);
         let Some(i) = s.interval.filter(|i| *i > 0) else {
             if s.interval.is_none() {
@@ -378,6 +408,57 @@ impl Rate {
         s.tat = now.saturating_add(s.interval.map_or(0, |i| times(i, backlog_units)));
         drop(s);
         self.changed.notify_waiters();
+    }
+}
+
+// === allotments ===
+
+impl Rate {
+    /// Takes a calendar quota's allotment at `now`: from now on requests take
+    /// from it, not from the GCRA (see `allot`). Waiters look again.
+    pub fn allot(&self, now: Time, a: Allotment) {
+        let mut s = self.state.lock().expect("rate lock");
+        match &mut s.allot {
+            Some(cur) => cur.replace(a, now),
+            None => s.allot = Some(Box::new(Allot::new(a, now))),
+        }
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// Ends the allotment (its lease lapsed, or the servers no longer send
+    /// one): the GCRA admits again, from an empty bucket (an allotment's end
+    /// hands out no burst).
+    pub fn end_allotment(&self, now: Time) {
+        let mut s = self.state.lock().expect("rate lock");
+        if s.allot.take().is_none() {
+            return;
+        }
+        let now = s.pos(now);
+        s.tat = now.saturating_add(s.burst_span);
+        s.frozen = s.burst;
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// The allotment's account at `now`, while there is one.
+    pub fn account(&self, now: Time) -> Option<Account> {
+        self.state.lock().expect("rate lock").allot.as_mut().map(|a| a.account(now))
+    }
+
+    /// The reset of the unit an allotment counts in, while there is one.
+    pub fn allotment_reset(&self) -> Option<Time> {
+        self.state.lock().expect("rate lock").allot.as_ref().map(|a| a.reset())
+    }
+
+    /// Whether a request of `cost` could pass at `now` without a change:
+    /// capacity above 0, or an allotment with enough left.
+    pub fn open(&self, now: Time, cost: f64) -> bool {
+        let mut s = self.state.lock().expect("rate lock");
+        match &mut s.allot {
+            Some(a) => a.open(now, cost),
+            None => s.interval.is_some(),
+        }
     }
 }
 

@@ -67,6 +67,8 @@ pub struct LeaseRequest {
     pub requester: Requester,
     /// What the requester last read of the upstream's own quota.
     pub quota: Option<usher_lease::quota::Observation>,
+    /// The client's account of a calendar quota's current unit (usher's extension).
+    pub account: Option<crate::calendar::Account>,
 }
 
 /// The separator between a node's identity and its master's epoch in the
@@ -146,6 +148,9 @@ pub struct Grant {
     /// `safe_capacity` is the client's share of the resource (none is
     /// configured): it may be above the client's lease.
     pub share_safe: bool,
+    /// A calendar quota's allotment: units the client may spend from now
+    /// until the unit's reset (`capacity` is the same as a rate).
+    pub allotment: Option<f64>,
 }
 
 /// The algorithm parameter that says what a resource does with capacity
@@ -447,8 +452,10 @@ struct Resource {
     /// The upstream's own account of its quota, once a client reports one
     /// (boxed: most resources never have one).
     quota: Option<Box<super::quota::QuotaState>>,
-    /// `window: calendar` at a root: what the fleet spent of the current unit.
-    calendar: Option<Box<super::quota::Calendar>>,
+    /// `window: calendar` at a root: what the fleet spent of the current
+    /// unit. The index, the leases and the algorithms then count units of
+    /// it, not units per second (see `allot`).
+    calendar: Option<Box<crate::calendar::Calendar>>,
     /// The store's [`Predecessor`] and lease horizon, as of this request.
     predecessor: Predecessor,
     horizon: Option<Time>,
@@ -967,7 +974,7 @@ impl Store {
         map.retain(|_, res| {
             let mut r = res.lock().expect("resource lock poisoned");
             r.expire(now);
-            !r.clients.is_empty() || !r.reservations.is_empty()
+            !r.clients.is_empty() || !r.reservations.is_empty() || r.calendar.as_ref().is_some_and(|c| c.counts(now))
         });
     }
 
@@ -987,8 +994,8 @@ impl Store {
                     template: r.template.identifier_glob.clone(),
                     algorithm: r.template.algorithm.kind.name(),
                     capacity: r.capacity(now, self.role).unwrap_or(0.0),
-                    sum_has: r.index.total_has(),
-                    sum_wants: r.index.total_wants(),
+                    sum_has: r.index.total_has() * r.rate_factor(now),
+                    sum_wants: r.index.total_wants() * r.rate_factor(now),
                     clients: r.clients.len(),
                     server_clients: r
                         .clients
@@ -1086,6 +1093,11 @@ impl Resource {
                 break;
             }
             let owner = self.slot_owner[slot as usize].clone().expect("expiring slot has an owner");
+            if self.calendar.is_some() {
+                // What it may still spend stays counted in its unit instead.
+                self.remove(&owner);
+                continue;
+            }
             let l = self.clients.get(&*owner).expect("expiring slot has a lease");
             let amount = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
             let lease_length = self.algorithm().lease_length;
@@ -1259,6 +1271,7 @@ impl Resource {
 
     fn remove(&mut self, client: &str) {
         if let Some(l) = self.clients.remove(client) {
+            self.forget_in_unit(client, &l);
             self.untell(&l);
             self.expiries.remove(&(l.expiry, l.slot));
             self.index.remove(l.slot);
@@ -1355,9 +1368,10 @@ impl Resource {
     fn capacity(&self, now: Time, role: Role) -> Option<f64> {
         match (role, &self.parent) {
             (Role::Root, _) => {
-                let upstream =
-                    self.quota.as_ref().and_then(|q| q.capacity(now, self.template.capacity, self.index.total_has()));
-                let calendar = self.calendar.as_ref().map(|c| c.capacity(now, self.calendar_budget()));
+                let granted = self.index.total_has() * self.rate_factor(now);
+                let upstream = self.quota.as_ref().and_then(|q| q.capacity(now, self.template.capacity, granted));
+                let calendar =
+                    self.calendar.as_ref().map(|c| c.capacity(now, self.calendar_budget(), self.index.total_has()));
                 Some(match (upstream, calendar) {
                     (Some(u), Some(c)) => u.min(c),
                     (u, c) => u.or(c).unwrap_or(self.template.capacity),
@@ -1371,27 +1385,6 @@ impl Resource {
     /// A calendar window's budget: the capacity over one unit.
     fn calendar_budget(&self) -> f64 {
         self.template.calendar.map_or(0.0, |unit| self.template.capacity * unit.as_secs_f64())
-    }
-
-    /// Counts what the leases allowed of a calendar window's current unit
-    /// (at a root, where the resource's own template applies).
-    fn follow_calendar(&mut self, now: Time, role: Role) {
-        let unit = match role {
-            Role::Root => self.template.calendar,
-            Role::Intermediate { .. } => None,
-        };
-        let Some(unit) = unit else {
-            self.calendar = None;
-            return;
-        };
-        let (granted, budget) = (self.index.total_has(), self.calendar_budget());
-        match &mut self.calendar {
-            Some(c) if c.unit() == unit => c.advance(now, granted),
-            c => {
-                let fresh = self.predecessor == Predecessor::NoneOutstanding;
-                *c = Some(Box::new(super::quota::Calendar::new(unit, budget, now, fresh)))
-            }
-        }
     }
 
     /// The quota as the resource's clients are told it: the upstream's own
@@ -1428,6 +1421,7 @@ impl Resource {
             resource_capacity: None,
             spare: l.spare,
             share_safe: l.share,
+            allotment: None,
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
@@ -1496,6 +1490,7 @@ impl Resource {
             resource_capacity: None,
             spare: 0.0,
             share_safe: false,
+            allotment: None,
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
@@ -1533,12 +1528,18 @@ impl Resource {
     /// lease it answers with.
     fn decide(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
         self.observe_quota(req, now, role);
-        let (client, epoch) = match req.requester {
-            Requester::Server { .. } => split_identity(id),
-            Requester::Client { .. } => (id, None),
-        };
+        if self.calendar.is_some() {
+            return self.allot(id, req, now, d, role);
+        }
+        self.decide_lease(id, req, now, d, role)
+    }
+
+    /// [`Resource::decide`], once a calendar quota's request is in units.
+    fn decide_lease(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
+        let client = client_key(id, req);
+        let epoch = client_key_epoch(id, req);
         let alg = self.algorithm().clone();
-        let capacity = self.capacity(now, role);
+        let capacity = self.shared_capacity(now, role);
         let bands: Vec<(i64, f64, u64)> = bands_of(&req.requester, req.wants, req.subclients).collect();
         if alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind) {
             // Filed before this request changes anything, so the bands hold
@@ -1569,7 +1570,11 @@ impl Resource {
         // own lease has lapsed: granted leases run to their expiry, and no new
         // capacity is handed out until the parent renews. Not in learning
         // mode, which hands back what each client holds.
-        let too_early = self.clients.get(client).is_some_and(|l| now.since(l.last_request) < d.min_interval);
+        // (A calendar unit's first request is never too early: the old unit's lease is void.)
+        let too_early = self.clients.get(client).is_some_and(|l| {
+            now.since(l.last_request) < d.min_interval
+                && self.calendar.as_ref().is_none_or(|c| l.last_request >= c.start())
+        });
         let lapsed = !d.learning && capacity.is_none() && self.clients.contains_key(client);
         if too_early || lapsed {
             self.record_demand(&ask);
@@ -1633,6 +1638,7 @@ impl Resource {
             resource_capacity: None,
             spare: 0.0,
             share_safe: false,
+            allotment: None,
             capacity: 0.0,
             expiry: now,
             refresh_interval: alg.refresh_interval,
@@ -1705,6 +1711,7 @@ impl Resource {
             },
             spare,
             share_safe: share,
+            allotment: None,
             capacity: granted,
             expiry,
             refresh_interval: refresh,
@@ -1813,6 +1820,10 @@ impl Resource {
             let equal = cap * req.subclients as f64 / self.index.total_subclients().max(1) as f64;
             granted = granted.min(equal.max(old_has));
         }
+        if self.opening(a.now) && is_shared(alg.kind) {
+            granted = self.opening_share(cap, req.subclients, old_has);
+            held_back = false;
+        }
         (granted, held_back)
     }
 
@@ -1827,6 +1838,9 @@ impl Resource {
     /// the template keeps spare capacity (see [`SPARE_PARAMETER`]).
     fn spare(&self, a: &Ask<'_>, prior: &Prior, earned: f64) -> f64 {
         let Some(cap) = a.capacity.filter(|_| !a.d.learning && shares_spare(&a.alg)) else { return 0.0 };
+        if self.opening(a.now) {
+            return 0.0;
+        }
         if a.d.arrivals && a.now.since(self.created) < a.alg.refresh_interval {
             return 0.0;
         }
@@ -1837,7 +1851,9 @@ impl Resource {
         if free <= 1e-9 || unused <= 1e-9 {
             return 0.0;
         }
-        let n = self.index.total_subclients() as f64 + SPARE_KEPT_FREE;
+        // (A calendar unit's unspent allotments come back at each refresh.)
+        let kept = if self.calendar.is_some() { 0.0 } else { SPARE_KEPT_FREE };
+        let n = self.index.total_subclients() as f64 + kept;
         (free * a.req.subclients as f64 / n).min(unused).max(0.0)
     }
 
@@ -2022,5 +2038,23 @@ pub fn is_shared(kind: Kind) -> bool {
     matches!(kind, Kind::ProportionalShare | Kind::FairShare)
 }
 
+/// The key a request's client is filed under: a lower server's node id,
+/// without its epoch.
+fn client_key<'a>(id: &'a str, req: &LeaseRequest) -> &'a str {
+    match req.requester {
+        Requester::Server { .. } => split_identity(id).0,
+        Requester::Client { .. } => id,
+    }
+}
+
+/// The epoch of the master of a lower usher node speaking.
+fn client_key_epoch(id: &str, req: &LeaseRequest) -> Option<u64> {
+    match req.requester {
+        Requester::Server { .. } => split_identity(id).1,
+        Requester::Client { .. } => None,
+    }
+}
+
+mod allot;
 #[cfg(test)]
 mod tests;
