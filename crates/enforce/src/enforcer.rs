@@ -461,7 +461,7 @@ impl TableEnforcer {
                     safe_capacity: settings.safe_capacity,
                     pressure: pressure || reloaded,
                     quota: l.quota(true).0,
-                    account,
+                    account: account.map(Box::new),
                 });
             }
         });

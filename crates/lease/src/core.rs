@@ -158,8 +158,9 @@ pub struct KeyDemand {
     /// The freshest account of the upstream's own quota for this key,
     /// carried to the servers with its requests.
     pub quota: Option<super::quota::Observation>,
-    /// The key's account of its calendar unit, while it holds an allotment.
-    pub account: Option<usher_limit::allot::Account>,
+    /// The key's account of its calendar unit, while it holds an allotment
+    /// (boxed: most keys never have one).
+    pub account: Option<Box<usher_limit::allot::Account>>,
 }
 
 /// A change of the demand (see [`Core::update_demand`]).
@@ -318,7 +319,7 @@ impl KeyState {
 
     /// The account its request reports: while it holds an allotment.
     fn account(&self) -> Option<usher_limit::allot::Account> {
-        self.demand.account.filter(|_| self.allot.is_some())
+        self.demand.account.as_deref().copied().filter(|_| self.allot.is_some())
     }
 
     /// When the key changes mode by itself (its lease expires, its hold ends).

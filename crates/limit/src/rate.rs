@@ -42,6 +42,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -64,6 +65,9 @@ pub struct Rate {
     state: Mutex<State>,
     /// Woken on capacity changes, for requests waiting on capacity 0.
     pub(crate) changed: Notify,
+    /// It holds an allotment: read without the lock by [`Rate::account`],
+    /// which the lease client asks of every key at every demand read.
+    allotted: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -220,6 +224,7 @@ impl Rate {
                 }
             }),
             changed: Notify::new(),
+            allotted: AtomicBool::new(false),
         }
     }
 
@@ -422,6 +427,7 @@ impl Rate {
             Some(cur) => cur.replace(a, now),
             None => s.allot = Some(Box::new(Allot::new(a, now))),
         }
+        self.allotted.store(true, Ordering::Relaxed);
         drop(s);
         self.changed.notify_waiters();
     }
@@ -434,6 +440,7 @@ impl Rate {
         if s.allot.take().is_none() {
             return;
         }
+        self.allotted.store(false, Ordering::Relaxed);
         let now = s.pos(now);
         s.tat = now.saturating_add(s.burst_span);
         s.frozen = s.burst;
@@ -443,6 +450,9 @@ impl Rate {
 
     /// The allotment's account at `now`, while there is one.
     pub fn account(&self, now: Time) -> Option<Account> {
+        if !self.allotted.load(Ordering::Relaxed) {
+            return None;
+        }
         self.state.lock().expect("rate lock").allot.as_mut().map(|a| a.account(now))
     }
 

@@ -72,7 +72,7 @@ impl Client {
             safe_capacity: None,
             pressure: !self.waiting.is_empty(),
             quota: None,
-            account: self.key.account(),
+            account: self.key.account().map(Box::new),
         }
     }
 
