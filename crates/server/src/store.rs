@@ -1534,10 +1534,10 @@ impl Resource {
         self.decide_lease(id, req, now, d, role)
     }
 
-    /// [`Resource::decide`], once a calendar quota's request is in units.
+    /// Decides a request in the resource's own units: per second, or a
+    /// calendar unit's units (see `allot`).
     fn decide_lease(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
-        let client = client_key(id, req);
-        let epoch = client_key_epoch(id, req);
+        let (client, epoch) = client_key(id, req);
         let alg = self.algorithm().clone();
         let capacity = self.shared_capacity(now, role);
         let bands: Vec<(i64, f64, u64)> = bands_of(&req.requester, req.wants, req.subclients).collect();
@@ -2038,20 +2038,12 @@ pub fn is_shared(kind: Kind) -> bool {
     matches!(kind, Kind::ProportionalShare | Kind::FairShare)
 }
 
-/// The key a request's client is filed under: a lower server's node id,
-/// without its epoch.
-fn client_key<'a>(id: &'a str, req: &LeaseRequest) -> &'a str {
+/// The key a request's client is filed under (a lower server's node id,
+/// without its epoch), and the epoch of the master speaking for that node.
+fn client_key<'a>(id: &'a str, req: &LeaseRequest) -> (&'a str, Option<u64>) {
     match req.requester {
-        Requester::Server { .. } => split_identity(id).0,
-        Requester::Client { .. } => id,
-    }
-}
-
-/// The epoch of the master of a lower usher node speaking.
-fn client_key_epoch(id: &str, req: &LeaseRequest) -> Option<u64> {
-    match req.requester {
-        Requester::Server { .. } => split_identity(id).1,
-        Requester::Client { .. } => None,
+        Requester::Server { .. } => split_identity(id),
+        Requester::Client { .. } => (id, None),
     }
 }
 

@@ -31,7 +31,7 @@ impl Resource {
     /// Decides a calendar quota's request of client `id`: takes its account,
     /// decides in units, and answers with the allotment and its rate.
     pub(super) fn allot(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
-        let client = client_key(id, req);
+        let (client, _) = client_key(id, req);
         let c = self.calendar.as_mut().expect("a calendar resource");
         let (per_second, start) = (c.per_second(now), c.start());
         let prior = self.clients.get(client).map(|l| (l.has, l.last_request < start));
