@@ -251,10 +251,7 @@ impl Rate {
         let now = s.pos(now);
         let ticket = Ticket { slot: now, deadline: now, generation: s.generation };
         if let Some(a) = &mut s.allot {
-            return match a.take(at, cost) {
-                true => (Reservation::Slot { wait: Duration::ZERO, cost }, ticket),
-                false => (Reservation::TooLate { wait: None }, ticket),
-            };
+            return (take_allotted(a, at, cost), ticket);
         }
         let interval = match s.interval {
             None => return (Reservation::TooLate { wait: None }, ticket),
@@ -469,6 +466,17 @@ impl Rate {
             Some(a) => a.open(now, cost),
             None => s.interval.is_some(),
         }
+    }
+}
+
+/// A reservation from a key's allotment: out of line, so that the request
+/// path of a key without one stays as short as it was.
+#[cold]
+#[inline(never)]
+fn take_allotted(a: &mut Allot, now: Time, cost: f64) -> Reservation {
+    match a.take(now, cost) {
+        true => Reservation::Slot { wait: Duration::ZERO, cost },
+        false => Reservation::TooLate { wait: None },
     }
 }
 
