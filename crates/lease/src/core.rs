@@ -1322,6 +1322,7 @@ impl Core {
                     reset_unix_ms: (a.reset.as_nanos() / 1_000_000).min(i64::MAX as u64) as i64,
                     spent: a.spent,
                     left: a.left,
+                    passed: Some(a.passed),
                 }),
             })
             .collect();

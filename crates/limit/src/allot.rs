@@ -45,6 +45,10 @@ pub struct Account {
     pub spent: f64,
     /// What is left of the allotment (never below 0).
     pub left: f64,
+    /// `reset` has passed with no allotment of the next unit yet: `spent`
+    /// counts from it, in the next unit. (Without it an account read just
+    /// before a reset and sent just after it is one of the unit that ended.)
+    pub passed: bool,
     /// Units admitted under allotments so far, a running total: the answer
     /// to a request that carried this account takes off what was admitted
     /// after it ([`Allotment::mark`]).
@@ -163,6 +167,7 @@ impl Allot {
             spent: (self.admitted - self.base).max(0.0),
             left: self.left.max(0.0),
             mark: self.admitted,
+            passed: self.rolled,
         }
     }
 }
@@ -187,15 +192,18 @@ mod tests {
         let passed = (0..50).filter(|_| a.take(at(0.2), 1.0)).count();
         assert_eq!(passed, 40, "the whole allotment at once, not a second of it");
         assert!(!a.take(at(59.0), 1.0), "nothing refilled a minute on");
-        assert_eq!(a.account(at(59.0)), Account { reset: at(60.0), spent: 40.0, left: 0.0, mark: 40.0 });
+        assert_eq!(a.account(at(59.0)), Account { reset: at(60.0), spent: 40.0, left: 0.0, mark: 40.0, passed: false });
         a.replace(allot(5.0, 60.0, Some(40.0)), at(59.5));
         assert!(a.take(at(59.6), 3.0));
         // The reset voids the 2 left; what is admitted from then on counts for the next unit.
         assert!(!a.open(at(60.0), 1.0) && !a.take(at(60.0), 1.0));
-        assert_eq!(a.account(at(60.1)), Account { reset: at(60.0), spent: 0.0, left: 0.0, mark: 43.0 });
+        assert_eq!(a.account(at(60.1)), Account { reset: at(60.0), spent: 0.0, left: 0.0, mark: 43.0, passed: true });
         a.replace(allot(30.0, 120.0, Some(43.0)), at(60.2));
         assert!(a.take(at(60.3), 1.0));
-        assert_eq!(a.account(at(60.3)), Account { reset: at(120.0), spent: 1.0, left: 29.0, mark: 44.0 });
+        assert_eq!(
+            a.account(at(60.3)),
+            Account { reset: at(120.0), spent: 1.0, left: 29.0, mark: 44.0, passed: false }
+        );
     }
 
     /// A new allotment replaces the old one less what was admitted since

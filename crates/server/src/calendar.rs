@@ -43,18 +43,20 @@ const LAG: Duration = Duration::from_millis(500);
 /// by less than this.
 const SKEW: Duration = Duration::from_millis(500);
 
-/// A client's account of the current unit (protocol field 111): the reset of
-/// the unit it counts in, what it spent since that unit began, and what is
-/// left of its allotment.
+/// A client's account of its unit (protocol field 111): the reset of the
+/// unit it counts in, what it spent in that unit, and what is left of its
+/// allotment.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Account {
-    /// The reset its last allotment named; once that has passed, `spent`
-    /// counts from it.
+    /// The reset its last allotment named.
     pub reset: Time,
-    /// Units it admitted since.
+    /// Units it admitted in the unit.
     pub spent: f64,
     /// What is left of its allotment.
     pub left: f64,
+    /// `reset` has passed with no allotment of the next unit yet: `spent`
+    /// counts from it, in the next unit.
+    pub passed: bool,
 }
 
 /// What the root knows of one client in the current unit.
@@ -210,11 +212,20 @@ impl Calendar {
         1.0 / (to_reset + lag).max(0.001)
     }
 
-    /// Whether an account counts in the current unit: it names this unit's
-    /// reset, or an earlier one (its client counted from there on, which
-    /// covers this unit and maybe more). One from a later unit does not.
-    pub fn current(&self, a: &Account) -> bool {
-        a.reset <= self.reset().saturating_add(SKEW)
+    /// An account as it counts in the current unit: one of this unit, or
+    /// one that counts from a reset that has passed (from this unit's start,
+    /// or from earlier: more than this unit's spending, never less), as it
+    /// is; one of the unit that ended (read before the reset, sent after
+    /// it) as nothing spent and nothing left of this one; one of a later
+    /// unit (a clock ahead of this one) not at all.
+    pub fn in_unit(&self, a: Account) -> Option<Account> {
+        let near = |t: Time| t.since(a.reset).max(a.reset.since(t)) <= SKEW;
+        match a.passed {
+            true => Some(a),
+            false if near(self.reset()) => Some(a),
+            false if a.reset <= self.start.saturating_add(SKEW) => Some(Account { spent: 0.0, left: 0.0, ..a }),
+            false => None,
+        }
     }
 
     /// Takes `client`'s report before its request is decided, given what it
@@ -226,7 +237,7 @@ impl Calendar {
     /// stays counted until the boundary, and it holds nothing.
     pub fn report(&mut self, client: &str, account: Option<Account>, has: f64) -> f64 {
         let party = self.parties.get(client).copied();
-        let account = account.filter(|a| self.current(a));
+        let account = account.and_then(|a| self.in_unit(a));
         match (party, account) {
             (Some(Party::Reports { spent }), Some(a)) if a.spent + 1e-9 < spent => {
                 self.gone += spent + has;

@@ -76,11 +76,15 @@ impl Client {
         }
     }
 
-    /// Runs the core's actions until it waits, and applies what changed.
-    fn step(&mut self, net: &LocalTransport, rt: &tokio::runtime::Runtime, clock: &Clock) {
+    /// Runs the core's actions until it waits, and applies what changed;
+    /// reads the demand first when `read` (the driver reads it every
+    /// 100 ms, so a request may carry an account read that long before).
+    fn step(&mut self, net: &LocalTransport, rt: &tokio::runtime::Runtime, clock: &Clock, read: bool) {
         let now = clock.now();
-        let demand = self.demand(now);
-        self.core.set_demand(vec![demand]);
+        if read {
+            let demand = self.demand(now);
+            self.core.set_demand(vec![demand]);
+        }
         for _ in 0..20 {
             match self.core.next_action(now) {
                 Action::Wait { .. } => break,
@@ -180,8 +184,10 @@ fn bursts_at_each_boundary_get_each_unit_once_through_restarts_and_master_change
             c.arrived.extend(std::iter::repeat_n(now, burst));
             c.waiting.extend(std::iter::repeat_n(now, burst));
         }
-        for c in &mut clients {
-            c.step(&net, &rt, &clock);
+        // (Demand is read every 100 ms, a different 20 ms into it for each client.)
+        for (i, c) in clients.iter_mut().enumerate() {
+            let read = (now.as_nanos() / TICK.as_nanos() as u64 + i as u64).is_multiple_of(5);
+            c.step(&net, &rt, &clock, read);
             *passed.entry(minute).or_default() += c.admit(now);
         }
     }

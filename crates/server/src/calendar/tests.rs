@@ -8,7 +8,7 @@ fn t(s: f64) -> Time {
 }
 
 fn account(reset: f64, spent: f64, left: f64) -> Option<Account> {
-    Some(Account { reset: t(reset), spent, left })
+    Some(Account { reset: t(reset), spent, left, passed: false })
 }
 
 /// A new deployment has the whole unit; a root that starts in the middle
@@ -60,8 +60,7 @@ fn what_a_client_committed_stays_counted_until_the_boundary() {
     assert_eq!(c.capacity_units(120.0, 0.0), 120.0 - 52.0 - 15.0 - 8.0);
     assert!(c.counts(t(30.0)), "a resource with nobody left keeps its count");
     // An account of a later unit (a clock ahead) is not taken.
-    assert!(!c.current(&Account { reset: t(120.0), spent: 1.0, left: 0.0 }));
-    assert!(c.current(&Account { reset: t(0.0), spent: 1.0, left: 0.0 }), "one counting from an earlier reset is");
+    assert_eq!(c.in_unit(Account { reset: t(120.0), spent: 1.0, left: 0.0, passed: false }), None);
     c.advance(t(61.0));
     assert_eq!(c.capacity_units(120.0, 0.0), 120.0);
 }
@@ -97,4 +96,24 @@ fn an_allotment_is_a_rate_over_the_time_to_the_reset() {
     assert!((1.0 / c.per_second(t(0.0)) - 60.5).abs() < 1e-9);
     assert!((1.0 / c.per_second(t(59.0)) - 1.25).abs() < 1e-9);
     assert!((c.capacity(t(0.0), 120.0, 0.0) - 120.0 / 60.5).abs() < 1e-9);
+}
+
+/// An account read just before a reset and sent just after it is one of the
+/// unit that ended: nothing of the new unit is spent. One that says the
+/// reset has passed counts from it.
+#[test]
+fn an_account_of_the_unit_that_ended_counts_nothing_of_the_new_one() {
+    let mut c = Calendar::new(MINUTE, 120.0, t(0.0), true);
+    c.advance(t(60.05));
+    let stale = Account { reset: t(60.0), spent: 119.0, left: 1.0, passed: false };
+    assert_eq!(c.in_unit(stale), Some(Account { spent: 0.0, left: 0.0, ..stale }));
+    assert_eq!(c.report("a", Some(stale), 0.0), 0.0);
+    assert_eq!(c.capacity_units(120.0, 0.0), 120.0, "the new unit is whole");
+    let passed = Account { reset: t(60.0), spent: 2.0, left: 0.0, passed: true };
+    assert_eq!(c.in_unit(passed), Some(passed));
+    c.report("a", Some(passed), 0.0);
+    assert_eq!(c.capacity_units(120.0, 0.0), 118.0);
+    // Counting from an earlier reset still: more than this unit's spending, never less.
+    let long = Account { reset: t(0.0), spent: 5.0, left: 0.0, passed: true };
+    assert_eq!(c.in_unit(long), Some(long));
 }

@@ -47,7 +47,7 @@ fn ask(wants: f64, account: Option<(f64, f64, f64)>) -> LeaseRequest {
         reported_expiry: None,
         requester: Requester::Client { priority: 0 },
         quota: None,
-        account: account.map(|(reset, spent, left)| Account { reset: at(reset), spent, left }),
+        account: account.map(|(reset, spent, left)| Account { reset: at(reset), spent, left, passed: false }),
     }
 }
 
