@@ -412,6 +412,13 @@ async fn refresh(o: &Opts, server: &Server, seconds: u64) {
 fn request(n: u64, wants: f64, has: Option<Lease>) -> GetCapacityRequest {
     GetCapacityRequest {
         client_id: format!("client-{n}"),
-        resource: vec![ResourceRequest { upstream_quota: None, resource_id: "shared".into(), priority: 0, has, wants }],
+        resource: vec![ResourceRequest {
+            unit_account: None,
+            upstream_quota: None,
+            resource_id: "shared".into(),
+            priority: 0,
+            has,
+            wants,
+        }],
     }
 }

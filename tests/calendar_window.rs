@@ -1,9 +1,13 @@
 //! `window: calendar`: a quota that renews whole at each UTC boundary of its
-//! unit. Apps offer far more than the quota; a stand-in upstream counts what
-//! reaches it in each UTC minute. Across a fleet leasing from a real
-//! `usher server` (three sidecars) and in embedded mode (one sidecar, no
-//! `doorman:` section): no minute gets more than its quota plus one request
-//! per sidecar, and every full minute gets nearly all of it.
+//! unit. Apps offer far more than the quota, at a steady rate or in bursts
+//! just after each minute begins; a stand-in upstream counts what reaches it
+//! in each UTC minute. Across a fleet leasing from a real `usher server`
+//! (three sidecars) and in embedded mode (one sidecar, no `doorman:`
+//! section): no minute gets more than its quota plus one request per
+//! sidecar, and every full minute gets nearly all of it, bursts included.
+//!
+//! The tests run two at a time: the steady ones take the first whole minute
+//! after they start, the bursting ones the next (they sort after them).
 
 #![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
 
@@ -86,10 +90,12 @@ async fn offer_and_check(sidecars: &[Usher], rate: f64, minutes: &Minutes, quota
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_sidecars_spend_a_calendar_minute_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let (up, minutes) = counting_upstream().await;
+/// A counting upstream, a capacity server sharing `reports-api` as 120 in
+/// each UTC minute, and three sidecars leasing it, whose resource has
+/// `extra` settings (their files live as long as the directory returned).
+async fn fleet(extra: &str) -> (tempfile::TempDir, Minutes, Usher, Vec<Usher>) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, (up, minutes)) = (tmp.path(), counting_upstream().await);
     let port = free_port();
     let resources = concat!(
         "resources:\n",
@@ -101,18 +107,69 @@ async fn three_sidecars_spend_a_calendar_minute_once() {
         "    capacity: 0\n",
         "    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15 }\n",
     );
-    let server = Usher::server_at(&write_file(dir.path(), "resources.yaml", resources), port, &[]);
+    let server = Usher::server_at(&write_file(dir, "resources.yaml", resources), port, &[]);
     let sidecars: Vec<Usher> = (0..3)
         .map(|i| {
             let routes = format!(
                 "doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: app-{i}\n\
                  upstreams:\n  reports: {{ url: \"http://{up}\" }}\n\
-                 resources:\n  reports-api: {{ kind: rate, capacity: 120/min }}\n\
+                 resources:\n  reports-api: {{ kind: rate, capacity: 120/min{extra} }}\n\
                  routes:\n  - name: reports\n    upstream: reports\n    resources: [reports-api]\n"
             );
-            Usher::proxy(&write_file(dir.path(), &format!("s{i}.yaml"), &routes))
+            Usher::proxy(&write_file(dir, &format!("s{i}.yaml"), &routes))
         })
         .collect();
+    (tmp, minutes, server, sidecars)
+}
+
+/// Fires `burst` requests at once at each sidecar, at once and again just
+/// after the next UTC minute begins; then checks every minute's count: at
+/// most `quota + slack`, and at least `floor` in the whole one (nothing
+/// reaches the upstream in it after its burst).
+async fn burst_and_check(sidecars: &[Usher], burst: usize, minutes: &Minutes, quota: u64, slack: u64, floor: u64) {
+    let whole = unix_now() as u64 / 60 + 1;
+    let mut fired = Vec::new();
+    for at in [None, Some(whole as f64 * 60.0 + 0.1)] {
+        if let Some(at) = at {
+            tokio::time::sleep(Duration::from_secs_f64((at - unix_now()).max(0.0))).await;
+        }
+        let tallies: Vec<Arc<Tally>> = sidecars.iter().map(|_| Arc::new(Tally::default())).collect();
+        let shots: Vec<_> = sidecars
+            .iter()
+            .zip(&tallies)
+            .flat_map(|(s, t)| (0..burst).map(move |_| tokio::spawn(shoot(s.addr("listen"), t.clone()))))
+            .collect();
+        for shot in shots {
+            shot.await.unwrap();
+        }
+        fired.push(tallies.iter().map(|t| t.summary()).collect::<Vec<_>>());
+    }
+    let counts = minutes.lock().unwrap().clone();
+    let report = format!("per UTC minute: {counts:?} (the whole one: {whole}); sidecars, burst by burst: {fired:?}");
+    eprintln!("{report}");
+    for (m, n) in &counts {
+        assert!(*n <= quota + slack, "minute {m} got {n} of a {quota} quota\n{report}");
+    }
+    let got = counts.get(&whole).copied().unwrap_or(0);
+    assert!(got >= floor, "the whole minute {whole} got only {got} of {quota}\n{report}");
+    assert!(fired.iter().flatten().all(|t| t.contains("errors 0")), "{report}");
+}
+
+/// One request to the sidecar at `addr`, on a connection of its own.
+async fn shoot(addr: SocketAddr, tally: Arc<Tally>) {
+    let mut c = support::upstream::h1(addr).await;
+    let status = support::upstream::send1(&mut c, support::upstream::get("app.local", "/x")).await.status.as_u16();
+    let counter = match status {
+        200 => &tally.ok,
+        429 => &tally.refused,
+        _ => &tally.other,
+    };
+    counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_sidecars_spend_a_calendar_minute_once() {
+    let (_dir, minutes, server, sidecars) = fleet("").await;
     offer_and_check(&sidecars, 3.0, &minutes, 120, 3, 110).await;
     // The server's status page shows the quota it counts.
     let (code, body) = http_get(server.addr("admin"), "/debug/status?format=json");
@@ -125,17 +182,40 @@ async fn three_sidecars_spend_a_calendar_minute_once() {
     assert!((0.0..=120.0).contains(&left) && reset > 0.0 && reset <= 60.0, "{r}");
 }
 
+/// Apps that fire 50 requests each at once, just after each minute begins,
+/// get the whole quota through: it is spendable from the start of the unit,
+/// not spread over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_sidecars_that_burst_get_the_whole_minute() {
+    let (_dir, minutes, _server, sidecars) = fleet(", max_wait: 500ms").await;
+    burst_and_check(&sidecars, 50, &minutes, 120, 3, 110).await;
+}
+
+/// The same with the sidecar's embedded server keeping the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_sidecar_that_bursts_gets_the_whole_minute() {
+    let (_dir, minutes, sidecar) = embedded(", max_wait: 500ms").await;
+    burst_and_check(&[sidecar], 150, &minutes, 120, 1, 110).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedded_sidecar_spends_a_calendar_minute_once() {
+    let (_dir, minutes, sidecar) = embedded("").await;
+    offer_and_check(&[sidecar], 6.0, &minutes, 120, 1, 110).await;
+}
+
+/// A counting upstream and one sidecar with no `doorman:` section whose
+/// resource is 120 in each UTC minute, with `extra` settings.
+async fn embedded(extra: &str) -> (tempfile::TempDir, Minutes, Usher) {
     let dir = tempfile::tempdir().unwrap();
     let (up, minutes) = counting_upstream().await;
     let routes = format!(
         "upstreams:\n  reports: {{ url: \"http://{up}\" }}\n\
-         resources:\n  reports-api: {{ kind: rate, capacity: 120/min, window: calendar }}\n\
+         resources:\n  reports-api: {{ kind: rate, capacity: 120/min, window: calendar{extra} }}\n\
          routes:\n  - name: reports\n    upstream: reports\n    resources: [reports-api]\n"
     );
     let sidecar = Usher::proxy(&write_file(dir.path(), "routes.yaml", &routes));
-    offer_and_check(&[sidecar], 6.0, &minutes, 120, 1, 110).await;
+    (dir, minutes, sidecar)
 }
 
 /// With a `doorman:` section the capacity servers' resources file decides a

@@ -245,7 +245,14 @@ const RESOURCES: &str = "resources:\n  - identifier_glob: \"*\"\n    capacity: 1
     algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 5, learning_mode_duration: 0 }\n";
 
 async fn grant(c: &mut CapacityClient<tonic::transport::Channel>) -> f64 {
-    let ask = ResourceRequest { upstream_quota: None, resource_id: "r".into(), priority: 0, has: None, wants: 5000.0 };
+    let ask = ResourceRequest {
+        unit_account: None,
+        upstream_quota: None,
+        resource_id: "r".into(),
+        priority: 0,
+        has: None,
+        wants: 5000.0,
+    };
     let req = GetCapacityRequest { client_id: "a".into(), resource: vec![ask] };
     let resp = tokio::time::timeout(Duration::from_secs(10), c.get_capacity(req)).await.expect("answered in 10 s");
     resp.unwrap().into_inner().response[0].gets.capacity

@@ -36,6 +36,7 @@ impl Enforcer for Recorder {
             safe_capacity: None,
             pressure: false,
             quota: None,
+            account: None,
         }]
     }
 
@@ -77,6 +78,7 @@ async fn three_servers_elect_one_master_and_fail_over() {
         .get_capacity(GetCapacityRequest {
             client_id: "x".into(),
             resource: vec![ResourceRequest {
+                unit_account: None,
                 upstream_quota: None,
                 resource_id: "api".into(),
                 priority: 0,
@@ -166,6 +168,7 @@ async fn configuration_is_read_from_etcd_and_kept_when_invalid() {
     let ask = |wants| GetCapacityRequest {
         client_id: "a".into(),
         resource: vec![ResourceRequest {
+            unit_account: None,
             upstream_quota: None,
             resource_id: "r".into(),
             priority: 0,
@@ -207,6 +210,7 @@ async fn after_a_root_failover_no_intermediate_hands_out_zero() {
     let ask = || GetCapacityRequest {
         client_id: "leaf".into(),
         resource: vec![ResourceRequest {
+            unit_account: None,
             upstream_quota: None,
             resource_id: "api".into(),
             priority: 0,

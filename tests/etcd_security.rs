@@ -68,6 +68,7 @@ async fn granted(u: &Usher) -> Option<f64> {
     let ask = GetCapacityRequest {
         client_id: "a".into(),
         resource: vec![ResourceRequest {
+            unit_account: None,
             upstream_quota: None,
             resource_id: "r".into(),
             priority: 0,
@@ -287,6 +288,7 @@ async fn a_master_cut_off_from_etcd_stops_granting_before_another_can_be_elected
     let ask = || GetCapacityRequest {
         client_id: "x".into(),
         resource: vec![ResourceRequest {
+            unit_account: None,
             upstream_quota: None,
             resource_id: "r".into(),
             priority: 0,

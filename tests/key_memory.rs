@@ -99,6 +99,7 @@ async fn store_bytes_per_key() -> f64 {
         client_id: "sidecar".into(),
         resource: ids
             .map(|i| proto::ResourceRequest {
+                unit_account: None,
                 upstream_quota: None,
                 resource_id: tenant(i),
                 priority: 0,

@@ -27,6 +27,7 @@ impl Enforcer for Fixed {
             safe_capacity: None,
             pressure: false,
             quota: None,
+            account: None,
         }]
     }
     fn apply(&self, _: &[(String, Capacity)]) {}

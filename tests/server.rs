@@ -73,7 +73,7 @@ impl Server {
 }
 
 fn ask(resource: &str, wants: f64) -> ResourceRequest {
-    ResourceRequest { upstream_quota: None, resource_id: resource.into(), priority: 0, has: None, wants }
+    ResourceRequest { resource_id: resource.into(), wants, ..Default::default() }
 }
 
 /// One GetCapacity for `client`; returns the grants by resource id.
@@ -171,6 +171,7 @@ async fn learning_mode_hands_back_has() {
     let s = Server::start(CONFIG, &[]);
     let mut c = s.client().await;
     let with_has = ResourceRequest {
+        unit_account: None,
         upstream_quota: None,
         resource_id: "learn".into(),
         priority: 1,
@@ -204,6 +205,7 @@ async fn learning_mode_believes_a_liar_only_up_to_the_capacity_and_a_lease_lengt
 
     let (asked, before) = (Instant::now(), unix_now());
     let liar = ResourceRequest {
+        unit_account: None,
         upstream_quota: None,
         resource_id: "r".into(),
         priority: 0,

@@ -36,7 +36,14 @@ fn ask(ids: impl IntoIterator<Item = (String, f64)>) -> GetCapacityRequest {
         client_id: "c".into(),
         resource: ids
             .into_iter()
-            .map(|(id, wants)| ResourceRequest { upstream_quota: None, resource_id: id, priority: 0, has: None, wants })
+            .map(|(id, wants)| ResourceRequest {
+                unit_account: None,
+                upstream_quota: None,
+                resource_id: id,
+                priority: 0,
+                has: None,
+                wants,
+            })
             .collect(),
     }
 }

@@ -24,7 +24,14 @@ fn ask(client: &str, ids: Vec<String>) -> GetCapacityRequest {
         client_id: client.into(),
         resource: ids
             .into_iter()
-            .map(|id| ResourceRequest { upstream_quota: None, resource_id: id, priority: 0, has: None, wants: 1.0 })
+            .map(|id| ResourceRequest {
+                unit_account: None,
+                upstream_quota: None,
+                resource_id: id,
+                priority: 0,
+                has: None,
+                wants: 1.0,
+            })
             .collect(),
     }
 }

@@ -56,6 +56,7 @@ async fn capacity_is_shared_fairly_across_the_tree_without_overshoot() {
                 .get_capacity(GetCapacityRequest {
                     client_id: name.to_string(),
                     resource: vec![ResourceRequest {
+                        unit_account: None,
                         upstream_quota: None,
                         resource_id: "api".into(),
                         priority: 0,
@@ -103,6 +104,7 @@ async fn capacity_is_shared_fairly_across_the_tree_without_overshoot() {
         .get_capacity(GetCapacityRequest {
             client_id: "c1".into(),
             resource: vec![ResourceRequest {
+                unit_account: None,
                 upstream_quota: None,
                 resource_id: "api".into(),
                 priority: 0,
@@ -141,6 +143,7 @@ async fn three_rounds(server: std::net::SocketAddr) -> HashMap<&'static str, f64
                 .get_capacity(GetCapacityRequest {
                     client_id: name.into(),
                     resource: vec![ResourceRequest {
+                        unit_account: None,
                         upstream_quota: None,
                         resource_id: "db".into(),
                         priority,
@@ -248,6 +251,7 @@ async fn a_newcomer_is_answered_with_a_share_as_soon_as_one_is_free() {
     let ask = |client: &str, resource: &str, wants: f64| GetCapacityRequest {
         client_id: client.into(),
         resource: vec![ResourceRequest {
+            unit_account: None,
             upstream_quota: None,
             resource_id: resource.into(),
             priority: 0,

@@ -102,6 +102,7 @@ async fn responses_encode_required_fields_even_when_zero() {
     let req = proto::GetCapacityRequest {
         client_id: "c".into(),
         resource: vec![proto::ResourceRequest {
+            unit_account: None,
             upstream_quota: None,
             resource_id: "r".into(),
             priority: 0,
@@ -149,6 +150,7 @@ fn requests_encode_required_zero_fields() {
     let req = proto::GetCapacityRequest {
         client_id: "c".into(),
         resource: vec![proto::ResourceRequest {
+            unit_account: None,
             upstream_quota: None,
             resource_id: "r".into(),
             priority: 0,

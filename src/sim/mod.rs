@@ -480,6 +480,7 @@ impl Sim {
                 safe_capacity: Some(self.sc.safe_capacity),
                 pressure,
                 quota: None,
+                account: None,
             }]);
             for _ in 0..8 {
                 let now = self.clock.now();

@@ -514,9 +514,11 @@ impl TableEnforcer {
             }
             let (wants, pressure) = self.wants(m, l, kind, settings, capacity, now);
             let reported = Some((wants, pressure || reloaded));
-            // A fresh account of the upstream's quota goes up too.
+            // A fresh account of the upstream's quota goes up too, and a
+            // calendar unit's account at every read (it moves with each request).
             let (_, fresh_quota) = l.quota(false);
-            if full || m.reported != reported || fresh_quota {
+            let account = l.account();
+            if full || m.reported != reported || fresh_quota || account.is_some() {
                 m.reported = reported;
                 reading.demand.push(KeyDemand {
                     resource_id: l.id().to_string(),
@@ -526,6 +528,7 @@ impl TableEnforcer {
                     safe_capacity: settings.safe_capacity,
                     pressure: pressure || reloaded,
                     quota: l.quota(true).0,
+                    account: account.map(Box::new),
                 });
             }
         });
@@ -635,6 +638,12 @@ impl Enforcer for TableEnforcer {
 
     fn reapply(&self) -> Vec<String> {
         self.pushback.ids()
+    }
+
+    fn allot(&self, allotments: &[(String, Option<usher_limit::allot::Allotment>)]) {
+        for (id, a) in allotments {
+            self.table.allot(id, *a);
+        }
     }
 
     fn next_renewal(&self, at: Time) {

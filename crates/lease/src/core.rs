@@ -12,6 +12,12 @@
 //! second ([`SOON`]) and last their interval (all of them if none does).
 //! While the servers fail ([`Core::failing`]) only the backoff times calls.
 //!
+//! Calendar quotas: a lease that carries an allotment (usher's extension)
+//! is handed to the enforcement side as one ([`Core::take_allotments`]); the
+//! key's account goes up with its requests, and the key asks again just
+//! after the unit's reset (spread over [`BOUNDARY_SPREAD`], bypassing the
+//! minimum interval), so a renewed quota is there within a second.
+//!
 //! Expiry: a lapsed lease is held as long again, matching the server's
 //! reservation for a lapsed client (a refresh longer when it is below its
 //! safe capacity); then the key follows its `on_expiry`.
@@ -45,6 +51,10 @@ pub const NEXT_SERVER: Duration = Duration::from_millis(50);
 /// together) is ready a few seconds in, so a 2 s backoff step there was paid
 /// by every first request.
 pub const FIRST_ANSWER_RETRY: Duration = Duration::from_secs(1);
+/// A key with an allotment asks again this long after its unit's reset at
+/// most: each client draws its moment in it once, so a fleet does not ask
+/// at once, and the new unit's quota is there within a second.
+pub const BOUNDARY_SPREAD: Duration = Duration::from_millis(300);
 
 /// What a key may use once its lease has expired (or before the first one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -148,6 +158,9 @@ pub struct KeyDemand {
     /// The freshest account of the upstream's own quota for this key,
     /// carried to the servers with its requests.
     pub quota: Option<super::quota::Observation>,
+    /// The key's account of its calendar unit, while it holds an allotment
+    /// (boxed: most keys never have one).
+    pub account: Option<Box<usher_limit::allot::Account>>,
 }
 
 /// A change of the demand (see [`Core::update_demand`]).
@@ -237,6 +250,9 @@ struct KeyState {
     /// failed, since it was made: until then a key with no lease keeps the
     /// capacity it was made with (see [`Core::take_changes`]).
     settled: bool,
+    /// A calendar quota's allotment came with its last lease (boxed: most
+    /// keys never have one).
+    allot: Option<Box<KeyAllot>>,
     /// When its lease asks to hear from it again, if that is before the
     /// refresh of every key (a server that has just met the resource, or
     /// that expects to have more for it soon, asks within a second; or an
@@ -269,6 +285,7 @@ impl KeyState {
             asked_with: None,
             asked: false,
             settled,
+            allot: None,
             due: None,
         }
     }
@@ -298,7 +315,15 @@ impl KeyState {
     /// from its lease, or one whose own refresh is due by then. The others
     /// wait for the refresh of every key, when it is due.
     fn asks_early(&self, by: Time) -> bool {
-        self.away || (self.mode == Mode::Pending && self.lease.is_none()) || self.due.is_some_and(|d| d <= by)
+        self.away
+            || (self.mode == Mode::Pending && self.lease.is_none())
+            || self.due.is_some_and(|d| d <= by)
+            || self.allot.as_ref().and_then(|a| a.boundary).is_some_and(|b| b <= by)
+    }
+
+    /// The account its request reports: while it holds an allotment.
+    fn account(&self) -> Option<usher_limit::allot::Account> {
+        self.demand.account.as_deref().copied().filter(|_| self.allot.is_some())
     }
 
     /// When the key changes mode by itself (its lease expires, its hold ends).
@@ -396,6 +421,16 @@ impl KeyState {
     }
 }
 
+/// What a key with an allotment keeps beside its lease.
+#[derive(Debug, Clone, Default)]
+struct KeyAllot {
+    /// When it asks again after its unit's reset (see [`BOUNDARY_SPREAD`]);
+    /// kept in [`Core::boundaries`] too.
+    boundary: Option<Time>,
+    /// The mark of the account the request in flight carried.
+    asked_mark: Option<f64>,
+}
+
 /// Why a key enforces a capacity of 0, as logs, status pages and 429s say it.
 pub struct ZeroReason;
 
@@ -476,6 +511,14 @@ fn hold(lease: &Lease, safe: Option<f64>, short: bool, now: Time, jitter: f64) -
         Some(s) if s > lease.capacity + 1e-9 => held + stagger,
         _ => held,
     }
+}
+
+/// The allotment an answer carries (usher's extension), and the reset of the
+/// unit it is of (the quota the answer names): both, or neither.
+fn allotment_of(r: &proto::ResourceResponse) -> Option<(f64, Time)> {
+    let units = r.allotment.filter(|u| u.is_finite() && *u >= 0.0)?;
+    let quota = r.upstream_quota.as_ref().and_then(super::quota::from_proto).filter(|o| !o.continuous)?;
+    Some((units, quota.reset))
 }
 
 /// The earlier of two times, `None` being never.
@@ -720,6 +763,13 @@ pub struct Core {
     /// [`KeyState::due`]): an early call is due at the first.
     dues: BTreeSet<(Time, String)>,
     to_release: Vec<String>,
+    /// The keys with an allotment, by when they ask again after their
+    /// unit's reset ([`KeyAllot::boundary`]).
+    boundaries: BTreeSet<(Time, String)>,
+    /// How long after a reset this client asks (drawn once in [`BOUNDARY_SPREAD`]).
+    boundary_offset: Duration,
+    /// Allotments to hand to the enforcement side, or their end (`None`).
+    allotments: Vec<(String, Option<usher_limit::allot::Allotment>)>,
     /// The last template name a server sent, shared by the keys that match it.
     last_template: Option<Arc<str>>,
     master: Option<String>,
@@ -795,8 +845,14 @@ pub struct KeyStatus {
 impl Core {
     /// A client with no key, whose first call is due at `now`.
     pub fn new(cfg: CoreConfig, now: Time) -> Self {
+        // (A draw of its own: the refresh jitter's sequence stays as it was.)
+        let mut own = SmallRng::seed_from_u64(cfg.seed ^ 0x5ca1_ab1e);
+        let boundary_offset = BOUNDARY_SPREAD.mul_f64(rand::Rng::random_range(&mut own, 0.0..1.0));
         Core {
             rng: SmallRng::seed_from_u64(cfg.seed),
+            boundaries: BTreeSet::new(),
+            boundary_offset,
+            allotments: Vec::new(),
             backoff: Backoff::new(cfg.backoff),
             next_at_once: cfg.servers.len().saturating_sub(1),
             cfg,
@@ -857,7 +913,41 @@ impl Core {
     /// `Retry-After` says no later (see `usher_limit::admit`).
     pub fn next_renewal(&self) -> Time {
         let own = self.dues.first().map(|(t, _)| *t);
-        earliest(earliest(Some(self.next_refresh), own), self.lapse).unwrap_or(self.next_refresh)
+        let boundary = self.boundaries.first().map(|(t, _)| *t);
+        let next = earliest(earliest(Some(self.next_refresh), own), self.lapse);
+        earliest(next, boundary).unwrap_or(self.next_refresh)
+    }
+
+    /// The allotments received since the last call, for the enforcement
+    /// side, and the keys whose allotment ended (`None`: the lease lapsed, or
+    /// the servers no longer send one).
+    pub fn take_allotments(&mut self) -> Vec<(String, Option<usher_limit::allot::Allotment>)> {
+        std::mem::take(&mut self.allotments)
+    }
+
+    /// Sets when the key `id` asks after its unit's reset (`None`: not).
+    fn set_boundary(&mut self, id: &str, at: Option<Time>) {
+        let Some(k) = self.keys.get_mut(id) else { return };
+        let Some(a) = k.allot.as_mut() else { return };
+        if a.boundary == at {
+            return;
+        }
+        if let Some(old) = std::mem::replace(&mut a.boundary, at) {
+            self.boundaries.remove(&(old, id.to_string()));
+        }
+        if let Some(t) = at {
+            self.boundaries.insert((t, id.to_string()));
+        }
+    }
+
+    /// Ends the allotment of key `id`, if it has one: the enforcement side hears of it.
+    fn end_allotment(&mut self, id: &str) {
+        self.set_boundary(id, None);
+        if let Some(k) = self.keys.get_mut(id)
+            && k.allot.take().is_some()
+        {
+            self.allotments.push((id.to_string(), None));
+        }
     }
 
     /// Moves the next regular refresh to `at`, for a simulation or a test
@@ -890,6 +980,9 @@ impl Core {
             }),
         );
         self.away -= usize::from(before.as_ref().is_some_and(|k| k.away));
+        if let Some(b) = before.as_ref().and_then(|k| k.allot.as_ref()).and_then(|a| a.boundary) {
+            self.boundaries.remove(&(b, id.clone()));
+        }
         if let Some(d) = before.as_ref().and_then(|k| k.due) {
             self.dues.remove(&(d, id));
         }
@@ -937,6 +1030,9 @@ impl Core {
                 self.away -= usize::from(k.away);
                 if let Some(d) = k.due {
                     self.dues.remove(&(d, id.clone()));
+                }
+                if let Some(b) = k.allot.and_then(|a| a.boundary) {
+                    self.boundaries.remove(&(b, id.clone()));
                 }
             }
             self.to_release.push(id);
@@ -1058,6 +1154,15 @@ impl Core {
                 Mode::Held if !held => Mode::Expired,
                 m => m,
             };
+            if k.mode == Mode::Expired
+                && let Some(a) = k.allot.take()
+            {
+                // Its `on_expiry` applies now, not what was left of its allotment.
+                if let Some(b) = a.boundary {
+                    self.boundaries.remove(&(b, id.clone()));
+                }
+                self.allotments.push((id.clone(), None));
+            }
             if k.mode != from {
                 self.changed.insert(id.clone());
                 self.restate = true;
@@ -1168,6 +1273,11 @@ impl Core {
         if let Some(t) = own {
             due = due.min(t.max(earliest_allowed).max(now));
         }
+        // A calendar unit's reset: the old unit's allotment is void, so
+        // the minimum interval does not hold it back (once a unit).
+        if let Some((t, _)) = self.boundaries.first().filter(|_| asking) {
+            due = due.min((*t).max(now));
+        }
         (due, own)
     }
 
@@ -1184,6 +1294,10 @@ impl Core {
         for k in self.keys.values_mut().filter(|k| carried(k)) {
             k.asked_with = k.away.then(|| k.lease.map_or(0.0, |l| k.earned(&l)));
             k.asked = true;
+            let mark = k.account().map(|a| a.mark);
+            if let Some(a) = k.allot.as_mut() {
+                a.asked_mark = mark;
+            }
         }
         Action::Refresh { target, request: self.request(now, early) }
     }
@@ -1209,6 +1323,12 @@ impl Core {
                 }),
                 wants: if k.demand.wants.is_finite() { k.demand.wants.max(0.0) } else { 0.0 },
                 upstream_quota: k.demand.quota.as_ref().map(super::quota::to_proto),
+                unit_account: k.account().map(|a| proto::UnitAccount {
+                    reset_unix_ms: (a.reset.as_nanos() / 1_000_000).min(i64::MAX as u64) as i64,
+                    spent: a.spent,
+                    left: a.left,
+                    passed: Some(a.passed),
+                }),
             })
             .collect();
         proto::GetCapacityRequest { client_id: self.cfg.client_id.clone(), resource }
@@ -1356,6 +1476,10 @@ impl Core {
             if let Some(d) = k.due.take() {
                 self.dues.remove(&(d, id.clone()));
             }
+            // Its answer says when it asks after the next reset.
+            if let Some(b) = k.allot.as_mut().and_then(|a| a.boundary.take()) {
+                self.boundaries.remove(&(b, id.clone()));
+            }
         }
     }
 
@@ -1375,6 +1499,7 @@ impl Core {
             k.last_error = Some(message.clone());
             return;
         }
+        let allotment = allotment_of(&r);
         self.restate = true;
         let before = k.capacity();
         answer.relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
@@ -1396,7 +1521,21 @@ impl Core {
             self.changed.insert(r.resource_id.clone());
         }
         answer.later = earliest(answer.later, k.lapse());
+        let leased = k.mode == Mode::Leased;
+        self.take_allotment(&r.resource_id, allotment.filter(|_| leased), now);
         answer.schedule(r.resource_id, &lease, self.partial, self.next_refresh);
+    }
+
+    /// Takes the allotment (units, reset) an answer carried for key `id`, or
+    /// its absence: handed to the enforcement side, with the mark of the
+    /// account its request carried; the key asks again after the reset.
+    fn take_allotment(&mut self, id: &str, allotment: Option<(f64, Time)>, now: Time) {
+        let Some((units, reset)) = allotment else { return self.end_allotment(id) };
+        let Some(k) = self.keys.get_mut(id) else { return };
+        let mark = k.allot.get_or_insert_default().asked_mark.take();
+        let a = usher_limit::allot::Allotment { units, reset, mark };
+        self.allotments.push((id.to_string(), Some(a)));
+        self.set_boundary(id, (reset > now).then(|| reset.saturating_add(self.boundary_offset)));
     }
 
     /// After an answer's leases are taken: the earliest lapse, the refresh

@@ -78,6 +78,12 @@ pub trait Enforcer: Send + Sync + 'static {
     /// share of its resource's burst is reckoned against it), and when a
     /// spent quota renews (refusals meanwhile say how long to wait).
     fn server_said(&self, _said: &[(String, ServerSaid)]) {}
+    /// Calendar quotas' allotments that came with leases since the last
+    /// call (see [`Core::take_allotments`]), applied after the capacities;
+    /// `None`: the key's allotment ended.
+    ///
+    /// [`Core::take_allotments`]: super::core::Core::take_allotments
+    fn allot(&self, _allotments: &[(String, Option<usher_limit::allot::Allotment>)]) {}
     /// The next moment a key's capacity can change that the lease client
     /// knows of (see [`Core::next_renewal`]), told at every turn.
     ///
@@ -402,7 +408,7 @@ fn enforce(client: &LeaseClient) {
     let _applying = client.applying.lock().expect("lease apply poisoned");
     let rebuilt = enforcer.rebuilt();
     let also = enforcer.reapply();
-    let (capacities, transitions, fleet) = {
+    let (capacities, transitions, fleet, allotments) = {
         let mut core = client.core.lock().expect("lease core poisoned");
         if rebuilt {
             core.mark_all_changed();
@@ -423,13 +429,16 @@ fn enforce(client: &LeaseClient) {
                 (id.clone(), ServerSaid { fleet: core.fleet_capacity(id), renews: core.renews(id), fresh })
             })
             .collect();
-        (caps, core.take_transitions(), said)
+        (caps, core.take_transitions(), said, core.take_allotments())
     };
     if !fleet.is_empty() {
         enforcer.server_said(&fleet);
     }
     if !capacities.is_empty() {
         enforcer.apply(&capacities);
+    }
+    if !allotments.is_empty() {
+        enforcer.allot(&allotments);
     }
     for t in transitions {
         tracing::info!(resource = %t.resource_id, from = t.from.name(), to = t.to.name(), capacity = %show(t.capacity), "lease mode changed");

@@ -262,6 +262,10 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 /// quota's renewal or an upstream's hold says when by itself.
 fn retry_after(l: &Limiter, reason: Reason, wait: Duration, now: Time) -> Duration {
     let wait = match (reason, l.renewal()) {
+        // An allotment spent while the whole unit's quota is: nothing before the reset.
+        (Reason::Exhausted, _) if l.renews().is_some() && l.rate().is_some_and(|r| r.allotment_reset().is_some()) => {
+            wait
+        }
         (Reason::Exhausted | Reason::QueueFull, Some(t)) => wait.min(t.since(now)),
         // Leased 0 by shared servers, no quota spent: nothing passes before
         // the lease changes. (An embedded server's lease changes when the
@@ -298,6 +302,16 @@ fn refused(l: &Limiter, reason: Reason, retry_after: Duration, waited: Duration)
     }
 }
 
+/// The refusal of a key that admits nothing until it changes: a spent
+/// allotment (nothing refills before its reset; the lease client's next
+/// call may bring more), or capacity 0.
+fn nothing_left(l: &Limiter, now: Time, waited: Duration) -> Refused {
+    match l.rate().and_then(|r| r.allotment_reset()) {
+        Some(reset) => refused(l, Reason::Exhausted, reset.since(now), waited),
+        None => refused(l, Reason::ZeroCapacity, l.zero_retry(now), waited),
+    }
+}
+
 enum Blocked {
     Refuse(Box<Refused>),
     /// A rate key at capacity 0 that may still be raised before `max_wait`.
@@ -328,8 +342,7 @@ fn reserve_rates(plan: &Plan, arrival: Time, now: Time) -> Result<(Reserved, Dur
                 return Err(Blocked::Refuse(Box::new(refused(l, Reason::Exhausted, wait, waited))));
             }
             Reservation::TooLate { wait: None } if budget.is_zero() => {
-                let retry = l.zero_retry(now);
-                return Err(Blocked::Refuse(Box::new(refused(l, Reason::ZeroCapacity, retry, waited))));
+                return Err(Blocked::Refuse(Box::new(nothing_left(l, now, waited))));
             }
             Reservation::TooLate { wait: None } => return Err(Blocked::Zero(l.clone())),
         }
@@ -448,11 +461,12 @@ async fn rates_after_zero(plan: &Plan, clock: &Clock, arrival: Time) -> Result<(
             Err(Blocked::Refuse(r)) => return Err(*r),
             Err(Blocked::Zero(l)) => {
                 let rate = l.rate().expect("a rate key");
+                let cost = plan.items.iter().find(|(k, _)| Arc::ptr_eq(k, &l)).map_or(1.0, |(_, c)| *c);
                 let deadline = arrival.saturating_add(l.spec().max_wait);
                 let changed = rate.changed.notified();
                 tokio::pin!(changed);
                 changed.as_mut().enable();
-                if rate.capacity() > 0.0 {
+                if rate.open(clock.now(), cost) {
                     continue;
                 }
                 let _w = Waiting::begin(std::slice::from_ref(
@@ -461,11 +475,11 @@ async fn rates_after_zero(plan: &Plan, clock: &Clock, arrival: Time) -> Result<(
                 tokio::select! {
                     _ = changed => continue,
                     _ = super::sleep_until(clock, deadline) => {
-                        if rate.capacity() > 0.0 {
+                        let now = clock.now();
+                        if rate.open(now, cost) {
                             continue;
                         }
-                        let now = clock.now();
-                        return Err(refused(&l, Reason::ZeroCapacity, l.zero_retry(now), now.since(arrival)));
+                        return Err(nothing_left(&l, now, now.since(arrival)));
                     }
                 }
             }
@@ -576,18 +590,14 @@ mod tests {
     use super::*;
     use crate::{LeaseTable, ResourceSpec};
 
-    /// A request waiting for its slot follows the costs settled meanwhile:
-    /// a debt holds it longer, a refund lets it go sooner.
-    #[tokio::test]
-    async fn a_waiting_request_follows_the_costs_settled_meanwhile() {
-        let (clock, time) = Clock::manual(Time::from_secs(10));
-        let table = LeaseTable::new(clock.clone());
-        table.configure(vec![ResourceSpec {
-            name: "tokens".into(),
+    /// A rate resource of `capacity` a second, a burst of 1, no waiting.
+    fn spec(name: &str, capacity: f64) -> ResourceSpec {
+        ResourceSpec {
+            name: name.into(),
             kind: Kind::Rate,
-            capacity: 1.0,
+            capacity,
             burst: 1.0,
-            max_wait: Duration::from_secs(10),
+            max_wait: Duration::ZERO,
             max_queue: 10,
             max_keys: 1,
             window: Duration::from_secs(1),
@@ -595,7 +605,16 @@ mod tests {
             burst_span: None,
             shadow: false,
             upstream_quota: false,
-        }]);
+        }
+    }
+
+    /// A request waiting for its slot follows the costs settled meanwhile:
+    /// a debt holds it longer, a refund lets it go sooner.
+    #[tokio::test]
+    async fn a_waiting_request_follows_the_costs_settled_meanwhile() {
+        let (clock, time) = Clock::manual(Time::from_secs(10));
+        let table = LeaseTable::new(clock.clone());
+        table.configure(vec![ResourceSpec { max_wait: Duration::from_secs(10), ..spec("tokens", 1.0) }]);
         let key = table.resource("tokens").unwrap().limiter("tokens");
         let plan = Plan::new(vec![(key.clone(), 1.0)]);
         let done = |a: &mut Admission| {
@@ -631,20 +650,6 @@ mod tests {
     async fn retry_after_is_at_least_a_second_and_never_past_the_next_renewal() {
         let (clock, time) = Clock::manual(Time::from_secs(10));
         let table = LeaseTable::new(clock.clone());
-        let spec = |name: &str, capacity: f64| ResourceSpec {
-            name: name.into(),
-            kind: Kind::Rate,
-            capacity,
-            burst: 1.0,
-            max_wait: Duration::ZERO,
-            max_queue: 10,
-            max_keys: 1,
-            window: Duration::from_secs(1),
-            shared: false,
-            burst_span: None,
-            shadow: false,
-            upstream_quota: false,
-        };
         table.configure(vec![
             spec("slow", 0.01),
             spec("tiny", 1e-12),
@@ -678,5 +683,62 @@ mod tests {
         time.advance(Duration::from_secs(1));
         let due = zero.demand().retries_due().expect("the refusals said when to come back");
         assert_eq!(due, Time::from_secs(10).saturating_add(Duration::from_secs(42)));
+    }
+
+    /// A calendar key whose allotment is spent holds a request up to its
+    /// `max_wait` for the next allotment, and a new one wakes it at once;
+    /// a request refused meanwhile says to retry at the lease client's next
+    /// call, or at the reset when the whole unit's quota is spent.
+    #[tokio::test]
+    async fn a_spent_allotment_waits_for_the_next_one() {
+        use crate::allot::Allotment;
+        let (clock, time) = Clock::manual(Time::from_secs(1_800_000_000));
+        let table = LeaseTable::new(clock.clone());
+        table.configure(vec![ResourceSpec {
+            max_wait: Duration::from_millis(500),
+            max_queue: 100,
+            window: Duration::from_secs(60),
+            shared: true,
+            burst_span: Some(Duration::from_secs(1)),
+            ..spec("cal", 2.0)
+        }]);
+        let key = table.resource("cal").unwrap().limiter("cal");
+        let reset = Time::from_secs(1_800_000_060);
+        table.allot("cal", Some(Allotment { units: 3.0, reset, mark: None }));
+        let plan = Plan::new(vec![(key.clone(), 1.0)]);
+        let done = |a: &mut Admission| {
+            let waker = std::task::Waker::noop();
+            match Pin::new(a).poll(&mut Context::from_waker(waker)) {
+                Poll::Ready(r) => Some(r.is_ok()),
+                Poll::Pending => None,
+            }
+        };
+        // A burst of five: three pass at once, two wait.
+        let mut burst: Vec<Admission> = (0..5).map(|_| start(&plan, &clock)).collect();
+        let passed = burst.iter_mut().filter_map(&done).filter(|ok| *ok).count();
+        assert_eq!(passed, 3, "the allotment, at once");
+        let mut waiting: Vec<_> = burst.into_iter().skip(3).collect();
+        assert!(waiting.iter_mut().all(|a| done(a).is_none()), "the rest wait for the next allotment");
+        // The lease client's next call brings one more: one waiter passes at once.
+        time.advance(Duration::from_millis(200));
+        let mark = key.account().unwrap().mark;
+        table.allot("cal", Some(Allotment { units: 1.0, reset, mark: Some(mark) }));
+        let first = tokio::time::timeout(Duration::from_secs(5), waiting.remove(0)).await;
+        assert!(matches!(first, Ok(Ok(_))), "woken by the new allotment");
+        // The last is refused at its max_wait, told to come back at the lease client's next call.
+        table.set_renewal(Some(clock.now().saturating_add(Duration::from_millis(2500))));
+        time.advance(Duration::from_millis(300));
+        let last = tokio::time::timeout(Duration::from_secs(5), waiting.remove(0)).await.unwrap().unwrap_err();
+        assert_eq!((last.reason, last.retry_after), (Reason::Exhausted, Duration::from_millis(2200)), "{last}");
+        // With the unit's whole quota spent, at the reset.
+        key.set_renews(Some(reset));
+        let refused = start(&Plan::new(vec![(key.clone(), 1.0)]), &clock);
+        tokio::pin!(refused);
+        time.advance(Duration::from_millis(500));
+        let refused = tokio::time::timeout(Duration::from_secs(5), refused).await.unwrap().unwrap_err();
+        assert_eq!(refused.retry_after, reset.since(clock.now()), "{refused}");
+        // Its account: four admitted in the unit, nothing left.
+        let a = key.account().unwrap();
+        assert_eq!((a.spent, a.left, a.reset), (4.0, 0.0, reset));
     }
 }

@@ -14,7 +14,8 @@
 //! - [`demand`]: the per-key demand meter;
 //! - [`table`]: the [`LeaseTable`], the one place capacities are written;
 //! - [`admit`]: all-or-nothing admission across several resources;
-//! - [`quota`]: an upstream's own account of its quota, as a key keeps it.
+//! - [`quota`]: an upstream's own account of its quota, as a key keeps it;
+//! - [`allot`]: a calendar quota's allotment, which a rate key holds instead of a rate.
 //!
 //! This crate knows nothing of gRPC, routes files or HTTP status codes: a
 //! refusal is a typed [`Refused`] that the proxy turns into a response.
@@ -68,6 +69,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod admit;
+pub mod allot;
 pub mod demand;
 pub mod gauge;
 pub mod quota;

@@ -31,6 +31,10 @@
 //! one go 4.5 s after a call of 59 tokens, or right after one of 250, and
 //! its minute's spend strayed from its lease by up to twice one call's cost.)
 //!
+//! A key of a calendar quota holds an allotment instead (`allot`): while
+//! it does, [`Rate::reserve`] takes from it and the GCRA state waits unused
+//! ([`Rate::allot`]).
+//!
 //! Why not governor: a live capacity change must carry the GCRA state across
 //! (no fresh burst) and an all-or-nothing admission must undo a reservation;
 //! governor exposes neither its TAT nor an undo, and a replaced limiter starts
@@ -38,10 +42,12 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use super::allot::{Account, Allot, Allotment};
 use usher_core::clock::{Clock, Time};
 
 /// Bits of a position below the nanosecond.
@@ -59,6 +65,9 @@ pub struct Rate {
     state: Mutex<State>,
     /// Woken on capacity changes, for requests waiting on capacity 0.
     pub(crate) changed: Notify,
+    /// It holds an allotment: read without the lock by [`Rate::account`],
+    /// which the lease client asks of every key at every demand read.
+    allotted: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -83,6 +92,9 @@ struct State {
     generation: u64,
     /// The last such changes, with their generations.
     changes: VecDeque<(u64, Change)>,
+    /// A calendar quota's allotment, which admits instead of the GCRA while
+    /// there is one (boxed: other keys pay a pointer).
+    allot: Option<Box<Allot>>,
 }
 
 /// A change that moves the slots of the requests waiting ([`Rate::retime`]).
@@ -208,9 +220,11 @@ impl Rate {
                     frozen: if interval.is_none() { backlog } else { 0.0 },
                     generation: 0,
                     changes: VecDeque::new(),
+                    allot: None,
                 }
             }),
             changed: Notify::new(),
+            allotted: AtomicBool::new(false),
         }
     }
 
@@ -233,8 +247,12 @@ impl Rate {
     /// request's place up to date through capacity increases ([`Rate::retime`]).
     pub fn reserve_ticket(&self, now: Time, cost: f64, max_wait: Duration) -> (Reservation, Ticket) {
         let mut s = self.state.lock().expect("rate lock");
+        let at = now;
         let now = s.pos(now);
         let ticket = Ticket { slot: now, deadline: now, generation: s.generation };
+        if let Some(a) = &mut s.allot {
+            return (take_allotted(a, at, cost), ticket);
+        }
         let interval = match s.interval {
             None => return (Reservation::TooLate { wait: None }, ticket),
             Some(0) => return (Reservation::Slot { wait: Duration::ZERO, cost: 0.0 }, ticket),
@@ -291,6 +309,9 @@ impl Rate {
     /// Gives a reservation of `cost` units back.
     pub fn release(&self, cost: f64) {
         let mut s = self.state.lock().expect("rate lock");
+        if let Some(a) = &mut s.allot {
+            return a.give_back(cost);
+        }
         match s.interval {
             Some(i) => s.tat = s.tat.saturating_sub(times(i, cost)),
             None => s.frozen = (s.frozen - cost).max(0.0),
@@ -298,9 +319,13 @@ impl Rate {
     }
 
     /// Units reserved beyond what the bucket holds at `now`: the requests
-    /// waiting for their slots, in units (0 when none waits).
+    /// waiting for their slots, in units (0 when none waits, and for an
+    /// allotment, which nothing refills).
     pub fn backlog(&self, now: Time) -> f64 {
         let s = self.state.lock().expect("rate lock");
+        if s.allot.is_some() {
+            return 0.0;
+        }
         match s.interval {
             Some(i) if i > 0 => (s.tat.saturating_sub(s.pos(now)) as f64 / i as f64 - s.burst).max(0.0),
             _ => 0.0,
@@ -317,7 +342,10 @@ impl Rate {
     /// included (a budget in dollars has few whole units); infinite when
     /// unlimited.
     pub fn available(&self, now: Time) -> f64 {
-        let s = self.state.lock().expect("rate lock");
+        let mut s = self.state.lock().expect("rate lock");
+        if let Some(a) = &mut s.allot {
+            return a.left(now);
+        }
         match s.interval {
             None => 0.0,
             Some(0) => f64::INFINITY,
@@ -337,6 +365,14 @@ impl Rate {
             return;
         }
         let mut s = self.state.lock().expect("rate lock");
+        if let Some(a) = &mut s.allot {
+            a.charge(units);
+            drop(s);
+            if units < 0.0 {
+                self.changed.notify_waiters();
+            }
+            return;
+        }
         let now = s.pos(now);
         let Some(i) = s.interval.filter(|i| *i > 0) else {
             if s.interval.is_none() {
@@ -396,6 +432,73 @@ impl Rate {
         s.tat = now.saturating_add(s.interval.map_or(0, |i| times(i, backlog_units)));
         drop(s);
         self.changed.notify_waiters();
+    }
+}
+
+// === allotments ===
+
+impl Rate {
+    /// Takes a calendar quota's allotment at `now`: from now on requests take
+    /// from it, not from the GCRA (see `allot`). Waiters look again.
+    pub fn allot(&self, now: Time, a: Allotment) {
+        let mut s = self.state.lock().expect("rate lock");
+        match &mut s.allot {
+            Some(cur) => cur.replace(a, now),
+            None => s.allot = Some(Box::new(Allot::new(a, now))),
+        }
+        self.allotted.store(true, Ordering::Relaxed);
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// Ends the allotment (its lease lapsed, or the servers no longer send
+    /// one): the GCRA admits again, from an empty bucket (an allotment's end
+    /// hands out no burst).
+    pub fn end_allotment(&self, now: Time) {
+        let mut s = self.state.lock().expect("rate lock");
+        if s.allot.take().is_none() {
+            return;
+        }
+        self.allotted.store(false, Ordering::Relaxed);
+        let now = s.pos(now);
+        s.tat = now.saturating_add(s.burst_span);
+        s.frozen = s.burst;
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// The allotment's account at `now`, while there is one.
+    pub fn account(&self, now: Time) -> Option<Account> {
+        if !self.allotted.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.state.lock().expect("rate lock").allot.as_mut().map(|a| a.account(now))
+    }
+
+    /// The reset of the unit an allotment counts in, while there is one.
+    pub fn allotment_reset(&self) -> Option<Time> {
+        self.state.lock().expect("rate lock").allot.as_ref().map(|a| a.reset())
+    }
+
+    /// Whether a request of `cost` could pass at `now` without a change:
+    /// capacity above 0, or an allotment with enough left.
+    pub fn open(&self, now: Time, cost: f64) -> bool {
+        let mut s = self.state.lock().expect("rate lock");
+        match &mut s.allot {
+            Some(a) => a.open(now, cost),
+            None => s.interval.is_some(),
+        }
+    }
+}
+
+/// A reservation from a key's allotment: out of line, so that the request
+/// path of a key without one stays as short as it was.
+#[cold]
+#[inline(never)]
+fn take_allotted(a: &mut Allot, now: Time, cost: f64) -> Reservation {
+    match a.take(now, cost) {
+        true => Reservation::Slot { wait: Duration::ZERO, cost },
+        false => Reservation::TooLate { wait: None },
     }
 }
 

@@ -289,9 +289,11 @@ impl Limiter {
     pub fn fill(&self, fresh: bool) {
         let spec = self.spec.load();
         let whole = self.fleet().unwrap_or(spec.capacity);
+        // (An allotment is what the key may spend: a burst is no part of it.)
         if let Some(r) = &self.rate
             && spec.shared
             && (fresh || r.capacity() >= whole * (1.0 - 1e-9))
+            && r.allotment_reset().is_none()
         {
             r.charge(self.clock.now(), -r.burst());
         }
@@ -351,6 +353,22 @@ impl Limiter {
             (_, Some(g)) => g.remaining() as f64,
             _ => 0.0,
         }
+    }
+
+    /// Takes a calendar quota's allotment (`None`: it ended), see
+    /// [`Rate::allot`]; a gauge has none.
+    pub fn allot(&self, a: Option<super::allot::Allotment>) {
+        if let Some(r) = &self.rate {
+            match a {
+                Some(a) => r.allot(self.clock.now(), a),
+                None => r.end_allotment(self.clock.now()),
+            }
+        }
+    }
+
+    /// The key's account of its calendar unit, while it holds an allotment.
+    pub fn account(&self) -> Option<super::allot::Account> {
+        self.rate.as_ref().and_then(|r| r.account(self.clock.now()))
     }
 
     /// Units that could be admitted now without waiting.
@@ -747,6 +765,16 @@ impl LeaseTable {
         for r in self.resources.load().values() {
             if let Some(l) = r.get(id) {
                 l.set_renews(renews);
+            }
+        }
+    }
+
+    /// Gives every key whose id is `id` a calendar quota's allotment, or
+    /// ends it (see [`Limiter::allot`]).
+    pub fn allot(&self, id: &str, a: Option<super::allot::Allotment>) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.allot(a);
             }
         }
     }

@@ -7,6 +7,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod algorithm;
+pub mod calendar;
 pub mod conns;
 pub mod election;
 pub mod etcd;

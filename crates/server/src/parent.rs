@@ -161,6 +161,8 @@ impl ParentSync {
                     pressure: d.wants > self.sent.get(&d.resource_id).copied().unwrap_or(0.0) * GROWTH
                         && d.wants > self.core.lease_of(&d.resource_id).map_or(0.0, |l| l.capacity) + 1e-9,
                     quota: d.quota,
+                    // (A lower server leases a rate: allotments go to the root's clients.)
+                    account: None,
                 })
                 .collect(),
         );
@@ -402,6 +404,7 @@ fn client_response(resp: proto::GetServerCapacityResponse) -> proto::GetCapacity
             .response
             .into_iter()
             .map(|r| proto::ResourceResponse {
+                allotment: None,
                 resource_capacity: r.resource_capacity,
                 spare: r.spare,
                 share_safe: None,

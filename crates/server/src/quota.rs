@@ -12,10 +12,8 @@
 //!   (the refill rate), cut in proportion while the bucket is under half full.
 //! - Spent (nothing remains before the reset): 0 until the reset.
 //!
-//! A resource with `window: calendar` ([`Calendar`]) is the same fixed
-//! window, kept by the server itself: its quota renews whole at each UTC
-//! boundary of the capacity's unit, and what the fleet spent of it is what
-//! the resource's leases allowed since the boundary.
+//! A resource with `window: calendar` is a fixed window kept by the server
+//! itself (`calendar`).
 
 use std::time::Duration;
 
@@ -26,8 +24,6 @@ use usher_lease::quota::Observation;
 /// fixed window's remainder is spread over this much more than is left, so
 /// that leases granted a refresh ago do not run it dry before the reset.
 pub const LAG: Duration = Duration::from_secs(2);
-/// A calendar window's lag (see [`Calendar::capacity`]).
-const CALENDAR_LAG: Duration = Duration::from_millis(500);
 /// An observation older than this no longer steers the capacity.
 pub const STALE: Duration = Duration::from_secs(3600);
 
@@ -108,98 +104,6 @@ impl QuotaState {
     }
 }
 
-/// A quota that renews whole at each UTC boundary of its unit (a minute, an
-/// hour, a day): `window: calendar`. The server counts what the fleet spends
-/// of it as what the resource's leases allowed (at least what was spent:
-/// a lease is an upper bound), and shares what remains over the time to the
-/// boundary as a fixed window's remainder is shared.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Calendar {
-    unit: Duration,
-    /// The current unit's start.
-    start: Time,
-    /// What the leases allowed since `start`, in units.
-    spent: f64,
-    /// When `spent` was last brought up to date.
-    at: Time,
-}
-
-impl Calendar {
-    /// A calendar quota first seen at `now`, of `budget` units per `unit`.
-    /// `fresh`: nobody handed out any of it before (a new deployment).
-    /// Otherwise what the fleet spent of the current unit before is not
-    /// known here (a restart, a new master): it is taken to have spent
-    /// evenly, so that a restart never hands out a unit's budget twice.
-    pub fn new(unit: Duration, budget: f64, now: Time, fresh: bool) -> Self {
-        let start = unit_start(now, unit);
-        let spent = match fresh {
-            true => 0.0,
-            false => budget * now.since(start).as_secs_f64() / unit.as_secs_f64(),
-        };
-        Calendar { unit, start, spent, at: now }
-    }
-
-    /// The unit's length.
-    pub fn unit(&self) -> Duration {
-        self.unit
-    }
-
-    /// Counts what the leases allowed up to `now`: `granted` per second
-    /// since the last call. A new unit starts with nothing spent.
-    pub fn advance(&mut self, now: Time, granted: f64) {
-        if now <= self.at {
-            return;
-        }
-        let start = unit_start(now, self.unit);
-        if start > self.start {
-            // (What was granted before the boundary counted in the old unit.)
-            self.spent = granted * now.since(start.max(self.at)).as_secs_f64();
-            self.start = start;
-        } else {
-            self.spent += granted * now.since(self.at).as_secs_f64();
-        }
-        self.at = now;
-    }
-
-    /// The next boundary.
-    pub fn reset(&self) -> Time {
-        self.start.saturating_add(self.unit)
-    }
-
-    /// The capacity (per second) to share at `now`, after [`advance`]:
-    /// what remains of `budget`, over the time to the boundary plus a lag.
-    /// (Shorter than a fixed window's [`LAG`]: every lease is counted as it
-    /// is granted, none is older than the count; the lag only covers the
-    /// moment a lease takes to reach its client.)
-    ///
-    /// [`advance`]: Calendar::advance
-    pub fn capacity(&self, now: Time, budget: f64) -> f64 {
-        let to_reset = self.reset().since(now).as_secs_f64();
-        let left = (budget - self.spent).max(0.0);
-        let lag = (to_reset / 4.0).min(CALENDAR_LAG.as_secs_f64());
-        left / (to_reset + lag).max(0.001)
-    }
-
-    /// The quota as an upstream would report it: for status pages and the
-    /// clients' view.
-    pub fn observation(&self, now: Time, budget: f64) -> Observation {
-        Observation {
-            limit: budget,
-            remaining: (budget - self.spent).max(0.0),
-            reset: self.reset(),
-            observed: now,
-            continuous: false,
-        }
-    }
-}
-
-/// The start of the UTC unit `now` falls in (units divide the day, and the
-/// epoch began at midnight UTC).
-fn unit_start(now: Time, unit: Duration) -> Time {
-    let unit = unit.as_nanos().max(1) as u64;
-    Time::from_nanos(now.as_nanos() / unit * unit)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,63 +160,6 @@ mod tests {
         // At 18 s: 92 left, others take 2/s × 12 s; the rest over 12 s + 2 s.
         let c = q.capacity(at(18.0), 8.0, 4.0).unwrap();
         assert!((c - (92.0 - q.outside * 12.0) / 14.0).abs() < 1e-6, "{c}");
-    }
-
-    /// A calendar minute: shared over what is left of it, renewed whole at
-    /// the boundary, and a server that starts mid-minute assumes what was
-    /// spent so far was spent evenly.
-    #[test]
-    fn a_calendar_unit_is_spent_once_and_renews_at_its_boundary() {
-        let minute = Duration::from_secs(60);
-        let start = 1_800_000_000.0 - (1_800_000_000.0 % 60.0);
-        let t = |s: f64| at(start - 1_800_000_000.0 + s);
-        let mut c = Calendar::new(minute, 120.0, t(15.0), false);
-        assert!((c.spent - 30.0).abs() < 1e-6, "a quarter of the minute gone: {}", c.spent);
-        assert_eq!(Calendar::new(minute, 120.0, t(15.0), true).spent, 0.0, "a new deployment has all of it");
-        // 90 left over 45 s and a lag of half a second.
-        assert!((c.capacity(t(15.0), 120.0) - 90.0 / 45.5).abs() < 1e-6);
-        // Leases of 2/s for 20 s.
-        c.advance(t(35.0), 2.0);
-        assert!((c.spent - 70.0).abs() < 1e-6);
-        assert!((c.capacity(t(35.0), 120.0) - 50.0 / 25.5).abs() < 1e-6);
-        // Everything spent: nothing until the boundary.
-        c.advance(t(50.0), 4.0);
-        assert_eq!(c.capacity(t(50.0), 120.0), 0.0);
-        assert_eq!(c.observation(t(50.0), 120.0).remaining, 0.0);
-        assert_eq!(c.reset(), t(60.0));
-        // Across the boundary: only what was granted after it counts.
-        c.advance(t(61.0), 3.0);
-        assert!((c.spent - 3.0).abs() < 1e-6, "{}", c.spent);
-        assert_eq!(c.reset(), t(120.0));
-        assert!((c.capacity(t(61.0), 120.0) - 117.0 / 59.5).abs() < 1e-6);
-        // A clock that steps back changes nothing.
-        let before = c.clone();
-        c.advance(t(60.5), 100.0);
-        assert_eq!(c, before);
-        // Whole units skipped: the latest one starts afresh.
-        c.advance(t(250.0), 1.0);
-        assert!((c.spent - 10.0).abs() < 1e-6);
-        assert_eq!(c.reset(), t(300.0));
-    }
-
-    /// Spread over what is left and renewed at each boundary, a unit's
-    /// budget is nearly all spent and never exceeded.
-    #[test]
-    fn a_fleet_following_the_calendar_spends_nearly_its_budget() {
-        let minute = Duration::from_secs(60);
-        let base = 1_800_000_000.0 - (1_800_000_000.0 % 60.0) - 1_800_000_000.0;
-        let mut c = Calendar::new(minute, 120.0, at(base), false);
-        let mut spent = vec![0.0; 3];
-        // Leases refreshed every second, each spent whole.
-        for s in 0..180 {
-            let now = at(base + f64::from(s));
-            let rate = c.capacity(now, 120.0);
-            spent[s as usize / 60] += rate;
-            c.advance(at(base + f64::from(s) + 1.0), rate);
-        }
-        for m in spent {
-            assert!((117.0..=120.0).contains(&m), "spent {m} of 120 in a minute");
-        }
     }
 
     #[test]

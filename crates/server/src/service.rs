@@ -9,6 +9,7 @@ use std::time::Instant;
 use tonic::{Request, Response, Status};
 
 use super::Node;
+use super::calendar::Account;
 use super::store::{Band, Grant, LeaseRequest, PREDECESSOR_PARAMETER, Requester, split_identity};
 use usher_core::clock::Time;
 use usher_proto as proto;
@@ -254,6 +255,19 @@ fn check_has(field: &str, has: &Option<proto::Lease>) -> Result<(Option<f64>, Op
     }
 }
 
+/// A client's account of a calendar unit (an usher extension), checked as
+/// every amount is.
+fn check_account(field: &str, a: &Option<proto::UnitAccount>) -> Result<Option<Account>, Status> {
+    let Some(a) = a else { return Ok(None) };
+    check_amount(&format!("{field}.spent"), a.spent)?;
+    check_amount(&format!("{field}.left"), a.left)?;
+    if a.reset_unix_ms <= 0 {
+        return Err(invalid(format!("{field}.reset_unix_ms must be a time after the epoch, got {}", a.reset_unix_ms)));
+    }
+    let reset = Time::from_nanos((a.reset_unix_ms as u64).saturating_mul(1_000_000));
+    Ok(Some(Account { reset, spent: a.spent, left: a.left, passed: a.passed.unwrap_or(false) }))
+}
+
 /// Checks that resource `id` appears once in a request.
 fn check_unique<'a>(seen: &mut HashSet<&'a str>, field: &str, id: &'a str) -> Result<(), Status> {
     if !seen.insert(id) {
@@ -284,6 +298,7 @@ pub fn client_requests(req: &proto::GetCapacityRequest) -> Result<Vec<LeaseReque
                 reported_expiry,
                 requester: Requester::Client { priority: r.priority },
                 quota: r.upstream_quota.as_ref().and_then(usher_lease::quota::from_proto),
+                account: check_account(&format!("{f}.unit_account"), &r.unit_account)?,
             })
         })
         .collect()
@@ -326,6 +341,7 @@ pub fn server_requests(req: &proto::GetServerCapacityRequest) -> Result<Vec<Leas
                 reported_expiry,
                 requester: Requester::Server { bands },
                 quota: r.upstream_quota.as_ref().and_then(usher_lease::quota::from_proto),
+                account: None,
             })
         })
         .collect()
@@ -371,6 +387,7 @@ impl Capacity for CapacityService {
                     let g = self.decide(&req.client_id, a, again);
                     starved |= starves_a_newcomer(a, &g);
                     proto::ResourceResponse {
+                        allotment: g.allotment,
                         resource_capacity: g.resource_capacity,
                         spare: (g.spare > 0.0).then_some(g.spare),
                         share_safe: g.share_safe.then_some(true),

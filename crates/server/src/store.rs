@@ -67,6 +67,8 @@ pub struct LeaseRequest {
     pub requester: Requester,
     /// What the requester last read of the upstream's own quota.
     pub quota: Option<usher_lease::quota::Observation>,
+    /// The client's account of a calendar quota's current unit (usher's extension).
+    pub account: Option<crate::calendar::Account>,
 }
 
 /// The separator between a node's identity and its master's epoch in the
@@ -151,6 +153,9 @@ pub struct Grant {
     /// bucket holds the share of the burst this lease brings (see the
     /// proto's `fresh`).
     pub fresh: bool,
+    /// A calendar quota's allotment: units the client may spend from now
+    /// until the unit's reset (`capacity` is the same as a rate).
+    pub allotment: Option<f64>,
 }
 
 /// The algorithm parameter that says what a resource does with capacity
@@ -473,8 +478,10 @@ struct Resource {
     /// The upstream's own account of its quota, once a client reports one
     /// (boxed: most resources never have one).
     quota: Option<Box<super::quota::QuotaState>>,
-    /// `window: calendar` at a root: what the fleet spent of the current unit.
-    calendar: Option<Box<super::quota::Calendar>>,
+    /// `window: calendar` at a root: what the fleet spent of the current
+    /// unit. The index, the leases and the algorithms then count units of
+    /// it, not units per second (see `allot`).
+    calendar: Option<Box<crate::calendar::Calendar>>,
     /// The store's [`Predecessor`] and lease horizon, as of this request.
     predecessor: Predecessor,
     horizon: Option<Time>,
@@ -993,7 +1000,7 @@ impl Store {
         map.retain(|_, res| {
             let mut r = res.lock().expect("resource lock poisoned");
             r.expire(now);
-            !r.clients.is_empty() || !r.reservations.is_empty()
+            !r.clients.is_empty() || !r.reservations.is_empty() || r.calendar.as_ref().is_some_and(|c| c.counts(now))
         });
     }
 
@@ -1013,8 +1020,8 @@ impl Store {
                     template: r.template.identifier_glob.clone(),
                     algorithm: r.template.algorithm.kind.name(),
                     capacity: r.capacity(now, self.role).unwrap_or(0.0),
-                    sum_has: r.index.total_has(),
-                    sum_wants: r.index.total_wants(),
+                    sum_has: r.index.total_has() * r.rate_factor(now),
+                    sum_wants: r.index.total_wants() * r.rate_factor(now),
                     clients: r.clients.len(),
                     server_clients: r
                         .clients
@@ -1112,6 +1119,11 @@ impl Resource {
                 break;
             }
             let owner = self.slot_owner[slot as usize].clone().expect("expiring slot has an owner");
+            if self.calendar.is_some() {
+                // What it may still spend stays counted in its unit instead.
+                self.remove(&owner);
+                continue;
+            }
             let l = self.clients.get(&*owner).expect("expiring slot has a lease");
             let amount = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
             let lease_length = self.algorithm().lease_length;
@@ -1285,6 +1297,7 @@ impl Resource {
 
     fn remove(&mut self, client: &str) {
         if let Some(l) = self.clients.remove(client) {
+            self.forget_in_unit(client, &l);
             self.untell(&l);
             self.expiries.remove(&(l.expiry, l.slot));
             self.index.remove(l.slot);
@@ -1381,9 +1394,10 @@ impl Resource {
     fn capacity(&self, now: Time, role: Role) -> Option<f64> {
         match (role, &self.parent) {
             (Role::Root, _) => {
-                let upstream =
-                    self.quota.as_ref().and_then(|q| q.capacity(now, self.template.capacity, self.index.total_has()));
-                let calendar = self.calendar.as_ref().map(|c| c.capacity(now, self.calendar_budget()));
+                let granted = self.index.total_has() * self.rate_factor(now);
+                let upstream = self.quota.as_ref().and_then(|q| q.capacity(now, self.template.capacity, granted));
+                let calendar =
+                    self.calendar.as_ref().map(|c| c.capacity(now, self.calendar_budget(), self.index.total_has()));
                 Some(match (upstream, calendar) {
                     (Some(u), Some(c)) => u.min(c),
                     (u, c) => u.or(c).unwrap_or(self.template.capacity),
@@ -1397,27 +1411,6 @@ impl Resource {
     /// A calendar window's budget: the capacity over one unit.
     fn calendar_budget(&self) -> f64 {
         self.template.calendar.map_or(0.0, |unit| self.template.capacity * unit.as_secs_f64())
-    }
-
-    /// Counts what the leases allowed of a calendar window's current unit
-    /// (at a root, where the resource's own template applies).
-    fn follow_calendar(&mut self, now: Time, role: Role) {
-        let unit = match role {
-            Role::Root => self.template.calendar,
-            Role::Intermediate { .. } => None,
-        };
-        let Some(unit) = unit else {
-            self.calendar = None;
-            return;
-        };
-        let (granted, budget) = (self.index.total_has(), self.calendar_budget());
-        match &mut self.calendar {
-            Some(c) if c.unit() == unit => c.advance(now, granted),
-            c => {
-                let fresh = self.predecessor == Predecessor::NoneOutstanding;
-                *c = Some(Box::new(super::quota::Calendar::new(unit, budget, now, fresh)))
-            }
-        }
     }
 
     /// The quota as the resource's clients are told it: the upstream's own
@@ -1455,6 +1448,7 @@ impl Resource {
             spare: l.spare,
             share_safe: l.share,
             fresh: false,
+            allotment: None,
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
@@ -1525,6 +1519,7 @@ impl Resource {
             spare: 0.0,
             share_safe: false,
             fresh: false,
+            allotment: None,
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
@@ -1562,12 +1557,18 @@ impl Resource {
     /// lease it answers with.
     fn decide(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
         self.observe_quota(req, now, role);
-        let (client, epoch) = match req.requester {
-            Requester::Server { .. } => split_identity(id),
-            Requester::Client { .. } => (id, None),
-        };
+        if self.calendar.is_some() {
+            return self.allot(id, req, now, d, role);
+        }
+        self.decide_lease(id, req, now, d, role)
+    }
+
+    /// Decides a request in the resource's own units: per second, or a
+    /// calendar unit's units (see `allot`).
+    fn decide_lease(&mut self, id: &str, req: &LeaseRequest, now: Time, d: Decision, role: Role) -> Grant {
+        let (client, epoch) = client_key(id, req);
         let alg = self.algorithm().clone();
-        let capacity = self.capacity(now, role);
+        let capacity = self.shared_capacity(now, role);
         let bands: Vec<(i64, f64, u64)> = bands_of(&req.requester, req.wants, req.subclients).collect();
         if alg.parameter("priority_mode") == Some("strict") && is_shared(alg.kind) {
             // Filed before this request changes anything, so the bands hold
@@ -1599,7 +1600,11 @@ impl Resource {
         // own lease has lapsed: granted leases run to their expiry, and no new
         // capacity is handed out until the parent renews. Not in learning
         // mode, which hands back what each client holds.
-        let too_early = self.clients.get(client).is_some_and(|l| now.since(l.last_request) < d.min_interval);
+        // (A calendar unit's first request is never too early: the old unit's lease is void.)
+        let too_early = self.clients.get(client).is_some_and(|l| {
+            now.since(l.last_request) < d.min_interval
+                && self.calendar.as_ref().is_none_or(|c| l.last_request >= c.start())
+        });
         let lapsed = !d.learning && capacity.is_none() && self.clients.contains_key(client);
         if too_early || lapsed {
             self.record_demand(&ask);
@@ -1664,6 +1669,7 @@ impl Resource {
             spare: 0.0,
             share_safe: false,
             fresh: false,
+            allotment: None,
             capacity: 0.0,
             expiry: now,
             refresh_interval: alg.refresh_interval,
@@ -1756,6 +1762,7 @@ impl Resource {
             spare,
             share_safe: share,
             fresh,
+            allotment: None,
             capacity: granted,
             expiry,
             refresh_interval: refresh,
@@ -1864,6 +1871,10 @@ impl Resource {
             let equal = cap * req.subclients as f64 / self.index.total_subclients().max(1) as f64;
             granted = granted.min(equal.max(old_has));
         }
+        if self.opening(a.now) && is_shared(alg.kind) {
+            granted = self.opening_share(cap, req.subclients, old_has);
+            held_back = false;
+        }
         (granted, held_back)
     }
 
@@ -1885,10 +1896,15 @@ impl Resource {
     /// [`SPARE_KEPT_FREE`] more subclients wanted some) stays free. So a
     /// burst passes at once wherever it lands (a client's bucket is its
     /// lease's share of the fleet's burst), the busiest clients' queues
-    /// have room, and a quiet client keeps some capacity instead of none. Not in learning mode, and not where
-    /// the template keeps spare capacity (see [`SPARE_PARAMETER`]).
+    /// have room, and a quiet client keeps some capacity instead of none.
+    /// Not in learning mode, not as a calendar unit opens (see
+    /// `Resource::opening`), and not where the template keeps spare
+    /// capacity (see [`SPARE_PARAMETER`]).
     fn spare(&self, a: &Ask<'_>, prior: &Prior, earned: f64) -> f64 {
         let Some(cap) = a.capacity.filter(|_| !a.d.learning && shares_spare(&a.alg)) else { return 0.0 };
+        if self.opening(a.now) {
+            return 0.0;
+        }
         let cap = (cap - self.reserved).max(0.0);
         let free = cap - self.index.total_wants();
         let others = self.index.total_has() - prior.has;
@@ -1896,8 +1912,11 @@ impl Resource {
         if free <= 1e-9 || unused <= 1e-9 {
             return 0.0;
         }
-        let n = self.index.total_subclients() as f64 + SPARE_KEPT_FREE;
-        let kept = free * SPARE_KEPT_FREE / n;
+        // (A calendar unit's unspent allotments come back at each refresh:
+        // none need stay free.)
+        let free_share = if self.calendar.is_some() { 0.0 } else { SPARE_KEPT_FREE };
+        let n = self.index.total_subclients() as f64 + free_share;
+        let kept = free * free_share / n.max(1.0);
         // Half of what is handed out goes in proportion to the wants (the
         // busiest clients' queues have room too), half raises those that
         // want least to one level.
@@ -2098,5 +2117,15 @@ pub fn is_shared(kind: Kind) -> bool {
     matches!(kind, Kind::ProportionalShare | Kind::FairShare)
 }
 
+/// The key a request's client is filed under (a lower server's node id,
+/// without its epoch), and the epoch of the master speaking for that node.
+fn client_key<'a>(id: &'a str, req: &LeaseRequest) -> (&'a str, Option<u64>) {
+    match req.requester {
+        Requester::Server { .. } => split_identity(id),
+        Requester::Client { .. } => (id, None),
+    }
+}
+
+mod allot;
 #[cfg(test)]
 mod tests;

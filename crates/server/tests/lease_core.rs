@@ -112,6 +112,7 @@ fn demand(id: &str, wants: f64, on_expiry: OnExpiry) -> KeyDemand {
         safe_capacity: Some(2.0),
         pressure: false,
         quota: None,
+        account: None,
     }
 }
 
@@ -882,6 +883,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
     assert_eq!(request.resource.len(), 2);
     let now = w.clock.now();
     let lease = |id: &str, expires_in: u64| proto::ResourceResponse {
+        allotment: None,
         resource_capacity: None,
         spare: None,
         share_safe: None,
@@ -922,6 +924,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
         let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
         let now = w.clock.now();
         let lease = |id: &str, interval: i64| proto::ResourceResponse {
+            allotment: None,
             resource_capacity: None,
             spare: None,
             share_safe: None,
@@ -972,6 +975,7 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
     let Action::Refresh { target, .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64, safe: Option<f64>| proto::ResourceResponse {
+        allotment: None,
         resource_capacity: None,
         spare: None,
         share_safe: None,
@@ -1091,6 +1095,7 @@ fn a_lease_below_its_safe_capacity_is_held_a_refresh_interval_longer() {
     let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64| proto::ResourceResponse {
+        allotment: None,
         resource_capacity: None,
         spare: None,
         share_safe: None,
@@ -1146,6 +1151,7 @@ fn a_lapsed_lease_is_held_a_refresh_interval_at_no_more_than_its_safe_capacity()
     let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64| proto::ResourceResponse {
+        allotment: None,
         resource_capacity: None,
         spare: None,
         share_safe: Some(true),
@@ -1229,4 +1235,62 @@ fn spare_capacity_is_kept_until_the_refresh_and_a_rise_finds_some_at_once() {
     };
     assert!(lb >= 85.0 && la <= 15.0, "b has what it wants, a its 10 and a little spare: a {la}, b {lb}");
     assert!(la + lb <= 100.0 + 1e-9);
+}
+
+/// A calendar quota of 120 a minute, as allotments.
+const CALENDAR: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 120/min\n    window: calendar\n    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 15, learning_mode_duration: 0 }\n";
+
+/// A key whose lease carries an allotment hands it to the enforcement side,
+/// reports its account with its requests (the answer's allotment carries
+/// the account's mark back), and asks again within 300 ms of each unit's
+/// reset, however recently it asked before it.
+#[test]
+fn a_calendar_key_reports_its_account_and_asks_just_after_each_reset() {
+    let w = World::with(&["s1"], CALENDAR);
+    let mut c = w.core("a", &["s1"]);
+    c.set_demand(vec![demand("cal", 5.0, OnExpiry::Safe)]);
+    w.step(&mut c);
+    let first = c.take_allotments();
+    let [(id, Some(a))] = &first[..] else { panic!("one allotment: {first:?}") };
+    let reset = a.reset;
+    assert_eq!((id.as_str(), a.mark), ("cal", None), "its first request carried no account");
+    assert_eq!(reset.as_secs() % 60, 0, "a minute's reset: {reset:?}");
+    let mut sent: Vec<(Time, proto::GetCapacityRequest, f64)> = Vec::new();
+    let mut mark = 0.0;
+    let last_call = reset.saturating_sub(Duration::from_millis(150));
+    while w.clock.now() < reset.saturating_add(Duration::from_millis(400)) {
+        w.advance(Duration::from_millis(10));
+        mark += 1.0;
+        // (A running total of what the key admitted, as its limiter keeps it.)
+        let account = usher_limit::allot::Account { reset, spent: 1.0, left: 0.0, mark, passed: false };
+        c.update_demand(DemandUpdate {
+            changed: vec![KeyDemand { account: Some(Box::new(account)), ..demand("cal", 5.0, OnExpiry::Safe) }],
+            ..DemandUpdate::default()
+        });
+        if w.clock.now() == last_call {
+            // A call just before the reset: the next one is due in a second.
+            c.set_next_refresh(last_call);
+        }
+        while let Action::Refresh { target, request } = c.next_action(w.clock.now()) {
+            sent.push((w.clock.now(), request.clone(), mark));
+            let r = w.rt.block_on(w.net.get_capacity(&target, request));
+            c.on_refresh(w.clock.now(), r);
+        }
+    }
+    let times: Vec<f64> = sent.iter().map(|(t, _, _)| t.as_secs_f64() - reset.as_secs_f64()).collect();
+    let [.., before, after] = times[..] else { panic!("{times:?}") };
+    assert!((before + 0.15).abs() < 1e-6, "{times:?}");
+    assert!(
+        (0.0..0.3).contains(&after),
+        "asked within 300 ms of the reset, its minimum interval notwithstanding: {times:?}"
+    );
+    let (_, request, mark) = sent.last().unwrap();
+    let account = request.resource[0].unit_account.expect("the account goes up");
+    assert_eq!(account.reset_unix_ms as u64, reset.as_nanos() / 1_000_000);
+    let answered = c.take_allotments();
+    let Some((_, Some(next))) = answered.last() else { panic!("{answered:?}") };
+    assert_eq!(next.reset, reset.saturating_add(Duration::from_secs(60)), "the new unit's allotment");
+    assert_eq!(next.mark, Some(*mark), "with the mark of the account it answers");
+    assert!(next.units > 100.0, "the new unit whole: {next:?}");
+    assert!(c.next_renewal() <= reset.saturating_add(Duration::from_secs(61)));
 }

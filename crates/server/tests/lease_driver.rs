@@ -80,6 +80,7 @@ impl Enforcer for Recorder {
             safe_capacity: None,
             pressure: false,
             quota: None,
+            account: None,
         }]
     }
     fn apply(&self, capacities: &[(String, Capacity)]) {
@@ -256,6 +257,7 @@ impl Transport for Steady {
             .resource
             .into_iter()
             .map(|r| proto::ResourceResponse {
+                allotment: None,
                 resource_capacity: None,
                 spare: None,
                 share_safe: None,
@@ -467,6 +469,7 @@ impl Enforcer for Many {
                 safe_capacity: None,
                 pressure: false,
                 quota: None,
+                account: None,
             })
             .collect()
     }
@@ -522,6 +525,7 @@ impl Enforcer for Applied {
                 safe_capacity: None,
                 pressure: false,
                 quota: None,
+                account: None,
             })
             .collect()
     }

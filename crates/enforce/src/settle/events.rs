@@ -141,6 +141,10 @@ impl Scanner {
     }
 
     fn feed(&mut self, mut piece: &[u8], out: &mut Vec<u8>, event: &mut impl FnMut(&[u8]) -> Verdict) {
+        if piece.is_empty() {
+            // An empty piece (hyper may yield one) leaves a pending `\r` pending.
+            return;
+        }
         if std::mem::take(&mut self.cr) && piece.first() == Some(&b'\n') {
             // The `\n` of a `\r\n` cut in two goes where its `\r` went.
             match self.raw.as_mut().map(|r| r.after_event.take()) {

@@ -40,6 +40,7 @@ async fn an_intermediate_leases_more_resources_than_one_call_takes_in_several() 
             reported_expiry: None,
             requester: Requester::Client { priority: 0 },
             quota: None,
+            account: None,
         };
         mid.store.get_capacity("client", &req);
     }

@@ -51,6 +51,7 @@ fn req(resource: &str, wants: f64, has: Option<f64>) -> LeaseRequest {
         reported_expiry: None,
         requester: Requester::Client { priority: 0 },
         quota: None,
+        account: None,
     }
 }
 
