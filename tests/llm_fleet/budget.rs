@@ -1,7 +1,7 @@
 //! A daily budget in dollars. Three apps call an OpenAI-like API (whose own
 //! limits are out of the way) through sidecars with
 //! `tests/llm/budget-routes.yaml`: `llm-usd`, $1 a UTC day (`window:
-//! calendar`, in the server's `tests/llm/budget-resources.yaml` too), each
+//! calendar` in the server's `tests/llm/budget-resources.yaml`), each
 //! call charged $0.05 on arrival and settled at its price from its usage
 //! ($30 per million input tokens, $60 per million output). A call costs
 //! about a cent and at most $0.018 (100 input tokens, 250 output); the apps

@@ -1328,6 +1328,7 @@ impl Core {
                     spent: a.spent,
                     left: a.left,
                     passed: Some(a.passed),
+                    charged: Some(a.charged),
                 }),
             })
             .collect();

@@ -53,6 +53,11 @@ pub struct Account {
     /// to a request that carried this account takes off what was admitted
     /// after it ([`Allotment::mark`]).
     pub mark: f64,
+    /// Units ever charged under allotments, a running total that only
+    /// grows (what settled costs gave back is not taken off): less than a
+    /// key reported before tells the servers it restarted, where `spent`
+    /// also falls when a cost settles below its charge.
+    pub charged: f64,
 }
 
 /// One key's allotment state (kept under its rate's lock).
@@ -70,6 +75,8 @@ pub(crate) struct Allot {
     base: f64,
     /// `reset` has passed: the count goes on from it, for the next unit.
     rolled: bool,
+    /// Units ever charged, never given back (see [`Account::charged`]).
+    charged: f64,
 }
 
 /// Resets a clock's reading and the wire's rounding put this far apart are the same.
@@ -78,7 +85,15 @@ const SKEW_NS: u64 = 500_000_000;
 impl Allot {
     /// A key's first allotment, at `now`: it counts from here.
     pub(crate) fn new(a: Allotment, now: Time) -> Self {
-        let mut s = Allot { left: 0.0, untouched: false, reset: a.reset, admitted: 0.0, base: 0.0, rolled: false };
+        let mut s = Allot {
+            left: 0.0,
+            untouched: false,
+            reset: a.reset,
+            admitted: 0.0,
+            base: 0.0,
+            rolled: false,
+            charged: 0.0,
+        };
         s.replace(a, now);
         s
     }
@@ -123,6 +138,7 @@ impl Allot {
         if self.open(now, cost) {
             self.left -= cost;
             self.admitted += cost;
+            self.charged += cost;
             self.untouched = false;
             return true;
         }
@@ -140,6 +156,7 @@ impl Allot {
     pub(crate) fn charge(&mut self, units: f64) {
         self.left -= units;
         self.admitted += units;
+        self.charged += units.max(0.0);
     }
 
     /// Whether a request of `cost` could pass now without a new allotment.
@@ -168,6 +185,7 @@ impl Allot {
             left: self.left.max(0.0),
             mark: self.admitted,
             passed: self.rolled,
+            charged: self.charged,
         }
     }
 }
@@ -192,17 +210,23 @@ mod tests {
         let passed = (0..50).filter(|_| a.take(at(0.2), 1.0)).count();
         assert_eq!(passed, 40, "the whole allotment at once, not a second of it");
         assert!(!a.take(at(59.0), 1.0), "nothing refilled a minute on");
-        assert_eq!(a.account(at(59.0)), Account { reset: at(60.0), spent: 40.0, left: 0.0, mark: 40.0, passed: false });
+        assert_eq!(
+            a.account(at(59.0)),
+            Account { reset: at(60.0), spent: 40.0, left: 0.0, mark: 40.0, passed: false, charged: 40.0 }
+        );
         a.replace(allot(5.0, 60.0, Some(40.0)), at(59.5));
         assert!(a.take(at(59.6), 3.0));
         // The reset voids the 2 left; what is admitted from then on counts for the next unit.
         assert!(!a.open(at(60.0), 1.0) && !a.take(at(60.0), 1.0));
-        assert_eq!(a.account(at(60.1)), Account { reset: at(60.0), spent: 0.0, left: 0.0, mark: 43.0, passed: true });
+        assert_eq!(
+            a.account(at(60.1)),
+            Account { reset: at(60.0), spent: 0.0, left: 0.0, mark: 43.0, passed: true, charged: 43.0 }
+        );
         a.replace(allot(30.0, 120.0, Some(43.0)), at(60.2));
         assert!(a.take(at(60.3), 1.0));
         assert_eq!(
             a.account(at(60.3)),
-            Account { reset: at(120.0), spent: 1.0, left: 29.0, mark: 44.0, passed: false }
+            Account { reset: at(120.0), spent: 1.0, left: 29.0, mark: 44.0, passed: false, charged: 44.0 }
         );
     }
 

@@ -57,13 +57,18 @@ pub struct Account {
     /// `reset` has passed with no allotment of the next unit yet: `spent`
     /// counts from it, in the next unit.
     pub passed: bool,
+    /// Units it ever charged, a running total that only grows while it
+    /// runs (absent from an older client): less than before means it
+    /// restarted, where `spent` also falls when a cost settles below its
+    /// charge.
+    pub charged: Option<f64>,
 }
 
 /// What the root knows of one client in the current unit.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Party {
-    /// It reports its account: what it said it spent.
-    Reports { spent: f64 },
+    /// It reports its account: what it said it spent, and charged in all.
+    Reports { spent: f64, charged: Option<f64> },
     /// It reports none: its lease's rate is counted as it runs.
     Rate { rate: f64 },
 }
@@ -239,15 +244,17 @@ impl Calendar {
         let party = self.parties.get(client).copied();
         let account = account.and_then(|a| self.in_unit(a));
         match (party, account) {
-            (Some(Party::Reports { spent }), Some(a)) if a.spent + 1e-9 < spent => {
+            (Some(Party::Reports { spent, charged }), Some(a)) if restarted(spent, charged, &a) => {
                 self.gone += spent + has;
                 self.reported += a.spent - spent;
-                self.set(client, Party::Reports { spent: a.spent });
+                self.set(client, Party::Reports { spent: a.spent, charged: a.charged });
                 a.left
             }
-            (Some(Party::Reports { spent }), Some(a)) => {
+            (Some(Party::Reports { spent, .. }), Some(a)) => {
+                // (Less spent than before: costs settled below their
+                // charges, and what they gave back is its again.)
                 self.reported += a.spent - spent;
-                self.set(client, Party::Reports { spent: a.spent });
+                self.set(client, Party::Reports { spent: a.spent, charged: a.charged });
                 (has - (a.spent - spent)).max(a.left).max(0.0)
             }
             (rate, Some(a)) => {
@@ -256,10 +263,10 @@ impl Calendar {
                     self.rates -= rate;
                 }
                 self.reported += a.spent;
-                self.set(client, Party::Reports { spent: a.spent });
+                self.set(client, Party::Reports { spent: a.spent, charged: a.charged });
                 (has - a.spent).max(a.left).max(0.0)
             }
-            (Some(Party::Reports { spent }), None) => {
+            (Some(Party::Reports { spent, .. }), None) => {
                 self.gone += spent + has;
                 self.reported -= spent;
                 self.set(client, Party::Rate { rate: 0.0 });
@@ -288,7 +295,7 @@ impl Calendar {
     /// (what it spent, and `has` outstanding) stays counted until the boundary.
     pub fn forget(&mut self, client: &str, has: f64) {
         match self.parties.remove(client) {
-            Some(Party::Reports { spent }) => {
+            Some(Party::Reports { spent, .. }) => {
                 self.reported -= spent;
                 self.gone += spent + has;
             }
@@ -333,6 +340,16 @@ impl Calendar {
             observed: now,
             continuous: false,
         }
+    }
+}
+
+/// Whether a client that reported `spent` (and `charged` in all) before has
+/// restarted, given its new account: its running total of charges fell, or,
+/// from a client that sends none, what it spent did.
+fn restarted(spent: f64, charged: Option<f64>, a: &Account) -> bool {
+    match (charged, a.charged) {
+        (Some(before), Some(now)) => now + 1e-9 < before,
+        _ => a.spent + 1e-9 < spent,
     }
 }
 

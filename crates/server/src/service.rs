@@ -265,7 +265,10 @@ fn check_account(field: &str, a: &Option<proto::UnitAccount>) -> Result<Option<A
         return Err(invalid(format!("{field}.reset_unix_ms must be a time after the epoch, got {}", a.reset_unix_ms)));
     }
     let reset = Time::from_nanos((a.reset_unix_ms as u64).saturating_mul(1_000_000));
-    Ok(Some(Account { reset, spent: a.spent, left: a.left, passed: a.passed.unwrap_or(false) }))
+    if let Some(c) = a.charged {
+        check_amount(&format!("{field}.charged"), c)?;
+    }
+    Ok(Some(Account { reset, spent: a.spent, left: a.left, passed: a.passed.unwrap_or(false), charged: a.charged }))
 }
 
 /// Checks that resource `id` appears once in a request.

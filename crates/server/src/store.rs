@@ -1014,6 +1014,11 @@ impl Store {
                 let mut r = res.lock().expect("resource lock poisoned");
                 r.expire(now);
                 r.predecessor = self.predecessor();
+                if r.calendar.is_some() {
+                    // A unit may have ended since the last request: the page
+                    // shows the one now running.
+                    r.follow_calendar(now, self.role);
+                }
                 let until = r.learning_until(self.master_since(), now, self.role);
                 ResourceStatus {
                     id: id.clone(),

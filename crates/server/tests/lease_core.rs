@@ -1262,7 +1262,7 @@ fn a_calendar_key_reports_its_account_and_asks_just_after_each_reset() {
         w.advance(Duration::from_millis(10));
         mark += 1.0;
         // (A running total of what the key admitted, as its limiter keeps it.)
-        let account = usher_limit::allot::Account { reset, spent: 1.0, left: 0.0, mark, passed: false };
+        let account = usher_limit::allot::Account { reset, spent: 1.0, left: 0.0, mark, passed: false, charged: mark };
         c.update_demand(DemandUpdate {
             changed: vec![KeyDemand { account: Some(Box::new(account)), ..demand("cal", 5.0, OnExpiry::Safe) }],
             ..DemandUpdate::default()

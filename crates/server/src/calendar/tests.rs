@@ -8,7 +8,7 @@ fn t(s: f64) -> Time {
 }
 
 fn account(reset: f64, spent: f64, left: f64) -> Option<Account> {
-    Some(Account { reset: t(reset), spent, left, passed: false })
+    Some(Account { reset: t(reset), spent, left, passed: false, charged: None })
 }
 
 /// A new deployment has the whole unit; a root that starts in the middle
@@ -60,9 +60,29 @@ fn what_a_client_committed_stays_counted_until_the_boundary() {
     assert_eq!(c.capacity_units(120.0, 0.0), 120.0 - 52.0 - 15.0 - 8.0);
     assert!(c.counts(t(30.0)), "a resource with nobody left keeps its count");
     // An account of a later unit (a clock ahead) is not taken.
-    assert_eq!(c.in_unit(Account { reset: t(120.0), spent: 1.0, left: 0.0, passed: false }), None);
+    assert_eq!(c.in_unit(Account { reset: t(120.0), spent: 1.0, left: 0.0, passed: false, charged: None }), None);
     c.advance(t(61.0));
     assert_eq!(c.capacity_units(120.0, 0.0), 120.0);
+}
+
+/// Costs settled below their charges lower what a client reports spent:
+/// what they gave back is the fleet's again, and the client holds it. Only
+/// a running total of charges that falls says the client restarted.
+#[test]
+fn a_settled_refund_is_given_back_and_only_fewer_charges_mean_a_restart() {
+    let mut c = Calendar::new(MINUTE, 120.0, t(0.0), true);
+    let charged = |spent: f64, left: f64, charged: f64| {
+        Some(Account { reset: t(60.0), spent, left, passed: false, charged: Some(charged) })
+    };
+    // `a` was allotted 40 and charged 25 (five calls at 5 each): it holds 15.
+    assert_eq!(c.report("a", charged(25.0, 15.0, 25.0), 40.0), 15.0);
+    assert_eq!(c.capacity_units(120.0, 15.0), 95.0, "what it holds is the algorithm's to count");
+    // Four of them settled at 1: 16 given back. It spent 9 and holds 31.
+    assert_eq!(c.report("a", charged(9.0, 31.0, 25.0), 15.0), 31.0);
+    assert_eq!(c.capacity_units(120.0, 31.0), 120.0 - 9.0);
+    // Restarted: its running total starts again. Its 9 spent and 31 held stay counted.
+    assert_eq!(c.report("a", charged(2.0, 0.0, 2.0), 31.0), 0.0);
+    assert_eq!(c.capacity_units(120.0, 0.0), 120.0 - 40.0 - 2.0);
 }
 
 /// A client that reports no account (a Doorman client) is counted by what
@@ -105,15 +125,15 @@ fn an_allotment_is_a_rate_over_the_time_to_the_reset() {
 fn an_account_of_the_unit_that_ended_counts_nothing_of_the_new_one() {
     let mut c = Calendar::new(MINUTE, 120.0, t(0.0), true);
     c.advance(t(60.05));
-    let stale = Account { reset: t(60.0), spent: 119.0, left: 1.0, passed: false };
+    let stale = Account { reset: t(60.0), spent: 119.0, left: 1.0, passed: false, charged: None };
     assert_eq!(c.in_unit(stale), Some(Account { spent: 0.0, left: 0.0, ..stale }));
     assert_eq!(c.report("a", Some(stale), 0.0), 0.0);
     assert_eq!(c.capacity_units(120.0, 0.0), 120.0, "the new unit is whole");
-    let passed = Account { reset: t(60.0), spent: 2.0, left: 0.0, passed: true };
+    let passed = Account { reset: t(60.0), spent: 2.0, left: 0.0, passed: true, charged: None };
     assert_eq!(c.in_unit(passed), Some(passed));
     c.report("a", Some(passed), 0.0);
     assert_eq!(c.capacity_units(120.0, 0.0), 118.0);
     // Counting from an earlier reset still: more than this unit's spending, never less.
-    let long = Account { reset: t(0.0), spent: 5.0, left: 0.0, passed: true };
+    let long = Account { reset: t(0.0), spent: 5.0, left: 0.0, passed: true, charged: None };
     assert_eq!(c.in_unit(long), Some(long));
 }

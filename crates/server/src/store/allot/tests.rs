@@ -47,7 +47,13 @@ fn ask(wants: f64, account: Option<(f64, f64, f64)>) -> LeaseRequest {
         reported_expiry: None,
         requester: Requester::Client { priority: 0 },
         quota: None,
-        account: account.map(|(reset, spent, left)| Account { reset: at(reset), spent, left, passed: false }),
+        account: account.map(|(reset, spent, left)| Account {
+            reset: at(reset),
+            spent,
+            left,
+            passed: false,
+            charged: None,
+        }),
     }
 }
 
@@ -170,4 +176,20 @@ fn a_new_master_counts_what_clients_report_or_even_spending() {
     to(&time, 41.0);
     let g = s.get_capacity("c", &ask(100.0, None));
     assert!((g.allotment.unwrap() - 60.0).abs() < 1e-6, "half the minute gone when it became master: {g:?}");
+}
+
+/// The status page shows the unit now running, also when no request came
+/// since the last one ended: its whole quota, and a reset ahead.
+#[test]
+fn the_status_page_shows_the_running_unit_after_a_quiet_boundary() {
+    let (s, time) = store(0, Duration::from_secs(1));
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    to(&time, 1.0);
+    s.get_capacity("a", &ask(10.0, None));
+    to(&time, 130.0);
+    let r = s.status().into_iter().find(|r| r.id == "cal").expect("the resource");
+    let q = r.quota.expect("the calendar's quota");
+    assert_eq!(q.source, "calendar");
+    assert!((q.reset_in_s - 50.0).abs() < 1e-6, "the reset of the unit now running: {}", q.reset_in_s);
+    assert!((q.remaining - 120.0).abs() < 1e-6, "nothing spent of it: {}", q.remaining);
 }
