@@ -152,7 +152,7 @@ fn routes_summary(cfg: &RoutesConfig, unset: &[String]) -> Vec<String> {
     out.push(match &cfg.doorman {
         None => "capacity from: the embedded capacity server (this file's capacities)".to_string(),
         Some(d) => format!(
-            "capacity from: the Doorman servers {} as client `{}` (a resource's capacity is its first `wants`)",
+            "capacity from: the Doorman servers {} as client `{}` (a resource's capacity applies until its first lease)",
             d.servers.join(", "),
             d.client_id
         ),
@@ -175,9 +175,10 @@ fn routes_summary(cfg: &RoutesConfig, unset: &[String]) -> Vec<String> {
 /// How a route's resource is charged beyond a fixed cost: read from the
 /// request, settled from the answer.
 fn cost_line(route: &str, resource: &str, cost: f64, rule: &CostRule) -> String {
-    let charged = match &rule.header {
-        Some(h) => format!("the request's `{h}` header ({} without it)", number(cost)),
-        None => number(cost),
+    let charged = match (&rule.header, &rule.body) {
+        (Some(h), _) => format!("the request's `{h}` header ({} without it)", number(cost)),
+        (None, Some(body)) => format!("{body}, or {} when the body cannot be read,", number(cost)),
+        (None, None) => number(cost),
     };
     let settled = match &rule.settle {
         None => String::new(),

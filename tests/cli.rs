@@ -283,7 +283,10 @@ fn check_prints_each_settle_rule() {
                   - { resource: llm-usd, cost: 0.05, settle: { usage: openai, price: { input_per_million: 0.15, output_per_million: 0.60 } } }\n      \
                   - { resource: tokens, cost: \"{header.x-max-tokens}\", default_cost: 500, settle: { usage: anthropic, tokens: output } }\n  \
                   - name: plain\n    upstream: llm\n    resources:\n      \
-                  - { resource: tokens, settle: { response_json: usage.total_tokens } }\n";
+                  - { resource: tokens, settle: { response_json: usage.total_tokens } }\n  \
+                  - name: estimated\n    upstream: llm\n    resources:\n      \
+                  - { resource: tokens, cost: { estimate: openai }, settle: { usage: openai } }\n      \
+                  - { resource: llm-usd, cost: \"{json.budget.max}\", default_cost: 0.5 }\n";
     let file = write_file(dir.path(), "routes.yaml", routes);
     let (code, out, err) = run_usher(&["check", file.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}{err}");
@@ -293,6 +296,11 @@ fn check_prints_each_settle_rule() {
         "route chat: resource tokens costs the request's `x-max-tokens` header (500 without it) at admission, \
          settled from the answer's usage (anthropic, output tokens)",
         "route plain: resource tokens costs 1 at admission, settled from `usage.total_tokens` in the answer's JSON",
+        "route estimated: resource tokens costs an estimate of the openai call's tokens (1024 output tokens when it \
+         sets no limit), or 1024 when the body cannot be read, at admission, settled from the answer's usage (openai, \
+         total tokens)",
+        "route estimated: resource llm-usd costs the number at `budget.max` in the request's JSON, or 0.5 when the \
+         body cannot be read, at admission\n",
     ] {
         assert!(out.contains(line), "missing {line:?} in:\n{out}");
     }
@@ -337,7 +345,7 @@ fn a_routes_file_prints_every_resource_as_it_resolves() {
     let (code, out, err) = run_usher(&["check", leased.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}{err}");
     for want in [
-        "  capacity from: the Doorman servers doorman-0:15100, doorman-1:15100 as client `pod-a` (a resource's capacity is its first `wants`)",
+        "  capacity from: the Doorman servers doorman-0:15100, doorman-1:15100 as client `pod-a` (a resource's capacity applies until its first lease)",
         "  resource gh: rate 100/min = 1.67/s, burst 100, max_wait 0s, id `gh/{header.x-tenant}`",
     ] {
         assert!(out.lines().any(|l| l == want), "missing {want:?} in:\n{out}");
@@ -377,7 +385,7 @@ fn allow_unset_env_checks_a_file_whose_variables_are_not_set() {
     assert_eq!(code, Some(0), "{out}{err}");
     for want in [
         "  unset environment variables, checked as written: USHER_TEST_UNSET_POD, USHER_TEST_UNSET_NS",
-        "  capacity from: the Doorman servers doorman-0:15100 as client `${USHER_TEST_UNSET_POD}-${USHER_TEST_UNSET_NS}` (a resource's capacity is its first `wants`)",
+        "  capacity from: the Doorman servers doorman-0:15100 as client `${USHER_TEST_UNSET_POD}-${USHER_TEST_UNSET_NS}` (a resource's capacity applies until its first lease)",
     ] {
         assert!(out.lines().any(|l| l == want), "missing {want:?} in:\n{out}");
     }
