@@ -24,8 +24,8 @@ async fn three_sidecars_starting_together_each_get_their_share_from_the_second_s
     cold_start(90).await;
 }
 
-/// The routes file's `capacity` is the first `wants`: a sidecar that starts
-/// asking for 1/s must not leave the first to ask more than its share.
+/// The routes file's `capacity` applies until the first lease: a sidecar that starts
+/// at 1/s must not leave the first to ask more than its share.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_sidecars_first_asking_1_per_second_each_get_their_share_from_the_second_second() {
     cold_start(1).await;
@@ -36,7 +36,7 @@ async fn cold_start(first_wants: u32) {
     let port = free_port();
     let _server = Usher::server_at(&write_file(dir.path(), "r.yaml", CONFIG), port, &[]);
     let ups = [Upstream::start().await, Upstream::start().await, Upstream::start().await];
-    // Each asks for `first_wants` before it has measured its demand.
+    // Each enforces `first_wants` until its first lease.
     // The fleet's burst: each sidecar's bucket holds its lease's share (2 at a third).
     let res = format!("    kind: rate\n    capacity: {first_wants}\n    burst: 6\n    wants: auto\n");
     let files: Vec<_> = ups

@@ -101,7 +101,7 @@ const LONG_WINDOW: Duration = Duration::from_secs(30);
 const SHORT_REQUESTS: u64 = 4;
 
 /// Traffic is measured once it was seen over this long (before, the
-/// routes file's first guess stands).
+/// key asks for nothing, or `min_wants`).
 const FIRST_SPAN: Duration = Duration::from_millis(500);
 
 /// A key with nothing since its first requests asks for them over the
@@ -130,7 +130,7 @@ struct Measured {
     first: Option<(Time, Arrivals)>,
     /// The last measured rate: once demand was measured, a read that cannot
     /// measure it (a slow or stalled call to the servers spaced the reads
-    /// out) keeps it rather than going back to the first guess.
+    /// out) keeps it rather than asking for nothing again.
     last_rate: Option<f64>,
     /// (time, peak in flight + waiters) over the peak window.
     peaks: VecDeque<(Time, f64)>,
