@@ -19,7 +19,9 @@ use usher_proto::capacity_client::CapacityClient;
 use usher_proto::{self as proto, GetCapacityRequest, ResourceRequest};
 use usher_server::etcd::Etcd;
 
-const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 8, refresh_interval: 2, learning_mode_duration: 8 }\n";
+/// Doorman's grants, without spare capacity (`spare: keep`): these tests follow
+/// exact leases through failovers.
+const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 8, refresh_interval: 2, learning_mode_duration: 8, parameters: [{ name: spare, value: keep }] }\n";
 
 /// Records what the lease client lets the sidecar use.
 struct Recorder {

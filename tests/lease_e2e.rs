@@ -134,7 +134,9 @@ async fn fails_over_to_the_second_server_and_releases_on_sigterm() {
     let mut ok = false;
     for _ in 0..100 {
         let st = status(&p);
-        if st["lease"]["master"] == format!("127.0.0.1:{port}") && st["lease"]["keys"][0]["has"] == 30.0 {
+        // What it wants, or more: below the capacity the server hands out spare too.
+        let has = st["lease"]["keys"][0]["has"].as_f64().unwrap_or(0.0);
+        if st["lease"]["master"] == format!("127.0.0.1:{port}") && has >= 30.0 {
             ok = true;
             break;
         }

@@ -292,7 +292,9 @@ def redirect(args):
     c.resource("shared", 10)
     check(REPORT.redirects >= 1, "GetCapacity at the follower was not redirected")
     check(c.conn.current == args.master, f"the client ended at {c.conn.current}")
-    check(c.has("shared") == 10, f"the master granted {c.has('shared')}")
+    # What it wants, or more: below the capacity (100) usher's FAIR_SHARE also
+    # hands out spare capacity (docs/server.md, "Spare capacity").
+    check(10 - EPS <= c.has("shared") <= 100 + EPS, f"the master granted {c.has('shared')}")
     # ReleaseCapacity takes the same path (runMasterAware) from a fresh connection.
     before = REPORT.redirects
     conn = Connection(args.follower)

@@ -50,7 +50,8 @@ impl Solo {
         let keys = v["keys"].as_array().cloned().unwrap_or_default();
         let key =
             keys.iter().find(|k| k["resource"] == "llm-tokens").unwrap_or_else(|| panic!("no llm-tokens key: {v}"));
-        key["remaining"].as_i64().unwrap_or_else(|| panic!("{key}"))
+        // Whole units, as an app could spend them (the page shows fractions too).
+        key["remaining"].as_f64().map(|r| r.floor() as i64).unwrap_or_else(|| panic!("{key}"))
     }
 
     async fn settles(&self) -> BTreeMap<String, f64> {
