@@ -41,7 +41,7 @@ fn llm_cost(rng: &mut rand::rngs::SmallRng) -> f64 {
 /// Below the quota a call passes at once wherever it lands: three replicas
 /// calling at Poisson arrivals of 0.05, 0.10 and 0.20 calls a second
 /// (73% of a 6,000 tokens/min budget), bursts and lulls included, with the
-/// settings docs/guides/llm.md gives (`max_wait: 10s`, the burst left to
+/// settings docs/guides/llm.md gives (`max_wait: 60s`, the burst left to
 /// its default: the minute's count). The apps start calling 20 s after
 /// their sidecars (an SDK takes seconds to load). No call is refused, and
 /// 95% of the fleet's calls pass within a second of the upstream's own
@@ -55,7 +55,7 @@ async fn below_the_quota_calls_pass_at_once() {
             world.server("root:1", &resources("llm-tokens", "6000/min", lease, refresh, ""));
             let mut sidecars = Vec::new();
             for i in 0..3 {
-                let settings = format!("capacity: {first}, max_wait: 10s");
+                let settings = format!("capacity: {first}, max_wait: 60s");
                 sidecars.push(world.sidecar(&routes(&format!("app-{i}"), "llm-tokens", &settings)).await);
             }
             let records: Vec<Record> = (0..3).map(|_| Record::default()).collect();
