@@ -261,7 +261,10 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 /// than after the whole queue (tens of seconds under a fair share). A spent
 /// quota's renewal or an upstream's hold says when by itself.
 fn retry_after(l: &Limiter, reason: Reason, wait: Duration, now: Time) -> Duration {
+    let hold = l.hold_until().filter(|u| *u > now);
     let wait = match (reason, l.renewal()) {
+        // Held by its upstream (pushback leaves it 0 until then): the hold says when.
+        (Reason::ZeroCapacity | Reason::Held, _) if hold.is_some() => hold.map_or(wait, |u| u.since(now)),
         // An allotment spent while the whole unit's quota is: nothing before the reset.
         (Reason::Exhausted, _) if l.renews().is_some() && l.rate().is_some_and(|r| r.allotment_reset().is_some()) => {
             wait
@@ -675,6 +678,13 @@ mod tests {
         table.set_renewal(Some(clock.now().saturating_add(Duration::from_millis(3500))));
         assert_eq!(refusal("slow").retry_after, Duration::from_millis(3500), "the lease client calls in 3.5 s");
         assert_eq!(refusal("zero").retry_after, Duration::from_millis(3500), "a lease of 0 may change then too");
+        table.set_hold("zero", Some(clock.now().saturating_add(Duration::from_millis(400))));
+        assert_eq!(
+            refusal("zero").retry_after,
+            Duration::from_secs(1),
+            "held by its upstream 0.4 s more: the hold says when"
+        );
+        table.set_hold("zero", None);
         table.set_renewal(Some(clock.now().saturating_add(Duration::from_millis(200))));
         assert_eq!(refusal("slow").retry_after, Duration::from_secs(1), "at least a second");
         let zero = table.resource("zero").unwrap().limiter("zero");
