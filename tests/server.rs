@@ -14,9 +14,10 @@ use usher_proto::{self as proto, GetCapacityRequest, ResourceRequest};
 
 const CONFIG: &str = r#"
 resources:
+  # Doorman's grants, without spare capacity: the tests follow exact leases.
   - identifier_glob: fair
     capacity: 120
-    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 5, learning_mode_duration: 0 }
+    algorithm: { kind: FAIR_SHARE, lease_length: 60, refresh_interval: 5, learning_mode_duration: 0, parameters: [{ name: spare, value: keep }] }
   - identifier_glob: prop
     capacity: 120
     algorithm: { kind: PROPORTIONAL_SHARE, lease_length: 60, refresh_interval: 5, learning_mode_duration: 0 }
@@ -198,7 +199,8 @@ async fn learning_mode_believes_a_liar_only_up_to_the_capacity_and_a_lease_lengt
     const LEASE: i64 = 8;
     // Learning lasts 3 s (less than its bound, refresh × 7/6 + 3 s), so the
     // liar's lease is still running when it ends.
-    let config = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 8, refresh_interval: 2, learning_mode_duration: 3 }\n";
+    // Doorman's grants, without spare capacity: the honest client gets exactly what it asks for.
+    let config = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 8, refresh_interval: 2, learning_mode_duration: 3, parameters: [{ name: spare, value: keep }] }\n";
     let s = Server::start(config, &[]);
     let mut c = s.client().await;
     let unix_now = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;

@@ -15,7 +15,8 @@ use support::{Usher, http_get, metric, write_file};
 use usher_proto::capacity_client::CapacityClient;
 use usher_proto::{GetCapacityRequest, ResourceRequest};
 
-const ALGO: &str = "{ kind: FAIR_SHARE, lease_length: 60, refresh_interval: 5, learning_mode_duration: 0 }";
+/// Doorman's grants, without spare capacity: the test follows exact leases.
+const ALGO: &str = "{ kind: FAIR_SHARE, lease_length: 60, refresh_interval: 5, learning_mode_duration: 0, parameters: [{ name: spare, value: keep }] }";
 
 fn start(extra: &[&str]) -> (Usher, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();

@@ -16,8 +16,9 @@ use support::upstream::{Upstream, get, h1, routes, send1};
 use support::{Usher, free_port, http_get, write_file};
 
 /// Learning mode as long as the algorithm allows (no `learning_mode_duration`:
-/// the lease length, bounded by refresh × 7/6 + 3 s = 8.8 s).
-const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 20\n    algorithm: { kind: FAIR_SHARE, lease_length: 20, refresh_interval: 5 }\n";
+/// the lease length, bounded by refresh × 7/6 + 3 s = 8.8 s). Doorman's
+/// grants, without spare capacity: a sidecar wanting 10 holds exactly 10.
+const CONFIG: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 20\n    algorithm: { kind: FAIR_SHARE, lease_length: 20, refresh_interval: 5, parameters: [{ name: spare, value: keep }] }\n";
 
 fn server(dir: &Path, port: u16, state: &Path) -> Usher {
     let config = write_file(dir, "resources.yaml", CONFIG);
@@ -26,7 +27,8 @@ fn server(dir: &Path, port: u16, state: &Path) -> Usher {
 
 fn sidecar(dir: &Path, up: &Upstream, port: u16, name: &str) -> Usher {
     let doorman = format!("doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: {name}\n");
-    let res = "    kind: rate\n    capacity: 10\n    burst: 1\n";
+    // Wants 10 whatever its demand: the lease the restarted server must learn.
+    let res = "    kind: rate\n    capacity: 10\n    burst: 1\n    wants: 10\n";
     Usher::proxy(&write_file(dir, &format!("{name}.yaml"), &routes(up, &doorman, res)))
 }
 

@@ -75,6 +75,14 @@ fn check(section: &str, pages: &[Value]) {
     }
 }
 
+/// The capacity cell of the first `kind` row (`Rate`, `Gauge`) of a sidecar's
+/// HTML keys table: `11.111/s`, `3 in flight`.
+fn capacity_cell<'a>(html: &'a str, kind: &str) -> &'a str {
+    let row = format!("<td>{kind}</td><td>");
+    let from = html.find(&row).unwrap_or_else(|| panic!("no {kind} key on the page:\n{html}")) + row.len();
+    &html[from..from + html[from..].find("</td>").unwrap()]
+}
+
 fn json(addr: std::net::SocketAddr, path: &str) -> Value {
     let (code, body) = http_get(addr, path);
     assert_eq!(code, 200, "{path}: {body}");
@@ -110,12 +118,24 @@ fn status_pages_have_plain_fields_as_documented() {
     );
     let sidecar = json(p.addr("admin"), "/debug/status?format=json");
     let api = sidecar["keys"].as_array().unwrap().iter().find(|k| k["id"] == "api").unwrap().clone();
-    assert_eq!((api["capacity"].as_f64(), &api["unit"]), (Some(7.5), &Value::from("per_second")), "{sidecar}");
     let lease = sidecar["lease"]["keys"].as_array().unwrap().iter().find(|k| k["resource_id"] == "api").unwrap();
-    assert_eq!(lease["capacity"].as_f64(), Some(7.5), "a plain number: {sidecar}");
+    assert_eq!(lease["wants"].as_f64(), Some(7.5), "a plain number: {sidecar}");
+    // Below the capacity the lease carries spare capacity beside the 7.5 it
+    // wants: at least that, never more than the built-in default's 100.
+    let leased = lease["capacity"].as_f64().unwrap_or_else(|| panic!("a plain number: {sidecar}"));
+    assert!((7.5..=100.0).contains(&leased), "the sidecar's lease of the root's 100: {sidecar}");
+    assert_eq!(
+        (api["capacity"].as_f64(), &api["unit"]),
+        (Some(leased), &Value::from("per_second")),
+        "the limiter enforces the lease: {sidecar}"
+    );
     check("Sidecar: `usher proxy`, `/debug/status?format=json`", &[sidecar]);
     let (_, html) = http_get(p.addr("admin"), "/debug/status");
-    assert!(html.contains("<td>7.500/s</td>") && html.contains("<td>3 in flight</td>"), "units on the page:\n{html}");
+    assert!(html.contains("<td>7.500/s</td>"), "the wants with its unit:\n{html}");
+    // The leases may have grown since the JSON page: the capacities' units, not their values.
+    let number = |cell: &str, unit: &str| cell.strip_suffix(unit).is_some_and(|n| n.parse::<f64>().is_ok());
+    assert!(number(capacity_cell(&html, "Rate"), "/s"), "units on the page:\n{html}");
+    assert!(number(capacity_cell(&html, "Gauge"), " in flight"), "units on the page:\n{html}");
 
     assert_eventually!(
         json(root.addr("admin"), "/debug/resources?resource=api&format=json")["leases"][0]["kind"] == "server",

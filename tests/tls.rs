@@ -16,7 +16,8 @@ use std::time::Duration;
 use support::pki::Ca;
 use support::{Usher, free_port, http_get, run_usher, write_file};
 
-const FAIR: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 10, refresh_interval: 1, learning_mode_duration: 0 }\n";
+/// Doorman's grants, without spare capacity: the tests follow exact leases.
+const FAIR: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 10, refresh_interval: 1, learning_mode_duration: 0, parameters: [{ name: spare, value: keep }] }\n";
 
 const PATIENCE: Duration = Duration::from_secs(15);
 

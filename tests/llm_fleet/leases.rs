@@ -86,7 +86,7 @@ fn read_all(admins: &[SocketAddr]) -> Vec<Sample> {
                 sidecar,
                 resource: k["resource"].as_str().unwrap_or("?").to_string(),
                 per_min: k["capacity"].as_f64().unwrap_or(f64::NAN) * 60.0,
-                remaining: k["remaining"].as_i64().unwrap_or(-1),
+                remaining: k["remaining"].as_f64().map_or(-1, |r| r.floor() as i64),
             });
         }
     }
