@@ -425,3 +425,29 @@ fn the_shipped_routes_ids_match_templates_of_the_shipped_resources_file() {
     assert!((gh.capacity - 5000.0 / 3600.0).abs() < 1e-9, "{}", gh.capacity);
     assert!((routes.resources["github-core"].capacity.per_second() - gh.capacity).abs() < 1e-9);
 }
+
+/// The LLM guide's resources and routes files, as a reader copies them,
+/// pass `usher check`, and the routes charge an estimate settled from the
+/// answer's usage.
+#[test]
+fn the_llm_guides_files_pass_check() {
+    let guide = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/guides/llm.md")).unwrap();
+    let blocks: Vec<&str> =
+        guide.split("```yaml\n").skip(1).map(|b| b.split("```").next().unwrap_or_default()).take(2).collect();
+    assert_eq!(blocks.len(), 2, "the guide's first two YAML blocks: its resources and routes files");
+    let dir = tempfile::tempdir().unwrap();
+    let resources = write_file(dir.path(), "resources.yaml", blocks[0]);
+    let routes = write_file(dir.path(), "routes.yaml", blocks[1]);
+    let (code, out, err) =
+        run_usher(&["check", "--allow-unset-env", routes.to_str().unwrap(), resources.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("routes.yaml: ok (routes file)") && out.contains("resources.yaml: ok (resources file)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("route chat: resource llm-tokens costs an estimate of the openai call's tokens")
+            && out.contains("settled from the answer's usage (openai, total tokens)"),
+        "{out}"
+    );
+}
