@@ -146,15 +146,17 @@ impl Server {
             let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).expect("open the pid file");
             writeln!(f, "{}", child.id()).expect("write the pid file");
         }
-        let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
         let mut addr = None;
-        for line in stderr.lines().map_while(Result::ok) {
+        for line in lines.by_ref().map_while(Result::ok) {
             if let Some(rest) = line.split("grpc=").nth(1) {
                 addr = rest.split_whitespace().next().map(str::to_string);
                 break;
             }
         }
         let addr = addr.expect("server address in log");
+        // The rest of the log is drained, so the server never waits on a full pipe.
+        std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
         Server { child, addr, dir }
     }
 

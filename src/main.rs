@@ -160,6 +160,7 @@ where
 /// Logs go to stderr; `USHER_LOG` (or `RUST_LOG`) sets the filter, else `default`.
 /// Text is coloured only when stderr is a terminal and `NO_COLOR` is unset,
 /// so a log written to a file or a pipe carries no escape codes.
+/// A line that cannot be written is dropped ([`LogWriter`]).
 fn init_logging(default: &str, format: LogFormat) {
     use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
@@ -168,13 +169,32 @@ fn init_logging(default: &str, format: LogFormat) {
         .and_then(|s| EnvFilter::try_new(s).ok())
         .or_else(|| EnvFilter::try_from_default_env().ok())
         .unwrap_or_else(|| EnvFilter::new(default));
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| LogWriter);
     match format {
         LogFormat::Json => logs.json().flatten_event(true).with_current_span(false).init(),
         LogFormat::Text => {
             let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
             logs.with_ansi(colour).init()
         }
+    }
+}
+
+/// stderr for the log. When stderr cannot be written (the reader of its pipe
+/// went away: a log shipper restarted, a parent that read only the first
+/// line), the line is dropped and usher goes on serving. tracing-subscriber
+/// would otherwise report the failure with `eprintln!`, which panics on the
+/// same closed stderr and takes the process down.
+struct LogWriter;
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
     }
 }
 

@@ -103,3 +103,62 @@ fn an_unknown_log_format_is_a_usage_error() {
     assert_eq!(code, 64, "{out}{err}");
     assert!(err.contains("--log-format") && err.contains("json"), "{err}");
 }
+
+/// Starts `usher ARGS` with stderr to a pipe, reads until the line holding
+/// `marker`, and closes the pipe's read end, as a log shipper that went away
+/// would. Returns the process and the address in the marker line's `field`.
+fn start_then_close_the_log(args: &[&str], marker: &str, field: &str) -> (std::process::Child, std::net::SocketAddr) {
+    let mut child = Command::new(usher_bin())
+        .args(args)
+        .env("USHER_LOG", "debug")
+        .env("NO_COLOR", "1")
+        .env("XDG_STATE_HOME", support::state_home())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn usher");
+    let mut lines = BufReader::new(child.stderr.take().expect("piped")).lines();
+    let line = lines.by_ref().map_while(Result::ok).find(|l| l.contains(marker)).expect("the ready line");
+    drop(lines);
+    let addr = support::log_fields(&line)[field].parse().expect("an address");
+    (child, addr)
+}
+
+#[test]
+fn a_server_and_a_sidecar_keep_serving_when_their_log_pipe_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = support::write_file(
+        dir.path(),
+        "resources.yaml",
+        "resources:\n  - identifier_glob: '*'\n    capacity: 10\n    algorithm: { kind: FAIR_SHARE, lease_length: 4, refresh_interval: 1 }\n",
+    );
+    let (mut server, server_admin) = start_then_close_the_log(
+        &["server", "--config", config.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+        "usher server listening",
+        "admin",
+    );
+    let routes = support::write_file(
+        dir.path(),
+        "routes.yaml",
+        &include_str!("../deploy/examples/quickstart.yaml").replace("127.0.0.1:15002", "127.0.0.1:0"),
+    );
+    let (mut proxy, proxy_admin) = start_then_close_the_log(
+        &["proxy", "--routes", routes.to_str().unwrap(), "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"],
+        "usher proxy listening",
+        "admin",
+    );
+    // Both log at debug after their ready line (the server's state-file line,
+    // the sidecar's lease refreshes): every one of those writes fails.
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(700));
+        assert_eq!(support::http_get(server_admin, "/healthz").0, 200, "the server answers");
+        assert_eq!(support::http_get(proxy_admin, "/healthz").0, 200, "the sidecar answers");
+    }
+    for (name, child) in [("server", &mut server), ("sidecar", &mut proxy)] {
+        let status = child.try_wait().expect("try_wait");
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(status, None, "the {name} exited when its log pipe closed");
+    }
+}
