@@ -277,6 +277,8 @@ pub struct TableEnforcer {
     /// Keys whose lease about to be applied is the servers' first for them
     /// (see [`ServerSaid::fresh`]): filled once applied.
     fresh: Mutex<Vec<String>>,
+    /// Templated keys' events, summarised in the info log.
+    keylog: Mutex<crate::keylog::KeyLog>,
 }
 
 /// A resource's lease settings, kind, configured capacity (units per
@@ -450,6 +452,13 @@ impl TableEnforcer {
         self.table.settle();
         let reading = self.read_keys(&cfg, full, reloaded);
         activity.sleep(self.note(&reading));
+        {
+            let forgotten = reading.forgotten.values().map(|ids| ids.len() as u64).sum();
+            let mut log = self.keylog.lock().expect("enforcer key log");
+            let now = self.table.clock().now();
+            log.read(now, reading.made, forgotten);
+            log.tick(now, reading.templated);
+        }
         let removed = self.forget(reading.forgotten);
         DemandUpdate { changed: reading.demand, removed, complete: full, rebuilt }
     }
@@ -497,15 +506,19 @@ impl TableEnforcer {
                 }
             };
             let Some((settings, kind, capacity, fixed)) = settings else { return };
+            reading.templated += usize::from(!fixed);
             // Looked up before it is inserted: no new id string per key and read.
             if !mem.contains_key(l.id()) {
                 mem.insert(l.id().to_string(), KeyMemory::default());
+                if !fixed {
+                    reading.made += 1;
+                }
             }
             let m = mem.get_mut(l.id()).expect("inserted above");
             match Self::idle_at(m, fixed, l, settings, now) {
                 Some(at) if at <= now => {
                     mem.remove(l.id());
-                    tracing::info!(resource, id = %l.id(), idle = ?settings.key_idle_timeout, "forgot an idle key; releasing its lease");
+                    tracing::debug!(resource, id = %l.id(), idle = ?settings.key_idle_timeout, "forgot an idle key; releasing its lease");
                     reading.forgotten.entry(resource.to_string()).or_default().push(l.id().to_string());
                     return;
                 }
@@ -577,6 +590,10 @@ struct Reading {
     demand: Vec<KeyDemand>,
     /// The idle keys, by resource: removed together.
     forgotten: HashMap<String, Vec<String>>,
+    /// Templated keys seen for the first time.
+    made: u64,
+    /// How many keys were templated ones.
+    templated: usize,
 }
 
 impl Enforcer for TableEnforcer {
@@ -593,7 +610,9 @@ impl Enforcer for TableEnforcer {
     }
 
     fn due(&self) -> Option<Time> {
-        *self.next_idle.lock().expect("enforcer next idle")
+        let idle = *self.next_idle.lock().expect("enforcer next idle");
+        let summary = self.keylog.lock().expect("enforcer key log").due();
+        idle.into_iter().chain(summary).min()
     }
 
     fn activity(&self) -> Option<Arc<tokio::sync::Notify>> {
@@ -611,6 +630,13 @@ impl Enforcer for TableEnforcer {
         if (t.from, t.to) == (Mode::Pending, Mode::Leased) {
             self.table.fill(&t.resource_id, false);
         }
+        if self.per_key(&t.resource_id) {
+            self.keylog.lock().expect("enforcer key log").transition(self.table.clock().now(), t.from, t.to);
+        }
+    }
+
+    fn per_key(&self, id: &str) -> bool {
+        !self.config().resources.values().any(|r| r.id.is_fixed() && r.id.text == id)
     }
 
     fn rebuilt(&self) -> bool {
@@ -816,6 +842,7 @@ pub fn start_wired(
         quiet: AtomicBool::new(false),
         next_idle: Mutex::new(None),
         fresh: Mutex::new(Vec::new()),
+        keylog: Mutex::default(),
     });
     // On a thread of its own: with many tenant keys, reading their demand and
     // (embedded) deciding their leases takes long enough to stall requests.
@@ -1098,6 +1125,7 @@ mod tests {
             quiet: AtomicBool::new(false),
             next_idle: Mutex::new(None),
             fresh: Mutex::new(Vec::new()),
+            keylog: Mutex::default(),
         };
         (e, time)
     }

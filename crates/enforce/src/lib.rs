@@ -46,6 +46,7 @@
 pub mod embed;
 pub mod enforcer;
 pub mod feedback;
+pub mod keylog;
 pub mod metrics;
 pub mod pushback;
 pub mod request_body;

@@ -70,8 +70,16 @@ pub trait Enforcer: Send + Sync + 'static {
     fn reapply(&self) -> Vec<String> {
         Vec::new()
     }
-    /// A key changed mode (leased, held, pending, expired); already logged.
+    /// A key changed mode (leased, held, pending, expired); already logged
+    /// (at debug for a key of [`Enforcer::per_key`]).
     fn on_transition(&self, _t: &super::core::Transition) {}
+    /// Whether `id` is one of many keys of one resource (a templated id
+    /// makes one per tenant, up to a million): its events are logged at
+    /// debug, and the enforcer summarises them at info, so the log does
+    /// not grow by a line per key.
+    fn per_key(&self, _id: &str) -> bool {
+        false
+    }
 
     /// What the servers said of the resources of keys about to be applied
     /// (`apply`), beside their leases: the capacity they share (each key's
@@ -317,7 +325,9 @@ impl LeaseClient {
             true => status.last_error.clone().unwrap_or_default(),
             false => format!("no answer within {limit:?}"),
         };
-        for k in &status.keys {
+        // A templated resource's keys (cached ones, at start) are counted in
+        // the cache line, not one line each.
+        for k in status.keys.iter().filter(|k| !self.enforcer.per_key(&k.resource_id)) {
             let capacity = show(k.capacity);
             match k.source {
                 Source::Cache => tracing::info!(
@@ -441,7 +451,12 @@ fn enforce(client: &LeaseClient) {
         enforcer.allot(&allotments);
     }
     for t in transitions {
-        tracing::info!(resource = %t.resource_id, from = t.from.name(), to = t.to.name(), capacity = %show(t.capacity), "lease mode changed");
+        let (id, from, to, capacity) = (&t.resource_id, t.from.name(), t.to.name(), show(t.capacity));
+        if enforcer.per_key(id) {
+            tracing::debug!(resource = %id, from, to, capacity = %capacity, "lease mode changed");
+        } else {
+            tracing::info!(resource = %id, from, to, capacity = %capacity, "lease mode changed");
+        }
         enforcer.on_transition(&t);
     }
 }
