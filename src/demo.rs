@@ -7,6 +7,17 @@
 
 #![allow(clippy::disallowed_methods, reason = "the demo runs real processes and reports wall-clock time")]
 
+/// `println!` that says whether the line was written: `false` once stdout is
+/// gone (its reader, such as `| head`, stopped reading), where `println!`
+/// would panic.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let written = writeln!(std::io::stdout().lock(), $($arg)*).is_ok();
+        written
+    }};
+}
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -207,10 +218,12 @@ pub async fn run_demo(args: &DemoArgs) -> Result<(Vec<SidecarSummary>, History, 
         tokio::spawn(load(s.listen, s.offered, until, c.clone()));
     }
     if !args.quiet && !args.json {
-        println!(
+        out!(
             "usher demo: 3 sidecars share one resource of {CAPACITY}/s (FAIR_SHARE) from a capacity server on {server};\n\
              they offer {}/s, {}/s and {}/s to an upstream on {up}. Ctrl-C stops early.\n",
-            OFFERED[0], OFFERED[1], OFFERED[2]
+            OFFERED[0],
+            OFFERED[1],
+            OFFERED[2]
         );
     }
     let (last, history) = watch(args, &sidecars, &counts, start).await;
@@ -331,14 +344,18 @@ async fn watch(
         }
         history.push((start.elapsed().as_secs_f64(), point));
         if !args.quiet && !args.json {
-            println!(
+            let mut shown = out!(
                 "t={:>3.0}s      offered    wants      has   admitted/s   refused/s",
                 start.elapsed().as_secs_f64()
             );
             for l in lines {
-                println!("{l}");
+                shown &= out!("{l}");
             }
-            println!("  {:<10} {:>8} {:>8} {total_has:>8.1}   (capacity {CAPACITY})\n", "total", "", "");
+            shown &= out!("  {:<10} {:>8} {:>8} {total_has:>8.1}   (capacity {CAPACITY})\n", "total", "", "");
+            if !shown {
+                // Nobody reads the table any more (`| head`): the demo ends here.
+                break;
+            }
         }
     }
     (last, history)
@@ -358,7 +375,7 @@ pub async fn run(args: DemoArgs, shutdown: CancellationToken) -> Result<(), RunE
             admitted_each_second,
             min_admitted_after_first_second: min_after_first,
         };
-        println!("{}", serde_json::to_string_pretty(&report).expect("report serialises"));
+        out!("{}", serde_json::to_string_pretty(&report).expect("report serialises"));
         return Ok(());
     }
     if let Some(path) = &args.plot {
@@ -377,24 +394,28 @@ pub async fn run(args: DemoArgs, shutdown: CancellationToken) -> Result<(), RunE
         }
         crate::plot::line_chart(path, "usher demo: each sidecar's lease", &series)
             .map_err(|e| RunError::Other(format!("cannot write {}: {e}", path.display())))?;
-        println!("plot written to {}", path.display());
+        out!("plot written to {}", path.display());
     }
-    println!("summary over {:?} (capacity {CAPACITY}/s, FAIR_SHARE):", args.duration);
-    println!("  {:<10} {:>10} {:>12} {:>11} {:>10}", "sidecar", "offered/s", "admitted/s", "refused/s", "lease");
+    out!("summary over {:?} (capacity {CAPACITY}/s, FAIR_SHARE):", args.duration);
+    out!("  {:<10} {:>10} {:>12} {:>11} {:>10}", "sidecar", "offered/s", "admitted/s", "refused/s", "lease");
     let mut total = 0.0;
     for s in &summary {
         total += s.admitted_per_s;
-        println!(
+        out!(
             "  {:<10} {:>10.0} {:>12.1} {:>11.1} {:>10.1}",
-            s.name, s.offered_per_s, s.admitted_per_s, s.refused_per_s, s.has
+            s.name,
+            s.offered_per_s,
+            s.admitted_per_s,
+            s.refused_per_s,
+            s.has
         );
     }
-    println!("  {:<10} {:>10} {:>12.1}   (never above the capacity plus bursts)", "total", "", total);
-    println!(
+    out!("  {:<10} {:>10} {:>12.1}   (never above the capacity plus bursts)", "total", "", total);
+    out!(
         "  admitted each second after the first: at least {min_after_first} of {CAPACITY} ({:?})",
         &admitted_each_second[1.min(admitted_each_second.len())..]
     );
-    println!(
+    out!(
         "Each sidecar asks for its measured demand plus 10% headroom (1% once its demand holds steady);\n\
          the server shares the capacity max-min fairly, so the lightest sidecar gets what it asks for and\n\
          the others split the rest evenly."

@@ -69,6 +69,9 @@ fn main() -> ExitCode {
     };
     // The demo's sidecars would drown its live table in their info logs.
     init_logging(if matches!(cli.command, Command::Demo(_)) { "warn" } else { "info" }, cli.log_format);
+    if matches!(cli.command, Command::Sim(_) | Command::Check(_) | Command::Audit(_)) {
+        end_on_broken_pipe();
+    }
     let result = match cli.command {
         // Virtual time and plain validation need no runtime and no signals.
         Command::Sim(args) => usher::sim::run(args),
@@ -85,6 +88,20 @@ fn main() -> ExitCode {
             eprintln!("usher: {e}");
             ExitCode::from(e.exit_code())
         }
+    }
+}
+
+/// `sim`, `check` and `audit` print a report and exit, and open no socket: a
+/// reader that stops early (`usher check f.yaml | head -1`) ends them as it
+/// ends `cat`, by SIGPIPE, instead of a panic in `println!`. (Rust ignores
+/// SIGPIPE by default; the long-lived roles keep it ignored, as a peer's
+/// closed socket must not end them.)
+fn end_on_broken_pipe() {
+    // SAFETY: `signal` only sets SIGPIPE's disposition back to the default,
+    // before any thread is started.
+    #[allow(unsafe_code, reason = "signal is a C call")]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 
@@ -147,14 +164,26 @@ where
     Fut: std::future::Future<Output = Result<(), RunError>>,
 {
     let runtime = runtime()?;
-    runtime.block_on(async move {
-        let shutdown = CancellationToken::new();
-        tokio::spawn(shutdown_on_signal(shutdown.clone()));
-        if std::process::id() == 1 {
-            tokio::spawn(reap_orphans());
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        runtime.block_on(async move {
+            let shutdown = CancellationToken::new();
+            tokio::spawn(shutdown_on_signal(shutdown.clone()));
+            if std::process::id() == 1 {
+                tokio::spawn(reap_orphans());
+            }
+            role(shutdown).await
+        })
+    }));
+    match ran {
+        Ok(result) => result,
+        Err(_) => {
+            // A thread of its own (the lease client's) stops on the shutdown
+            // token; a role that panicked never cancelled it, and dropping
+            // the runtime would wait for that thread for ever.
+            runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+            Err(RunError::Other("a task panicked (see the message above); usher stopped".into()))
         }
-        role(shutdown).await
-    })
+    }
 }
 
 /// Logs go to stderr; `USHER_LOG` (or `RUST_LOG`) sets the filter, else `default`.

@@ -6,6 +6,7 @@
 use usher_test_support as support;
 
 use std::process::Command;
+use std::time::Duration;
 
 use support::{run_usher, usher_bin, write_file};
 
@@ -450,4 +451,54 @@ fn the_llm_guides_files_pass_check() {
             && out.contains("settled from the answer's usage (openai, total tokens)"),
         "{out}"
     );
+}
+
+/// Runs `usher ARGS` with stdout on a pipe whose reader is already gone (as
+/// behind `| head` once head has its lines): (how it ended, stderr).
+fn with_stdout_gone(args: &[&str], patience: Duration) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let mut child = std::process::Command::new(support::usher_bin())
+        .args(args)
+        .env("NO_COLOR", "1")
+        .stdin(std::process::Stdio::null())
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn usher");
+    let mut stderr = child.stderr.take().expect("piped");
+    let deadline = std::time::Instant::now() + patience;
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("usher {args:?} still ran {patience:?} after its stdout's reader went away");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    let _ = stderr.read_to_string(&mut err);
+    (status, err)
+}
+
+#[test]
+fn a_reader_that_stops_early_ends_check_and_sim_as_it_ends_cat() {
+    use std::os::unix::process::ExitStatusExt;
+    for args in [&["check", "deploy/examples/quickstart.yaml"][..], &["sim", "--scenario", "one", "--duration", "60s"]]
+    {
+        let (status, err) = with_stdout_gone(args, Duration::from_secs(60));
+        assert_eq!(status.signal(), Some(libc::SIGPIPE), "usher {args:?}: {status:?}\n{err}");
+        assert!(!err.contains("panicked"), "usher {args:?}:\n{err}");
+    }
+}
+
+#[test]
+fn a_reader_that_stops_early_ends_the_demo_at_once_and_cleanly() {
+    let (status, err) = with_stdout_gone(&["demo", "--duration", "30s"], Duration::from_secs(20));
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }
