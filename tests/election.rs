@@ -181,14 +181,15 @@ async fn configuration_is_read_from_etcd_and_kept_when_invalid() {
     let no_learning = CONFIG.replace("learning_mode_duration: 8", "learning_mode_duration: 0");
     client.put("/test/config", &no_learning.replace("capacity: 100", "capacity: 70")).await.unwrap();
     let mut got = 0.0;
-    for _ in 0..60 {
+    // Within 30 s: five etcd clusters and their servers start side by side here.
+    for _ in 0..150 {
         got = c.get_capacity(ask(500.0)).await.unwrap().into_inner().response[0].gets.capacity;
         if got == 70.0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert_eq!(got, 70.0, "a change stored in etcd takes effect");
+    assert_eq!(got, 70.0, "a change stored in etcd takes effect; log:\n{}", u.log());
     client.put("/test/config", "resources: [{identifier_glob: x}]\n").await.unwrap();
     u.wait_for_log("configuration rejected", Duration::from_secs(10));
     assert!(u.log().contains("etcd:/test/config:1:13: resources[0].capacity: missing required field"), "{}", u.log());
