@@ -416,6 +416,7 @@ fn request(n: u64, wants: f64, has: Option<Lease>) -> GetCapacityRequest {
         client_id: format!("client-{n}"),
         resource: vec![ResourceRequest {
             unit_account: None,
+            window: None,
             upstream_quota: None,
             resource_id: "shared".into(),
             priority: 0,

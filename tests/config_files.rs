@@ -247,6 +247,7 @@ const RESOURCES: &str = "resources:\n  - identifier_glob: \"*\"\n    capacity: 1
 async fn grant(c: &mut CapacityClient<tonic::transport::Channel>) -> f64 {
     let ask = ResourceRequest {
         unit_account: None,
+        window: None,
         upstream_quota: None,
         resource_id: "r".into(),
         priority: 0,

@@ -39,6 +39,7 @@ impl Enforcer for Recorder {
             pressure: false,
             quota: None,
             account: None,
+            window: None,
         }]
     }
 
@@ -81,6 +82,7 @@ async fn three_servers_elect_one_master_and_fail_over() {
             client_id: "x".into(),
             resource: vec![ResourceRequest {
                 unit_account: None,
+                window: None,
                 upstream_quota: None,
                 resource_id: "api".into(),
                 priority: 0,
@@ -171,6 +173,7 @@ async fn configuration_is_read_from_etcd_and_kept_when_invalid() {
         client_id: "a".into(),
         resource: vec![ResourceRequest {
             unit_account: None,
+            window: None,
             upstream_quota: None,
             resource_id: "r".into(),
             priority: 0,
@@ -214,6 +217,7 @@ async fn after_a_root_failover_no_intermediate_hands_out_zero() {
         client_id: "leaf".into(),
         resource: vec![ResourceRequest {
             unit_account: None,
+            window: None,
             upstream_quota: None,
             resource_id: "api".into(),
             priority: 0,

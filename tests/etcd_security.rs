@@ -69,6 +69,7 @@ async fn granted(u: &Usher) -> Option<f64> {
         client_id: "a".into(),
         resource: vec![ResourceRequest {
             unit_account: None,
+            window: None,
             upstream_quota: None,
             resource_id: "r".into(),
             priority: 0,
@@ -289,6 +290,7 @@ async fn a_master_cut_off_from_etcd_stops_granting_before_another_can_be_elected
         client_id: "x".into(),
         resource: vec![ResourceRequest {
             unit_account: None,
+            window: None,
             upstream_quota: None,
             resource_id: "r".into(),
             priority: 0,

@@ -100,6 +100,7 @@ async fn store_bytes_per_key() -> f64 {
         resource: ids
             .map(|i| proto::ResourceRequest {
                 unit_account: None,
+                window: None,
                 upstream_quota: None,
                 resource_id: tenant(i),
                 priority: 0,

@@ -28,6 +28,7 @@ impl Enforcer for Fixed {
             pressure: false,
             quota: None,
             account: None,
+            window: None,
         }]
     }
     fn apply(&self, _: &[(String, Capacity)]) {}

@@ -624,6 +624,7 @@ impl usher_proto::capacity_server::Capacity for FakeDoorman {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
         let lease = |id: &str, capacity: f64, safe_capacity: Option<f64>| ResourceResponse {
             allotment: None,
+            credit: None,
             resource_capacity: None,
             spare: None,
             share_safe: None,

@@ -173,6 +173,7 @@ async fn learning_mode_hands_back_has() {
     let mut c = s.client().await;
     let with_has = ResourceRequest {
         unit_account: None,
+        window: None,
         upstream_quota: None,
         resource_id: "learn".into(),
         priority: 1,
@@ -208,6 +209,7 @@ async fn learning_mode_believes_a_liar_only_up_to_the_capacity_and_a_lease_lengt
     let (asked, before) = (Instant::now(), unix_now());
     let liar = ResourceRequest {
         unit_account: None,
+        window: None,
         upstream_quota: None,
         resource_id: "r".into(),
         priority: 0,

@@ -39,6 +39,7 @@ fn ask(ids: impl IntoIterator<Item = (String, f64)>) -> GetCapacityRequest {
             .into_iter()
             .map(|(id, wants)| ResourceRequest {
                 unit_account: None,
+                window: None,
                 upstream_quota: None,
                 resource_id: id,
                 priority: 0,

@@ -26,6 +26,7 @@ fn ask(client: &str, ids: Vec<String>) -> GetCapacityRequest {
             .into_iter()
             .map(|id| ResourceRequest {
                 unit_account: None,
+                window: None,
                 upstream_quota: None,
                 resource_id: id,
                 priority: 0,

@@ -57,6 +57,7 @@ async fn capacity_is_shared_fairly_across_the_tree_without_overshoot() {
                     client_id: name.to_string(),
                     resource: vec![ResourceRequest {
                         unit_account: None,
+                        window: None,
                         upstream_quota: None,
                         resource_id: "api".into(),
                         priority: 0,
@@ -105,6 +106,7 @@ async fn capacity_is_shared_fairly_across_the_tree_without_overshoot() {
             client_id: "c1".into(),
             resource: vec![ResourceRequest {
                 unit_account: None,
+                window: None,
                 upstream_quota: None,
                 resource_id: "api".into(),
                 priority: 0,
@@ -144,6 +146,7 @@ async fn three_rounds(server: std::net::SocketAddr) -> HashMap<&'static str, f64
                     client_id: name.into(),
                     resource: vec![ResourceRequest {
                         unit_account: None,
+                        window: None,
                         upstream_quota: None,
                         resource_id: "db".into(),
                         priority,
@@ -252,6 +255,7 @@ async fn a_newcomer_is_answered_with_a_share_as_soon_as_one_is_free() {
         client_id: client.into(),
         resource: vec![ResourceRequest {
             unit_account: None,
+            window: None,
             upstream_quota: None,
             resource_id: resource.into(),
             priority: 0,

@@ -103,6 +103,7 @@ async fn responses_encode_required_fields_even_when_zero() {
         client_id: "c".into(),
         resource: vec![proto::ResourceRequest {
             unit_account: None,
+            window: None,
             upstream_quota: None,
             resource_id: "r".into(),
             priority: 0,
@@ -151,6 +152,7 @@ fn requests_encode_required_zero_fields() {
         client_id: "c".into(),
         resource: vec![proto::ResourceRequest {
             unit_account: None,
+            window: None,
             upstream_quota: None,
             resource_id: "r".into(),
             priority: 0,

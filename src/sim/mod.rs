@@ -481,6 +481,7 @@ impl Sim {
                 pressure,
                 quota: None,
                 account: None,
+                window: None,
             }]);
             for _ in 0..8 {
                 let now = self.clock.now();

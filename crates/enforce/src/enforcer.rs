@@ -279,6 +279,9 @@ pub struct TableEnforcer {
     fresh: Mutex<Vec<String>>,
     /// Templated keys' events, summarised in the info log.
     keylog: Mutex<crate::keylog::KeyLog>,
+    /// Keys credited with the servers' pooled burst, and how much (see
+    /// [`ServerSaid::credit`]): added to their buckets once their leases apply.
+    credits: Mutex<Vec<(String, f64)>>,
 }
 
 /// A resource's lease settings, kind, configured capacity (units per
@@ -542,6 +545,7 @@ impl TableEnforcer {
                     pressure: pressure || reloaded,
                     quota: l.quota(true).0,
                     account: account.map(Box::new),
+                    window: l.window(),
                 });
             }
         });
@@ -659,6 +663,9 @@ impl Enforcer for TableEnforcer {
             if s.fresh {
                 fresh.push(id.clone());
             }
+            if s.credit > 0.0 {
+                self.credits.lock().expect("enforcer credited keys").push((id.clone(), s.credit));
+            }
         }
     }
 
@@ -693,6 +700,10 @@ impl Enforcer for TableEnforcer {
         // A key the servers leased for the first time starts with its share of the fleet's burst.
         for id in self.fresh.lock().expect("enforcer fresh keys").drain(..) {
             self.table.fill(&id, true);
+        }
+        // A lease grown out of free capacity brings its share of the pooled burst.
+        for (id, units) in self.credits.lock().expect("enforcer credited keys").drain(..) {
+            self.table.credit(&id, units);
         }
     }
 }
@@ -843,6 +854,7 @@ pub fn start_wired(
         next_idle: Mutex::new(None),
         fresh: Mutex::new(Vec::new()),
         keylog: Mutex::default(),
+        credits: Mutex::new(Vec::new()),
     });
     // On a thread of its own: with many tenant keys, reading their demand and
     // (embedded) deciding their leases takes long enough to stall requests.
@@ -1126,6 +1138,7 @@ mod tests {
             next_idle: Mutex::new(None),
             fresh: Mutex::new(Vec::new()),
             keylog: Mutex::default(),
+            credits: Mutex::new(Vec::new()),
         };
         (e, time)
     }

@@ -161,6 +161,11 @@ pub struct KeyDemand {
     /// The key's account of its calendar unit, while it holds an allotment
     /// (boxed: most keys never have one).
     pub account: Option<Box<usher_limit::allot::Account>>,
+    /// Seconds of its leased rate the key's bucket holds (a shared rate
+    /// key's burst over its lease), reported so that a root server can pool
+    /// the burst of the capacity nobody holds and credit it when the lease
+    /// grows (usher's extension).
+    pub window: Option<f64>,
 }
 
 /// A change of the demand (see [`Core::update_demand`]).
@@ -227,6 +232,9 @@ struct KeyState {
     /// The last answer's lease was the server's first above 0 for the key
     /// (usher's extension): its bucket may start full, once.
     fresh: bool,
+    /// Units of the server's pooled burst credited with the last answers and
+    /// not yet taken (usher's extension): they go into the key's bucket.
+    credit: f64,
     /// When the quota the server follows renews, while it says that quota
     /// is spent (usher's extension: its account of the upstream's quota, or
     /// of a calendar window): refusals meanwhile say how long to wait.
@@ -275,6 +283,7 @@ impl KeyState {
             spare: 0.0,
             share_safe: false,
             fresh: false,
+            credit: 0.0,
             renews: None,
             template: None,
             mode: Mode::Pending,
@@ -345,6 +354,7 @@ impl KeyState {
         self.spare = r.spare.filter(|c| c.is_finite() && *c > 0.0).map_or(0.0, |c| c.min(r.gets.capacity.max(0.0)));
         self.share_safe = r.share_safe == Some(true);
         self.fresh |= r.fresh == Some(true);
+        self.credit += r.credit.filter(|c| c.is_finite() && *c > 0.0).unwrap_or(0.0);
         self.renews =
             r.upstream_quota.as_ref().and_then(super::quota::from_proto).filter(|o| o.exhausted(now)).map(|o| o.reset);
         self.template = match (&r.template, &self.template) {
@@ -1323,6 +1333,7 @@ impl Core {
                 }),
                 wants: if k.demand.wants.is_finite() { k.demand.wants.max(0.0) } else { 0.0 },
                 upstream_quota: k.demand.quota.as_ref().map(super::quota::to_proto),
+                window: k.demand.window,
                 unit_account: k.account().map(|a| proto::UnitAccount {
                     reset_unix_ms: (a.reset.as_nanos() / 1_000_000).min(i64::MAX as u64) as i64,
                     spent: a.spent,
@@ -1633,6 +1644,12 @@ impl Core {
     /// above 0 for the key, not yet taken: true once, then false.
     pub fn take_fresh(&mut self, resource_id: &str) -> bool {
         self.keys.get_mut(resource_id).is_some_and(|k| std::mem::take(&mut k.fresh))
+    }
+
+    /// Units of the server's pooled burst credited to `resource_id` and not
+    /// yet taken: their sum once, then 0.
+    pub fn take_credit(&mut self, resource_id: &str) -> f64 {
+        self.keys.get_mut(resource_id).map_or(0.0, |k| std::mem::take(&mut k.credit))
     }
 
     /// When the quota the server follows for `resource_id` renews, while

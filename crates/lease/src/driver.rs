@@ -41,6 +41,9 @@ pub struct ServerSaid {
     /// The lease is their first above 0 for the key: nobody's bucket holds
     /// its share of the fleet's burst, so the key's may start full.
     pub fresh: bool,
+    /// Units of their pooled burst credited to the key: they go into its
+    /// bucket at once, up to its size.
+    pub credit: f64,
 }
 
 /// The enforcement side, as the lease client sees it.
@@ -435,8 +438,8 @@ fn enforce(client: &LeaseClient) {
         let said: Vec<(String, ServerSaid)> = caps
             .iter()
             .map(|(id, _)| {
-                let fresh = core.take_fresh(id);
-                (id.clone(), ServerSaid { fleet: core.fleet_capacity(id), renews: core.renews(id), fresh })
+                let (fresh, credit) = (core.take_fresh(id), core.take_credit(id));
+                (id.clone(), ServerSaid { fleet: core.fleet_capacity(id), renews: core.renews(id), fresh, credit })
             })
             .collect();
         (caps, core.take_transitions(), said, core.take_allotments())

@@ -355,6 +355,36 @@ impl Limiter {
         }
     }
 
+    /// Adds `units` of the servers' pooled burst to a shared rate key's
+    /// bucket at once, up to its size: they were moved out of the servers'
+    /// pool as the lease grew, so the fleet's buckets and the pool together
+    /// still hold no more than its burst. Not to an allotment (no burst).
+    pub fn credit(&self, units: f64) {
+        let spec = self.spec.load();
+        if let Some(r) = &self.rate
+            && spec.shared
+            && units.is_finite()
+            && units > 0.0
+            && r.allotment_reset().is_none()
+        {
+            r.charge(self.clock.now(), -units);
+        }
+    }
+
+    /// Seconds of its leased rate a shared rate key's bucket holds: the
+    /// burst span, or the fleet's burst over the capacity the servers share
+    /// (else the configured one). `None` for a gauge, a key of one sidecar
+    /// alone, or a capacity of 0.
+    pub fn window(&self) -> Option<f64> {
+        let spec = self.spec.load();
+        self.rate.as_ref().filter(|_| spec.shared)?;
+        let w = match spec.burst_span {
+            Some(span) => span.as_secs_f64(),
+            None => spec.burst / self.fleet().unwrap_or(spec.capacity),
+        };
+        (w.is_finite() && w > 0.0).then_some(w)
+    }
+
     /// Takes a calendar quota's allotment (`None`: it ended), see
     /// [`Rate::allot`]; a gauge has none.
     pub fn allot(&self, a: Option<super::allot::Allotment>) {
@@ -755,6 +785,16 @@ impl LeaseTable {
         for r in self.resources.load().values() {
             if let Some(l) = r.get(id) {
                 l.fill(fresh);
+            }
+        }
+    }
+
+    /// Credits every key whose id is `id` with `units` of the servers'
+    /// pooled burst (see [`Limiter::credit`]).
+    pub fn credit(&self, id: &str, units: f64) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.credit(units);
             }
         }
     }

@@ -163,6 +163,7 @@ impl ParentSync {
                     quota: d.quota,
                     // (A lower server leases a rate: allotments go to the root's clients.)
                     account: None,
+                    window: None,
                 })
                 .collect(),
         );
@@ -405,6 +406,7 @@ fn client_response(resp: proto::GetServerCapacityResponse) -> proto::GetCapacity
             .into_iter()
             .map(|r| proto::ResourceResponse {
                 allotment: None,
+                credit: None,
                 resource_capacity: r.resource_capacity,
                 spare: r.spare,
                 share_safe: None,

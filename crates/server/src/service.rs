@@ -244,6 +244,16 @@ fn check_amount(field: &str, v: f64) -> Result<(), Status> {
     Ok(())
 }
 
+/// A reported window: a finite number of seconds above 0 (usher's extension).
+fn check_window(field: &str, w: Option<f64>) -> Result<Option<f64>, Status> {
+    match w {
+        Some(v) if !v.is_finite() || v <= 0.0 => {
+            Err(invalid(format!("{field} must be a finite number of seconds > 0, got {v}")))
+        }
+        w => Ok(w),
+    }
+}
+
 /// The reported lease's capacity and expiry.
 fn check_has(field: &str, has: &Option<proto::Lease>) -> Result<(Option<f64>, Option<Time>), Status> {
     match has {
@@ -302,6 +312,7 @@ pub fn client_requests(req: &proto::GetCapacityRequest) -> Result<Vec<LeaseReque
                 requester: Requester::Client { priority: r.priority },
                 quota: r.upstream_quota.as_ref().and_then(usher_lease::quota::from_proto),
                 account: check_account(&format!("{f}.unit_account"), &r.unit_account)?,
+                window: check_window(&format!("{f}.window"), r.window)?,
             })
         })
         .collect()
@@ -345,6 +356,7 @@ pub fn server_requests(req: &proto::GetServerCapacityRequest) -> Result<Vec<Leas
                 requester: Requester::Server { bands },
                 quota: r.upstream_quota.as_ref().and_then(usher_lease::quota::from_proto),
                 account: None,
+                window: None,
             })
         })
         .collect()
@@ -395,6 +407,7 @@ impl Capacity for CapacityService {
                         spare: (g.spare > 0.0).then_some(g.spare),
                         share_safe: g.share_safe.then_some(true),
                         fresh: g.fresh.then_some(true),
+                        credit: (g.credit > 0.0).then_some(g.credit),
                         upstream_quota: g.quota.as_ref().map(usher_lease::quota::to_proto),
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),

@@ -73,6 +73,7 @@ impl Client {
             pressure: !self.waiting.is_empty(),
             quota: None,
             account: self.key.account().map(Box::new),
+            window: None,
         }
     }
 

@@ -113,6 +113,7 @@ fn demand(id: &str, wants: f64, on_expiry: OnExpiry) -> KeyDemand {
         pressure: false,
         quota: None,
         account: None,
+        window: None,
     }
 }
 
@@ -884,6 +885,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
     let now = w.clock.now();
     let lease = |id: &str, expires_in: u64| proto::ResourceResponse {
         allotment: None,
+        credit: None,
         resource_capacity: None,
         spare: None,
         share_safe: None,
@@ -925,6 +927,7 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
         let now = w.clock.now();
         let lease = |id: &str, interval: i64| proto::ResourceResponse {
             allotment: None,
+            credit: None,
             resource_capacity: None,
             spare: None,
             share_safe: None,
@@ -976,6 +979,7 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64, safe: Option<f64>| proto::ResourceResponse {
         allotment: None,
+        credit: None,
         resource_capacity: None,
         spare: None,
         share_safe: None,
@@ -1096,6 +1100,7 @@ fn a_lease_below_its_safe_capacity_is_held_a_refresh_interval_longer() {
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64| proto::ResourceResponse {
         allotment: None,
+        credit: None,
         resource_capacity: None,
         spare: None,
         share_safe: None,
@@ -1152,6 +1157,7 @@ fn a_lapsed_lease_is_held_a_refresh_interval_at_no_more_than_its_safe_capacity()
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64| proto::ResourceResponse {
         allotment: None,
+        credit: None,
         resource_capacity: None,
         spare: None,
         share_safe: Some(true),

@@ -81,6 +81,7 @@ impl Enforcer for Recorder {
             pressure: false,
             quota: None,
             account: None,
+            window: None,
         }]
     }
     fn apply(&self, capacities: &[(String, Capacity)]) {
@@ -258,6 +259,7 @@ impl Transport for Steady {
             .into_iter()
             .map(|r| proto::ResourceResponse {
                 allotment: None,
+                credit: None,
                 resource_capacity: None,
                 spare: None,
                 share_safe: None,
@@ -470,6 +472,7 @@ impl Enforcer for Many {
                 pressure: false,
                 quota: None,
                 account: None,
+                window: None,
             })
             .collect()
     }
@@ -526,6 +529,7 @@ impl Enforcer for Applied {
                 pressure: false,
                 quota: None,
                 account: None,
+                window: None,
             })
             .collect()
     }

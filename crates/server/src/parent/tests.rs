@@ -41,6 +41,7 @@ async fn an_intermediate_leases_more_resources_than_one_call_takes_in_several() 
             requester: Requester::Client { priority: 0 },
             quota: None,
             account: None,
+            window: None,
         };
         mid.store.get_capacity("client", &req);
     }

@@ -46,6 +46,7 @@ fn ask(wants: f64, account: Option<(f64, f64, f64)>) -> LeaseRequest {
         reported_has: None,
         reported_expiry: None,
         requester: Requester::Client { priority: 0 },
+        window: None,
         quota: None,
         account: account.map(|(reset, spent, left)| Account {
             reset: at(reset),

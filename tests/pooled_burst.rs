@@ -1,0 +1,194 @@
+//! The pooled burst, through real processes: one `usher server`, three
+//! `usher proxy` sidecars sharing a per-minute rate, one counting upstream.
+//! Each sidecar makes a call every 12 s (a quarter of the capacity in all);
+//! then the third gets a clump of calls well beyond its own bucket but
+//! within what its bucket and the pool hold. Where the server shares spare
+//! capacity, the clump's lease growth is credited the pooled burst and the
+//! clump passes within seconds; with `spare: keep` (Doorman's grants, no
+//! pool) it waits for its bucket to refill at its lease. Either way the
+//! upstream never sees more than `capacity × T + burst`.
+
+#![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
+
+use usher_test_support as support;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use support::upstream::{Upstream, get, h1, send1};
+use support::{Usher, free_port, http_get, write_file};
+
+/// The fleet's capacity, 60 calls a minute, in calls a second.
+const PER_SECOND: f64 = 1.0;
+
+/// The fleet's burst: one minute of it (the default for a per-minute rate).
+const BURST: f64 = 60.0;
+
+/// Calls in the clump: beyond one sidecar's bucket (its lease of about
+/// 0.26/s holds 15 calls), within its bucket and the pool (a quarter of the
+/// 0.9/s spare stays pooled: 13 calls).
+const CLUMP: usize = 26;
+
+/// Each sidecar's steady load: a call this often.
+const EVERY: Duration = Duration::from_secs(12);
+
+/// How long the clump may take with a pool: its lease growth's credit
+/// arrives with the sidecar's next ask (within its 500 ms minimum interval
+/// and the server's 1 s) and passes it at once. Without one, its bucket
+/// refills at its grown lease (about 0.5/s while the others hold their
+/// spare): some 20 s for the 11 calls beyond it.
+const SMALL_WAIT: Duration = Duration::from_secs(8);
+
+/// The server's resources file: the fleet's 60/min, FAIR_SHARE, with `extra`
+/// algorithm parameters.
+fn resources(extra: &str) -> String {
+    format!(
+        "resources:\n  - identifier_glob: '*'\n    capacity: 60/min\n    algorithm: {{ kind: FAIR_SHARE, \
+         lease_length: 30, refresh_interval: 5, learning_mode_duration: 0{extra} }}\n"
+    )
+}
+
+/// A sidecar's routes file: the fleet's rate, calls waiting up to 120 s
+/// (a call is refused at once when its slot at the current lease is further
+/// off than that: the clump's calls all wait for the lease to grow).
+fn sidecar(up: &Upstream, port: u16, id: &str) -> String {
+    format!(
+        "doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: {id}\n  min_interval: 500ms\n\
+         upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  api: {{ kind: rate, capacity: 60/min, max_wait: 120s, max_queue: 100, wants: auto }}\n\
+         routes:\n  - name: all\n    match: {{ path_prefix: / }}\n    upstream: up\n    resources: [api]\n",
+        up.addr
+    )
+}
+
+/// One call through `addr`; counts a 200 in `ok`.
+async fn call(addr: SocketAddr, ok: Arc<AtomicU64>) -> u16 {
+    let mut c = h1(addr).await;
+    let status = send1(&mut c, get("app.local", "/x")).await.status.as_u16();
+    if status == 200 {
+        ok.fetch_add(1, Ordering::Relaxed);
+    }
+    status
+}
+
+/// The lease a sidecar holds for `api`, once it has one.
+fn lease(s: &Usher) -> Option<f64> {
+    let (code, body) = http_get(s.addr("admin"), "/debug/status?format=json");
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    v["lease"]["keys"][0]["has"].as_f64()
+}
+
+/// What one fleet did with a clump at its third sidecar.
+struct Clump {
+    /// When the last call of the clump was answered, from its start.
+    took: Duration,
+    /// The calls answered 200.
+    ok: u64,
+    /// The upstream's count, and the seconds since the fleet started.
+    upstream: u64,
+    secs: f64,
+}
+
+/// Starts a server with `extra` parameters and three sidecars, lets their
+/// leases settle while idle, then fires the clump at the third sidecar.
+async fn clump(dir: &Path, extra: &str) -> Clump {
+    let port = free_port();
+    let up = Upstream::start().await;
+    let started = Instant::now();
+    let _server = Usher::server_at(&write_file(dir, "server.yaml", &resources(extra)), port, &[]);
+    let sidecars: Vec<Usher> = ["a", "b", "c"]
+        .iter()
+        .map(|id| Usher::proxy(&write_file(dir, &format!("{id}.yaml"), &sidecar(&up, port, id))))
+        .collect();
+    let ok = Arc::new(AtomicU64::new(0));
+    // Every sidecar's steady load, for as long as the test may run.
+    let steady: Vec<_> = sidecars
+        .iter()
+        .map(|s| {
+            let (addr, ok) = (s.addr("listen"), ok.clone());
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(EVERY);
+                for _ in 0..12 {
+                    tick.tick().await;
+                    call(addr, ok.clone()).await;
+                }
+            })
+        })
+        .collect();
+    // The resource's clients arrive in its first 5 s; after them, each
+    // sidecar's wants follow its measured demand, and its lease follows them.
+    // The leases the first guesses took come back to the pool at its free
+    // rate: a window (60 s) fills it.
+    let settle = Instant::now();
+    while settle.elapsed() < Duration::from_secs(70) || sidecars.iter().any(|s| lease(s).is_none()) {
+        assert!(
+            settle.elapsed() < Duration::from_secs(90),
+            "leases: {:?}",
+            sidecars.iter().map(lease).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let clumped = Arc::new(AtomicU64::new(0));
+    let t0 = Instant::now();
+    let calls: Vec<_> = (0..CLUMP).map(|_| tokio::spawn(call(sidecars[2].addr("listen"), clumped.clone()))).collect();
+    for c in calls {
+        c.await.unwrap();
+    }
+    let took = t0.elapsed();
+    for s in steady {
+        s.abort();
+    }
+    Clump {
+        took,
+        ok: clumped.load(Ordering::Relaxed),
+        upstream: up.stats.requests(),
+        secs: started.elapsed().as_secs_f64(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_sidecars_clump_draws_the_pooled_burst_and_the_fleet_stays_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let pooled = clump(&subdir(dir.path(), "pooled"), "").await;
+    let keep = clump(&subdir(dir.path(), "keep"), ", parameters: [{ name: spare, value: keep }]").await;
+    eprintln!(
+        "figures: pooled: {} of {CLUMP} in {:.1?}; spare: keep: {} of {CLUMP} in {:.1?}",
+        pooled.ok, pooled.took, keep.ok, keep.took
+    );
+    for (name, c) in [("pooled", &pooled), ("keep", &keep)] {
+        // capacity × T + burst, and one call more per sidecar (a bucket's
+        // first request's worth before its first lease).
+        let bound = PER_SECOND * c.secs + BURST + 3.0;
+        assert!(
+            c.upstream as f64 <= bound,
+            "{name}: {} calls at the upstream in {:.1} s > {bound:.1}",
+            c.upstream,
+            c.secs
+        );
+    }
+    assert!(
+        pooled.ok == CLUMP as u64 && pooled.took <= SMALL_WAIT,
+        "the clump draws the pooled burst: {} of {CLUMP} in {:.1?}",
+        pooled.ok,
+        pooled.took
+    );
+    // Without a pool, the calls beyond the bucket wait at the lease's rate,
+    // or are refused at once where that is beyond their max_wait.
+    assert!(
+        keep.ok < CLUMP as u64 || keep.took > SMALL_WAIT,
+        "without a pool the clump waits for its bucket: {} of {CLUMP} in {:.1?}",
+        keep.ok,
+        keep.took
+    );
+}
+
+/// A new directory `name` in `dir`.
+fn subdir(dir: &Path, name: &str) -> std::path::PathBuf {
+    let d = dir.join(name);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
