@@ -21,6 +21,7 @@ use arc_swap::ArcSwap;
 use serde::Serialize;
 
 use crate::algorithm::{self, ClientSlot, DemandIndex, Kind};
+use few::{Clients, Reservations};
 use usher_core::clock::{Clock, Time};
 use usher_core::config::resources::{Algorithm, CATCH_ALL, ResourcesConfig, Template};
 
@@ -466,15 +467,14 @@ struct Resource {
     /// for it (a root's non-strict resources never do), kept up to date from
     /// then on.
     by_priority: Option<BTreeMap<i64, DemandIndex>>,
-    /// Boxed: a resource with one client (a sidecar's tenant key) would
-    /// otherwise hold room for four in the map's smallest table.
-    clients: HashMap<Arc<str>, Box<ClientLease>>,
+    /// Inline while few (see `few`): most resources have one client.
+    clients: Clients,
     /// Each slot's client id, the same `Arc` as its key in `clients`.
     slot_owner: Vec<Option<Arc<str>>>,
     free_slots: Vec<ClientSlot>,
     index: DemandIndex,
     expiries: Expiries,
-    reservations: HashMap<Arc<str>, Reservation>,
+    reservations: Reservations,
     reserved: f64,
     /// What end clients with a lease were told as their share (their safe
     /// capacity); with `told_reserved`, never more than the capacity, so
@@ -1119,12 +1119,12 @@ impl Resource {
             template,
             parent: None,
             by_priority: None,
-            clients: HashMap::new(),
+            clients: Clients::default(),
             slot_owner: Vec::new(),
             free_slots: Vec::new(),
             index: DemandIndex::new(),
             expiries: Expiries::default(),
-            reservations: HashMap::new(),
+            reservations: Reservations::default(),
             reserved: 0.0,
             told: 0.0,
             told_reserved: 0.0,
@@ -1150,7 +1150,7 @@ impl Resource {
                 self.remove(&owner);
                 continue;
             }
-            let l = self.clients.get(&*owner).expect("expiring slot has a lease");
+            let l = self.clients.get(&owner).expect("expiring slot has a lease");
             let amount = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
             let lease_length = self.algorithm().lease_length;
             let until = expiry.saturating_add(lease_length);
@@ -1475,7 +1475,7 @@ impl Resource {
 
     /// The grant of `client`'s current lease, unchanged.
     fn unchanged(&self, client: &str, now: Time, capacity: Option<f64>, alg: Algorithm) -> Grant {
-        let l = &self.clients[client];
+        let l = self.clients.get(client).expect("the client has a lease");
         Grant {
             quota: self.quota_view(now),
             resource_capacity: None,
@@ -1524,7 +1524,7 @@ impl Resource {
         let safe = self.safe_capacity(self.parent.as_ref().map_or(0.0, |p| p.capacity));
         self.clients.insert(
             self.owner(slot),
-            Box::new(ClientLease {
+            ClientLease {
                 slot,
                 share: false,
                 granted: 0.0,
@@ -1541,7 +1541,7 @@ impl Resource {
                 safe,
                 spare: 0.0,
                 filled: false,
-            }),
+            },
         );
         // While its reservation lasts, it may run on that and no more.
         let safe_capacity = match self.reservations.get(client) {
@@ -1789,7 +1789,7 @@ impl Resource {
         self.index.upsert(prior.slot, req.wants, req.subclients, has);
         self.file_bands(prior.slot, a.bands.iter().copied(), has);
         self.expiries.insert((expiry, prior.slot));
-        self.clients.insert(self.owner(prior.slot), Box::new(lease));
+        self.clients.insert(self.owner(prior.slot), lease);
         let credit = self.draw_pool(&a, granted - prior.has, fresh);
         Grant {
             credit,
@@ -2229,6 +2229,7 @@ fn client_key<'a>(id: &'a str, req: &LeaseRequest) -> (&'a str, Option<u64>) {
 }
 
 mod allot;
+mod few;
 mod pool;
 #[cfg(test)]
 mod tests;
