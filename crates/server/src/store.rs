@@ -469,9 +469,6 @@ struct Resource {
     by_priority: Option<BTreeMap<i64, DemandIndex>>,
     /// Inline while few (see `few`): most resources have one client.
     clients: Clients,
-    /// Each slot's client id, the same `Arc` as its key in `clients`.
-    slot_owner: Vec<Option<Arc<str>>>,
-    free_slots: Vec<ClientSlot>,
     index: DemandIndex,
     expiries: Expiries,
     reservations: Reservations,
@@ -571,7 +568,9 @@ impl Expiries {
 pub struct Store {
     clock: Clock,
     config: ArcSwap<ResourcesConfig>,
-    resources: RwLock<HashMap<String, Arc<Mutex<Resource>>>>,
+    /// Each resource boxed on its own (a map's spare room is then a pointer
+    /// wide), keyed by its id.
+    resources: RwLock<HashMap<Box<str>, Box<Mutex<Resource>>>>,
     master_since: AtomicU64,
     /// What this master knows of its predecessor's leases ([`Predecessor`], encoded).
     predecessor: AtomicU64,
@@ -854,7 +853,7 @@ impl Store {
                     })
                     .collect();
                 Some(ParentDemand {
-                    resource_id: id.clone(),
+                    resource_id: id.to_string(),
                     wants: r.index.total_wants(),
                     bands,
                     // What every client is counted as holding (a lower
@@ -969,7 +968,7 @@ impl Store {
                 // The map's read lock is held while the resource changes, so a
                 // sweep cannot drop a resource that a request is filling.
                 let map = self.resources.read().expect("store lock poisoned");
-                if let Some(res) = map.get(&req.resource_id) {
+                if let Some(res) = map.get(req.resource_id.as_str()) {
                     let mut r = res.lock().expect("resource lock poisoned");
                     r.expire(now);
                     r.predecessor = self.predecessor();
@@ -990,11 +989,11 @@ impl Store {
             let cfg = self.config.load();
             let template = cfg.find(&req.resource_id).expect("validated config has a catch-all").clone();
             let mut map = self.resources.write().expect("store lock poisoned");
-            map.entry(req.resource_id.clone()).or_insert_with(|| {
+            map.entry(req.resource_id.as_str().into()).or_insert_with(|| {
                 self.fell_to_catch_all(&req.resource_id, &cfg, &template);
                 let mut r = Resource::new(template);
                 r.created = now;
-                Arc::new(Mutex::new(r))
+                Box::new(Mutex::new(r))
             });
         }
     }
@@ -1017,7 +1016,7 @@ impl Store {
         let now = self.clock.now();
         let mut map = self.resources.write().expect("store lock poisoned");
         map.retain(|_, res| {
-            let mut r = res.lock().expect("resource lock poisoned");
+            let r = res.get_mut().expect("resource lock poisoned");
             r.expire(now);
             !r.clients.is_empty() || !r.reservations.is_empty() || r.calendar.as_ref().is_some_and(|c| c.counts(now))
         });
@@ -1040,7 +1039,7 @@ impl Store {
                 }
                 let until = r.learning_until(self.master_since(), now, self.role);
                 ResourceStatus {
-                    id: id.clone(),
+                    id: id.to_string(),
                     template: r.template.identifier_glob.clone(),
                     algorithm: r.template.algorithm.kind.name(),
                     capacity: r.capacity(now, self.role).unwrap_or(0.0),
@@ -1120,8 +1119,6 @@ impl Resource {
             parent: None,
             by_priority: None,
             clients: Clients::default(),
-            slot_owner: Vec::new(),
-            free_slots: Vec::new(),
             index: DemandIndex::new(),
             expiries: Expiries::default(),
             reservations: Reservations::default(),
@@ -1144,7 +1141,7 @@ impl Resource {
             if expiry > now {
                 break;
             }
-            let owner = self.slot_owner[slot as usize].clone().expect("expiring slot has an owner");
+            let owner = self.clients.owner(slot).expect("expiring slot has an owner");
             if self.calendar.is_some() {
                 // What it may still spend stays counted in its unit instead.
                 self.remove(&owner);
@@ -1336,8 +1333,6 @@ impl Resource {
             self.expiries.remove(&(l.expiry, l.slot));
             self.index.remove(l.slot);
             self.unfile_bands(l.slot, bands_of(&l.requester, l.wants, l.subclients));
-            self.slot_owner[l.slot as usize] = None;
-            self.free_slots.push(l.slot);
         }
     }
 
@@ -1516,14 +1511,14 @@ impl Resource {
         alg: Algorithm,
         bands: &[(i64, f64, u64)],
     ) -> Grant {
-        let slot = self.new_slot(client);
+        let slot = self.clients.new_slot();
         let expiry = self.cap_expiry(now.saturating_add(Duration::from_secs(2)));
         self.index.upsert(slot, req.wants, req.subclients, 0.0);
         self.file_bands(slot, bands.iter().copied(), 0.0);
         self.expiries.insert((expiry, slot));
         let safe = self.safe_capacity(self.parent.as_ref().map_or(0.0, |p| p.capacity));
         self.clients.insert(
-            self.owner(slot),
+            client,
             ClientLease {
                 slot,
                 share: false,
@@ -1789,7 +1784,7 @@ impl Resource {
         self.index.upsert(prior.slot, req.wants, req.subclients, has);
         self.file_bands(prior.slot, a.bands.iter().copied(), has);
         self.expiries.insert((expiry, prior.slot));
-        self.clients.insert(self.owner(prior.slot), lease);
+        self.clients.insert(a.client, lease);
         let credit = self.draw_pool(&a, granted - prior.has, fresh);
         Grant {
             credit,
@@ -1879,7 +1874,7 @@ impl Resource {
                 self.expiries.remove(&(l.expiry, l.slot));
                 l.slot
             }
-            None => self.new_slot(a.client),
+            None => self.clients.new_slot(),
         };
         let previous = self.clients.get(a.client);
         let (old_has, old_bands): (f64, Vec<_>) =
@@ -2153,29 +2148,6 @@ impl Resource {
         }
         let unused = capacity - (self.index.total_has() - r.has);
         grant.min(r.wants).min(unused).max(0.0)
-    }
-
-    fn new_slot(&mut self, client: &str) -> ClientSlot {
-        let owner = Some(Arc::from(client));
-        match self.free_slots.pop() {
-            Some(s) => {
-                self.slot_owner[s as usize] = owner;
-                s
-            }
-            None => {
-                // Room for one: most resources never have another client.
-                if self.slot_owner.capacity() == 0 {
-                    self.slot_owner.reserve_exact(1);
-                }
-                self.slot_owner.push(owner);
-                (self.slot_owner.len() - 1) as ClientSlot
-            }
-        }
-    }
-
-    /// The id of the client in `slot`.
-    fn owner(&self, slot: ClientSlot) -> Arc<str> {
-        self.slot_owner[slot as usize].clone().expect("a slot in use has an owner")
     }
 }
 

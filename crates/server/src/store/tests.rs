@@ -897,3 +897,49 @@ proptest! {
         }
     }
 }
+
+/// A resource's clients move from the inline list to the map and back as
+/// they come and go: every lease keeps its own slot, slots are reused, and
+/// the sums are the same as if the clients had come in one go.
+#[test]
+fn clients_past_the_inline_few_keep_their_slots_and_sums() {
+    let mut r = Resource::new(template(Kind::FairShare, 1000.0, 10, 5, 0));
+    let d = Decision { learning: true, min_interval: Duration::ZERO, again: false, arrivals: true };
+    let now = Time::from_secs(500);
+    let ask = |r: &mut Resource, id: &str, n: f64| r.decide(id, &req("x", n, Some(n)), now, d, Role::Root);
+    let check = |r: &Resource, ids: &[String]| {
+        let mut slots: Vec<ClientSlot> = ids.iter().map(|id| r.clients.get(id).expect("a lease").slot).collect();
+        for (id, s) in ids.iter().zip(&slots) {
+            assert_eq!(r.clients.owner(*s).as_deref(), Some(id.as_str()), "slot {s} names its client");
+        }
+        slots.sort_unstable();
+        slots.dedup();
+        assert_eq!(slots.len(), ids.len(), "one slot per client");
+        let wants: f64 = ids.iter().map(|id| id[1..].parse::<f64>().unwrap()).sum();
+        assert_eq!((r.clients.len(), r.index.len(), r.index.total_has()), (ids.len(), ids.len(), wants));
+    };
+    let mut ids: Vec<String> = (1..=12).map(|i| format!("c{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        ask(&mut r, id, (i + 1) as f64);
+        check(&r, &ids[..=i]);
+    }
+    assert!(matches!(r.clients, few::Clients::Many(_)));
+    for id in ["c3", "c7", "c12"] {
+        r.remove(id);
+        ids.retain(|i| i != id);
+        check(&r, &ids);
+    }
+    for id in ["c20", "c30", "c40"] {
+        ask(&mut r, id, id[1..].parse().unwrap());
+        ids.push(id.to_string());
+        check(&r, &ids);
+    }
+    let max_slot = ids.iter().map(|id| r.clients.get(id).unwrap().slot).max();
+    assert_eq!(max_slot, Some(11), "freed slots are reused before new ones");
+    for id in std::mem::take(&mut ids) {
+        r.remove(&id);
+    }
+    assert!(matches!(&r.clients, few::Clients::Few(v) if v.capacity() == 0), "the last client takes the storage");
+    ask(&mut r, "c5", 5.0);
+    check(&r, &["c5".to_string()]);
+}
