@@ -406,6 +406,21 @@ struct ClientLease {
     expiry: Time,
     refresh_interval: Duration,
     last_request: Time,
+    /// What only a lower usher node's lease has (boxed: an end client's
+    /// has none of it).
+    lineage: Option<Box<Lineage>>,
+    /// The safe capacity per subclient the last answer carried (< 0: unlimited).
+    safe: f64,
+    /// The part of `granted` that is spare (see [`Grant::spare`]).
+    spare: f64,
+    /// An answer told the client it was fresh (see [`Grant::fresh`]): its
+    /// bucket was filled once, and never is again.
+    filled: bool,
+}
+
+/// The part of a lease only a lower usher node's master has.
+#[derive(Debug, Clone, PartialEq)]
+struct Lineage {
     /// The epoch of the master speaking for a lower usher node.
     epoch: Option<u64>,
     /// What a node's new master inherits from its predecessor: its `has`
@@ -415,13 +430,28 @@ struct ClientLease {
     floor: Option<(f64, Time)>,
     /// What the parent tells a new master of its predecessor.
     predecessor_subclients: Option<u64>,
-    /// The safe capacity per subclient the last answer carried (< 0: unlimited).
-    safe: f64,
-    /// The part of `granted` that is spare (see [`Grant::spare`]).
-    spare: f64,
-    /// An answer told the client it was fresh (see [`Grant::fresh`]): its
-    /// bucket was filled once, and never is again.
-    filled: bool,
+}
+
+impl Lineage {
+    /// `None` when there is nothing to keep.
+    fn boxed(epoch: Option<u64>, floor: Option<(f64, Time)>, predecessor_subclients: Option<u64>) -> Option<Box<Self>> {
+        let l = Lineage { epoch, floor, predecessor_subclients };
+        (l != Lineage { epoch: None, floor: None, predecessor_subclients: None }).then(|| Box::new(l))
+    }
+}
+
+impl ClientLease {
+    fn epoch(&self) -> Option<u64> {
+        self.lineage.as_ref().and_then(|l| l.epoch)
+    }
+
+    fn floor(&self) -> Option<(f64, Time)> {
+        self.lineage.as_ref().and_then(|l| l.floor)
+    }
+
+    fn predecessor_subclients(&self) -> Option<u64> {
+        self.lineage.as_ref().and_then(|l| l.predecessor_subclients)
+    }
 }
 
 /// What a lease leaves behind when it expires unrenewed: its client now holds
@@ -503,11 +533,12 @@ struct Resource {
     pool: Option<Box<pool::Pool>>,
 }
 
-/// A resource's leases by expiry, soonest first: a sorted vector while
-/// there are few (a sidecar's tenant key has one lease, and a tree's
-/// smallest node holds room for eleven), a tree beyond.
+/// A resource's leases by expiry, soonest first: inline while there is one
+/// (a tenant key's), a sorted vector while there are few (a tree's smallest
+/// node holds room for eleven), a tree beyond.
 #[derive(Debug)]
 enum Expiries {
+    One(Option<(Time, ClientSlot)>),
     Few(Vec<(Time, ClientSlot)>),
     Many(BTreeSet<(Time, ClientSlot)>),
 }
@@ -517,13 +548,14 @@ const FEW_EXPIRIES: usize = 8;
 
 impl Default for Expiries {
     fn default() -> Self {
-        Expiries::Few(Vec::new())
+        Expiries::One(None)
     }
 }
 
 impl Expiries {
     fn first(&self) -> Option<&(Time, ClientSlot)> {
         match self {
+            Expiries::One(e) => e.as_ref(),
             Expiries::Few(v) => v.first(),
             Expiries::Many(set) => set.first(),
         }
@@ -531,6 +563,14 @@ impl Expiries {
 
     fn insert(&mut self, e: (Time, ClientSlot)) {
         match self {
+            Expiries::One(None) => *self = Expiries::One(Some(e)),
+            Expiries::One(Some(x)) if *x == e => {}
+            Expiries::One(Some(x)) => {
+                let x = *x;
+                let mut v = Vec::with_capacity(2);
+                v.extend([x.min(e), x.max(e)]);
+                *self = Expiries::Few(v);
+            }
             Expiries::Few(v) if v.len() < FEW_EXPIRIES => {
                 if let Err(i) = v.binary_search(&e) {
                     if v.len() == v.capacity() {
@@ -552,9 +592,17 @@ impl Expiries {
 
     fn remove(&mut self, e: &(Time, ClientSlot)) {
         match self {
+            Expiries::One(x) => {
+                if x.as_ref() == Some(e) {
+                    *x = None;
+                }
+            }
             Expiries::Few(v) => {
                 if let Ok(i) = v.binary_search(e) {
                     v.remove(i);
+                }
+                if v.is_empty() {
+                    *self = Expiries::One(None);
                 }
             }
             Expiries::Many(set) => {
@@ -1148,7 +1196,7 @@ impl Resource {
                 continue;
             }
             let l = self.clients.get(&owner).expect("expiring slot has a lease");
-            let amount = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
+            let amount = l.has.max(l.floor().filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
             let lease_length = self.algorithm().lease_length;
             let until = expiry.saturating_add(lease_length);
             // The client holds its lease for as long again as it was granted for.
@@ -1167,14 +1215,14 @@ impl Resource {
                     hold_until,
                     then: told,
                     until,
-                    epoch: l.epoch,
+                    epoch: l.epoch(),
                     holders: 0,
                     told,
                     sharers: l.subclients,
                 }
             } else {
                 let then = if l.safe < 0.0 { amount } else { amount.min(l.safe * l.subclients as f64) };
-                Reservation { amount, hold_until, then, until, epoch: l.epoch, holders: 0, told: 0.0, sharers: 0 }
+                Reservation { amount, hold_until, then, until, epoch: l.epoch(), holders: 0, told: 0.0, sharers: 0 }
             };
             self.remove(&owner);
             if r.amount > 0.0 && r.until > now {
@@ -1235,15 +1283,15 @@ impl Resource {
     /// [`Resource::release`], the pool aside.
     fn release_lease(&mut self, id: &str, now: Time) {
         let (node, epoch) = split_identity(id);
-        let Some(l) = self.clients.get(node).filter(|l| l.epoch.is_some() && epoch.is_some()) else {
+        let Some(l) = self.clients.get(node).filter(|l| l.epoch().is_some() && epoch.is_some()) else {
             self.remove(id);
             self.unreserve(id);
             return;
         };
-        if l.epoch > epoch {
+        if l.epoch() > epoch {
             return;
         }
-        let keep = l.has.max(l.floor.filter(|f| f.1 > now).map_or(0.0, |f| f.0));
+        let keep = l.has.max(l.floor().filter(|f| f.1 > now).map_or(0.0, |f| f.0));
         let (until, holders) = (l.expiry, l.subclients);
         let key: Arc<str> = Arc::from(node);
         self.remove(node);
@@ -1488,7 +1536,7 @@ impl Resource {
             },
             algorithm: alg,
             template: self.template_name(),
-            predecessor_subclients: l.predecessor_subclients,
+            predecessor_subclients: l.predecessor_subclients(),
         }
     }
 
@@ -1530,9 +1578,7 @@ impl Resource {
                 expiry,
                 refresh_interval: Duration::from_secs(1),
                 last_request: now,
-                epoch: None,
-                floor: None,
-                predecessor_subclients: None,
+                lineage: None,
                 safe,
                 spare: 0.0,
                 filled: false,
@@ -1660,13 +1706,13 @@ impl Resource {
     fn succeed(&mut self, a: &Ask<'_>) -> Result<Option<Inherited>, Stale> {
         let mut inherited: Option<Inherited> = None;
         if let (Some(e), Some(l)) = (a.epoch, self.clients.get(a.client))
-            && let Some(le) = l.epoch
+            && let Some(le) = l.epoch()
         {
             if e < le {
                 return Err(Stale);
             }
             if e > le {
-                let floor = l.has.max(l.floor.filter(|f| f.1 > a.now).map_or(0.0, |f| f.0));
+                let floor = l.has.max(l.floor().filter(|f| f.1 > a.now).map_or(0.0, |f| f.0));
                 inherited = Some((floor, l.expiry, l.subclients));
                 self.remove(a.client);
             }
@@ -1771,9 +1817,7 @@ impl Resource {
             expiry,
             refresh_interval: refresh,
             last_request: now,
-            epoch: a.epoch,
-            floor: prior.floor,
-            predecessor_subclients: prior.predecessor,
+            lineage: Lineage::boxed(a.epoch, prior.floor, prior.predecessor),
             safe: match told {
                 Some(t) => t / req.subclients.max(1) as f64,
                 None => self.configured_safe_capacity().unwrap_or(safe),
@@ -1885,13 +1929,13 @@ impl Resource {
         let lease_length = self.algorithm().lease_length;
         let floor = inherited
             .map(|(f, until, _)| (f, until))
-            .or(previous.and_then(|l| l.floor))
+            .or(previous.and_then(|l| l.floor()))
             .filter(|f| f.1.saturating_add(lease_length) > now && f.0 > 0.0);
         let predecessor = match (a.epoch, a.d.learning) {
             (None, _) | (_, true) => None,
             (Some(_), false) => match (inherited, previous) {
                 (Some((_, _, n)), _) => Some(n),
-                (None, Some(l)) => l.predecessor_subclients,
+                (None, Some(l)) => l.predecessor_subclients(),
                 (None, None) => Some(0),
             },
         };

@@ -623,7 +623,8 @@ fn a_lower_servers_bands_reach_the_parent_per_priority() {
 }
 
 proptest! {
-    /// A resource's expiries, a vector while few and a tree beyond, keep
+    /// A resource's expiries, inline while one, a vector while few and a
+    /// tree beyond, keep
     /// the order and contents a tree alone would.
     #[test]
     fn expiries_keep_a_trees_order(ops in proptest::collection::vec((any::<bool>(), 0u64..6, 0u32..24), 0..200)) {
@@ -639,6 +640,7 @@ proptest! {
             }
             prop_assert_eq!(ours.first(), tree.first());
             let all: Vec<_> = match &ours {
+                Expiries::One(e) => e.iter().copied().collect(),
                 Expiries::Few(v) => v.clone(),
                 Expiries::Many(set) => set.iter().copied().collect(),
             };
