@@ -1076,49 +1076,70 @@ impl Store {
         let map = self.resources.read().expect("store lock poisoned");
         let mut out: Vec<ResourceStatus> = map
             .iter()
-            .map(|(id, res)| {
-                let mut r = res.lock().expect("resource lock poisoned");
-                r.expire(now);
-                r.predecessor = self.predecessor();
-                if r.calendar.is_some() {
-                    // A unit may have ended since the last request: the page
-                    // shows the one now running.
-                    r.follow_calendar(now, self.role);
-                }
-                let until = r.learning_until(self.master_since(), now, self.role);
-                ResourceStatus {
-                    id: id.to_string(),
-                    template: r.template.identifier_glob.clone(),
-                    algorithm: r.template.algorithm.kind.name(),
-                    capacity: r.capacity(now, self.role).unwrap_or(0.0),
-                    sum_has: r.index.total_has() * r.rate_factor(now),
-                    sum_wants: r.index.total_wants() * r.rate_factor(now),
-                    clients: r.clients.len(),
-                    server_clients: r
-                        .clients
-                        .values()
-                        .filter(|l| matches!(l.requester, Requester::Server { .. }))
-                        .count(),
-                    subclients: r.index.total_subclients(),
-                    reserved: r.reserved,
-                    learning_mode: until.is_some(),
-                    learning_left_s: until.map_or(0.0, |u| u.since(now).as_secs_f64()),
-                    parent_capacity: r.parent.as_ref().map(|p| p.capacity),
-                    parent_expires_in_s: r.parent.as_ref().map(|p| p.expiry.since(now).as_secs_f64()),
-                    quota: r.quota_view(now).map(|o| QuotaStatus {
-                        source: match r.quota.as_ref().is_some_and(|q| q.latest.is_some()) {
-                            true => "upstream",
-                            false => "calendar",
-                        },
-                        limit: o.limit,
-                        remaining: o.remaining,
-                        reset_in_s: o.reset.since(now).as_secs_f64(),
-                    }),
-                }
-            })
+            .map(|(id, res)| self.status_of(id, &mut res.lock().expect("resource lock poisoned"), now))
             .collect();
         out.sort_by(|a, b| a.id.cmp(&b.id));
         out
+    }
+
+    /// The first `max` resources in [`rank`] order, and how many there are
+    /// in all; `each` sees every resource's status on the way (the metrics'
+    /// per-template sums). It holds no more than twice `max` statuses at
+    /// once: a scrape of a store with a million keys costs no more memory
+    /// than one of a few thousand.
+    pub fn top_status(&self, max: usize, mut each: impl FnMut(&ResourceStatus)) -> (Vec<ResourceStatus>, usize) {
+        let now = self.clock.now();
+        let map = self.resources.read().expect("store lock poisoned");
+        let mut top = Vec::new();
+        for (id, res) in map.iter() {
+            let s = self.status_of(id, &mut res.lock().expect("resource lock poisoned"), now);
+            each(&s);
+            top.push(s);
+            if top.len() >= max.saturating_mul(2).max(64) {
+                rank(&mut top);
+                top.truncate(max);
+            }
+        }
+        rank(&mut top);
+        top.truncate(max);
+        (top, map.len())
+    }
+
+    /// What status pages and metrics show of one resource now.
+    fn status_of(&self, id: &str, r: &mut Resource, now: Time) -> ResourceStatus {
+        r.expire(now);
+        r.predecessor = self.predecessor();
+        if r.calendar.is_some() {
+            // A unit may have ended since the last request: the page
+            // shows the one now running.
+            r.follow_calendar(now, self.role);
+        }
+        let until = r.learning_until(self.master_since(), now, self.role);
+        ResourceStatus {
+            id: id.to_string(),
+            template: r.template.identifier_glob.clone(),
+            algorithm: r.template.algorithm.kind.name(),
+            capacity: r.capacity(now, self.role).unwrap_or(0.0),
+            sum_has: r.index.total_has() * r.rate_factor(now),
+            sum_wants: r.index.total_wants() * r.rate_factor(now),
+            clients: r.clients.len(),
+            server_clients: r.clients.values().filter(|l| matches!(l.requester, Requester::Server { .. })).count(),
+            subclients: r.index.total_subclients(),
+            reserved: r.reserved,
+            learning_mode: until.is_some(),
+            learning_left_s: until.map_or(0.0, |u| u.since(now).as_secs_f64()),
+            parent_capacity: r.parent.as_ref().map(|p| p.capacity),
+            parent_expires_in_s: r.parent.as_ref().map(|p| p.expiry.since(now).as_secs_f64()),
+            quota: r.quota_view(now).map(|o| QuotaStatus {
+                source: match r.quota.as_ref().is_some_and(|q| q.latest.is_some()) {
+                    true => "upstream",
+                    false => "calendar",
+                },
+                limit: o.limit,
+                remaining: o.remaining,
+                reset_in_s: o.reset.since(now).as_secs_f64(),
+            }),
+        }
     }
 
     /// One resource's unexpired leases, sorted by client id.

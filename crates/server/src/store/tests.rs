@@ -945,3 +945,24 @@ fn clients_past_the_inline_few_keep_their_slots_and_sums() {
     ask(&mut r, "c5", 5.0);
     check(&r, &["c5".to_string()]);
 }
+
+/// The first few resources in rank order, found while holding a bounded
+/// number of statuses, are the ones a full sort finds; every resource is
+/// seen once on the way.
+#[test]
+fn top_status_matches_a_full_ranking() {
+    let (s, _clock) = store(Kind::FairShare, 1000.0, 0, Duration::ZERO);
+    for i in 0..300u32 {
+        // Many ties (the same wants), broken by id.
+        s.get_capacity("a", &req(&format!("r{i}"), f64::from(i % 17), None));
+    }
+    let mut all = s.status();
+    rank(&mut all);
+    for max in [0, 1, 10, 150, 1000] {
+        let mut seen = 0;
+        let (top, total) = s.top_status(max, |_| seen += 1);
+        assert_eq!((total, seen), (300, 300));
+        let ids = |v: &[ResourceStatus]| v.iter().map(|r| r.id.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(&top), ids(&all[..max.min(300)]), "the first {max}");
+    }
+}
