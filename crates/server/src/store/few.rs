@@ -177,49 +177,98 @@ impl Many {
     }
 }
 
-/// What lapsed clients keep reserved, by client id; no storage while empty,
-/// which is almost always.
+/// What lapsed clients keep reserved, by client id: nothing allocated while
+/// empty (almost always), then a vector while few (every lease of a tenant
+/// key lapses into one reservation when its sidecar stops asking for it),
+/// a hash map past [`FEW_CLIENTS`].
 #[derive(Debug, Default)]
-#[allow(clippy::box_collection, reason = "a map inline would widen every resource by 40 bytes")]
-pub(super) struct Reservations(Option<Box<HashMap<Arc<str>, Reservation>>>);
+pub(super) enum Reservations {
+    /// No reservation.
+    #[default]
+    None,
+    /// Up to [`FEW_CLIENTS`], in no order.
+    Few(Vec<(Arc<str>, Reservation)>),
+    #[allow(clippy::box_collection, reason = "a map inline would widen every resource by 24 bytes")]
+    Many(Box<HashMap<Arc<str>, Reservation>>),
+}
 
 impl Reservations {
     pub(super) fn is_empty(&self) -> bool {
-        self.0.as_ref().is_none_or(|m| m.is_empty())
+        match self {
+            Reservations::None => true,
+            Reservations::Few(v) => v.is_empty(),
+            Reservations::Many(m) => m.is_empty(),
+        }
     }
 
     pub(super) fn get(&self, id: &str) -> Option<&Reservation> {
-        self.0.as_ref()?.get(id)
+        match self {
+            Reservations::None => None,
+            Reservations::Few(v) => v.iter().find(|(k, _)| **k == *id).map(|(_, r)| r),
+            Reservations::Many(m) => m.get(id),
+        }
     }
 
     pub(super) fn contains_key(&self, id: &str) -> bool {
         self.get(id).is_some()
     }
 
+    /// Files `r` under `id`; gives back what `id` had reserved before.
     pub(super) fn insert(&mut self, id: Arc<str>, r: Reservation) -> Option<Reservation> {
-        self.0.get_or_insert_with(Default::default).insert(id, r)
+        match self {
+            Reservations::None => {
+                *self = Reservations::Few(vec![(id, r)]);
+                None
+            }
+            Reservations::Few(v) => {
+                if let Some((_, old)) = v.iter_mut().find(|(k, _)| *k == id) {
+                    return Some(mem::replace(old, r));
+                }
+                if v.len() < FEW_CLIENTS {
+                    v.reserve_exact(1);
+                    v.push((id, r));
+                } else {
+                    let mut m: HashMap<_, _> = mem::take(v).into_iter().collect();
+                    m.insert(id, r);
+                    *self = Reservations::Many(Box::new(m));
+                }
+                None
+            }
+            Reservations::Many(m) => m.insert(id, r),
+        }
     }
 
     pub(super) fn remove(&mut self, id: &str) -> Option<Reservation> {
-        let r = self.0.as_mut()?.remove(id);
+        let r = match self {
+            Reservations::None => None,
+            Reservations::Few(v) => v.iter().position(|(k, _)| **k == *id).map(|i| v.swap_remove(i).1),
+            Reservations::Many(m) => m.remove(id),
+        };
         self.release_if_empty();
         r
     }
 
-    pub(super) fn retain(&mut self, keep: impl FnMut(&Arc<str>, &mut Reservation) -> bool) {
-        if let Some(m) = &mut self.0 {
-            m.retain(keep);
+    pub(super) fn retain(&mut self, mut keep: impl FnMut(&Arc<str>, &mut Reservation) -> bool) {
+        match self {
+            Reservations::None => {}
+            Reservations::Few(v) => v.retain_mut(|(k, r)| keep(k, r)),
+            Reservations::Many(m) => m.retain(keep),
         }
         self.release_if_empty();
     }
 
     pub(super) fn values(&self) -> impl Iterator<Item = &Reservation> + Clone {
-        self.0.iter().flat_map(|m| m.values())
+        let (few, many) = match self {
+            Reservations::None => (None, None),
+            Reservations::Few(v) => (Some(v.iter().map(|(_, r)| r)), None),
+            Reservations::Many(m) => (None, Some(m.values())),
+        };
+        few.into_iter().flatten().chain(many.into_iter().flatten())
     }
 
     fn release_if_empty(&mut self) {
         if self.is_empty() {
-            self.0 = None;
+            *self = Reservations::None;
         }
     }
 }

@@ -966,3 +966,45 @@ fn top_status_matches_a_full_ranking() {
         assert_eq!(ids(&top), ids(&all[..max.min(300)]), "the first {max}");
     }
 }
+
+/// Reservations go from nothing to a vector to a map and back, and find,
+/// replace and drop each client's as a map alone would.
+#[test]
+fn reservations_past_the_inline_few_behave_as_a_map() {
+    let r = |amount: f64| Reservation {
+        amount,
+        hold_until: Time::from_secs(1),
+        then: amount,
+        until: Time::from_secs(2),
+        epoch: None,
+        holders: 0,
+        told: 0.0,
+        sharers: 0,
+    };
+    let (mut ours, mut map) = (few::Reservations::default(), HashMap::new());
+    let same = |ours: &few::Reservations, map: &HashMap<String, Reservation>| {
+        let mut a: Vec<f64> = ours.values().map(|r| r.amount).collect();
+        let mut b: Vec<f64> = map.values().map(|r| r.amount).collect();
+        a.sort_by(f64::total_cmp);
+        b.sort_by(f64::total_cmp);
+        assert_eq!(a, b);
+        assert!(map.keys().all(|k| ours.get(k).map(|r| r.amount) == Some(map[k].amount)));
+        assert_eq!(ours.is_empty(), map.is_empty());
+    };
+    for i in 0..12 {
+        let id = format!("c{i}");
+        assert_eq!(ours.insert(Arc::from(id.as_str()), r(i as f64)), map.insert(id, r(i as f64)));
+        same(&ours, &map);
+    }
+    assert!(matches!(ours, few::Reservations::Many(_)));
+    assert_eq!(ours.insert(Arc::from("c3"), r(30.0)).map(|r| r.amount), Some(3.0));
+    map.insert("c3".into(), r(30.0));
+    assert_eq!(ours.remove("c4").map(|r| r.amount), map.remove("c4").map(|r| r.amount));
+    ours.retain(|_, r| r.amount < 8.0);
+    map.retain(|_, r| r.amount < 8.0);
+    same(&ours, &map);
+    ours.retain(|_, _| false);
+    assert!(matches!(ours, few::Reservations::None), "an emptied set holds no storage");
+    ours.insert(Arc::from("c1"), r(1.0));
+    assert!(ours.contains_key("c1") && !ours.contains_key("c2"));
+}
