@@ -7,8 +7,9 @@
 //! four, each entry a box of its own, and a vector naming each slot's
 //! client. [`Clients`] keeps up to [`FEW_CLIENTS`] leases inline in one
 //! vector, searched by id or slot, and moves to a hash map and a slot
-//! vector past that; [`Reservations`] allocates nothing while empty.
-//! Neither orders its entries: callers never depended on a map's order.
+//! vector past that. [`Reservations`] allocates nothing while empty, then
+//! a vector while few and a map past that. Neither orders its entries:
+//! callers never depended on a map's order.
 
 use std::collections::HashMap;
 use std::mem;
