@@ -61,6 +61,13 @@ fn live() -> isize {
 
 const KEYS: usize = 10_000;
 
+/// The most heap bytes a one-client key may cost the capacity server's
+/// store (measured: 616). With malloc's overhead (five allocations a key)
+/// and the map's spare room on top, a key then costs a server under 1,000
+/// bytes of RSS: a million tenant keys fit in 1 GB (benches/RESULTS.md,
+/// run AB: 752 MB, a tenth of the keys on three clients).
+const STORE_CEILING: f64 = 750.0;
+
 /// A sidecar with no `doorman:` section (so an embedded server) and the e2e
 /// bench's tenant resource.
 fn routes() -> Arc<RoutesConfig> {
@@ -203,7 +210,7 @@ async fn bytes_per_templated_key_stay_bounded() {
     // (measured on 2026-11-26: 957, 491, 490 and 1,938; before that work,
     // 3,769, 491, 1,263 and 5,523).
     assert!(store > 0.0 && table > 0.0 && client > 0.0);
-    assert!(store < 1_500.0, "store: {store:.0} bytes per key");
+    assert!(store < STORE_CEILING, "store: {store:.0} bytes per key");
     assert!(table < 800.0, "table: {table:.0} bytes per key");
     assert!(client < 1_000.0, "lease client and enforcer: {client:.0} bytes per key");
     assert!(whole < 3_000.0, "whole sidecar: {whole:.0} bytes per key");

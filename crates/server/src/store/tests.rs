@@ -623,7 +623,8 @@ fn a_lower_servers_bands_reach_the_parent_per_priority() {
 }
 
 proptest! {
-    /// A resource's expiries, a vector while few and a tree beyond, keep
+    /// A resource's expiries, inline while one, a vector while few and a
+    /// tree beyond, keep
     /// the order and contents a tree alone would.
     #[test]
     fn expiries_keep_a_trees_order(ops in proptest::collection::vec((any::<bool>(), 0u64..6, 0u32..24), 0..200)) {
@@ -639,6 +640,7 @@ proptest! {
             }
             prop_assert_eq!(ours.first(), tree.first());
             let all: Vec<_> = match &ours {
+                Expiries::One(e) => e.iter().copied().collect(),
                 Expiries::Few(v) => v.clone(),
                 Expiries::Many(set) => set.iter().copied().collect(),
             };
@@ -896,4 +898,113 @@ proptest! {
             prop_assert!(spent <= cap * t + cap * w + 1e-6, "spent {spent} in {t} s");
         }
     }
+}
+
+/// A resource's clients move from the inline list to the map and back as
+/// they come and go: every lease keeps its own slot, slots are reused, and
+/// the sums are the same as if the clients had come in one go.
+#[test]
+fn clients_past_the_inline_few_keep_their_slots_and_sums() {
+    let mut r = Resource::new(template(Kind::FairShare, 1000.0, 10, 5, 0));
+    let d = Decision { learning: true, min_interval: Duration::ZERO, again: false, arrivals: true };
+    let now = Time::from_secs(500);
+    let ask = |r: &mut Resource, id: &str, n: f64| r.decide(id, &req("x", n, Some(n)), now, d, Role::Root);
+    let check = |r: &Resource, ids: &[String]| {
+        let mut slots: Vec<ClientSlot> = ids.iter().map(|id| r.clients.get(id).expect("a lease").slot).collect();
+        for (id, s) in ids.iter().zip(&slots) {
+            assert_eq!(r.clients.owner(*s).as_deref(), Some(id.as_str()), "slot {s} names its client");
+        }
+        slots.sort_unstable();
+        slots.dedup();
+        assert_eq!(slots.len(), ids.len(), "one slot per client");
+        let wants: f64 = ids.iter().map(|id| id[1..].parse::<f64>().unwrap()).sum();
+        assert_eq!((r.clients.len(), r.index.len(), r.index.total_has()), (ids.len(), ids.len(), wants));
+    };
+    let mut ids: Vec<String> = (1..=12).map(|i| format!("c{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        ask(&mut r, id, (i + 1) as f64);
+        check(&r, &ids[..=i]);
+    }
+    assert!(matches!(r.clients, few::Clients::Many(_)));
+    for id in ["c3", "c7", "c12"] {
+        r.remove(id);
+        ids.retain(|i| i != id);
+        check(&r, &ids);
+    }
+    for id in ["c20", "c30", "c40"] {
+        ask(&mut r, id, id[1..].parse().unwrap());
+        ids.push(id.to_string());
+        check(&r, &ids);
+    }
+    let max_slot = ids.iter().map(|id| r.clients.get(id).unwrap().slot).max();
+    assert_eq!(max_slot, Some(11), "freed slots are reused before new ones");
+    for id in std::mem::take(&mut ids) {
+        r.remove(&id);
+    }
+    assert!(matches!(&r.clients, few::Clients::Few(v) if v.capacity() == 0), "the last client takes the storage");
+    ask(&mut r, "c5", 5.0);
+    check(&r, &["c5".to_string()]);
+}
+
+/// The first few resources in rank order, found while holding a bounded
+/// number of statuses, are the ones a full sort finds; every resource is
+/// seen once on the way.
+#[test]
+fn top_status_matches_a_full_ranking() {
+    let (s, _clock) = store(Kind::FairShare, 1000.0, 0, Duration::ZERO);
+    for i in 0..300u32 {
+        // Many ties (the same wants), broken by id.
+        s.get_capacity("a", &req(&format!("r{i}"), f64::from(i % 17), None));
+    }
+    let mut all = s.status();
+    rank(&mut all);
+    for max in [0, 1, 10, 150, 1000] {
+        let mut seen = 0;
+        let (top, total) = s.top_status(max, |_| seen += 1);
+        assert_eq!((total, seen), (300, 300));
+        let ids = |v: &[ResourceStatus]| v.iter().map(|r| r.id.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(&top), ids(&all[..max.min(300)]), "the first {max}");
+    }
+}
+
+/// Reservations go from nothing to a vector to a map and back, and find,
+/// replace and drop each client's as a map alone would.
+#[test]
+fn reservations_past_the_inline_few_behave_as_a_map() {
+    let r = |amount: f64| Reservation {
+        amount,
+        hold_until: Time::from_secs(1),
+        then: amount,
+        until: Time::from_secs(2),
+        epoch: None,
+        holders: 0,
+        told: 0.0,
+        sharers: 0,
+    };
+    let (mut ours, mut map) = (few::Reservations::default(), HashMap::new());
+    let same = |ours: &few::Reservations, map: &HashMap<String, Reservation>| {
+        let mut a: Vec<f64> = ours.values().map(|r| r.amount).collect();
+        let mut b: Vec<f64> = map.values().map(|r| r.amount).collect();
+        a.sort_by(f64::total_cmp);
+        b.sort_by(f64::total_cmp);
+        assert_eq!(a, b);
+        assert!(map.keys().all(|k| ours.get(k).map(|r| r.amount) == Some(map[k].amount)));
+        assert_eq!(ours.is_empty(), map.is_empty());
+    };
+    for i in 0..12 {
+        let id = format!("c{i}");
+        assert_eq!(ours.insert(Arc::from(id.as_str()), r(i as f64)), map.insert(id, r(i as f64)));
+        same(&ours, &map);
+    }
+    assert!(matches!(ours, few::Reservations::Many(_)));
+    assert_eq!(ours.insert(Arc::from("c3"), r(30.0)).map(|r| r.amount), Some(3.0));
+    map.insert("c3".into(), r(30.0));
+    assert_eq!(ours.remove("c4").map(|r| r.amount), map.remove("c4").map(|r| r.amount));
+    ours.retain(|_, r| r.amount < 8.0);
+    map.retain(|_, r| r.amount < 8.0);
+    same(&ours, &map);
+    ours.retain(|_, _| false);
+    assert!(matches!(ours, few::Reservations::None), "an emptied set holds no storage");
+    ours.insert(Arc::from("c1"), r(1.0));
+    assert!(ours.contains_key("c1") && !ours.contains_key("c2"));
 }
