@@ -1060,14 +1060,33 @@ impl Store {
     }
 
     /// Drops expired leases everywhere, and resources left with no client.
+    ///
+    /// The pass over every resource takes the map's read lock: requests for
+    /// the resources it holds go on meanwhile (at a million tenant keys a
+    /// pass is a good part of a second). Only the resources found idle are
+    /// removed under the write lock, each checked again there: a client may
+    /// have come back in between.
     pub fn sweep(&self) {
         let now = self.clock.now();
+        let idle: Vec<Box<str>> = {
+            let map = self.resources.read().expect("store lock poisoned");
+            map.iter()
+                .filter_map(|(id, res)| {
+                    let mut r = res.lock().expect("resource lock poisoned");
+                    r.expire(now);
+                    r.idle(now).then(|| id.clone())
+                })
+                .collect()
+        };
+        if idle.is_empty() {
+            return;
+        }
         let mut map = self.resources.write().expect("store lock poisoned");
-        map.retain(|_, res| {
-            let r = res.get_mut().expect("resource lock poisoned");
-            r.expire(now);
-            !r.clients.is_empty() || !r.reservations.is_empty() || r.calendar.as_ref().is_some_and(|c| c.counts(now))
-        });
+        for id in idle {
+            if map.get_mut(&id).is_some_and(|res| res.get_mut().expect("resource lock poisoned").idle(now)) {
+                map.remove(&id);
+            }
+        }
     }
 
     /// Every known resource, sorted by id.
@@ -1202,6 +1221,14 @@ impl Resource {
             horizon: None,
             pool: None,
         }
+    }
+
+    /// Nothing left to keep: no client, no reservation, and no calendar
+    /// count that still matters (see [`Store::sweep`]).
+    fn idle(&self, now: Time) -> bool {
+        self.clients.is_empty()
+            && self.reservations.is_empty()
+            && !self.calendar.as_ref().is_some_and(|c| c.counts(now))
     }
 
     fn expire(&mut self, now: Time) {

@@ -242,6 +242,21 @@ fn sweep_drops_expired_leases_and_empty_resources() {
     assert!(s.status().is_empty());
 }
 
+#[test]
+fn sweep_drops_only_the_idle_resources() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    for id in ["idle-1", "busy", "idle-2"] {
+        s.get_capacity("a", &req(id, 10.0, None));
+    }
+    clock.advance(Duration::from_secs(9));
+    s.get_capacity("a", &req("busy", 10.0, None));
+    clock.advance(Duration::from_secs(600));
+    s.get_capacity("b", &req("busy", 10.0, None));
+    s.sweep();
+    let ids: Vec<String> = s.status().into_iter().map(|r| r.id).collect();
+    assert_eq!(ids, ["busy"]);
+}
+
 fn server_req(wants: f64, subclients: u64, has: Option<f64>) -> LeaseRequest {
     LeaseRequest {
         subclients,
