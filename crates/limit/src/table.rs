@@ -123,6 +123,12 @@ pub struct Limiter {
     /// The upstream's freshest account of its quota, for a resource whose
     /// upstream reports one (boxed: other keys pay a pointer).
     quota: Option<Box<Mutex<QuotaCell>>>,
+    /// When the lease side last saw the key used (nanoseconds of [`Time`],
+    /// 0: never looked), and its arrivals then (f64 bits): see
+    /// [`Limiter::last_use`]. Kept here, not in a map beside the table, so
+    /// that a key the lease client never sees costs no entry elsewhere.
+    used_at: AtomicU64,
+    used_arrivals: AtomicU64,
 }
 
 /// A key's freshest upstream quota, and whether the lease client has it.
@@ -165,7 +171,31 @@ impl Limiter {
             fleet: AtomicU64::new(0),
             renews: AtomicU64::new(0),
             quota: s.upstream_quota.then(Box::default),
+            used_at: AtomicU64::new(0),
+            used_arrivals: AtomicU64::new(0),
         }
+    }
+
+    /// Whether the lease side has read the key's use yet ([`Limiter::last_use`]).
+    pub fn watched(&self) -> bool {
+        self.used_at.load(Ordering::Relaxed) != 0
+    }
+
+    /// When the key was last used as of `now`, read by the lease side at
+    /// each demand poll: `now` if it had an arrival since the last call, or
+    /// a request in flight or waiting, else the time of the last call that
+    /// saw it used. The flag says this is the first call for the key. Not
+    /// on the request path: the request path only counts arrivals.
+    pub fn last_use(&self, now: Time) -> (Time, bool) {
+        let arrivals = self.demand.arrivals();
+        let busy = self.demand.in_flight() > 0 || self.demand.waiters() > 0;
+        let at = self.used_at.load(Ordering::Relaxed);
+        if at != 0 && !busy && f64::from_bits(self.used_arrivals.load(Ordering::Relaxed)) == arrivals {
+            return (Time::from_nanos(at), false);
+        }
+        self.used_at.store(now.as_nanos().max(1), Ordering::Relaxed);
+        self.used_arrivals.store(arrivals.to_bits(), Ordering::Relaxed);
+        (now, at == 0)
     }
 
     /// Keeps an upstream's account of its quota if it is the freshest.
