@@ -101,7 +101,8 @@ impl ResourceSpec {
 
 /// The limiter of one resource key (one Doorman resource id).
 pub struct Limiter {
-    id: String,
+    /// The id, one copy shared with its resource's map of keys.
+    id: Arc<str>,
     kind: Kind,
     rate: Option<Rate>,
     gauge: Option<Arc<Gauge>>,
@@ -149,7 +150,7 @@ impl std::fmt::Debug for Limiter {
 }
 
 impl Limiter {
-    fn new(id: String, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock, activity: Arc<Activity>) -> Self {
+    fn new(id: Arc<str>, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock, activity: Arc<Activity>) -> Self {
         let s = spec.load();
         let (rate, gauge) = match s.kind {
             Kind::Rate => {
@@ -452,7 +453,7 @@ fn gauge_units(capacity: f64) -> u64 {
 pub struct ResourceLimits {
     spec: Arc<ArcSwap<ResourceSpec>>,
     /// Settled keys, read lock-free.
-    keys: ArcSwap<HashMap<String, Arc<Limiter>>>,
+    keys: ArcSwap<HashMap<Arc<str>, Arc<Limiter>>>,
     /// Keys made since the last fold into `keys`. Its lock also serialises
     /// every change of `keys`; a lookup takes it only for an id `keys` lacks.
     recent: Mutex<Recent>,
@@ -465,7 +466,7 @@ pub struct ResourceLimits {
 /// Keys made since the last fold, and when the first of them was.
 #[derive(Default)]
 struct Recent {
-    keys: HashMap<String, Arc<Limiter>>,
+    keys: HashMap<Arc<str>, Arc<Limiter>>,
     since: Option<usher_core::clock::Time>,
 }
 
@@ -613,9 +614,10 @@ impl ResourceLimits {
             let spec = self.spec.load();
             return Err(KeyRefused::Full { resource: spec.name.clone(), max_keys: spec.max_keys });
         }
-        let l = Arc::new(Limiter::new(id.to_string(), self.spec.clone(), self.clock.clone(), self.activity.clone()));
+        let id: Arc<str> = Arc::from(id);
+        let l = Arc::new(Limiter::new(id.clone(), self.spec.clone(), self.clock.clone(), self.activity.clone()));
         self.activity.nudge();
-        recent.keys.insert(id.to_string(), l.clone());
+        recent.keys.insert(id, l.clone());
         recent.since.get_or_insert_with(|| self.clock.now());
         if count < FOLD_SMALL || recent.keys.len() >= keys.len() / FOLD_FRACTION {
             self.fold(&mut recent, &keys);
@@ -626,7 +628,7 @@ impl ResourceLimits {
     }
 
     /// Moves the recent keys into a new snapshot.
-    fn fold(&self, recent: &mut Recent, keys: &HashMap<String, Arc<Limiter>>) {
+    fn fold(&self, recent: &mut Recent, keys: &HashMap<Arc<str>, Arc<Limiter>>) {
         let mut next = HashMap::with_capacity(keys.len() + recent.keys.len());
         next.extend(keys.iter().map(|(k, v)| (k.clone(), v.clone())));
         next.extend(recent.keys.drain());
@@ -658,7 +660,7 @@ impl ResourceLimits {
     pub fn remove_all<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
         let mut recent = self.recent.lock().expect("key lock");
         let keys = self.keys.load();
-        let mut next: Option<HashMap<String, Arc<Limiter>>> = None;
+        let mut next: Option<HashMap<Arc<str>, Arc<Limiter>>> = None;
         for id in ids {
             if recent.keys.remove(id).is_none() && keys.contains_key(id) {
                 next.get_or_insert_with(|| HashMap::clone(&keys)).remove(id);
