@@ -241,10 +241,10 @@ async fn bytes_per_templated_key_stay_bounded() {
     // (benches/RESULTS.md, "Memory per key", has the figures measured).
     assert!(store > 0.0 && table > 0.0 && client > 0.0);
     assert!(store < 1_500.0, "store: {store:.0} bytes per key");
-    assert!(table < 800.0, "table: {table:.0} bytes per key");
+    assert!(table < 600.0, "table: {table:.0} bytes per key");
     assert!(client < 1_000.0, "lease client and enforcer: {client:.0} bytes per key");
     assert!(leased < 3_000.0, "whole sidecar, leased keys: {leased:.0} bytes per key");
     // A local key is the table's key and nothing more.
     assert!(enforcer < 50.0, "enforcer, local keys: {enforcer:.0} bytes per key");
-    assert!(local < 850.0, "whole sidecar, local keys: {local:.0} bytes per key");
+    assert!(local < 600.0, "whole sidecar, local keys: {local:.0} bytes per key");
 }
