@@ -240,7 +240,7 @@ impl Up {
 fn usher_routes(up: &Up, tenants: bool, http2: bool, quota: &str) -> String {
     let (resource, route) = if tenants {
         (
-            "  tenant: { kind: rate, capacity: 1000/s, burst: 50, id: \"t/{header.x-tenant}\", max_keys: 250000 }\n",
+            "  tenant: { kind: rate, capacity: 1000/s, burst: 50, id: \"t/{header.x-tenant}\", max_keys: 2000000 }\n",
             "  - { name: tenant, match: { path_prefix: /tenant }, upstream: up, resources: [tenant] }\n",
         )
     } else {
@@ -350,10 +350,11 @@ fn nginx_conf(dir: &Path, port: u16, up: &Up, single_process: bool, tenants: boo
         ),
     };
     let up = up.addr;
-    // As usher's `/tenant` route: 1,000/s per `x-tenant` (a 64 MB zone holds some 500,000 keys).
+    // As usher's `/tenant` route: 1,000/s per `x-tenant` (a 256 MB zone holds some 2,000,000
+    // keys, as usher's `max_keys`; only the pages its keys touch count in RSS).
     let (zone, location) = if tenants {
         (
-            "limit_req_zone $http_x_tenant zone=tenants:64m rate=1000r/s;",
+            "limit_req_zone $http_x_tenant zone=tenants:256m rate=1000r/s;",
             format!("location /tenant {{ limit_req zone=tenants burst=50 nodelay; proxy_pass {scheme}://up; }}"),
         )
     } else {
