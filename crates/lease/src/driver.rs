@@ -145,9 +145,13 @@ pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
 pub struct LeaseClient {
     core: Arc<Mutex<Core>>,
     wake: Arc<Notify>,
-    /// Start-up is over ([`LeaseClient::ready`] returned): a key with no
-    /// lease follows its `on_expiry` even while the first call still hangs.
-    started: Arc<AtomicBool>,
+    /// Start-up stopped waiting for the first call ([`LeaseClient::ready`]
+    /// returned [`Start::Waited`]): a key with no lease follows its
+    /// `on_expiry` even while that call still hangs. A start-up that had
+    /// nothing to wait for (no key yet, or only cached leases) leaves it
+    /// unset: a key made later keeps its configured capacity until its own
+    /// call is answered or fails.
+    waited_out: Arc<AtomicBool>,
     /// Held while capacities are taken from the core and applied: each
     /// change is applied once, so two applications (the loop's and
     /// [`LeaseClient::ready`]'s) must not cross, an older value last.
@@ -266,7 +270,7 @@ impl LeaseClient {
         let client = LeaseClient {
             core: Arc::new(Mutex::new(core)),
             wake: Arc::new(Notify::new()),
-            started: Arc::new(AtomicBool::new(false)),
+            waited_out: Arc::new(AtomicBool::new(false)),
             applying: Arc::new(Mutex::new(())),
             clock: clock.clone(),
             enforcer: enforcer.clone(),
@@ -320,7 +324,7 @@ impl LeaseClient {
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         };
-        self.started.store(true, Ordering::SeqCst);
+        self.waited_out.store(start == Start::Waited, Ordering::SeqCst);
         enforce(self);
         let status = self.status();
         let now = self.clock.now().as_secs();
@@ -431,7 +435,7 @@ fn enforce(client: &LeaseClient) {
         // dropping to `on_expiry` for a round trip; cached leases apply at
         // once. Once the start-up wait is over while the first call still
         // hangs, `on_expiry` applies.
-        let hanging = client.started.load(Ordering::SeqCst) && core.refreshes() == 0 && !core.failing();
+        let hanging = client.waited_out.load(Ordering::SeqCst) && core.refreshes() == 0 && !core.failing();
         let caps = core.take_changes(clock.now(), &also, hanging);
         enforcer.next_renewal(core.next_renewal());
         note_zeros(&client.zeros, &core, &caps);
