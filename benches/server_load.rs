@@ -6,7 +6,8 @@
 //! does). Options: `--clients N --connections N --concurrency N --seconds N`,
 //! `--server-cpu LIST` to pin the server with `taskset` (`benches/run.sh`
 //! pins it to one core and this generator to the other), and `--pids FILE` to
-//! list the server's pid for a script's cleanup.
+//! list the server's pid for a script's cleanup, `--usher PATH` to measure
+//! another build of the server.
 //!
 //! Every client is registered first (one GetCapacity each, as fast as the
 //! callers go, at most [`REGISTER_LIMIT`]); the report has the server's RSS
@@ -31,11 +32,16 @@
 //! the answers carried the full interval, how late each refresh left against
 //! its due time, and the server's CPU.
 //!
+//! `--keys N` measures a fleet's tenant keys instead: N resources leased in
+//! batches by 10 clients, then forgotten (see `keys`).
+//!
 //! The load generator shares the machine with the server, so on a 2-core box
 //! the figures are a lower bound.
 
 #![allow(clippy::disallowed_methods, reason = "benchmarks time real processes on the wall clock")]
 
+#[path = "server_load/keys.rs"]
+mod keys;
 mod loadgen;
 
 use std::cmp::Reverse;
@@ -79,6 +85,8 @@ struct Opts {
     pids: Option<String>,
     refresh: Option<u64>,
     refresh_interval: u64,
+    /// The `usher` binary to measure (`--usher PATH`; default: this build's).
+    usher: String,
 }
 
 fn opts() -> Opts {
@@ -98,6 +106,7 @@ fn opts() -> Opts {
         pids: value("--pids").cloned(),
         refresh: value("--refresh").and_then(|v| v.parse().ok()),
         refresh_interval: get("--refresh-interval", if smoke { 1 } else { 10 }).max(1),
+        usher: value("--usher").cloned().unwrap_or_else(|| env!("CARGO_BIN_EXE_usher").to_string()),
     }
 }
 
@@ -105,11 +114,18 @@ fn opts() -> Opts {
 struct Server {
     child: std::process::Child,
     addr: String,
+    /// Its admin listener (`/metrics`).
+    admin: String,
     dir: std::path::PathBuf,
 }
 
 impl Server {
     fn start(o: &Opts, config: &str) -> Server {
+        Server::start_with(o, config, &[])
+    }
+
+    /// A server started with `extra` arguments besides the bench's own.
+    fn start_with(o: &Opts, config: &str, extra: &[&str]) -> Server {
         static STARTED: AtomicUsize = AtomicUsize::new(0);
         let nth = STARTED.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("usher-bench-{}-{nth}", std::process::id()));
@@ -120,10 +136,10 @@ impl Server {
             Some(cpu) => {
                 // taskset execs the server, so the pid is the server's.
                 let mut c = Command::new("taskset");
-                c.args(["-c", cpu, env!("CARGO_BIN_EXE_usher")]);
+                c.args(["-c", cpu, &o.usher]);
                 c
             }
-            None => Command::new(env!("CARGO_BIN_EXE_usher")),
+            None => Command::new(&o.usher),
         };
         let mut child = cmd
             .args([
@@ -136,6 +152,7 @@ impl Server {
                 "127.0.0.1:0",
             ])
             .args(["--min-request-interval", "0s"])
+            .args(extra)
             .env("USHER_LOG", "warn,usher_server=info")
             .env("NO_COLOR", "1")
             .stderr(Stdio::piped())
@@ -147,17 +164,18 @@ impl Server {
             writeln!(f, "{}", child.id()).expect("write the pid file");
         }
         let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
-        let mut addr = None;
+        let mut addrs = None;
+        let field = |line: &str, name: &str| Some(line.split(name).nth(1)?.split_whitespace().next()?.to_string());
         for line in lines.by_ref().map_while(Result::ok) {
-            if let Some(rest) = line.split("grpc=").nth(1) {
-                addr = rest.split_whitespace().next().map(str::to_string);
+            if let (Some(grpc), Some(admin)) = (field(&line, "grpc="), field(&line, "admin=")) {
+                addrs = Some((grpc, admin));
                 break;
             }
         }
-        let addr = addr.expect("server address in log");
+        let (addr, admin) = addrs.expect("server addresses in log");
         // The rest of the log is drained, so the server never waits on a full pipe.
         std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
-        Server { child, addr, dir }
+        Server { child, addr, admin, dir }
     }
 
     fn pid(&self) -> u32 {
@@ -184,6 +202,13 @@ impl Drop for Server {
 fn main() {
     let o = opts();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let keys = keys::KeyOpts::parse(o.smoke);
+    if let Some(k) = &keys {
+        rt.block_on(keys::run(&o, k));
+        if !o.smoke {
+            return;
+        }
+    }
     if o.refresh.is_none() || o.smoke {
         let server = Server::start(&o, &config(60));
         rt.block_on(get_capacity(&o, &server));
@@ -415,6 +440,9 @@ fn request(n: u64, wants: f64, has: Option<Lease>) -> GetCapacityRequest {
     GetCapacityRequest {
         client_id: format!("client-{n}"),
         resource: vec![ResourceRequest {
+            returned: None,
+            reserve: None,
+            backlog: None,
             unit_account: None,
             window: None,
             upstream_quota: None,

@@ -61,6 +61,13 @@ fn live() -> isize {
 
 const KEYS: usize = 10_000;
 
+/// The most heap bytes a one-client key may cost the capacity server's
+/// store (measured: 616). With malloc's overhead (five allocations a key)
+/// and the map's spare room on top, a key then costs a server under 1,000
+/// bytes of RSS: a million tenant keys fit in 1 GB (benches/RESULTS.md,
+/// run AB: 752 MB, a tenth of the keys on three clients).
+const STORE_CEILING: f64 = 750.0;
+
 /// A sidecar with no `doorman:` section (so an embedded server) and the e2e
 /// bench's tenant resource.
 fn routes() -> Arc<RoutesConfig> {
@@ -99,6 +106,9 @@ async fn store_bytes_per_key() -> f64 {
         client_id: "sidecar".into(),
         resource: ids
             .map(|i| proto::ResourceRequest {
+                returned: None,
+                reserve: None,
+                backlog: None,
                 unit_account: None,
                 window: None,
                 upstream_quota: None,
@@ -238,9 +248,10 @@ async fn bytes_per_templated_key_stay_bounded() {
          leased keys: lease client and enforcer {client:.0}, whole sidecar {leased:.0}"
     );
     // Ceilings with room for another allocator's or map's growth policy
-    // (benches/RESULTS.md, "Memory per key", has the figures measured).
+    // (benches/RESULTS.md, "Memory per key" and "a million tenant keys on
+    // one server", has the figures measured).
     assert!(store > 0.0 && table > 0.0 && client > 0.0);
-    assert!(store < 1_500.0, "store: {store:.0} bytes per key");
+    assert!(store < STORE_CEILING, "store: {store:.0} bytes per key");
     assert!(table < 600.0, "table: {table:.0} bytes per key");
     assert!(client < 1_000.0, "lease client and enforcer: {client:.0} bytes per key");
     assert!(leased < 3_000.0, "whole sidecar, leased keys: {leased:.0} bytes per key");

@@ -83,8 +83,10 @@ const IGNORED: &[(&str, &str)] = &[
     ),
     (
         "overload::setup_a_spends_the_account_and_fails_no_more_calls_than_direct",
-        "127 calls failed through usher against 121 direct, and 93% of the RPM in the first measured minute: \
-         leases move for the first half minute while slow keys are measured",
+        "passes its bars, but with no margin: three runs failed 116-119 calls through usher against 121 \
+         direct, and the first measured minute served 60, 57 and 57 calls of the 60 RPM (the bar is 57). \
+         Token estimates above the real usage hold some replicas' token leases while the account's \
+         requests bind",
     ),
 ];
 

@@ -6,7 +6,7 @@ use prometheus::{
     GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
 
-use super::store::{self, ResourceStatus};
+use super::store;
 
 /// Default `--metrics-max-resources`: resources beyond this many get no
 /// per-resource series, only their share of the per-template sums.
@@ -162,19 +162,13 @@ impl Metrics {
         }
     }
 
-    /// Sets the resource gauges from a fresh snapshot; resources that are
-    /// gone disappear from the exposition. Only the first `max_listed` in
+    /// Sets the resource gauges from a fresh look at `store`; resources that
+    /// are gone disappear from the exposition. Only the first `max_listed` in
     /// [`store::rank`] order get per-resource series (their ids are chosen by
     /// clients, so their number is not ours to leave unbounded); every
     /// resource counts in the per-template sums, whose labels come from the
     /// configuration.
-    pub fn set_resources(
-        &self,
-        mut resources: Vec<ResourceStatus>,
-        max_listed: usize,
-        server_id: &str,
-        is_master: bool,
-    ) {
+    pub fn set_resources(&self, store: &store::Store, max_listed: usize, server_id: &str, is_master: bool) {
         let (res, tpl) = (&self.resource, &self.templates);
         for g in [&res.capacity, &res.has, &res.wants, &tpl.has, &tpl.wants] {
             g.reset();
@@ -182,25 +176,27 @@ impl Metrics {
         for g in [&res.clients, &res.learning, &tpl.resources, &tpl.clients] {
             g.reset();
         }
-        let mut templates: BTreeMap<&str, (i64, f64, f64, i64)> = BTreeMap::new();
-        for r in &resources {
-            let t = templates.entry(r.template.as_str()).or_default();
+        let mut templates: BTreeMap<String, (i64, f64, f64, i64)> = BTreeMap::new();
+        let (listed, total) = store.top_status(max_listed, |r| {
+            if !templates.contains_key(&r.template) {
+                templates.insert(r.template.clone(), Default::default());
+            }
+            let t = templates.get_mut(&r.template).expect("just filed");
             t.0 += 1;
             t.1 += r.sum_has;
             t.2 += r.sum_wants;
             t.3 += r.clients as i64;
+        });
+        for (t, (n, has, wants, clients)) in &templates {
+            let l = [t.as_str()];
+            tpl.resources.with_label_values(&l).set(*n);
+            tpl.has.with_label_values(&l).set(*has);
+            tpl.wants.with_label_values(&l).set(*wants);
+            tpl.clients.with_label_values(&l).set(*clients);
         }
-        for (t, (n, has, wants, clients)) in templates {
-            let l = [t];
-            tpl.resources.with_label_values(&l).set(n);
-            tpl.has.with_label_values(&l).set(has);
-            tpl.wants.with_label_values(&l).set(wants);
-            tpl.clients.with_label_values(&l).set(clients);
-        }
-        self.resources.set(resources.len() as i64);
-        self.resources_unlisted.set(resources.len().saturating_sub(max_listed) as i64);
-        store::rank(&mut resources);
-        for r in resources.iter().take(max_listed) {
+        self.resources.set(total as i64);
+        self.resources_unlisted.set(total.saturating_sub(max_listed) as i64);
+        for r in &listed {
             let l = [r.id.as_str()];
             res.capacity.with_label_values(&l).set(r.capacity);
             res.has.with_label_values(&l).set(r.sum_has);

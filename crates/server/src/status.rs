@@ -8,7 +8,7 @@ use http::StatusCode;
 use serde::Serialize;
 
 use super::Node;
-use super::store::{self, LeaseStatus, ResourceStatus};
+use super::store::{LeaseStatus, ResourceStatus};
 use usher_core::admin::{self, Handler, escape};
 
 /// Resources listed on `/debug/status` (HTML and JSON), in [`store::rank`]
@@ -55,10 +55,7 @@ struct ResourceLeases {
 fn status(node: &Node) -> Status {
     let m = node.mastership();
     let cs = node.config_state();
-    let mut resources = node.store.status();
-    let total = resources.len();
-    store::rank(&mut resources);
-    resources.truncate(STATUS_MAX_RESOURCES);
+    let (resources, total) = node.store.top_status(STATUS_MAX_RESOURCES, |_| {});
     Status {
         server_id: node.server_id.clone(),
         role: if node.parent.is_some() { "intermediate" } else { "root" },
@@ -86,12 +83,7 @@ pub(crate) fn handler(node: Arc<Node>) -> Handler {
         match req.uri.path() {
             "/metrics" => {
                 let m = node.mastership();
-                node.metrics.set_resources(
-                    node.store.status(),
-                    node.metrics_max_resources,
-                    &node.server_id,
-                    m.is_master,
-                );
+                node.metrics.set_resources(&node.store, node.metrics_max_resources, &node.server_id, m.is_master);
                 admin::metrics(&node.metrics.registry)
             }
             "/healthz" => admin::text(StatusCode::OK, "ok\n"),

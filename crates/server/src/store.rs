@@ -21,6 +21,7 @@ use arc_swap::ArcSwap;
 use serde::Serialize;
 
 use crate::algorithm::{self, ClientSlot, DemandIndex, Kind};
+use few::{Clients, Reservations};
 use usher_core::clock::{Clock, Time};
 use usher_core::config::resources::{Algorithm, CATCH_ALL, ResourcesConfig, Template};
 
@@ -73,6 +74,30 @@ pub struct LeaseRequest {
     /// extension; finite, > 0): the root pools the burst of the capacity
     /// nobody holds by it (see `pool`).
     pub window: Option<f64>,
+    /// What the client says of its bucket (usher's extensions).
+    pub bucket: BucketReport,
+}
+
+/// A client's bucket below its share of the burst (see `pool`), as its lease keeps it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Bucket {
+    /// Units (0: no such bucket).
+    size: f32,
+    /// Its share of the burst minus `size`, counted in the pool's size.
+    saving: f32,
+}
+
+/// What an usher client says of its bucket with a request, for the pooled
+/// burst (see `pool`): every amount finite and >= 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BucketReport {
+    /// Units it keeps at hand when it asks; `None`: it gives nothing back,
+    /// and its bucket is its lease's share of the burst.
+    pub reserve: Option<f64>,
+    /// Units it took out of its bucket for the pool as it asked.
+    pub returned: f64,
+    /// Units of requests waiting at it now.
+    pub backlog: f64,
 }
 
 /// The separator between a node's identity and its master's epoch in the
@@ -161,8 +186,14 @@ pub struct Grant {
     /// until the unit's reset (`capacity` is the same as a rate).
     pub allotment: Option<f64>,
     /// Units of the pooled burst moved into the client's bucket, for a lease
-    /// that grew out of free capacity (see `pool`); 0 for most answers.
+    /// that grew out of free capacity or a backlog reported (see `pool`); 0
+    /// for most answers.
     pub credit: f64,
+    /// The most the client's bucket may hold until its next request, below
+    /// its lease's share of the burst (see `pool`); 0: no such limit.
+    pub bucket: f64,
+    /// With a bucket: units the pool holds once this answer is given.
+    pub pooled: f64,
 }
 
 /// The algorithm parameter that says what a resource does with capacity
@@ -405,6 +436,25 @@ struct ClientLease {
     expiry: Time,
     refresh_interval: Duration,
     last_request: Time,
+    /// What only a lower usher node's lease has (boxed: an end client's
+    /// has none of it).
+    lineage: Option<Box<Lineage>>,
+    /// The safe capacity per subclient the last answer carried (< 0: unlimited).
+    safe: f64,
+    /// The part of `granted` that is spare (see [`Grant::spare`]).
+    spare: f64,
+    /// An answer told the client it was fresh (see [`Grant::fresh`]): its
+    /// bucket was filled once, and never is again.
+    filled: bool,
+    /// The bucket the last answer gave it ([`Grant::bucket`]; 0: none).
+    bucket: f32,
+    /// Its share of the burst minus that bucket, counted in the pool's size.
+    saving: f32,
+}
+
+/// The part of a lease only a lower usher node's master has.
+#[derive(Debug, Clone, PartialEq)]
+struct Lineage {
     /// The epoch of the master speaking for a lower usher node.
     epoch: Option<u64>,
     /// What a node's new master inherits from its predecessor: its `has`
@@ -414,13 +464,28 @@ struct ClientLease {
     floor: Option<(f64, Time)>,
     /// What the parent tells a new master of its predecessor.
     predecessor_subclients: Option<u64>,
-    /// The safe capacity per subclient the last answer carried (< 0: unlimited).
-    safe: f64,
-    /// The part of `granted` that is spare (see [`Grant::spare`]).
-    spare: f64,
-    /// An answer told the client it was fresh (see [`Grant::fresh`]): its
-    /// bucket was filled once, and never is again.
-    filled: bool,
+}
+
+impl Lineage {
+    /// `None` when there is nothing to keep.
+    fn boxed(epoch: Option<u64>, floor: Option<(f64, Time)>, predecessor_subclients: Option<u64>) -> Option<Box<Self>> {
+        let l = Lineage { epoch, floor, predecessor_subclients };
+        (l != Lineage { epoch: None, floor: None, predecessor_subclients: None }).then(|| Box::new(l))
+    }
+}
+
+impl ClientLease {
+    fn epoch(&self) -> Option<u64> {
+        self.lineage.as_ref().and_then(|l| l.epoch)
+    }
+
+    fn floor(&self) -> Option<(f64, Time)> {
+        self.lineage.as_ref().and_then(|l| l.floor)
+    }
+
+    fn predecessor_subclients(&self) -> Option<u64> {
+        self.lineage.as_ref().and_then(|l| l.predecessor_subclients)
+    }
 }
 
 /// What a lease leaves behind when it expires unrenewed: its client now holds
@@ -466,15 +531,11 @@ struct Resource {
     /// for it (a root's non-strict resources never do), kept up to date from
     /// then on.
     by_priority: Option<BTreeMap<i64, DemandIndex>>,
-    /// Boxed: a resource with one client (a sidecar's tenant key) would
-    /// otherwise hold room for four in the map's smallest table.
-    clients: HashMap<Arc<str>, Box<ClientLease>>,
-    /// Each slot's client id, the same `Arc` as its key in `clients`.
-    slot_owner: Vec<Option<Arc<str>>>,
-    free_slots: Vec<ClientSlot>,
+    /// Inline while few (see `few`): most resources have one client.
+    clients: Clients,
     index: DemandIndex,
     expiries: Expiries,
-    reservations: HashMap<Arc<str>, Reservation>,
+    reservations: Reservations,
     reserved: f64,
     /// What end clients with a lease were told as their share (their safe
     /// capacity); with `told_reserved`, never more than the capacity, so
@@ -506,11 +567,12 @@ struct Resource {
     pool: Option<Box<pool::Pool>>,
 }
 
-/// A resource's leases by expiry, soonest first: a sorted vector while
-/// there are few (a sidecar's tenant key has one lease, and a tree's
-/// smallest node holds room for eleven), a tree beyond.
+/// A resource's leases by expiry, soonest first: inline while there is one
+/// (a tenant key's), a sorted vector while there are few (a tree's smallest
+/// node holds room for eleven), a tree beyond.
 #[derive(Debug)]
 enum Expiries {
+    One(Option<(Time, ClientSlot)>),
     Few(Vec<(Time, ClientSlot)>),
     Many(BTreeSet<(Time, ClientSlot)>),
 }
@@ -520,13 +582,14 @@ const FEW_EXPIRIES: usize = 8;
 
 impl Default for Expiries {
     fn default() -> Self {
-        Expiries::Few(Vec::new())
+        Expiries::One(None)
     }
 }
 
 impl Expiries {
     fn first(&self) -> Option<&(Time, ClientSlot)> {
         match self {
+            Expiries::One(e) => e.as_ref(),
             Expiries::Few(v) => v.first(),
             Expiries::Many(set) => set.first(),
         }
@@ -534,6 +597,14 @@ impl Expiries {
 
     fn insert(&mut self, e: (Time, ClientSlot)) {
         match self {
+            Expiries::One(None) => *self = Expiries::One(Some(e)),
+            Expiries::One(Some(x)) if *x == e => {}
+            Expiries::One(Some(x)) => {
+                let x = *x;
+                let mut v = Vec::with_capacity(2);
+                v.extend([x.min(e), x.max(e)]);
+                *self = Expiries::Few(v);
+            }
             Expiries::Few(v) if v.len() < FEW_EXPIRIES => {
                 if let Err(i) = v.binary_search(&e) {
                     if v.len() == v.capacity() {
@@ -555,9 +626,17 @@ impl Expiries {
 
     fn remove(&mut self, e: &(Time, ClientSlot)) {
         match self {
+            Expiries::One(x) => {
+                if x.as_ref() == Some(e) {
+                    *x = None;
+                }
+            }
             Expiries::Few(v) => {
                 if let Ok(i) = v.binary_search(e) {
                     v.remove(i);
+                }
+                if v.is_empty() {
+                    *self = Expiries::One(None);
                 }
             }
             Expiries::Many(set) => {
@@ -571,7 +650,9 @@ impl Expiries {
 pub struct Store {
     clock: Clock,
     config: ArcSwap<ResourcesConfig>,
-    resources: RwLock<HashMap<String, Arc<Mutex<Resource>>>>,
+    /// Each resource boxed on its own (a map's spare room is then a pointer
+    /// wide), keyed by its id.
+    resources: RwLock<HashMap<Box<str>, Box<Mutex<Resource>>>>,
     master_since: AtomicU64,
     /// What this master knows of its predecessor's leases ([`Predecessor`], encoded).
     predecessor: AtomicU64,
@@ -854,7 +935,7 @@ impl Store {
                     })
                     .collect();
                 Some(ParentDemand {
-                    resource_id: id.clone(),
+                    resource_id: id.to_string(),
                     wants: r.index.total_wants(),
                     bands,
                     // What every client is counted as holding (a lower
@@ -969,7 +1050,7 @@ impl Store {
                 // The map's read lock is held while the resource changes, so a
                 // sweep cannot drop a resource that a request is filling.
                 let map = self.resources.read().expect("store lock poisoned");
-                if let Some(res) = map.get(&req.resource_id) {
+                if let Some(res) = map.get(req.resource_id.as_str()) {
                     let mut r = res.lock().expect("resource lock poisoned");
                     r.expire(now);
                     r.predecessor = self.predecessor();
@@ -990,11 +1071,11 @@ impl Store {
             let cfg = self.config.load();
             let template = cfg.find(&req.resource_id).expect("validated config has a catch-all").clone();
             let mut map = self.resources.write().expect("store lock poisoned");
-            map.entry(req.resource_id.clone()).or_insert_with(|| {
+            map.entry(req.resource_id.as_str().into()).or_insert_with(|| {
                 self.fell_to_catch_all(&req.resource_id, &cfg, &template);
                 let mut r = Resource::new(template);
                 r.created = now;
-                Arc::new(Mutex::new(r))
+                Box::new(Mutex::new(r))
             });
         }
     }
@@ -1013,14 +1094,33 @@ impl Store {
     }
 
     /// Drops expired leases everywhere, and resources left with no client.
+    ///
+    /// The pass over every resource takes the map's read lock: requests for
+    /// the resources it holds go on meanwhile (at a million tenant keys a
+    /// pass is a good part of a second). Only the resources found idle are
+    /// removed under the write lock, each checked again there: a client may
+    /// have come back in between.
     pub fn sweep(&self) {
         let now = self.clock.now();
+        let idle: Vec<Box<str>> = {
+            let map = self.resources.read().expect("store lock poisoned");
+            map.iter()
+                .filter_map(|(id, res)| {
+                    let mut r = res.lock().expect("resource lock poisoned");
+                    r.expire(now);
+                    r.idle(now).then(|| id.clone())
+                })
+                .collect()
+        };
+        if idle.is_empty() {
+            return;
+        }
         let mut map = self.resources.write().expect("store lock poisoned");
-        map.retain(|_, res| {
-            let mut r = res.lock().expect("resource lock poisoned");
-            r.expire(now);
-            !r.clients.is_empty() || !r.reservations.is_empty() || r.calendar.as_ref().is_some_and(|c| c.counts(now))
-        });
+        for id in idle {
+            if map.get_mut(&id).is_some_and(|res| res.get_mut().expect("resource lock poisoned").idle(now)) {
+                map.remove(&id);
+            }
+        }
     }
 
     /// Every known resource, sorted by id.
@@ -1029,49 +1129,70 @@ impl Store {
         let map = self.resources.read().expect("store lock poisoned");
         let mut out: Vec<ResourceStatus> = map
             .iter()
-            .map(|(id, res)| {
-                let mut r = res.lock().expect("resource lock poisoned");
-                r.expire(now);
-                r.predecessor = self.predecessor();
-                if r.calendar.is_some() {
-                    // A unit may have ended since the last request: the page
-                    // shows the one now running.
-                    r.follow_calendar(now, self.role);
-                }
-                let until = r.learning_until(self.master_since(), now, self.role);
-                ResourceStatus {
-                    id: id.clone(),
-                    template: r.template.identifier_glob.clone(),
-                    algorithm: r.template.algorithm.kind.name(),
-                    capacity: r.capacity(now, self.role).unwrap_or(0.0),
-                    sum_has: r.index.total_has() * r.rate_factor(now),
-                    sum_wants: r.index.total_wants() * r.rate_factor(now),
-                    clients: r.clients.len(),
-                    server_clients: r
-                        .clients
-                        .values()
-                        .filter(|l| matches!(l.requester, Requester::Server { .. }))
-                        .count(),
-                    subclients: r.index.total_subclients(),
-                    reserved: r.reserved,
-                    learning_mode: until.is_some(),
-                    learning_left_s: until.map_or(0.0, |u| u.since(now).as_secs_f64()),
-                    parent_capacity: r.parent.as_ref().map(|p| p.capacity),
-                    parent_expires_in_s: r.parent.as_ref().map(|p| p.expiry.since(now).as_secs_f64()),
-                    quota: r.quota_view(now).map(|o| QuotaStatus {
-                        source: match r.quota.as_ref().is_some_and(|q| q.latest.is_some()) {
-                            true => "upstream",
-                            false => "calendar",
-                        },
-                        limit: o.limit,
-                        remaining: o.remaining,
-                        reset_in_s: o.reset.since(now).as_secs_f64(),
-                    }),
-                }
-            })
+            .map(|(id, res)| self.status_of(id, &mut res.lock().expect("resource lock poisoned"), now))
             .collect();
         out.sort_by(|a, b| a.id.cmp(&b.id));
         out
+    }
+
+    /// The first `max` resources in [`rank`] order, and how many there are
+    /// in all; `each` sees every resource's status on the way (the metrics'
+    /// per-template sums). It holds no more than twice `max` statuses at
+    /// once: a scrape of a store with a million keys costs no more memory
+    /// than one of a few thousand.
+    pub fn top_status(&self, max: usize, mut each: impl FnMut(&ResourceStatus)) -> (Vec<ResourceStatus>, usize) {
+        let now = self.clock.now();
+        let map = self.resources.read().expect("store lock poisoned");
+        let mut top = Vec::new();
+        for (id, res) in map.iter() {
+            let s = self.status_of(id, &mut res.lock().expect("resource lock poisoned"), now);
+            each(&s);
+            top.push(s);
+            if top.len() >= max.saturating_mul(2).max(64) {
+                rank(&mut top);
+                top.truncate(max);
+            }
+        }
+        rank(&mut top);
+        top.truncate(max);
+        (top, map.len())
+    }
+
+    /// What status pages and metrics show of one resource now.
+    fn status_of(&self, id: &str, r: &mut Resource, now: Time) -> ResourceStatus {
+        r.expire(now);
+        r.predecessor = self.predecessor();
+        if r.calendar.is_some() {
+            // A unit may have ended since the last request: the page
+            // shows the one now running.
+            r.follow_calendar(now, self.role);
+        }
+        let until = r.learning_until(self.master_since(), now, self.role);
+        ResourceStatus {
+            id: id.to_string(),
+            template: r.template.identifier_glob.clone(),
+            algorithm: r.template.algorithm.kind.name(),
+            capacity: r.capacity(now, self.role).unwrap_or(0.0),
+            sum_has: r.index.total_has() * r.rate_factor(now),
+            sum_wants: r.index.total_wants() * r.rate_factor(now),
+            clients: r.clients.len(),
+            server_clients: r.clients.values().filter(|l| matches!(l.requester, Requester::Server { .. })).count(),
+            subclients: r.index.total_subclients(),
+            reserved: r.reserved,
+            learning_mode: until.is_some(),
+            learning_left_s: until.map_or(0.0, |u| u.since(now).as_secs_f64()),
+            parent_capacity: r.parent.as_ref().map(|p| p.capacity),
+            parent_expires_in_s: r.parent.as_ref().map(|p| p.expiry.since(now).as_secs_f64()),
+            quota: r.quota_view(now).map(|o| QuotaStatus {
+                source: match r.quota.as_ref().is_some_and(|q| q.latest.is_some()) {
+                    true => "upstream",
+                    false => "calendar",
+                },
+                limit: o.limit,
+                remaining: o.remaining,
+                reset_in_s: o.reset.since(now).as_secs_f64(),
+            }),
+        }
     }
 
     /// One resource's unexpired leases, sorted by client id.
@@ -1119,12 +1240,10 @@ impl Resource {
             template,
             parent: None,
             by_priority: None,
-            clients: HashMap::new(),
-            slot_owner: Vec::new(),
-            free_slots: Vec::new(),
+            clients: Clients::default(),
             index: DemandIndex::new(),
             expiries: Expiries::default(),
-            reservations: HashMap::new(),
+            reservations: Reservations::default(),
             reserved: 0.0,
             told: 0.0,
             told_reserved: 0.0,
@@ -1138,20 +1257,28 @@ impl Resource {
         }
     }
 
+    /// Nothing left to keep: no client, no reservation, and no calendar
+    /// count that still matters (see [`Store::sweep`]).
+    fn idle(&self, now: Time) -> bool {
+        self.clients.is_empty()
+            && self.reservations.is_empty()
+            && !self.calendar.as_ref().is_some_and(|c| c.counts(now))
+    }
+
     fn expire(&mut self, now: Time) {
         self.advance_pool(now);
         while let Some(&(expiry, slot)) = self.expiries.first() {
             if expiry > now {
                 break;
             }
-            let owner = self.slot_owner[slot as usize].clone().expect("expiring slot has an owner");
+            let owner = self.clients.owner(slot).expect("expiring slot has an owner");
             if self.calendar.is_some() {
                 // What it may still spend stays counted in its unit instead.
                 self.remove(&owner);
                 continue;
             }
-            let l = self.clients.get(&*owner).expect("expiring slot has a lease");
-            let amount = l.has.max(l.floor.filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
+            let l = self.clients.get(&owner).expect("expiring slot has a lease");
+            let amount = l.has.max(l.floor().filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
             let lease_length = self.algorithm().lease_length;
             let until = expiry.saturating_add(lease_length);
             // The client holds its lease for as long again as it was granted for.
@@ -1170,14 +1297,14 @@ impl Resource {
                     hold_until,
                     then: told,
                     until,
-                    epoch: l.epoch,
+                    epoch: l.epoch(),
                     holders: 0,
                     told,
                     sharers: l.subclients,
                 }
             } else {
                 let then = if l.safe < 0.0 { amount } else { amount.min(l.safe * l.subclients as f64) };
-                Reservation { amount, hold_until, then, until, epoch: l.epoch, holders: 0, told: 0.0, sharers: 0 }
+                Reservation { amount, hold_until, then, until, epoch: l.epoch(), holders: 0, told: 0.0, sharers: 0 }
             };
             self.remove(&owner);
             if r.amount > 0.0 && r.until > now {
@@ -1238,15 +1365,15 @@ impl Resource {
     /// [`Resource::release`], the pool aside.
     fn release_lease(&mut self, id: &str, now: Time) {
         let (node, epoch) = split_identity(id);
-        let Some(l) = self.clients.get(node).filter(|l| l.epoch.is_some() && epoch.is_some()) else {
+        let Some(l) = self.clients.get(node).filter(|l| l.epoch().is_some() && epoch.is_some()) else {
             self.remove(id);
             self.unreserve(id);
             return;
         };
-        if l.epoch > epoch {
+        if l.epoch() > epoch {
             return;
         }
-        let keep = l.has.max(l.floor.filter(|f| f.1 > now).map_or(0.0, |f| f.0));
+        let keep = l.has.max(l.floor().filter(|f| f.1 > now).map_or(0.0, |f| f.0));
         let (until, holders) = (l.expiry, l.subclients);
         let key: Arc<str> = Arc::from(node);
         self.remove(node);
@@ -1331,13 +1458,14 @@ impl Resource {
 
     fn remove(&mut self, client: &str) {
         if let Some(l) = self.clients.remove(client) {
+            if let Some(p) = self.pool.as_mut().filter(|_| l.saving > 0.0) {
+                p.save(f64::from(l.saving), 0.0);
+            }
             self.forget_in_unit(client, &l);
             self.untell(&l);
             self.expiries.remove(&(l.expiry, l.slot));
             self.index.remove(l.slot);
             self.unfile_bands(l.slot, bands_of(&l.requester, l.wants, l.subclients));
-            self.slot_owner[l.slot as usize] = None;
-            self.free_slots.push(l.slot);
         }
     }
 
@@ -1475,7 +1603,7 @@ impl Resource {
 
     /// The grant of `client`'s current lease, unchanged.
     fn unchanged(&self, client: &str, now: Time, capacity: Option<f64>, alg: Algorithm) -> Grant {
-        let l = &self.clients[client];
+        let l = self.clients.get(client).expect("the client has a lease");
         Grant {
             quota: self.quota_view(now),
             resource_capacity: None,
@@ -1484,6 +1612,8 @@ impl Resource {
             fresh: false,
             allotment: None,
             credit: 0.0,
+            bucket: f64::from(l.bucket),
+            pooled: 0.0,
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
@@ -1493,7 +1623,7 @@ impl Resource {
             },
             algorithm: alg,
             template: self.template_name(),
-            predecessor_subclients: l.predecessor_subclients,
+            predecessor_subclients: l.predecessor_subclients(),
         }
     }
 
@@ -1516,15 +1646,15 @@ impl Resource {
         alg: Algorithm,
         bands: &[(i64, f64, u64)],
     ) -> Grant {
-        let slot = self.new_slot(client);
+        let slot = self.clients.new_slot();
         let expiry = self.cap_expiry(now.saturating_add(Duration::from_secs(2)));
         self.index.upsert(slot, req.wants, req.subclients, 0.0);
         self.file_bands(slot, bands.iter().copied(), 0.0);
         self.expiries.insert((expiry, slot));
         let safe = self.safe_capacity(self.parent.as_ref().map_or(0.0, |p| p.capacity));
         self.clients.insert(
-            self.owner(slot),
-            Box::new(ClientLease {
+            client,
+            ClientLease {
                 slot,
                 share: false,
                 granted: 0.0,
@@ -1535,13 +1665,13 @@ impl Resource {
                 expiry,
                 refresh_interval: Duration::from_secs(1),
                 last_request: now,
-                epoch: None,
-                floor: None,
-                predecessor_subclients: None,
+                lineage: None,
                 safe,
                 spare: 0.0,
                 filled: false,
-            }),
+                bucket: 0.0,
+                saving: 0.0,
+            },
         );
         // While its reservation lasts, it may run on that and no more.
         let safe_capacity = match self.reservations.get(client) {
@@ -1556,6 +1686,8 @@ impl Resource {
             fresh: false,
             allotment: None,
             credit: 0.0,
+            bucket: 0.0,
+            pooled: 0.0,
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
@@ -1644,7 +1776,12 @@ impl Resource {
         let lapsed = !d.learning && capacity.is_none() && self.clients.contains_key(client);
         if too_early || lapsed {
             self.record_demand(&ask);
-            return self.unchanged(client, now, capacity, ask.alg);
+            // What it gave back and its backlog count all the same.
+            let l = self.clients.get(client).expect("checked above");
+            let (granted, refresh, old) = (l.granted, l.refresh_interval, (l.bucket, l.saving));
+            let (credit, b) = self.draw_pool(&ask, granted, 0.0, false, refresh, old);
+            self.set_bucket(client, b);
+            return Grant { credit, pooled: self.pooled(b), ..self.unchanged(client, now, capacity, ask.alg) };
         }
         self.renew(ask, inherited)
     }
@@ -1665,13 +1802,13 @@ impl Resource {
     fn succeed(&mut self, a: &Ask<'_>) -> Result<Option<Inherited>, Stale> {
         let mut inherited: Option<Inherited> = None;
         if let (Some(e), Some(l)) = (a.epoch, self.clients.get(a.client))
-            && let Some(le) = l.epoch
+            && let Some(le) = l.epoch()
         {
             if e < le {
                 return Err(Stale);
             }
             if e > le {
-                let floor = l.has.max(l.floor.filter(|f| f.1 > a.now).map_or(0.0, |f| f.0));
+                let floor = l.has.max(l.floor().filter(|f| f.1 > a.now).map_or(0.0, |f| f.0));
                 inherited = Some((floor, l.expiry, l.subclients));
                 self.remove(a.client);
             }
@@ -1707,6 +1844,8 @@ impl Resource {
             fresh: false,
             allotment: None,
             credit: 0.0,
+            bucket: 0.0,
+            pooled: 0.0,
             capacity: 0.0,
             expiry: now,
             refresh_interval: alg.refresh_interval,
@@ -1743,6 +1882,7 @@ impl Resource {
             Some(l) => !l.filled,
             None => !a.known,
         };
+        let old = self.clients.get(a.client).map_or((0.0, 0.0), |l| (l.bucket, l.saving));
         let prior = self.refile(&a, inherited);
         self.open_pool(&a);
         let (earned, held_back) = self.grant(&a, &prior);
@@ -1776,23 +1916,26 @@ impl Resource {
             expiry,
             refresh_interval: refresh,
             last_request: now,
-            epoch: a.epoch,
-            floor: prior.floor,
-            predecessor_subclients: prior.predecessor,
+            lineage: Lineage::boxed(a.epoch, prior.floor, prior.predecessor),
             safe: match told {
                 Some(t) => t / req.subclients.max(1) as f64,
                 None => self.configured_safe_capacity().unwrap_or(safe),
             },
             spare,
             filled,
+            bucket: 0.0,
+            saving: 0.0,
         };
         self.index.upsert(prior.slot, req.wants, req.subclients, has);
         self.file_bands(prior.slot, a.bands.iter().copied(), has);
         self.expiries.insert((expiry, prior.slot));
-        self.clients.insert(self.owner(prior.slot), Box::new(lease));
-        let credit = self.draw_pool(&a, granted - prior.has, fresh);
+        self.clients.insert(a.client, lease);
+        let (credit, b) = self.draw_pool(&a, granted, granted - prior.has, fresh, refresh, old);
+        self.set_bucket(a.client, b);
         Grant {
             credit,
+            bucket: f64::from(b.size),
+            pooled: self.pooled(b),
             quota: self.quota_view(now),
             // (What the root shares: an intermediate passes on its parent's.)
             resource_capacity: match a.role {
@@ -1836,20 +1979,61 @@ impl Resource {
         }
     }
 
-    /// Moves the pooled burst of a client's lease growth (`grown` units of
-    /// rate) into its bucket, and settles the pool at the new leases.
-    /// Returns the credit: 0 for a client that reported no window (a
-    /// Doorman client), a lower server, in learning mode (which hands back
-    /// what clients hold), and for a `fresh` lease, whose
-    /// bucket starts full anyway (its burst still leaves the pool).
-    fn draw_pool(&mut self, a: &Ask<'_>, grown: f64, fresh: bool) -> f64 {
-        let Some(p) = &mut self.pool else { return 0.0 };
-        let credit = match a.req.requester {
-            Requester::Client { .. } if a.req.window.is_some() && !a.d.learning => p.credit(grown),
-            _ => 0.0,
-        };
+    /// The pool's part of an answer to a client granted `granted`, its
+    /// lease grown by `grown`, to be refreshed in `refresh`; `old`: the
+    /// bucket and saving its last answer gave it. Takes what it gave back
+    /// (no more than that bucket held), moves the burst of its growth or its
+    /// backlog into its bucket, sizes its bucket if it keeps a reserve while
+    /// another client shares the resource, and settles the pool at the new
+    /// leases. Returns the credit and the bucket (0: none). No credit and no
+    /// bucket for a client that reported no window (a Doorman client), a
+    /// lower server, or in learning mode (which hands back what clients
+    /// hold); no credit for a `fresh` lease, whose bucket starts full anyway
+    /// (its burst still leaves the pool).
+    fn draw_pool(
+        &mut self,
+        a: &Ask<'_>,
+        granted: f64,
+        grown: f64,
+        fresh: bool,
+        refresh: Duration,
+        old: (f32, f32),
+    ) -> (f64, Bucket) {
+        let shared = self.clients.len() > 1;
+        let Some(p) = &mut self.pool else { return (0.0, Bucket::default()) };
+        let (mut credit, mut bucket, mut saving) = (0.0, 0.0, 0.0);
+        let report = a.req.bucket;
+        if matches!(a.req.requester, Requester::Client { .. }) && a.req.window.is_some() && !a.d.learning {
+            p.give(report.returned.min(f64::from(old.0)));
+            credit = p.credit_for(grown, report.backlog);
+            if let Some(reserve) = report.reserve.filter(|_| shared && !fresh) {
+                let share = granted * p.window();
+                let b = (reserve + granted * refresh.as_secs_f64() + credit).min(share);
+                if share - b > 1e-6 {
+                    (bucket, saving) = (b, share - b);
+                }
+            }
+        }
+        // Kept as the lease keeps it, so the pool's sum takes back what it added.
+        let b = Bucket { size: bucket as f32, saving: saving as f32 };
+        p.save(f64::from(old.1), f64::from(b.saving));
         self.settle_pool(a.capacity);
-        if fresh { 0.0 } else { credit }
+        (if fresh { 0.0 } else { credit }, b)
+    }
+
+    /// What the pool holds, told to a client given bucket `b`.
+    fn pooled(&self, b: Bucket) -> f64 {
+        match (&self.pool, b.size > 0.0) {
+            (Some(p), true) => p.level(),
+            _ => 0.0,
+        }
+    }
+
+    /// Keeps the bucket an answer gives the client.
+    fn set_bucket(&mut self, client: &str, b: Bucket) {
+        if let Some(l) = self.clients.get_mut(client) {
+            (l.bucket, l.saving) = (b.size, b.saving);
+        }
     }
 
     /// Refills the pool up to `now` at the free rate of the leases as they
@@ -1879,7 +2063,7 @@ impl Resource {
                 self.expiries.remove(&(l.expiry, l.slot));
                 l.slot
             }
-            None => self.new_slot(a.client),
+            None => self.clients.new_slot(),
         };
         let previous = self.clients.get(a.client);
         let (old_has, old_bands): (f64, Vec<_>) =
@@ -1890,13 +2074,13 @@ impl Resource {
         let lease_length = self.algorithm().lease_length;
         let floor = inherited
             .map(|(f, until, _)| (f, until))
-            .or(previous.and_then(|l| l.floor))
+            .or(previous.and_then(|l| l.floor()))
             .filter(|f| f.1.saturating_add(lease_length) > now && f.0 > 0.0);
         let predecessor = match (a.epoch, a.d.learning) {
             (None, _) | (_, true) => None,
             (Some(_), false) => match (inherited, previous) {
                 (Some((_, _, n)), _) => Some(n),
-                (None, Some(l)) => l.predecessor_subclients,
+                (None, Some(l)) => l.predecessor_subclients(),
                 (None, None) => Some(0),
             },
         };
@@ -2154,29 +2338,6 @@ impl Resource {
         let unused = capacity - (self.index.total_has() - r.has);
         grant.min(r.wants).min(unused).max(0.0)
     }
-
-    fn new_slot(&mut self, client: &str) -> ClientSlot {
-        let owner = Some(Arc::from(client));
-        match self.free_slots.pop() {
-            Some(s) => {
-                self.slot_owner[s as usize] = owner;
-                s
-            }
-            None => {
-                // Room for one: most resources never have another client.
-                if self.slot_owner.capacity() == 0 {
-                    self.slot_owner.reserve_exact(1);
-                }
-                self.slot_owner.push(owner);
-                (self.slot_owner.len() - 1) as ClientSlot
-            }
-        }
-    }
-
-    /// The id of the client in `slot`.
-    fn owner(&self, slot: ClientSlot) -> Arc<str> {
-        self.slot_owner[slot as usize].clone().expect("a slot in use has an owner")
-    }
 }
 
 /// A client's demand per priority band: an end client's all in its one
@@ -2229,6 +2390,7 @@ fn client_key<'a>(id: &'a str, req: &LeaseRequest) -> (&'a str, Option<u64>) {
 }
 
 mod allot;
+mod few;
 mod pool;
 #[cfg(test)]
 mod tests;

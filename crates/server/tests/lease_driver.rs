@@ -258,6 +258,8 @@ impl Transport for Steady {
             .resource
             .into_iter()
             .map(|r| proto::ResourceResponse {
+                pooled: None,
+                bucket: None,
                 allotment: None,
                 credit: None,
                 resource_capacity: None,
@@ -565,6 +567,52 @@ async fn only_changed_capacities_are_applied() {
     pass(&time, Duration::from_secs(1)).await;
     let again = take();
     assert!(again.len() >= 5 && again.iter().all(|(id, _)| id == "b"), "{again:?}");
+    shutdown.cancel();
+    task.await.unwrap();
+}
+
+/// An enforcer with no keys until `made` is set, then [`Recorder`]'s key.
+#[derive(Default)]
+struct Later {
+    made: AtomicBool,
+    rec: Recorder,
+}
+
+impl Enforcer for Later {
+    fn demand(&self) -> Vec<KeyDemand> {
+        if self.made.load(Ordering::SeqCst) { self.rec.demand() } else { Vec::new() }
+    }
+    fn apply(&self, capacities: &[(String, Capacity)]) {
+        self.rec.apply(capacities);
+    }
+}
+
+/// A sidecar that starts with no keys (only templated ones, made by
+/// requests) is not waiting for a first call when start-up ends. A key made
+/// later keeps its configured capacity while the call that carries it is
+/// out, even if that call is slow: a new tenant's first request is not
+/// refused for the round trip its lease takes.
+#[tokio::test]
+async fn a_key_made_after_start_up_keeps_its_capacity_while_its_first_call_is_out() {
+    let (clock, _time) = Clock::manual(Time::from_secs(1_700_000_000));
+    let cfg = "resources:\n  - identifier_glob: '*'\n    capacity: 100\n    algorithm: { kind: FAIR_SHARE, lease_length: 30, refresh_interval: 10, learning_mode_duration: 0 }\n";
+    let transport = Arc::new(Hanging { net: LocalTransport::new(), hang: AtomicBool::new(false) });
+    transport.net.add("s1", node(cfg, &clock));
+    let enforcer = Arc::new(Later::default());
+    let (client, shutdown, task) = client_of(clock, transport.clone(), enforcer.clone(), None);
+    assert_eq!(client.ready(Duration::from_secs(2)).await, Start::Leased, "no key: nothing to wait for");
+    // The servers turn slow; then a request makes the key.
+    transport.hang.store(true, Ordering::SeqCst);
+    enforcer.made.store(true, Ordering::SeqCst);
+    eventually("the key is made", || !client.status().keys.is_empty()).await;
+    tokio::time::sleep(DEMAND_POLL * 5).await;
+    let key = &client.status().keys[0];
+    assert_eq!(key.mode, Mode::Pending);
+    assert!(
+        enforcer.rec.0.lock().unwrap().is_empty(),
+        "the configured capacity holds while the key's first call is out: {:?}",
+        enforcer.rec.0.lock().unwrap()
+    );
     shutdown.cancel();
     task.await.unwrap();
 }

@@ -5,7 +5,9 @@
 //! sums over them. Clients live in an AVL tree stored in a `Vec` arena (u32
 //! links, a free list for reuse), ordered by `(wants / subclients, slot)`;
 //! every node carries the sums of wants, subclients and has over its subtree.
-//! A slot -> node map finds a client without searching.
+//! Past [`FEW`] clients a slot -> node map finds a client without
+//! searching; below, a scan of the arena does (most indexes, a capacity
+//! server's tenant keys, hold one client and pay for no map).
 //!
 //! Cost, with n clients: `upsert` and `remove` O(log n) worst case (AVL height
 //! is at most ~1.44 log2 n); `sums_at_or_below` and `water_level` O(log n), as
@@ -72,17 +74,22 @@ pub struct DemandIndex {
     nodes: Vec<Node>,
     /// Arena entries not in the tree, reused before the arena grows.
     free: Vec<NodeId>,
-    /// Slot -> arena index. A map rather than a slot-indexed vector because
-    /// slots are the caller's to choose and need not be dense.
-    by_slot: HashMap<ClientSlot, NodeId>,
+    /// Slot -> arena index, once the index has held more than [`FEW`]
+    /// clients. A map rather than a slot-indexed vector because slots are
+    /// the caller's to choose and need not be dense.
+    #[allow(clippy::box_collection, reason = "a map inline would widen every index by 40 bytes")]
+    by_slot: Option<Box<HashMap<ClientSlot, NodeId>>>,
     root: NodeId,
 }
 
 impl Default for DemandIndex {
     fn default() -> Self {
-        Self { nodes: Vec::new(), free: Vec::new(), by_slot: HashMap::new(), root: NIL }
+        Self { nodes: Vec::new(), free: Vec::new(), by_slot: None, root: NIL }
     }
 }
+
+/// Up to this many clients an index finds a slot by scanning its arena.
+const FEW: usize = 8;
 
 fn level_of(wants: f64, subclients: u64) -> f64 {
     if subclients == 0 { if wants > 0.0 { f64::INFINITY } else { 0.0 } } else { wants / subclients as f64 }
@@ -106,12 +113,32 @@ impl DemandIndex {
 
     /// The number of clients.
     pub fn len(&self) -> usize {
-        self.by_slot.len()
+        self.nodes.len() - self.free.len()
     }
 
     /// True when no client is in the index.
     pub fn is_empty(&self) -> bool {
-        self.by_slot.is_empty()
+        self.len() == 0
+    }
+
+    /// The node holding `slot`. Free nodes have height 0 (see `remove`).
+    fn find(&self, slot: ClientSlot) -> Option<NodeId> {
+        match &self.by_slot {
+            Some(m) => m.get(&slot).copied(),
+            None => self.nodes.iter().position(|n| n.height > 0 && n.slot == slot).map(|i| i as NodeId),
+        }
+    }
+
+    /// Files a new node under its slot, building the map once the arena
+    /// outgrows a scan.
+    fn file(&mut self, slot: ClientSlot, id: NodeId) {
+        if self.by_slot.is_none() && self.len() > FEW {
+            let live = self.nodes.iter().enumerate().filter(|(_, n)| n.height > 0);
+            self.by_slot = Some(Box::new(live.map(|(i, n)| (n.slot, i as NodeId)).collect()));
+        }
+        if let Some(m) = &mut self.by_slot {
+            m.insert(slot, id);
+        }
     }
 
     /// Inserts or replaces a client's demand.
@@ -119,7 +146,7 @@ impl DemandIndex {
         let wants = sanitise(wants);
         let has = sanitise(has);
         let level = level_of(wants, subclients);
-        match self.by_slot.get(&slot).copied() {
+        match self.find(slot) {
             // The server's second upsert of a request only changes has; the
             // node keeps its place and only the sums on its path change.
             Some(id) if self.node(id).level.to_bits() == level.to_bits() => {
@@ -171,7 +198,7 @@ impl DemandIndex {
                     }
                 };
                 self.reset_links(id);
-                self.by_slot.insert(slot, id);
+                self.file(slot, id);
                 self.root = self.attach(self.root, id);
             }
         }
@@ -179,11 +206,15 @@ impl DemandIndex {
 
     /// Removes a client; a missing slot is ignored.
     pub fn remove(&mut self, slot: ClientSlot) {
-        if let Some(id) = self.by_slot.remove(&slot) {
+        if let Some(id) = self.find(slot) {
+            if let Some(m) = &mut self.by_slot {
+                m.remove(&slot);
+            }
             self.root = self.detach(self.root, id);
+            self.node_mut(id).height = 0;
             self.free.push(id);
         }
-        if self.by_slot.is_empty() {
+        if self.is_empty() {
             // Nothing refers into the arena any more: release what a resource
             // that once had many clients would otherwise keep on its free list.
             *self = Self::default();
@@ -472,13 +503,20 @@ impl DemandIndex {
         for w in in_order.windows(2) {
             assert!(self.precedes(w[0], w[1]), "nodes {} and {} out of order", w[0], w[1]);
         }
-        assert_eq!(in_order.len(), self.by_slot.len(), "tree size vs slot map");
-        for (&slot, &id) in &self.by_slot {
-            assert_eq!(self.node(id).slot, slot, "slot map points at the wrong node");
+        assert_eq!(in_order.len(), self.len(), "tree size vs arena");
+        if let Some(m) = &self.by_slot {
+            assert_eq!(in_order.len(), m.len(), "tree size vs slot map");
+            for (&slot, &id) in m.iter() {
+                assert_eq!(self.node(id).slot, slot, "slot map points at the wrong node");
+            }
+        }
+        for &id in &in_order {
+            assert_eq!(self.find(self.node(id).slot), Some(id), "a live node's slot finds another");
         }
         assert_eq!(in_order.len() + self.free.len(), self.nodes.len(), "arena accounting");
         for id in &self.free {
             assert!(!in_order.contains(id), "free node {id} still in the tree");
+            assert_eq!(self.node(*id).height, 0, "free node {id} not marked free");
         }
     }
 }

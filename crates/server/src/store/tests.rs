@@ -44,6 +44,7 @@ fn store(
 
 fn req(resource: &str, wants: f64, has: Option<f64>) -> LeaseRequest {
     LeaseRequest {
+        bucket: Default::default(),
         resource_id: resource.into(),
         wants,
         subclients: 1,
@@ -240,6 +241,21 @@ fn sweep_drops_expired_leases_and_empty_resources() {
     clock.advance(Duration::from_millis(1));
     s.sweep();
     assert!(s.status().is_empty());
+}
+
+#[test]
+fn sweep_drops_only_the_idle_resources() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    for id in ["idle-1", "busy", "idle-2"] {
+        s.get_capacity("a", &req(id, 10.0, None));
+    }
+    clock.advance(Duration::from_secs(9));
+    s.get_capacity("a", &req("busy", 10.0, None));
+    clock.advance(Duration::from_secs(600));
+    s.get_capacity("b", &req("busy", 10.0, None));
+    s.sweep();
+    let ids: Vec<String> = s.status().into_iter().map(|r| r.id).collect();
+    assert_eq!(ids, ["busy"]);
 }
 
 fn server_req(wants: f64, subclients: u64, has: Option<f64>) -> LeaseRequest {
@@ -623,7 +639,8 @@ fn a_lower_servers_bands_reach_the_parent_per_priority() {
 }
 
 proptest! {
-    /// A resource's expiries, a vector while few and a tree beyond, keep
+    /// A resource's expiries, inline while one, a vector while few and a
+    /// tree beyond, keep
     /// the order and contents a tree alone would.
     #[test]
     fn expiries_keep_a_trees_order(ops in proptest::collection::vec((any::<bool>(), 0u64..6, 0u32..24), 0..200)) {
@@ -639,6 +656,7 @@ proptest! {
             }
             prop_assert_eq!(ours.first(), tree.first());
             let all: Vec<_> = match &ours {
+                Expiries::One(e) => e.iter().copied().collect(),
                 Expiries::Few(v) => v.clone(),
                 Expiries::Many(set) => set.iter().copied().collect(),
             };
@@ -896,4 +914,271 @@ proptest! {
             prop_assert!(spent <= cap * t + cap * w + 1e-6, "spent {spent} in {t} s");
         }
     }
+}
+
+/// A client that keeps a reserve is given a bucket below its share of the
+/// burst once another client shares the resource, the rest of its share
+/// counted in the pool; what it gives back goes into the pool, and a backlog
+/// it reports is credited at once, its lease grown or not. A Doorman client
+/// (no window) gets neither, and a lone client keeps its whole share.
+#[test]
+fn a_reserve_pools_the_rest_of_a_share_and_a_backlog_is_credited() {
+    let (clock, time) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![sharing(Kind::FairShare, 100.0, 10, 5, 0)] };
+    let s = Store::new(clock, cfg, Duration::ZERO);
+    let w = 60.0;
+    let reserving = |wants: f64, returned: f64, backlog: f64| LeaseRequest {
+        bucket: BucketReport { reserve: Some(2.0), returned, backlog },
+        ..windowed(wants, w)
+    };
+    let alone = s.get_capacity("a", &reserving(10.0, 0.0, 0.0));
+    assert_eq!(alone.bucket, 0.0, "a lone client keeps its whole share: {alone:?}");
+    s.get_capacity("b", &reserving(10.0, 0.0, 0.0));
+    time.advance(ARRIVALS + Duration::from_secs(1));
+    let a = s.get_capacity("a", &reserving(10.0, 0.0, 0.0));
+    // Its reserve, and what its lease refills until its next request.
+    let refill = a.capacity * a.refresh_interval.as_secs_f64();
+    assert!(a.bucket > 0.0 && (a.bucket - (2.0 + refill + a.credit)).abs() < 1e-3, "{a:?}");
+    assert!(a.bucket < a.capacity * w, "{a:?}");
+    // What it gives back and its backlog: the backlog is credited though its lease stays.
+    time.advance(Duration::from_secs(2));
+    s.get_capacity("b", &reserving(10.0, 0.0, 0.0));
+    let before = s.get_capacity("a", &reserving(10.0, a.bucket, 0.0));
+    time.advance(Duration::from_secs(2));
+    let after = s.get_capacity("a", &reserving(10.0, 0.0, 25.0));
+    assert!((after.capacity - before.capacity).abs() < 1e-9, "{before:?} {after:?}");
+    assert!((after.credit - 25.0).abs() < 1e-6, "the backlog is credited: {after:?}");
+    assert!(after.pooled > 0.0, "{after:?}");
+    // Its bucket holds the credit beside its reserve.
+    assert!(after.bucket >= 25.0 + 2.0 - 1e-3, "{after:?}");
+    // A Doorman client: no bucket and no credit, whatever it sends.
+    let d = s.get_capacity(
+        "d",
+        &LeaseRequest {
+            bucket: BucketReport { reserve: Some(2.0), returned: 0.0, backlog: 50.0 },
+            ..req("r", 10.0, None)
+        },
+    );
+    assert_eq!((d.bucket, d.credit), (0.0, 0.0), "{d:?}");
+}
+
+/// Three idle clients that ask every 3 s give back what their buckets
+/// refill above their reserves, for minutes: the pool fills up to the burst
+/// their buckets do not hold, never beyond.
+#[test]
+fn idle_clients_fill_the_pool_up_to_the_burst_and_no_more() {
+    let (cap, w, reserve) = (100.0, 60.0, 30.0);
+    let (clock, time) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![sharing(Kind::FairShare, cap, 10, 5, 0)] };
+    let s = Store::new(clock, cfg, Duration::ZERO);
+    let ask = |returned: f64| LeaseRequest {
+        bucket: BucketReport { reserve: Some(reserve), returned, backlog: 0.0 },
+        ..windowed(20.0, w)
+    };
+    let clients = ["a", "b", "c"];
+    let (mut sizes, mut buckets, mut leases) = ([0.0; 3], [0.0; 3], [0.0; 3]);
+    let mut pooled = 0.0;
+    for round in 0..200 {
+        for (i, c) in clients.into_iter().enumerate() {
+            let limited = sizes[i] > 0.0 && sizes[i] < leases[i] * w - 1e-9;
+            let returned = if limited { (buckets[i] - reserve).max(0.0) } else { 0.0 };
+            buckets[i] -= returned;
+            let g = s.get_capacity(c, &ask(returned));
+            leases[i] = g.capacity;
+            sizes[i] = if g.bucket > 0.0 { g.bucket } else { g.capacity * w };
+            buckets[i] = if g.fresh { sizes[i] } else { (buckets[i].min(sizes[i]) + g.credit).min(sizes[i]) };
+            pooled = if g.bucket > 0.0 { g.pooled } else { pooled };
+        }
+        let held = buckets.iter().sum::<f64>() + pooled;
+        assert!(held <= cap * w + 1e-6, "round {round}: {buckets:?} and {pooled} in the pool");
+        time.advance(Duration::from_secs(3));
+        for i in 0..3 {
+            buckets[i] = (buckets[i] + leases[i] * 3.0).min(sizes[i]);
+        }
+    }
+    // Most of the burst is pooled by then.
+    assert!(pooled > 0.8 * cap * w, "{pooled} of {} pooled; buckets {buckets:?}", cap * w);
+}
+
+proptest! {
+    /// Three clients keep reserves and give back what their buckets hold
+    /// above them at each request, with backlogs of any size; each bucket
+    /// refills at its lease, up to the bucket its last answer gave it (or
+    /// its share of the burst), and takes its credits up to that size. Over
+    /// the run they spend no more than `capacity × T + burst`, whatever they
+    /// spend when.
+    #[test]
+    fn given_back_buckets_keep_the_fleet_bound(
+        steps in proptest::collection::vec(
+            (
+                0u64..6_000,
+                [0.0f64..120.0, 0.0f64..120.0, 0.0f64..120.0],
+                [0.0f64..3_000.0, 0.0f64..3_000.0, 0.0f64..3_000.0],
+                // Long idle spells, then everything at once, as well as anything between.
+                prop_oneof![Just(0.0), Just(0.0), Just(1.0), 0.0f64..1.0],
+            ),
+            1..120,
+        ),
+    ) {
+        let (cap, w) = (100.0, 60.0);
+        let (clock, time) = Clock::manual(Time::from_secs(1_000_000));
+        let cfg = ResourcesConfig { templates: vec![sharing(Kind::FairShare, cap, 10, 5, 0)] };
+        let s = Store::new(clock, cfg, Duration::ZERO);
+        let clients = ["a", "b", "c"];
+        let reserve = 30.0;
+        let ask = |wants: f64, returned: f64, backlog: f64| LeaseRequest {
+            bucket: BucketReport { reserve: Some(reserve), returned, backlog },
+            ..windowed(wants, w)
+        };
+        for c in clients {
+            s.get_capacity(c, &ask(5.0, 0.0, 0.0));
+        }
+        time.advance(ARRIVALS + Duration::from_secs(1));
+        // Every bucket starts full; the pool holds at most the rest of the burst.
+        let mut leases = [0.0; 3];
+        let mut sizes = [0.0; 3];
+        for (i, c) in clients.into_iter().enumerate() {
+            let g = s.get_capacity(c, &ask(5.0, 0.0, 0.0));
+            leases[i] = g.capacity;
+            sizes[i] = if g.bucket > 0.0 { g.bucket } else { g.capacity * w };
+        }
+        let mut buckets = sizes;
+        let (mut t, mut spent) = (0.0, 0.0);
+        for (ms, wants, backlogs, spend) in steps {
+            time.advance(Duration::from_millis(ms));
+            let dt = ms as f64 / 1000.0;
+            t += dt;
+            for i in 0..3 {
+                buckets[i] = (buckets[i] + leases[i] * dt).min(sizes[i]);
+            }
+            let mut pooled = 0.0;
+            for (i, c) in clients.into_iter().enumerate() {
+                let limited = sizes[i] < leases[i] * w - 1e-9;
+                let returned = if limited { (buckets[i] - reserve).max(0.0) } else { 0.0 };
+                buckets[i] -= returned;
+                let g = s.get_capacity(c, &ask(wants[i], returned, backlogs[i]));
+                leases[i] = g.capacity;
+                sizes[i] = if g.bucket > 0.0 { g.bucket } else { g.capacity * w };
+                buckets[i] = (buckets[i].min(sizes[i]) + g.credit).min(sizes[i]);
+                pooled = g.pooled;
+            }
+            // The buckets and the pool never hold more than the burst.
+            let held = buckets.iter().sum::<f64>() + pooled;
+            prop_assert!(held <= cap * w + 1e-6, "{buckets:?} and {pooled} in the pool");
+            for b in &mut buckets {
+                spent += *b * spend;
+                *b *= 1.0 - spend;
+            }
+            prop_assert!(spent <= cap * t + cap * w + 1e-6, "spent {spent} in {t} s");
+        }
+    }
+}
+
+/// A resource's clients move from the inline list to the map and back as
+/// they come and go: every lease keeps its own slot, slots are reused, and
+/// the sums are the same as if the clients had come in one go.
+#[test]
+fn clients_past_the_inline_few_keep_their_slots_and_sums() {
+    let mut r = Resource::new(template(Kind::FairShare, 1000.0, 10, 5, 0));
+    let d = Decision { learning: true, min_interval: Duration::ZERO, again: false, arrivals: true };
+    let now = Time::from_secs(500);
+    let ask = |r: &mut Resource, id: &str, n: f64| r.decide(id, &req("x", n, Some(n)), now, d, Role::Root);
+    let check = |r: &Resource, ids: &[String]| {
+        let mut slots: Vec<ClientSlot> = ids.iter().map(|id| r.clients.get(id).expect("a lease").slot).collect();
+        for (id, s) in ids.iter().zip(&slots) {
+            assert_eq!(r.clients.owner(*s).as_deref(), Some(id.as_str()), "slot {s} names its client");
+        }
+        slots.sort_unstable();
+        slots.dedup();
+        assert_eq!(slots.len(), ids.len(), "one slot per client");
+        let wants: f64 = ids.iter().map(|id| id[1..].parse::<f64>().unwrap()).sum();
+        assert_eq!((r.clients.len(), r.index.len(), r.index.total_has()), (ids.len(), ids.len(), wants));
+    };
+    let mut ids: Vec<String> = (1..=12).map(|i| format!("c{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        ask(&mut r, id, (i + 1) as f64);
+        check(&r, &ids[..=i]);
+    }
+    assert!(matches!(r.clients, few::Clients::Many(_)));
+    for id in ["c3", "c7", "c12"] {
+        r.remove(id);
+        ids.retain(|i| i != id);
+        check(&r, &ids);
+    }
+    for id in ["c20", "c30", "c40"] {
+        ask(&mut r, id, id[1..].parse().unwrap());
+        ids.push(id.to_string());
+        check(&r, &ids);
+    }
+    let max_slot = ids.iter().map(|id| r.clients.get(id).unwrap().slot).max();
+    assert_eq!(max_slot, Some(11), "freed slots are reused before new ones");
+    for id in std::mem::take(&mut ids) {
+        r.remove(&id);
+    }
+    assert!(matches!(&r.clients, few::Clients::Few(v) if v.capacity() == 0), "the last client takes the storage");
+    ask(&mut r, "c5", 5.0);
+    check(&r, &["c5".to_string()]);
+}
+
+/// The first few resources in rank order, found while holding a bounded
+/// number of statuses, are the ones a full sort finds; every resource is
+/// seen once on the way.
+#[test]
+fn top_status_matches_a_full_ranking() {
+    let (s, _clock) = store(Kind::FairShare, 1000.0, 0, Duration::ZERO);
+    for i in 0..300u32 {
+        // Many ties (the same wants), broken by id.
+        s.get_capacity("a", &req(&format!("r{i}"), f64::from(i % 17), None));
+    }
+    let mut all = s.status();
+    rank(&mut all);
+    for max in [0, 1, 10, 150, 1000] {
+        let mut seen = 0;
+        let (top, total) = s.top_status(max, |_| seen += 1);
+        assert_eq!((total, seen), (300, 300));
+        let ids = |v: &[ResourceStatus]| v.iter().map(|r| r.id.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(&top), ids(&all[..max.min(300)]), "the first {max}");
+    }
+}
+
+/// Reservations go from nothing to a vector to a map and back, and find,
+/// replace and drop each client's as a map alone would.
+#[test]
+fn reservations_past_the_inline_few_behave_as_a_map() {
+    let r = |amount: f64| Reservation {
+        amount,
+        hold_until: Time::from_secs(1),
+        then: amount,
+        until: Time::from_secs(2),
+        epoch: None,
+        holders: 0,
+        told: 0.0,
+        sharers: 0,
+    };
+    let (mut ours, mut map) = (few::Reservations::default(), HashMap::new());
+    let same = |ours: &few::Reservations, map: &HashMap<String, Reservation>| {
+        let mut a: Vec<f64> = ours.values().map(|r| r.amount).collect();
+        let mut b: Vec<f64> = map.values().map(|r| r.amount).collect();
+        a.sort_by(f64::total_cmp);
+        b.sort_by(f64::total_cmp);
+        assert_eq!(a, b);
+        assert!(map.keys().all(|k| ours.get(k).map(|r| r.amount) == Some(map[k].amount)));
+        assert_eq!(ours.is_empty(), map.is_empty());
+    };
+    for i in 0..12 {
+        let id = format!("c{i}");
+        assert_eq!(ours.insert(Arc::from(id.as_str()), r(i as f64)), map.insert(id, r(i as f64)));
+        same(&ours, &map);
+    }
+    assert!(matches!(ours, few::Reservations::Many(_)));
+    assert_eq!(ours.insert(Arc::from("c3"), r(30.0)).map(|r| r.amount), Some(3.0));
+    map.insert("c3".into(), r(30.0));
+    assert_eq!(ours.remove("c4").map(|r| r.amount), map.remove("c4").map(|r| r.amount));
+    ours.retain(|_, r| r.amount < 8.0);
+    map.retain(|_, r| r.amount < 8.0);
+    same(&ours, &map);
+    ours.retain(|_, _| false);
+    assert!(matches!(ours, few::Reservations::None), "an emptied set holds no storage");
+    ours.insert(Arc::from("c1"), r(1.0));
+    assert!(ours.contains_key("c1") && !ours.contains_key("c2"));
 }
