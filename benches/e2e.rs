@@ -240,7 +240,7 @@ impl Up {
 fn usher_routes(up: &Up, tenants: bool, http2: bool, quota: &str) -> String {
     let (resource, route) = if tenants {
         (
-            "  tenant: { kind: rate, capacity: 1000/s, burst: 50, id: \"t/{header.x-tenant}\", max_keys: 250000 }\n",
+            "  tenant: { kind: rate, capacity: 1000/s, burst: 50, id: \"t/{header.x-tenant}\", max_keys: 2000000 }\n",
             "  - { name: tenant, match: { path_prefix: /tenant }, upstream: up, resources: [tenant] }\n",
         )
     } else {
@@ -350,10 +350,11 @@ fn nginx_conf(dir: &Path, port: u16, up: &Up, single_process: bool, tenants: boo
         ),
     };
     let up = up.addr;
-    // As usher's `/tenant` route: 1,000/s per `x-tenant` (a 64 MB zone holds some 500,000 keys).
+    // As usher's `/tenant` route: 1,000/s per `x-tenant` (a 256 MB zone holds some 2,000,000
+    // keys, as usher's `max_keys`; only the pages its keys touch count in RSS).
     let (zone, location) = if tenants {
         (
-            "limit_req_zone $http_x_tenant zone=tenants:64m rate=1000r/s;",
+            "limit_req_zone $http_x_tenant zone=tenants:256m rate=1000r/s;",
             format!("location /tenant {{ limit_req zone=tenants burst=50 nodelay; proxy_pass {scheme}://up; }}"),
         )
     } else {
@@ -1099,6 +1100,39 @@ async fn soak(o: &Opts, secs: f64) {
     std::fs::write(o.out.join("soak.md"), &md).unwrap();
 }
 
+/// Instructions per request of `n` known tenant keys (`--callgrind S
+/// --keys N`): `n` new tenants at 500/s make the keys, then callgrind counts
+/// the same `n` again at that rate (each a key the table holds, among `n`).
+async fn keyed_instructions(o: &Opts, targets: &[Target], n: u64) -> String {
+    let mut md = format!(
+        "\n| target | requests to {n} known tenant keys | instructions per request | ratio to usher |\n|---|---|---|---|\n"
+    );
+    let (rate, secs) = (500.0, Duration::from_secs_f64(n as f64 / 500.0));
+    let mut first = None;
+    for t in targets {
+        let pid = t.proc.as_ref().unwrap().pid;
+        let prefix: std::sync::Arc<str> = "known-".into();
+        loadgen::open_loop_keyed(t.addr, "/tenant", rate, secs, 4, Some(prefix.clone())).await;
+        callgrind_control(&["--zero", &pid.to_string()]);
+        let r = loadgen::open_loop_keyed(t.addr, "/tenant", rate, secs, 4, Some(prefix)).await;
+        let before: std::collections::HashSet<PathBuf> = dumps(&o.out).into_iter().collect();
+        callgrind_control(&["--dump", &pid.to_string()]);
+        let dump = dumps(&o.out)
+            .into_iter()
+            .find(|p| !before.contains(p) && p.to_string_lossy().contains(&format!(".{pid}.")));
+        let ok = r.scheduled.saturating_sub(r.errors).max(1);
+        let per = dump.as_deref().and_then(callgrind_total).map(|n| n as f64 / ok as f64);
+        let ratio = match (first, per) {
+            (Some(f), Some(p)) => format!("{:.3}", p / f),
+            _ => "1.000".into(),
+        };
+        first = first.or(per);
+        eprintln!("{} keyed: {ok} requests ({} errors), {per:?} instructions each", t.name, r.errors);
+        md.push_str(&format!("| {} | {ok} | {} | {ratio} |\n", t.name, per.map_or("–".into(), |p| format!("{p:.0}"))));
+    }
+    md
+}
+
 /// Instructions per proxied request, counted by callgrind (user space only,
 /// repeatable to a fraction of a percent, unlike times on a shared machine):
 /// each proxy runs under valgrind; after a warm-up its counters are zeroed,
@@ -1137,6 +1171,9 @@ async fn instructions(o: &Opts, secs: f64) {
             r.ok,
             per.map_or("–".into(), |p| format!("{p:.0}"))
         ));
+    }
+    if let Some(&n) = o.keys.first() {
+        md.push_str(&keyed_instructions(o, &targets, n).await);
     }
     drop(targets);
     println!("{md}");

@@ -1,7 +1,7 @@
 //! Heap bytes per templated key, by component: the embedded capacity
 //! server's store, the sidecar's LeaseTable, and the lease client with its
-//! enforcer (issue 17, part 3: a sidecar with 100,000 tenant keys held
-//! 617 MB).
+//! enforcer, for a sidecar with no `doorman:` section whose tenant keys are
+//! local (no lease: the table's key alone) or leased from its embedded server.
 //!
 //! A counting global allocator, in this test binary only, tracks the bytes
 //! live at any moment; each component's cost is the growth of that figure
@@ -157,10 +157,36 @@ fn table_bytes_per_key() -> f64 {
     (live() - before) as f64 / KEYS as f64
 }
 
+/// How a sidecar's tenant keys are enforced in [`sidecar_bytes_per_key`].
+#[derive(Clone, Copy, PartialEq)]
+enum Keys {
+    /// The bench's resource: local keys, no lease (`usher_enforce::resource::is_local`).
+    Local,
+    /// The same resource asking for less than its capacity: each key leases
+    /// from the embedded server, through the lease client.
+    Leased,
+}
+
+/// The routes file of [`routes`], or of its leased variant.
+fn routes_of(keys: Keys) -> Arc<RoutesConfig> {
+    match keys {
+        Keys::Local => routes(),
+        Keys::Leased => {
+            let yaml = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+                        resources:\n  tenant: { kind: rate, capacity: 1000/s, burst: 50, wants: 999, \
+                        id: \"t/{header.x-tenant}\", max_keys: 250000 }\n\
+                        routes:\n  - { name: all, upstream: up, resources: [tenant] }\n";
+            Arc::new(RoutesConfig::parse("routes.yaml", yaml).expect("valid routes"))
+        }
+    }
+}
+
 /// Bytes per key of the whole sidecar flow: table keys, the enforcer's
-/// memory of each, the lease client's state, the embedded server's store.
-async fn sidecar_bytes_per_key() -> f64 {
-    let cfg = routes();
+/// memory of each, and for leased keys the lease client's state and the
+/// embedded server's store. Counted once the lease client has seen every
+/// key (leased: each holds a lease; local: a demand poll read it).
+async fn sidecar_bytes_per_key(keys: Keys) -> f64 {
+    let cfg = routes_of(keys);
     let table = table(&cfg);
     let registry = prometheus::Registry::new();
     let pushback = Arc::new(Pushback::new(&registry));
@@ -169,19 +195,28 @@ async fn sidecar_bytes_per_key() -> f64 {
     let (client, task) =
         start_with(Arc::new(move || source.clone()), table.clone(), pushback, &registry, shutdown.clone())
             .expect("the embedded server starts");
+    let limits = table.resource("tenant").expect("configured");
+    let seen = |range: std::ops::Range<usize>| {
+        range.clone().all(|i| match keys {
+            Keys::Leased => client.lease_of(&tenant(i)).is_some(),
+            Keys::Local => limits.get(&tenant(i)).is_some_and(|l| l.watched()),
+        })
+    };
     // The lease client, its thread and the embedded server are up, with one key.
     make_keys(&table, KEYS..KEYS + 1);
-    let leased = |range: std::ops::Range<usize>| range.clone().all(|i| client.lease_of(&tenant(i)).is_some());
-    wait_for(|| leased(KEYS..KEYS + 1)).await;
+    wait_for(|| seen(KEYS..KEYS + 1)).await;
     let before = live();
     make_keys(&table, 0..KEYS);
-    wait_for(|| leased(0..KEYS)).await;
+    wait_for(|| seen(0..KEYS)).await;
     // The least of a few readings: a demand poll's buffers (the lease
     // client's thread polls on its own) are gone between polls.
     let mut grown = isize::MAX;
     for _ in 0..6 {
         tokio::time::sleep(Duration::from_millis(50)).await;
         grown = grown.min(live() - before);
+    }
+    if keys == Keys::Local {
+        assert!(client.lease_of(&tenant(0)).is_none(), "a local key holds no lease");
     }
     shutdown.cancel();
     task.await.expect("lease client ends");
@@ -203,18 +238,24 @@ async fn wait_for(mut done: impl FnMut() -> bool) {
 async fn bytes_per_templated_key_stay_bounded() {
     let store = store_bytes_per_key().await;
     let table = table_bytes_per_key();
-    let whole = sidecar_bytes_per_key().await;
-    let client = whole - store - table;
+    let local = sidecar_bytes_per_key(Keys::Local).await;
+    let leased = sidecar_bytes_per_key(Keys::Leased).await;
+    let enforcer = local - table;
+    let client = leased - store - table;
     println!(
-        "bytes per key ({KEYS} keys): store {store:.0}, table {table:.0}, \
-         lease client and enforcer {client:.0}, whole sidecar {whole:.0}"
+        "bytes per key ({KEYS} keys): store {store:.0}, table {table:.0}; \
+         local keys: enforcer {enforcer:.0}, whole sidecar {local:.0}; \
+         leased keys: lease client and enforcer {client:.0}, whole sidecar {leased:.0}"
     );
     // Ceilings with room for another allocator's or map's growth policy
     // (benches/RESULTS.md, "Memory per key" and "a million tenant keys on
     // one server", has the figures measured).
     assert!(store > 0.0 && table > 0.0 && client > 0.0);
     assert!(store < STORE_CEILING, "store: {store:.0} bytes per key");
-    assert!(table < 800.0, "table: {table:.0} bytes per key");
+    assert!(table < 600.0, "table: {table:.0} bytes per key");
     assert!(client < 1_000.0, "lease client and enforcer: {client:.0} bytes per key");
-    assert!(whole < 3_000.0, "whole sidecar: {whole:.0} bytes per key");
+    assert!(leased < 3_000.0, "whole sidecar, leased keys: {leased:.0} bytes per key");
+    // A local key is the table's key and nothing more.
+    assert!(enforcer < 50.0, "enforcer, local keys: {enforcer:.0} bytes per key");
+    assert!(local < 600.0, "whole sidecar, local keys: {local:.0} bytes per key");
 }

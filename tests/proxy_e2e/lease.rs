@@ -1,7 +1,7 @@
 //! Leases and templated keys: the embedded server's lease refreshed rarely
-//! and following a reloaded capacity, an idle key forgotten at its timeout,
-//! a header that is not UTF-8 making no key, an id that is a placeholder
-//! alone, and per-key lease state and transition metrics.
+//! and following a reloaded capacity, an idle key (leased or local)
+//! forgotten at its timeout, a header that is not UTF-8 making no key, an id
+//! that is a placeholder alone, and per-key lease state and transition metrics.
 
 use usher_test_support as support;
 use usher_test_support::assert_eventually;
@@ -71,30 +71,55 @@ async fn an_embedded_lease_is_refreshed_rarely_and_follows_a_reloaded_capacity_a
 /// client otherwise sleeps until the next hourly refresh).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
+    idle_key_forgotten(Held::Lease).await;
+}
+
+/// The same for a local key (no lease: see `usher_enforce::resource::is_local`):
+/// it leaves the table at its timeout, and a tenant that comes back makes
+/// a key again, at the routes file's capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_local_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
+    idle_key_forgotten(Held::Local).await;
+}
+
+/// Whether a tenant key holds a lease (it asks for less than the capacity)
+/// or is local.
+#[derive(Clone, Copy, PartialEq)]
+enum Held {
+    Lease,
+    Local,
+}
+
+async fn idle_key_forgotten(held: Held) {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
+    let wants = if held == Held::Lease { "wants: 5, " } else { "" };
     let routes = write_file(
         dir.path(),
         "routes.yaml",
         &format!(
             "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
-             resources:\n  tenant: {{ kind: rate, capacity: 10/s, id: \"t/{{header.x-tenant}}\", key_idle_timeout: 2s }}\n\
+             resources:\n  tenant: {{ kind: rate, capacity: 10/s, {wants}id: \"t/{{header.x-tenant}}\", key_idle_timeout: 2s }}\n\
              routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
             up.addr
         ),
     );
     let u = start_proxy(&routes);
+    // The lease client's keys, or the table's local ones.
     let keys = || {
         let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let ids: Option<Vec<String>> =
-            v["lease"]["keys"].as_array().map(|k| k.iter().map(|k| k["resource_id"].to_string()).collect());
+        let (list, field) = match held {
+            Held::Lease => (&v["lease"]["keys"], "resource_id"),
+            Held::Local => (&v["keys"], "id"),
+        };
+        let ids: Option<Vec<String>> = list.as_array().map(|k| k.iter().map(|k| k[field].to_string()).collect());
         ids.unwrap_or_default()
     };
     let mut c = h1(u.addr("listen")).await;
-    let req = Request::get("/x").header("host", "app").header("x-tenant", "acme").body(upstream::empty()).unwrap();
+    let req = || Request::get("/x").header("host", "app").header("x-tenant", "acme").body(upstream::empty()).unwrap();
     let sent = std::time::Instant::now();
-    assert_eq!(send1(&mut c, req).await.status, StatusCode::OK);
+    assert_eq!(send1(&mut c, req()).await.status, StatusCode::OK);
     assert_eventually!(keys() == ["\"t/acme\""], Duration::from_secs(5), "{:?}", keys());
     // Nothing more happens: the key goes at 2 s after its last use (the
     // lease client's reads between then and now end in a quiet wait).
@@ -102,6 +127,12 @@ async fn an_idle_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
     let took = sent.elapsed();
     assert!(took >= Duration::from_secs(2), "forgotten after {took:?}, before its idle timeout");
     assert_eq!(forgotten_in_summary(&u), 1);
+    if held == Held::Local {
+        // (On a new connection: the first one may have idled out meanwhile.)
+        let mut c = h1(u.addr("listen")).await;
+        assert_eq!(send1(&mut c, req()).await.status, StatusCode::OK, "the tenant comes back");
+        assert_eq!(keys(), ["\"t/acme\""], "as a new key");
+    }
 }
 
 /// The `forgotten` count of the sidecar's first `templated keys` line (10 s
@@ -131,8 +162,8 @@ async fn a_header_that_is_not_utf8_makes_no_key() {
     let keys = || {
         let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let keys = v["lease"]["keys"].as_array().cloned().unwrap_or_default();
-        keys.iter().map(|k| k["resource_id"].as_str().unwrap_or_default().to_string()).collect::<Vec<_>>()
+        let keys = v["keys"].as_array().cloned().unwrap_or_default();
+        keys.iter().map(|k| k["id"].as_str().unwrap_or_default().to_string()).collect::<Vec<_>>()
     };
     // Raw bytes on the wire, one request per connection.
     let listen = u.addr("listen");
@@ -161,10 +192,10 @@ async fn a_header_that_is_not_utf8_makes_no_key() {
 }
 
 /// A resource whose id is a placeholder alone (the tenant's name is the
-/// lease id) is leased its capacity by the embedded server, not the
-/// catch-all's nothing.
+/// key's id) enforces its capacity, not the catch-all's nothing: a local
+/// key (no `doorman:` section) holds the routes file's capacity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_id_that_is_a_placeholder_alone_is_leased_its_capacity() {
+async fn an_id_that_is_a_placeholder_alone_enforces_its_capacity() {
     let up = Upstream::start().await;
     let dir = tempfile::tempdir().unwrap();
     let yaml = format!(
@@ -174,18 +205,17 @@ async fn an_id_that_is_a_placeholder_alone_is_leased_its_capacity() {
         up.addr
     );
     let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
-    let lease = || {
+    let key = || {
         let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let keys = v["lease"]["keys"].as_array().cloned().unwrap_or_default();
-        keys.iter().find(|k| k["resource_id"] == "acme").map(|k| (k["mode"].to_string(), k["capacity"].to_string()))
+        let keys = v["keys"].as_array().cloned().unwrap_or_default();
+        keys.iter().find(|k| k["id"] == "acme").map(|k| (k["local"].clone(), k["capacity"].clone()))
     };
     let mut c = h1(u.addr("listen")).await;
     let req = || Request::get("/x").header("host", "app").header("x-tenant", "acme").body(upstream::empty()).unwrap();
     assert_eq!(send1(&mut c, req()).await.status, StatusCode::OK);
-    assert_eventually!(lease().is_some_and(|(mode, _)| mode == "\"leased\""), Duration::from_secs(5), "{:?}", lease());
-    assert_eq!(lease().unwrap().1, "10.0", "the resource's capacity, not the catch-all's 0");
-    assert_eq!(send1(&mut c, req()).await.status, StatusCode::OK, "and requests pass under the lease");
+    assert_eq!(key(), Some((true.into(), 10.0.into())), "local, at the resource's capacity");
+    assert_eq!(send1(&mut c, req()).await.status, StatusCode::OK, "and requests pass at it");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -194,8 +224,9 @@ async fn a_tenant_keys_lease_state_and_transitions_show_on_every_scrape() {
     let dir = tempfile::tempdir().unwrap();
     let yaml = format!(
         "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
-         resources:\n  tenant: {{ kind: rate, capacity: 10/s, id: \"t/{{header.x-tenant}}\", max_keys: 10 }}\n\
-         routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
+         resources:\n  tenant: {{ kind: rate, capacity: 10/s, wants: 5, id: \"t/{{header.x-tenant}}\", max_keys: 10 }}\n  \
+         local: {{ kind: rate, capacity: 10/s, id: \"l/{{header.x-tenant}}\", max_keys: 10 }}\n\
+         routes:\n  - {{ name: api, upstream: up, resources: [tenant, local] }}\n",
         up.addr
     );
     let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
@@ -204,6 +235,8 @@ async fn a_tenant_keys_lease_state_and_transitions_show_on_every_scrape() {
     assert_eq!(send1(&mut c, req).await.status, StatusCode::OK);
     let state =
         |text: &str, s: &str| metric(text, "usher_proxy_lease_state", &[("resource_id", "t/acme"), ("state", s)]);
+    let local =
+        |text: &str, s: &str| metric(text, "usher_proxy_lease_state", &[("resource_id", "l/acme"), ("state", s)]);
     let labels = [("resource_id", "t/acme"), ("from", "pending"), ("to", "leased")];
     // The lease client counts the transition just after the key's state changed.
     assert_eventually!(
@@ -221,6 +254,10 @@ async fn a_tenant_keys_lease_state_and_transitions_show_on_every_scrape() {
         assert_eq!(state(&text, "leased"), Some(1.0), "{text}");
         assert_eq!(state(&text, "pending"), Some(0.0), "{text}");
         assert_eq!(metric(&text, "usher_lease_transitions_total", &labels), Some(1.0), "{text}");
+        // A local key (no lease: its capacity is the routes file's) has one state, and no transition.
+        assert_eq!(local(&text, "local"), Some(1.0), "{text}");
+        assert_eq!(local(&text, "leased"), None, "{text}");
+        assert_eq!(metric(&text, "usher_lease_transitions_total", &[("resource_id", "l/acme")]), None, "{text}");
     }
 }
 
@@ -234,7 +271,7 @@ async fn a_forgotten_keys_transition_counts_leave_metrics() {
     let yaml = format!(
         "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
          resources:\n  fixed: {{ kind: rate, capacity: 100/s, burst: 50 }}\n  \
-         tenant: {{ kind: rate, capacity: 10/s, id: \"t/{{header.x-tenant}}\", key_idle_timeout: 1s }}\n\
+         tenant: {{ kind: rate, capacity: 10/s, wants: 5, id: \"t/{{header.x-tenant}}\", key_idle_timeout: 1s }}\n\
          routes:\n  - {{ name: api, upstream: up, resources: [fixed, tenant] }}\n",
         up.addr
     );

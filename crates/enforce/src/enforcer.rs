@@ -80,8 +80,6 @@ const PEAK_WINDOW: Duration = Duration::from_secs(10);
 #[derive(Default)]
 struct KeyMemory {
     refused: u64,
-    /// Last time the key saw an arrival or had a request in flight.
-    active: Option<(Time, f64)>,
     /// Boxed, made at the first measurement: a key with a fixed `wants`
     /// (every key of an embedded server, by default) never needs it.
     measured: Option<Box<Measured>>,
@@ -255,6 +253,9 @@ pub struct TableEnforcer {
     transitions: Transitions,
     /// The embedded capacity server, for a routes file without `doorman:`.
     embedded: Option<Embedded>,
+    /// Keys may be local (see [`crate::resource::is_local`]): the lease
+    /// client leases from an embedded server, whose only client it is.
+    local_keys: bool,
     memory: Mutex<HashMap<String, KeyMemory>>,
     /// The routes file in force at the last demand read: the next one
     /// reports every key if it changed.
@@ -285,21 +286,32 @@ pub struct TableEnforcer {
 }
 
 /// A resource's lease settings, kind, configured capacity (units per
-/// second, or in flight), and whether its id is fixed.
-type Settings<'a> = (&'a LeaseSettings, ResourceKind, f64, bool);
+/// second, or in flight), whether its id is fixed, and whether its keys
+/// are local (no lease: [`crate::resource::is_local`]).
+#[derive(Clone, Copy)]
+struct Settings<'a> {
+    lease: &'a LeaseSettings,
+    kind: ResourceKind,
+    capacity: f64,
+    fixed: bool,
+    local: bool,
+}
 
 impl TableEnforcer {
     fn config(&self) -> Arc<RoutesConfig> {
         (self.config)()
     }
 
-    fn settings<'a>(cfg: &'a RoutesConfig, resource: &str) -> Option<Settings<'a>> {
-        cfg.resources.get(resource).map(|r| {
-            let cap = match r.kind {
+    fn settings<'a>(&self, cfg: &'a RoutesConfig, resource: &str) -> Option<Settings<'a>> {
+        cfg.resources.get(resource).map(|r| Settings {
+            lease: &r.lease,
+            kind: r.kind,
+            capacity: match r.kind {
                 ResourceKind::Rate => r.capacity.per_second(),
                 ResourceKind::Gauge => r.capacity.per_window,
-            };
-            (&r.lease, r.kind, cap, r.id.is_fixed())
+            },
+            fixed: r.id.is_fixed(),
+            local: self.local_keys && crate::resource::is_local(cfg, r),
         })
     }
 
@@ -410,21 +422,25 @@ impl TableEnforcer {
         super::pushback::relet_lead(refresh, min_interval(&cfg), jitter)
     }
 
-    /// When a templated key becomes idle if nobody uses it from now on (its
-    /// last use plus its idle timeout); `None` for a fixed id. A key whose
-    /// time has come is to be forgotten (the caller removes such keys
-    /// together, and their memory), and the lease client then releases its lease.
-    fn idle_at(m: &mut KeyMemory, fixed: bool, l: &usher_limit::Limiter, s: &LeaseSettings, now: Time) -> Option<Time> {
-        if fixed {
-            return None;
+    /// Applies pushback to the local keys among `ids` (no lease:
+    /// [`crate::resource::is_local`]) against their configured capacity, as
+    /// the lease client re-applies a leased key's lease every turn: their
+    /// recovery steps and holds take effect without one.
+    fn reapply_local(&self, ids: &[String]) {
+        let cfg = self.config();
+        let now = self.table.clock().now();
+        for r in cfg.resources.values().filter(|r| crate::resource::is_local(&cfg, r)) {
+            let Some(limits) = self.table.resource(&r.name) else { continue };
+            let capacity = limits.spec().capacity;
+            for l in ids.iter().filter_map(|id| limits.get(id)) {
+                self.pushback.apply(l.id(), capacity, now, |c, hold| {
+                    l.set_capacity(c);
+                    if hold.is_some() {
+                        l.set_hold(hold);
+                    }
+                });
+            }
         }
-        let arrivals = l.demand().arrivals();
-        let busy = l.demand().in_flight() > 0 || l.demand().waiters() > 0;
-        match m.active {
-            Some((_, seen)) if seen == arrivals && !busy => {}
-            _ => m.active = Some((now, arrivals)),
-        }
-        Some(m.active.map_or(now, |(t, _)| t).saturating_add(s.key_idle_timeout))
     }
 
     /// Reads the demand: every key's when `full` or when the routes file
@@ -456,7 +472,7 @@ impl TableEnforcer {
         let reading = self.read_keys(&cfg, full, reloaded);
         activity.sleep(self.note(&reading));
         {
-            let forgotten = reading.forgotten.values().map(|ids| ids.len() as u64).sum();
+            let forgotten = reading.forgotten.values().map(|(_, ids)| ids.len() as u64).sum();
             let mut log = self.keylog.lock().expect("enforcer key log");
             let now = self.table.clock().now();
             log.read(now, reading.made, forgotten);
@@ -501,33 +517,42 @@ impl TableEnforcer {
                     let (name, settings) = cfg
                         .resources
                         .get_key_value(resource)
-                        .map_or((None, None), |(name, _)| (Some(name.as_str()), Self::settings(cfg, resource)));
+                        .map_or((None, None), |(name, _)| (Some(name.as_str()), self.settings(cfg, resource)));
                     if let Some(name) = name {
                         current = Some((name, settings));
                     }
                     settings
                 }
             };
-            let Some((settings, kind, capacity, fixed)) = settings else { return };
-            reading.templated += usize::from(!fixed);
+            let Some(Settings { lease: settings, kind, capacity, fixed, local }) = settings else { return };
+            if !fixed {
+                // A templated key is forgotten once idle for its key_idle_timeout.
+                reading.templated += 1;
+                let (used, first) = l.last_use(now);
+                reading.made += u64::from(first);
+                let at = used.saturating_add(settings.key_idle_timeout);
+                if at <= now {
+                    mem.remove(l.id());
+                    tracing::debug!(resource, id = %l.id(), idle = ?settings.key_idle_timeout, "forgot an idle key; releasing its lease");
+                    let (_, ids) = reading.forgotten.entry(resource.to_string()).or_insert((local, Vec::new()));
+                    ids.push(l.id().to_string());
+                    return;
+                }
+                reading.next_idle = Some(reading.next_idle.map_or(at, |n| n.min(at)));
+            }
+            if local {
+                // No lease, so nothing to report (and, after a reload made
+                // the resource local, nothing to remember).
+                if full {
+                    mem.remove(l.id());
+                }
+                return;
+            }
             // Looked up before it is inserted: no new id string per key and read.
             if !mem.contains_key(l.id()) {
                 mem.insert(l.id().to_string(), KeyMemory::default());
-                if !fixed {
-                    reading.made += 1;
-                }
             }
             let m = mem.get_mut(l.id()).expect("inserted above");
-            match Self::idle_at(m, fixed, l, settings, now) {
-                Some(at) if at <= now => {
-                    mem.remove(l.id());
-                    tracing::debug!(resource, id = %l.id(), idle = ?settings.key_idle_timeout, "forgot an idle key; releasing its lease");
-                    reading.forgotten.entry(resource.to_string()).or_default().push(l.id().to_string());
-                    return;
-                }
-                Some(at) => reading.next_idle = Some(reading.next_idle.map_or(at, |n| n.min(at))),
-                None => {}
-            }
             let (wants, pressure) = self.wants(m, l, kind, settings, capacity, now);
             let reported = Some((wants, pressure || reloaded));
             // A fresh account of the upstream's quota goes up too, and a
@@ -565,12 +590,16 @@ impl TableEnforcer {
     }
 
     /// Removes the keys gone idle, by resource (one copy of a resource's
-    /// snapshot), and returns the ids whose leases are to be released.
-    fn forget(&self, forgotten: HashMap<String, Vec<String>>) -> Vec<String> {
+    /// snapshot), and returns the ids whose leases are to be released (a
+    /// local key has none).
+    fn forget(&self, forgotten: HashMap<String, (bool, Vec<String>)>) -> Vec<String> {
         let mut removed = Vec::new();
-        for (resource, ids) in forgotten {
+        for (resource, (local, ids)) in forgotten {
             if let Some(limits) = self.table.resource(&resource) {
                 limits.remove_all(ids.iter().map(String::as_str));
+            }
+            if local {
+                continue;
             }
             // A templated id another resource also made keeps its lease for that one.
             removed.extend(ids.into_iter().filter(|id| !self.table.contains(id)));
@@ -592,8 +621,8 @@ struct Reading {
     next_idle: Option<Time>,
     /// The keys whose demand is reported.
     demand: Vec<KeyDemand>,
-    /// The idle keys, by resource: removed together.
-    forgotten: HashMap<String, Vec<String>>,
+    /// The idle keys, by resource, and whether its keys are local: removed together.
+    forgotten: HashMap<String, (bool, Vec<String>)>,
     /// Templated keys seen for the first time.
     made: u64,
     /// How many keys were templated ones.
@@ -671,7 +700,11 @@ impl Enforcer for TableEnforcer {
     }
 
     fn reapply(&self) -> Vec<String> {
-        self.pushback.ids()
+        let ids = self.pushback.ids();
+        if self.local_keys && !ids.is_empty() {
+            self.reapply_local(&ids);
+        }
+        ids
     }
 
     fn allot(&self, allotments: &[(String, Option<usher_limit::allot::Allotment>)]) {
@@ -849,6 +882,7 @@ pub fn start_wired(
         pushback,
         config,
         transitions,
+        local_keys: embedded.is_some(),
         embedded,
         memory: Mutex::new(HashMap::new()),
         read_config: Mutex::new(None),
@@ -1116,7 +1150,7 @@ mod tests {
     fn wants_now(e: &TableEnforcer, name: &str) -> (f64, bool) {
         let l = e.table.resource(name).unwrap().try_limiter(name).unwrap();
         let cfg = e.config();
-        let (settings, kind, capacity, _) = TableEnforcer::settings(&cfg, name).unwrap();
+        let Settings { lease: settings, kind, capacity, .. } = e.settings(&cfg, name).unwrap();
         let mut memory = e.memory.lock().unwrap();
         let m = memory.entry(name.to_string()).or_default();
         e.wants(m, &l, kind, settings, capacity, e.table.clock().now())
@@ -1134,6 +1168,7 @@ mod tests {
             config: Arc::new(move || cfg.clone()),
             transitions: Transitions::default(),
             embedded: None,
+            local_keys: false,
             memory: Mutex::new(HashMap::new()),
             read_config: Mutex::new(None),
             applied_config: Mutex::new(None),
@@ -1223,6 +1258,44 @@ mod tests {
         assert!(e.table.resource("tenant").unwrap().get("t/acme").is_none());
         let u = e.demand_update();
         assert!(u.removed.is_empty() && u.changed.is_empty(), "{u:?}");
+    }
+
+    /// With an embedded server, a templated rate key is local: it enforces
+    /// its configured capacity, is never reported to the lease client, and
+    /// is still forgotten once idle. A resource the server must steer (here
+    /// an upstream's quota headers) and a fixed id keep their leases; a new
+    /// key of the same tenant after forgetting is local again.
+    #[test]
+    fn an_embedded_servers_templated_rate_keys_are_local() {
+        let (e, time) = enforcer_of(
+            "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+             resources:\n  fixed: { kind: rate, capacity: 1000/s, burst: 100 }\n  \
+             tenant: { kind: rate, capacity: 10/s, id: \"t/{header.x-tenant}\", key_idle_timeout: 60s }\n  \
+             quota: { kind: rate, capacity: 10/s, id: \"q/{header.x-tenant}\", upstream_quota: { headers: github } }\n\
+             routes:\n  - { name: all, upstream: up, resources: [fixed, tenant, quota] }\n",
+        );
+        let e = TableEnforcer { local_keys: true, ..e };
+        let acme = e.table.resource("tenant").unwrap().try_limiter("t/acme").unwrap();
+        e.table.resource("quota").unwrap().try_limiter("q/acme").unwrap();
+        let u = e.demand_update();
+        assert_eq!(reported(&u).0, ["fixed", "q/acme"], "the local key is not reported");
+        assert_eq!(acme.capacity(), 10.0, "a local key holds its configured capacity");
+        assert!(!e.memory.lock().unwrap().contains_key("t/acme"), "and nothing is remembered of it");
+        // Used now and then, it stays; idle for its timeout, it is forgotten.
+        time.advance(Duration::from_secs(50));
+        acme.demand().arrive(1.0);
+        e.demand_update();
+        time.advance(Duration::from_secs(50));
+        e.demand_update();
+        assert!(e.table.resource("tenant").unwrap().get("t/acme").is_some(), "used 50 s ago: kept");
+        time.advance(Duration::from_secs(11));
+        let u = e.demand_update();
+        assert!(e.table.resource("tenant").unwrap().get("t/acme").is_none(), "idle 61 s: forgotten");
+        assert!(!u.removed.contains(&"t/acme".to_string()), "no lease to release: {u:?}");
+        // The tenant comes back: a new local key, at its configured capacity.
+        let again = e.table.resource("tenant").unwrap().try_limiter("t/acme").unwrap();
+        assert_eq!(again.capacity(), 10.0);
+        assert!(!reported(&e.demand_update()).0.contains(&"t/acme"));
     }
 
     /// A key used at under one request a second (0.5/s, as LLM calls are)

@@ -9,7 +9,9 @@ use http::{Method, Request, header};
 
 use crate::metrics::{Metrics, ResourceMetrics, SettleMetrics};
 use crate::respond::ProxyError;
-use usher_core::config::routes::{BodyCost, CostRule, IdTemplate, ResourceKind, RoutesConfig, Segment, SettleFrom};
+use usher_core::config::routes::{
+    BodyCost, CostRule, IdTemplate, ResourceConfig, ResourceKind, RoutesConfig, Segment, SettleFrom,
+};
 use usher_limit::{Kind, LeaseTable, Limiter, Plan, ResourceLimits, ResourceSpec};
 
 /// One resource a route must be admitted by (and, in `crate::embed`, the
@@ -142,6 +144,29 @@ impl RouteResource {
     pub fn fixed_limiter(&self) -> Arc<Limiter> {
         self.fixed.get_or_init(|| self.limits.limiter(&self.template.text)).clone()
     }
+}
+
+/// Whether the keys of resource `r` take their routes-file capacity and
+/// never lease it: a templated rate resource of a sidecar with no `doorman:`
+/// section (an embedded server, whose only client is this sidecar, would
+/// lease each key just that) that needs nothing else of the server. A
+/// calendar window (allotments), an upstream's quota headers (the server
+/// steers the capacity by them), a `wants` below the capacity and a gauge
+/// keep their leases. Such a key ("local") holds no lease state and no
+/// entry in the embedded server's store: a sidecar with a million tenants
+/// holds a million limiters and nothing more.
+pub fn is_local(cfg: &RoutesConfig, r: &ResourceConfig) -> bool {
+    use usher_core::config::doorman::Wants;
+    cfg.doorman.is_none()
+        && r.kind == ResourceKind::Rate
+        && !r.id.is_fixed()
+        && !r.calendar
+        && r.upstream_quota.is_none()
+        && match r.lease.wants {
+            None => true,
+            Some(Wants::Fixed(w)) => w >= r.capacity.per_second(),
+            Some(Wants::Auto) => false,
+        }
 }
 
 /// The resource specs of a routes file, for [`LeaseTable::configure`].

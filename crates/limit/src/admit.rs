@@ -472,7 +472,7 @@ async fn rates_after_zero(plan: &Plan, clock: &Clock, arrival: Time) -> Result<(
                 let rate = l.rate().expect("a rate key");
                 let cost = plan.items.iter().find(|(k, _)| Arc::ptr_eq(k, &l)).map_or(1.0, |(_, c)| *c);
                 let deadline = arrival.saturating_add(l.spec().max_wait);
-                let changed = rate.changed.notified();
+                let changed = rate.changed().notified();
                 tokio::pin!(changed);
                 changed.as_mut().enable();
                 if rate.open(clock.now(), cost) {
@@ -513,7 +513,7 @@ async fn wait_for_slots(clock: &Clock, rates: &[(Arc<Limiter>, f64)], tickets: &
         }
         let Some((i, wait)) = latest.filter(|(_, w)| !w.is_zero()) else { return };
         let rate = rates[i].0.rate().expect("a rate key");
-        let changed = rate.changed.notified();
+        let changed = rate.changed().notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
         // A change just before `enable` was not heard: look once more.

@@ -4,8 +4,8 @@
 //! The request path only touches atomics; the smoothing state is updated by
 //! whoever samples (the lease refresher, the metrics scrape), under its own lock.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -38,7 +38,10 @@ pub struct DemandMeter {
     /// The latest `Retry-After` a refusal gave (nanoseconds of [`Time`], 0:
     /// none): until then the apps told to wait are coming back.
     retry_at: AtomicU64,
-    smooth: Mutex<Smooth>,
+    /// The smoothed rate, made at the first [`DemandMeter::sample`] (the
+    /// lease side's and the status page's): a key nobody samples, as a
+    /// local tenant key, pays a pointer for it.
+    smooth: OnceLock<Box<Mutex<Smooth>>>,
 }
 
 #[derive(Debug, Default)]
@@ -184,7 +187,7 @@ impl DemandMeter {
     pub fn sample(&self, now: Time) -> DemandSample {
         let count = self.arrivals();
         let in_flight = self.in_flight.load(Ordering::Relaxed);
-        let mut s = self.smooth.lock().expect("demand lock");
+        let mut s = self.smooth.get_or_init(Box::default).lock().expect("demand lock");
         let window_peak = self.peak_in_flight.load(Ordering::Relaxed);
         match s.last {
             None => s.last = Some((now, count)),

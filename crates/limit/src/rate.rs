@@ -41,8 +41,8 @@
 //! with a full burst.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -63,8 +63,12 @@ const CHANGES_KEPT: usize = 8;
 /// A rate: `capacity` units per second, `burst` units at once from idle.
 pub struct Rate {
     state: Mutex<State>,
-    /// Woken on capacity changes, for requests waiting on capacity 0.
-    pub(crate) changed: Notify,
+    /// Woken on capacity changes, for requests waiting on capacity 0 or
+    /// for their slots: made by the first such request ([`Rate::changed`]),
+    /// so a key nobody waits at pays a pointer for it. A waiter enables its
+    /// `notified()` and then looks at the state again, so a change made
+    /// before the first waiter made it is not missed.
+    changed: OnceLock<Box<Notify>>,
     /// It holds an allotment: read without the lock by [`Rate::account`],
     /// which the lease client asks of every key at every demand read.
     allotted: AtomicBool,
@@ -90,8 +94,11 @@ struct State {
     frozen: f64,
     /// Counts the changes that move waiting requests so far.
     generation: u64,
-    /// The last such changes, with their generations.
-    changes: VecDeque<(u64, Change)>,
+    /// The last such changes, with their generations (boxed, made at the
+    /// first: a key whose capacity never rises under waiters nor settles a
+    /// cost pays a pointer).
+    #[allow(clippy::box_collection)] // 8 bytes per key where a VecDeque takes 32
+    changes: Option<Box<VecDeque<(u64, Change)>>>,
     /// A calendar quota's allotment, which admits instead of the GCRA while
     /// there is one (boxed: other keys pay a pointer).
     allot: Option<Box<Allot>>,
@@ -114,9 +121,10 @@ impl State {
     fn changed(&mut self, change: Change) {
         self.generation += 1;
         let g = self.generation;
-        self.changes.push_back((g, change));
-        if self.changes.len() > CHANGES_KEPT {
-            self.changes.pop_front();
+        let changes = self.changes.get_or_insert_default();
+        changes.push_back((g, change));
+        if changes.len() > CHANGES_KEPT {
+            changes.pop_front();
         }
     }
 }
@@ -225,12 +233,24 @@ impl Rate {
                     capacity,
                     frozen: if interval.is_none() { backlog } else { 0.0 },
                     generation: 0,
-                    changes: VecDeque::new(),
+                    changes: None,
                     allot: None,
                 }
             }),
-            changed: Notify::new(),
+            changed: OnceLock::new(),
             allotted: AtomicBool::new(false),
+        }
+    }
+
+    /// What a request waiting at this rate listens to for changes.
+    pub(crate) fn changed(&self) -> &Notify {
+        self.changed.get_or_init(Box::default)
+    }
+
+    /// Wakes the requests waiting at this rate, if any ever waited.
+    fn wake(&self) {
+        if let Some(n) = self.changed.get() {
+            n.notify_waiters();
         }
     }
 
@@ -296,9 +316,9 @@ impl Rate {
     /// how long its request still waits from `now`.
     pub fn retime(&self, ticket: &mut Ticket, now: Time) -> Duration {
         let s = self.state.lock().expect("rate lock");
-        let missed = s.changes.front().is_some_and(|(g, _)| *g > ticket.generation + 1);
+        let missed = s.changes.as_ref().and_then(|c| c.front()).is_some_and(|(g, _)| *g > ticket.generation + 1);
         if !missed {
-            for &(_, change) in s.changes.iter().filter(|(g, _)| *g > ticket.generation) {
+            for &(_, change) in s.changes.iter().flat_map(|c| c.iter()).filter(|(g, _)| *g > ticket.generation) {
                 match change {
                     Change::Faster { at, old, new } if ticket.slot > at => {
                         let left = (ticket.slot - at) as f64 * (new as f64 / old as f64);
@@ -381,7 +401,7 @@ impl Rate {
             a.charge(units);
             drop(s);
             if units < 0.0 {
-                self.changed.notify_waiters();
+                self.wake();
             }
             return;
         }
@@ -401,7 +421,7 @@ impl Rate {
             drop(s);
             // A debt needs no wake-up: a waiter looks again when its old slot comes.
             if !later {
-                self.changed.notify_waiters();
+                self.wake();
             }
         }
     }
@@ -443,7 +463,7 @@ impl Rate {
         s.burst_span = s.interval.map_or(0, |i| times(i, s.burst));
         s.tat = now.saturating_add(s.interval.map_or(0, |i| times(i, backlog_units)));
         drop(s);
-        self.changed.notify_waiters();
+        self.wake();
     }
 }
 
@@ -460,7 +480,7 @@ impl Rate {
         }
         self.allotted.store(true, Ordering::Relaxed);
         drop(s);
-        self.changed.notify_waiters();
+        self.wake();
     }
 
     /// Ends the allotment (its lease lapsed, or the servers no longer send
@@ -476,7 +496,7 @@ impl Rate {
         s.tat = now.saturating_add(s.burst_span);
         s.frozen = s.burst;
         drop(s);
-        self.changed.notify_waiters();
+        self.wake();
     }
 
     /// The allotment's account at `now`, while there is one.

@@ -101,7 +101,8 @@ impl ResourceSpec {
 
 /// The limiter of one resource key (one Doorman resource id).
 pub struct Limiter {
-    id: String,
+    /// The id, one copy shared with its resource's map of keys.
+    id: Arc<str>,
     kind: Kind,
     rate: Option<Rate>,
     gauge: Option<Arc<Gauge>>,
@@ -127,6 +128,12 @@ pub struct Limiter {
     /// The upstream's freshest account of its quota, for a resource whose
     /// upstream reports one (boxed: other keys pay a pointer).
     quota: Option<Box<Mutex<QuotaCell>>>,
+    /// When the lease side last saw the key used (nanoseconds of [`Time`],
+    /// 0: never looked), and its arrivals then (f64 bits): see
+    /// [`Limiter::last_use`]. Kept here, not in a map beside the table, so
+    /// that a key the lease client never sees costs no entry elsewhere.
+    used_at: AtomicU64,
+    used_arrivals: AtomicU64,
 }
 
 /// A key's freshest upstream quota, and whether the lease client has it.
@@ -147,7 +154,7 @@ impl std::fmt::Debug for Limiter {
 }
 
 impl Limiter {
-    fn new(id: String, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock, activity: Arc<Activity>) -> Self {
+    fn new(id: Arc<str>, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock, activity: Arc<Activity>) -> Self {
         let s = spec.load();
         let (rate, gauge) = match s.kind {
             Kind::Rate => {
@@ -170,7 +177,31 @@ impl Limiter {
             bucket: AtomicU64::new(0),
             renews: AtomicU64::new(0),
             quota: s.upstream_quota.then(Box::default),
+            used_at: AtomicU64::new(0),
+            used_arrivals: AtomicU64::new(0),
         }
+    }
+
+    /// Whether the lease side has read the key's use yet ([`Limiter::last_use`]).
+    pub fn watched(&self) -> bool {
+        self.used_at.load(Ordering::Relaxed) != 0
+    }
+
+    /// When the key was last used as of `now`, read by the lease side at
+    /// each demand poll: `now` if it had an arrival since the last call, or
+    /// a request in flight or waiting, else the time of the last call that
+    /// saw it used. The flag says this is the first call for the key. Not
+    /// on the request path: the request path only counts arrivals.
+    pub fn last_use(&self, now: Time) -> (Time, bool) {
+        let arrivals = self.demand.arrivals();
+        let busy = self.demand.in_flight() > 0 || self.demand.waiters() > 0;
+        let at = self.used_at.load(Ordering::Relaxed);
+        if at != 0 && !busy && f64::from_bits(self.used_arrivals.load(Ordering::Relaxed)) == arrivals {
+            return (Time::from_nanos(at), false);
+        }
+        self.used_at.store(now.as_nanos().max(1), Ordering::Relaxed);
+        self.used_arrivals.store(arrivals.to_bits(), Ordering::Relaxed);
+        (now, at == 0)
     }
 
     /// Keeps an upstream's account of its quota if it is the freshest.
@@ -502,7 +533,7 @@ fn gauge_units(capacity: f64) -> u64 {
 pub struct ResourceLimits {
     spec: Arc<ArcSwap<ResourceSpec>>,
     /// Settled keys, read lock-free.
-    keys: ArcSwap<HashMap<String, Arc<Limiter>>>,
+    keys: ArcSwap<HashMap<Arc<str>, Arc<Limiter>>>,
     /// Keys made since the last fold into `keys`. Its lock also serialises
     /// every change of `keys`; a lookup takes it only for an id `keys` lacks.
     recent: Mutex<Recent>,
@@ -515,7 +546,7 @@ pub struct ResourceLimits {
 /// Keys made since the last fold, and when the first of them was.
 #[derive(Default)]
 struct Recent {
-    keys: HashMap<String, Arc<Limiter>>,
+    keys: HashMap<Arc<str>, Arc<Limiter>>,
     since: Option<usher_core::clock::Time>,
 }
 
@@ -663,9 +694,10 @@ impl ResourceLimits {
             let spec = self.spec.load();
             return Err(KeyRefused::Full { resource: spec.name.clone(), max_keys: spec.max_keys });
         }
-        let l = Arc::new(Limiter::new(id.to_string(), self.spec.clone(), self.clock.clone(), self.activity.clone()));
+        let id: Arc<str> = Arc::from(id);
+        let l = Arc::new(Limiter::new(id.clone(), self.spec.clone(), self.clock.clone(), self.activity.clone()));
         self.activity.nudge();
-        recent.keys.insert(id.to_string(), l.clone());
+        recent.keys.insert(id, l.clone());
         recent.since.get_or_insert_with(|| self.clock.now());
         if count < FOLD_SMALL || recent.keys.len() >= keys.len() / FOLD_FRACTION {
             self.fold(&mut recent, &keys);
@@ -676,7 +708,7 @@ impl ResourceLimits {
     }
 
     /// Moves the recent keys into a new snapshot.
-    fn fold(&self, recent: &mut Recent, keys: &HashMap<String, Arc<Limiter>>) {
+    fn fold(&self, recent: &mut Recent, keys: &HashMap<Arc<str>, Arc<Limiter>>) {
         let mut next = HashMap::with_capacity(keys.len() + recent.keys.len());
         next.extend(keys.iter().map(|(k, v)| (k.clone(), v.clone())));
         next.extend(recent.keys.drain());
@@ -708,7 +740,7 @@ impl ResourceLimits {
     pub fn remove_all<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
         let mut recent = self.recent.lock().expect("key lock");
         let keys = self.keys.load();
-        let mut next: Option<HashMap<String, Arc<Limiter>>> = None;
+        let mut next: Option<HashMap<Arc<str>, Arc<Limiter>>> = None;
         for id in ids {
             if recent.keys.remove(id).is_none() && keys.contains_key(id) {
                 next.get_or_insert_with(|| HashMap::clone(&keys)).remove(id);

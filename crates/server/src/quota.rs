@@ -8,6 +8,8 @@
 //!   what the remainder fell by beyond the fleet's leases), spread over the
 //!   time to the reset plus a lag (a quarter of it, at most [`LAG`]); after
 //!   the reset, the whole limit over one window, until it is seen again.
+//!   What others spend is measured while the fleet's answers keep coming;
+//!   measured no more for [`OUTSIDE_FADE`], it fades (see [`QuotaState`]).
 //! - A continuous bucket (OpenAI's, Anthropic's): the configured capacity
 //!   (the refill rate), cut in proportion while the bucket is under half full.
 //! - Spent (nothing remains before the reset): 0 until the reset.
@@ -30,7 +32,21 @@ pub const STALE: Duration = Duration::from_secs(3600);
 /// Observations this far apart measure what others spend.
 const OUTSIDE_SPAN: Duration = Duration::from_secs(2);
 
+/// What others spend, measured no more for this long, halves with each
+/// such span after: see [`QuotaState`].
+pub const OUTSIDE_FADE: Duration = Duration::from_secs(5);
+
 /// A resource's upstream quota, as its server knows it.
+///
+/// What others outside usher spend is what the remainder fell by beyond
+/// the fleet's leases. A fleet also spends what its buckets hold (a burst,
+/// the pooled burst credited to a growing lease), which counts as others'
+/// until the buckets are empty: at a fleet's first requests the measure can
+/// take all that remains, and the fleet is given 0. A fleet given 0 sends
+/// nothing, so no answer measures it again, and the next windows would
+/// start with it and give 0 again. So a measure not renewed for
+/// [`OUTSIDE_FADE`] fades: the fleet gets capacity back, and its answers
+/// measure what others really spend.
 #[derive(Debug, Clone, Default)]
 pub struct QuotaState {
     /// The freshest observation.
@@ -41,8 +57,10 @@ pub struct QuotaState {
     /// leases granted since: what the remainder fell by beyond that was spent
     /// by others.
     base: Option<(Observation, f64)>,
-    /// What consumers outside usher spend per second (smoothed).
+    /// What consumers outside usher spend per second (smoothed), and when
+    /// it was last measured.
     outside: f64,
+    measured: Option<Time>,
 }
 
 impl QuotaState {
@@ -67,13 +85,26 @@ impl QuotaState {
                 let span = o.observed.since(b.observed);
                 if span >= OUTSIDE_SPAN {
                     let others = ((b.remaining - o.remaining) / span.as_secs_f64() - g.max(granted)).max(0.0);
-                    self.outside += 0.5 * (others - self.outside);
+                    let before = self.outside_at(o.observed);
+                    self.outside = before + 0.5 * (others - before);
+                    self.measured = Some(o.observed);
                     self.base = Some((o, granted));
                 }
             }
             _ => self.base = Some((o, granted)),
         }
         self.latest = Some(o);
+    }
+
+    /// What others spend per second as of `now`: the last measure, halved
+    /// for each [`OUTSIDE_FADE`] beyond the first since it was made.
+    fn outside_at(&self, now: Time) -> f64 {
+        let Some(at) = self.measured else { return self.outside };
+        let quiet = now.since(at).saturating_sub(OUTSIDE_FADE);
+        if quiet.is_zero() {
+            return self.outside;
+        }
+        self.outside * 0.5f64.powf(quiet.as_secs_f64() / OUTSIDE_FADE.as_secs_f64())
     }
 
     /// The capacity to share at `now`: `configured` is the resource's own
@@ -97,8 +128,9 @@ impl QuotaState {
             return Some(0.0);
         }
         let to_reset = o.reset.since(now).as_secs_f64();
-        let spent_since = (granted + self.outside) * now.since(o.observed).as_secs_f64();
-        let left = (o.remaining - spent_since - self.outside * to_reset).max(0.0);
+        let outside = self.outside_at(now);
+        let spent_since = (granted + outside) * now.since(o.observed).as_secs_f64();
+        let left = (o.remaining - spent_since - outside * to_reset).max(0.0);
         let lag = (to_reset / 4.0).min(LAG.as_secs_f64());
         Some(left / (to_reset + lag).max(0.001))
     }
@@ -160,6 +192,27 @@ mod tests {
         // At 18 s: 92 left, others take 2/s × 12 s; the rest over 12 s + 2 s.
         let c = q.capacity(at(18.0), 8.0, 4.0).unwrap();
         assert!((c - (92.0 - q.outside * 12.0) / 14.0).abs() < 1e-6, "{c}");
+    }
+
+    /// A fleet that spent its buckets at its first requests looks like
+    /// others spending: given 0 for it, it sends nothing, so nothing
+    /// measures again. The measure fades, and the next window is shared.
+    #[test]
+    fn what_others_seemed_to_spend_fades_when_nothing_measures_it() {
+        let mut q = QuotaState::default();
+        // Leased 2/s, the fleet spends 18/s out of its buckets for 4 s.
+        q.observe(window(240.0, 0.0, 30.0), 2.0);
+        q.observe(window(204.0, 2.0, 30.0), 2.0);
+        q.observe(window(168.0, 4.0, 30.0), 2.0);
+        assert!(q.outside > 10.0, "the fleet's buckets look like others spending: {}", q.outside);
+        assert_eq!(q.capacity(at(4.5), 8.0, 2.0), Some(0.0), "so the fleet is given 0");
+        // Given 0, the fleet sends nothing until the next window, where
+        // one request sees it whole.
+        q.observe(window(236.0, 31.0, 60.0), 0.0);
+        let c = q.capacity(at(31.0), 8.0, 0.0).unwrap();
+        assert!(c > 0.75 * 236.0 / 31.0, "the next window is shared: {c}");
+        // A measure as fresh as the answers that make it is not touched.
+        assert_eq!(q.outside_at(at(4.0).saturating_add(OUTSIDE_FADE)), q.outside);
     }
 
     #[test]

@@ -46,6 +46,10 @@ struct KeyStatus {
     max_wait_ms: u64,
     /// Shadow mode: decided and counted, never enforced.
     shadow: bool,
+    /// The key holds no lease: it enforces its routes-file capacity (a
+    /// templated rate key of a sidecar with no `doorman:` section; see
+    /// `usher_enforce::resource::is_local`). The lease list omits it.
+    local: bool,
     /// The upstream's latest account of its quota, when its headers steer the resource.
     upstream_quota: Option<usher_lease::quota::Observation>,
     demand: DemandSample,
@@ -89,6 +93,8 @@ fn status(p: &Proxy) -> Status {
     let cs = p.config_state();
     let now = p.table.clock().now();
     let cfg = p.config();
+    let local =
+        |resource: &str| cfg.resources.get(resource).is_some_and(|r| usher_enforce::resource::is_local(&cfg, r));
     Status {
         ready: readiness(p) == StatusCode::OK,
         routes_file: p.config_source.clone(),
@@ -101,6 +107,7 @@ fn status(p: &Proxy) -> Status {
             .limiters()
             .into_iter()
             .map(|(resource, l)| KeyStatus {
+                local: local(&resource),
                 resource,
                 id: l.id().to_string(),
                 kind: l.kind(),
@@ -123,7 +130,9 @@ fn status(p: &Proxy) -> Status {
 /// is in, 0 for the others (a state set, so an alert on `expired` or `safe`
 /// has a series to watch before it ever fires). `held`: the lease expired
 /// unrenewed and is still enforced (see `lease::Mode::Held`); `safe`: no
-/// lease, and the key enforces its safe capacity.
+/// lease, and the key enforces its safe capacity. A local key (no lease at
+/// all, see `usher_enforce::resource::is_local`) has one series, `local`:
+/// it has no other state to move to.
 fn lease_state_gauge(proxy: &Proxy) -> prometheus::IntGaugeVec {
     let g = prometheus::IntGaugeVec::new(
         prometheus::Opts::new(
@@ -140,6 +149,20 @@ fn lease_state_gauge(proxy: &Proxy) -> prometheus::IntGaugeVec {
 fn observe_lease_states(g: &prometheus::IntGaugeVec, proxy: &Proxy) {
     use usher_lease::{Mode, OnExpiry};
     g.reset();
+    let cfg = proxy.config();
+    let local: Vec<&str> = cfg
+        .resources
+        .values()
+        .filter(|r| usher_enforce::resource::is_local(&cfg, r))
+        .map(|r| r.name.as_str())
+        .collect();
+    if !local.is_empty() {
+        proxy.table.each_limiter(|resource, l| {
+            if local.contains(&resource) {
+                g.with_label_values(&[l.id(), "local"]).set(1);
+            }
+        });
+    }
     let Some(status) = proxy.lease.get().map(|c| c.status()) else { return };
     for k in &status.keys {
         let state = match (k.mode, k.on_expiry) {
@@ -253,11 +276,12 @@ fn status_html(s: &Status) -> String {
     for k in &s.keys {
         let _ = write!(
             b,
-            "<tr><td>{}</td><td>{}</td><td>{:?}{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{:?}{}{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             escape(&k.resource),
             escape(&k.id),
             k.kind,
             if k.shadow { " (shadow)" } else { "" },
+            if k.local { " (local: no lease)" } else { "" },
             with_unit(k.capacity, k.kind),
             k.remaining,
             figure(k.demand.rate),
