@@ -135,10 +135,11 @@ async fn bodies_over_the_limit_answer_413() {
     assert_eq!(status, 413, "{body}");
     assert!(up.stats.bytes_received.load(Ordering::SeqCst) <= 1024, "more than the limit was forwarded");
 
-    let before = up.stats.bytes_received.load(Ordering::SeqCst);
+    // The upstream's sink answers with the bytes it read of this request's
+    // body (its running count may still take in the cut-off body's first
+    // chunk, which reached it before the 413).
     let fine = format!("POST /sink HTTP/1.1\r\nHost: api.test\r\nContent-Length: 1000\r\n\r\n{}", "c".repeat(1000));
-    assert_eq!(raw(addr, fine.as_bytes()).await.0, 200);
-    assert_eq!(up.stats.bytes_received.load(Ordering::SeqCst) - before, 1000);
+    assert_eq!(raw(addr, fine.as_bytes()).await, (200, "1000".to_string()), "a body within the limit passes whole");
 }
 
 /// `usher check` validates the section with file:line:column and prints the
