@@ -962,12 +962,6 @@ fn a_reserve_pools_the_rest_of_a_share_and_a_backlog_is_credited() {
     assert_eq!((d.bucket, d.credit), (0.0, 0.0), "{d:?}");
 }
 
-/// What the pool of resource `id` holds now.
-fn pool_level(s: &Store, id: &str) -> f64 {
-    let map = s.resources.read().unwrap();
-    map.get(id).and_then(|r| r.lock().unwrap().pool.as_ref().map(|p| p.level())).unwrap_or(0.0)
-}
-
 /// Three idle clients that ask every 3 s give back what their buckets
 /// refill above their reserves, for minutes: the pool fills up to the burst
 /// their buckets do not hold, never beyond.
@@ -983,6 +977,7 @@ fn idle_clients_fill_the_pool_up_to_the_burst_and_no_more() {
     };
     let clients = ["a", "b", "c"];
     let (mut sizes, mut buckets, mut leases) = ([0.0; 3], [0.0; 3], [0.0; 3]);
+    let mut pooled = 0.0;
     for round in 0..200 {
         for (i, c) in clients.into_iter().enumerate() {
             let limited = sizes[i] > 0.0 && sizes[i] < leases[i] * w - 1e-9;
@@ -992,8 +987,8 @@ fn idle_clients_fill_the_pool_up_to_the_burst_and_no_more() {
             leases[i] = g.capacity;
             sizes[i] = if g.bucket > 0.0 { g.bucket } else { g.capacity * w };
             buckets[i] = if g.fresh { sizes[i] } else { (buckets[i].min(sizes[i]) + g.credit).min(sizes[i]) };
+            pooled = if g.bucket > 0.0 { g.pooled } else { pooled };
         }
-        let pooled = pool_level(&s, "r");
         let held = buckets.iter().sum::<f64>() + pooled;
         assert!(held <= cap * w + 1e-6, "round {round}: {buckets:?} and {pooled} in the pool");
         time.advance(Duration::from_secs(3));
@@ -1001,7 +996,6 @@ fn idle_clients_fill_the_pool_up_to_the_burst_and_no_more() {
             buckets[i] = (buckets[i] + leases[i] * 3.0).min(sizes[i]);
         }
     }
-    let pooled = pool_level(&s, "r");
     // Most of the burst is pooled by then.
     assert!(pooled > 0.8 * cap * w, "{pooled} of {} pooled; buckets {buckets:?}", cap * w);
 }
@@ -1057,6 +1051,7 @@ proptest! {
             for i in 0..3 {
                 buckets[i] = (buckets[i] + leases[i] * dt).min(sizes[i]);
             }
+            let mut pooled = 0.0;
             for (i, c) in clients.into_iter().enumerate() {
                 let limited = sizes[i] < leases[i] * w - 1e-9;
                 let returned = if limited { (buckets[i] - reserve).max(0.0) } else { 0.0 };
@@ -1065,8 +1060,8 @@ proptest! {
                 leases[i] = g.capacity;
                 sizes[i] = if g.bucket > 0.0 { g.bucket } else { g.capacity * w };
                 buckets[i] = (buckets[i].min(sizes[i]) + g.credit).min(sizes[i]);
+                pooled = g.pooled;
             }
-            let pooled = pool_level(&s, "r");
             // The buckets and the pool never hold more than the burst.
             let held = buckets.iter().sum::<f64>() + pooled;
             prop_assert!(held <= cap * w + 1e-6, "{buckets:?} and {pooled} in the pool");
