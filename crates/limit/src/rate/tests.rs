@@ -112,39 +112,6 @@ fn an_increase_brings_waiting_requests_forward_and_a_decrease_moves_nobody() {
     assert_eq!(waits(&r, &mut tickets, at(700)), vec![0, 0, 0, 0, 0]);
 }
 
-/// A request whose slot is past its `max_wait` is queued when a credit of
-/// `ahead` units would bring it within, if its slot is within twice
-/// `max_wait`; the credit, once given, brings it forward.
-#[test]
-fn a_request_past_max_wait_queues_on_a_credit_ahead_within_twice_max_wait() {
-    // 1/s, burst 1, max_wait 3 s: the first passes, the next three wait 1 to 3 s.
-    let r = Rate::new(1.0, 1.0, at(0));
-    let max_wait = Duration::from_secs(3);
-    for _ in 0..4 {
-        assert!(matches!(r.reserve_ticket(at(0), 1.0, max_wait, 0.0).0, Reservation::Slot { .. }));
-    }
-    // The fifth (4 s) is too late at the lease, and with too small a credit ahead.
-    assert!(matches!(r.reserve_ticket(at(0), 1.0, max_wait, 0.0).0, Reservation::TooLate { .. }));
-    assert!(matches!(r.reserve_ticket(at(0), 1.0, max_wait, 0.5).0, Reservation::TooLate { .. }));
-    // With 3 units ahead it queues, and so do the next two (5 and 6 s: twice max_wait)...
-    let mut tickets = Vec::new();
-    for wait in [4, 5, 6] {
-        match r.reserve_ticket(at(0), 1.0, max_wait, 3.0) {
-            (Reservation::Slot { wait: w, .. }, t) => {
-                assert_eq!(w, Duration::from_secs(wait));
-                tickets.push(t);
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-    // ...but not one whose slot is past twice max_wait, whatever is ahead.
-    assert!(matches!(r.reserve_ticket(at(0), 1.0, max_wait, 100.0).0, Reservation::TooLate { .. }));
-    // The credit comes: every queued slot comes 3 s sooner.
-    r.charge(at(100), -3.0);
-    let waits: Vec<u128> = tickets.iter_mut().map(|t| r.retime(t, at(100)).as_millis()).collect();
-    assert_eq!(waits, vec![900, 1900, 2900]);
-}
-
 #[test]
 fn infinite_capacity_is_unlimited() {
     let r = Rate::new(f64::INFINITY, 1.0, at(0));
