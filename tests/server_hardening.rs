@@ -25,9 +25,6 @@ fn ask(client: &str, ids: Vec<String>) -> GetCapacityRequest {
         resource: ids
             .into_iter()
             .map(|id| ResourceRequest {
-                returned: None,
-                reserve: None,
-                backlog: None,
                 unit_account: None,
                 window: None,
                 upstream_quota: None,

@@ -102,9 +102,6 @@ async fn responses_encode_required_fields_even_when_zero() {
     let req = proto::GetCapacityRequest {
         client_id: "c".into(),
         resource: vec![proto::ResourceRequest {
-            returned: None,
-            reserve: None,
-            backlog: None,
             unit_account: None,
             window: None,
             upstream_quota: None,
@@ -154,9 +151,6 @@ fn requests_encode_required_zero_fields() {
     let req = proto::GetCapacityRequest {
         client_id: "c".into(),
         resource: vec![proto::ResourceRequest {
-            returned: None,
-            reserve: None,
-            backlog: None,
             unit_account: None,
             window: None,
             upstream_quota: None,

@@ -189,9 +189,6 @@ async fn ask_client(addr: &str, c: usize, keys: &[String], has: Vec<Lease>, batc
             .iter()
             .enumerate()
             .map(|(j, id)| ResourceRequest {
-                returned: None,
-                reserve: None,
-                backlog: None,
                 unit_account: None,
                 window: None,
                 upstream_quota: None,

@@ -235,12 +235,6 @@ struct KeyState {
     /// Units of the server's pooled burst credited with the last answers and
     /// not yet taken (usher's extension): they go into the key's bucket.
     credit: f64,
-    /// The most the key's bucket may hold until its next request, below its
-    /// lease's share of the burst, as the last answer said (usher's
-    /// extension; 0: no such limit).
-    bucket: f32,
-    /// With `bucket`: units the server's pool held after the last answer.
-    pooled: f32,
     /// When the quota the server follows renews, while it says that quota
     /// is spent (usher's extension: its account of the upstream's quota, or
     /// of a calendar window): refusals meanwhile say how long to wait.
@@ -290,8 +284,6 @@ impl KeyState {
             share_safe: false,
             fresh: false,
             credit: 0.0,
-            bucket: 0.0,
-            pooled: 0.0,
             renews: None,
             template: None,
             mode: Mode::Pending,
@@ -363,8 +355,6 @@ impl KeyState {
         self.share_safe = r.share_safe == Some(true);
         self.fresh |= r.fresh == Some(true);
         self.credit += r.credit.filter(|c| c.is_finite() && *c > 0.0).unwrap_or(0.0);
-        self.bucket = r.bucket.filter(|b| b.is_finite() && *b > 0.0).map_or(0.0, |b| b as f32);
-        self.pooled = r.pooled.filter(|p| p.is_finite() && *p > 0.0 && self.bucket > 0.0).map_or(0.0, |p| p as f32);
         self.renews =
             r.upstream_quota.as_ref().and_then(super::quota::from_proto).filter(|o| o.exhausted(now)).map(|o| o.reset);
         self.template = match (&r.template, &self.template) {
@@ -1344,10 +1334,6 @@ impl Core {
                 wants: if k.demand.wants.is_finite() { k.demand.wants.max(0.0) } else { 0.0 },
                 upstream_quota: k.demand.quota.as_ref().map(super::quota::to_proto),
                 window: k.demand.window,
-                // What the enforcement side says of the bucket, as it sends (`Enforcer::give_back`).
-                reserve: None,
-                returned: None,
-                backlog: None,
                 unit_account: k.account().map(|a| proto::UnitAccount {
                     reset_unix_ms: (a.reset.as_nanos() / 1_000_000).min(i64::MAX as u64) as i64,
                     spent: a.spent,
@@ -1530,15 +1516,9 @@ impl Core {
         let before = k.capacity();
         answer.relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
         let lease = Lease::granted(&r.gets);
-        let bucket = k.bucket;
         k.heard(&r, now, &mut self.last_template);
-        // A credit answered the ask as a grown lease would: the key may ask again as soon.
-        let credited = r.credit.is_some_and(|c| c > 0.0);
         if let Some(asked_with) = k.asked_with.take() {
-            k.early_wait = match credited {
-                true => self.cfg.min_interval,
-                false => k.early_wait_after(asked_with, &lease, self.cfg.min_interval),
-            };
+            k.early_wait = k.early_wait_after(asked_with, &lease, self.cfg.min_interval);
         }
         let from = k.take(lease, now, self.cfg.jitter);
         if from != k.mode {
@@ -1549,8 +1529,7 @@ impl Core {
                 capacity: k.capacity(),
             });
         }
-        // A credit or a new bucket goes to the enforcement side with the capacity, changed or not.
-        if k.capacity() != before || credited || k.bucket != bucket {
+        if k.capacity() != before {
             self.changed.insert(r.resource_id.clone());
         }
         answer.later = earliest(answer.later, k.lapse());
@@ -1671,14 +1650,6 @@ impl Core {
     /// yet taken: their sum once, then 0.
     pub fn take_credit(&mut self, resource_id: &str) -> f64 {
         self.keys.get_mut(resource_id).map_or(0.0, |k| std::mem::take(&mut k.credit))
-    }
-
-    /// The most `resource_id`'s bucket may hold until its next request, and
-    /// what the server's pool held, as the last answer said, while its
-    /// lease is in force.
-    pub fn bucket(&self, resource_id: &str) -> Option<(f64, f64)> {
-        let k = self.keys.get(resource_id)?;
-        (k.mode == Mode::Leased && k.bucket > 0.0).then_some((f64::from(k.bucket), f64::from(k.pooled)))
     }
 
     /// When the quota the server follows for `resource_id` renews, while

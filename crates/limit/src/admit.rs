@@ -330,7 +330,7 @@ fn reserve_rates(plan: &Plan, arrival: Time, now: Time) -> Result<(Reserved, Dur
         let Some(rate) = l.rate() else { continue };
         let spec = l.spec();
         let budget = spec.max_wait.saturating_sub(waited);
-        let (reservation, ticket) = rate.reserve_ticket(now, *cost, budget, l.pooled());
+        let (reservation, ticket) = rate.reserve_ticket(now, *cost, budget);
         match reservation {
             Reservation::Slot { wait, cost } => {
                 if !wait.is_zero() && l.demand().waiters() >= spec.max_queue as i64 {

@@ -196,12 +196,6 @@ fn times(interval: u128, units: f64) -> u128 {
     }
 }
 
-/// Whether a slot `wait` away passes within `max_wait` once a credit of
-/// `credit` (a span) came, and within [`DEBT_WAIT`] × `max_wait` without it.
-fn within_credit(wait: u128, credit: u128, max_wait: Duration) -> bool {
-    ceil_duration(wait.saturating_sub(credit)) <= max_wait && ceil_duration(wait) <= max_wait.saturating_mul(DEBT_WAIT)
-}
-
 /// A fixed-point span as a Duration, rounded up to the nanosecond.
 fn ceil_duration(fx: u128) -> Duration {
     Duration::from_nanos(u64::try_from(fx.div_ceil(ONE_NS)).unwrap_or(u64::MAX))
@@ -266,18 +260,12 @@ impl Rate {
 
     /// Reserves `cost` units if they can pass within `max_wait` of `now`.
     pub fn reserve(&self, now: Time, cost: f64, max_wait: Duration) -> Reservation {
-        self.reserve_ticket(now, cost, max_wait, 0.0).0
+        self.reserve_ticket(now, cost, max_wait).0
     }
 
     /// [`reserve`](Self::reserve), with the ticket that keeps a reserved
     /// request's place up to date through capacity increases ([`Rate::retime`]).
-    ///
-    /// `ahead`: units a credit may soon add to the bucket (the servers'
-    /// pooled burst, which a waiting request asks for). A request that
-    /// would pass within `max_wait` once they came is reserved too, if its
-    /// slot is within [`DEBT_WAIT`] × `max_wait`: its wait is that long at
-    /// most should the credit not come, as a debt's is.
-    pub fn reserve_ticket(&self, now: Time, cost: f64, max_wait: Duration, ahead: f64) -> (Reservation, Ticket) {
+    pub fn reserve_ticket(&self, now: Time, cost: f64, max_wait: Duration) -> (Reservation, Ticket) {
         let mut s = self.state.lock().expect("rate lock");
         let at = now;
         let now = s.pos(now);
@@ -296,7 +284,7 @@ impl Rate {
         // than the burst: it passes alone, and later ones wait for its cost.
         let slot = new_tat.saturating_sub(s.burst_span.max(cost_span)).max(now);
         let wait = ceil_duration(slot - now);
-        if wait > max_wait && !(ahead > 0.0 && within_credit(slot - now, times(interval, ahead), max_wait)) {
+        if wait > max_wait {
             return (Reservation::TooLate { wait: Some(wait) }, ticket);
         }
         s.tat = new_tat;

@@ -118,10 +118,6 @@ pub struct Limiter {
     /// not said): its burst is its share of the resource's, reckoned
     /// against this rather than the routes file's capacity.
     fleet: AtomicU64,
-    /// The bucket the servers gave the key's lease, below its share of the
-    /// fleet's burst (see [`Limiter::give_back`]), and what their pool held
-    /// then: two f32s' bits, the bucket's above (0: none).
-    bucket: AtomicU64,
     /// When the spent quota the servers follow renews (nanoseconds of
     /// [`Time`], 0: not spent, or not said).
     renews: AtomicU64,
@@ -174,7 +170,6 @@ impl Limiter {
             activity,
             hold_until: AtomicU64::new(0),
             fleet: AtomicU64::new(0),
-            bucket: AtomicU64::new(0),
             renews: AtomicU64::new(0),
             quota: s.upstream_quota.then(Box::default),
             used_at: AtomicU64::new(0),
@@ -308,8 +303,7 @@ impl Limiter {
     pub fn set_capacity(&self, capacity: f64) {
         let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
         if let Some(r) = &self.rate {
-            let burst = self.bucket().unwrap_or_else(|| self.spec.load().burst_at(capacity, self.fleet()));
-            r.set(self.clock.now(), capacity, burst);
+            r.set(self.clock.now(), capacity, self.spec.load().burst_at(capacity, self.fleet()));
         }
         if let Some(g) = &self.gauge {
             g.set_capacity(gauge_units(capacity));
@@ -362,63 +356,6 @@ impl Limiter {
             0 => Duration::from_secs(1),
             t => Time::from_nanos(t).since(now).max(Duration::from_secs(1)),
         }
-    }
-
-    /// Records the bucket the servers gave the key's lease and what their
-    /// pool held (`None`: its bucket is its share of the fleet's burst),
-    /// applied with the lease's capacity.
-    pub fn set_bucket(&self, bucket: Option<(f64, f64)>) {
-        let bits = match bucket.filter(|(b, _)| b.is_finite() && *b > 0.0) {
-            Some((b, pooled)) => {
-                let pooled = if pooled.is_finite() { pooled.max(0.0) } else { 0.0 };
-                (u64::from((b.max(1.0) as f32).to_bits()) << 32) | u64::from((pooled as f32).to_bits())
-            }
-            None => 0,
-        };
-        self.bucket.store(bits, Ordering::Relaxed);
-    }
-
-    /// The bucket the servers gave the key's lease, if they did.
-    pub fn bucket(&self) -> Option<f64> {
-        let bits = self.bucket.load(Ordering::Relaxed);
-        (bits != 0).then(|| f64::from(f32::from_bits((bits >> 32) as u32)))
-    }
-
-    /// Units the servers' pool held when they last gave the key a bucket (0:
-    /// no bucket): a request that would wait past its `max_wait` at the
-    /// key's lease may wait for a credit of them (see [`Rate::reserve_ticket`]).
-    pub fn pooled(&self) -> f64 {
-        f64::from(f32::from_bits(self.bucket.load(Ordering::Relaxed) as u32))
-    }
-
-    /// What a shared rate key says of its bucket as a request for its lease
-    /// goes out, for the servers' pooled burst: its reserve, the units it
-    /// gives back, and its backlog. Where the servers gave it a bucket
-    /// ([`Limiter::set_bucket`]), what the bucket holds above the reserve
-    /// is taken out now and given back. The reserve is what it keeps at
-    /// hand: [`RESERVE_SPAN`] of its capacity, or [`RESERVE_REQUESTS`] of
-    /// its mean cost, whichever is more. `None` for a gauge, a key of one
-    /// sidecar alone, and an allotment.
-    pub fn give_back(&self) -> Option<BucketSaid> {
-        let r = self.rate.as_ref().filter(|_| self.spec.load().shared)?;
-        if r.allotment_reset().is_some() {
-            return None;
-        }
-        let now = self.clock.now();
-        let requests = self.demand.requests();
-        let mean = if requests == 0 { 1.0 } else { (self.demand.arrivals() / requests as f64).max(1e-9) };
-        let capacity = r.capacity();
-        let span = if capacity.is_finite() { capacity * RESERVE_SPAN.as_secs_f64() } else { 0.0 };
-        let reserve = span.max(mean * RESERVE_REQUESTS);
-        let mut returned = 0.0;
-        if self.bucket().is_some() {
-            let level = r.available(now);
-            if level.is_finite() && level > reserve {
-                returned = level - reserve;
-                r.charge(now, returned);
-            }
-        }
-        Some(BucketSaid { reserve, returned, backlog: r.backlog(now) })
     }
 
     /// Records the capacity the servers share for this key's resource.
@@ -503,23 +440,6 @@ impl Limiter {
             _ => 0,
         }
     }
-}
-
-/// Seconds of its capacity a shared rate key keeps at hand when the servers
-/// pool the rest of its burst (see [`Limiter::give_back`]).
-pub const RESERVE_SPAN: Duration = Duration::from_secs(5);
-/// Requests of its mean cost a shared rate key keeps at hand, at least.
-pub const RESERVE_REQUESTS: f64 = 2.0;
-
-/// What a shared rate key says of its bucket with a request (see [`Limiter::give_back`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BucketSaid {
-    /// Units it keeps at hand.
-    pub reserve: f64,
-    /// Units it took out of its bucket for the servers' pool.
-    pub returned: f64,
-    /// Units of requests waiting now.
-    pub backlog: f64,
 }
 
 /// What an unlimited gauge holds: more than any process can have in flight.
@@ -899,22 +819,6 @@ impl LeaseTable {
                 l.fill(fresh);
             }
         }
-    }
-
-    /// Records the bucket the servers gave every key whose id is `id` (see
-    /// [`Limiter::set_bucket`]).
-    pub fn set_bucket(&self, id: &str, bucket: Option<(f64, f64)>) {
-        for r in self.resources.load().values() {
-            if let Some(l) = r.get(id) {
-                l.set_bucket(bucket);
-            }
-        }
-    }
-
-    /// What the first key whose id is `id` says of its bucket as a request
-    /// for its lease goes out (see [`Limiter::give_back`]).
-    pub fn give_back(&self, id: &str) -> Option<BucketSaid> {
-        self.resources.load().values().find_map(|r| r.get(id)).and_then(|l| l.give_back())
     }
 
     /// Credits every key whose id is `id` with `units` of the servers'

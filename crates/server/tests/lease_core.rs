@@ -884,8 +884,6 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
     assert_eq!(request.resource.len(), 2);
     let now = w.clock.now();
     let lease = |id: &str, expires_in: u64| proto::ResourceResponse {
-        pooled: None,
-        bucket: None,
         allotment: None,
         credit: None,
         resource_capacity: None,
@@ -928,8 +926,6 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
         let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
         let now = w.clock.now();
         let lease = |id: &str, interval: i64| proto::ResourceResponse {
-            pooled: None,
-            bucket: None,
             allotment: None,
             credit: None,
             resource_capacity: None,
@@ -982,8 +978,6 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
     let Action::Refresh { target, .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64, safe: Option<f64>| proto::ResourceResponse {
-        pooled: None,
-        bucket: None,
         allotment: None,
         credit: None,
         resource_capacity: None,
@@ -1105,8 +1099,6 @@ fn a_lease_below_its_safe_capacity_is_held_a_refresh_interval_longer() {
     let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64| proto::ResourceResponse {
-        pooled: None,
-        bucket: None,
         allotment: None,
         credit: None,
         resource_capacity: None,
@@ -1164,8 +1156,6 @@ fn a_lapsed_lease_is_held_a_refresh_interval_at_no_more_than_its_safe_capacity()
     let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64| proto::ResourceResponse {
-        pooled: None,
-        bucket: None,
         allotment: None,
         credit: None,
         resource_capacity: None,

@@ -258,8 +258,6 @@ impl Transport for Steady {
             .resource
             .into_iter()
             .map(|r| proto::ResourceResponse {
-                pooled: None,
-                bucket: None,
                 allotment: None,
                 credit: None,
                 resource_capacity: None,

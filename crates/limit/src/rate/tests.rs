@@ -89,7 +89,7 @@ fn an_increase_brings_waiting_requests_forward_and_a_decrease_moves_nobody() {
     // 1/s, burst 1: the first passes at once, the next four wait 1, 2, 3 and 4 s.
     let r = Rate::new(1.0, 1.0, at(0));
     let mut tickets: Vec<Ticket> = (0..5)
-        .map(|_| match r.reserve_ticket(at(0), 1.0, Duration::from_secs(10), 0.0) {
+        .map(|_| match r.reserve_ticket(at(0), 1.0, Duration::from_secs(10)) {
             (Reservation::Slot { .. }, t) => t,
             other => panic!("{other:?}"),
         })
@@ -101,7 +101,7 @@ fn an_increase_brings_waiting_requests_forward_and_a_decrease_moves_nobody() {
     // in queue order, and a new request queues behind them.
     r.set(at(500), 4.0, 1.0);
     assert_eq!(waits(&r, &mut tickets, at(500)), vec![0, 125, 375, 625, 875]);
-    let (next, mut t) = r.reserve_ticket(at(500), 1.0, Duration::from_secs(10), 0.0);
+    let (next, mut t) = r.reserve_ticket(at(500), 1.0, Duration::from_secs(10));
     assert!(matches!(next, Reservation::Slot { .. }));
     assert_eq!(r.retime(&mut t, at(500)).as_millis(), 875 + 250);
     // A decrease keeps every slot given.
@@ -344,7 +344,7 @@ fn a_request_costing_more_than_the_burst_passes_alone_from_an_idle_bucket() {
 fn a_settled_cost_moves_the_requests_waiting() {
     let r = Rate::new(1.0, 1.0, at(0));
     let mut tickets: Vec<Ticket> = (0..4)
-        .map(|_| match r.reserve_ticket(at(0), 1.0, Duration::from_millis(3000), 0.0) {
+        .map(|_| match r.reserve_ticket(at(0), 1.0, Duration::from_millis(3000)) {
             (Reservation::Slot { .. }, t) => t,
             other => panic!("{other:?}"),
         })
