@@ -140,6 +140,9 @@ async fn bodies_over_the_limit_answer_413() {
     // chunk, which reached it before the 413).
     let fine = format!("POST /sink HTTP/1.1\r\nHost: api.test\r\nContent-Length: 1000\r\n\r\n{}", "c".repeat(1000));
     assert_eq!(raw(addr, fine.as_bytes()).await, (200, "1000".to_string()), "a body within the limit passes whole");
+    // Whenever the cut-off body's part reached the upstream, it was no more than the limit.
+    let total = up.stats.bytes_received.load(Ordering::SeqCst);
+    assert!(total <= 1024 + 1000, "more than the limit of the cut-off body was forwarded: {total} in all");
 }
 
 /// `usher check` validates the section with file:line:column and prints the
