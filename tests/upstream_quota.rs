@@ -109,7 +109,7 @@ async fn three_sidecars_follow_a_github_like_quota_with_another_consumer() {
     let dir = tempfile::tempdir().unwrap();
     let (up, windows) = github().await;
     let port = free_port();
-    // The documented quota: 120 per 15 s.
+    // The documented quota: 240 per 30 s.
     let config = format!(
         "resources:\n  - identifier_glob: github\n    capacity: {LIMIT}/{WINDOW}\n    algorithm: {{ kind: FAIR_SHARE, lease_length: 5, refresh_interval: 1, learning_mode_duration: 0 }}\n  - identifier_glob: '*'\n    capacity: 0\n    algorithm: {{ kind: FAIR_SHARE, lease_length: 5, refresh_interval: 1 }}\n"
     )
