@@ -434,10 +434,13 @@ impl Rate {
     /// keep it; a queue (a negative number available) is carried as it is.
     /// Through capacity 0 the bucket stays as it was: a key comes back with
     /// what it had, never with a fresh burst.
-    pub fn set(&self, now: Time, capacity: f64, burst: f64) {
+    ///
+    /// Returns the units a smaller burst clipped off a fuller bucket (0 from
+    /// unlimited, which tracks none).
+    pub fn set(&self, now: Time, capacity: f64, burst: f64) -> f64 {
         let mut s = self.state.lock().expect("rate lock");
         if s.capacity == capacity && s.burst == burst {
-            return;
+            return 0.0;
         }
         let now = s.pos(now);
         let backlog_units = match s.interval {
@@ -447,6 +450,10 @@ impl Rate {
             None => s.frozen,
         };
         let burst = burst.max(1.0);
+        let clipped = match s.interval {
+            Some(0) => 0.0,
+            _ => (s.burst - backlog_units - burst).max(0.0),
+        };
         // Units available at once, carried over and capped at the new burst.
         let available = (s.burst - backlog_units).min(burst);
         let backlog_units = burst - available;
@@ -464,6 +471,7 @@ impl Rate {
         s.tat = now.saturating_add(s.interval.map_or(0, |i| times(i, backlog_units)));
         drop(s);
         self.wake();
+        clipped
     }
 }
 

@@ -14,7 +14,7 @@
 //! creating n keys O(n²)), and is read lock-free from its fold on.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -122,6 +122,9 @@ pub struct Limiter {
     /// fleet's burst (see [`Limiter::give_back`]), and what their pool held
     /// then: two f32s' bits, the bucket's above (0: none).
     bucket: AtomicU64,
+    /// Units a smaller bucket from the servers took out of the key's bucket
+    /// (f32 bits): given back with its next request, not lost.
+    owed: AtomicU32,
     /// When the spent quota the servers follow renews (nanoseconds of
     /// [`Time`], 0: not spent, or not said).
     renews: AtomicU64,
@@ -175,6 +178,7 @@ impl Limiter {
             hold_until: AtomicU64::new(0),
             fleet: AtomicU64::new(0),
             bucket: AtomicU64::new(0),
+            owed: AtomicU32::new(0),
             renews: AtomicU64::new(0),
             quota: s.upstream_quota.then(Box::default),
             used_at: AtomicU64::new(0),
@@ -308,8 +312,20 @@ impl Limiter {
     pub fn set_capacity(&self, capacity: f64) {
         let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
         if let Some(r) = &self.rate {
-            let burst = self.bucket().unwrap_or_else(|| self.spec.load().burst_at(capacity, self.fleet()));
-            r.set(self.clock.now(), capacity, burst);
+            let now = self.clock.now();
+            match self.bucket() {
+                Some(bucket) => {
+                    // What a smaller bucket clips is owed to the servers' pool.
+                    let clipped = r.set(now, capacity, bucket);
+                    if clipped.is_finite() && clipped > 0.0 {
+                        let add = |o: u32| Some((f32::from_bits(o) + clipped as f32).to_bits());
+                        let _ = self.owed.fetch_update(Ordering::Relaxed, Ordering::Relaxed, add);
+                    }
+                }
+                None => {
+                    r.set(now, capacity, self.spec.load().burst_at(capacity, self.fleet()));
+                }
+            }
         }
         if let Some(g) = &self.gauge {
             g.set_capacity(gauge_units(capacity));
@@ -410,12 +426,12 @@ impl Limiter {
         let capacity = r.capacity();
         let span = if capacity.is_finite() { capacity * RESERVE_SPAN.as_secs_f64() } else { 0.0 };
         let reserve = span.max(mean * RESERVE_REQUESTS);
-        let mut returned = 0.0;
+        let mut returned = f64::from(f32::from_bits(self.owed.swap(0, Ordering::Relaxed)));
         if self.bucket().is_some() {
             let level = r.available(now);
             if level.is_finite() && level > reserve {
-                returned = level - reserve;
-                r.charge(now, returned);
+                r.charge(now, level - reserve);
+                returned += level - reserve;
             }
         }
         Some(BucketSaid { reserve, returned, backlog: r.backlog(now) })
@@ -1012,6 +1028,31 @@ mod tests {
         assert!(t.set_capacity("r", 50.0));
         assert_eq!(t.resource("r").unwrap().spec().burst_at(50.0, None), 50.0);
         assert_eq!(t.resource("r").unwrap().spec().burst_at(0.5, None), 1.5);
+    }
+
+    /// A shared key given a bucket below its share of the burst gives back,
+    /// with its next request, what that bucket clipped and what it holds
+    /// above its reserve; nothing is lost, and nothing is given twice.
+    #[test]
+    fn a_smaller_bucket_owes_what_it_clipped_and_gives_back_above_the_reserve() {
+        let (clock, _h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        // 1/s shared by a fleet, a minute's burst: a full bucket of 60 at the whole capacity.
+        t.configure(vec![ResourceSpec { burst: 60.0, shared: true, ..spec("r", Kind::Rate, 1.0) }]);
+        let k = t.resource("r").unwrap().limiter("r");
+        assert!(t.set_capacity("r", 1.0));
+        t.fill("r", true);
+        assert_eq!(k.available(), 60.0);
+        // The servers pool all but 10 of it: 50 are clipped, owed to the pool.
+        t.set_bucket("r", Some((10.0, 40.0)));
+        assert!(t.set_capacity("r", 1.0));
+        assert_eq!(k.available(), 10.0);
+        // Its next request gives back the 50 and what it holds above its
+        // reserve (5 s of 1/s), and keeps the reserve.
+        let b = t.give_back("r").expect("a shared rate key");
+        assert_eq!((b.reserve, b.returned, b.backlog), (5.0, 55.0, 0.0));
+        assert_eq!(k.available(), 5.0);
+        assert_eq!(t.give_back("r").unwrap().returned, 0.0, "given once");
     }
 
     #[test]

@@ -1982,7 +1982,7 @@ impl Resource {
     /// The pool's part of an answer to a client granted `granted`, its
     /// lease grown by `grown`, to be refreshed in `refresh`; `old`: the
     /// bucket and saving its last answer gave it. Takes what it gave back
-    /// (no more than that bucket held), moves the burst of its growth or its
+    /// (no more than its share of the burst then), moves the burst of its growth or its
     /// backlog into its bucket, sizes its bucket if it keeps a reserve while
     /// another client shares the resource, and settles the pool at the new
     /// leases. Returns the credit and the bucket (0: none). No credit and no
@@ -2004,7 +2004,9 @@ impl Resource {
         let (mut credit, mut bucket, mut saving) = (0.0, 0.0, 0.0);
         let report = a.req.bucket;
         if matches!(a.req.requester, Requester::Client { .. }) && a.req.window.is_some() && !a.d.learning {
-            p.give(report.returned.min(f64::from(old.0)));
+            // No more than its last answer's share of the burst: its bucket,
+            // and what that bucket clipped when it first came.
+            p.give(report.returned.min(f64::from(old.0) + f64::from(old.1)));
             credit = p.credit_for(grown, report.backlog);
             if let Some(reserve) = report.reserve.filter(|_| shared && !fresh) {
                 let share = granted * p.window();

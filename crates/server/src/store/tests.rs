@@ -982,20 +982,25 @@ fn idle_clients_fill_the_pool_up_to_the_burst_and_no_more() {
         ..windowed(20.0, w)
     };
     let clients = ["a", "b", "c"];
-    let (mut sizes, mut buckets, mut leases) = ([0.0; 3], [0.0; 3], [0.0; 3]);
+    let (mut sizes, mut buckets, mut leases, mut owed) = ([0.0; 3], [0.0; 3], [0.0; 3], [0.0f64; 3]);
     for round in 0..200 {
         for (i, c) in clients.into_iter().enumerate() {
             let limited = sizes[i] > 0.0 && sizes[i] < leases[i] * w - 1e-9;
-            let returned = if limited { (buckets[i] - reserve).max(0.0) } else { 0.0 };
-            buckets[i] -= returned;
+            let above = if limited { (buckets[i] - reserve).max(0.0) } else { 0.0 };
+            buckets[i] -= above;
+            let returned = above + std::mem::take(&mut owed[i]);
             let g = s.get_capacity(c, &ask(returned));
             leases[i] = g.capacity;
             sizes[i] = if g.bucket > 0.0 { g.bucket } else { g.capacity * w };
+            // What a bucket from the server clips is owed, and given back with the next request.
+            if g.bucket > 0.0 {
+                owed[i] += (buckets[i] - sizes[i]).max(0.0);
+            }
             buckets[i] = if g.fresh { sizes[i] } else { (buckets[i].min(sizes[i]) + g.credit).min(sizes[i]) };
         }
         let pooled = pool_level(&s, "r");
-        let held = buckets.iter().sum::<f64>() + pooled;
-        assert!(held <= cap * w + 1e-6, "round {round}: {buckets:?} and {pooled} in the pool");
+        let held = buckets.iter().sum::<f64>() + pooled + owed.iter().sum::<f64>();
+        assert!(held <= cap * w + 1e-6, "round {round}: {buckets:?}, {owed:?} owed and {pooled} in the pool");
         time.advance(Duration::from_secs(3));
         for i in 0..3 {
             buckets[i] = (buckets[i] + leases[i] * 3.0).min(sizes[i]);
@@ -1049,6 +1054,7 @@ proptest! {
             sizes[i] = if g.bucket > 0.0 { g.bucket } else { g.capacity * w };
         }
         let mut buckets = sizes;
+        let mut owed = [0.0f64; 3];
         let (mut t, mut spent) = (0.0, 0.0);
         for (ms, wants, backlogs, spend) in steps {
             time.advance(Duration::from_millis(ms));
@@ -1059,17 +1065,22 @@ proptest! {
             }
             for (i, c) in clients.into_iter().enumerate() {
                 let limited = sizes[i] < leases[i] * w - 1e-9;
-                let returned = if limited { (buckets[i] - reserve).max(0.0) } else { 0.0 };
-                buckets[i] -= returned;
+                let above = if limited { (buckets[i] - reserve).max(0.0) } else { 0.0 };
+                buckets[i] -= above;
+                let returned = above + std::mem::take(&mut owed[i]);
                 let g = s.get_capacity(c, &ask(wants[i], returned, backlogs[i]));
                 leases[i] = g.capacity;
                 sizes[i] = if g.bucket > 0.0 { g.bucket } else { g.capacity * w };
+                // What a bucket from the server clips is owed, and given back with the next request.
+                if g.bucket > 0.0 {
+                    owed[i] += (buckets[i] - sizes[i]).max(0.0);
+                }
                 buckets[i] = (buckets[i].min(sizes[i]) + g.credit).min(sizes[i]);
             }
             let pooled = pool_level(&s, "r");
-            // The buckets and the pool never hold more than the burst.
-            let held = buckets.iter().sum::<f64>() + pooled;
-            prop_assert!(held <= cap * w + 1e-6, "{buckets:?} and {pooled} in the pool");
+            // The buckets, what they owe and the pool never hold more than the burst.
+            let held = buckets.iter().sum::<f64>() + pooled + owed.iter().sum::<f64>();
+            prop_assert!(held <= cap * w + 1e-6, "{buckets:?}, {owed:?} owed and {pooled} in the pool");
             for b in &mut buckets {
                 spent += *b * spend;
                 *b *= 1.0 - spend;
