@@ -56,6 +56,13 @@ pub const FIRST_ANSWER_RETRY: Duration = Duration::from_secs(1);
 /// at once, and the new unit's quota is there within a second.
 pub const BOUNDARY_SPREAD: Duration = Duration::from_millis(300);
 
+/// How soon a key with requests waiting asks again while the server's last
+/// answer said its pool holds units: the pooled burst is a round trip away,
+/// not a minimum interval away. An ask the pool answers with nothing ends
+/// it (the answer says the pool is empty), so a fleet over its capacity
+/// asks no more often than before.
+pub const POOL_ASK: Duration = Duration::from_millis(100);
+
 /// What a key may use once its lease has expired (or before the first one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -320,6 +327,16 @@ impl KeyState {
             self.early_wait = min;
         }
         self.away
+    }
+
+    /// Whether the key has requests waiting beyond its lease while the
+    /// server's last answer said its pool holds at least a unit: it asks
+    /// again after [`POOL_ASK`], not after its early wait.
+    fn draws(&self) -> bool {
+        self.away
+            && self.pooled >= 1.0
+            && self.demand.pressure
+            && self.lease.is_some_and(|l| self.mode == Mode::Leased && self.demand.wants > l.capacity + 1e-9)
     }
 
     /// What `lease` grants for the key's wants: the lease without its spare part.
@@ -1277,7 +1294,11 @@ impl Core {
     /// a new key or one away from its lease asks early, or when a key's own
     /// refresh comes (returned too). Only every key's counts unless `asking`.
     fn refresh_due(&self, now: Time, asking: bool) -> (Time, Option<Time>) {
-        let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(self.cfg.min_interval));
+        // A key that draws on the server's pool asks after POOL_ASK (looked
+        // for only while some key is away from its lease).
+        let drawing = self.away > 0 && asking && self.keys.values().any(|k| k.draws());
+        let min = if drawing { POOL_ASK.min(self.cfg.min_interval) } else { self.cfg.min_interval };
+        let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(min));
         let mut due =
             if self.early && asking { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
         debug_assert_eq!(self.away, self.keys.values().filter(|k| k.away).count(), "keys away");
@@ -1285,7 +1306,8 @@ impl Core {
         debug_assert!(self.dues.iter().all(|(t, id)| self.keys.get(id).is_some_and(|k| k.due == Some(*t))));
         if let Some(last) = self.last_request.filter(|_| self.away > 0 && asking) {
             for k in self.keys.values().filter(|k| k.away) {
-                due = due.min(last.saturating_add(k.early_wait).max(earliest_allowed).max(now));
+                let wait = if k.draws() { POOL_ASK } else { k.early_wait };
+                due = due.min(last.saturating_add(wait).max(earliest_allowed).max(now));
             }
         }
         // A key's own refresh.

@@ -391,10 +391,11 @@ impl Rate {
     /// Charges `units` more to the bucket now (a cost settled above what was
     /// charged at admission: the requests waiting, and later ones, wait for
     /// the debt), or gives them back when negative (settled below: waiting
-    /// requests come sooner; never beyond a full bucket).
-    pub fn charge(&self, now: Time, units: f64) {
+    /// requests come sooner; never beyond a full bucket). Returns the units
+    /// a give-back found no room for (those beyond a full bucket).
+    pub fn charge(&self, now: Time, units: f64) -> f64 {
         if units == 0.0 || units.is_nan() {
-            return;
+            return 0.0;
         }
         let mut s = self.state.lock().expect("rate lock");
         if let Some(a) = &mut s.allot {
@@ -403,16 +404,18 @@ impl Rate {
             if units < 0.0 {
                 self.wake();
             }
-            return;
+            return 0.0;
         }
         let now = s.pos(now);
         let Some(i) = s.interval.filter(|i| *i > 0) else {
             if s.interval.is_none() {
                 s.frozen = (s.frozen + units).max(0.0);
             }
-            return;
+            return 0.0;
         };
         let (by, later) = (times(i, units.abs()), units > 0.0);
+        let room = s.tat.saturating_sub(now) as f64 / i as f64;
+        let clipped = if later { 0.0 } else { (units.abs() - room).max(0.0) };
         // Only a bucket owing beyond now can have requests waiting.
         let waiting = s.tat > now;
         s.tat = if later { s.tat.max(now).saturating_add(by) } else { s.tat.saturating_sub(by).max(now) };
@@ -424,6 +427,7 @@ impl Rate {
                 self.wake();
             }
         }
+        clipped
     }
 
     /// Changes capacity and burst live. The units available at once are

@@ -314,14 +314,8 @@ impl Limiter {
         if let Some(r) = &self.rate {
             let now = self.clock.now();
             match self.bucket() {
-                Some(bucket) => {
-                    // What a smaller bucket clips is owed to the servers' pool.
-                    let clipped = r.set(now, capacity, bucket);
-                    if clipped.is_finite() && clipped > 0.0 {
-                        let add = |o: u32| Some((f32::from_bits(o) + clipped as f32).to_bits());
-                        let _ = self.owed.fetch_update(Ordering::Relaxed, Ordering::Relaxed, add);
-                    }
-                }
+                // What a smaller bucket clips is owed to the servers' pool.
+                Some(bucket) => self.owe(r.set(now, capacity, bucket)),
                 None => {
                     r.set(now, capacity, self.spec.load().burst_at(capacity, self.fleet()));
                 }
@@ -449,10 +443,22 @@ impl Limiter {
     }
 
     /// Charges `units` more to a rate key (a settled cost above the one
-    /// charged at admission), or gives them back when negative.
+    /// charged at admission), or gives them back when negative. Where the
+    /// servers gave the key a bucket, what a full bucket has no room for is
+    /// owed to their pool.
     pub fn charge(&self, units: f64) {
         if let Some(r) = &self.rate {
-            r.charge(self.clock.now(), units);
+            self.owe(r.charge(self.clock.now(), units));
+        }
+    }
+
+    /// Owes `units` a bucket from the servers had no room for (clipped by a
+    /// smaller bucket, or given back to a full one) to their pool: given
+    /// back with the key's next request ([`Limiter::give_back`]), not lost.
+    fn owe(&self, units: f64) {
+        if units.is_finite() && units > 0.0 && self.bucket().is_some() {
+            let add = |o: u32| Some((f32::from_bits(o) + units as f32).to_bits());
+            let _ = self.owed.fetch_update(Ordering::Relaxed, Ordering::Relaxed, add);
         }
     }
 
@@ -477,7 +483,7 @@ impl Limiter {
             && units > 0.0
             && r.allotment_reset().is_none()
         {
-            r.charge(self.clock.now(), -units);
+            self.owe(r.charge(self.clock.now(), -units));
         }
     }
 
@@ -1031,8 +1037,9 @@ mod tests {
     }
 
     /// A shared key given a bucket below its share of the burst gives back,
-    /// with its next request, what that bucket clipped and what it holds
-    /// above its reserve; nothing is lost, and nothing is given twice.
+    /// with its next request, what that bucket clipped, what a settled cost
+    /// gave back beyond it, and what it holds above its reserve; nothing is
+    /// lost, and nothing is given twice.
     #[test]
     fn a_smaller_bucket_owes_what_it_clipped_and_gives_back_above_the_reserve() {
         let (clock, _h) = Clock::manual(Time::from_secs(10));
@@ -1053,6 +1060,12 @@ mod tests {
         assert_eq!((b.reserve, b.returned, b.backlog), (5.0, 55.0, 0.0));
         assert_eq!(k.available(), 5.0);
         assert_eq!(t.give_back("r").unwrap().returned, 0.0, "given once");
+        // A settled cost gives 8 back to a bucket of 10 holding 5: the 3 it
+        // has no room for are owed too, with the 5 above the reserve.
+        k.charge(-8.0);
+        assert_eq!(k.available(), 10.0);
+        let b = t.give_back("r").unwrap();
+        assert_eq!((b.returned, k.available()), (8.0, 5.0));
     }
 
     #[test]

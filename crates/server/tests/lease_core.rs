@@ -1310,3 +1310,56 @@ fn a_calendar_key_reports_its_account_and_asks_just_after_each_reset() {
     assert!(next.units > 100.0, "the new unit whole: {next:?}");
     assert!(c.next_renewal() <= reset.saturating_add(Duration::from_secs(61)));
 }
+
+/// A key with requests waiting asks again a [`POOL_ASK`] after its last
+/// request while the server's last answer said its pool holds units (the
+/// pooled burst is a round trip away); once an answer says the pool is
+/// empty, it waits its minimum interval again.
+#[test]
+fn a_key_with_requests_waiting_asks_again_soon_while_the_pool_holds_units() {
+    let w = World::new(&["s1"]);
+    for (pooled, soonest) in
+        [(Some(50.0), POOL_ASK), (None, Duration::from_secs(1)), (Some(0.0), Duration::from_secs(1))]
+    {
+        let mut c = w.core("a", &["s1"]);
+        c.set_demand(vec![demand("r", 5.0, OnExpiry::Safe)]);
+        w.step(&mut c);
+        w.advance(c.next_refresh().since(w.clock.now()));
+        let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
+        let now = w.clock.now();
+        let lease = proto::ResourceResponse {
+            pooled,
+            bucket: Some(10.0),
+            allotment: None,
+            credit: None,
+            resource_capacity: Some(100.0),
+            spare: None,
+            share_safe: None,
+            fresh: None,
+            upstream_quota: None,
+            resource_id: "r".into(),
+            gets: proto::Lease {
+                capacity: 5.0,
+                expiry_time: now.saturating_add(Duration::from_secs(30)).as_secs(),
+                refresh_interval: 12,
+            },
+            safe_capacity: None,
+            template: None,
+        };
+        c.on_refresh(now, Ok(proto::GetCapacityResponse { response: vec![lease], mastership: None }));
+        // Requests wait: the key's demand rises above its lease.
+        w.advance(Duration::from_millis(10));
+        c.set_demand(vec![KeyDemand { pressure: true, ..demand("r", 20.0, OnExpiry::Safe) }]);
+        let at = w.clock.now();
+        match c.next_action(at) {
+            Action::Wait { until } => {
+                assert_eq!(
+                    until.since(now),
+                    soonest,
+                    "with {pooled:?} in the pool the key asks {soonest:?} after its last request"
+                )
+            }
+            other => panic!("asked at once, within the minimum interval: {other:?}"),
+        }
+    }
+}
