@@ -440,6 +440,9 @@ fn request(n: u64, wants: f64, has: Option<Lease>) -> GetCapacityRequest {
     GetCapacityRequest {
         client_id: format!("client-{n}"),
         resource: vec![ResourceRequest {
+            returned: None,
+            reserve: None,
+            backlog: None,
             unit_account: None,
             window: None,
             upstream_quota: None,

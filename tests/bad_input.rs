@@ -103,7 +103,7 @@ proptest! {
         for (client, resource, wants, priority) in asks {
             let req = proto::GetCapacityRequest {
                 client_id: client.clone(),
-                resource: vec![proto::ResourceRequest { unit_account: None, window: None, upstream_quota: None, resource_id: resource, priority, has: None, wants }],
+                resource: vec![proto::ResourceRequest { unit_account: None, window: None, reserve: None, returned: None, backlog: None, upstream_quota: None, resource_id: resource, priority, has: None, wants }],
             };
             if let Ok(valid) = usher_server::service::client_requests(&req) {
                 for a in &valid {

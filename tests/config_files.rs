@@ -246,6 +246,9 @@ const RESOURCES: &str = "resources:\n  - identifier_glob: \"*\"\n    capacity: 1
 
 async fn grant(c: &mut CapacityClient<tonic::transport::Channel>) -> f64 {
     let ask = ResourceRequest {
+        returned: None,
+        reserve: None,
+        backlog: None,
         unit_account: None,
         window: None,
         upstream_quota: None,

@@ -81,6 +81,9 @@ async fn three_servers_elect_one_master_and_fail_over() {
         .get_capacity(GetCapacityRequest {
             client_id: "x".into(),
             resource: vec![ResourceRequest {
+                returned: None,
+                reserve: None,
+                backlog: None,
                 unit_account: None,
                 window: None,
                 upstream_quota: None,
@@ -172,6 +175,9 @@ async fn configuration_is_read_from_etcd_and_kept_when_invalid() {
     let ask = |wants| GetCapacityRequest {
         client_id: "a".into(),
         resource: vec![ResourceRequest {
+            returned: None,
+            reserve: None,
+            backlog: None,
             unit_account: None,
             window: None,
             upstream_quota: None,
@@ -216,6 +222,9 @@ async fn after_a_root_failover_no_intermediate_hands_out_zero() {
     let ask = || GetCapacityRequest {
         client_id: "leaf".into(),
         resource: vec![ResourceRequest {
+            returned: None,
+            reserve: None,
+            backlog: None,
             unit_account: None,
             window: None,
             upstream_quota: None,

@@ -68,6 +68,9 @@ async fn granted(u: &Usher) -> Option<f64> {
     let ask = GetCapacityRequest {
         client_id: "a".into(),
         resource: vec![ResourceRequest {
+            returned: None,
+            reserve: None,
+            backlog: None,
             unit_account: None,
             window: None,
             upstream_quota: None,
@@ -289,6 +292,9 @@ async fn a_master_cut_off_from_etcd_stops_granting_before_another_can_be_elected
     let ask = || GetCapacityRequest {
         client_id: "x".into(),
         resource: vec![ResourceRequest {
+            returned: None,
+            reserve: None,
+            backlog: None,
             unit_account: None,
             window: None,
             upstream_quota: None,

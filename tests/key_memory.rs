@@ -106,6 +106,9 @@ async fn store_bytes_per_key() -> f64 {
         client_id: "sidecar".into(),
         resource: ids
             .map(|i| proto::ResourceRequest {
+                returned: None,
+                reserve: None,
+                backlog: None,
                 unit_account: None,
                 window: None,
                 upstream_quota: None,

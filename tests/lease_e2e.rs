@@ -623,6 +623,8 @@ impl usher_proto::capacity_server::Capacity for FakeDoorman {
         use usher_proto::{GetCapacityResponse, Lease, Mastership, ResourceResponse};
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
         let lease = |id: &str, capacity: f64, safe_capacity: Option<f64>| ResourceResponse {
+            pooled: None,
+            bucket: None,
             allotment: None,
             credit: None,
             resource_capacity: None,

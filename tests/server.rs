@@ -172,6 +172,9 @@ async fn learning_mode_hands_back_has() {
     let s = Server::start(CONFIG, &[]);
     let mut c = s.client().await;
     let with_has = ResourceRequest {
+        returned: None,
+        reserve: None,
+        backlog: None,
         unit_account: None,
         window: None,
         upstream_quota: None,
@@ -208,6 +211,9 @@ async fn learning_mode_believes_a_liar_only_up_to_the_capacity_and_a_lease_lengt
 
     let (asked, before) = (Instant::now(), unix_now());
     let liar = ResourceRequest {
+        returned: None,
+        reserve: None,
+        backlog: None,
         unit_account: None,
         window: None,
         upstream_quota: None,

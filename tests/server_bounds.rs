@@ -38,6 +38,9 @@ fn ask(ids: impl IntoIterator<Item = (String, f64)>) -> GetCapacityRequest {
         resource: ids
             .into_iter()
             .map(|(id, wants)| ResourceRequest {
+                returned: None,
+                reserve: None,
+                backlog: None,
                 unit_account: None,
                 window: None,
                 upstream_quota: None,

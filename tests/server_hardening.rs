@@ -25,6 +25,9 @@ fn ask(client: &str, ids: Vec<String>) -> GetCapacityRequest {
         resource: ids
             .into_iter()
             .map(|id| ResourceRequest {
+                returned: None,
+                reserve: None,
+                backlog: None,
                 unit_account: None,
                 window: None,
                 upstream_quota: None,

@@ -56,6 +56,9 @@ async fn capacity_is_shared_fairly_across_the_tree_without_overshoot() {
                 .get_capacity(GetCapacityRequest {
                     client_id: name.to_string(),
                     resource: vec![ResourceRequest {
+                        returned: None,
+                        reserve: None,
+                        backlog: None,
                         unit_account: None,
                         window: None,
                         upstream_quota: None,
@@ -105,6 +108,9 @@ async fn capacity_is_shared_fairly_across_the_tree_without_overshoot() {
         .get_capacity(GetCapacityRequest {
             client_id: "c1".into(),
             resource: vec![ResourceRequest {
+                returned: None,
+                reserve: None,
+                backlog: None,
                 unit_account: None,
                 window: None,
                 upstream_quota: None,
@@ -145,6 +151,9 @@ async fn three_rounds(server: std::net::SocketAddr) -> HashMap<&'static str, f64
                 .get_capacity(GetCapacityRequest {
                     client_id: name.into(),
                     resource: vec![ResourceRequest {
+                        returned: None,
+                        reserve: None,
+                        backlog: None,
                         unit_account: None,
                         window: None,
                         upstream_quota: None,
@@ -254,6 +263,9 @@ async fn a_newcomer_is_answered_with_a_share_as_soon_as_one_is_free() {
     let ask = |client: &str, resource: &str, wants: f64| GetCapacityRequest {
         client_id: client.into(),
         resource: vec![ResourceRequest {
+            returned: None,
+            reserve: None,
+            backlog: None,
             unit_account: None,
             window: None,
             upstream_quota: None,

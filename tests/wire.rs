@@ -102,6 +102,9 @@ async fn responses_encode_required_fields_even_when_zero() {
     let req = proto::GetCapacityRequest {
         client_id: "c".into(),
         resource: vec![proto::ResourceRequest {
+            returned: None,
+            reserve: None,
+            backlog: None,
             unit_account: None,
             window: None,
             upstream_quota: None,
@@ -151,6 +154,9 @@ fn requests_encode_required_zero_fields() {
     let req = proto::GetCapacityRequest {
         client_id: "c".into(),
         resource: vec![proto::ResourceRequest {
+            returned: None,
+            reserve: None,
+            backlog: None,
             unit_account: None,
             window: None,
             upstream_quota: None,

@@ -189,6 +189,9 @@ async fn ask_client(addr: &str, c: usize, keys: &[String], has: Vec<Lease>, batc
             .iter()
             .enumerate()
             .map(|(j, id)| ResourceRequest {
+                returned: None,
+                reserve: None,
+                backlog: None,
                 unit_account: None,
                 window: None,
                 upstream_quota: None,

@@ -689,6 +689,7 @@ impl Enforcer for TableEnforcer {
                 self.table.set_fleet(id, c);
             }
             self.table.set_renews(id, s.renews);
+            self.table.set_bucket(id, s.bucket);
             if s.fresh {
                 fresh.push(id.clone());
             }
@@ -714,6 +715,10 @@ impl Enforcer for TableEnforcer {
 
     fn next_renewal(&self, at: Time) {
         self.table.set_renewal(Some(at));
+    }
+
+    fn give_back(&self, id: &str) -> Option<usher_limit::table::BucketSaid> {
+        self.table.give_back(id)
     }
 
     fn apply(&self, capacities: &[(String, Capacity)]) {

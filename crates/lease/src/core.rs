@@ -56,6 +56,13 @@ pub const FIRST_ANSWER_RETRY: Duration = Duration::from_secs(1);
 /// at once, and the new unit's quota is there within a second.
 pub const BOUNDARY_SPREAD: Duration = Duration::from_millis(300);
 
+/// How soon a key with requests waiting asks again while the server's last
+/// answer said its pool holds units: the pooled burst is a round trip away,
+/// not a minimum interval away. An ask the pool answers with nothing ends
+/// it (the answer says the pool is empty), so a fleet over its capacity
+/// asks no more often than before.
+pub const POOL_ASK: Duration = Duration::from_millis(100);
+
 /// What a key may use once its lease has expired (or before the first one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -235,6 +242,12 @@ struct KeyState {
     /// Units of the server's pooled burst credited with the last answers and
     /// not yet taken (usher's extension): they go into the key's bucket.
     credit: f64,
+    /// The most the key's bucket may hold until its next request, below its
+    /// lease's share of the burst, as the last answer said (usher's
+    /// extension; 0: no such limit).
+    bucket: f32,
+    /// With `bucket`: units the server's pool held after the last answer.
+    pooled: f32,
     /// When the quota the server follows renews, while it says that quota
     /// is spent (usher's extension: its account of the upstream's quota, or
     /// of a calendar window): refusals meanwhile say how long to wait.
@@ -284,6 +297,8 @@ impl KeyState {
             share_safe: false,
             fresh: false,
             credit: 0.0,
+            bucket: 0.0,
+            pooled: 0.0,
             renews: None,
             template: None,
             mode: Mode::Pending,
@@ -312,6 +327,16 @@ impl KeyState {
             self.early_wait = min;
         }
         self.away
+    }
+
+    /// Whether the key has requests waiting beyond its lease while the
+    /// server's last answer said its pool holds at least a unit: it asks
+    /// again after [`POOL_ASK`], not after its early wait.
+    fn draws(&self) -> bool {
+        self.away
+            && self.pooled >= 1.0
+            && self.demand.pressure
+            && self.lease.is_some_and(|l| self.mode == Mode::Leased && self.demand.wants > l.capacity + 1e-9)
     }
 
     /// What `lease` grants for the key's wants: the lease without its spare part.
@@ -355,6 +380,8 @@ impl KeyState {
         self.share_safe = r.share_safe == Some(true);
         self.fresh |= r.fresh == Some(true);
         self.credit += r.credit.filter(|c| c.is_finite() && *c > 0.0).unwrap_or(0.0);
+        self.bucket = r.bucket.filter(|b| b.is_finite() && *b > 0.0).map_or(0.0, |b| b as f32);
+        self.pooled = r.pooled.filter(|p| p.is_finite() && *p > 0.0 && self.bucket > 0.0).map_or(0.0, |p| p as f32);
         self.renews =
             r.upstream_quota.as_ref().and_then(super::quota::from_proto).filter(|o| o.exhausted(now)).map(|o| o.reset);
         self.template = match (&r.template, &self.template) {
@@ -1267,7 +1294,11 @@ impl Core {
     /// a new key or one away from its lease asks early, or when a key's own
     /// refresh comes (returned too). Only every key's counts unless `asking`.
     fn refresh_due(&self, now: Time, asking: bool) -> (Time, Option<Time>) {
-        let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(self.cfg.min_interval));
+        // A key that draws on the server's pool asks after POOL_ASK (looked
+        // for only while some key is away from its lease).
+        let drawing = self.away > 0 && asking && self.keys.values().any(|k| k.draws());
+        let min = if drawing { POOL_ASK.min(self.cfg.min_interval) } else { self.cfg.min_interval };
+        let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(min));
         let mut due =
             if self.early && asking { self.next_refresh.min(earliest_allowed.max(now)) } else { self.next_refresh };
         debug_assert_eq!(self.away, self.keys.values().filter(|k| k.away).count(), "keys away");
@@ -1275,7 +1306,8 @@ impl Core {
         debug_assert!(self.dues.iter().all(|(t, id)| self.keys.get(id).is_some_and(|k| k.due == Some(*t))));
         if let Some(last) = self.last_request.filter(|_| self.away > 0 && asking) {
             for k in self.keys.values().filter(|k| k.away) {
-                due = due.min(last.saturating_add(k.early_wait).max(earliest_allowed).max(now));
+                let wait = if k.draws() { POOL_ASK } else { k.early_wait };
+                due = due.min(last.saturating_add(wait).max(earliest_allowed).max(now));
             }
         }
         // A key's own refresh.
@@ -1334,6 +1366,10 @@ impl Core {
                 wants: if k.demand.wants.is_finite() { k.demand.wants.max(0.0) } else { 0.0 },
                 upstream_quota: k.demand.quota.as_ref().map(super::quota::to_proto),
                 window: k.demand.window,
+                // What the enforcement side says of the bucket, as it sends (`Enforcer::give_back`).
+                reserve: None,
+                returned: None,
+                backlog: None,
                 unit_account: k.account().map(|a| proto::UnitAccount {
                     reset_unix_ms: (a.reset.as_nanos() / 1_000_000).min(i64::MAX as u64) as i64,
                     spent: a.spent,
@@ -1516,9 +1552,15 @@ impl Core {
         let before = k.capacity();
         answer.relapse |= k.lapse().is_some() && k.lapse() == self.lapse;
         let lease = Lease::granted(&r.gets);
+        let bucket = k.bucket;
         k.heard(&r, now, &mut self.last_template);
+        // A credit answered the ask as a grown lease would: the key may ask again as soon.
+        let credited = r.credit.is_some_and(|c| c > 0.0);
         if let Some(asked_with) = k.asked_with.take() {
-            k.early_wait = k.early_wait_after(asked_with, &lease, self.cfg.min_interval);
+            k.early_wait = match credited {
+                true => self.cfg.min_interval,
+                false => k.early_wait_after(asked_with, &lease, self.cfg.min_interval),
+            };
         }
         let from = k.take(lease, now, self.cfg.jitter);
         if from != k.mode {
@@ -1529,7 +1571,8 @@ impl Core {
                 capacity: k.capacity(),
             });
         }
-        if k.capacity() != before {
+        // A credit or a new bucket goes to the enforcement side with the capacity, changed or not.
+        if k.capacity() != before || credited || k.bucket != bucket {
             self.changed.insert(r.resource_id.clone());
         }
         answer.later = earliest(answer.later, k.lapse());
@@ -1650,6 +1693,14 @@ impl Core {
     /// yet taken: their sum once, then 0.
     pub fn take_credit(&mut self, resource_id: &str) -> f64 {
         self.keys.get_mut(resource_id).map_or(0.0, |k| std::mem::take(&mut k.credit))
+    }
+
+    /// The most `resource_id`'s bucket may hold until its next request, and
+    /// what the server's pool held, as the last answer said, while its
+    /// lease is in force.
+    pub fn bucket(&self, resource_id: &str) -> Option<(f64, f64)> {
+        let k = self.keys.get(resource_id)?;
+        (k.mode == Mode::Leased && k.bucket > 0.0).then_some((f64::from(k.bucket), f64::from(k.pooled)))
     }
 
     /// When the quota the server follows for `resource_id` renews, while

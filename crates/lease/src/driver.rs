@@ -44,6 +44,11 @@ pub struct ServerSaid {
     /// Units of their pooled burst credited to the key: they go into its
     /// bucket at once, up to its size.
     pub credit: f64,
+    /// The most the key's bucket may hold until its next request, below its
+    /// lease's share of the fleet's burst: the rest is pooled at the server,
+    /// and the key gives back what it holds above its reserve when it asks.
+    /// With it, the units their pool held after the answer.
+    pub bucket: Option<(f64, f64)>,
 }
 
 /// The enforcement side, as the lease client sees it.
@@ -100,6 +105,15 @@ pub trait Enforcer: Send + Sync + 'static {
     ///
     /// [`Core::next_renewal`]: super::core::Core::next_renewal
     fn next_renewal(&self, _at: Time) {}
+    /// A request for the lease of `id`, a shared rate key (it reports a
+    /// window), is about to go to the servers: what the key says of its
+    /// bucket (its reserve, what it gives back, its backlog; usher's
+    /// extensions). Out of a bucket the servers limited
+    /// ([`ServerSaid::bucket`]), what it holds above the reserve is taken
+    /// now, to be given back.
+    fn give_back(&self, _id: &str) -> Option<usher_limit::table::BucketSaid> {
+        None
+    }
     /// Whether the last [`Enforcer::demand`] found nothing going on (no
     /// request since the one before, none in flight or waiting, no key
     /// made or forgotten): demand is then re-read when an action is due (at
@@ -443,7 +457,8 @@ fn enforce(client: &LeaseClient) {
             .iter()
             .map(|(id, _)| {
                 let (fresh, credit) = (core.take_fresh(id), core.take_credit(id));
-                (id.clone(), ServerSaid { fleet: core.fleet_capacity(id), renews: core.renews(id), fresh, credit })
+                let (fleet, renews, bucket) = (core.fleet_capacity(id), core.renews(id), core.bucket(id));
+                (id.clone(), ServerSaid { fleet, renews, fresh, credit, bucket })
             })
             .collect();
         (caps, core.take_transitions(), said, core.take_allotments())
@@ -700,8 +715,15 @@ impl Turns {
 
     /// Refreshes leases at `target`, applies them at once and keeps them in
     /// the cache; false on shutdown.
-    async fn refresh(&mut self, target: String, request: proto::GetCapacityRequest, poll: Duration) -> bool {
+    async fn refresh(&mut self, target: String, mut request: proto::GetCapacityRequest, poll: Duration) -> bool {
         let client = &self.client;
+        for r in request.resource.iter_mut().filter(|r| r.window.is_some()) {
+            if let Some(b) = client.enforcer.give_back(&r.resource_id) {
+                r.reserve = Some(b.reserve);
+                r.returned = (b.returned > 0.0).then_some(b.returned);
+                r.backlog = (b.backlog > 0.0).then_some(b.backlog);
+            }
+        }
         let Some(r) = call(batch::get_capacity(&*self.transport, &target, request), client, &self.shutdown, poll).await
         else {
             return false;

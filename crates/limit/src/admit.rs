@@ -330,7 +330,13 @@ fn reserve_rates(plan: &Plan, arrival: Time, now: Time) -> Result<(Reserved, Dur
         let Some(rate) = l.rate() else { continue };
         let spec = l.spec();
         let budget = spec.max_wait.saturating_sub(waited);
-        let (reservation, ticket) = rate.reserve_ticket(now, *cost, budget);
+        let (mut reservation, mut ticket) = rate.reserve_ticket(now, *cost, budget, 0.0);
+        // Too late at the lease: a credit of the servers' pool may still bring it in time.
+        if let Reservation::TooLate { wait: Some(_) } = reservation
+            && l.pooled() > 0.0
+        {
+            (reservation, ticket) = rate.reserve_ticket(now, *cost, budget, l.pooled());
+        }
         match reservation {
             Reservation::Slot { wait, cost } => {
                 if !wait.is_zero() && l.demand().waiters() >= spec.max_queue as i64 {

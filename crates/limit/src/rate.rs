@@ -196,6 +196,12 @@ fn times(interval: u128, units: f64) -> u128 {
     }
 }
 
+/// Whether a slot `wait` away passes within `max_wait` once a credit of
+/// `credit` (a span) came, and within [`DEBT_WAIT`] × `max_wait` without it.
+fn within_credit(wait: u128, credit: u128, max_wait: Duration) -> bool {
+    ceil_duration(wait.saturating_sub(credit)) <= max_wait && ceil_duration(wait) <= max_wait.saturating_mul(DEBT_WAIT)
+}
+
 /// A fixed-point span as a Duration, rounded up to the nanosecond.
 fn ceil_duration(fx: u128) -> Duration {
     Duration::from_nanos(u64::try_from(fx.div_ceil(ONE_NS)).unwrap_or(u64::MAX))
@@ -260,12 +266,18 @@ impl Rate {
 
     /// Reserves `cost` units if they can pass within `max_wait` of `now`.
     pub fn reserve(&self, now: Time, cost: f64, max_wait: Duration) -> Reservation {
-        self.reserve_ticket(now, cost, max_wait).0
+        self.reserve_ticket(now, cost, max_wait, 0.0).0
     }
 
     /// [`reserve`](Self::reserve), with the ticket that keeps a reserved
     /// request's place up to date through capacity increases ([`Rate::retime`]).
-    pub fn reserve_ticket(&self, now: Time, cost: f64, max_wait: Duration) -> (Reservation, Ticket) {
+    ///
+    /// `ahead`: units a credit may soon add to the bucket (the servers'
+    /// pooled burst, which a waiting request asks for). A request that
+    /// would pass within `max_wait` once they came is reserved too, if its
+    /// slot is within [`DEBT_WAIT`] × `max_wait`: its wait is that long at
+    /// most should the credit not come, as a debt's is.
+    pub fn reserve_ticket(&self, now: Time, cost: f64, max_wait: Duration, ahead: f64) -> (Reservation, Ticket) {
         let mut s = self.state.lock().expect("rate lock");
         let at = now;
         let now = s.pos(now);
@@ -284,7 +296,7 @@ impl Rate {
         // than the burst: it passes alone, and later ones wait for its cost.
         let slot = new_tat.saturating_sub(s.burst_span.max(cost_span)).max(now);
         let wait = ceil_duration(slot - now);
-        if wait > max_wait {
+        if wait > max_wait && !(ahead > 0.0 && within_credit(slot - now, times(interval, ahead), max_wait)) {
             return (Reservation::TooLate { wait: Some(wait) }, ticket);
         }
         s.tat = new_tat;
@@ -379,10 +391,11 @@ impl Rate {
     /// Charges `units` more to the bucket now (a cost settled above what was
     /// charged at admission: the requests waiting, and later ones, wait for
     /// the debt), or gives them back when negative (settled below: waiting
-    /// requests come sooner; never beyond a full bucket).
-    pub fn charge(&self, now: Time, units: f64) {
+    /// requests come sooner; never beyond a full bucket). Returns the units
+    /// a give-back found no room for (those beyond a full bucket).
+    pub fn charge(&self, now: Time, units: f64) -> f64 {
         if units == 0.0 || units.is_nan() {
-            return;
+            return 0.0;
         }
         let mut s = self.state.lock().expect("rate lock");
         if let Some(a) = &mut s.allot {
@@ -391,16 +404,18 @@ impl Rate {
             if units < 0.0 {
                 self.wake();
             }
-            return;
+            return 0.0;
         }
         let now = s.pos(now);
         let Some(i) = s.interval.filter(|i| *i > 0) else {
             if s.interval.is_none() {
                 s.frozen = (s.frozen + units).max(0.0);
             }
-            return;
+            return 0.0;
         };
         let (by, later) = (times(i, units.abs()), units > 0.0);
+        let room = s.tat.saturating_sub(now) as f64 / i as f64;
+        let clipped = if later { 0.0 } else { (units.abs() - room).max(0.0) };
         // Only a bucket owing beyond now can have requests waiting.
         let waiting = s.tat > now;
         s.tat = if later { s.tat.max(now).saturating_add(by) } else { s.tat.saturating_sub(by).max(now) };
@@ -412,6 +427,7 @@ impl Rate {
                 self.wake();
             }
         }
+        clipped
     }
 
     /// Changes capacity and burst live. The units available at once are
@@ -422,10 +438,13 @@ impl Rate {
     /// keep it; a queue (a negative number available) is carried as it is.
     /// Through capacity 0 the bucket stays as it was: a key comes back with
     /// what it had, never with a fresh burst.
-    pub fn set(&self, now: Time, capacity: f64, burst: f64) {
+    ///
+    /// Returns the units a smaller burst clipped off a fuller bucket (0 from
+    /// unlimited, which tracks none).
+    pub fn set(&self, now: Time, capacity: f64, burst: f64) -> f64 {
         let mut s = self.state.lock().expect("rate lock");
         if s.capacity == capacity && s.burst == burst {
-            return;
+            return 0.0;
         }
         let now = s.pos(now);
         let backlog_units = match s.interval {
@@ -435,6 +454,10 @@ impl Rate {
             None => s.frozen,
         };
         let burst = burst.max(1.0);
+        let clipped = match s.interval {
+            Some(0) => 0.0,
+            _ => (s.burst - backlog_units - burst).max(0.0),
+        };
         // Units available at once, carried over and capped at the new burst.
         let available = (s.burst - backlog_units).min(burst);
         let backlog_units = burst - available;
@@ -452,6 +475,7 @@ impl Rate {
         s.tat = now.saturating_add(s.interval.map_or(0, |i| times(i, backlog_units)));
         drop(s);
         self.wake();
+        clipped
     }
 }
 

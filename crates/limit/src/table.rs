@@ -14,7 +14,7 @@
 //! creating n keys O(n²)), and is read lock-free from its fold on.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -118,6 +118,13 @@ pub struct Limiter {
     /// not said): its burst is its share of the resource's, reckoned
     /// against this rather than the routes file's capacity.
     fleet: AtomicU64,
+    /// The bucket the servers gave the key's lease, below its share of the
+    /// fleet's burst (see [`Limiter::give_back`]), and what their pool held
+    /// then: two f32s' bits, the bucket's above (0: none).
+    bucket: AtomicU64,
+    /// Units a smaller bucket from the servers took out of the key's bucket
+    /// (f32 bits): given back with its next request, not lost.
+    owed: AtomicU32,
     /// When the spent quota the servers follow renews (nanoseconds of
     /// [`Time`], 0: not spent, or not said).
     renews: AtomicU64,
@@ -170,6 +177,8 @@ impl Limiter {
             activity,
             hold_until: AtomicU64::new(0),
             fleet: AtomicU64::new(0),
+            bucket: AtomicU64::new(0),
+            owed: AtomicU32::new(0),
             renews: AtomicU64::new(0),
             quota: s.upstream_quota.then(Box::default),
             used_at: AtomicU64::new(0),
@@ -303,7 +312,14 @@ impl Limiter {
     pub fn set_capacity(&self, capacity: f64) {
         let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
         if let Some(r) = &self.rate {
-            r.set(self.clock.now(), capacity, self.spec.load().burst_at(capacity, self.fleet()));
+            let now = self.clock.now();
+            match self.bucket() {
+                // What a smaller bucket clips is owed to the servers' pool.
+                Some(bucket) => self.owe(r.set(now, capacity, bucket)),
+                None => {
+                    r.set(now, capacity, self.spec.load().burst_at(capacity, self.fleet()));
+                }
+            }
         }
         if let Some(g) = &self.gauge {
             g.set_capacity(gauge_units(capacity));
@@ -358,6 +374,63 @@ impl Limiter {
         }
     }
 
+    /// Records the bucket the servers gave the key's lease and what their
+    /// pool held (`None`: its bucket is its share of the fleet's burst),
+    /// applied with the lease's capacity.
+    pub fn set_bucket(&self, bucket: Option<(f64, f64)>) {
+        let bits = match bucket.filter(|(b, _)| b.is_finite() && *b > 0.0) {
+            Some((b, pooled)) => {
+                let pooled = if pooled.is_finite() { pooled.max(0.0) } else { 0.0 };
+                (u64::from((b.max(1.0) as f32).to_bits()) << 32) | u64::from((pooled as f32).to_bits())
+            }
+            None => 0,
+        };
+        self.bucket.store(bits, Ordering::Relaxed);
+    }
+
+    /// The bucket the servers gave the key's lease, if they did.
+    pub fn bucket(&self) -> Option<f64> {
+        let bits = self.bucket.load(Ordering::Relaxed);
+        (bits != 0).then(|| f64::from(f32::from_bits((bits >> 32) as u32)))
+    }
+
+    /// Units the servers' pool held when they last gave the key a bucket (0:
+    /// no bucket): a request that would wait past its `max_wait` at the
+    /// key's lease may wait for a credit of them (see [`Rate::reserve_ticket`]).
+    pub fn pooled(&self) -> f64 {
+        f64::from(f32::from_bits(self.bucket.load(Ordering::Relaxed) as u32))
+    }
+
+    /// What a shared rate key says of its bucket as a request for its lease
+    /// goes out, for the servers' pooled burst: its reserve, the units it
+    /// gives back, and its backlog. Where the servers gave it a bucket
+    /// ([`Limiter::set_bucket`]), what the bucket holds above the reserve
+    /// is taken out now and given back. The reserve is what it keeps at
+    /// hand: [`RESERVE_SPAN`] of its capacity, or [`RESERVE_REQUESTS`] of
+    /// its mean cost, whichever is more. `None` for a gauge, a key of one
+    /// sidecar alone, and an allotment.
+    pub fn give_back(&self) -> Option<BucketSaid> {
+        let r = self.rate.as_ref().filter(|_| self.spec.load().shared)?;
+        if r.allotment_reset().is_some() {
+            return None;
+        }
+        let now = self.clock.now();
+        let requests = self.demand.requests();
+        let mean = if requests == 0 { 1.0 } else { (self.demand.arrivals() / requests as f64).max(1e-9) };
+        let capacity = r.capacity();
+        let span = if capacity.is_finite() { capacity * RESERVE_SPAN.as_secs_f64() } else { 0.0 };
+        let reserve = span.max(mean * RESERVE_REQUESTS);
+        let mut returned = f64::from(f32::from_bits(self.owed.swap(0, Ordering::Relaxed)));
+        if self.bucket().is_some() {
+            let level = r.available(now);
+            if level.is_finite() && level > reserve {
+                r.charge(now, level - reserve);
+                returned += level - reserve;
+            }
+        }
+        Some(BucketSaid { reserve, returned, backlog: r.backlog(now) })
+    }
+
     /// Records the capacity the servers share for this key's resource.
     pub fn set_fleet(&self, capacity: f64) {
         self.fleet.store(capacity.to_bits(), Ordering::Relaxed);
@@ -370,10 +443,22 @@ impl Limiter {
     }
 
     /// Charges `units` more to a rate key (a settled cost above the one
-    /// charged at admission), or gives them back when negative.
+    /// charged at admission), or gives them back when negative. Where the
+    /// servers gave the key a bucket, what a full bucket has no room for is
+    /// owed to their pool.
     pub fn charge(&self, units: f64) {
         if let Some(r) = &self.rate {
-            r.charge(self.clock.now(), units);
+            self.owe(r.charge(self.clock.now(), units));
+        }
+    }
+
+    /// Owes `units` a bucket from the servers had no room for (clipped by a
+    /// smaller bucket, or given back to a full one) to their pool: given
+    /// back with the key's next request ([`Limiter::give_back`]), not lost.
+    fn owe(&self, units: f64) {
+        if units.is_finite() && units > 0.0 && self.bucket().is_some() {
+            let add = |o: u32| Some((f32::from_bits(o) + units as f32).to_bits());
+            let _ = self.owed.fetch_update(Ordering::Relaxed, Ordering::Relaxed, add);
         }
     }
 
@@ -398,7 +483,7 @@ impl Limiter {
             && units > 0.0
             && r.allotment_reset().is_none()
         {
-            r.charge(self.clock.now(), -units);
+            self.owe(r.charge(self.clock.now(), -units));
         }
     }
 
@@ -440,6 +525,23 @@ impl Limiter {
             _ => 0,
         }
     }
+}
+
+/// Seconds of its capacity a shared rate key keeps at hand when the servers
+/// pool the rest of its burst (see [`Limiter::give_back`]).
+pub const RESERVE_SPAN: Duration = Duration::from_secs(5);
+/// Requests of its mean cost a shared rate key keeps at hand, at least.
+pub const RESERVE_REQUESTS: f64 = 2.0;
+
+/// What a shared rate key says of its bucket with a request (see [`Limiter::give_back`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketSaid {
+    /// Units it keeps at hand.
+    pub reserve: f64,
+    /// Units it took out of its bucket for the servers' pool.
+    pub returned: f64,
+    /// Units of requests waiting now.
+    pub backlog: f64,
 }
 
 /// What an unlimited gauge holds: more than any process can have in flight.
@@ -821,6 +923,22 @@ impl LeaseTable {
         }
     }
 
+    /// Records the bucket the servers gave every key whose id is `id` (see
+    /// [`Limiter::set_bucket`]).
+    pub fn set_bucket(&self, id: &str, bucket: Option<(f64, f64)>) {
+        for r in self.resources.load().values() {
+            if let Some(l) = r.get(id) {
+                l.set_bucket(bucket);
+            }
+        }
+    }
+
+    /// What the first key whose id is `id` says of its bucket as a request
+    /// for its lease goes out (see [`Limiter::give_back`]).
+    pub fn give_back(&self, id: &str) -> Option<BucketSaid> {
+        self.resources.load().values().find_map(|r| r.get(id)).and_then(|l| l.give_back())
+    }
+
     /// Credits every key whose id is `id` with `units` of the servers'
     /// pooled burst (see [`Limiter::credit`]).
     pub fn credit(&self, id: &str, units: f64) {
@@ -916,6 +1034,38 @@ mod tests {
         assert!(t.set_capacity("r", 50.0));
         assert_eq!(t.resource("r").unwrap().spec().burst_at(50.0, None), 50.0);
         assert_eq!(t.resource("r").unwrap().spec().burst_at(0.5, None), 1.5);
+    }
+
+    /// A shared key given a bucket below its share of the burst gives back,
+    /// with its next request, what that bucket clipped, what a settled cost
+    /// gave back beyond it, and what it holds above its reserve; nothing is
+    /// lost, and nothing is given twice.
+    #[test]
+    fn a_smaller_bucket_owes_what_it_clipped_and_gives_back_above_the_reserve() {
+        let (clock, _h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        // 1/s shared by a fleet, a minute's burst: a full bucket of 60 at the whole capacity.
+        t.configure(vec![ResourceSpec { burst: 60.0, shared: true, ..spec("r", Kind::Rate, 1.0) }]);
+        let k = t.resource("r").unwrap().limiter("r");
+        assert!(t.set_capacity("r", 1.0));
+        t.fill("r", true);
+        assert_eq!(k.available(), 60.0);
+        // The servers pool all but 10 of it: 50 are clipped, owed to the pool.
+        t.set_bucket("r", Some((10.0, 40.0)));
+        assert!(t.set_capacity("r", 1.0));
+        assert_eq!(k.available(), 10.0);
+        // Its next request gives back the 50 and what it holds above its
+        // reserve (5 s of 1/s), and keeps the reserve.
+        let b = t.give_back("r").expect("a shared rate key");
+        assert_eq!((b.reserve, b.returned, b.backlog), (5.0, 55.0, 0.0));
+        assert_eq!(k.available(), 5.0);
+        assert_eq!(t.give_back("r").unwrap().returned, 0.0, "given once");
+        // A settled cost gives 8 back to a bucket of 10 holding 5: the 3 it
+        // has no room for are owed too, with the 5 above the reserve.
+        k.charge(-8.0);
+        assert_eq!(k.available(), 10.0);
+        let b = t.give_back("r").unwrap();
+        assert_eq!((b.returned, k.available()), (8.0, 5.0));
     }
 
     #[test]

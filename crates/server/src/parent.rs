@@ -405,6 +405,8 @@ fn client_response(resp: proto::GetServerCapacityResponse) -> proto::GetCapacity
             .response
             .into_iter()
             .map(|r| proto::ResourceResponse {
+                pooled: None,
+                bucket: None,
                 allotment: None,
                 credit: None,
                 resource_capacity: r.resource_capacity,

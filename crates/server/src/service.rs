@@ -10,7 +10,7 @@ use tonic::{Request, Response, Status};
 
 use super::Node;
 use super::calendar::Account;
-use super::store::{Band, Grant, LeaseRequest, PREDECESSOR_PARAMETER, Requester, split_identity};
+use super::store::{Band, BucketReport, Grant, LeaseRequest, PREDECESSOR_PARAMETER, Requester, split_identity};
 use usher_core::clock::Time;
 use usher_proto as proto;
 use usher_proto::capacity_server::Capacity;
@@ -254,6 +254,20 @@ fn check_window(field: &str, w: Option<f64>) -> Result<Option<f64>, Status> {
     }
 }
 
+/// What a client says of its bucket (usher's extensions), each amount
+/// checked as every amount is.
+fn check_bucket(field: &str, r: &proto::ResourceRequest) -> Result<BucketReport, Status> {
+    let amount = |name: &str, v: Option<f64>| match v {
+        Some(v) => check_amount(&format!("{field}.{name}"), v).map(|()| Some(v)),
+        None => Ok(None),
+    };
+    Ok(BucketReport {
+        reserve: amount("reserve", r.reserve)?,
+        returned: amount("returned", r.returned)?.unwrap_or(0.0),
+        backlog: amount("backlog", r.backlog)?.unwrap_or(0.0),
+    })
+}
+
 /// The reported lease's capacity and expiry.
 fn check_has(field: &str, has: &Option<proto::Lease>) -> Result<(Option<f64>, Option<Time>), Status> {
     match has {
@@ -313,6 +327,7 @@ pub fn client_requests(req: &proto::GetCapacityRequest) -> Result<Vec<LeaseReque
                 quota: r.upstream_quota.as_ref().and_then(usher_lease::quota::from_proto),
                 account: check_account(&format!("{f}.unit_account"), &r.unit_account)?,
                 window: check_window(&format!("{f}.window"), r.window)?,
+                bucket: check_bucket(&f, r)?,
             })
         })
         .collect()
@@ -357,6 +372,7 @@ pub fn server_requests(req: &proto::GetServerCapacityRequest) -> Result<Vec<Leas
                 quota: r.upstream_quota.as_ref().and_then(usher_lease::quota::from_proto),
                 account: None,
                 window: None,
+                bucket: Default::default(),
             })
         })
         .collect()
@@ -408,6 +424,8 @@ impl Capacity for CapacityService {
                         share_safe: g.share_safe.then_some(true),
                         fresh: g.fresh.then_some(true),
                         credit: (g.credit > 0.0).then_some(g.credit),
+                        bucket: (g.bucket > 0.0).then_some(g.bucket),
+                        pooled: (g.bucket > 0.0).then_some(g.pooled),
                         upstream_quota: g.quota.as_ref().map(usher_lease::quota::to_proto),
                         resource_id: a.resource_id.clone(),
                         gets: wire_lease(&g),

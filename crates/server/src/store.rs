@@ -74,6 +74,30 @@ pub struct LeaseRequest {
     /// extension; finite, > 0): the root pools the burst of the capacity
     /// nobody holds by it (see `pool`).
     pub window: Option<f64>,
+    /// What the client says of its bucket (usher's extensions).
+    pub bucket: BucketReport,
+}
+
+/// A client's bucket below its share of the burst (see `pool`), as its lease keeps it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Bucket {
+    /// Units (0: no such bucket).
+    size: f32,
+    /// Its share of the burst minus `size`, counted in the pool's size.
+    saving: f32,
+}
+
+/// What an usher client says of its bucket with a request, for the pooled
+/// burst (see `pool`): every amount finite and >= 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BucketReport {
+    /// Units it keeps at hand when it asks; `None`: it gives nothing back,
+    /// and its bucket is its lease's share of the burst.
+    pub reserve: Option<f64>,
+    /// Units it took out of its bucket for the pool as it asked.
+    pub returned: f64,
+    /// Units of requests waiting at it now.
+    pub backlog: f64,
 }
 
 /// The separator between a node's identity and its master's epoch in the
@@ -162,8 +186,14 @@ pub struct Grant {
     /// until the unit's reset (`capacity` is the same as a rate).
     pub allotment: Option<f64>,
     /// Units of the pooled burst moved into the client's bucket, for a lease
-    /// that grew out of free capacity (see `pool`); 0 for most answers.
+    /// that grew out of free capacity or a backlog reported (see `pool`); 0
+    /// for most answers.
     pub credit: f64,
+    /// The most the client's bucket may hold until its next request, below
+    /// its lease's share of the burst (see `pool`); 0: no such limit.
+    pub bucket: f64,
+    /// With a bucket: units the pool holds once this answer is given.
+    pub pooled: f64,
 }
 
 /// The algorithm parameter that says what a resource does with capacity
@@ -416,6 +446,10 @@ struct ClientLease {
     /// An answer told the client it was fresh (see [`Grant::fresh`]): its
     /// bucket was filled once, and never is again.
     filled: bool,
+    /// The bucket the last answer gave it ([`Grant::bucket`]; 0: none).
+    bucket: f32,
+    /// Its share of the burst minus that bucket, counted in the pool's size.
+    saving: f32,
 }
 
 /// The part of a lease only a lower usher node's master has.
@@ -1424,6 +1458,9 @@ impl Resource {
 
     fn remove(&mut self, client: &str) {
         if let Some(l) = self.clients.remove(client) {
+            if let Some(p) = self.pool.as_mut().filter(|_| l.saving > 0.0) {
+                p.save(f64::from(l.saving), 0.0);
+            }
             self.forget_in_unit(client, &l);
             self.untell(&l);
             self.expiries.remove(&(l.expiry, l.slot));
@@ -1575,6 +1612,8 @@ impl Resource {
             fresh: false,
             allotment: None,
             credit: 0.0,
+            bucket: f64::from(l.bucket),
+            pooled: 0.0,
             capacity: l.granted,
             expiry: l.expiry,
             refresh_interval: l.refresh_interval,
@@ -1630,6 +1669,8 @@ impl Resource {
                 safe,
                 spare: 0.0,
                 filled: false,
+                bucket: 0.0,
+                saving: 0.0,
             },
         );
         // While its reservation lasts, it may run on that and no more.
@@ -1645,6 +1686,8 @@ impl Resource {
             fresh: false,
             allotment: None,
             credit: 0.0,
+            bucket: 0.0,
+            pooled: 0.0,
             capacity: 0.0,
             expiry: now,
             refresh_interval: Duration::from_secs(1),
@@ -1733,7 +1776,12 @@ impl Resource {
         let lapsed = !d.learning && capacity.is_none() && self.clients.contains_key(client);
         if too_early || lapsed {
             self.record_demand(&ask);
-            return self.unchanged(client, now, capacity, ask.alg);
+            // What it gave back and its backlog count all the same.
+            let l = self.clients.get(client).expect("checked above");
+            let (granted, refresh, old) = (l.granted, l.refresh_interval, (l.bucket, l.saving));
+            let (credit, b) = self.draw_pool(&ask, granted, 0.0, false, refresh, old);
+            self.set_bucket(client, b);
+            return Grant { credit, pooled: self.pooled(b), ..self.unchanged(client, now, capacity, ask.alg) };
         }
         self.renew(ask, inherited)
     }
@@ -1796,6 +1844,8 @@ impl Resource {
             fresh: false,
             allotment: None,
             credit: 0.0,
+            bucket: 0.0,
+            pooled: 0.0,
             capacity: 0.0,
             expiry: now,
             refresh_interval: alg.refresh_interval,
@@ -1832,6 +1882,7 @@ impl Resource {
             Some(l) => !l.filled,
             None => !a.known,
         };
+        let old = self.clients.get(a.client).map_or((0.0, 0.0), |l| (l.bucket, l.saving));
         let prior = self.refile(&a, inherited);
         self.open_pool(&a);
         let (earned, held_back) = self.grant(&a, &prior);
@@ -1872,14 +1923,19 @@ impl Resource {
             },
             spare,
             filled,
+            bucket: 0.0,
+            saving: 0.0,
         };
         self.index.upsert(prior.slot, req.wants, req.subclients, has);
         self.file_bands(prior.slot, a.bands.iter().copied(), has);
         self.expiries.insert((expiry, prior.slot));
         self.clients.insert(a.client, lease);
-        let credit = self.draw_pool(&a, granted - prior.has, fresh);
+        let (credit, b) = self.draw_pool(&a, granted, granted - prior.has, fresh, refresh, old);
+        self.set_bucket(a.client, b);
         Grant {
             credit,
+            bucket: f64::from(b.size),
+            pooled: self.pooled(b),
             quota: self.quota_view(now),
             // (What the root shares: an intermediate passes on its parent's.)
             resource_capacity: match a.role {
@@ -1923,20 +1979,63 @@ impl Resource {
         }
     }
 
-    /// Moves the pooled burst of a client's lease growth (`grown` units of
-    /// rate) into its bucket, and settles the pool at the new leases.
-    /// Returns the credit: 0 for a client that reported no window (a
-    /// Doorman client), a lower server, in learning mode (which hands back
-    /// what clients hold), and for a `fresh` lease, whose
-    /// bucket starts full anyway (its burst still leaves the pool).
-    fn draw_pool(&mut self, a: &Ask<'_>, grown: f64, fresh: bool) -> f64 {
-        let Some(p) = &mut self.pool else { return 0.0 };
-        let credit = match a.req.requester {
-            Requester::Client { .. } if a.req.window.is_some() && !a.d.learning => p.credit(grown),
-            _ => 0.0,
-        };
+    /// The pool's part of an answer to a client granted `granted`, its
+    /// lease grown by `grown`, to be refreshed in `refresh`; `old`: the
+    /// bucket and saving its last answer gave it. Takes what it gave back
+    /// (no more than its share of the burst then), moves the burst of its growth or its
+    /// backlog into its bucket, sizes its bucket if it keeps a reserve while
+    /// another client shares the resource, and settles the pool at the new
+    /// leases. Returns the credit and the bucket (0: none). No credit and no
+    /// bucket for a client that reported no window (a Doorman client), a
+    /// lower server, or in learning mode (which hands back what clients
+    /// hold); no credit for a `fresh` lease, whose bucket starts full anyway
+    /// (its burst still leaves the pool).
+    fn draw_pool(
+        &mut self,
+        a: &Ask<'_>,
+        granted: f64,
+        grown: f64,
+        fresh: bool,
+        refresh: Duration,
+        old: (f32, f32),
+    ) -> (f64, Bucket) {
+        let shared = self.clients.len() > 1;
+        let Some(p) = &mut self.pool else { return (0.0, Bucket::default()) };
+        let (mut credit, mut bucket, mut saving) = (0.0, 0.0, 0.0);
+        let report = a.req.bucket;
+        if matches!(a.req.requester, Requester::Client { .. }) && a.req.window.is_some() && !a.d.learning {
+            // No more than its last answer's share of the burst: its bucket,
+            // and what that bucket clipped when it first came.
+            p.give(report.returned.min(f64::from(old.0) + f64::from(old.1)));
+            credit = p.credit_for(grown, report.backlog);
+            if let Some(reserve) = report.reserve.filter(|_| shared && !fresh) {
+                let share = granted * p.window();
+                let b = (reserve + granted * refresh.as_secs_f64() + credit).min(share);
+                if share - b > 1e-6 {
+                    (bucket, saving) = (b, share - b);
+                }
+            }
+        }
+        // Kept as the lease keeps it, so the pool's sum takes back what it added.
+        let b = Bucket { size: bucket as f32, saving: saving as f32 };
+        p.save(f64::from(old.1), f64::from(b.saving));
         self.settle_pool(a.capacity);
-        if fresh { 0.0 } else { credit }
+        (if fresh { 0.0 } else { credit }, b)
+    }
+
+    /// What the pool holds, told to a client given bucket `b`.
+    fn pooled(&self, b: Bucket) -> f64 {
+        match (&self.pool, b.size > 0.0) {
+            (Some(p), true) => p.level(),
+            _ => 0.0,
+        }
+    }
+
+    /// Keeps the bucket an answer gives the client.
+    fn set_bucket(&mut self, client: &str, b: Bucket) {
+        if let Some(l) = self.clients.get_mut(client) {
+            (l.bucket, l.saving) = (b.size, b.saving);
+        }
     }
 
     /// Refills the pool up to `now` at the free rate of the leases as they

@@ -884,6 +884,8 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
     assert_eq!(request.resource.len(), 2);
     let now = w.clock.now();
     let lease = |id: &str, expires_in: u64| proto::ResourceResponse {
+        pooled: None,
+        bucket: None,
         allotment: None,
         credit: None,
         resource_capacity: None,
@@ -926,6 +928,8 @@ fn a_lease_that_runs_out_early_brings_forward_its_own_key_only() {
         let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
         let now = w.clock.now();
         let lease = |id: &str, interval: i64| proto::ResourceResponse {
+            pooled: None,
+            bucket: None,
             allotment: None,
             credit: None,
             resource_capacity: None,
@@ -978,6 +982,8 @@ fn a_malformed_or_repeated_lease_in_an_answer_is_refused_for_its_key() {
     let Action::Refresh { target, .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64, safe: Option<f64>| proto::ResourceResponse {
+        pooled: None,
+        bucket: None,
         allotment: None,
         credit: None,
         resource_capacity: None,
@@ -1099,6 +1105,8 @@ fn a_lease_below_its_safe_capacity_is_held_a_refresh_interval_longer() {
     let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64| proto::ResourceResponse {
+        pooled: None,
+        bucket: None,
         allotment: None,
         credit: None,
         resource_capacity: None,
@@ -1156,6 +1164,8 @@ fn a_lapsed_lease_is_held_a_refresh_interval_at_no_more_than_its_safe_capacity()
     let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
     let now = w.clock.now();
     let lease = |id: &str, capacity: f64| proto::ResourceResponse {
+        pooled: None,
+        bucket: None,
         allotment: None,
         credit: None,
         resource_capacity: None,
@@ -1299,4 +1309,57 @@ fn a_calendar_key_reports_its_account_and_asks_just_after_each_reset() {
     assert_eq!(next.mark, Some(*mark), "with the mark of the account it answers");
     assert!(next.units > 100.0, "the new unit whole: {next:?}");
     assert!(c.next_renewal() <= reset.saturating_add(Duration::from_secs(61)));
+}
+
+/// A key with requests waiting asks again a [`POOL_ASK`] after its last
+/// request while the server's last answer said its pool holds units (the
+/// pooled burst is a round trip away); once an answer says the pool is
+/// empty, it waits its minimum interval again.
+#[test]
+fn a_key_with_requests_waiting_asks_again_soon_while_the_pool_holds_units() {
+    let w = World::new(&["s1"]);
+    for (pooled, soonest) in
+        [(Some(50.0), POOL_ASK), (None, Duration::from_secs(1)), (Some(0.0), Duration::from_secs(1))]
+    {
+        let mut c = w.core("a", &["s1"]);
+        c.set_demand(vec![demand("r", 5.0, OnExpiry::Safe)]);
+        w.step(&mut c);
+        w.advance(c.next_refresh().since(w.clock.now()));
+        let Action::Refresh { .. } = c.next_action(w.clock.now()) else { panic!("a refresh was due") };
+        let now = w.clock.now();
+        let lease = proto::ResourceResponse {
+            pooled,
+            bucket: Some(10.0),
+            allotment: None,
+            credit: None,
+            resource_capacity: Some(100.0),
+            spare: None,
+            share_safe: None,
+            fresh: None,
+            upstream_quota: None,
+            resource_id: "r".into(),
+            gets: proto::Lease {
+                capacity: 5.0,
+                expiry_time: now.saturating_add(Duration::from_secs(30)).as_secs(),
+                refresh_interval: 12,
+            },
+            safe_capacity: None,
+            template: None,
+        };
+        c.on_refresh(now, Ok(proto::GetCapacityResponse { response: vec![lease], mastership: None }));
+        // Requests wait: the key's demand rises above its lease.
+        w.advance(Duration::from_millis(10));
+        c.set_demand(vec![KeyDemand { pressure: true, ..demand("r", 20.0, OnExpiry::Safe) }]);
+        let at = w.clock.now();
+        match c.next_action(at) {
+            Action::Wait { until } => {
+                assert_eq!(
+                    until.since(now),
+                    soonest,
+                    "with {pooled:?} in the pool the key asks {soonest:?} after its last request"
+                )
+            }
+            other => panic!("asked at once, within the minimum interval: {other:?}"),
+        }
+    }
 }

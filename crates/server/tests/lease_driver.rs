@@ -258,6 +258,8 @@ impl Transport for Steady {
             .resource
             .into_iter()
             .map(|r| proto::ResourceResponse {
+                pooled: None,
+                bucket: None,
                 allotment: None,
                 credit: None,
                 resource_capacity: None,

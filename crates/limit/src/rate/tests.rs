@@ -89,7 +89,7 @@ fn an_increase_brings_waiting_requests_forward_and_a_decrease_moves_nobody() {
     // 1/s, burst 1: the first passes at once, the next four wait 1, 2, 3 and 4 s.
     let r = Rate::new(1.0, 1.0, at(0));
     let mut tickets: Vec<Ticket> = (0..5)
-        .map(|_| match r.reserve_ticket(at(0), 1.0, Duration::from_secs(10)) {
+        .map(|_| match r.reserve_ticket(at(0), 1.0, Duration::from_secs(10), 0.0) {
             (Reservation::Slot { .. }, t) => t,
             other => panic!("{other:?}"),
         })
@@ -101,7 +101,7 @@ fn an_increase_brings_waiting_requests_forward_and_a_decrease_moves_nobody() {
     // in queue order, and a new request queues behind them.
     r.set(at(500), 4.0, 1.0);
     assert_eq!(waits(&r, &mut tickets, at(500)), vec![0, 125, 375, 625, 875]);
-    let (next, mut t) = r.reserve_ticket(at(500), 1.0, Duration::from_secs(10));
+    let (next, mut t) = r.reserve_ticket(at(500), 1.0, Duration::from_secs(10), 0.0);
     assert!(matches!(next, Reservation::Slot { .. }));
     assert_eq!(r.retime(&mut t, at(500)).as_millis(), 875 + 250);
     // A decrease keeps every slot given.
@@ -110,6 +110,39 @@ fn an_increase_brings_waiting_requests_forward_and_a_decrease_moves_nobody() {
     // Unlimited: everyone waiting passes now.
     r.set(at(700), f64::INFINITY, 1.0);
     assert_eq!(waits(&r, &mut tickets, at(700)), vec![0, 0, 0, 0, 0]);
+}
+
+/// A request whose slot is past its `max_wait` is queued when a credit of
+/// `ahead` units would bring it within, if its slot is within twice
+/// `max_wait`; the credit, once given, brings it forward.
+#[test]
+fn a_request_past_max_wait_queues_on_a_credit_ahead_within_twice_max_wait() {
+    // 1/s, burst 1, max_wait 3 s: the first passes, the next three wait 1 to 3 s.
+    let r = Rate::new(1.0, 1.0, at(0));
+    let max_wait = Duration::from_secs(3);
+    for _ in 0..4 {
+        assert!(matches!(r.reserve_ticket(at(0), 1.0, max_wait, 0.0).0, Reservation::Slot { .. }));
+    }
+    // The fifth (4 s) is too late at the lease, and with too small a credit ahead.
+    assert!(matches!(r.reserve_ticket(at(0), 1.0, max_wait, 0.0).0, Reservation::TooLate { .. }));
+    assert!(matches!(r.reserve_ticket(at(0), 1.0, max_wait, 0.5).0, Reservation::TooLate { .. }));
+    // With 3 units ahead it queues, and so do the next two (5 and 6 s: twice max_wait)...
+    let mut tickets = Vec::new();
+    for wait in [4, 5, 6] {
+        match r.reserve_ticket(at(0), 1.0, max_wait, 3.0) {
+            (Reservation::Slot { wait: w, .. }, t) => {
+                assert_eq!(w, Duration::from_secs(wait));
+                tickets.push(t);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // ...but not one whose slot is past twice max_wait, whatever is ahead.
+    assert!(matches!(r.reserve_ticket(at(0), 1.0, max_wait, 100.0).0, Reservation::TooLate { .. }));
+    // The credit comes: every queued slot comes 3 s sooner.
+    r.charge(at(100), -3.0);
+    let waits: Vec<u128> = tickets.iter_mut().map(|t| r.retime(t, at(100)).as_millis()).collect();
+    assert_eq!(waits, vec![900, 1900, 2900]);
 }
 
 #[test]
@@ -344,7 +377,7 @@ fn a_request_costing_more_than_the_burst_passes_alone_from_an_idle_bucket() {
 fn a_settled_cost_moves_the_requests_waiting() {
     let r = Rate::new(1.0, 1.0, at(0));
     let mut tickets: Vec<Ticket> = (0..4)
-        .map(|_| match r.reserve_ticket(at(0), 1.0, Duration::from_millis(3000)) {
+        .map(|_| match r.reserve_ticket(at(0), 1.0, Duration::from_millis(3000), 0.0) {
             (Reservation::Slot { .. }, t) => t,
             other => panic!("{other:?}"),
         })

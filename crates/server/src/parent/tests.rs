@@ -33,6 +33,7 @@ async fn an_intermediate_leases_more_resources_than_one_call_takes_in_several() 
     let mid = node("mid", &clock, Role::Intermediate { decay_factor: 0.5 });
     for i in 0..n {
         let req = LeaseRequest {
+            bucket: Default::default(),
             resource_id: format!("t/{i}"),
             wants: 1.0,
             subclients: 1,

@@ -17,6 +17,19 @@
 //!
 //! The window is the smallest any client reported (usher's `window`
 //! extension); a resource no client reported one for has no pool.
+//!
+//! A client that reports a **reserve** (units it keeps at hand) while
+//! another client shares the resource is given a **bucket** smaller than its
+//! share of the burst: its reserve, plus what its lease refills until its
+//! next request, plus any credit it just got. What it holds above its
+//! reserve when it next asks it gives back, and that goes into the pool. The
+//! difference between its share of the burst and its bucket (its
+//! **saving**) is pooled too: the pool's size is `free × W` plus every
+//! client's saving. The buckets are enforced by their clients, so the
+//! buckets and the pool still never hold more than the fleet's burst. With
+//! most of the burst pooled, a client whose bucket runs dry asks, reports
+//! its **backlog** (units waiting), and is credited up to that much at once,
+//! its lease grown or not: the burst is usable where the next call lands.
 
 use usher_core::clock::Time;
 
@@ -33,6 +46,9 @@ pub(crate) struct Pool {
     window: f64,
     /// The capacity shared when the pool last heard it.
     capacity: f64,
+    /// The burst the clients given a bucket do not hold: each one's share
+    /// (`lease × W`) minus its bucket, summed.
+    saving: f64,
 }
 
 impl Pool {
@@ -40,16 +56,34 @@ impl Pool {
     /// full when `full` (nobody holds any of the burst yet), else empty.
     pub(crate) fn new(now: Time, window: f64, capacity: f64, free: f64, full: bool) -> Self {
         let free = free.max(0.0);
-        Pool { level: if full { free * window } else { 0.0 }, at: now, free, window, capacity }
+        Pool { level: if full { free * window } else { 0.0 }, at: now, free, window, capacity, saving: 0.0 }
     }
 
-    /// The most the pool holds at its current free rate.
+    /// The most the pool holds: the burst of its free rate and the clients' savings.
     pub(crate) fn size(&self) -> f64 {
-        self.free * self.window
+        self.free * self.window + self.saving
+    }
+
+    /// Seconds of burst per unit of rate.
+    pub(crate) fn window(&self) -> f64 {
+        self.window
+    }
+
+    /// A client's saving (see the module docs) changed from `old` to `new`.
+    /// The level is capped at the size by the next [`Pool::settle`].
+    pub(crate) fn save(&mut self, old: f64, new: f64) {
+        self.saving = (self.saving - old + new).max(0.0);
+    }
+
+    /// Takes `units` a client gave back out of its bucket. Capped at the
+    /// size by the next [`Pool::settle`], once the leases are settled.
+    pub(crate) fn give(&mut self, units: f64) {
+        if units.is_finite() && units > 0.0 {
+            self.level += units;
+        }
     }
 
     /// Tokens held now (as of the last [`Pool::advance`]).
-    #[cfg(test)]
     pub(crate) fn level(&self) -> f64 {
         self.level
     }
@@ -79,11 +113,18 @@ impl Pool {
 
     /// Moves the burst of `grown` units of rate out of the pool: at most
     /// `grown × window`, at most what it holds. Returns what moved.
+    #[cfg(test)]
     pub(crate) fn credit(&mut self, grown: f64) -> f64 {
-        if grown.is_nan() || grown <= 0.0 {
-            return 0.0;
-        }
-        let c = (grown * self.window).min(self.level).max(0.0);
+        self.credit_for(grown, 0.0)
+    }
+
+    /// Moves out of the pool the burst of `grown` units of rate or a
+    /// `backlog` of units waiting, whichever is more, at most what it holds.
+    /// Returns what moved.
+    pub(crate) fn credit_for(&mut self, grown: f64, backlog: f64) -> f64 {
+        let grown = if grown.is_nan() { 0.0 } else { grown.max(0.0) * self.window };
+        let backlog = if backlog.is_finite() { backlog.max(0.0) } else { 0.0 };
+        let c = grown.max(backlog).min(self.level).max(0.0);
         self.level -= c;
         c
     }

@@ -44,6 +44,7 @@ fn store(
 
 fn req(resource: &str, wants: f64, has: Option<f64>) -> LeaseRequest {
     LeaseRequest {
+        bucket: Default::default(),
         resource_id: resource.into(),
         wants,
         subclients: 1,
@@ -906,6 +907,180 @@ proptest! {
                 leases[i] = g.capacity;
                 buckets[i] = (buckets[i].min(g.capacity * w) + g.credit).min(g.capacity * w);
             }
+            for b in &mut buckets {
+                spent += *b * spend;
+                *b *= 1.0 - spend;
+            }
+            prop_assert!(spent <= cap * t + cap * w + 1e-6, "spent {spent} in {t} s");
+        }
+    }
+}
+
+/// A client that keeps a reserve is given a bucket below its share of the
+/// burst once another client shares the resource, the rest of its share
+/// counted in the pool; what it gives back goes into the pool, and a backlog
+/// it reports is credited at once, its lease grown or not. A Doorman client
+/// (no window) gets neither, and a lone client keeps its whole share.
+#[test]
+fn a_reserve_pools_the_rest_of_a_share_and_a_backlog_is_credited() {
+    let (clock, time) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![sharing(Kind::FairShare, 100.0, 10, 5, 0)] };
+    let s = Store::new(clock, cfg, Duration::ZERO);
+    let w = 60.0;
+    let reserving = |wants: f64, returned: f64, backlog: f64| LeaseRequest {
+        bucket: BucketReport { reserve: Some(2.0), returned, backlog },
+        ..windowed(wants, w)
+    };
+    let alone = s.get_capacity("a", &reserving(10.0, 0.0, 0.0));
+    assert_eq!(alone.bucket, 0.0, "a lone client keeps its whole share: {alone:?}");
+    s.get_capacity("b", &reserving(10.0, 0.0, 0.0));
+    time.advance(ARRIVALS + Duration::from_secs(1));
+    let a = s.get_capacity("a", &reserving(10.0, 0.0, 0.0));
+    // Its reserve, and what its lease refills until its next request.
+    let refill = a.capacity * a.refresh_interval.as_secs_f64();
+    assert!(a.bucket > 0.0 && (a.bucket - (2.0 + refill + a.credit)).abs() < 1e-3, "{a:?}");
+    assert!(a.bucket < a.capacity * w, "{a:?}");
+    // What it gives back and its backlog: the backlog is credited though its lease stays.
+    time.advance(Duration::from_secs(2));
+    s.get_capacity("b", &reserving(10.0, 0.0, 0.0));
+    let before = s.get_capacity("a", &reserving(10.0, a.bucket, 0.0));
+    time.advance(Duration::from_secs(2));
+    let after = s.get_capacity("a", &reserving(10.0, 0.0, 25.0));
+    assert!((after.capacity - before.capacity).abs() < 1e-9, "{before:?} {after:?}");
+    assert!((after.credit - 25.0).abs() < 1e-6, "the backlog is credited: {after:?}");
+    assert!(after.pooled > 0.0, "{after:?}");
+    // Its bucket holds the credit beside its reserve.
+    assert!(after.bucket >= 25.0 + 2.0 - 1e-3, "{after:?}");
+    // A Doorman client: no bucket and no credit, whatever it sends.
+    let d = s.get_capacity(
+        "d",
+        &LeaseRequest {
+            bucket: BucketReport { reserve: Some(2.0), returned: 0.0, backlog: 50.0 },
+            ..req("r", 10.0, None)
+        },
+    );
+    assert_eq!((d.bucket, d.credit), (0.0, 0.0), "{d:?}");
+}
+
+/// What the pool of resource `id` holds now.
+fn pool_level(s: &Store, id: &str) -> f64 {
+    let map = s.resources.read().unwrap();
+    map.get(id).and_then(|r| r.lock().unwrap().pool.as_ref().map(|p| p.level())).unwrap_or(0.0)
+}
+
+/// Three idle clients that ask every 3 s give back what their buckets
+/// refill above their reserves, for minutes: the pool fills up to the burst
+/// their buckets do not hold, never beyond.
+#[test]
+fn idle_clients_fill_the_pool_up_to_the_burst_and_no_more() {
+    let (cap, w, reserve) = (100.0, 60.0, 30.0);
+    let (clock, time) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![sharing(Kind::FairShare, cap, 10, 5, 0)] };
+    let s = Store::new(clock, cfg, Duration::ZERO);
+    let ask = |returned: f64| LeaseRequest {
+        bucket: BucketReport { reserve: Some(reserve), returned, backlog: 0.0 },
+        ..windowed(20.0, w)
+    };
+    let clients = ["a", "b", "c"];
+    let (mut sizes, mut buckets, mut leases, mut owed) = ([0.0; 3], [0.0; 3], [0.0; 3], [0.0f64; 3]);
+    for round in 0..200 {
+        for (i, c) in clients.into_iter().enumerate() {
+            let limited = sizes[i] > 0.0 && sizes[i] < leases[i] * w - 1e-9;
+            let above = if limited { (buckets[i] - reserve).max(0.0) } else { 0.0 };
+            buckets[i] -= above;
+            let returned = above + std::mem::take(&mut owed[i]);
+            let g = s.get_capacity(c, &ask(returned));
+            leases[i] = g.capacity;
+            sizes[i] = if g.bucket > 0.0 { g.bucket } else { g.capacity * w };
+            // What a bucket from the server clips is owed, and given back with the next request.
+            if g.bucket > 0.0 {
+                owed[i] += (buckets[i] - sizes[i]).max(0.0);
+            }
+            buckets[i] = if g.fresh { sizes[i] } else { (buckets[i].min(sizes[i]) + g.credit).min(sizes[i]) };
+        }
+        let pooled = pool_level(&s, "r");
+        let held = buckets.iter().sum::<f64>() + pooled + owed.iter().sum::<f64>();
+        assert!(held <= cap * w + 1e-6, "round {round}: {buckets:?}, {owed:?} owed and {pooled} in the pool");
+        time.advance(Duration::from_secs(3));
+        for i in 0..3 {
+            buckets[i] = (buckets[i] + leases[i] * 3.0).min(sizes[i]);
+        }
+    }
+    let pooled = pool_level(&s, "r");
+    // Most of the burst is pooled by then.
+    assert!(pooled > 0.8 * cap * w, "{pooled} of {} pooled; buckets {buckets:?}", cap * w);
+}
+
+proptest! {
+    /// Three clients keep reserves and give back what their buckets hold
+    /// above them at each request, with backlogs of any size; each bucket
+    /// refills at its lease, up to the bucket its last answer gave it (or
+    /// its share of the burst), and takes its credits up to that size. Over
+    /// the run they spend no more than `capacity × T + burst`, whatever they
+    /// spend when.
+    #[test]
+    fn given_back_buckets_keep_the_fleet_bound(
+        steps in proptest::collection::vec(
+            (
+                0u64..6_000,
+                [0.0f64..120.0, 0.0f64..120.0, 0.0f64..120.0],
+                [0.0f64..3_000.0, 0.0f64..3_000.0, 0.0f64..3_000.0],
+                // Long idle spells, then everything at once, as well as anything between.
+                prop_oneof![Just(0.0), Just(0.0), Just(1.0), 0.0f64..1.0],
+            ),
+            1..120,
+        ),
+    ) {
+        let (cap, w) = (100.0, 60.0);
+        let (clock, time) = Clock::manual(Time::from_secs(1_000_000));
+        let cfg = ResourcesConfig { templates: vec![sharing(Kind::FairShare, cap, 10, 5, 0)] };
+        let s = Store::new(clock, cfg, Duration::ZERO);
+        let clients = ["a", "b", "c"];
+        let reserve = 30.0;
+        let ask = |wants: f64, returned: f64, backlog: f64| LeaseRequest {
+            bucket: BucketReport { reserve: Some(reserve), returned, backlog },
+            ..windowed(wants, w)
+        };
+        for c in clients {
+            s.get_capacity(c, &ask(5.0, 0.0, 0.0));
+        }
+        time.advance(ARRIVALS + Duration::from_secs(1));
+        // Every bucket starts full; the pool holds at most the rest of the burst.
+        let mut leases = [0.0; 3];
+        let mut sizes = [0.0; 3];
+        for (i, c) in clients.into_iter().enumerate() {
+            let g = s.get_capacity(c, &ask(5.0, 0.0, 0.0));
+            leases[i] = g.capacity;
+            sizes[i] = if g.bucket > 0.0 { g.bucket } else { g.capacity * w };
+        }
+        let mut buckets = sizes;
+        let mut owed = [0.0f64; 3];
+        let (mut t, mut spent) = (0.0, 0.0);
+        for (ms, wants, backlogs, spend) in steps {
+            time.advance(Duration::from_millis(ms));
+            let dt = ms as f64 / 1000.0;
+            t += dt;
+            for i in 0..3 {
+                buckets[i] = (buckets[i] + leases[i] * dt).min(sizes[i]);
+            }
+            for (i, c) in clients.into_iter().enumerate() {
+                let limited = sizes[i] < leases[i] * w - 1e-9;
+                let above = if limited { (buckets[i] - reserve).max(0.0) } else { 0.0 };
+                buckets[i] -= above;
+                let returned = above + std::mem::take(&mut owed[i]);
+                let g = s.get_capacity(c, &ask(wants[i], returned, backlogs[i]));
+                leases[i] = g.capacity;
+                sizes[i] = if g.bucket > 0.0 { g.bucket } else { g.capacity * w };
+                // What a bucket from the server clips is owed, and given back with the next request.
+                if g.bucket > 0.0 {
+                    owed[i] += (buckets[i] - sizes[i]).max(0.0);
+                }
+                buckets[i] = (buckets[i].min(sizes[i]) + g.credit).min(sizes[i]);
+            }
+            let pooled = pool_level(&s, "r");
+            // The buckets, what they owe and the pool never hold more than the burst.
+            let held = buckets.iter().sum::<f64>() + pooled + owed.iter().sum::<f64>();
+            prop_assert!(held <= cap * w + 1e-6, "{buckets:?}, {owed:?} owed and {pooled} in the pool");
             for b in &mut buckets {
                 spent += *b * spend;
                 *b *= 1.0 - spend;

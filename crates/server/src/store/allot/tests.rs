@@ -40,6 +40,7 @@ fn at(s: f64) -> Time {
 /// A request wanting `wants` per second, with an account if it has one.
 fn ask(wants: f64, account: Option<(f64, f64, f64)>) -> LeaseRequest {
     LeaseRequest {
+        bucket: Default::default(),
         resource_id: "cal".into(),
         wants,
         subclients: 1,
