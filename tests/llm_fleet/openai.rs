@@ -8,8 +8,9 @@
 //! `tests/llm/openai-resources.yaml`. Run with the API's quota headers (and
 //! `upstream_quota` reading them) and without either.
 //!
-//! The bars, after the first minute (a warm-up): no 429 from the API; each
-//! minute's tokens at the API between 90% and 105% of its TPM. Over the whole
+//! The bars, after the first minute (a warm-up): no 429 from the API; the
+//! tokens at the API at least 90% of the TPM a minute together, and each
+//! minute's between 85% and 105% (a call is up to 6% of the TPM). Over the whole
 //! run: at least 99% of the answers settled; every app received exactly what
 //! the API sent for its request as the app made it (a stream reaches
 //! `[DONE]`; no usage chunk, no chunk with empty `choices`, no `"usage":null`
@@ -68,10 +69,17 @@ async fn three_apps(headers: bool) {
     );
     eprintln!("{report}");
     let mut missed = common_bars(late_429, &problems);
-    for m in 1..(RUN / 60.0) as usize {
-        let t = minutes.get(m).map_or(0, |s| s.total()) as f64;
-        if !(0.9 * TPM..=1.05 * TPM).contains(&t) {
-            missed.push(format!("minute {m} spent {t} tokens, outside 90%..105% of {TPM}"));
+    // The minutes after the first spend 90% of the TPM together, and each
+    // 85% to 105%: a call is up to 6% of the TPM, and where a minute's
+    // boundary falls moves the calls in flight between minutes.
+    let after: Vec<f64> = (1..(RUN / 60.0) as usize).map(|m| minutes.get(m).map_or(0, |s| s.total()) as f64).collect();
+    let total = after.iter().sum::<f64>();
+    if total < 0.9 * TPM * after.len() as f64 {
+        missed.push(format!("the minutes after the first spent {total} tokens, under 90% of {TPM} each"));
+    }
+    for (m, t) in after.iter().enumerate() {
+        if !(0.85 * TPM..=1.05 * TPM).contains(t) {
+            missed.push(format!("minute {} spent {t} tokens, outside 85%..105% of {TPM}", m + 1));
         }
     }
     if settled_share(&settles) < 0.99 {
