@@ -1294,9 +1294,18 @@ impl Core {
     /// a new key or one away from its lease asks early, or when a key's own
     /// refresh comes (returned too). Only every key's counts unless `asking`.
     fn refresh_due(&self, now: Time, asking: bool) -> (Time, Option<Time>) {
-        // A key that draws on the server's pool asks after POOL_ASK (looked
-        // for only while some key is away from its lease).
-        let drawing = self.away > 0 && asking && self.keys.values().any(|k| k.draws());
+        // One pass over the keys away from their lease (only while some
+        // are): the soonest one asks again, and whether one draws on the
+        // server's pool (it asks after POOL_ASK, not the minimum interval).
+        let (mut drawing, mut soonest) = (false, None::<Duration>);
+        if self.away > 0 && asking {
+            for k in self.keys.values().filter(|k| k.away) {
+                let draws = k.draws();
+                drawing |= draws;
+                let wait = if draws { POOL_ASK } else { k.early_wait };
+                soonest = Some(soonest.map_or(wait, |s| s.min(wait)));
+            }
+        }
         let min = if drawing { POOL_ASK.min(self.cfg.min_interval) } else { self.cfg.min_interval };
         let earliest_allowed = self.last_request.map_or(now, |t| t.saturating_add(min));
         let mut due =
@@ -1304,11 +1313,8 @@ impl Core {
         debug_assert_eq!(self.away, self.keys.values().filter(|k| k.away).count(), "keys away");
         debug_assert_eq!(self.dues.len(), self.keys.values().filter(|k| k.due.is_some()).count(), "own refreshes");
         debug_assert!(self.dues.iter().all(|(t, id)| self.keys.get(id).is_some_and(|k| k.due == Some(*t))));
-        if let Some(last) = self.last_request.filter(|_| self.away > 0 && asking) {
-            for k in self.keys.values().filter(|k| k.away) {
-                let wait = if k.draws() { POOL_ASK } else { k.early_wait };
-                due = due.min(last.saturating_add(wait).max(earliest_allowed).max(now));
-            }
+        if let (Some(last), Some(wait)) = (self.last_request, soonest) {
+            due = due.min(last.saturating_add(wait).max(earliest_allowed).max(now));
         }
         // A key's own refresh.
         let own = self.dues.first().map(|(t, _)| *t).filter(|_| asking);
