@@ -74,13 +74,7 @@ const SCENARIOS: &[(&str, Run)] = &[
 /// Scenarios whose bars usher does not meet yet, and what they miss (last
 /// measured): run only with `--ignored` or `--include-ignored`, as
 /// libtest's `#[ignore]`, so that they stay runnable and in sight.
-const IGNORED: &[(&str, &str)] = &[(
-    "overload::setup_a_spends_the_account_and_fails_no_more_calls_than_direct",
-    "the first measured minute serves 52-53 calls of the 60 RPM (the bar is 57; the next minute 56-64): \
-         token estimates above the real usage hold the replicas' token leases, and the replicas' request \
-         leases add up to 36-50 a minute while they back off. Calls failed: 112-118 through usher against 121 \
-         direct",
-)];
+const IGNORED: &[(&str, &str)] = &[];
 
 /// libtest's flags that take a value, whose value is not a filter.
 const VALUED: &[&str] = &["--test-threads", "--skip", "--format", "--color", "--logfile", "-Z"];

@@ -11,7 +11,12 @@
 //!   What others spend is measured while the fleet's answers keep coming;
 //!   measured no more for [`OUTSIDE_FADE`], it fades (see [`QuotaState`]).
 //! - A continuous bucket (OpenAI's, Anthropic's): the configured capacity
-//!   (the refill rate), cut in proportion while the bucket is under half full.
+//!   (the refill rate), cut while the bucket is under half full and
+//!   falling: by how fast it falls (smoothed over readings at least
+//!   [`TREND_SPAN`] apart), and never below the share of it that is full.
+//!   A bucket that holds steady or refills, however low, is spent no faster
+//!   than it refills: the fleet keeps the whole rate, so that a fleet over
+//!   its quota spends it all.
 //! - Spent (nothing remains before the reset): 0 until the reset.
 //!
 //! A resource with `window: calendar` is a fixed window kept by the server
@@ -31,6 +36,8 @@ pub const STALE: Duration = Duration::from_secs(3600);
 
 /// Observations this far apart measure what others spend.
 const OUTSIDE_SPAN: Duration = Duration::from_secs(2);
+/// A continuous bucket's readings this far apart measure how fast it falls.
+pub const TREND_SPAN: Duration = Duration::from_secs(5);
 
 /// What others spend, measured no more for this long, halves with each
 /// such span after: see [`QuotaState`].
@@ -61,6 +68,14 @@ pub struct QuotaState {
     /// it was last measured.
     outside: f64,
     measured: Option<Time>,
+    /// A continuous bucket's last reading compared, and whether it is
+    /// falling: spent faster than it refills (see `drain`).
+    trend: Option<Observation>,
+    falling: bool,
+    /// How fast that bucket falls, per second, between readings at least
+    /// [`TREND_SPAN`] apart, each new measure averaged with the last
+    /// (negative: it refills).
+    drain: f64,
 }
 
 impl QuotaState {
@@ -75,6 +90,18 @@ impl QuotaState {
                 let step = o.reset.since(prev.reset);
                 // A reset moved on by whole windows: the window is the smallest such step seen.
                 self.window = Some(self.window.map_or(step, |w| w.min(step)));
+            }
+        }
+        if o.continuous {
+            match self.trend {
+                Some(b) if o.observed.since(b.observed) < TREND_SPAN => {}
+                Some(b) => {
+                    let drain = (b.remaining - o.remaining) / o.observed.since(b.observed).as_secs_f64();
+                    self.drain = 0.5 * (self.drain + drain);
+                    self.falling = self.drain > 0.0;
+                    self.trend = Some(o);
+                }
+                None => self.trend = Some(o),
             }
         }
         match self.base {
@@ -117,7 +144,11 @@ impl QuotaState {
         }
         if o.continuous {
             let fill = if o.limit > 0.0 { (2.0 * o.remaining / o.limit).clamp(0.0, 1.0) } else { 1.0 };
-            return Some(if o.exhausted(now) { 0.0 } else { configured * fill });
+            return Some(match (o.exhausted(now), self.falling) {
+                (true, _) => 0.0,
+                (false, true) => (configured - self.drain).max(configured * fill),
+                (false, false) => configured,
+            });
         }
         if now >= o.reset {
             // Renewed whole: the limit over a window, until it is seen again.
@@ -215,21 +246,55 @@ mod tests {
         assert_eq!(q.outside_at(at(4.0).saturating_add(OUTSIDE_FADE)), q.outside);
     }
 
+    fn bucket(remaining: f64, observed: f64) -> Observation {
+        Observation { limit: 6000.0, remaining, reset: at(observed + 10.0), observed: at(observed), continuous: true }
+    }
+
+    /// A continuous bucket falling below half full slows the fleet by how
+    /// fast it falls (never below the share of it that is full); an empty
+    /// one stops it until it refills.
     #[test]
-    fn a_continuous_bucket_slows_down_below_half_full() {
+    fn a_continuous_bucket_slows_down_below_half_full_while_it_falls() {
         let mut q = QuotaState::default();
-        let bucket = |remaining: f64| Observation {
-            limit: 6000.0,
-            remaining,
-            reset: at(10.0),
-            observed: at(0.0),
-            continuous: true,
-        };
-        q.observe_at(bucket(6000.0));
+        q.observe_at(bucket(6000.0, 0.0));
         assert_eq!(q.capacity(at(1.0), 100.0, 0.0), Some(100.0));
-        q.observe_at(bucket(1500.0));
-        assert_eq!(q.capacity(at(1.0), 100.0, 0.0), Some(50.0));
-        q.observe_at(bucket(0.0));
-        assert_eq!(q.capacity(at(1.0), 100.0, 0.0), Some(0.0));
+        // 900/s lost over 5 s, smoothed to 450/s: cut to the half that is full.
+        q.observe_at(bucket(1500.0, 5.0));
+        assert_eq!(q.capacity(at(6.0), 100.0, 0.0), Some(50.0));
+        q.observe_at(bucket(0.0, 10.0));
+        assert_eq!(q.capacity(at(11.0), 100.0, 0.0), Some(0.0));
+    }
+
+    /// A fleet over its quota keeps the bucket low. Spent as fast as it
+    /// refills, it holds steady: the fleet gets back the whole rate (a cut
+    /// would leave quota unspent). A slow fall costs only its own rate.
+    /// Readings closer than [`TREND_SPAN`] to the last compared one say
+    /// nothing of the trend.
+    #[test]
+    fn a_low_bucket_that_holds_steady_or_refills_gets_back_the_whole_rate() {
+        let mut q = QuotaState::default();
+        let c = |q: &QuotaState, t: f64| q.capacity(at(t), 100.0, 0.0).unwrap();
+        q.observe_at(bucket(3000.0, 0.0));
+        q.observe_at(bucket(600.0, 5.0));
+        // Falling at 240/s (smoothed): cut to the fifth that is full.
+        assert_eq!(c(&q, 5.5), 20.0);
+        q.observe_at(bucket(700.0, 6.0));
+        assert!((c(&q, 6.5) - 100.0 * 1400.0 / 6000.0).abs() < 1e-9, "too soon to say: still falling");
+        // It holds steady: the smoothed fall halves with each reading (at
+        // 11 s, 100 more than at 5 s: -16.7/s, smoothed with 240/s).
+        let fall = (240.0 - 100.0 / 6.0) / 2.0;
+        for (t, want) in [(11.0, 100.0f64 - fall), (16.0, 100.0 - fall / 2.0), (21.0, 100.0 - fall / 4.0)] {
+            q.observe_at(bucket(700.0, t));
+            assert!((c(&q, t + 0.5) - want.max(100.0 * 1400.0 / 6000.0)).abs() < 1e-9, "{t}: {}", c(&q, t + 0.5));
+        }
+        // It refills: the whole rate.
+        q.observe_at(bucket(800.0, 26.0));
+        q.observe_at(bucket(900.0, 31.0));
+        assert_eq!(c(&q, 31.5), 100.0);
+        // A slow fall, 5/s for a while: cut by about as much.
+        for i in 0..8 {
+            q.observe_at(bucket(900.0 - 25.0 * f64::from(i + 1), 36.0 + 5.0 * f64::from(i)));
+        }
+        assert!((c(&q, 72.0) - 95.0).abs() < 0.1, "{}", c(&q, 72.0));
     }
 }
