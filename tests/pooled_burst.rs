@@ -5,8 +5,11 @@
 //! within what its bucket and the pool hold. Where the server shares spare
 //! capacity, the clump's lease growth is credited the pooled burst and the
 //! clump passes within seconds; with `spare: keep` (Doorman's grants, no
-//! pool) it waits for its bucket to refill at its lease. Either way the
-//! upstream never sees more than `capacity × T + burst`.
+//! pool) it waits for its bucket to refill at its lease. Calls that keep
+//! coming in waves, with the sidecars' default minimum interval (1 s),
+//! wait no more than a few round trips: while the pool holds units, the
+//! sidecar asks again soon after its last ask. Either way the upstream
+//! never sees more than `capacity × T + burst`.
 
 #![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
 
@@ -38,6 +41,18 @@ const CLUMP: usize = 26;
 /// their reserves (about 50 of the 60).
 const BIG_CLUMP: usize = 44;
 
+/// Waves of calls that keep coming: this many, of [`WAVE`] calls each,
+/// [`WAVE_GAP`] apart (48 calls in 1.75 s: beyond the third sidecar's
+/// bucket, within what the fleet holds).
+const WAVES: usize = 8;
+const WAVE: usize = 6;
+const WAVE_GAP: Duration = Duration::from_millis(250);
+
+/// The longest a call of the waves may take: a few asks a round trip
+/// apart. A sidecar that waited its minimum interval (1 s) between asks
+/// would keep some calls waiting longer.
+const ROUND_TRIPS: Duration = Duration::from_millis(600);
+
 /// Each sidecar's steady load: a call this often.
 const EVERY: Duration = Duration::from_secs(12);
 
@@ -57,12 +72,16 @@ fn resources(extra: &str) -> String {
     )
 }
 
-/// A sidecar's routes file: the fleet's rate, calls waiting up to 120 s
-/// (a call is refused at once when its slot at the current lease is further
-/// off than that: the clump's calls all wait for the lease to grow).
-fn sidecar(up: &Upstream, port: u16, id: &str) -> String {
+/// The clump tests' sidecars ask the servers at most every 500 ms.
+const MIN_INTERVAL: &str = "  min_interval: 500ms\n";
+
+/// A sidecar's routes file, with `extra` lines in its `doorman:` section:
+/// the fleet's rate, calls waiting up to 120 s (a call is refused at once
+/// when its slot at the current lease is further off than that: the
+/// clump's calls all wait for the lease to grow).
+fn sidecar_with(up: &Upstream, port: u16, id: &str, extra: &str) -> String {
     format!(
-        "doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: {id}\n  min_interval: 500ms\n\
+        "doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: {id}\n{extra}\
          upstreams:\n  up: {{ url: \"http://{}\" }}\n\
          resources:\n  api: {{ kind: rate, capacity: 60/min, max_wait: 120s, max_queue: 100, wants: auto }}\n\
          routes:\n  - name: all\n    match: {{ path_prefix: / }}\n    upstream: up\n    resources: [api]\n",
@@ -92,6 +111,8 @@ fn lease(s: &Usher) -> Option<f64> {
 struct Clump {
     /// When the last call of the clump was answered, from its start.
     took: Duration,
+    /// The longest any call of the clump took, from when it was sent.
+    slowest: Duration,
     /// The calls answered 200.
     ok: u64,
     /// The upstream's count, and the seconds since the fleet started.
@@ -99,16 +120,25 @@ struct Clump {
     secs: f64,
 }
 
-/// Starts a server with `extra` parameters and three sidecars, lets their
-/// leases settle while idle, then fires a clump of `n` calls at the third sidecar.
-async fn clump(dir: &Path, extra: &str, n: usize) -> Clump {
+/// A clump: waves of calls sent together, each `(after the first, calls)`.
+type Waves = [(Duration, usize)];
+
+/// All `n` calls at once.
+fn at_once(n: usize) -> [(Duration, usize); 1] {
+    [(Duration::ZERO, n)]
+}
+
+/// Starts a server with `extra` parameters and three sidecars (with
+/// `sidecar_extra` in their `doorman:` sections), lets their leases settle
+/// while idle, then fires a clump of `waves` at the third sidecar.
+async fn clump(dir: &Path, extra: &str, sidecar_extra: &str, waves: &Waves) -> Clump {
     let port = free_port();
     let up = Upstream::start().await;
     let started = Instant::now();
     let _server = Usher::server_at(&write_file(dir, "server.yaml", &resources(extra)), port, &[]);
     let sidecars: Vec<Usher> = ["a", "b", "c"]
         .iter()
-        .map(|id| Usher::proxy(&write_file(dir, &format!("{id}.yaml"), &sidecar(&up, port, id))))
+        .map(|id| Usher::proxy(&write_file(dir, &format!("{id}.yaml"), &sidecar_with(&up, port, id, sidecar_extra))))
         .collect();
     let ok = Arc::new(AtomicU64::new(0));
     // Every sidecar's steady load, for as long as the test may run.
@@ -140,9 +170,21 @@ async fn clump(dir: &Path, extra: &str, n: usize) -> Clump {
     }
     let clumped = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
-    let calls: Vec<_> = (0..n).map(|_| tokio::spawn(call(sidecars[2].addr("listen"), clumped.clone()))).collect();
+    let mut calls = Vec::new();
+    for &(after, n) in waves {
+        tokio::time::sleep_until((t0 + after).into()).await;
+        calls.extend((0..n).map(|_| {
+            let (addr, ok) = (sidecars[2].addr("listen"), clumped.clone());
+            tokio::spawn(async move {
+                let sent = Instant::now();
+                call(addr, ok).await;
+                sent.elapsed()
+            })
+        }));
+    }
+    let mut slowest = Duration::ZERO;
     for c in calls {
-        c.await.unwrap();
+        slowest = slowest.max(c.await.unwrap());
     }
     let took = t0.elapsed();
     for s in steady {
@@ -150,6 +192,7 @@ async fn clump(dir: &Path, extra: &str, n: usize) -> Clump {
     }
     Clump {
         took,
+        slowest,
         ok: clumped.load(Ordering::Relaxed),
         upstream: up.stats.requests(),
         secs: started.elapsed().as_secs_f64(),
@@ -159,8 +202,14 @@ async fn clump(dir: &Path, extra: &str, n: usize) -> Clump {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quiet_sidecars_clump_draws_the_pooled_burst_and_the_fleet_stays_bounded() {
     let dir = tempfile::tempdir().unwrap();
-    let pooled = clump(&subdir(dir.path(), "pooled"), "", CLUMP).await;
-    let keep = clump(&subdir(dir.path(), "keep"), ", parameters: [{ name: spare, value: keep }]", CLUMP).await;
+    let pooled = clump(&subdir(dir.path(), "pooled"), "", MIN_INTERVAL, &at_once(CLUMP)).await;
+    let keep = clump(
+        &subdir(dir.path(), "keep"),
+        ", parameters: [{ name: spare, value: keep }]",
+        MIN_INTERVAL,
+        &at_once(CLUMP),
+    )
+    .await;
     eprintln!(
         "figures: pooled: {} of {CLUMP} in {:.1?}; spare: keep: {} of {CLUMP} in {:.1?}",
         pooled.ok, pooled.took, keep.ok, keep.took
@@ -193,7 +242,7 @@ fn bounded(name: &str, c: &Clump) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clump_beyond_its_share_draws_what_the_quiet_sidecars_gave_back() {
     let dir = tempfile::tempdir().unwrap();
-    let c = clump(dir.path(), "", BIG_CLUMP).await;
+    let c = clump(dir.path(), "", MIN_INTERVAL, &at_once(BIG_CLUMP)).await;
     eprintln!("figures: {} of {BIG_CLUMP} in {:.1?}; {} at the upstream in {:.1} s", c.ok, c.took, c.upstream, c.secs);
     bounded("pooled", &c);
     passed_soon("the clump draws what the others gave back", &c, BIG_CLUMP);
@@ -209,4 +258,29 @@ fn subdir(dir: &Path, name: &str) -> std::path::PathBuf {
     let d = dir.join(name);
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// Calls that keep coming to a quiet sidecar, with the sidecar's defaults
+/// (it asks the servers at most once a second): waves of calls 250 ms
+/// apart, each beyond what the sidecar's bucket holds by then. While the
+/// server's pool holds units, the sidecar asks again a round trip after
+/// its last ask, not a second later, so no call waits much longer than
+/// that: the API's one bucket would have served each at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_that_keep_coming_draw_the_pool_a_round_trip_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let waves: Vec<(Duration, usize)> = (0..WAVES).map(|i| (WAVE_GAP * i as u32, WAVE)).collect();
+    let c = clump(dir.path(), "", "", &waves).await;
+    let n = WAVES * WAVE;
+    eprintln!(
+        "figures: {} of {n} in {:.1?}, the slowest call {:.1?}; {} at the upstream in {:.1} s",
+        c.ok, c.took, c.slowest, c.upstream, c.secs
+    );
+    bounded("pooled", &c);
+    assert!(
+        c.ok == n as u64 && c.slowest <= ROUND_TRIPS,
+        "calls that keep coming: {} of {n}, the slowest in {:.1?} (at most {ROUND_TRIPS:?})",
+        c.ok,
+        c.slowest
+    );
 }
