@@ -107,10 +107,8 @@ pub struct Limiter {
     rate: Option<Rate>,
     gauge: Option<Arc<Gauge>>,
     demand: DemandMeter,
-    spec: Arc<ArcSwap<ResourceSpec>>,
-    clock: Clock,
-    /// The table's [`LeaseTable::activity`].
-    activity: Arc<Activity>,
+    /// Its resource's spec, clock and activity, one copy for all its keys.
+    shared: Arc<Shared>,
     /// When an upstream's `Retry-After` ends (nanoseconds of [`Time`], 0:
     /// none): read only by an admission that has to wait.
     hold_until: AtomicU64,
@@ -157,8 +155,9 @@ impl std::fmt::Debug for Limiter {
 }
 
 impl Limiter {
-    fn new(id: Arc<str>, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock, activity: Arc<Activity>) -> Self {
-        let s = spec.load();
+    fn new(id: Arc<str>, shared: Arc<Shared>) -> Self {
+        let s = shared.spec.load();
+        let clock = &shared.clock;
         let (rate, gauge) = match s.kind {
             Kind::Rate => {
                 let available = if s.shared { 1.0 } else { f64::INFINITY };
@@ -172,9 +171,7 @@ impl Limiter {
             rate,
             gauge,
             demand: DemandMeter::default(),
-            spec: spec.clone(),
-            clock,
-            activity,
+            shared,
             hold_until: AtomicU64::new(0),
             fleet: AtomicU64::new(0),
             bucket: AtomicU64::new(0),
@@ -247,13 +244,13 @@ impl Limiter {
     /// Tells the lease client that this key needs it now (a request waits
     /// or is refused): see [`LeaseTable::activity`].
     pub fn nudge(&self) {
-        self.activity.nudge();
+        self.shared.activity.nudge();
     }
 
     /// A request arrived: wakes a lease client that went to sleep.
     #[inline]
     pub fn arrived(&self) {
-        self.activity.arrived();
+        self.shared.activity.arrived();
     }
 
     /// The Doorman resource id this key enforces.
@@ -268,12 +265,12 @@ impl Limiter {
 
     /// Its resource's spec as configured now.
     pub fn spec(&self) -> Arc<ResourceSpec> {
-        self.spec.load_full()
+        self.shared.spec.load_full()
     }
 
     /// Whether its resource is in shadow mode (decided, never enforced).
     pub fn is_shadow(&self) -> bool {
-        self.spec.load().shadow
+        self.shared.spec.load().shadow
     }
 
     /// What the key is asked for.
@@ -293,7 +290,7 @@ impl Limiter {
 
     /// The clock its limiter reads.
     pub fn clock(&self) -> &Clock {
-        &self.clock
+        &self.shared.clock
     }
 
     /// Current capacity: units per second (rate) or in flight (gauge).
@@ -312,12 +309,12 @@ impl Limiter {
     pub fn set_capacity(&self, capacity: f64) {
         let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
         if let Some(r) = &self.rate {
-            let now = self.clock.now();
+            let now = self.shared.clock.now();
             match self.bucket() {
                 // What a smaller bucket clips is owed to the servers' pool.
                 Some(bucket) => self.owe(r.set(now, capacity, bucket)),
                 None => {
-                    r.set(now, capacity, self.spec.load().burst_at(capacity, self.fleet()));
+                    r.set(now, capacity, self.shared.spec.load().burst_at(capacity, self.fleet()));
                 }
             }
         }
@@ -334,7 +331,7 @@ impl Limiter {
     /// holds its lease's share of the burst, and a new lease comes from
     /// capacity nobody holds.
     pub fn fill(&self, fresh: bool) {
-        let spec = self.spec.load();
+        let spec = self.shared.spec.load();
         let whole = self.fleet().unwrap_or(spec.capacity);
         // (An allotment is what the key may spend: a burst is no part of it.)
         if let Some(r) = &self.rate
@@ -342,14 +339,14 @@ impl Limiter {
             && (fresh || r.capacity() >= whole * (1.0 - 1e-9))
             && r.allotment_reset().is_none()
         {
-            r.charge(self.clock.now(), -r.burst());
+            r.charge(self.shared.clock.now(), -r.burst());
         }
     }
 
     /// The next moment the lease client may change this key's capacity, if
     /// it said (see [`LeaseTable::set_renewal`]).
     pub fn renewal(&self) -> Option<Time> {
-        self.activity.renewal()
+        self.shared.activity.renewal()
     }
 
     /// Records when the quota the servers follow for this key's resource
@@ -410,11 +407,11 @@ impl Limiter {
     /// its mean cost, whichever is more. `None` for a gauge, a key of one
     /// sidecar alone, and an allotment.
     pub fn give_back(&self) -> Option<BucketSaid> {
-        let r = self.rate.as_ref().filter(|_| self.spec.load().shared)?;
+        let r = self.rate.as_ref().filter(|_| self.shared.spec.load().shared)?;
         if r.allotment_reset().is_some() {
             return None;
         }
-        let now = self.clock.now();
+        let now = self.shared.clock.now();
         let requests = self.demand.requests();
         let mean = if requests == 0 { 1.0 } else { (self.demand.arrivals() / requests as f64).max(1e-9) };
         let capacity = r.capacity();
@@ -448,7 +445,7 @@ impl Limiter {
     /// owed to their pool.
     pub fn charge(&self, units: f64) {
         if let Some(r) = &self.rate {
-            self.owe(r.charge(self.clock.now(), units));
+            self.owe(r.charge(self.shared.clock.now(), units));
         }
     }
 
@@ -465,7 +462,7 @@ impl Limiter {
     /// Units that could be admitted now without waiting, fractions included.
     pub fn available(&self) -> f64 {
         match (&self.rate, &self.gauge) {
-            (Some(r), _) => r.available(self.clock.now()),
+            (Some(r), _) => r.available(self.shared.clock.now()),
             (_, Some(g)) => g.remaining() as f64,
             _ => 0.0,
         }
@@ -476,14 +473,14 @@ impl Limiter {
     /// pool as the lease grew, so the fleet's buckets and the pool together
     /// still hold no more than its burst. Not to an allotment (no burst).
     pub fn credit(&self, units: f64) {
-        let spec = self.spec.load();
+        let spec = self.shared.spec.load();
         if let Some(r) = &self.rate
             && spec.shared
             && units.is_finite()
             && units > 0.0
             && r.allotment_reset().is_none()
         {
-            self.owe(r.charge(self.clock.now(), -units));
+            self.owe(r.charge(self.shared.clock.now(), -units));
         }
     }
 
@@ -492,7 +489,7 @@ impl Limiter {
     /// (else the configured one). `None` for a gauge, a key of one sidecar
     /// alone, or a capacity of 0.
     pub fn window(&self) -> Option<f64> {
-        let spec = self.spec.load();
+        let spec = self.shared.spec.load();
         self.rate.as_ref().filter(|_| spec.shared)?;
         let w = match spec.burst_span {
             Some(span) => span.as_secs_f64(),
@@ -506,21 +503,21 @@ impl Limiter {
     pub fn allot(&self, a: Option<super::allot::Allotment>) {
         if let Some(r) = &self.rate {
             match a {
-                Some(a) => r.allot(self.clock.now(), a),
-                None => r.end_allotment(self.clock.now()),
+                Some(a) => r.allot(self.shared.clock.now(), a),
+                None => r.end_allotment(self.shared.clock.now()),
             }
         }
     }
 
     /// The key's account of its calendar unit, while it holds an allotment.
     pub fn account(&self) -> Option<super::allot::Account> {
-        self.rate.as_ref().and_then(|r| r.account(self.clock.now()))
+        self.rate.as_ref().and_then(|r| r.account(self.shared.clock.now()))
     }
 
     /// Units that could be admitted now without waiting.
     pub fn remaining(&self) -> u64 {
         match (&self.rate, &self.gauge) {
-            (Some(r), _) => r.remaining(self.clock.now()),
+            (Some(r), _) => r.remaining(self.shared.clock.now()),
             (_, Some(g)) => g.remaining(),
             _ => 0,
         }
@@ -551,9 +548,20 @@ fn gauge_units(capacity: f64) -> u64 {
     if capacity.is_nan() || capacity <= 0.0 { 0 } else { (capacity.floor() as u64).min(UNLIMITED_GAUGE) }
 }
 
+/// What every key of one resource shares: one pointer per key where three
+/// fields took 32 bytes.
+struct Shared {
+    spec: ArcSwap<ResourceSpec>,
+    /// The table's clock.
+    clock: Clock,
+    /// The table's [`LeaseTable::activity`].
+    activity: Arc<Activity>,
+}
+
 /// One configured resource and its keys.
 pub struct ResourceLimits {
-    spec: Arc<ArcSwap<ResourceSpec>>,
+    /// Its spec, clock and activity, which each key holds too.
+    shared: Arc<Shared>,
     /// Settled keys, read lock-free.
     keys: ArcSwap<HashMap<Arc<str>, Arc<Limiter>>>,
     /// Keys made since the last fold into `keys`. Its lock also serialises
@@ -561,8 +569,6 @@ pub struct ResourceLimits {
     recent: Mutex<Recent>,
     /// Whether `recent` may hold a key: a miss in `keys` is then looked up there.
     has_recent: AtomicBool,
-    clock: Clock,
-    activity: Arc<Activity>,
 }
 
 /// Keys made since the last fold, and when the first of them was.
@@ -654,25 +660,23 @@ pub enum KeyRefused {
 impl ResourceLimits {
     fn new(spec: ResourceSpec, clock: Clock, activity: Arc<Activity>) -> Self {
         ResourceLimits {
-            spec: Arc::new(ArcSwap::from_pointee(spec)),
+            shared: Arc::new(Shared { spec: ArcSwap::from_pointee(spec), clock, activity }),
             keys: ArcSwap::default(),
             recent: Mutex::new(Recent::default()),
             has_recent: AtomicBool::new(false),
-            clock,
-            activity,
         }
     }
 
     /// The resource's spec as configured now.
     pub fn spec(&self) -> Arc<ResourceSpec> {
-        self.spec.load_full()
+        self.shared.spec.load_full()
     }
 
     /// Whether `l` is one of this resource's keys: every key shares its
     /// resource's spec cell, so this is a pointer compare, where comparing
     /// names would load the key's spec first.
     pub fn owns(&self, l: &Limiter) -> bool {
-        Arc::ptr_eq(&self.spec, &l.spec)
+        Arc::ptr_eq(&self.shared, &l.shared)
     }
 
     /// The limiter for `id`, created on first use (fixed ids: no bound applies).
@@ -683,7 +687,7 @@ impl ResourceLimits {
     /// The limiter for a templated `id`, created on first use unless the
     /// resource already has `max_keys` keys.
     pub fn try_limiter(&self, id: &str) -> Result<Arc<Limiter>, KeyRefused> {
-        self.get_or_create(id, self.spec.load().max_keys)
+        self.get_or_create(id, self.shared.spec.load().max_keys)
     }
 
     /// The limiter for `id` if it exists.
@@ -704,7 +708,7 @@ impl ResourceLimits {
             return Ok(l.clone());
         }
         if id.len() > MAX_ID_BYTES {
-            return Err(KeyRefused::TooLong { resource: self.spec.load().name.clone(), bytes: id.len() });
+            return Err(KeyRefused::TooLong { resource: self.shared.spec.load().name.clone(), bytes: id.len() });
         }
         let mut recent = self.recent.lock().expect("key lock");
         let keys = self.keys.load();
@@ -713,14 +717,14 @@ impl ResourceLimits {
         }
         let count = keys.len() + recent.keys.len();
         if count >= bound {
-            let spec = self.spec.load();
+            let spec = self.shared.spec.load();
             return Err(KeyRefused::Full { resource: spec.name.clone(), max_keys: spec.max_keys });
         }
         let id: Arc<str> = Arc::from(id);
-        let l = Arc::new(Limiter::new(id.clone(), self.spec.clone(), self.clock.clone(), self.activity.clone()));
-        self.activity.nudge();
+        let l = Arc::new(Limiter::new(id.clone(), self.shared.clone()));
+        self.shared.activity.nudge();
         recent.keys.insert(id, l.clone());
-        recent.since.get_or_insert_with(|| self.clock.now());
+        recent.since.get_or_insert_with(|| self.shared.clock.now());
         if count < FOLD_SMALL || recent.keys.len() >= keys.len() / FOLD_FRACTION {
             self.fold(&mut recent, &keys);
         } else {
@@ -747,7 +751,7 @@ impl ResourceLimits {
             return;
         }
         let mut recent = self.recent.lock().expect("key lock");
-        if recent.since.is_some_and(|t| self.clock.now().since(t) >= FOLD_AFTER) {
+        if recent.since.is_some_and(|t| self.shared.clock.now().since(t) >= FOLD_AFTER) {
             let keys = self.keys.load_full();
             self.fold(&mut recent, &keys);
         }
@@ -838,8 +842,8 @@ impl LeaseTable {
         let mut next = HashMap::new();
         for spec in specs {
             let entry = match old.get(&spec.name) {
-                Some(r) if r.spec.load().kind == spec.kind => {
-                    let prev = r.spec.swap(Arc::new(spec.clone()));
+                Some(r) if r.shared.spec.load().kind == spec.kind => {
+                    let prev = r.shared.spec.swap(Arc::new(spec.clone()));
                     if prev.capacity != spec.capacity || prev.burst != spec.burst {
                         for l in r.limiters() {
                             let configured = match spec.kind {
