@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use once_cell::race::OnceBox;
 use serde::Serialize;
 use tokio::sync::Notify;
 
@@ -109,6 +110,23 @@ pub struct Limiter {
     demand: DemandMeter,
     /// Its resource's spec, clock and activity, one copy for all its keys.
     shared: Arc<Shared>,
+    /// What few keys are told (an upstream's hold, what the servers said of
+    /// the key), made by the first write of something other than "none":
+    /// a key never told anything pays a pointer for it. No box reads as
+    /// nothing said. Made with the key for a resource whose upstream
+    /// reports its quota, which only such a key keeps.
+    rare: OnceBox<Rare>,
+    /// When the lease side last saw the key used (nanoseconds of [`Time`],
+    /// 0: never looked), and its arrivals then (f64 bits): see
+    /// [`Limiter::last_use`]. Kept here, not in a map beside the table, so
+    /// that a key the lease client never sees costs no entry elsewhere.
+    used_at: AtomicU64,
+    used_arrivals: AtomicU64,
+}
+
+/// What few keys are told ([`Limiter::rare`]); each field reads 0 for "none".
+#[derive(Default)]
+struct Rare {
     /// When an upstream's `Retry-After` ends (nanoseconds of [`Time`], 0:
     /// none): read only by an admission that has to wait.
     hold_until: AtomicU64,
@@ -127,14 +145,8 @@ pub struct Limiter {
     /// [`Time`], 0: not spent, or not said).
     renews: AtomicU64,
     /// The upstream's freshest account of its quota, for a resource whose
-    /// upstream reports one (boxed: other keys pay a pointer).
-    quota: Option<Box<Mutex<QuotaCell>>>,
-    /// When the lease side last saw the key used (nanoseconds of [`Time`],
-    /// 0: never looked), and its arrivals then (f64 bits): see
-    /// [`Limiter::last_use`]. Kept here, not in a map beside the table, so
-    /// that a key the lease client never sees costs no entry elsewhere.
-    used_at: AtomicU64,
-    used_arrivals: AtomicU64,
+    /// upstream reports one (`None` for the others).
+    quota: Option<Mutex<QuotaCell>>,
 }
 
 /// A key's freshest upstream quota, and whether the lease client has it.
@@ -172,14 +184,32 @@ impl Limiter {
             gauge,
             demand: DemandMeter::default(),
             shared,
-            hold_until: AtomicU64::new(0),
-            fleet: AtomicU64::new(0),
-            bucket: AtomicU64::new(0),
-            owed: AtomicU32::new(0),
-            renews: AtomicU64::new(0),
-            quota: s.upstream_quota.then(Box::default),
+            rare: match s.upstream_quota {
+                true => OnceBox::with_value(Box::new(Rare { quota: Some(Mutex::default()), ..Rare::default() })),
+                false => OnceBox::new(),
+            },
             used_at: AtomicU64::new(0),
             used_arrivals: AtomicU64::new(0),
+        }
+    }
+
+    /// What the key was told, made now if it was told nothing yet.
+    fn rare(&self) -> &Rare {
+        self.rare.get_or_init(Box::default)
+    }
+
+    /// Reads one of the rarely set fields: 0 if the key was told nothing.
+    fn rare_u64(&self, field: impl FnOnce(&Rare) -> &AtomicU64) -> u64 {
+        self.rare.get().map_or(0, |r| field(r).load(Ordering::Relaxed))
+    }
+
+    /// Sets one of the rarely set fields; storing 0 (none) in a key told
+    /// nothing yet makes no box.
+    fn set_rare_u64(&self, bits: u64, field: impl FnOnce(&Rare) -> &AtomicU64) {
+        match self.rare.get() {
+            Some(r) => field(r).store(bits, Ordering::Relaxed),
+            None if bits == 0 => {}
+            None => field(self.rare()).store(bits, Ordering::Relaxed),
         }
     }
 
@@ -207,7 +237,7 @@ impl Limiter {
 
     /// Keeps an upstream's account of its quota if it is the freshest.
     pub fn observe(&self, o: super::quota::Observation) {
-        if let Some(cell) = &self.quota {
+        if let Some(cell) = self.rare.get().and_then(|r| r.quota.as_ref()) {
             let mut c = cell.lock().expect("quota lock");
             if c.latest.is_none_or(|l| o.observed >= l.observed) {
                 c.latest = Some(o);
@@ -219,7 +249,7 @@ impl Limiter {
     /// The freshest upstream quota, and whether it is new since the last
     /// call that `report`ed it.
     pub fn quota(&self, report: bool) -> (Option<super::quota::Observation>, bool) {
-        let Some(cell) = &self.quota else { return (None, false) };
+        let Some(cell) = self.rare.get().and_then(|r| r.quota.as_ref()) else { return (None, false) };
         let mut c = cell.lock().expect("quota lock");
         let new = !c.reported && c.latest.is_some();
         if report {
@@ -232,12 +262,12 @@ impl Limiter {
     /// pushback): an admission that would have to wait past it and past
     /// `max_wait` is refused at once.
     pub fn set_hold(&self, until: Option<Time>) {
-        self.hold_until.store(until.map_or(0, Time::as_nanos), Ordering::Relaxed);
+        self.set_rare_u64(until.map_or(0, Time::as_nanos), |r| &r.hold_until);
     }
 
     /// When the upstream's `Retry-After` for this key ends, if it was given.
     pub fn hold_until(&self) -> Option<Time> {
-        let n = self.hold_until.load(Ordering::Relaxed);
+        let n = self.rare_u64(|r| &r.hold_until);
         (n > 0).then(|| Time::from_nanos(n))
     }
 
@@ -353,19 +383,19 @@ impl Limiter {
     /// renews, while they say it is spent (None: it is not): a refusal for
     /// capacity 0 meanwhile says to retry then.
     pub fn set_renews(&self, renews: Option<Time>) {
-        self.renews.store(renews.map_or(0, |t| t.as_nanos().max(1)), Ordering::Relaxed);
+        self.set_rare_u64(renews.map_or(0, |t| t.as_nanos().max(1)), |r| &r.renews);
     }
 
     /// When the spent quota the servers follow for this key renews, while they say it is spent.
     pub fn renews(&self) -> Option<Time> {
-        let n = self.renews.load(Ordering::Relaxed);
+        let n = self.rare_u64(|r| &r.renews);
         (n > 0).then(|| Time::from_nanos(n))
     }
 
     /// How long a request refused for capacity 0 at `now` should wait: until
     /// the spent quota renews, if the servers said when, else a second.
     pub fn zero_retry(&self, now: Time) -> Duration {
-        match self.renews.load(Ordering::Relaxed) {
+        match self.rare_u64(|r| &r.renews) {
             0 => Duration::from_secs(1),
             t => Time::from_nanos(t).since(now).max(Duration::from_secs(1)),
         }
@@ -382,12 +412,12 @@ impl Limiter {
             }
             None => 0,
         };
-        self.bucket.store(bits, Ordering::Relaxed);
+        self.set_rare_u64(bits, |r| &r.bucket);
     }
 
     /// The bucket the servers gave the key's lease, if they did.
     pub fn bucket(&self) -> Option<f64> {
-        let bits = self.bucket.load(Ordering::Relaxed);
+        let bits = self.rare_u64(|r| &r.bucket);
         (bits != 0).then(|| f64::from(f32::from_bits((bits >> 32) as u32)))
     }
 
@@ -395,7 +425,7 @@ impl Limiter {
     /// no bucket): a request that would wait past its `max_wait` at the
     /// key's lease may wait for a credit of them (see [`Rate::reserve_ticket`]).
     pub fn pooled(&self) -> f64 {
-        f64::from(f32::from_bits(self.bucket.load(Ordering::Relaxed) as u32))
+        f64::from(f32::from_bits(self.rare_u64(|r| &r.bucket) as u32))
     }
 
     /// What a shared rate key says of its bucket as a request for its lease
@@ -417,7 +447,8 @@ impl Limiter {
         let capacity = r.capacity();
         let span = if capacity.is_finite() { capacity * RESERVE_SPAN.as_secs_f64() } else { 0.0 };
         let reserve = span.max(mean * RESERVE_REQUESTS);
-        let mut returned = f64::from(f32::from_bits(self.owed.swap(0, Ordering::Relaxed)));
+        let owed = self.rare.get().map_or(0, |r| r.owed.swap(0, Ordering::Relaxed));
+        let mut returned = f64::from(f32::from_bits(owed));
         if self.bucket().is_some() {
             let level = r.available(now);
             if level.is_finite() && level > reserve {
@@ -430,12 +461,12 @@ impl Limiter {
 
     /// Records the capacity the servers share for this key's resource.
     pub fn set_fleet(&self, capacity: f64) {
-        self.fleet.store(capacity.to_bits(), Ordering::Relaxed);
+        self.set_rare_u64(capacity.to_bits(), |r| &r.fleet);
     }
 
     /// The capacity the servers share for this key's resource, if they said.
     pub fn fleet(&self) -> Option<f64> {
-        let bits = self.fleet.load(Ordering::Relaxed);
+        let bits = self.rare_u64(|r| &r.fleet);
         (bits != 0).then(|| f64::from_bits(bits))
     }
 
@@ -455,7 +486,8 @@ impl Limiter {
     fn owe(&self, units: f64) {
         if units.is_finite() && units > 0.0 && self.bucket().is_some() {
             let add = |o: u32| Some((f32::from_bits(o) + units as f32).to_bits());
-            let _ = self.owed.fetch_update(Ordering::Relaxed, Ordering::Relaxed, add);
+            // (A bucket was given: the box is made.)
+            let _ = self.rare().owed.fetch_update(Ordering::Relaxed, Ordering::Relaxed, add);
         }
     }
 
