@@ -13,7 +13,8 @@
 //! costs O(1) amortised (a copy of the whole snapshot per new key made
 //! creating n keys O(n²)), and is read lock-free from its fold on.
 
-use std::collections::HashMap;
+use std::borrow::Borrow;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -102,8 +103,8 @@ impl ResourceSpec {
 
 /// The limiter of one resource key (one Doorman resource id).
 pub struct Limiter {
-    /// The id, one copy shared with its resource's map of keys.
-    id: Arc<str>,
+    /// The id, which its resource's set of keys looks it up by ([`Key`]).
+    id: Box<str>,
     kind: Kind,
     rate: Option<Rate>,
     gauge: Option<Arc<Gauge>>,
@@ -167,7 +168,7 @@ impl std::fmt::Debug for Limiter {
 }
 
 impl Limiter {
-    fn new(id: Arc<str>, shared: Arc<Shared>) -> Self {
+    fn new(id: Box<str>, shared: Arc<Shared>) -> Self {
         let s = shared.spec.load();
         let clock = &shared.clock;
         let (rate, gauge) = match s.kind {
@@ -595,7 +596,7 @@ pub struct ResourceLimits {
     /// Its spec, clock and activity, which each key holds too.
     shared: Arc<Shared>,
     /// Settled keys, read lock-free.
-    keys: ArcSwap<HashMap<Arc<str>, Arc<Limiter>>>,
+    keys: ArcSwap<HashSet<Key>>,
     /// Keys made since the last fold into `keys`. Its lock also serialises
     /// every change of `keys`; a lookup takes it only for an id `keys` lacks.
     recent: Mutex<Recent>,
@@ -603,10 +604,36 @@ pub struct ResourceLimits {
     has_recent: AtomicBool,
 }
 
+/// A key in its resource's set, found by its id: one pointer a slot, where
+/// a map from a shared id took three, and the id has one owner.
+#[derive(Clone)]
+struct Key(Arc<Limiter>);
+
+impl Borrow<str> for Key {
+    fn borrow(&self) -> &str {
+        &self.0.id
+    }
+}
+
+impl std::hash::Hash for Key {
+    /// As its id hashes, which [`Borrow`] lookups rely on.
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.id.hash(state);
+    }
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.id == other.0.id
+    }
+}
+
+impl Eq for Key {}
+
 /// Keys made since the last fold, and when the first of them was.
 #[derive(Default)]
 struct Recent {
-    keys: HashMap<Arc<str>, Arc<Limiter>>,
+    keys: HashSet<Key>,
     since: Option<usher_core::clock::Time>,
 }
 
@@ -724,38 +751,37 @@ impl ResourceLimits {
 
     /// The limiter for `id` if it exists.
     pub fn get(&self, id: &str) -> Option<Arc<Limiter>> {
-        if let Some(l) = self.keys.load().get(id) {
-            return Some(l.clone());
+        if let Some(k) = self.keys.load().get(id) {
+            return Some(k.0.clone());
         }
         if !self.has_recent.load(Ordering::Acquire) {
             return None;
         }
         let recent = self.recent.lock().expect("key lock");
         // A fold may have moved it meanwhile.
-        recent.keys.get(id).cloned().or_else(|| self.keys.load().get(id).cloned())
+        recent.keys.get(id).map(|k| k.0.clone()).or_else(|| self.keys.load().get(id).map(|k| k.0.clone()))
     }
 
     fn get_or_create(&self, id: &str, bound: usize) -> Result<Arc<Limiter>, KeyRefused> {
-        if let Some(l) = self.keys.load().get(id) {
-            return Ok(l.clone());
+        if let Some(k) = self.keys.load().get(id) {
+            return Ok(k.0.clone());
         }
         if id.len() > MAX_ID_BYTES {
             return Err(KeyRefused::TooLong { resource: self.shared.spec.load().name.clone(), bytes: id.len() });
         }
         let mut recent = self.recent.lock().expect("key lock");
         let keys = self.keys.load();
-        if let Some(l) = recent.keys.get(id).or_else(|| keys.get(id)) {
-            return Ok(l.clone());
+        if let Some(k) = recent.keys.get(id).or_else(|| keys.get(id)) {
+            return Ok(k.0.clone());
         }
         let count = keys.len() + recent.keys.len();
         if count >= bound {
             let spec = self.shared.spec.load();
             return Err(KeyRefused::Full { resource: spec.name.clone(), max_keys: spec.max_keys });
         }
-        let id: Arc<str> = Arc::from(id);
-        let l = Arc::new(Limiter::new(id.clone(), self.shared.clone()));
+        let l = Arc::new(Limiter::new(id.into(), self.shared.clone()));
         self.shared.activity.nudge();
-        recent.keys.insert(id, l.clone());
+        recent.keys.insert(Key(l.clone()));
         recent.since.get_or_insert_with(|| self.shared.clock.now());
         if count < FOLD_SMALL || recent.keys.len() >= keys.len() / FOLD_FRACTION {
             self.fold(&mut recent, &keys);
@@ -766,9 +792,9 @@ impl ResourceLimits {
     }
 
     /// Moves the recent keys into a new snapshot.
-    fn fold(&self, recent: &mut Recent, keys: &HashMap<Arc<str>, Arc<Limiter>>) {
-        let mut next = HashMap::with_capacity(keys.len() + recent.keys.len());
-        next.extend(keys.iter().map(|(k, v)| (k.clone(), v.clone())));
+    fn fold(&self, recent: &mut Recent, keys: &HashSet<Key>) {
+        let mut next = HashSet::with_capacity(keys.len() + recent.keys.len());
+        next.extend(keys.iter().cloned());
         next.extend(recent.keys.drain());
         recent.since = None;
         self.keys.store(Arc::new(next));
@@ -798,10 +824,10 @@ impl ResourceLimits {
     pub fn remove_all<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
         let mut recent = self.recent.lock().expect("key lock");
         let keys = self.keys.load();
-        let mut next: Option<HashMap<Arc<str>, Arc<Limiter>>> = None;
+        let mut next: Option<HashSet<Key>> = None;
         for id in ids {
-            if recent.keys.remove(id).is_none() && keys.contains_key(id) {
-                next.get_or_insert_with(|| HashMap::clone(&keys)).remove(id);
+            if !recent.keys.remove(id) && keys.contains(id) {
+                next.get_or_insert_with(|| HashSet::clone(&keys)).remove(id);
             }
         }
         if let Some(next) = next {
@@ -816,7 +842,7 @@ impl ResourceLimits {
     /// Every key, by id.
     pub fn limiters(&self) -> Vec<Arc<Limiter>> {
         let recent = self.recent.lock().expect("key lock");
-        let mut v: Vec<_> = self.keys.load().values().chain(recent.keys.values()).cloned().collect();
+        let mut v: Vec<_> = self.keys.load().iter().chain(recent.keys.iter()).map(|k| k.0.clone()).collect();
         drop(recent);
         v.sort_by(|a, b| a.id.cmp(&b.id));
         v
@@ -910,9 +936,9 @@ impl LeaseTable {
             // Under the lock that serialises folds: no key is missed or seen twice.
             let recent = r.recent.lock().expect("key lock");
             let keys = r.keys.load();
-            let made: Vec<Arc<Limiter>> = recent.keys.values().cloned().collect();
+            let made: Vec<Arc<Limiter>> = recent.keys.iter().map(|k| k.0.clone()).collect();
             drop(recent);
-            for l in keys.values().chain(&made) {
+            for l in keys.iter().map(|k| &k.0).chain(&made) {
                 f(name, l);
             }
         }
