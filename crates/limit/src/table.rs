@@ -146,8 +146,9 @@ struct Rare {
     /// [`Time`], 0: not spent, or not said).
     renews: AtomicU64,
     /// The upstream's freshest account of its quota, for a resource whose
-    /// upstream reports one (`None` for the others).
-    quota: Option<Mutex<QuotaCell>>,
+    /// upstream reports one (`None` for the others; boxed, so that a key
+    /// told of its lease's bucket or fleet pays a pointer for it).
+    quota: Option<Box<Mutex<QuotaCell>>>,
 }
 
 /// A key's freshest upstream quota, and whether the lease client has it.
@@ -186,7 +187,7 @@ impl Limiter {
             demand: DemandMeter::default(),
             shared,
             rare: match s.upstream_quota {
-                true => OnceBox::with_value(Box::new(Rare { quota: Some(Mutex::default()), ..Rare::default() })),
+                true => OnceBox::with_value(Box::new(Rare { quota: Some(Box::default()), ..Rare::default() })),
                 false => OnceBox::new(),
             },
             used_at: AtomicU64::new(0),
