@@ -105,9 +105,7 @@ impl ResourceSpec {
 pub struct Limiter {
     /// The id, which its resource's set of keys looks it up by ([`Key`]).
     id: Box<str>,
-    kind: Kind,
-    rate: Option<Rate>,
-    gauge: Option<Arc<Gauge>>,
+    pacer: Pacer,
     demand: DemandMeter,
     /// Its resource's spec, clock and activity, one copy for all its keys.
     shared: Arc<Shared>,
@@ -123,6 +121,12 @@ pub struct Limiter {
     /// that a key the lease client never sees costs no entry elsewhere.
     used_at: AtomicU64,
     used_arrivals: AtomicU64,
+}
+
+/// What limits a key: its kind and its state, in one field.
+enum Pacer {
+    Rate(Rate),
+    Gauge(Arc<Gauge>),
 }
 
 /// What few keys are told ([`Limiter::rare`]); each field reads 0 for "none".
@@ -162,7 +166,7 @@ impl std::fmt::Debug for Limiter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Limiter")
             .field("id", &self.id)
-            .field("kind", &self.kind)
+            .field("kind", &self.kind())
             .field("capacity", &self.capacity())
             .finish()
     }
@@ -172,18 +176,16 @@ impl Limiter {
     fn new(id: Box<str>, shared: Arc<Shared>) -> Self {
         let s = shared.spec.load();
         let clock = &shared.clock;
-        let (rate, gauge) = match s.kind {
+        let pacer = match s.kind {
             Kind::Rate => {
                 let available = if s.shared { 1.0 } else { f64::INFINITY };
-                (Some(Rate::starting(s.capacity, s.burst, available, clock.now())), None)
+                Pacer::Rate(Rate::starting(s.capacity, s.burst, available, clock.now()))
             }
-            Kind::Gauge => (None, Some(Gauge::new(gauge_units(s.capacity)))),
+            Kind::Gauge => Pacer::Gauge(Gauge::new(gauge_units(s.capacity))),
         };
         Limiter {
             id,
-            kind: s.kind,
-            rate,
-            gauge,
+            pacer,
             demand: DemandMeter::default(),
             shared,
             rare: match s.upstream_quota {
@@ -292,7 +294,10 @@ impl Limiter {
 
     /// Whether the key is a rate or a gauge.
     pub fn kind(&self) -> Kind {
-        self.kind
+        match self.pacer {
+            Pacer::Rate(_) => Kind::Rate,
+            Pacer::Gauge(_) => Kind::Gauge,
+        }
     }
 
     /// Its resource's spec as configured now.
@@ -311,13 +316,21 @@ impl Limiter {
     }
 
     /// The pacer of a rate key; `None` for a gauge.
+    #[inline]
     pub fn rate(&self) -> Option<&Rate> {
-        self.rate.as_ref()
+        match &self.pacer {
+            Pacer::Rate(r) => Some(r),
+            Pacer::Gauge(_) => None,
+        }
     }
 
     /// The semaphore of a gauge key; `None` for a rate.
+    #[inline]
     pub fn gauge(&self) -> Option<&Arc<Gauge>> {
-        self.gauge.as_ref()
+        match &self.pacer {
+            Pacer::Rate(_) => None,
+            Pacer::Gauge(g) => Some(g),
+        }
     }
 
     /// The clock its limiter reads.
@@ -327,7 +340,7 @@ impl Limiter {
 
     /// Current capacity: units per second (rate) or in flight (gauge).
     pub fn capacity(&self) -> f64 {
-        match (&self.rate, &self.gauge) {
+        match (self.rate(), self.gauge()) {
             (Some(r), _) => r.capacity(),
             (_, Some(g)) => g.capacity() as f64,
             _ => 0.0,
@@ -340,7 +353,7 @@ impl Limiter {
     /// round a fractional capacity down.
     pub fn set_capacity(&self, capacity: f64) {
         let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
-        if let Some(r) = &self.rate {
+        if let Some(r) = self.rate() {
             let now = self.shared.clock.now();
             match self.bucket() {
                 // What a smaller bucket clips is owed to the servers' pool.
@@ -350,7 +363,7 @@ impl Limiter {
                 }
             }
         }
-        if let Some(g) = &self.gauge {
+        if let Some(g) = self.gauge() {
             g.set_capacity(gauge_units(capacity));
         }
     }
@@ -366,7 +379,7 @@ impl Limiter {
         let spec = self.shared.spec.load();
         let whole = self.fleet().unwrap_or(spec.capacity);
         // (An allotment is what the key may spend: a burst is no part of it.)
-        if let Some(r) = &self.rate
+        if let Some(r) = self.rate()
             && spec.shared
             && (fresh || r.capacity() >= whole * (1.0 - 1e-9))
             && r.allotment_reset().is_none()
@@ -439,7 +452,7 @@ impl Limiter {
     /// its mean cost, whichever is more. `None` for a gauge, a key of one
     /// sidecar alone, and an allotment.
     pub fn give_back(&self) -> Option<BucketSaid> {
-        let r = self.rate.as_ref().filter(|_| self.shared.spec.load().shared)?;
+        let r = self.rate().filter(|_| self.shared.spec.load().shared)?;
         if r.allotment_reset().is_some() {
             return None;
         }
@@ -477,7 +490,7 @@ impl Limiter {
     /// servers gave the key a bucket, what a full bucket has no room for is
     /// owed to their pool.
     pub fn charge(&self, units: f64) {
-        if let Some(r) = &self.rate {
+        if let Some(r) = self.rate() {
             self.owe(r.charge(self.shared.clock.now(), units));
         }
     }
@@ -495,7 +508,7 @@ impl Limiter {
 
     /// Units that could be admitted now without waiting, fractions included.
     pub fn available(&self) -> f64 {
-        match (&self.rate, &self.gauge) {
+        match (self.rate(), self.gauge()) {
             (Some(r), _) => r.available(self.shared.clock.now()),
             (_, Some(g)) => g.remaining() as f64,
             _ => 0.0,
@@ -508,7 +521,7 @@ impl Limiter {
     /// still hold no more than its burst. Not to an allotment (no burst).
     pub fn credit(&self, units: f64) {
         let spec = self.shared.spec.load();
-        if let Some(r) = &self.rate
+        if let Some(r) = self.rate()
             && spec.shared
             && units.is_finite()
             && units > 0.0
@@ -524,7 +537,7 @@ impl Limiter {
     /// alone, or a capacity of 0.
     pub fn window(&self) -> Option<f64> {
         let spec = self.shared.spec.load();
-        self.rate.as_ref().filter(|_| spec.shared)?;
+        self.rate().filter(|_| spec.shared)?;
         let w = match spec.burst_span {
             Some(span) => span.as_secs_f64(),
             None => spec.burst / self.fleet().unwrap_or(spec.capacity),
@@ -535,7 +548,7 @@ impl Limiter {
     /// Takes a calendar quota's allotment (`None`: it ended), see
     /// [`Rate::allot`]; a gauge has none.
     pub fn allot(&self, a: Option<super::allot::Allotment>) {
-        if let Some(r) = &self.rate {
+        if let Some(r) = self.rate() {
             match a {
                 Some(a) => r.allot(self.shared.clock.now(), a),
                 None => r.end_allotment(self.shared.clock.now()),
@@ -545,12 +558,12 @@ impl Limiter {
 
     /// The key's account of its calendar unit, while it holds an allotment.
     pub fn account(&self) -> Option<super::allot::Account> {
-        self.rate.as_ref().and_then(|r| r.account(self.shared.clock.now()))
+        self.rate().and_then(|r| r.account(self.shared.clock.now()))
     }
 
     /// Units that could be admitted now without waiting.
     pub fn remaining(&self) -> u64 {
-        match (&self.rate, &self.gauge) {
+        match (self.rate(), self.gauge()) {
             (Some(r), _) => r.remaining(self.shared.clock.now()),
             (_, Some(g)) => g.remaining(),
             _ => 0,
