@@ -100,13 +100,11 @@ struct State {
     /// burst that shrank with the capacity clipped it first): a key comes
     /// back with what it had, never with a fresh burst.
     frozen: f64,
-    /// The changes that move waiting requests, and how many there were
-    /// (boxed, made at the first: a key whose capacity never rises under
-    /// waiters nor settles a cost pays a pointer).
-    changes: Option<Box<Changes>>,
-    /// A calendar quota's allotment, which admits instead of the GCRA while
-    /// there is one (boxed: other keys pay a pointer).
-    allot: Option<Box<Allot>>,
+    /// The changes that move waiting requests and a calendar quota's
+    /// allotment, boxed together, made at the first of either: a key whose
+    /// capacity never rises under waiters, that settles no cost and holds
+    /// no allotment pays one pointer for both.
+    seldom: Option<Box<Seldom>>,
 }
 
 /// A change that moves the slots of the requests waiting ([`Rate::retime`]).
@@ -125,19 +123,23 @@ enum Change {
 /// ([`interval_of`] keeps them below `u128::MAX as f64`, itself below this).
 const CLOSED: u128 = u128::MAX;
 
-/// The changes that move waiting requests ([`Rate::retime`]).
+/// What few rate keys need ([`State::seldom`]).
 #[derive(Debug, Default)]
-struct Changes {
-    /// How many there were so far (0 while the box is not made).
+struct Seldom {
+    /// How many changes moved waiting requests so far ([`Rate::retime`]; 0
+    /// while the box is not made).
     generation: u64,
     /// The last of them, with their generations.
     kept: VecDeque<(u64, Change)>,
+    /// A calendar quota's allotment, which admits instead of the GCRA while
+    /// there is one (boxed: a key with changes alone pays a pointer).
+    allot: Option<Box<Allot>>,
 }
 
 impl State {
     /// Records a change for the waiters to follow.
     fn changed(&mut self, change: Change) {
-        let changes = self.changes.get_or_insert_default();
+        let changes = self.seldom.get_or_insert_default();
         changes.generation += 1;
         changes.kept.push_back((changes.generation, change));
         if changes.kept.len() > CHANGES_KEPT {
@@ -147,7 +149,18 @@ impl State {
 
     /// Counts the changes that move waiting requests so far.
     fn generation(&self) -> u64 {
-        self.changes.as_ref().map_or(0, |c| c.generation)
+        self.seldom.as_ref().map_or(0, |c| c.generation)
+    }
+
+    /// The allotment, while there is one.
+    #[inline]
+    fn allot(&mut self) -> Option<&mut Allot> {
+        self.seldom.as_mut().and_then(|x| x.allot.as_deref_mut())
+    }
+
+    /// Whether there is an allotment.
+    fn allotted(&self) -> bool {
+        self.seldom.as_ref().is_some_and(|x| x.allot.is_some())
     }
 
     /// Fixed-point nanoseconds per unit: `None` at capacity 0 (nothing
@@ -266,8 +279,7 @@ impl Rate {
                     burst_span,
                     capacity,
                     frozen: if interval.is_none() { backlog } else { 0.0 },
-                    changes: None,
-                    allot: None,
+                    seldom: None,
                 }
             }),
             changed: OnceBox::new(),
@@ -315,7 +327,7 @@ impl Rate {
         let at = now;
         let now = s.pos(now);
         let ticket = Ticket { slot: now, deadline: now, generation: s.generation() };
-        if let Some(a) = &mut s.allot {
+        if let Some(a) = s.allot() {
             return (take_allotted(a, at, cost), ticket);
         }
         let interval = match s.interval() {
@@ -349,9 +361,9 @@ impl Rate {
     /// how long its request still waits from `now`.
     pub fn retime(&self, ticket: &mut Ticket, now: Time) -> Duration {
         let s = self.state.lock().expect("rate lock");
-        let missed = s.changes.as_ref().and_then(|c| c.kept.front()).is_some_and(|(g, _)| *g > ticket.generation + 1);
+        let missed = s.seldom.as_ref().and_then(|c| c.kept.front()).is_some_and(|(g, _)| *g > ticket.generation + 1);
         if !missed {
-            for &(_, change) in s.changes.iter().flat_map(|c| c.kept.iter()).filter(|(g, _)| *g > ticket.generation) {
+            for &(_, change) in s.seldom.iter().flat_map(|c| c.kept.iter()).filter(|(g, _)| *g > ticket.generation) {
                 match change {
                     Change::Faster { at, old, new } if ticket.slot > at => {
                         let left = (ticket.slot - at) as f64 * (new as f64 / old as f64);
@@ -374,7 +386,7 @@ impl Rate {
     /// Gives a reservation of `cost` units back.
     pub fn release(&self, cost: f64) {
         let mut s = self.state.lock().expect("rate lock");
-        if let Some(a) = &mut s.allot {
+        if let Some(a) = s.allot() {
             return a.give_back(cost);
         }
         match s.interval() {
@@ -388,7 +400,7 @@ impl Rate {
     /// allotment, which nothing refills).
     pub fn backlog(&self, now: Time) -> f64 {
         let s = self.state.lock().expect("rate lock");
-        if s.allot.is_some() {
+        if s.allotted() {
             return 0.0;
         }
         match s.interval() {
@@ -408,7 +420,7 @@ impl Rate {
     /// unlimited.
     pub fn available(&self, now: Time) -> f64 {
         let mut s = self.state.lock().expect("rate lock");
-        if let Some(a) = &mut s.allot {
+        if let Some(a) = s.allot() {
             return a.left(now);
         }
         match s.interval() {
@@ -431,7 +443,7 @@ impl Rate {
             return 0.0;
         }
         let mut s = self.state.lock().expect("rate lock");
-        if let Some(a) = &mut s.allot {
+        if let Some(a) = s.allot() {
             a.charge(units);
             drop(s);
             if units < 0.0 {
@@ -519,9 +531,9 @@ impl Rate {
     /// from it, not from the GCRA (see `allot`). Waiters look again.
     pub fn allot(&self, now: Time, a: Allotment) {
         let mut s = self.state.lock().expect("rate lock");
-        match &mut s.allot {
+        match s.allot() {
             Some(cur) => cur.replace(a, now),
-            None => s.allot = Some(Box::new(Allot::new(a, now))),
+            None => s.seldom.get_or_insert_default().allot = Some(Box::new(Allot::new(a, now))),
         }
         self.allotted.store(true, Ordering::Relaxed);
         drop(s);
@@ -533,7 +545,7 @@ impl Rate {
     /// hands out no burst).
     pub fn end_allotment(&self, now: Time) {
         let mut s = self.state.lock().expect("rate lock");
-        if s.allot.take().is_none() {
+        if s.seldom.as_mut().and_then(|x| x.allot.take()).is_none() {
             return;
         }
         self.allotted.store(false, Ordering::Relaxed);
@@ -549,19 +561,19 @@ impl Rate {
         if !self.allotted.load(Ordering::Relaxed) {
             return None;
         }
-        self.state.lock().expect("rate lock").allot.as_mut().map(|a| a.account(now))
+        self.state.lock().expect("rate lock").allot().map(|a| a.account(now))
     }
 
     /// The reset of the unit an allotment counts in, while there is one.
     pub fn allotment_reset(&self) -> Option<Time> {
-        self.state.lock().expect("rate lock").allot.as_ref().map(|a| a.reset())
+        self.state.lock().expect("rate lock").allot().map(|a| a.reset())
     }
 
     /// Whether a request of `cost` could pass at `now` without a change:
     /// capacity above 0, or an allotment with enough left.
     pub fn open(&self, now: Time, cost: f64) -> bool {
         let mut s = self.state.lock().expect("rate lock");
-        match &mut s.allot {
+        match s.allot() {
             Some(a) => a.open(now, cost),
             None => s.interval().is_some(),
         }
