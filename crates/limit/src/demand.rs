@@ -4,8 +4,8 @@
 //! The request path only touches atomics; the smoothing state is updated by
 //! whoever samples (the lease refresher, the metrics scrape), under its own lock.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use once_cell::race::OnceBox;
