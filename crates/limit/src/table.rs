@@ -1144,6 +1144,20 @@ mod tests {
         assert_eq!((b.returned, k.available()), (8.0, 5.0));
     }
 
+    /// A templated resource makes a key per tenant: what one costs is
+    /// mostly its limiter's size (tests/key_memory.rs has the heap bytes).
+    /// Growing any of these by a field fails here first.
+    #[test]
+    #[cfg(all(target_pointer_width = "64", target_os = "linux"))]
+    fn a_key_stays_small() {
+        use std::mem::size_of;
+        assert!(size_of::<Limiter>() <= 248, "Limiter: {} bytes", size_of::<Limiter>());
+        assert!(size_of::<Rate>() <= 112, "Rate: {} bytes", size_of::<Rate>());
+        assert!(size_of::<DemandMeter>() <= 80, "DemandMeter: {} bytes", size_of::<DemandMeter>());
+        assert!(size_of::<Rare>() <= 48, "Rare: {} bytes", size_of::<Rare>());
+        assert_eq!(size_of::<Key>(), 8, "a slot of a resource's set of keys");
+    }
+
     #[test]
     fn reload_keeps_state_of_unchanged_resources() {
         let (clock, _h) = Clock::manual(Time::from_secs(10));
