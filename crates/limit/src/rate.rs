@@ -42,7 +42,6 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use once_cell::race::OnceBox;
@@ -71,9 +70,6 @@ pub struct Rate {
     /// and then looks at the state again, so a change made before the
     /// first waiter made it is not missed.
     changed: OnceBox<Notify>,
-    /// It holds an allotment: read without the lock by [`Rate::account`],
-    /// which the lease client asks of every key at every demand read.
-    allotted: AtomicBool,
 }
 
 /// Packed to 8-byte alignment: its `u128`s would align it, and with it the
@@ -283,7 +279,6 @@ impl Rate {
                 }
             }),
             changed: OnceBox::new(),
-            allotted: AtomicBool::new(false),
         }
     }
 
@@ -535,7 +530,6 @@ impl Rate {
             Some(cur) => cur.replace(a, now),
             None => s.seldom.get_or_insert_default().allot = Some(Box::new(Allot::new(a, now))),
         }
-        self.allotted.store(true, Ordering::Relaxed);
         drop(s);
         self.wake();
     }
@@ -548,7 +542,6 @@ impl Rate {
         if s.seldom.as_mut().and_then(|x| x.allot.take()).is_none() {
             return;
         }
-        self.allotted.store(false, Ordering::Relaxed);
         let now = s.pos(now);
         s.tat = now.saturating_add(s.burst_span);
         s.frozen = s.burst;
@@ -556,11 +549,10 @@ impl Rate {
         self.wake();
     }
 
-    /// The allotment's account at `now`, while there is one.
+    /// The allotment's account at `now`, while there is one. (It takes the
+    /// lock: [`Limiter::account`](super::Limiter::account) asks only a key
+    /// that ever held an allotment.)
     pub fn account(&self, now: Time) -> Option<Account> {
-        if !self.allotted.load(Ordering::Relaxed) {
-            return None;
-        }
         self.state.lock().expect("rate lock").allot().map(|a| a.account(now))
     }
 

@@ -153,6 +153,10 @@ struct Rare {
     /// upstream reports one (`None` for the others; boxed, so that a key
     /// told of its lease's bucket or fleet pays a pointer for it).
     quota: Option<Box<Mutex<QuotaCell>>>,
+    /// It was given a calendar quota's allotment: set before the first,
+    /// never cleared, so that [`Limiter::account`] takes the rate's lock
+    /// only for such a key.
+    allotted: AtomicBool,
 }
 
 /// A key's freshest upstream quota, and whether the lease client has it.
@@ -550,14 +554,23 @@ impl Limiter {
     pub fn allot(&self, a: Option<super::allot::Allotment>) {
         if let Some(r) = self.rate() {
             match a {
-                Some(a) => r.allot(self.shared.clock.now(), a),
+                Some(a) => {
+                    // Before the allotment: a reader that sees none looks no further.
+                    self.rare().allotted.store(true, Ordering::Relaxed);
+                    r.allot(self.shared.clock.now(), a)
+                }
                 None => r.end_allotment(self.shared.clock.now()),
             }
         }
     }
 
     /// The key's account of its calendar unit, while it holds an allotment.
+    /// A key that never held one answers without the rate's lock: the lease
+    /// client asks every key at every demand read.
     pub fn account(&self) -> Option<super::allot::Account> {
+        if !self.rare.get().is_some_and(|r| r.allotted.load(Ordering::Relaxed)) {
+            return None;
+        }
         self.rate().and_then(|r| r.account(self.shared.clock.now()))
     }
 
@@ -1151,8 +1164,8 @@ mod tests {
     #[cfg(all(target_pointer_width = "64", target_os = "linux"))]
     fn a_key_stays_small() {
         use std::mem::size_of;
-        assert!(size_of::<Limiter>() <= 248, "Limiter: {} bytes", size_of::<Limiter>());
-        assert!(size_of::<Rate>() <= 112, "Rate: {} bytes", size_of::<Rate>());
+        assert!(size_of::<Limiter>() <= 240, "Limiter: {} bytes", size_of::<Limiter>());
+        assert!(size_of::<Rate>() <= 104, "Rate: {} bytes", size_of::<Rate>());
         assert!(size_of::<DemandMeter>() <= 80, "DemandMeter: {} bytes", size_of::<DemandMeter>());
         assert!(size_of::<Rare>() <= 48, "Rare: {} bytes", size_of::<Rare>());
         assert_eq!(size_of::<Key>(), 8, "a slot of a resource's set of keys");
