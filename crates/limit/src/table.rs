@@ -7,7 +7,7 @@
 //! across resources or keys. A templated resource creates a key on its first
 //! request, up to `max_keys`; a request for one more is refused. Up to
 //! [`FOLD_SMALL`] keys, a new key replaces the snapshot at once. Beyond, new
-//! keys go into a small locked map first, folded into the snapshot once it
+//! keys go into a small locked set first, folded into the snapshot once it
 //! holds a quarter as many keys as the snapshot, or at the next demand poll
 //! a second after its first key came ([`LeaseTable::settle`]): a new key
 //! costs O(1) amortised (a copy of the whole snapshot per new key made
