@@ -68,6 +68,11 @@ const KEYS: usize = 10_000;
 /// run AB: 752 MB, a tenth of the keys on three clients).
 const STORE_CEILING: f64 = 750.0;
 
+/// The most heap bytes a local tenant key may cost the LeaseTable, and with
+/// it the whole sidecar (measured: 288; its limiter is 256 of them in its
+/// `Arc`, the id and the set's slot the rest).
+const LOCAL_CEILING: f64 = 320.0;
+
 /// A sidecar with no `doorman:` section (so an embedded server) and the e2e
 /// bench's tenant resource.
 fn routes() -> Arc<RoutesConfig> {
@@ -252,10 +257,10 @@ async fn bytes_per_templated_key_stay_bounded() {
     // one server", has the figures measured).
     assert!(store > 0.0 && table > 0.0 && client > 0.0);
     assert!(store < STORE_CEILING, "store: {store:.0} bytes per key");
-    assert!(table < 600.0, "table: {table:.0} bytes per key");
+    assert!(table < LOCAL_CEILING, "table: {table:.0} bytes per key");
     assert!(client < 1_000.0, "lease client and enforcer: {client:.0} bytes per key");
     assert!(leased < 3_000.0, "whole sidecar, leased keys: {leased:.0} bytes per key");
     // A local key is the table's key and nothing more.
     assert!(enforcer < 50.0, "enforcer, local keys: {enforcer:.0} bytes per key");
-    assert!(local < 600.0, "whole sidecar, local keys: {local:.0} bytes per key");
+    assert!(local < LOCAL_CEILING, "whole sidecar, local keys: {local:.0} bytes per key");
 }

@@ -4,10 +4,11 @@
 //! The request path only touches atomics; the smoothing state is updated by
 //! whoever samples (the lease refresher, the metrics scrape), under its own lock.
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
+use once_cell::race::OnceBox;
 use serde::Serialize;
 
 use usher_core::clock::Time;
@@ -35,13 +36,20 @@ pub struct DemandMeter {
     in_flight: AtomicI64,
     peak_in_flight: AtomicI64,
     waiters: AtomicI64,
+    /// The smoothed rate and the latest refusal's `Retry-After`, made at
+    /// the first [`DemandMeter::sample`] (the lease side's and the status
+    /// page's) or refusal: a key nobody samples and nothing refuses, as a
+    /// local tenant key, pays a pointer for them.
+    seldom: OnceBox<Seldom>,
+}
+
+/// What a key needs once it is sampled or refused ([`DemandMeter::seldom`]).
+#[derive(Debug, Default)]
+struct Seldom {
+    smooth: Mutex<Smooth>,
     /// The latest `Retry-After` a refusal gave (nanoseconds of [`Time`], 0:
     /// none): until then the apps told to wait are coming back.
     retry_at: AtomicU64,
-    /// The smoothed rate, made at the first [`DemandMeter::sample`] (the
-    /// lease side's and the status page's): a key nobody samples, as a
-    /// local tenant key, pays a pointer for it.
-    smooth: OnceLock<Box<Mutex<Smooth>>>,
 }
 
 #[derive(Debug, Default)]
@@ -123,12 +131,12 @@ impl DemandMeter {
 
     /// A refusal told its app to come back at `at` (its `Retry-After`).
     pub fn retry_at(&self, at: Time) {
-        self.retry_at.fetch_max(at.as_nanos(), Ordering::Relaxed);
+        self.seldom.get_or_init(Box::default).retry_at.fetch_max(at.as_nanos(), Ordering::Relaxed);
     }
 
     /// The latest moment a refused app was told to come back, if any was.
     pub fn retries_due(&self) -> Option<Time> {
-        let n = self.retry_at.load(Ordering::Relaxed);
+        let n = self.seldom.get().map_or(0, |s| s.retry_at.load(Ordering::Relaxed));
         (n > 0).then(|| Time::from_nanos(n))
     }
 
@@ -187,7 +195,7 @@ impl DemandMeter {
     pub fn sample(&self, now: Time) -> DemandSample {
         let count = self.arrivals();
         let in_flight = self.in_flight.load(Ordering::Relaxed);
-        let mut s = self.smooth.get_or_init(Box::default).lock().expect("demand lock");
+        let mut s = self.seldom.get_or_init(Box::default).smooth.lock().expect("demand lock");
         let window_peak = self.peak_in_flight.load(Ordering::Relaxed);
         match s.last {
             None => s.last = Some((now, count)),

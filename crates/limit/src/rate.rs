@@ -41,10 +41,10 @@
 //! with a full burst.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::Duration;
 
+use once_cell::race::OnceBox;
 use tokio::sync::Notify;
 
 use super::allot::{Account, Allot, Allotment};
@@ -65,24 +65,28 @@ pub struct Rate {
     state: Mutex<State>,
     /// Woken on capacity changes, for requests waiting on capacity 0 or
     /// for their slots: made by the first such request ([`Rate::changed`]),
-    /// so a key nobody waits at pays a pointer for it. A waiter enables its
-    /// `notified()` and then looks at the state again, so a change made
-    /// before the first waiter made it is not missed.
-    changed: OnceLock<Box<Notify>>,
-    /// It holds an allotment: read without the lock by [`Rate::account`],
-    /// which the lease client asks of every key at every demand read.
-    allotted: AtomicBool,
+    /// so a key nobody waits at pays a pointer for it (a `OnceBox` is one
+    /// pointer, a `OnceLock` two words). A waiter enables its `notified()`
+    /// and then looks at the state again, so a change made before the
+    /// first waiter made it is not missed.
+    changed: OnceBox<Notify>,
 }
 
-#[derive(Debug)]
+/// Packed to 8-byte alignment: its `u128`s would align it, and with it the
+/// whole limiter, to 16 bytes, which costs a key 16 bytes of padding. (An
+/// unaligned `u128` reads as two 8-byte words; no reference to a field is
+/// taken.)
+#[repr(C, packed(8))]
 struct State {
     /// Positions count from here.
     origin: Time,
     /// Theoretical arrival time: a position (nanoseconds since `origin`, fixed point).
     tat: u128,
-    /// Fixed-point nanoseconds per unit: `None` at capacity 0 (nothing
-    /// passes), 0 when the capacity is infinite (everything passes).
-    interval: Option<u128>,
+    /// Fixed-point nanoseconds per unit: [`CLOSED`] at capacity 0 (nothing
+    /// passes), 0 when the capacity is infinite (everything passes). Read
+    /// through [`State::interval`]; a bare `u128` takes 16 bytes where an
+    /// `Option` takes 32.
+    interval: u128,
     burst: f64,
     /// `burst` intervals, kept with them (every reservation needs it).
     burst_span: u128,
@@ -92,16 +96,11 @@ struct State {
     /// burst that shrank with the capacity clipped it first): a key comes
     /// back with what it had, never with a fresh burst.
     frozen: f64,
-    /// Counts the changes that move waiting requests so far.
-    generation: u64,
-    /// The last such changes, with their generations (boxed, made at the
-    /// first: a key whose capacity never rises under waiters nor settles a
-    /// cost pays a pointer).
-    #[allow(clippy::box_collection)] // 8 bytes per key where a VecDeque takes 32
-    changes: Option<Box<VecDeque<(u64, Change)>>>,
-    /// A calendar quota's allotment, which admits instead of the GCRA while
-    /// there is one (boxed: other keys pay a pointer).
-    allot: Option<Box<Allot>>,
+    /// The changes that move waiting requests and a calendar quota's
+    /// allotment, boxed together, made at the first of either: a key whose
+    /// capacity never rises under waiters, that settles no cost and holds
+    /// no allotment pays one pointer for both.
+    seldom: Option<Box<Seldom>>,
 }
 
 /// A change that moves the slots of the requests waiting ([`Rate::retime`]).
@@ -116,16 +115,60 @@ enum Change {
     Settled { at: u128, by: u128, later: bool },
 }
 
+/// The interval of capacity 0: no finite capacity's interval reaches it
+/// ([`interval_of`] keeps them below `u128::MAX as f64`, itself below this).
+const CLOSED: u128 = u128::MAX;
+
+/// What few rate keys need ([`State::seldom`]).
+#[derive(Debug, Default)]
+struct Seldom {
+    /// How many changes moved waiting requests so far ([`Rate::retime`]; 0
+    /// while the box is not made).
+    generation: u64,
+    /// The last of them, with their generations.
+    kept: VecDeque<(u64, Change)>,
+    /// A calendar quota's allotment, which admits instead of the GCRA while
+    /// there is one (boxed: a key with changes alone pays a pointer).
+    allot: Option<Box<Allot>>,
+}
+
 impl State {
     /// Records a change for the waiters to follow.
     fn changed(&mut self, change: Change) {
-        self.generation += 1;
-        let g = self.generation;
-        let changes = self.changes.get_or_insert_default();
-        changes.push_back((g, change));
-        if changes.len() > CHANGES_KEPT {
-            changes.pop_front();
+        let changes = self.seldom.get_or_insert_default();
+        changes.generation += 1;
+        changes.kept.push_back((changes.generation, change));
+        if changes.kept.len() > CHANGES_KEPT {
+            changes.kept.pop_front();
         }
+    }
+
+    /// Counts the changes that move waiting requests so far.
+    fn generation(&self) -> u64 {
+        self.seldom.as_ref().map_or(0, |c| c.generation)
+    }
+
+    /// The allotment, while there is one.
+    #[inline]
+    fn allot(&mut self) -> Option<&mut Allot> {
+        self.seldom.as_mut().and_then(|x| x.allot.as_deref_mut())
+    }
+
+    /// Whether there is an allotment.
+    fn allotted(&self) -> bool {
+        self.seldom.as_ref().is_some_and(|x| x.allot.is_some())
+    }
+
+    /// Fixed-point nanoseconds per unit: `None` at capacity 0 (nothing
+    /// passes), 0 when the capacity is infinite (everything passes).
+    #[inline]
+    fn interval(&self) -> Option<u128> {
+        (self.interval != CLOSED).then_some(self.interval)
+    }
+
+    /// Sets the interval ([`interval_of`]'s `None`: capacity 0).
+    fn set_interval(&mut self, interval: Option<u128>) {
+        self.interval = interval.unwrap_or(CLOSED);
     }
 }
 
@@ -227,18 +270,15 @@ impl Rate {
                     origin: now,
                     // The position `backlog` intervals past the origin.
                     tat: interval.map_or(0, |i| times(i, backlog)),
-                    interval,
+                    interval: interval.unwrap_or(CLOSED),
                     burst,
                     burst_span,
                     capacity,
                     frozen: if interval.is_none() { backlog } else { 0.0 },
-                    generation: 0,
-                    changes: None,
-                    allot: None,
+                    seldom: None,
                 }
             }),
-            changed: OnceLock::new(),
-            allotted: AtomicBool::new(false),
+            changed: OnceBox::new(),
         }
     }
 
@@ -281,11 +321,11 @@ impl Rate {
         let mut s = self.state.lock().expect("rate lock");
         let at = now;
         let now = s.pos(now);
-        let ticket = Ticket { slot: now, deadline: now, generation: s.generation };
-        if let Some(a) = &mut s.allot {
+        let ticket = Ticket { slot: now, deadline: now, generation: s.generation() };
+        if let Some(a) = s.allot() {
             return (take_allotted(a, at, cost), ticket);
         }
-        let interval = match s.interval {
+        let interval = match s.interval() {
             None => return (Reservation::TooLate { wait: None }, ticket),
             Some(0) => return (Reservation::Slot { wait: Duration::ZERO, cost: 0.0 }, ticket),
             Some(i) => i,
@@ -316,9 +356,9 @@ impl Rate {
     /// how long its request still waits from `now`.
     pub fn retime(&self, ticket: &mut Ticket, now: Time) -> Duration {
         let s = self.state.lock().expect("rate lock");
-        let missed = s.changes.as_ref().and_then(|c| c.front()).is_some_and(|(g, _)| *g > ticket.generation + 1);
+        let missed = s.seldom.as_ref().and_then(|c| c.kept.front()).is_some_and(|(g, _)| *g > ticket.generation + 1);
         if !missed {
-            for &(_, change) in s.changes.iter().flat_map(|c| c.iter()).filter(|(g, _)| *g > ticket.generation) {
+            for &(_, change) in s.seldom.iter().flat_map(|c| c.kept.iter()).filter(|(g, _)| *g > ticket.generation) {
                 match change {
                     Change::Faster { at, old, new } if ticket.slot > at => {
                         let left = (ticket.slot - at) as f64 * (new as f64 / old as f64);
@@ -334,17 +374,17 @@ impl Rate {
                 }
             }
         }
-        ticket.generation = s.generation;
+        ticket.generation = s.generation();
         ceil_duration(ticket.slot.saturating_sub(s.pos(now)))
     }
 
     /// Gives a reservation of `cost` units back.
     pub fn release(&self, cost: f64) {
         let mut s = self.state.lock().expect("rate lock");
-        if let Some(a) = &mut s.allot {
+        if let Some(a) = s.allot() {
             return a.give_back(cost);
         }
-        match s.interval {
+        match s.interval() {
             Some(i) => s.tat = s.tat.saturating_sub(times(i, cost)),
             None => s.frozen = (s.frozen - cost).max(0.0),
         }
@@ -355,10 +395,10 @@ impl Rate {
     /// allotment, which nothing refills).
     pub fn backlog(&self, now: Time) -> f64 {
         let s = self.state.lock().expect("rate lock");
-        if s.allot.is_some() {
+        if s.allotted() {
             return 0.0;
         }
-        match s.interval {
+        match s.interval() {
             Some(i) if i > 0 => (s.tat.saturating_sub(s.pos(now)) as f64 / i as f64 - s.burst).max(0.0),
             _ => 0.0,
         }
@@ -375,10 +415,10 @@ impl Rate {
     /// unlimited.
     pub fn available(&self, now: Time) -> f64 {
         let mut s = self.state.lock().expect("rate lock");
-        if let Some(a) = &mut s.allot {
+        if let Some(a) = s.allot() {
             return a.left(now);
         }
-        match s.interval {
+        match s.interval() {
             None => 0.0,
             Some(0) => f64::INFINITY,
             Some(i) => {
@@ -398,7 +438,7 @@ impl Rate {
             return 0.0;
         }
         let mut s = self.state.lock().expect("rate lock");
-        if let Some(a) = &mut s.allot {
+        if let Some(a) = s.allot() {
             a.charge(units);
             drop(s);
             if units < 0.0 {
@@ -407,8 +447,8 @@ impl Rate {
             return 0.0;
         }
         let now = s.pos(now);
-        let Some(i) = s.interval.filter(|i| *i > 0) else {
-            if s.interval.is_none() {
+        let Some(i) = s.interval().filter(|i| *i > 0) else {
+            if s.interval().is_none() {
                 s.frozen = (s.frozen + units).max(0.0);
             }
             return 0.0;
@@ -447,14 +487,14 @@ impl Rate {
             return 0.0;
         }
         let now = s.pos(now);
-        let backlog_units = match s.interval {
+        let backlog_units = match s.interval() {
             // From unlimited: nothing was tracked, so nothing is owed.
             Some(0) => 0.0,
             Some(i) => s.tat.saturating_sub(now) as f64 / i as f64,
             None => s.frozen,
         };
         let burst = burst.max(1.0);
-        let clipped = match s.interval {
+        let clipped = match s.interval() {
             Some(0) => 0.0,
             _ => (s.burst - backlog_units - burst).max(0.0),
         };
@@ -462,17 +502,17 @@ impl Rate {
         let available = (s.burst - backlog_units).min(burst);
         let backlog_units = burst - available;
         s.frozen = backlog_units;
-        let old_interval = s.interval;
-        s.interval = interval_of(capacity);
-        if let (Some(old), Some(new)) = (old_interval, s.interval)
+        let old_interval = s.interval();
+        s.set_interval(interval_of(capacity));
+        if let (Some(old), Some(new)) = (old_interval, s.interval())
             && new < old
         {
             s.changed(Change::Faster { at: now, old, new });
         }
         s.capacity = capacity;
         s.burst = burst;
-        s.burst_span = s.interval.map_or(0, |i| times(i, s.burst));
-        s.tat = now.saturating_add(s.interval.map_or(0, |i| times(i, backlog_units)));
+        s.burst_span = s.interval().map_or(0, |i| times(i, s.burst));
+        s.tat = now.saturating_add(s.interval().map_or(0, |i| times(i, backlog_units)));
         drop(s);
         self.wake();
         clipped
@@ -486,11 +526,10 @@ impl Rate {
     /// from it, not from the GCRA (see `allot`). Waiters look again.
     pub fn allot(&self, now: Time, a: Allotment) {
         let mut s = self.state.lock().expect("rate lock");
-        match &mut s.allot {
+        match s.allot() {
             Some(cur) => cur.replace(a, now),
-            None => s.allot = Some(Box::new(Allot::new(a, now))),
+            None => s.seldom.get_or_insert_default().allot = Some(Box::new(Allot::new(a, now))),
         }
-        self.allotted.store(true, Ordering::Relaxed);
         drop(s);
         self.wake();
     }
@@ -500,10 +539,9 @@ impl Rate {
     /// hands out no burst).
     pub fn end_allotment(&self, now: Time) {
         let mut s = self.state.lock().expect("rate lock");
-        if s.allot.take().is_none() {
+        if s.seldom.as_mut().and_then(|x| x.allot.take()).is_none() {
             return;
         }
-        self.allotted.store(false, Ordering::Relaxed);
         let now = s.pos(now);
         s.tat = now.saturating_add(s.burst_span);
         s.frozen = s.burst;
@@ -511,26 +549,25 @@ impl Rate {
         self.wake();
     }
 
-    /// The allotment's account at `now`, while there is one.
+    /// The allotment's account at `now`, while there is one. (It takes the
+    /// lock: [`Limiter::account`](super::Limiter::account) asks only a key
+    /// that ever held an allotment.)
     pub fn account(&self, now: Time) -> Option<Account> {
-        if !self.allotted.load(Ordering::Relaxed) {
-            return None;
-        }
-        self.state.lock().expect("rate lock").allot.as_mut().map(|a| a.account(now))
+        self.state.lock().expect("rate lock").allot().map(|a| a.account(now))
     }
 
     /// The reset of the unit an allotment counts in, while there is one.
     pub fn allotment_reset(&self) -> Option<Time> {
-        self.state.lock().expect("rate lock").allot.as_ref().map(|a| a.reset())
+        self.state.lock().expect("rate lock").allot().map(|a| a.reset())
     }
 
     /// Whether a request of `cost` could pass at `now` without a change:
     /// capacity above 0, or an allotment with enough left.
     pub fn open(&self, now: Time, cost: f64) -> bool {
         let mut s = self.state.lock().expect("rate lock");
-        match &mut s.allot {
+        match s.allot() {
             Some(a) => a.open(now, cost),
-            None => s.interval.is_some(),
+            None => s.interval().is_some(),
         }
     }
 }

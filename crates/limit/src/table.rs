@@ -7,18 +7,20 @@
 //! across resources or keys. A templated resource creates a key on its first
 //! request, up to `max_keys`; a request for one more is refused. Up to
 //! [`FOLD_SMALL`] keys, a new key replaces the snapshot at once. Beyond, new
-//! keys go into a small locked map first, folded into the snapshot once it
+//! keys go into a small locked set first, folded into the snapshot once it
 //! holds a quarter as many keys as the snapshot, or at the next demand poll
 //! a second after its first key came ([`LeaseTable::settle`]): a new key
 //! costs O(1) amortised (a copy of the whole snapshot per new key made
 //! creating n keys O(n²)), and is read lock-free from its fold on.
 
-use std::collections::HashMap;
+use std::borrow::Borrow;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use once_cell::race::OnceBox;
 use serde::Serialize;
 use tokio::sync::Notify;
 
@@ -101,16 +103,35 @@ impl ResourceSpec {
 
 /// The limiter of one resource key (one Doorman resource id).
 pub struct Limiter {
-    /// The id, one copy shared with its resource's map of keys.
-    id: Arc<str>,
-    kind: Kind,
-    rate: Option<Rate>,
-    gauge: Option<Arc<Gauge>>,
+    /// The id, which its resource's set of keys looks it up by ([`Key`]).
+    id: Box<str>,
+    pacer: Pacer,
     demand: DemandMeter,
-    spec: Arc<ArcSwap<ResourceSpec>>,
-    clock: Clock,
-    /// The table's [`LeaseTable::activity`].
-    activity: Arc<Activity>,
+    /// Its resource's spec, clock and activity, one copy for all its keys.
+    shared: Arc<Shared>,
+    /// What few keys are told (an upstream's hold, what the servers said of
+    /// the key), made by the first write of something other than "none":
+    /// a key never told anything pays a pointer for it. No box reads as
+    /// nothing said. Made with the key for a resource whose upstream
+    /// reports its quota, which only such a key keeps.
+    rare: OnceBox<Rare>,
+    /// When the lease side last saw the key used (nanoseconds of [`Time`],
+    /// 0: never looked), and its arrivals then (f64 bits): see
+    /// [`Limiter::last_use`]. Kept here, not in a map beside the table, so
+    /// that a key the lease client never sees costs no entry elsewhere.
+    used_at: AtomicU64,
+    used_arrivals: AtomicU64,
+}
+
+/// What limits a key: its kind and its state, in one field.
+enum Pacer {
+    Rate(Rate),
+    Gauge(Arc<Gauge>),
+}
+
+/// What few keys are told ([`Limiter::rare`]); each field reads 0 for "none".
+#[derive(Default)]
+struct Rare {
     /// When an upstream's `Retry-After` ends (nanoseconds of [`Time`], 0:
     /// none): read only by an admission that has to wait.
     hold_until: AtomicU64,
@@ -129,14 +150,13 @@ pub struct Limiter {
     /// [`Time`], 0: not spent, or not said).
     renews: AtomicU64,
     /// The upstream's freshest account of its quota, for a resource whose
-    /// upstream reports one (boxed: other keys pay a pointer).
+    /// upstream reports one (`None` for the others; boxed, so that a key
+    /// told of its lease's bucket or fleet pays a pointer for it).
     quota: Option<Box<Mutex<QuotaCell>>>,
-    /// When the lease side last saw the key used (nanoseconds of [`Time`],
-    /// 0: never looked), and its arrivals then (f64 bits): see
-    /// [`Limiter::last_use`]. Kept here, not in a map beside the table, so
-    /// that a key the lease client never sees costs no entry elsewhere.
-    used_at: AtomicU64,
-    used_arrivals: AtomicU64,
+    /// It was given a calendar quota's allotment: set before the first,
+    /// never cleared, so that [`Limiter::account`] takes the rate's lock
+    /// only for such a key.
+    allotted: AtomicBool,
 }
 
 /// A key's freshest upstream quota, and whether the lease client has it.
@@ -150,39 +170,54 @@ impl std::fmt::Debug for Limiter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Limiter")
             .field("id", &self.id)
-            .field("kind", &self.kind)
+            .field("kind", &self.kind())
             .field("capacity", &self.capacity())
             .finish()
     }
 }
 
 impl Limiter {
-    fn new(id: Arc<str>, spec: Arc<ArcSwap<ResourceSpec>>, clock: Clock, activity: Arc<Activity>) -> Self {
-        let s = spec.load();
-        let (rate, gauge) = match s.kind {
+    fn new(id: Box<str>, shared: Arc<Shared>) -> Self {
+        let s = shared.spec.load();
+        let clock = &shared.clock;
+        let pacer = match s.kind {
             Kind::Rate => {
                 let available = if s.shared { 1.0 } else { f64::INFINITY };
-                (Some(Rate::starting(s.capacity, s.burst, available, clock.now())), None)
+                Pacer::Rate(Rate::starting(s.capacity, s.burst, available, clock.now()))
             }
-            Kind::Gauge => (None, Some(Gauge::new(gauge_units(s.capacity)))),
+            Kind::Gauge => Pacer::Gauge(Gauge::new(gauge_units(s.capacity))),
         };
         Limiter {
             id,
-            kind: s.kind,
-            rate,
-            gauge,
+            pacer,
             demand: DemandMeter::default(),
-            spec: spec.clone(),
-            clock,
-            activity,
-            hold_until: AtomicU64::new(0),
-            fleet: AtomicU64::new(0),
-            bucket: AtomicU64::new(0),
-            owed: AtomicU32::new(0),
-            renews: AtomicU64::new(0),
-            quota: s.upstream_quota.then(Box::default),
+            shared,
+            rare: match s.upstream_quota {
+                true => OnceBox::with_value(Box::new(Rare { quota: Some(Box::default()), ..Rare::default() })),
+                false => OnceBox::new(),
+            },
             used_at: AtomicU64::new(0),
             used_arrivals: AtomicU64::new(0),
+        }
+    }
+
+    /// What the key was told, made now if it was told nothing yet.
+    fn rare(&self) -> &Rare {
+        self.rare.get_or_init(Box::default)
+    }
+
+    /// Reads one of the rarely set fields: 0 if the key was told nothing.
+    fn rare_u64(&self, field: impl FnOnce(&Rare) -> &AtomicU64) -> u64 {
+        self.rare.get().map_or(0, |r| field(r).load(Ordering::Relaxed))
+    }
+
+    /// Sets one of the rarely set fields; storing 0 (none) in a key told
+    /// nothing yet makes no box.
+    fn set_rare_u64(&self, bits: u64, field: impl FnOnce(&Rare) -> &AtomicU64) {
+        match self.rare.get() {
+            Some(r) => field(r).store(bits, Ordering::Relaxed),
+            None if bits == 0 => {}
+            None => field(self.rare()).store(bits, Ordering::Relaxed),
         }
     }
 
@@ -210,7 +245,7 @@ impl Limiter {
 
     /// Keeps an upstream's account of its quota if it is the freshest.
     pub fn observe(&self, o: super::quota::Observation) {
-        if let Some(cell) = &self.quota {
+        if let Some(cell) = self.rare.get().and_then(|r| r.quota.as_ref()) {
             let mut c = cell.lock().expect("quota lock");
             if c.latest.is_none_or(|l| o.observed >= l.observed) {
                 c.latest = Some(o);
@@ -222,7 +257,7 @@ impl Limiter {
     /// The freshest upstream quota, and whether it is new since the last
     /// call that `report`ed it.
     pub fn quota(&self, report: bool) -> (Option<super::quota::Observation>, bool) {
-        let Some(cell) = &self.quota else { return (None, false) };
+        let Some(cell) = self.rare.get().and_then(|r| r.quota.as_ref()) else { return (None, false) };
         let mut c = cell.lock().expect("quota lock");
         let new = !c.reported && c.latest.is_some();
         if report {
@@ -235,25 +270,25 @@ impl Limiter {
     /// pushback): an admission that would have to wait past it and past
     /// `max_wait` is refused at once.
     pub fn set_hold(&self, until: Option<Time>) {
-        self.hold_until.store(until.map_or(0, Time::as_nanos), Ordering::Relaxed);
+        self.set_rare_u64(until.map_or(0, Time::as_nanos), |r| &r.hold_until);
     }
 
     /// When the upstream's `Retry-After` for this key ends, if it was given.
     pub fn hold_until(&self) -> Option<Time> {
-        let n = self.hold_until.load(Ordering::Relaxed);
+        let n = self.rare_u64(|r| &r.hold_until);
         (n > 0).then(|| Time::from_nanos(n))
     }
 
     /// Tells the lease client that this key needs it now (a request waits
     /// or is refused): see [`LeaseTable::activity`].
     pub fn nudge(&self) {
-        self.activity.nudge();
+        self.shared.activity.nudge();
     }
 
     /// A request arrived: wakes a lease client that went to sleep.
     #[inline]
     pub fn arrived(&self) {
-        self.activity.arrived();
+        self.shared.activity.arrived();
     }
 
     /// The Doorman resource id this key enforces.
@@ -263,17 +298,20 @@ impl Limiter {
 
     /// Whether the key is a rate or a gauge.
     pub fn kind(&self) -> Kind {
-        self.kind
+        match self.pacer {
+            Pacer::Rate(_) => Kind::Rate,
+            Pacer::Gauge(_) => Kind::Gauge,
+        }
     }
 
     /// Its resource's spec as configured now.
     pub fn spec(&self) -> Arc<ResourceSpec> {
-        self.spec.load_full()
+        self.shared.spec.load_full()
     }
 
     /// Whether its resource is in shadow mode (decided, never enforced).
     pub fn is_shadow(&self) -> bool {
-        self.spec.load().shadow
+        self.shared.spec.load().shadow
     }
 
     /// What the key is asked for.
@@ -282,23 +320,31 @@ impl Limiter {
     }
 
     /// The pacer of a rate key; `None` for a gauge.
+    #[inline]
     pub fn rate(&self) -> Option<&Rate> {
-        self.rate.as_ref()
+        match &self.pacer {
+            Pacer::Rate(r) => Some(r),
+            Pacer::Gauge(_) => None,
+        }
     }
 
     /// The semaphore of a gauge key; `None` for a rate.
+    #[inline]
     pub fn gauge(&self) -> Option<&Arc<Gauge>> {
-        self.gauge.as_ref()
+        match &self.pacer {
+            Pacer::Rate(_) => None,
+            Pacer::Gauge(g) => Some(g),
+        }
     }
 
     /// The clock its limiter reads.
     pub fn clock(&self) -> &Clock {
-        &self.clock
+        &self.shared.clock
     }
 
     /// Current capacity: units per second (rate) or in flight (gauge).
     pub fn capacity(&self) -> f64 {
-        match (&self.rate, &self.gauge) {
+        match (self.rate(), self.gauge()) {
             (Some(r), _) => r.capacity(),
             (_, Some(g)) => g.capacity() as f64,
             _ => 0.0,
@@ -311,17 +357,17 @@ impl Limiter {
     /// round a fractional capacity down.
     pub fn set_capacity(&self, capacity: f64) {
         let capacity = if capacity.is_nan() { 0.0 } else { capacity.max(0.0) };
-        if let Some(r) = &self.rate {
-            let now = self.clock.now();
+        if let Some(r) = self.rate() {
+            let now = self.shared.clock.now();
             match self.bucket() {
                 // What a smaller bucket clips is owed to the servers' pool.
                 Some(bucket) => self.owe(r.set(now, capacity, bucket)),
                 None => {
-                    r.set(now, capacity, self.spec.load().burst_at(capacity, self.fleet()));
+                    r.set(now, capacity, self.shared.spec.load().burst_at(capacity, self.fleet()));
                 }
             }
         }
-        if let Some(g) = &self.gauge {
+        if let Some(g) = self.gauge() {
             g.set_capacity(gauge_units(capacity));
         }
     }
@@ -334,41 +380,41 @@ impl Limiter {
     /// holds its lease's share of the burst, and a new lease comes from
     /// capacity nobody holds.
     pub fn fill(&self, fresh: bool) {
-        let spec = self.spec.load();
+        let spec = self.shared.spec.load();
         let whole = self.fleet().unwrap_or(spec.capacity);
         // (An allotment is what the key may spend: a burst is no part of it.)
-        if let Some(r) = &self.rate
+        if let Some(r) = self.rate()
             && spec.shared
             && (fresh || r.capacity() >= whole * (1.0 - 1e-9))
             && r.allotment_reset().is_none()
         {
-            r.charge(self.clock.now(), -r.burst());
+            r.charge(self.shared.clock.now(), -r.burst());
         }
     }
 
     /// The next moment the lease client may change this key's capacity, if
     /// it said (see [`LeaseTable::set_renewal`]).
     pub fn renewal(&self) -> Option<Time> {
-        self.activity.renewal()
+        self.shared.activity.renewal()
     }
 
     /// Records when the quota the servers follow for this key's resource
     /// renews, while they say it is spent (None: it is not): a refusal for
     /// capacity 0 meanwhile says to retry then.
     pub fn set_renews(&self, renews: Option<Time>) {
-        self.renews.store(renews.map_or(0, |t| t.as_nanos().max(1)), Ordering::Relaxed);
+        self.set_rare_u64(renews.map_or(0, |t| t.as_nanos().max(1)), |r| &r.renews);
     }
 
     /// When the spent quota the servers follow for this key renews, while they say it is spent.
     pub fn renews(&self) -> Option<Time> {
-        let n = self.renews.load(Ordering::Relaxed);
+        let n = self.rare_u64(|r| &r.renews);
         (n > 0).then(|| Time::from_nanos(n))
     }
 
     /// How long a request refused for capacity 0 at `now` should wait: until
     /// the spent quota renews, if the servers said when, else a second.
     pub fn zero_retry(&self, now: Time) -> Duration {
-        match self.renews.load(Ordering::Relaxed) {
+        match self.rare_u64(|r| &r.renews) {
             0 => Duration::from_secs(1),
             t => Time::from_nanos(t).since(now).max(Duration::from_secs(1)),
         }
@@ -385,12 +431,12 @@ impl Limiter {
             }
             None => 0,
         };
-        self.bucket.store(bits, Ordering::Relaxed);
+        self.set_rare_u64(bits, |r| &r.bucket);
     }
 
     /// The bucket the servers gave the key's lease, if they did.
     pub fn bucket(&self) -> Option<f64> {
-        let bits = self.bucket.load(Ordering::Relaxed);
+        let bits = self.rare_u64(|r| &r.bucket);
         (bits != 0).then(|| f64::from(f32::from_bits((bits >> 32) as u32)))
     }
 
@@ -398,7 +444,7 @@ impl Limiter {
     /// no bucket): a request that would wait past its `max_wait` at the
     /// key's lease may wait for a credit of them (see [`Rate::reserve_ticket`]).
     pub fn pooled(&self) -> f64 {
-        f64::from(f32::from_bits(self.bucket.load(Ordering::Relaxed) as u32))
+        f64::from(f32::from_bits(self.rare_u64(|r| &r.bucket) as u32))
     }
 
     /// What a shared rate key says of its bucket as a request for its lease
@@ -410,17 +456,18 @@ impl Limiter {
     /// its mean cost, whichever is more. `None` for a gauge, a key of one
     /// sidecar alone, and an allotment.
     pub fn give_back(&self) -> Option<BucketSaid> {
-        let r = self.rate.as_ref().filter(|_| self.spec.load().shared)?;
+        let r = self.rate().filter(|_| self.shared.spec.load().shared)?;
         if r.allotment_reset().is_some() {
             return None;
         }
-        let now = self.clock.now();
+        let now = self.shared.clock.now();
         let requests = self.demand.requests();
         let mean = if requests == 0 { 1.0 } else { (self.demand.arrivals() / requests as f64).max(1e-9) };
         let capacity = r.capacity();
         let span = if capacity.is_finite() { capacity * RESERVE_SPAN.as_secs_f64() } else { 0.0 };
         let reserve = span.max(mean * RESERVE_REQUESTS);
-        let mut returned = f64::from(f32::from_bits(self.owed.swap(0, Ordering::Relaxed)));
+        let owed = self.rare.get().map_or(0, |r| r.owed.swap(0, Ordering::Relaxed));
+        let mut returned = f64::from(f32::from_bits(owed));
         if self.bucket().is_some() {
             let level = r.available(now);
             if level.is_finite() && level > reserve {
@@ -433,12 +480,12 @@ impl Limiter {
 
     /// Records the capacity the servers share for this key's resource.
     pub fn set_fleet(&self, capacity: f64) {
-        self.fleet.store(capacity.to_bits(), Ordering::Relaxed);
+        self.set_rare_u64(capacity.to_bits(), |r| &r.fleet);
     }
 
     /// The capacity the servers share for this key's resource, if they said.
     pub fn fleet(&self) -> Option<f64> {
-        let bits = self.fleet.load(Ordering::Relaxed);
+        let bits = self.rare_u64(|r| &r.fleet);
         (bits != 0).then(|| f64::from_bits(bits))
     }
 
@@ -447,8 +494,8 @@ impl Limiter {
     /// servers gave the key a bucket, what a full bucket has no room for is
     /// owed to their pool.
     pub fn charge(&self, units: f64) {
-        if let Some(r) = &self.rate {
-            self.owe(r.charge(self.clock.now(), units));
+        if let Some(r) = self.rate() {
+            self.owe(r.charge(self.shared.clock.now(), units));
         }
     }
 
@@ -458,14 +505,15 @@ impl Limiter {
     fn owe(&self, units: f64) {
         if units.is_finite() && units > 0.0 && self.bucket().is_some() {
             let add = |o: u32| Some((f32::from_bits(o) + units as f32).to_bits());
-            let _ = self.owed.fetch_update(Ordering::Relaxed, Ordering::Relaxed, add);
+            // (A bucket was given: the box is made.)
+            let _ = self.rare().owed.fetch_update(Ordering::Relaxed, Ordering::Relaxed, add);
         }
     }
 
     /// Units that could be admitted now without waiting, fractions included.
     pub fn available(&self) -> f64 {
-        match (&self.rate, &self.gauge) {
-            (Some(r), _) => r.available(self.clock.now()),
+        match (self.rate(), self.gauge()) {
+            (Some(r), _) => r.available(self.shared.clock.now()),
             (_, Some(g)) => g.remaining() as f64,
             _ => 0.0,
         }
@@ -476,14 +524,14 @@ impl Limiter {
     /// pool as the lease grew, so the fleet's buckets and the pool together
     /// still hold no more than its burst. Not to an allotment (no burst).
     pub fn credit(&self, units: f64) {
-        let spec = self.spec.load();
-        if let Some(r) = &self.rate
+        let spec = self.shared.spec.load();
+        if let Some(r) = self.rate()
             && spec.shared
             && units.is_finite()
             && units > 0.0
             && r.allotment_reset().is_none()
         {
-            self.owe(r.charge(self.clock.now(), -units));
+            self.owe(r.charge(self.shared.clock.now(), -units));
         }
     }
 
@@ -492,8 +540,8 @@ impl Limiter {
     /// (else the configured one). `None` for a gauge, a key of one sidecar
     /// alone, or a capacity of 0.
     pub fn window(&self) -> Option<f64> {
-        let spec = self.spec.load();
-        self.rate.as_ref().filter(|_| spec.shared)?;
+        let spec = self.shared.spec.load();
+        self.rate().filter(|_| spec.shared)?;
         let w = match spec.burst_span {
             Some(span) => span.as_secs_f64(),
             None => spec.burst / self.fleet().unwrap_or(spec.capacity),
@@ -504,23 +552,32 @@ impl Limiter {
     /// Takes a calendar quota's allotment (`None`: it ended), see
     /// [`Rate::allot`]; a gauge has none.
     pub fn allot(&self, a: Option<super::allot::Allotment>) {
-        if let Some(r) = &self.rate {
+        if let Some(r) = self.rate() {
             match a {
-                Some(a) => r.allot(self.clock.now(), a),
-                None => r.end_allotment(self.clock.now()),
+                Some(a) => {
+                    // Before the allotment: a reader that sees none looks no further.
+                    self.rare().allotted.store(true, Ordering::Relaxed);
+                    r.allot(self.shared.clock.now(), a)
+                }
+                None => r.end_allotment(self.shared.clock.now()),
             }
         }
     }
 
     /// The key's account of its calendar unit, while it holds an allotment.
+    /// A key that never held one answers without the rate's lock: the lease
+    /// client asks every key at every demand read.
     pub fn account(&self) -> Option<super::allot::Account> {
-        self.rate.as_ref().and_then(|r| r.account(self.clock.now()))
+        if !self.rare.get().is_some_and(|r| r.allotted.load(Ordering::Relaxed)) {
+            return None;
+        }
+        self.rate().and_then(|r| r.account(self.shared.clock.now()))
     }
 
     /// Units that could be admitted now without waiting.
     pub fn remaining(&self) -> u64 {
-        match (&self.rate, &self.gauge) {
-            (Some(r), _) => r.remaining(self.clock.now()),
+        match (self.rate(), self.gauge()) {
+            (Some(r), _) => r.remaining(self.shared.clock.now()),
             (_, Some(g)) => g.remaining(),
             _ => 0,
         }
@@ -551,24 +608,59 @@ fn gauge_units(capacity: f64) -> u64 {
     if capacity.is_nan() || capacity <= 0.0 { 0 } else { (capacity.floor() as u64).min(UNLIMITED_GAUGE) }
 }
 
+/// What every key of one resource shares: one pointer per key where three
+/// fields took 32 bytes.
+struct Shared {
+    spec: ArcSwap<ResourceSpec>,
+    /// The table's clock.
+    clock: Clock,
+    /// The table's [`LeaseTable::activity`].
+    activity: Arc<Activity>,
+}
+
 /// One configured resource and its keys.
 pub struct ResourceLimits {
-    spec: Arc<ArcSwap<ResourceSpec>>,
+    /// Its spec, clock and activity, which each key holds too.
+    shared: Arc<Shared>,
     /// Settled keys, read lock-free.
-    keys: ArcSwap<HashMap<Arc<str>, Arc<Limiter>>>,
+    keys: ArcSwap<HashSet<Key>>,
     /// Keys made since the last fold into `keys`. Its lock also serialises
     /// every change of `keys`; a lookup takes it only for an id `keys` lacks.
     recent: Mutex<Recent>,
     /// Whether `recent` may hold a key: a miss in `keys` is then looked up there.
     has_recent: AtomicBool,
-    clock: Clock,
-    activity: Arc<Activity>,
 }
+
+/// A key in its resource's set, found by its id: one pointer a slot, where
+/// a map from a shared id took three, and the id has one owner.
+#[derive(Clone)]
+struct Key(Arc<Limiter>);
+
+impl Borrow<str> for Key {
+    fn borrow(&self) -> &str {
+        &self.0.id
+    }
+}
+
+impl std::hash::Hash for Key {
+    /// As its id hashes, which [`Borrow`] lookups rely on.
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.id.hash(state);
+    }
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.id == other.0.id
+    }
+}
+
+impl Eq for Key {}
 
 /// Keys made since the last fold, and when the first of them was.
 #[derive(Default)]
 struct Recent {
-    keys: HashMap<Arc<str>, Arc<Limiter>>,
+    keys: HashSet<Key>,
     since: Option<usher_core::clock::Time>,
 }
 
@@ -654,25 +746,23 @@ pub enum KeyRefused {
 impl ResourceLimits {
     fn new(spec: ResourceSpec, clock: Clock, activity: Arc<Activity>) -> Self {
         ResourceLimits {
-            spec: Arc::new(ArcSwap::from_pointee(spec)),
+            shared: Arc::new(Shared { spec: ArcSwap::from_pointee(spec), clock, activity }),
             keys: ArcSwap::default(),
             recent: Mutex::new(Recent::default()),
             has_recent: AtomicBool::new(false),
-            clock,
-            activity,
         }
     }
 
     /// The resource's spec as configured now.
     pub fn spec(&self) -> Arc<ResourceSpec> {
-        self.spec.load_full()
+        self.shared.spec.load_full()
     }
 
     /// Whether `l` is one of this resource's keys: every key shares its
     /// resource's spec cell, so this is a pointer compare, where comparing
     /// names would load the key's spec first.
     pub fn owns(&self, l: &Limiter) -> bool {
-        Arc::ptr_eq(&self.spec, &l.spec)
+        Arc::ptr_eq(&self.shared, &l.shared)
     }
 
     /// The limiter for `id`, created on first use (fixed ids: no bound applies).
@@ -683,44 +773,43 @@ impl ResourceLimits {
     /// The limiter for a templated `id`, created on first use unless the
     /// resource already has `max_keys` keys.
     pub fn try_limiter(&self, id: &str) -> Result<Arc<Limiter>, KeyRefused> {
-        self.get_or_create(id, self.spec.load().max_keys)
+        self.get_or_create(id, self.shared.spec.load().max_keys)
     }
 
     /// The limiter for `id` if it exists.
     pub fn get(&self, id: &str) -> Option<Arc<Limiter>> {
-        if let Some(l) = self.keys.load().get(id) {
-            return Some(l.clone());
+        if let Some(k) = self.keys.load().get(id) {
+            return Some(k.0.clone());
         }
         if !self.has_recent.load(Ordering::Acquire) {
             return None;
         }
         let recent = self.recent.lock().expect("key lock");
         // A fold may have moved it meanwhile.
-        recent.keys.get(id).cloned().or_else(|| self.keys.load().get(id).cloned())
+        recent.keys.get(id).map(|k| k.0.clone()).or_else(|| self.keys.load().get(id).map(|k| k.0.clone()))
     }
 
     fn get_or_create(&self, id: &str, bound: usize) -> Result<Arc<Limiter>, KeyRefused> {
-        if let Some(l) = self.keys.load().get(id) {
-            return Ok(l.clone());
+        if let Some(k) = self.keys.load().get(id) {
+            return Ok(k.0.clone());
         }
         if id.len() > MAX_ID_BYTES {
-            return Err(KeyRefused::TooLong { resource: self.spec.load().name.clone(), bytes: id.len() });
+            return Err(KeyRefused::TooLong { resource: self.shared.spec.load().name.clone(), bytes: id.len() });
         }
         let mut recent = self.recent.lock().expect("key lock");
         let keys = self.keys.load();
-        if let Some(l) = recent.keys.get(id).or_else(|| keys.get(id)) {
-            return Ok(l.clone());
+        if let Some(k) = recent.keys.get(id).or_else(|| keys.get(id)) {
+            return Ok(k.0.clone());
         }
         let count = keys.len() + recent.keys.len();
         if count >= bound {
-            let spec = self.spec.load();
+            let spec = self.shared.spec.load();
             return Err(KeyRefused::Full { resource: spec.name.clone(), max_keys: spec.max_keys });
         }
-        let id: Arc<str> = Arc::from(id);
-        let l = Arc::new(Limiter::new(id.clone(), self.spec.clone(), self.clock.clone(), self.activity.clone()));
-        self.activity.nudge();
-        recent.keys.insert(id, l.clone());
-        recent.since.get_or_insert_with(|| self.clock.now());
+        let l = Arc::new(Limiter::new(id.into(), self.shared.clone()));
+        self.shared.activity.nudge();
+        recent.keys.insert(Key(l.clone()));
+        recent.since.get_or_insert_with(|| self.shared.clock.now());
         if count < FOLD_SMALL || recent.keys.len() >= keys.len() / FOLD_FRACTION {
             self.fold(&mut recent, &keys);
         } else {
@@ -730,9 +819,9 @@ impl ResourceLimits {
     }
 
     /// Moves the recent keys into a new snapshot.
-    fn fold(&self, recent: &mut Recent, keys: &HashMap<Arc<str>, Arc<Limiter>>) {
-        let mut next = HashMap::with_capacity(keys.len() + recent.keys.len());
-        next.extend(keys.iter().map(|(k, v)| (k.clone(), v.clone())));
+    fn fold(&self, recent: &mut Recent, keys: &HashSet<Key>) {
+        let mut next = HashSet::with_capacity(keys.len() + recent.keys.len());
+        next.extend(keys.iter().cloned());
         next.extend(recent.keys.drain());
         recent.since = None;
         self.keys.store(Arc::new(next));
@@ -747,7 +836,7 @@ impl ResourceLimits {
             return;
         }
         let mut recent = self.recent.lock().expect("key lock");
-        if recent.since.is_some_and(|t| self.clock.now().since(t) >= FOLD_AFTER) {
+        if recent.since.is_some_and(|t| self.shared.clock.now().since(t) >= FOLD_AFTER) {
             let keys = self.keys.load_full();
             self.fold(&mut recent, &keys);
         }
@@ -762,10 +851,10 @@ impl ResourceLimits {
     pub fn remove_all<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
         let mut recent = self.recent.lock().expect("key lock");
         let keys = self.keys.load();
-        let mut next: Option<HashMap<Arc<str>, Arc<Limiter>>> = None;
+        let mut next: Option<HashSet<Key>> = None;
         for id in ids {
-            if recent.keys.remove(id).is_none() && keys.contains_key(id) {
-                next.get_or_insert_with(|| HashMap::clone(&keys)).remove(id);
+            if !recent.keys.remove(id) && keys.contains(id) {
+                next.get_or_insert_with(|| HashSet::clone(&keys)).remove(id);
             }
         }
         if let Some(next) = next {
@@ -780,7 +869,7 @@ impl ResourceLimits {
     /// Every key, by id.
     pub fn limiters(&self) -> Vec<Arc<Limiter>> {
         let recent = self.recent.lock().expect("key lock");
-        let mut v: Vec<_> = self.keys.load().values().chain(recent.keys.values()).cloned().collect();
+        let mut v: Vec<_> = self.keys.load().iter().chain(recent.keys.iter()).map(|k| k.0.clone()).collect();
         drop(recent);
         v.sort_by(|a, b| a.id.cmp(&b.id));
         v
@@ -838,8 +927,8 @@ impl LeaseTable {
         let mut next = HashMap::new();
         for spec in specs {
             let entry = match old.get(&spec.name) {
-                Some(r) if r.spec.load().kind == spec.kind => {
-                    let prev = r.spec.swap(Arc::new(spec.clone()));
+                Some(r) if r.shared.spec.load().kind == spec.kind => {
+                    let prev = r.shared.spec.swap(Arc::new(spec.clone()));
                     if prev.capacity != spec.capacity || prev.burst != spec.burst {
                         for l in r.limiters() {
                             let configured = match spec.kind {
@@ -874,9 +963,9 @@ impl LeaseTable {
             // Under the lock that serialises folds: no key is missed or seen twice.
             let recent = r.recent.lock().expect("key lock");
             let keys = r.keys.load();
-            let made: Vec<Arc<Limiter>> = recent.keys.values().cloned().collect();
+            let made: Vec<Arc<Limiter>> = recent.keys.iter().map(|k| k.0.clone()).collect();
             drop(recent);
-            for l in keys.values().chain(&made) {
+            for l in keys.iter().map(|k| &k.0).chain(&made) {
                 f(name, l);
             }
         }
@@ -1066,6 +1155,20 @@ mod tests {
         assert_eq!(k.available(), 10.0);
         let b = t.give_back("r").unwrap();
         assert_eq!((b.returned, k.available()), (8.0, 5.0));
+    }
+
+    /// A templated resource makes a key per tenant: what one costs is
+    /// mostly its limiter's size (tests/key_memory.rs has the heap bytes).
+    /// Growing any of these by a field fails here first.
+    #[test]
+    #[cfg(all(target_pointer_width = "64", target_os = "linux"))]
+    fn a_key_stays_small() {
+        use std::mem::size_of;
+        assert!(size_of::<Limiter>() <= 240, "Limiter: {} bytes", size_of::<Limiter>());
+        assert!(size_of::<Rate>() <= 104, "Rate: {} bytes", size_of::<Rate>());
+        assert!(size_of::<DemandMeter>() <= 80, "DemandMeter: {} bytes", size_of::<DemandMeter>());
+        assert!(size_of::<Rare>() <= 48, "Rare: {} bytes", size_of::<Rare>());
+        assert_eq!(size_of::<Key>(), 8, "a slot of a resource's set of keys");
     }
 
     #[test]
