@@ -453,7 +453,8 @@ impl Limiter {
     /// ([`Limiter::set_bucket`]), what the bucket holds above the reserve
     /// is taken out now and given back. The reserve is what it keeps at
     /// hand: [`RESERVE_SPAN`] of its capacity, or [`RESERVE_REQUESTS`] of
-    /// its mean cost, whichever is more. `None` for a gauge, a key of one
+    /// its mean cost, whichever is more; before its first request, its
+    /// whole bucket (no cost is known yet). `None` for a gauge, a key of one
     /// sidecar alone, and an allotment.
     pub fn give_back(&self) -> Option<BucketSaid> {
         let r = self.rate().filter(|_| self.shared.spec.load().shared)?;
@@ -462,10 +463,16 @@ impl Limiter {
         }
         let now = self.shared.clock.now();
         let requests = self.demand.requests();
-        let mean = if requests == 0 { 1.0 } else { (self.demand.arrivals() / requests as f64).max(1e-9) };
-        let capacity = r.capacity();
-        let span = if capacity.is_finite() { capacity * RESERVE_SPAN.as_secs_f64() } else { 0.0 };
-        let reserve = span.max(mean * RESERVE_REQUESTS);
+        let reserve = if requests == 0 {
+            // No request yet says what one costs: the key keeps its whole
+            // bucket, so that its first request, of any cost, passes at once.
+            Some(r.burst()).filter(|b| b.is_finite()).unwrap_or(0.0)
+        } else {
+            let mean = (self.demand.arrivals() / requests as f64).max(1e-9);
+            let capacity = r.capacity();
+            let span = if capacity.is_finite() { capacity * RESERVE_SPAN.as_secs_f64() } else { 0.0 };
+            span.max(mean * RESERVE_REQUESTS)
+        };
         let owed = self.rare.get().map_or(0, |r| r.owed.swap(0, Ordering::Relaxed));
         let mut returned = f64::from(f32::from_bits(owed));
         if self.bucket().is_some() {
@@ -1143,10 +1150,15 @@ mod tests {
         t.set_bucket("r", Some((10.0, 40.0)));
         assert!(t.set_capacity("r", 1.0));
         assert_eq!(k.available(), 10.0);
-        // Its next request gives back the 50 and what it holds above its
-        // reserve (5 s of 1/s), and keeps the reserve.
+        // Before its first request it keeps its whole bucket, and gives back
+        // only what it owes.
         let b = t.give_back("r").expect("a shared rate key");
-        assert_eq!((b.reserve, b.returned, b.backlog), (5.0, 55.0, 0.0));
+        assert_eq!((b.reserve, b.returned, k.available()), (10.0, 50.0, 10.0));
+        // Once a request of 1 came, its next ask gives back what it holds
+        // above its reserve (5 s of 1/s), and keeps the reserve.
+        k.demand().arrive(1.0);
+        let b = t.give_back("r").unwrap();
+        assert_eq!((b.reserve, b.returned, b.backlog), (5.0, 5.0, 0.0));
         assert_eq!(k.available(), 5.0);
         assert_eq!(t.give_back("r").unwrap().returned, 0.0, "given once");
         // A settled cost gives 8 back to a bucket of 10 holding 5: the 3 it
