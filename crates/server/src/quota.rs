@@ -68,13 +68,11 @@ pub struct QuotaState {
     /// it was last measured.
     outside: f64,
     measured: Option<Time>,
-    /// A continuous bucket's last reading compared, and whether it is
-    /// falling: spent faster than it refills (see `drain`).
+    /// A continuous bucket's last reading compared.
     trend: Option<Observation>,
-    falling: bool,
     /// How fast that bucket falls, per second, between readings at least
     /// [`TREND_SPAN`] apart, each new measure averaged with the last
-    /// (negative: it refills).
+    /// (above 0: spent faster than it refills; negative: it refills).
     drain: f64,
 }
 
@@ -98,7 +96,6 @@ impl QuotaState {
                 Some(b) => {
                     let drain = (b.remaining - o.remaining) / o.observed.since(b.observed).as_secs_f64();
                     self.drain = 0.5 * (self.drain + drain);
-                    self.falling = self.drain > 0.0;
                     self.trend = Some(o);
                 }
                 None => self.trend = Some(o),
@@ -144,7 +141,7 @@ impl QuotaState {
         }
         if o.continuous {
             let fill = if o.limit > 0.0 { (2.0 * o.remaining / o.limit).clamp(0.0, 1.0) } else { 1.0 };
-            return Some(match (o.exhausted(now), self.falling) {
+            return Some(match (o.exhausted(now), self.drain > 0.0) {
                 (true, _) => 0.0,
                 (false, true) => (configured - self.drain).max(configured * fill),
                 (false, false) => configured,
