@@ -91,6 +91,24 @@ fn sidecar_with(up: &Upstream, port: u16, id: &str, extra: &str) -> String {
     )
 }
 
+/// Each sidecar's steady load: `calls` calls, one every [`EVERY`].
+fn steady(sidecars: &[Usher], calls: usize) -> Vec<tokio::task::JoinHandle<()>> {
+    let ok = Arc::new(AtomicU64::new(0));
+    sidecars
+        .iter()
+        .map(|s| {
+            let (addr, ok) = (s.addr("listen"), ok.clone());
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(EVERY);
+                for _ in 0..calls {
+                    tick.tick().await;
+                    call(addr, ok.clone()).await;
+                }
+            })
+        })
+        .collect()
+}
+
 /// One call through `addr`; counts a 200 in `ok`.
 async fn call(addr: SocketAddr, ok: Arc<AtomicU64>) -> u16 {
     let mut c = h1(addr).await;
@@ -142,21 +160,8 @@ async fn clump(dir: &Path, extra: &str, sidecar_extra: &str, waves: &Waves) -> C
         .iter()
         .map(|id| Usher::proxy(&write_file(dir, &format!("{id}.yaml"), &sidecar_with(&up, port, id, sidecar_extra))))
         .collect();
-    let ok = Arc::new(AtomicU64::new(0));
     // Every sidecar's steady load, for as long as the test may run.
-    let steady: Vec<_> = sidecars
-        .iter()
-        .map(|s| {
-            let (addr, ok) = (s.addr("listen"), ok.clone());
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(EVERY);
-                for _ in 0..12 {
-                    tick.tick().await;
-                    call(addr, ok.clone()).await;
-                }
-            })
-        })
-        .collect();
+    let steady = steady(&sidecars, 12);
     // The resource's clients arrive in its first 5 s; after them, each
     // sidecar's wants follow its measured demand, and its lease follows them.
     // The leases the first guesses took come back to the pool at its free
@@ -323,20 +328,7 @@ async fn a_quiet_sidecars_first_call_passes_at_once_whatever_it_costs() {
         .iter()
         .map(|id| Usher::proxy(&write_file(dir.path(), &format!("{id}.yaml"), &token_sidecar(&up, port, id))))
         .collect();
-    let ok = Arc::new(AtomicU64::new(0));
-    let busy: Vec<_> = sidecars[..2]
-        .iter()
-        .map(|s| {
-            let (addr, ok) = (s.addr("listen"), ok.clone());
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(EVERY);
-                for _ in 0..5 {
-                    tick.tick().await;
-                    call(addr, ok.clone()).await;
-                }
-            })
-        })
-        .collect();
+    let busy = steady(&sidecars[..2], 5);
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(20) || sidecars.iter().any(|s| lease(s).is_none()) {
         assert!(
