@@ -11,12 +11,21 @@
 //!   What others spend is measured while the fleet's answers keep coming;
 //!   measured no more for [`OUTSIDE_FADE`], it fades (see [`QuotaState`]).
 //! - A continuous bucket (OpenAI's, Anthropic's): the configured capacity
-//!   (the refill rate), cut while the bucket is under half full and
-//!   falling: by how fast it falls (smoothed over readings at least
-//!   [`TREND_SPAN`] apart), and never below the share of it that is full.
-//!   A bucket that holds steady or refills, however low, is spent no faster
-//!   than it refills: the fleet keeps the whole rate, so that a fleet over
-//!   its quota spends it all.
+//!   (the refill rate), cut while the bucket falls fast enough to be empty
+//!   within [`HORIZON`]: by how fast it falls (smoothed over readings at
+//!   least [`TREND_SPAN`] apart), and never below the capacity scaled by
+//!   how full the bucket is (the whole of it at half full, none at empty).
+//!   A bucket that holds steady or refills,
+//!   however low, is spent no faster than it refills: the fleet keeps the
+//!   whole rate, so that a fleet over its quota spends it all. So does a
+//!   bucket that falls slowly far from empty: the fall that is left of a
+//!   fleet's first burst, or the jitter of readings a call apart, does not
+//!   cut a fleet that spends exactly the refill. A fleet whose capacity is
+//!   the bucket's whole refill rate gets up to [`CATCH_UP`] more while the
+//!   bucket is over a third full: its sidecars keep reserves and pace whole
+//!   calls, so they spend a little less than their leases, and what they
+//!   leave shows as the bucket rising; spending it keeps each minute at the
+//!   API's whole rate.
 //! - Spent (nothing remains before the reset): 0 until the reset.
 //!
 //! A resource with `window: calendar` is a fixed window kept by the server
@@ -38,6 +47,20 @@ pub const STALE: Duration = Duration::from_secs(3600);
 const OUTSIDE_SPAN: Duration = Duration::from_secs(2);
 /// A continuous bucket's readings this far apart measure how fast it falls.
 pub const TREND_SPAN: Duration = Duration::from_secs(5);
+/// At most this share of the capacity is added while a continuous bucket
+/// is over a third full, for a fleet that shares the bucket's whole
+/// refill: what is over a third goes out over [`CATCH_UP_SPAN`]. A fleet's
+/// buckets fill as the API's does, from the same refill, so the third left
+/// is what the API holds beyond any burst the fleet can send; and a burst
+/// of a few calls (reserves spent at once) takes a bucket kept at a third
+/// nowhere near what [`HORIZON`] counts as emptying.
+pub const CATCH_UP: f64 = 0.1;
+/// See [`CATCH_UP`].
+pub const CATCH_UP_SPAN: Duration = Duration::from_secs(20);
+/// A continuous bucket is cut while, at the rate it falls, it would be
+/// empty within this long: the time a cut takes to reach the fleet (a
+/// trend span or two, then a lease refresh), with margin.
+pub const HORIZON: Duration = Duration::from_secs(30);
 
 /// What others spend, measured no more for this long, halves with each
 /// such span after: see [`QuotaState`].
@@ -74,6 +97,10 @@ pub struct QuotaState {
     /// [`TREND_SPAN`] apart, each new measure averaged with the last
     /// (above 0: spent faster than it refills; negative: it refills).
     drain: f64,
+    /// How fast that bucket refills, per second: what it lacks over the
+    /// time it says it takes to be full, from the last reading that lacked
+    /// some.
+    refill: Option<f64>,
 }
 
 impl QuotaState {
@@ -91,6 +118,10 @@ impl QuotaState {
             }
         }
         if o.continuous {
+            let to_full = o.reset.since(o.observed).as_secs_f64();
+            if o.remaining < o.limit && to_full >= 1.0 {
+                self.refill = Some((o.limit - o.remaining) / to_full);
+            }
             match self.trend {
                 Some(b) if o.observed.since(b.observed) < TREND_SPAN => {}
                 Some(b) => {
@@ -120,6 +151,19 @@ impl QuotaState {
         self.latest = Some(o);
     }
 
+    /// What a continuous bucket over a third full adds to a capacity that is
+    /// its whole refill (see [`CATCH_UP`]); 0 for a capacity set below it,
+    /// which is a margin its owner chose.
+    fn catch_up(&self, o: &Observation, configured: f64) -> f64 {
+        let over = o.remaining - o.limit / 3.0;
+        match self.refill {
+            Some(refill) if configured >= 0.98 * refill && over > 0.0 => {
+                (over / CATCH_UP_SPAN.as_secs_f64()).min(configured * CATCH_UP)
+            }
+            _ => 0.0,
+        }
+    }
+
     /// What others spend per second as of `now`: the last measure, halved
     /// for each [`OUTSIDE_FADE`] beyond the first since it was made.
     fn outside_at(&self, now: Time) -> f64 {
@@ -141,10 +185,11 @@ impl QuotaState {
         }
         if o.continuous {
             let fill = if o.limit > 0.0 { (2.0 * o.remaining / o.limit).clamp(0.0, 1.0) } else { 1.0 };
-            return Some(match (o.exhausted(now), self.drain > 0.0) {
+            let emptying = self.drain > 0.0 && o.remaining < self.drain * HORIZON.as_secs_f64();
+            return Some(match (o.exhausted(now), emptying) {
                 (true, _) => 0.0,
                 (false, true) => (configured - self.drain).max(configured * fill),
-                (false, false) => configured,
+                (false, false) => configured + self.catch_up(&o, configured),
             });
         }
         if now >= o.reset {
@@ -264,8 +309,8 @@ mod tests {
 
     /// A fleet over its quota keeps the bucket low. Spent as fast as it
     /// refills, it holds steady: the fleet gets back the whole rate (a cut
-    /// would leave quota unspent). A slow fall costs only its own rate.
-    /// Readings closer than [`TREND_SPAN`] to the last compared one say
+    /// would leave quota unspent). A slow fall far from empty costs
+    /// nothing; near empty, it costs its own rate. Readings closer than [`TREND_SPAN`] to the last compared one say
     /// nothing of the trend.
     #[test]
     fn a_low_bucket_that_holds_steady_or_refills_gets_back_the_whole_rate() {
@@ -288,10 +333,70 @@ mod tests {
         q.observe_at(bucket(800.0, 26.0));
         q.observe_at(bucket(900.0, 31.0));
         assert_eq!(c(&q, 31.5), 100.0);
-        // A slow fall, 5/s for a while: cut by about as much.
+        // A slow fall, 5/s for a while: 140 s from empty, not cut.
         for i in 0..8 {
             q.observe_at(bucket(900.0 - 25.0 * f64::from(i + 1), 36.0 + 5.0 * f64::from(i)));
         }
-        assert!((c(&q, 72.0) - 95.0).abs() < 0.1, "{}", c(&q, 72.0));
+        assert_eq!(c(&q, 72.0), 100.0);
+        // The same fall 25 s from empty: cut by about as much.
+        for i in 0..23 {
+            q.observe_at(bucket(700.0 - 25.0 * f64::from(i + 1), 76.0 + 5.0 * f64::from(i)));
+        }
+        assert!((c(&q, 187.0) - 95.0).abs() < 0.1, "{}", c(&q, 187.0));
+    }
+
+    /// A fleet that shares the bucket's whole refill gets what is over a
+    /// third full on top, a little at a time; one that keeps a margin below
+    /// the refill does not, nor one whose bucket is under a third.
+    #[test]
+    fn a_bucket_over_a_third_full_adds_to_a_fleet_sharing_its_whole_refill() {
+        // 60 requests a minute: 1/s; the reset says when it is full.
+        let read = |remaining: f64, observed: f64| Observation {
+            limit: 60.0,
+            remaining,
+            reset: at(observed + (60.0 - remaining)),
+            observed: at(observed),
+            continuous: true,
+        };
+        let mut q = QuotaState::default();
+        q.observe_at(read(60.0, 0.0));
+        assert_eq!(q.capacity(at(0.5), 1.0, 0.0), Some(1.0), "full: its refill rate is not known yet");
+        q.observe_at(read(21.0, 1.0));
+        let c = q.capacity(at(1.5), 1.0, 0.0).unwrap();
+        assert!((c - (1.0 + 1.0 / 20.0)).abs() < 1e-9, "1 over a third, over 20 s: {c}");
+        q.observe_at(read(50.0, 2.0));
+        assert!((q.capacity(at(2.5), 1.0, 0.0).unwrap() - 1.1).abs() < 1e-9, "at most a tenth more");
+        assert_eq!(q.capacity(at(2.5), 0.97, 0.0), Some(0.97), "a margin below the refill is kept");
+        q.observe_at(read(19.0, 3.0));
+        assert_eq!(q.capacity(at(3.5), 1.0, 0.0), Some(1.0), "under a third: the capacity");
+    }
+
+    /// A fleet's first burst (its buckets spent at once) takes a bucket of
+    /// 60 requests to half; then the fleet spends exactly the refill, and
+    /// readings a call apart jitter around the level. Once the fall has
+    /// stopped, the fleet keeps the whole rate: a cut for the jitter would
+    /// leave a minute's quota unspent.
+    #[test]
+    fn a_bucket_that_stops_falling_near_half_full_is_not_cut_for_jitter() {
+        let mut q = QuotaState::default();
+        let fleet = |remaining: f64, observed: f64| Observation {
+            limit: 60.0,
+            remaining,
+            reset: at(observed + 1.0),
+            observed: at(observed),
+            continuous: true,
+        };
+        for (i, left) in [60.0, 50.0, 40.0, 30.0].into_iter().enumerate() {
+            q.observe_at(fleet(left, 5.0 * i as f64));
+        }
+        // Falling at 2/s, 15 s from empty: cut, but not below the rate at half full.
+        assert_eq!(q.capacity(at(15.5), 1.0, 0.0), Some(1.0));
+        q.observe_at(fleet(29.0, 20.0));
+        assert!(q.capacity(at(20.5), 1.0, 0.0).unwrap() < 1.0, "still falling at about 1/s: cut");
+        for (i, left) in [31.0, 28.0, 30.0, 29.0, 28.0, 30.0].into_iter().enumerate() {
+            let t = 25.0 + 5.0 * i as f64;
+            q.observe_at(fleet(left, t));
+            assert_eq!(q.capacity(at(t + 0.5), 1.0, 0.0), Some(1.0), "at {t} s, {left} left");
+        }
     }
 }
