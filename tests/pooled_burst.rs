@@ -127,6 +127,15 @@ fn lease(s: &Usher) -> Option<f64> {
     v["lease"]["keys"][0]["has"].as_f64()
 }
 
+/// Waits `at_least`, and until every sidecar holds a lease; fails past `at_most`.
+async fn settle(sidecars: &[Usher], at_least: Duration, at_most: Duration) {
+    let start = Instant::now();
+    while start.elapsed() < at_least || sidecars.iter().any(|s| lease(s).is_none()) {
+        assert!(start.elapsed() < at_most, "leases: {:?}", sidecars.iter().map(lease).collect::<Vec<_>>());
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 /// What one fleet did with a clump at its third sidecar.
 struct Clump {
     /// When the last call of the clump was answered, from its start.
@@ -166,15 +175,7 @@ async fn clump(dir: &Path, extra: &str, sidecar_extra: &str, waves: &Waves) -> C
     // sidecar's wants follow its measured demand, and its lease follows them.
     // The leases the first guesses took come back to the pool at its free
     // rate: a window (60 s) fills it.
-    let settle = Instant::now();
-    while settle.elapsed() < Duration::from_secs(70) || sidecars.iter().any(|s| lease(s).is_none()) {
-        assert!(
-            settle.elapsed() < Duration::from_secs(90),
-            "leases: {:?}",
-            sidecars.iter().map(lease).collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    settle(&sidecars, Duration::from_secs(70), Duration::from_secs(90)).await;
     let clumped = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
     let mut calls = Vec::new();
@@ -329,15 +330,7 @@ async fn a_quiet_sidecars_first_call_passes_at_once_whatever_it_costs() {
         .map(|id| Usher::proxy(&write_file(dir.path(), &format!("{id}.yaml"), &token_sidecar(&up, port, id))))
         .collect();
     let busy = steady(&sidecars[..2], 5);
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(20) || sidecars.iter().any(|s| lease(s).is_none()) {
-        assert!(
-            start.elapsed() < Duration::from_secs(40),
-            "leases: {:?}",
-            sidecars.iter().map(lease).collect::<Vec<_>>()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    settle(&sidecars, Duration::from_secs(20), Duration::from_secs(40)).await;
     let first = Arc::new(AtomicU64::new(0));
     let sent = Instant::now();
     let status = call(sidecars[2].addr("listen"), first.clone()).await;
