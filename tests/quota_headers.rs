@@ -2,7 +2,8 @@
 //! headers: Anthropic's separate input and output token limits each steer
 //! their own resource; and a preset whose headers never come (`github` on an
 //! OpenAI-like API) is warned of once and shown on the status page until
-//! its headers appear.
+//! its headers appear; and a server sharing an OpenAI-like API's whole
+//! request rate adds a tenth while the API's bucket is over a third full.
 
 #![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
 
@@ -14,7 +15,7 @@ use std::time::{Duration, SystemTime};
 
 use hyper::Response;
 use support::upstream::{full, get, h1, send1, serve};
-use support::{Usher, http_get, metric, write_file};
+use support::{Usher, free_port, http_get, metric, write_file};
 
 /// The header fields the stand-in answers with; the test changes them.
 type Fields = Arc<Mutex<Vec<(String, String)>>>;
@@ -161,5 +162,60 @@ async fn a_preset_whose_headers_never_come_is_warned_of_and_shown_until_they_do(
     assert_eq!(warned.len(), 1, "warned once:\n{log}");
     for field in ["WARN", "route=chat", "resource=wrong", "preset=github"] {
         assert!(warned[0].contains(field), "{field} in {}", warned[0]);
+    }
+}
+
+/// An OpenAI-like API refills 60 requests a minute and says its bucket holds
+/// 50 (full in 10 s: one a second). A server sharing that whole rate adds a
+/// tenth while the bucket is over a third full, so that what the sidecars
+/// leave unspent is spent; one whose capacity is set a little under the rate
+/// keeps to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_adds_a_tenth_while_the_apis_bucket_is_over_a_third_full_only_at_its_whole_rate() {
+    for (capacity, shared) in [(60.0, 66.0), (58.0, 58.0)] {
+        let dir = tempfile::tempdir().unwrap();
+        let up = stand_in(Arc::new(Mutex::new(fields(&[
+            ("x-ratelimit-limit-requests", "60".into()),
+            ("x-ratelimit-remaining-requests", "50".into()),
+            ("x-ratelimit-reset-requests", "10s".into()),
+        ]))))
+        .await;
+        let port = free_port();
+        let config = format!(
+            "resources:\n  - identifier_glob: llm-requests\n    capacity: {capacity}/min\n    \
+             algorithm: {{ kind: FAIR_SHARE, lease_length: 10, refresh_interval: 1, learning_mode_duration: 0 }}\n  \
+             - identifier_glob: '*'\n    capacity: 0\n    algorithm: {{ kind: FAIR_SHARE, lease_length: 10, refresh_interval: 1 }}\n"
+        );
+        let server = Usher::server_at(&write_file(dir.path(), "resources.yaml", &config), port, &[]);
+        let routes = format!(
+            "doorman:\n  servers: [\"127.0.0.1:{port}\"]\n  client_id: app\n\
+             upstreams:\n  llm: {{ url: \"http://{up}\", listen: \"127.0.0.1:0\" }}\n\
+             resources:\n  llm-requests: {{ kind: rate, capacity: {capacity}/min, upstream_quota: {{ headers: openai-requests }} }}\n\
+             routes:\n  - {{ name: chat, upstream: llm, resources: [llm-requests] }}\n"
+        );
+        let sidecar = Usher::proxy(&write_file(dir.path(), "routes.yaml", &routes));
+        send(&sidecar, 2).await;
+        // The account goes up with the sidecar's next request to the server.
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        let resource = loop {
+            let (code, body) = http_get(server.addr("admin"), "/debug/status?format=json");
+            assert_eq!(code, 200, "{body}");
+            let st: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let r = st["resources"].as_array().and_then(|a| a.iter().find(|r| r["id"] == "llm-requests")).cloned();
+            if let Some(r) = r.filter(|r| r["quota"]["source"] == "upstream") {
+                break r;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the account never reached the server: {st}\n{}",
+                sidecar.log()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let per_min = resource["capacity"].as_f64().unwrap() * 60.0;
+        assert!(
+            (per_min - shared).abs() < 0.01,
+            "capacity {capacity}/min: shared {per_min}/min, not {shared}\n{resource}"
+        );
     }
 }
