@@ -49,11 +49,10 @@ const OUTSIDE_SPAN: Duration = Duration::from_secs(2);
 pub const TREND_SPAN: Duration = Duration::from_secs(5);
 /// At most this share of the capacity is added while a continuous bucket
 /// is over a third full, for a fleet that shares the bucket's whole
-/// refill: what is over a third goes out over [`CATCH_UP_SPAN`]. A fleet's
-/// buckets fill as the API's does, from the same refill, so the third left
-/// is what the API holds beyond any burst the fleet can send; and a burst
-/// of a few calls (reserves spent at once) takes a bucket kept at a third
-/// nowhere near what [`HORIZON`] counts as emptying.
+/// refill: what is over a third goes out over [`CATCH_UP_SPAN`]. The third
+/// kept is margin: a few calls sent at once (reserves spent together) take
+/// a bucket kept there nowhere near what [`HORIZON`] counts as emptying,
+/// and the API still holds room for them.
 pub const CATCH_UP: f64 = 0.1;
 /// See [`CATCH_UP`].
 pub const CATCH_UP_SPAN: Duration = Duration::from_secs(20);
