@@ -82,6 +82,58 @@ async fn an_idle_local_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
     idle_key_forgotten(Held::Local).await;
 }
 
+/// A local key holds nothing but its bucket: once that is full and the
+/// tenant has been away for 10 s, the key is dropped long before its
+/// `key_idle_timeout` (5 minutes by default), and its place under
+/// `max_keys` goes to a new tenant. A key whose bucket is still filling
+/// stays until it is full, and a tenant that comes back is limited as a new
+/// one is, since a new key is what it would have been.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_key_with_a_full_bucket_is_forgotten_after_ten_idle_seconds() {
+    let up = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+         resources:\n  tenant: {{ kind: rate, capacity: 6/min, burst: 2, id: \"t/{{header.x-tenant}}\", max_keys: 2 }}\n\
+         routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
+        up.addr
+    );
+    let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
+    let keys = || {
+        let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let keys = v["keys"].as_array().cloned().unwrap_or_default();
+        keys.iter().map(|k| k["id"].as_str().unwrap_or_default().to_string()).collect::<Vec<_>>()
+    };
+    let listen = u.addr("listen");
+    // One request per connection: a kept-alive one could idle out in between.
+    let send = |tenant: &'static str| async move {
+        let mut c = h1(listen).await;
+        let req = Request::get("/x").header("host", "app").header("x-tenant", tenant).body(upstream::empty()).unwrap();
+        send1(&mut c, req).await
+    };
+    let start = std::time::Instant::now();
+    // `once` spends one unit of two (full again 10 s later), `heavy` both (20 s).
+    assert_eq!(send("once").await.status, StatusCode::OK);
+    for expect in [StatusCode::OK, StatusCode::OK, StatusCode::TOO_MANY_REQUESTS] {
+        assert_eq!(send("heavy").await.status, expect);
+    }
+    let r = send("new").await;
+    assert_eq!(r.json()["type"], "urn:usher:problem:too-many-keys", "max_keys is 2: {}", r.text());
+    assert_eventually!(keys() == ["t/heavy"], Duration::from_secs(16), "{:?}", keys());
+    let took = start.elapsed();
+    assert!(took >= Duration::from_secs(10), "`once` forgotten after {took:?}, before it was idle 10 s");
+    assert_eq!(send("new").await.status, StatusCode::OK, "the place `once` held is free");
+    assert!(keys().contains(&"t/heavy".to_string()), "still filling at {:?}: kept", start.elapsed());
+    assert_eventually!(!keys().contains(&"t/heavy".to_string()), Duration::from_secs(14), "{:?}", keys());
+    let took = start.elapsed();
+    assert!(took >= Duration::from_secs(20), "`heavy` forgotten after {took:?}, before its bucket was full");
+    // It comes back to a full bucket, as it would have had if kept.
+    for expect in [StatusCode::OK, StatusCode::OK, StatusCode::TOO_MANY_REQUESTS] {
+        assert_eq!(send("heavy").await.status, expect);
+    }
+}
+
 /// Whether a tenant key holds a lease (it asks for less than the capacity)
 /// or is local.
 #[derive(Clone, Copy, PartialEq)]

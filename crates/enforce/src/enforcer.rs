@@ -47,7 +47,7 @@ use usher_lease::backoff::BackoffConfig;
 use usher_lease::core::{Capacity, CoreConfig, DemandUpdate, KeyDemand, Mode, OnExpiry};
 use usher_lease::driver::{Enforcer, LeaseClient, Runs, ServerSaid};
 use usher_lease::transport::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RPC_TIMEOUT, GrpcTransport, Transport};
-use usher_limit::LeaseTable;
+use usher_limit::{LeaseTable, Limiter};
 #[cfg(feature = "embedded-server")]
 use usher_server::{LocalTransport, Node};
 
@@ -68,6 +68,12 @@ const EMBEDDED_REFRESH_INTERVAL: Duration = Duration::from_secs(3600);
 const EMBEDDED_LEASE_LENGTH: Duration = Duration::from_secs(3 * 3600);
 /// The window over which a rate resource's demand is measured: short, so
 /// that wants follow demand up and down within a refresh or two.
+/// A local key whose bucket is full is forgotten once unused this long,
+/// before its `key_idle_timeout` (see [`TableEnforcer::local_forget_at`]):
+/// long enough that a tenant calling every few seconds keeps its key (a key
+/// made again costs more than one kept), short enough that a million
+/// tenants seen once do not stay in memory.
+pub const LOCAL_IDLE: Duration = Duration::from_secs(10);
 const DEMAND_WINDOW: Duration = Duration::from_secs(2);
 /// A slow key's demand never reads below its traffic over this long (see `Measured::floor`).
 const FLOOR_WINDOW: Duration = Duration::from_secs(300);
@@ -530,7 +536,10 @@ impl TableEnforcer {
                 reading.templated += 1;
                 let (used, first) = l.last_use(now);
                 reading.made += u64::from(first);
-                let at = used.saturating_add(settings.key_idle_timeout);
+                let mut at = used.saturating_add(settings.key_idle_timeout);
+                if local {
+                    at = at.min(self.local_forget_at(l, used, settings.key_idle_timeout, now));
+                }
                 if at <= now {
                     mem.remove(l.id());
                     tracing::debug!(resource, id = %l.id(), idle = ?settings.key_idle_timeout, "forgot an idle key; releasing its lease");
@@ -575,6 +584,26 @@ impl TableEnforcer {
             }
         });
         reading
+    }
+
+    /// When a local key unused since `used` can be forgotten before its
+    /// `key_idle_timeout`: once it has been idle for [`LOCAL_IDLE`] (or
+    /// its timeout, if shorter) and holds nothing a key made anew would not
+    /// ([`usher_limit::Limiter::fresh_at`]: its bucket full, nothing told,
+    /// no pushback). Its next request makes it again with the same outcome,
+    /// and a tenant seen once costs nothing after that. Otherwise the end of
+    /// its timeout, as for any templated key.
+    fn local_forget_at(&self, l: &Limiter, used: Time, timeout: Duration, now: Time) -> Time {
+        let never = used.saturating_add(timeout);
+        let idle = used.saturating_add(LOCAL_IDLE.min(timeout));
+        if idle > now {
+            // Looked at once it has idled (the lock of its rate is not taken before).
+            return idle;
+        }
+        match l.fresh_at() {
+            Some(full) if !self.pushback.tracks(l.id()) => full.max(idle),
+            _ => never,
+        }
     }
 
     /// Keeps what `reading` found for the next read and the lease client;
@@ -1281,21 +1310,71 @@ mod tests {
         assert_eq!(reported(&u).0, ["fixed", "q/acme"], "the local key is not reported");
         assert_eq!(acme.capacity(), 10.0, "a local key holds its configured capacity");
         assert!(!e.memory.lock().unwrap().contains_key("t/acme"), "and nothing is remembered of it");
-        // Used now and then, it stays; idle for its timeout, it is forgotten.
-        time.advance(Duration::from_secs(50));
+        // Used now and then, it stays; idle with a full bucket for
+        // LOCAL_IDLE (under its 60 s timeout), it is forgotten.
+        time.advance(Duration::from_secs(8));
         acme.demand().arrive(1.0);
         e.demand_update();
-        time.advance(Duration::from_secs(50));
+        time.advance(LOCAL_IDLE - Duration::from_secs(1));
         e.demand_update();
-        assert!(e.table.resource("tenant").unwrap().get("t/acme").is_some(), "used 50 s ago: kept");
-        time.advance(Duration::from_secs(11));
+        assert!(e.table.resource("tenant").unwrap().get("t/acme").is_some(), "used 9 s ago: kept");
+        time.advance(Duration::from_secs(1));
         let u = e.demand_update();
-        assert!(e.table.resource("tenant").unwrap().get("t/acme").is_none(), "idle 61 s: forgotten");
+        assert!(e.table.resource("tenant").unwrap().get("t/acme").is_none(), "idle 10 s, bucket full: forgotten");
         assert!(!u.removed.contains(&"t/acme".to_string()), "no lease to release: {u:?}");
         // The tenant comes back: a new local key, at its configured capacity.
         let again = e.table.resource("tenant").unwrap().try_limiter("t/acme").unwrap();
         assert_eq!(again.capacity(), 10.0);
         assert!(!reported(&e.demand_update()).0.contains(&"t/acme"));
+    }
+
+    /// A local key idle for LOCAL_IDLE is forgotten only if a key made anew
+    /// would be the same: one whose bucket is still filling stays until it
+    /// is full (and the lease client is due then), one backed off by its
+    /// upstream stays while it is, and a key of a resource that leases
+    /// keeps its key_idle_timeout.
+    #[test]
+    fn a_local_key_is_forgotten_early_only_when_a_new_key_would_be_the_same() {
+        let (e, time) = enforcer_of(
+            "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+             resources:\n  tenant: { kind: rate, capacity: 6/min, burst: 3, id: \"t/{header.x-tenant}\" }\n  \
+             leased: { kind: rate, capacity: 6/min, burst: 3, id: \"l/{header.x-tenant}\", wants: auto }\n\
+             routes:\n  - { name: all, upstream: up, resources: [tenant, leased] }\n",
+        );
+        let e = TableEnforcer { local_keys: true, ..e };
+        let start = e.table.clock().now();
+        let limits = e.table.resource("tenant").unwrap();
+        let (idle, spent, pushed) = (
+            limits.try_limiter("t/idle").unwrap(),
+            limits.try_limiter("t/spent").unwrap(),
+            limits.try_limiter("t/pushed").unwrap(),
+        );
+        let leased = e.table.resource("leased").unwrap().try_limiter("l/idle").unwrap();
+        for _ in 0..3 {
+            assert!(usher_limit::rate::try_admit(spent.rate().unwrap(), e.table.clock(), 1.0));
+        }
+        let cfg = usher_core::config::doorman::PushbackConfig::default();
+        e.pushback.on_response([&*pushed], http::StatusCode::TOO_MANY_REQUESTS, None, start, &cfg, |_, _| {});
+        assert!(e.pushback.tracks("t/pushed"));
+        e.demand_update();
+        let present = |id: &str| e.table.contains(id);
+        time.advance(LOCAL_IDLE);
+        e.demand_update();
+        assert!(!present("t/idle"), "a full bucket, idle 10 s: forgotten");
+        assert!(present("t/spent"), "3 units spent at 6/min: full 30 s after");
+        assert!(present("t/pushed"), "backed off: kept");
+        assert!(present("l/idle"), "a leased key waits for its key_idle_timeout");
+        assert_eq!(*e.next_idle.lock().unwrap(), Some(start.saturating_add(Duration::from_secs(30))));
+        time.advance(Duration::from_secs(20) - Duration::from_millis(1));
+        e.demand_update();
+        assert!(present("t/spent"), "not full yet");
+        time.advance(Duration::from_millis(1));
+        e.demand_update();
+        assert!(!present("t/spent"), "full: forgotten");
+        time.advance(Duration::from_secs(60));
+        e.demand_update();
+        assert!(present("l/idle"), "70 s idle, under its 5 min timeout");
+        drop((idle, leased));
     }
 
     /// A key used at under one request a second (0.5/s, as LLM calls are)

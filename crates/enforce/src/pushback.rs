@@ -206,6 +206,11 @@ impl Pushback {
             && self.active.load(std::sync::atomic::Ordering::Relaxed) == 0
     }
 
+    /// Whether the key `id` is backed off now (its capacity is not its own).
+    pub fn tracks(&self, id: &str) -> bool {
+        self.any() && self.keys.lock().expect("pushback lock").contains_key(id)
+    }
+
     /// How long the upstream of `id` still holds it (its `Retry-After`), if it does.
     pub fn hold_left(&self, id: &str, now: Time) -> Option<Duration> {
         if self.active.load(std::sync::atomic::Ordering::Relaxed) == 0 {

@@ -299,6 +299,23 @@ impl Rate {
         self.state.lock().expect("rate lock").capacity
     }
 
+    /// When this rate holds nothing that `Rate::new(capacity, burst, _)`
+    /// would not: its capacity and burst are those, it has no allotment,
+    /// and its bucket is full (the moment returned, past or not). `None`
+    /// if its capacity or burst differ, it holds an allotment, or its
+    /// capacity is 0 (a closed bucket never refills). What waiters follow
+    /// ([`Rate::retime`]) does not count: a caller asks this of a key
+    /// nobody waits at.
+    pub fn fresh_at(&self, capacity: f64, burst: f64) -> Option<Time> {
+        let s = self.state.lock().expect("rate lock");
+        if s.capacity != capacity || s.burst != burst.max(1.0) || s.allotted() {
+            return None;
+        }
+        s.interval()?;
+        let full = u64::try_from(s.tat >> FRAC).unwrap_or(u64::MAX);
+        Some(Time::from_nanos(s.origin.as_nanos().saturating_add(full)))
+    }
+
     /// Units that may pass at once from idle (at least 1).
     pub fn burst(&self) -> f64 {
         self.state.lock().expect("rate lock").burst

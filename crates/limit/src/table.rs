@@ -243,6 +243,21 @@ impl Limiter {
         (now, at == 0)
     }
 
+    /// When the key holds nothing a key made now for its id would not, if
+    /// ever on its own: a rate key nobody waits at and nothing is in flight
+    /// at, told nothing ([`Limiter::rare`]), at its resource's capacity and
+    /// burst with no allotment, from the moment its bucket is full. Such a
+    /// key can be dropped and made again by its next request with the same
+    /// outcome (see the enforcer's local keys). `None` for a gauge, a key
+    /// in use, or one whose state a new key would not have.
+    pub fn fresh_at(&self) -> Option<Time> {
+        if self.rare.get().is_some() || self.demand.in_flight() > 0 || self.demand.waiters() > 0 {
+            return None;
+        }
+        let spec = self.shared.spec.load();
+        self.rate()?.fresh_at(spec.capacity, spec.burst)
+    }
+
     /// Keeps an upstream's account of its quota if it is the freshest.
     pub fn observe(&self, o: super::quota::Observation) {
         if let Some(cell) = self.rare.get().and_then(|r| r.quota.as_ref()) {

@@ -405,3 +405,23 @@ fn a_settled_cost_moves_the_requests_waiting() {
     r.charge(at(0), 2.0);
     assert_eq!(drain(&r, at(0)), 3);
 }
+
+/// A rate is as new once its bucket is full at the capacity and burst it
+/// was made with; a changed capacity or burst, an allotment or a closed
+/// bucket keep it from ever being so on its own.
+#[test]
+fn a_rate_is_fresh_from_the_moment_its_bucket_is_full() {
+    let r = Rate::new(10.0, 3.0, at(0));
+    assert_eq!(r.fresh_at(10.0, 3.0), Some(at(0)), "a new rate is full");
+    for _ in 0..3 {
+        assert!(matches!(r.reserve(at(0), 1.0, Duration::ZERO), Reservation::Slot { .. }));
+    }
+    assert_eq!(r.fresh_at(10.0, 3.0), Some(at(300)), "three units back at 10/s");
+    assert_eq!(r.fresh_at(20.0, 3.0), None, "not the capacity asked about");
+    assert_eq!(r.fresh_at(10.0, 4.0), None, "nor the burst");
+    r.set(at(0), 0.0, 3.0);
+    assert_eq!(r.fresh_at(0.0, 3.0), None, "a closed bucket never refills");
+    let a = Rate::new(10.0, 3.0, at(0));
+    a.allot(at(0), crate::allot::Allotment { units: 5.0, reset: at(60_000), mark: None });
+    assert_eq!(a.fresh_at(10.0, 3.0), None, "an allotment is state a new rate lacks");
+}
