@@ -38,6 +38,7 @@ fn spec(kind: Kind) -> ResourceSpec {
         burst_span: None,
         shadow: false,
         upstream_quota: false,
+        templated: false,
     }
 }
 

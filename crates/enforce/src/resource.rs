@@ -192,6 +192,7 @@ pub fn specs(cfg: &RoutesConfig) -> Vec<ResourceSpec> {
             shared: cfg.doorman.is_some(),
             shadow: r.shadow,
             upstream_quota: r.upstream_quota.is_some(),
+            templated: !r.id.is_fixed(),
         })
         .collect()
 }

@@ -614,6 +614,7 @@ mod tests {
             burst_span: None,
             shadow: false,
             upstream_quota: false,
+            templated: false,
         }
     }
 

@@ -50,6 +50,7 @@
 //!     burst_span: None,
 //!     shadow: false,
 //!     upstream_quota: false,
+//!     templated: false,
 //! }]);
 //! let key = table.resource("api").unwrap().limiter("api");
 //! let plan = Plan::new(vec![(key, 1.0)]);

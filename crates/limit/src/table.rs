@@ -5,17 +5,22 @@
 //!
 //! Readers on the request path load arc-swap snapshots: no lock is shared
 //! across resources or keys. A templated resource creates a key on its first
-//! request, up to `max_keys`; a request for one more is refused. Up to
-//! [`FOLD_SMALL`] keys, a new key replaces the snapshot at once. Beyond, new
-//! keys go into a small locked set first, folded into the snapshot once it
-//! holds a quarter as many keys as the snapshot, or at the next demand poll
-//! a second after its first key came ([`LeaseTable::settle`]): a new key
-//! costs O(1) amortised (a copy of the whole snapshot per new key made
-//! creating n keys O(n²)), and is read lock-free from its fold on.
+//! request, up to `max_keys`; a request for one more is refused. Its keys
+//! are spread over [`SHARDS`] shards by a hash of the id, each with its own
+//! snapshot and lock (a resource with a fixed id has one). Up to
+//! [`FOLD_SMALL`] keys in a shard, a new key replaces the shard's snapshot
+//! at once. Beyond, new keys go into a small locked set first, folded into
+//! the snapshot once it holds a quarter as many keys as the snapshot, or at
+//! the next demand poll a second after its first key came
+//! ([`LeaseTable::settle`]): a new key costs O(1) amortised (a copy of the
+//! whole snapshot per new key made creating n keys O(n²)), and is read
+//! lock-free from its fold on. A fold or a forget copies one shard, not
+//! every key: with a million keys, a new key waits behind a copy of some
+//! 16,000 at most.
 
 use std::borrow::Borrow;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -73,6 +78,8 @@ pub struct ResourceSpec {
     /// The upstream reports its own quota: each key keeps the freshest
     /// account of it ([`Limiter::observe`]).
     pub upstream_quota: bool,
+    /// Its id is a template (a key per tenant): its keys are sharded.
+    pub templated: bool,
 }
 
 impl ResourceSpec {
@@ -644,6 +651,17 @@ struct Shared {
 pub struct ResourceLimits {
     /// Its spec, clock and activity, which each key holds too.
     shared: Arc<Shared>,
+    /// Its keys, in the shard a hash of the id picks ([`shard_index`]): one
+    /// shard for a fixed id, [`SHARDS`] for a template.
+    shards: Box<[Shard]>,
+    /// How many keys the shards hold together: taken before a key is made,
+    /// so that `max_keys` bounds them all, whatever shard each is in.
+    count: AtomicUsize,
+}
+
+/// Some of a resource's keys.
+#[derive(Default)]
+struct Shard {
     /// Settled keys, read lock-free.
     keys: ArcSwap<HashSet<Key>>,
     /// Keys made since the last fold into `keys`. Its lock also serialises
@@ -651,6 +669,29 @@ pub struct ResourceLimits {
     recent: Mutex<Recent>,
     /// Whether `recent` may hold a key: a miss in `keys` is then looked up there.
     has_recent: AtomicBool,
+}
+
+/// Shards of a templated resource's keys: a power of two.
+pub const SHARDS: usize = 1 << SHARD_BITS;
+const SHARD_BITS: u32 = 6;
+
+/// The shard of a templated resource that holds `id`: the top bits of a
+/// multiplicative hash over the id's bytes, eight at a time (a handful of
+/// instructions for an id of a few dozen bytes, where the set's own hash
+/// is keyed and slower). Ids that all fall into one shard cost what an
+/// unsharded set does, no more.
+fn shard_index(id: &str) -> usize {
+    const K: u64 = 0x517c_c1b7_2722_0a95;
+    let mix = |h: u64, w: u64| (h.rotate_left(5) ^ w).wrapping_mul(K);
+    let mut chunks = id.as_bytes().chunks_exact(8);
+    let mut h = (&mut chunks).fold(id.len() as u64, |h, c| mix(h, u64::from_le_bytes(c.try_into().expect("8 bytes"))));
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        let mut w = [0u8; 8];
+        w[..rest.len()].copy_from_slice(rest);
+        h = mix(h, u64::from_le_bytes(w));
+    }
+    (h >> (64 - SHARD_BITS)) as usize
 }
 
 /// A key in its resource's set, found by its id: one pointer a slot, where
@@ -686,9 +727,9 @@ struct Recent {
     since: Option<usher_core::clock::Time>,
 }
 
-/// Up to this many keys, a new key is folded into the snapshot at once (a
-/// copy this small costs less than locking on the request path).
-pub const FOLD_SMALL: usize = 64;
+/// Up to this many keys in a shard, a new key is folded into its snapshot at
+/// once (a copy this small costs less than locking on the request path).
+pub const FOLD_SMALL: usize = 16;
 /// Otherwise `recent` is folded when it holds a quarter of the snapshot's keys...
 const FOLD_FRACTION: usize = 4;
 /// ... or at the first [`LeaseTable::settle`] this long after its first key.
@@ -767,11 +808,20 @@ pub enum KeyRefused {
 
 impl ResourceLimits {
     fn new(spec: ResourceSpec, clock: Clock, activity: Arc<Activity>) -> Self {
+        let shards = (0..shards_of(&spec)).map(|_| Shard::default()).collect();
         ResourceLimits {
             shared: Arc::new(Shared { spec: ArcSwap::from_pointee(spec), clock, activity }),
-            keys: ArcSwap::default(),
-            recent: Mutex::new(Recent::default()),
-            has_recent: AtomicBool::new(false),
+            shards,
+            count: AtomicUsize::new(0),
+        }
+    }
+
+    /// The shard that holds `id`.
+    #[inline]
+    fn shard(&self, id: &str) -> &Shard {
+        match self.shards.len() {
+            1 => &self.shards[0],
+            _ => &self.shards[shard_index(id)],
         }
     }
 
@@ -800,46 +850,123 @@ impl ResourceLimits {
 
     /// The limiter for `id` if it exists.
     pub fn get(&self, id: &str) -> Option<Arc<Limiter>> {
-        if let Some(k) = self.keys.load().get(id) {
+        let shard = self.shard(id);
+        if let Some(k) = shard.keys.load().get(id) {
             return Some(k.0.clone());
         }
-        if !self.has_recent.load(Ordering::Acquire) {
+        if !shard.has_recent.load(Ordering::Acquire) {
             return None;
         }
-        let recent = self.recent.lock().expect("key lock");
+        let recent = shard.recent.lock().expect("key lock");
         // A fold may have moved it meanwhile.
-        recent.keys.get(id).map(|k| k.0.clone()).or_else(|| self.keys.load().get(id).map(|k| k.0.clone()))
+        recent.keys.get(id).map(|k| k.0.clone()).or_else(|| shard.keys.load().get(id).map(|k| k.0.clone()))
     }
 
     fn get_or_create(&self, id: &str, bound: usize) -> Result<Arc<Limiter>, KeyRefused> {
-        if let Some(k) = self.keys.load().get(id) {
+        let shard = self.shard(id);
+        if let Some(k) = shard.keys.load().get(id) {
             return Ok(k.0.clone());
         }
         if id.len() > MAX_ID_BYTES {
             return Err(KeyRefused::TooLong { resource: self.shared.spec.load().name.clone(), bytes: id.len() });
         }
-        let mut recent = self.recent.lock().expect("key lock");
-        let keys = self.keys.load();
+        let mut recent = shard.recent.lock().expect("key lock");
+        let keys = shard.keys.load();
         if let Some(k) = recent.keys.get(id).or_else(|| keys.get(id)) {
             return Ok(k.0.clone());
         }
-        let count = keys.len() + recent.keys.len();
-        if count >= bound {
+        // Counted before it is made: two shards making the last key allowed
+        // at once cannot both make it.
+        if self.count.fetch_add(1, Ordering::AcqRel) >= bound {
+            self.count.fetch_sub(1, Ordering::AcqRel);
             let spec = self.shared.spec.load();
             return Err(KeyRefused::Full { resource: spec.name.clone(), max_keys: spec.max_keys });
         }
+        let held = keys.len() + recent.keys.len();
         let l = Arc::new(Limiter::new(id.into(), self.shared.clone()));
         self.shared.activity.nudge();
         recent.keys.insert(Key(l.clone()));
         recent.since.get_or_insert_with(|| self.shared.clock.now());
-        if count < FOLD_SMALL || recent.keys.len() >= keys.len() / FOLD_FRACTION {
-            self.fold(&mut recent, &keys);
+        if held < FOLD_SMALL || recent.keys.len() >= keys.len() / FOLD_FRACTION {
+            shard.fold(&mut recent, &keys);
         } else {
-            self.has_recent.store(true, Ordering::Release);
+            shard.has_recent.store(true, Ordering::Release);
         }
         Ok(l)
     }
 
+    /// Folds each shard's recent keys into its snapshot if the first came
+    /// at least [`FOLD_AFTER`] ago, so that a key set that stops growing
+    /// ends up read lock-free.
+    fn settle(&self) {
+        let now = self.shared.clock.now();
+        for shard in self.shards.iter().filter(|s| s.has_recent.load(Ordering::Acquire)) {
+            let mut recent = shard.recent.lock().expect("key lock");
+            if recent.since.is_some_and(|t| now.since(t) >= FOLD_AFTER) {
+                let keys = shard.keys.load_full();
+                shard.fold(&mut recent, &keys);
+            }
+        }
+    }
+
+    /// Forgets a key (an idle templated id); requests holding it finish normally.
+    pub fn remove(&self, id: &str) {
+        self.remove_all(std::iter::once(id));
+    }
+
+    /// Forgets keys at once: one copy of each shard they are in, however many.
+    pub fn remove_all<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
+        let mut by_shard: Vec<Vec<&str>> = vec![Vec::new(); self.shards.len()];
+        for id in ids {
+            let i = if self.shards.len() == 1 { 0 } else { shard_index(id) };
+            by_shard[i].push(id);
+        }
+        for (shard, ids) in self.shards.iter().zip(by_shard).filter(|(_, ids)| !ids.is_empty()) {
+            let removed = shard.remove_all(ids);
+            self.count.fetch_sub(removed, Ordering::AcqRel);
+        }
+    }
+
+    /// Every key, by id.
+    pub fn limiters(&self) -> Vec<Arc<Limiter>> {
+        let mut v = Vec::with_capacity(self.len());
+        self.each(|l| v.push(l.clone()));
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+
+    /// Calls `f` with every key, shard by shard, each seen once: under the
+    /// lock that serialises a shard's folds, its keys are listed, and `f`
+    /// is called after.
+    fn each(&self, mut f: impl FnMut(&Arc<Limiter>)) {
+        for shard in self.shards.iter() {
+            let recent = shard.recent.lock().expect("key lock");
+            let keys = shard.keys.load_full();
+            let made: Vec<Arc<Limiter>> = recent.keys.iter().map(|k| k.0.clone()).collect();
+            drop(recent);
+            for l in keys.iter().map(|k| &k.0).chain(&made) {
+                f(l);
+            }
+        }
+    }
+
+    /// How many keys there are.
+    pub fn len(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
+    /// Whether it has no key yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// How many shards `spec`'s keys are spread over.
+fn shards_of(spec: &ResourceSpec) -> usize {
+    if spec.templated { SHARDS } else { 1 }
+}
+
+impl Shard {
     /// Moves the recent keys into a new snapshot.
     fn fold(&self, recent: &mut Recent, keys: &HashSet<Key>) {
         let mut next = HashSet::with_capacity(keys.len() + recent.keys.len());
@@ -850,34 +977,17 @@ impl ResourceLimits {
         self.has_recent.store(false, Ordering::Release);
     }
 
-    /// Folds the recent keys into the snapshot if the first came at least
-    /// [`FOLD_AFTER`] ago, so that a key set that stops growing ends up read
-    /// lock-free.
-    fn settle(&self) {
-        if !self.has_recent.load(Ordering::Acquire) {
-            return;
-        }
-        let mut recent = self.recent.lock().expect("key lock");
-        if recent.since.is_some_and(|t| self.shared.clock.now().since(t) >= FOLD_AFTER) {
-            let keys = self.keys.load_full();
-            self.fold(&mut recent, &keys);
-        }
-    }
-
-    /// Forgets a key (an idle templated id); requests holding it finish normally.
-    pub fn remove(&self, id: &str) {
-        self.remove_all(std::iter::once(id));
-    }
-
-    /// Forgets keys at once: one copy of the snapshot, however many.
-    pub fn remove_all<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
+    /// Forgets `ids` (one copy of the snapshot, however many); returns how
+    /// many it held.
+    fn remove_all(&self, ids: Vec<&str>) -> usize {
         let mut recent = self.recent.lock().expect("key lock");
         let keys = self.keys.load();
         let mut next: Option<HashSet<Key>> = None;
+        let mut removed = 0;
         for id in ids {
-            if !recent.keys.remove(id) && keys.contains(id) {
-                next.get_or_insert_with(|| HashSet::clone(&keys)).remove(id);
-            }
+            let gone = recent.keys.remove(id)
+                || (keys.contains(id) && next.get_or_insert_with(|| HashSet::clone(&keys)).remove(id));
+            removed += usize::from(gone);
         }
         if let Some(next) = next {
             self.keys.store(Arc::new(next));
@@ -886,26 +996,7 @@ impl ResourceLimits {
             recent.since = None;
             self.has_recent.store(false, Ordering::Release);
         }
-    }
-
-    /// Every key, by id.
-    pub fn limiters(&self) -> Vec<Arc<Limiter>> {
-        let recent = self.recent.lock().expect("key lock");
-        let mut v: Vec<_> = self.keys.load().iter().chain(recent.keys.iter()).map(|k| k.0.clone()).collect();
-        drop(recent);
-        v.sort_by(|a, b| a.id.cmp(&b.id));
-        v
-    }
-
-    /// How many keys there are.
-    pub fn len(&self) -> usize {
-        let recent = self.recent.lock().expect("key lock");
-        self.keys.load().len() + recent.keys.len()
-    }
-
-    /// Whether it has no key yet.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        removed
     }
 }
 
@@ -949,7 +1040,7 @@ impl LeaseTable {
         let mut next = HashMap::new();
         for spec in specs {
             let entry = match old.get(&spec.name) {
-                Some(r) if r.shared.spec.load().kind == spec.kind => {
+                Some(r) if r.shared.spec.load().kind == spec.kind && r.shards.len() == shards_of(&spec) => {
                     let prev = r.shared.spec.swap(Arc::new(spec.clone()));
                     if prev.capacity != spec.capacity || prev.burst != spec.burst {
                         for l in r.limiters() {
@@ -982,14 +1073,7 @@ impl LeaseTable {
     /// which must not sort or copy ids for a hundred thousand keys.
     pub fn each_limiter(&self, mut f: impl FnMut(&str, &Arc<Limiter>)) {
         for (name, r) in self.resources.load().iter() {
-            // Under the lock that serialises folds: no key is missed or seen twice.
-            let recent = r.recent.lock().expect("key lock");
-            let keys = r.keys.load();
-            let made: Vec<Arc<Limiter>> = recent.keys.iter().map(|k| k.0.clone()).collect();
-            drop(recent);
-            for l in keys.iter().map(|k| &k.0).chain(&made) {
-                f(name, l);
-            }
+            r.each(|l| f(name, l));
         }
     }
 
@@ -1121,6 +1205,7 @@ mod tests {
             burst_span: None,
             shadow: false,
             upstream_quota: false,
+            templated: false,
         }
     }
 
@@ -1260,7 +1345,7 @@ mod tests {
         fn keys_behave_as_one_map_however_they_are_stored(ops in ops(), bound in 900usize..2500) {
             let (clock, h) = Clock::manual(Time::from_secs(10));
             let t = LeaseTable::new(clock);
-            t.configure(vec![ResourceSpec { max_keys: bound, ..spec("r", Kind::Rate, 1.0) }]);
+            t.configure(vec![ResourceSpec { max_keys: bound, templated: true, ..spec("r", Kind::Rate, 1.0) }]);
             let r = t.resource("r").unwrap();
             let mut model: HashMap<String, Arc<Limiter>> = HashMap::new();
             for op in ops {
@@ -1305,6 +1390,40 @@ mod tests {
         }
     }
 
+    /// A templated resource's ids spread over every shard, whatever their
+    /// form (a shared prefix, numbers, names), none holding far more than
+    /// its share; the bound holds across shards; a reload that makes a
+    /// fixed id templated shards its keys anew.
+    #[test]
+    fn a_templated_resources_keys_spread_over_its_shards() {
+        let (clock, _h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![ResourceSpec { max_keys: 30_000, templated: true, ..spec("r", Kind::Rate, 1.0) }]);
+        let r = t.resource("r").unwrap();
+        assert_eq!(r.shards.len(), SHARDS);
+        for form in ["t/tenant-{i:06}", "{i}", "org-{i}.example.com/users"] {
+            let mut per = [0usize; SHARDS];
+            for i in 0..10_000 {
+                per[shard_index(&form.replace("{i:06}", &format!("{i:06}")).replace("{i}", &i.to_string()))] += 1;
+            }
+            let (lo, hi) = (per.iter().min().unwrap(), per.iter().max().unwrap());
+            assert!(*lo > 10_000 / SHARDS / 2 && *hi < 10_000 / SHARDS * 2, "{form}: {per:?}");
+        }
+        for i in 0..30_000 {
+            r.try_limiter(&format!("t/{i}")).unwrap();
+        }
+        assert!(matches!(r.try_limiter("t/one-more"), Err(KeyRefused::Full { .. })));
+        assert_eq!((r.len(), r.limiters().len()), (30_000, 30_000));
+        r.remove_all((0..100).map(|i| format!("t/{i}")).collect::<Vec<_>>().iter().map(String::as_str));
+        assert_eq!(r.len(), 29_900);
+        r.try_limiter("t/one-more").unwrap();
+        let fixed = spec("f", Kind::Rate, 1.0);
+        t.configure(vec![fixed.clone()]);
+        assert_eq!(t.resource("f").unwrap().shards.len(), 1);
+        t.configure(vec![ResourceSpec { templated: true, ..fixed }]);
+        assert_eq!(t.resource("f").unwrap().shards.len(), SHARDS);
+    }
+
     #[test]
     fn past_fold_small_new_keys_wait_in_recent_until_a_quarter_or_a_second() {
         let (clock, h) = Clock::manual(Time::from_secs(10));
@@ -1314,18 +1433,18 @@ mod tests {
         for i in 0..FOLD_SMALL {
             r.limiter(&format!("k{i}"));
         }
-        assert_eq!(r.keys.load().len(), FOLD_SMALL, "small: each key folded at once");
+        assert_eq!(r.shards[0].keys.load().len(), FOLD_SMALL, "small: each key folded at once");
         r.limiter("late");
-        assert!(r.keys.load().get("late").is_none() && r.get("late").is_some(), "recent first");
+        assert!(r.shards[0].keys.load().get("late").is_none() && r.get("late").is_some(), "recent first");
         t.settle();
-        assert!(r.keys.load().get("late").is_none(), "not before FOLD_AFTER");
+        assert!(r.shards[0].keys.load().get("late").is_none(), "not before FOLD_AFTER");
         h.advance(FOLD_AFTER);
         t.settle();
-        assert!(r.keys.load().get("late").is_some(), "folded by the demand poll");
+        assert!(r.shards[0].keys.load().get("late").is_some(), "folded by the demand poll");
         for i in 0..FOLD_SMALL / FOLD_FRACTION {
             r.limiter(&format!("q{i}"));
         }
-        assert_eq!(r.keys.load().len(), FOLD_SMALL + 1 + FOLD_SMALL / FOLD_FRACTION, "a quarter: folded");
+        assert_eq!(r.shards[0].keys.load().len(), FOLD_SMALL + 1 + FOLD_SMALL / FOLD_FRACTION, "a quarter: folded");
     }
 
     #[test]

@@ -52,6 +52,7 @@ impl Client {
             burst_span: Some(Duration::from_secs(1)),
             shadow: false,
             upstream_quota: false,
+            templated: false,
         }]);
         let key = table.resource("cal").unwrap().limiter("cal");
         Client { core: Core::new(cfg, clock.now()), table, key, arrived: VecDeque::new(), waiting: Vec::new() }
