@@ -15,9 +15,9 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use usher_core::clock::Clock;
+use usher_core::clock::{Clock, Time};
 use usher_core::config::routes::RoutesConfig;
-use usher_enforce::enforcer::{EMBEDDED, embedded_resources, start_with};
+use usher_enforce::enforcer::{EMBEDDED, LOCAL_IDLE, embedded_resources, start_with};
 use usher_enforce::pushback::Pushback;
 use usher_lease::transport::Transport;
 use usher_limit::LeaseTable;
@@ -228,6 +228,43 @@ async fn sidecar_bytes_per_key(keys: Keys) -> f64 {
     grown as f64 / KEYS as f64
 }
 
+/// Bytes per key still held once local keys, each used once, have idled
+/// [`LOCAL_IDLE`] with full buckets: the enforcer forgets them (a key made
+/// anew would be the same), so a tenant seen once costs nothing after that.
+/// A manual clock moves the idle time; a nudge wakes the lease client.
+async fn idle_local_bytes_per_key() -> f64 {
+    let cfg = routes();
+    let (clock, time) = Clock::manual(Time::from_secs(1_000_000));
+    let table = Arc::new(LeaseTable::new(clock));
+    table.configure(usher_enforce::resource::specs(&cfg));
+    let registry = prometheus::Registry::new();
+    let shutdown = CancellationToken::new();
+    let source = cfg.clone();
+    let pushback = Arc::new(Pushback::new(&registry));
+    let (_client, task) =
+        start_with(Arc::new(move || source.clone()), table.clone(), pushback, &registry, shutdown.clone())
+            .expect("the embedded server starts");
+    let limits = table.resource("tenant").expect("configured");
+    make_keys(&table, KEYS..KEYS + 1);
+    wait_for(|| limits.get(&tenant(KEYS)).is_some_and(|l| l.watched())).await;
+    let before = live();
+    make_keys(&table, 0..KEYS);
+    wait_for(|| (0..KEYS).all(|i| limits.get(&tenant(i)).is_some_and(|l| l.watched()))).await;
+    let held = (live() - before) as f64 / KEYS as f64;
+    time.advance(LOCAL_IDLE);
+    table.activity().nudge();
+    wait_for(|| limits.is_empty()).await;
+    let mut left = isize::MAX;
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        left = left.min(live() - before);
+    }
+    shutdown.cancel();
+    task.await.expect("lease client ends");
+    assert!(held > 100.0, "the keys were held before they idled: {held:.0} bytes each");
+    left as f64 / KEYS as f64
+}
+
 async fn wait_for(mut done: impl FnMut() -> bool) {
     for _ in 0..600 {
         if done() {
@@ -245,12 +282,14 @@ async fn bytes_per_templated_key_stay_bounded() {
     let table = table_bytes_per_key();
     let local = sidecar_bytes_per_key(Keys::Local).await;
     let leased = sidecar_bytes_per_key(Keys::Leased).await;
+    let idle = idle_local_bytes_per_key().await;
     let enforcer = local - table;
     let client = leased - store - table;
     println!(
         "bytes per key ({KEYS} keys): store {store:.0}, table {table:.0}; \
          local keys: enforcer {enforcer:.0}, whole sidecar {local:.0}; \
-         leased keys: lease client and enforcer {client:.0}, whole sidecar {leased:.0}"
+         leased keys: lease client and enforcer {client:.0}, whole sidecar {leased:.0}; \
+         local keys seen once, after {LOCAL_IDLE:?} idle: {idle:.1}"
     );
     // Ceilings with room for another allocator's or map's growth policy
     // (benches/RESULTS.md, "Memory per key" and "a million tenant keys on
@@ -263,4 +302,6 @@ async fn bytes_per_templated_key_stay_bounded() {
     // A local key is the table's key and nothing more.
     assert!(enforcer < 50.0, "enforcer, local keys: {enforcer:.0} bytes per key");
     assert!(local < LOCAL_CEILING, "whole sidecar, local keys: {local:.0} bytes per key");
+    // What a forgotten key leaves: nothing but the shards' emptied sets.
+    assert!(idle < 8.0, "local keys seen once, idle: {idle:.1} bytes per key left");
 }

@@ -989,7 +989,12 @@ impl Shard {
                 || (keys.contains(id) && next.get_or_insert_with(|| HashSet::clone(&keys)).remove(id));
             removed += usize::from(gone);
         }
-        if let Some(next) = next {
+        if let Some(mut next) = next {
+            // A copy keeps the room of the keys it lost: a shard that emptied
+            // gives it back.
+            if next.len() * 4 < next.capacity() {
+                next.shrink_to_fit();
+            }
             self.keys.store(Arc::new(next));
         }
         if recent.keys.is_empty() {
