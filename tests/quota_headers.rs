@@ -2,8 +2,10 @@
 //! headers: Anthropic's separate input and output token limits each steer
 //! their own resource; and a preset whose headers never come (`github` on an
 //! OpenAI-like API) is warned of once and shown on the status page until
-//! its headers appear; and a server sharing an OpenAI-like API's whole
-//! request rate adds a tenth while the API's bucket is over a third full.
+//! its headers appear; a server sharing an OpenAI-like API's whole request
+//! rate adds a tenth while the API's bucket is over a third full; and a
+//! server cuts its fleet only while the API's bucket falls fast enough to
+//! be empty within 30 s.
 
 #![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
 
@@ -165,21 +167,23 @@ async fn a_preset_whose_headers_never_come_is_warned_of_and_shown_until_they_do(
     }
 }
 
-/// An OpenAI-like API refills 60 requests a minute and says its bucket holds
-/// 50 (full in 10 s: one a second). A server sharing that whole rate adds a
-/// tenth while the bucket is over a third full, so that what the sidecars
-/// leave unspent is spent; one whose capacity is set a little under the rate
-/// keeps to it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_adds_a_tenth_while_the_apis_bucket_is_over_a_third_full_only_at_its_whole_rate() {
-    for (capacity, shared) in [(60.0, 66.0), (58.0, 58.0)] {
+/// One sidecar and its capacity server sharing an OpenAI-like API's 60
+/// requests a minute, whose headers the test sets (`fields`).
+struct OneSidecar {
+    server: Usher,
+    sidecar: Usher,
+    fields: Fields,
+    _dir: tempfile::TempDir,
+}
+
+impl OneSidecar {
+    /// The server shares `capacity` a minute (FAIR_SHARE, 1 s refreshes);
+    /// the API's first answers say `remaining` of 60, full in `reset`.
+    async fn start(capacity: f64, remaining: u32, reset: &str) -> OneSidecar {
         let dir = tempfile::tempdir().unwrap();
-        let up = stand_in(Arc::new(Mutex::new(fields(&[
-            ("x-ratelimit-limit-requests", "60".into()),
-            ("x-ratelimit-remaining-requests", "50".into()),
-            ("x-ratelimit-reset-requests", "10s".into()),
-        ]))))
-        .await;
+        let fields: Fields = Arc::default();
+        OneSidecar::say(&fields, remaining, reset);
+        let up = stand_in(fields.clone()).await;
         let port = free_port();
         let config = format!(
             "resources:\n  - identifier_glob: llm-requests\n    capacity: {capacity}/min\n    \
@@ -194,28 +198,92 @@ async fn a_server_adds_a_tenth_while_the_apis_bucket_is_over_a_third_full_only_a
              routes:\n  - {{ name: chat, upstream: llm, resources: [llm-requests] }}\n"
         );
         let sidecar = Usher::proxy(&write_file(dir.path(), "routes.yaml", &routes));
-        send(&sidecar, 2).await;
-        // The account goes up with the sidecar's next request to the server.
+        OneSidecar { server, sidecar, fields, _dir: dir }
+    }
+
+    /// Sets what the API says of its bucket from now on.
+    fn say(fields: &Fields, remaining: u32, reset: &str) {
+        *fields.lock().unwrap() = self::fields(&[
+            ("x-ratelimit-limit-requests", "60".into()),
+            ("x-ratelimit-remaining-requests", remaining.to_string()),
+            ("x-ratelimit-reset-requests", reset.into()),
+        ]);
+    }
+
+    /// The server's status of the resource once the API's account that says
+    /// `remaining` has reached it (the sidecar carries it up with its next
+    /// request for its lease).
+    async fn resource_once_it_knows(&self, remaining: u32) -> serde_json::Value {
         let deadline = std::time::Instant::now() + Duration::from_secs(15);
-        let resource = loop {
-            let (code, body) = http_get(server.addr("admin"), "/debug/status?format=json");
+        loop {
+            let (code, body) = http_get(self.server.addr("admin"), "/debug/status?format=json");
             assert_eq!(code, 200, "{body}");
             let st: serde_json::Value = serde_json::from_str(&body).unwrap();
             let r = st["resources"].as_array().and_then(|a| a.iter().find(|r| r["id"] == "llm-requests")).cloned();
-            if let Some(r) = r.filter(|r| r["quota"]["source"] == "upstream") {
-                break r;
+            if let Some(r) = r.filter(|r| {
+                r["quota"]["source"] == "upstream" && r["quota"]["remaining"].as_f64() == Some(f64::from(remaining))
+            }) {
+                return r;
             }
             assert!(
                 std::time::Instant::now() < deadline,
                 "the account never reached the server: {st}\n{}",
-                sidecar.log()
+                self.sidecar.log()
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
-        };
-        let per_min = resource["capacity"].as_f64().unwrap() * 60.0;
+        }
+    }
+
+    /// The capacity the server shares now, per minute.
+    fn per_min(resource: &serde_json::Value) -> f64 {
+        resource["capacity"].as_f64().unwrap() * 60.0
+    }
+}
+
+/// An OpenAI-like API refills 60 requests a minute and says its bucket holds
+/// 50 (full in 10 s: one a second). A server sharing that whole rate adds a
+/// tenth while the bucket is over a third full, so that what the sidecars
+/// leave unspent is spent; one whose capacity is set a little under the rate
+/// keeps to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_adds_a_tenth_while_the_apis_bucket_is_over_a_third_full_only_at_its_whole_rate() {
+    for (capacity, shared) in [(60.0, 66.0), (58.0, 58.0)] {
+        let one = OneSidecar::start(capacity, 50, "10s").await;
+        send(&one.sidecar, 2).await;
+        let resource = one.resource_once_it_knows(50).await;
+        let per_min = OneSidecar::per_min(&resource);
         assert!(
             (per_min - shared).abs() < 0.01,
             "capacity {capacity}/min: shared {per_min}/min, not {shared}\n{resource}"
+        );
+    }
+}
+
+/// The API's bucket read twice, some 6 s apart (a fall is measured over 5 s
+/// at least), both times under half full. Falling from 28 to 10, at the
+/// pace it falls it would be empty within 30 s: the server cuts the fleet
+/// to the bucket's floor (the capacity scaled by how full it is against
+/// half full: 58 x 10/30). Falling from 28 to 27, it would last minutes:
+/// the fleet keeps its 58 a minute, so that the last of a burst, or
+/// readings a call apart, cut nothing (with the rule that cut any fall
+/// under half full, this one read 54 a minute).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_cuts_a_fleet_only_while_the_apis_bucket_would_be_empty_within_thirty_seconds() {
+    let (fast, slow) = tokio::join!(OneSidecar::start(58.0, 28, "32s"), OneSidecar::start(58.0, 28, "32s"));
+    for one in [&fast, &slow] {
+        send(&one.sidecar, 1).await;
+        let first = one.resource_once_it_knows(28).await;
+        assert!((OneSidecar::per_min(&first) - 58.0).abs() < 0.01, "one reading, no fall yet: {first}");
+    }
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    for (one, then, reset, shared) in [(&fast, 10, "50s", 58.0 * 10.0 / 30.0), (&slow, 27, "33s", 58.0)] {
+        OneSidecar::say(&one.fields, then, reset);
+        send(&one.sidecar, 1).await;
+        let resource = one.resource_once_it_knows(then).await;
+        let per_min = OneSidecar::per_min(&resource);
+        assert!(
+            (per_min - shared).abs() < 0.01,
+            "28 then {then} of 60: shared {per_min}/min, not {shared}\n{resource}"
         );
     }
 }
