@@ -536,10 +536,10 @@ impl TableEnforcer {
                 reading.templated += 1;
                 let (used, first) = l.last_use(now);
                 reading.made += u64::from(first);
-                let mut at = used.saturating_add(settings.key_idle_timeout);
-                if local {
-                    at = at.min(self.local_forget_at(l, used, settings.key_idle_timeout, now));
-                }
+                let at = match local {
+                    true => self.local_forget_at(l, used, settings.key_idle_timeout, now),
+                    false => used.saturating_add(settings.key_idle_timeout),
+                };
                 if at <= now {
                     mem.remove(l.id());
                     tracing::debug!(resource, id = %l.id(), idle = ?settings.key_idle_timeout, "forgot an idle key; releasing its lease");
@@ -586,23 +586,24 @@ impl TableEnforcer {
         reading
     }
 
-    /// When a local key unused since `used` can be forgotten before its
-    /// `key_idle_timeout`: once it has been idle for [`LOCAL_IDLE`] (or
-    /// its timeout, if shorter) and holds nothing a key made anew would not
+    /// When a local key unused since `used` is forgotten: once it has been
+    /// idle for [`LOCAL_IDLE`] (or its `key_idle_timeout`, if shorter) and
+    /// holds nothing a key made anew would not
     /// ([`usher_limit::Limiter::fresh_at`]: its bucket full, nothing told,
-    /// no pushback). Its next request makes it again with the same outcome,
-    /// and a tenant seen once costs nothing after that. Otherwise the end of
-    /// its timeout, as for any templated key.
+    /// no pushback), else at its timeout, as any templated key. Its next
+    /// request makes it again with the same outcome, and a tenant seen once
+    /// costs nothing after that. Until it has idled, that moment is
+    /// returned (the lease client looks again then): one addition, as for a
+    /// key that leases, on this pass over every key.
+    #[inline]
     fn local_forget_at(&self, l: &Limiter, used: Time, timeout: Duration, now: Time) -> Time {
-        let never = used.saturating_add(timeout);
         let idle = used.saturating_add(LOCAL_IDLE.min(timeout));
         if idle > now {
-            // Looked at once it has idled (the lock of its rate is not taken before).
             return idle;
         }
         match l.fresh_at() {
             Some(full) if !self.pushback.tracks(l.id()) => full.max(idle),
-            _ => never,
+            _ => used.saturating_add(timeout),
         }
     }
 
