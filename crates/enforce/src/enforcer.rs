@@ -66,14 +66,14 @@ const EMBEDDED_REFRESH_INTERVAL: Duration = Duration::from_secs(3600);
 /// The embedded server's lease length: three refresh intervals.
 #[cfg(feature = "embedded-server")]
 const EMBEDDED_LEASE_LENGTH: Duration = Duration::from_secs(3 * 3600);
-/// The window over which a rate resource's demand is measured: short, so
-/// that wants follow demand up and down within a refresh or two.
 /// A local key whose bucket is full is forgotten once unused this long,
 /// before its `key_idle_timeout` (see [`TableEnforcer::local_forget_at`]):
 /// long enough that a tenant calling every few seconds keeps its key (a key
 /// made again costs more than one kept), short enough that a million
 /// tenants seen once do not stay in memory.
 pub const LOCAL_IDLE: Duration = Duration::from_secs(10);
+/// The window over which a rate resource's demand is measured: short, so
+/// that wants follow demand up and down within a refresh or two.
 const DEMAND_WINDOW: Duration = Duration::from_secs(2);
 /// A slow key's demand never reads below its traffic over this long (see `Measured::floor`).
 const FLOOR_WINDOW: Duration = Duration::from_secs(300);
