@@ -269,14 +269,17 @@ async fn a_server_adds_a_tenth_while_the_apis_bucket_is_over_a_third_full_only_a
 /// under half full, this one read 54 a minute).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_cuts_a_fleet_only_while_the_apis_bucket_would_be_empty_within_thirty_seconds() {
-    let (fast, slow) = tokio::join!(OneSidecar::start(58.0, 28, "32s"), OneSidecar::start(58.0, 28, "32s"));
-    for one in [&fast, &slow] {
+    // Each case on its own sidecar and server, side by side: its two
+    // readings 6 s apart, whatever the other case waits for. (The floor is
+    // the cut while the fall it measures is over 0.64 a second: readings
+    // under 14 s apart.)
+    let case = async |then: u32, reset: &'static str, shared: f64| {
+        let one = OneSidecar::start(58.0, 28, "32s").await;
+        let first_sent = tokio::time::Instant::now();
         send(&one.sidecar, 1).await;
         let first = one.resource_once_it_knows(28).await;
         assert!((OneSidecar::per_min(&first) - 58.0).abs() < 0.01, "one reading, no fall yet: {first}");
-    }
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    for (one, then, reset, shared) in [(&fast, 10, "50s", 58.0 * 10.0 / 30.0), (&slow, 27, "33s", 58.0)] {
+        tokio::time::sleep_until(first_sent + Duration::from_secs(6)).await;
         OneSidecar::say(&one.fields, then, reset);
         send(&one.sidecar, 1).await;
         let resource = one.resource_once_it_knows(then).await;
@@ -285,5 +288,6 @@ async fn a_server_cuts_a_fleet_only_while_the_apis_bucket_would_be_empty_within_
             (per_min - shared).abs() < 0.01,
             "28 then {then} of 60: shared {per_min}/min, not {shared}\n{resource}"
         );
-    }
+    };
+    tokio::join!(case(10, "50s", 58.0 * 10.0 / 30.0), case(27, "33s", 58.0));
 }

@@ -601,9 +601,10 @@ impl TableEnforcer {
         if idle > now {
             return idle;
         }
+        let timeout = used.saturating_add(timeout);
         match l.fresh_at() {
-            Some(full) if !self.pushback.tracks(l.id()) => full.max(idle),
-            _ => used.saturating_add(timeout),
+            Some(full) if !self.pushback.tracks(l.id()) => full.max(idle).min(timeout),
+            _ => timeout,
         }
     }
 
@@ -625,11 +626,18 @@ impl TableEnforcer {
     fn forget(&self, forgotten: HashMap<String, (bool, Vec<String>)>) -> Vec<String> {
         let mut removed = Vec::new();
         for (resource, (local, ids)) in forgotten {
-            if let Some(limits) = self.table.resource(&resource) {
-                limits.remove_all(ids.iter().map(String::as_str));
-            }
+            let limits = self.table.resource(&resource);
             if local {
+                // A local key used since the read is kept: its bucket may
+                // no longer be full. (A request that found it a moment
+                // before and arrives after this check still spends from it.)
+                if let Some(limits) = limits {
+                    limits.remove_all_if(ids.iter().map(String::as_str), Limiter::untouched);
+                }
                 continue;
+            }
+            if let Some(limits) = limits {
+                limits.remove_all(ids.iter().map(String::as_str));
             }
             // A templated id another resource also made keeps its lease for that one.
             removed.extend(ids.into_iter().filter(|id| !self.table.contains(id)));
@@ -1331,16 +1339,18 @@ mod tests {
 
     /// A local key idle for LOCAL_IDLE is forgotten only if a key made anew
     /// would be the same: one whose bucket is still filling stays until it
-    /// is full (and the lease client is due then), one backed off by its
-    /// upstream stays while it is, and a key of a resource that leases
-    /// keeps its key_idle_timeout.
+    /// is full (and the lease client is due then), or until its
+    /// key_idle_timeout if that comes first; one backed off by its upstream
+    /// stays while it is; a key of a resource that leases keeps its
+    /// key_idle_timeout.
     #[test]
     fn a_local_key_is_forgotten_early_only_when_a_new_key_would_be_the_same() {
         let (e, time) = enforcer_of(
             "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
              resources:\n  tenant: { kind: rate, capacity: 6/min, burst: 3, id: \"t/{header.x-tenant}\" }\n  \
-             leased: { kind: rate, capacity: 6/min, burst: 3, id: \"l/{header.x-tenant}\", wants: auto }\n\
-             routes:\n  - { name: all, upstream: up, resources: [tenant, leased] }\n",
+             leased: { kind: rate, capacity: 6/min, burst: 3, id: \"l/{header.x-tenant}\", wants: auto }\n  \
+             slow: { kind: rate, capacity: 1/h, burst: 2, id: \"s/{header.x-tenant}\", key_idle_timeout: 25s }\n\
+             routes:\n  - { name: all, upstream: up, resources: [tenant, leased, slow] }\n",
         );
         let e = TableEnforcer { local_keys: true, ..e };
         let start = e.table.clock().now();
@@ -1354,6 +1364,10 @@ mod tests {
         for _ in 0..3 {
             assert!(usher_limit::rate::try_admit(spent.rate().unwrap(), e.table.clock(), 1.0));
         }
+        let slow = e.table.resource("slow").unwrap().try_limiter("s/spent").unwrap();
+        for _ in 0..2 {
+            assert!(usher_limit::rate::try_admit(slow.rate().unwrap(), e.table.clock(), 1.0));
+        }
         let cfg = usher_core::config::doorman::PushbackConfig::default();
         e.pushback.on_response([&*pushed], http::StatusCode::TOO_MANY_REQUESTS, None, start, &cfg, |_, _| {});
         assert!(e.pushback.tracks("t/pushed"));
@@ -1365,8 +1379,13 @@ mod tests {
         assert!(present("t/spent"), "3 units spent at 6/min: full 30 s after");
         assert!(present("t/pushed"), "backed off: kept");
         assert!(present("l/idle"), "a leased key waits for its key_idle_timeout");
+        assert!(present("s/spent"), "full in two hours");
+        assert_eq!(*e.next_idle.lock().unwrap(), Some(start.saturating_add(Duration::from_secs(25))));
+        time.advance(Duration::from_secs(15));
+        e.demand_update();
+        assert!(!present("s/spent"), "still filling, but idle for its 25 s key_idle_timeout: forgotten");
         assert_eq!(*e.next_idle.lock().unwrap(), Some(start.saturating_add(Duration::from_secs(30))));
-        time.advance(Duration::from_secs(20) - Duration::from_millis(1));
+        time.advance(Duration::from_secs(5) - Duration::from_millis(1));
         e.demand_update();
         assert!(present("t/spent"), "not full yet");
         time.advance(Duration::from_millis(1));
@@ -1375,7 +1394,7 @@ mod tests {
         time.advance(Duration::from_secs(60));
         e.demand_update();
         assert!(present("l/idle"), "70 s idle, under its 5 min timeout");
-        drop((idle, leased));
+        drop((idle, leased, slow));
     }
 
     /// A key used at under one request a second (0.5/s, as LLM calls are)
