@@ -82,6 +82,46 @@ async fn an_idle_local_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
     idle_key_forgotten(Held::Local).await;
 }
 
+/// A sidecar with no `doorman:` section whose one route limits each tenant
+/// (`x-tenant`) by the resource `tenant`, written as `spec` (its YAML
+/// fields inside the braces).
+struct TenantSidecar {
+    u: Usher,
+    up: Upstream,
+    _dir: tempfile::TempDir,
+}
+
+impl TenantSidecar {
+    async fn start(spec: &str) -> TenantSidecar {
+        let up = Upstream::start().await;
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = format!(
+            "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
+             resources:\n  tenant: {{ kind: rate, {spec} }}\n\
+             routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
+            up.addr
+        );
+        let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
+        TenantSidecar { u, up, _dir: dir }
+    }
+
+    /// The ids of the table's keys, as the status page lists them.
+    fn keys(&self) -> Vec<String> {
+        let (_, body) = http_get(self.u.addr("admin"), "/debug/status?format=json");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let keys = v["keys"].as_array().cloned().unwrap_or_default();
+        keys.iter().map(|k| k["id"].as_str().unwrap_or_default().to_string()).collect()
+    }
+
+    /// One request of `tenant`'s, on a connection of its own (a kept-alive
+    /// one could idle out between requests seconds apart).
+    async fn send(&self, tenant: &str) -> upstream::Got {
+        let mut c = h1(self.u.addr("listen")).await;
+        let req = Request::get("/x").header("host", "app").header("x-tenant", tenant).body(upstream::empty()).unwrap();
+        send1(&mut c, req).await
+    }
+}
+
 /// A local key holds nothing but its bucket: once that is full and the
 /// tenant has been away for 10 s, the key is dropped long before its
 /// `key_idle_timeout` (5 minutes by default), and its place under
@@ -90,28 +130,8 @@ async fn an_idle_local_key_is_forgotten_at_its_timeout_on_a_quiet_sidecar() {
 /// one is, since a new key is what it would have been.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_key_with_a_full_bucket_is_forgotten_after_ten_idle_seconds() {
-    let up = Upstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let yaml = format!(
-        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
-         resources:\n  tenant: {{ kind: rate, capacity: 6/min, burst: 2, id: \"t/{{header.x-tenant}}\", max_keys: 2 }}\n\
-         routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
-        up.addr
-    );
-    let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
-    let keys = || {
-        let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let keys = v["keys"].as_array().cloned().unwrap_or_default();
-        keys.iter().map(|k| k["id"].as_str().unwrap_or_default().to_string()).collect::<Vec<_>>()
-    };
-    let listen = u.addr("listen");
-    // One request per connection: a kept-alive one could idle out in between.
-    let send = |tenant: &'static str| async move {
-        let mut c = h1(listen).await;
-        let req = Request::get("/x").header("host", "app").header("x-tenant", tenant).body(upstream::empty()).unwrap();
-        send1(&mut c, req).await
-    };
+    let t = TenantSidecar::start("capacity: 6/min, burst: 2, id: \"t/{header.x-tenant}\", max_keys: 2").await;
+    let (keys, send) = (|| t.keys(), |tenant| t.send(tenant));
     let start = std::time::Instant::now();
     // `once` spends one unit of two (full again 10 s later), `heavy` both (20 s).
     assert_eq!(send("once").await.status, StatusCode::OK);
@@ -132,6 +152,24 @@ async fn a_local_key_with_a_full_bucket_is_forgotten_after_ten_idle_seconds() {
     for expect in [StatusCode::OK, StatusCode::OK, StatusCode::TOO_MANY_REQUESTS] {
         assert_eq!(send("heavy").await.status, expect);
     }
+}
+
+/// The same with the routes file's defaults (no burst, `max_keys` or
+/// `key_idle_timeout` written): a tenant that spent its second's burst is
+/// forgotten once idle 10 s, long before the 5-minute timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_key_with_defaults_is_forgotten_after_ten_idle_seconds() {
+    let t = TenantSidecar::start("capacity: 5/s, id: \"t/{header.x-tenant}\"").await;
+    let start = std::time::Instant::now();
+    let mut refused = 0;
+    for _ in 0..8 {
+        refused += usize::from(t.send("acme").await.status == StatusCode::TOO_MANY_REQUESTS);
+    }
+    assert!(refused > 0, "8 at once pass a 5/s key's default burst only in part");
+    assert_eq!(t.keys(), ["t/acme"]);
+    assert_eventually!(t.keys().is_empty(), Duration::from_secs(16), "{:?}", t.keys());
+    let took = start.elapsed();
+    assert!(took >= Duration::from_secs(10), "forgotten after {took:?}, before it was idle 10 s");
 }
 
 /// Whether a tenant key holds a lease (it asks for less than the capacity)
@@ -202,23 +240,10 @@ fn forgotten_in_summary(u: &Usher) -> u64 {
 /// is a key as it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_header_that_is_not_utf8_makes_no_key() {
-    let up = Upstream::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let yaml = format!(
-        "upstreams:\n  up: {{ url: \"http://{}\" }}\n\
-         resources:\n  tenant: {{ kind: rate, capacity: 10/s, burst: 5, id: \"t/{{header.x-tenant}}\" }}\n\
-         routes:\n  - {{ name: api, upstream: up, resources: [tenant] }}\n",
-        up.addr
-    );
-    let u = start_proxy(&write_file(dir.path(), "routes.yaml", &yaml));
-    let keys = || {
-        let (_, body) = http_get(u.addr("admin"), "/debug/status?format=json");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        let keys = v["keys"].as_array().cloned().unwrap_or_default();
-        keys.iter().map(|k| k["id"].as_str().unwrap_or_default().to_string()).collect::<Vec<_>>()
-    };
+    let t = TenantSidecar::start("capacity: 10/s, burst: 5, id: \"t/{header.x-tenant}\"").await;
+    let (up, keys) = (&t.up, || t.keys());
     // Raw bytes on the wire, one request per connection.
-    let listen = u.addr("listen");
+    let listen = t.u.addr("listen");
     let send = |tenant: &'static [u8]| async move {
         let mut s = tokio::net::TcpStream::connect(listen).await.unwrap();
         let mut req = b"GET /x HTTP/1.1\r\nHost: app\r\nConnection: close\r\nX-Tenant: ".to_vec();
