@@ -76,11 +76,18 @@ const LOCAL_CEILING: f64 = 320.0;
 /// A sidecar with no `doorman:` section (so an embedded server) and the e2e
 /// bench's tenant resource.
 fn routes() -> Arc<RoutesConfig> {
-    let yaml = "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
-                resources:\n  tenant: { kind: rate, capacity: 1000/s, burst: 50, \
-                id: \"t/{header.x-tenant}\", max_keys: 250000 }\n\
-                routes:\n  - { name: all, upstream: up, resources: [tenant] }\n";
-    Arc::new(RoutesConfig::parse("routes.yaml", yaml).expect("valid routes"))
+    routes_with(250_000)
+}
+
+/// The bench's routes file, its resource allowing `max_keys` tenants.
+fn routes_with(max_keys: usize) -> Arc<RoutesConfig> {
+    let yaml = format!(
+        "upstreams:\n  up: {{ url: \"http://127.0.0.1:9\" }}\n\
+         resources:\n  tenant: {{ kind: rate, capacity: 1000/s, burst: 50, \
+         id: \"t/{{header.x-tenant}}\", max_keys: {max_keys} }}\n\
+         routes:\n  - {{ name: all, upstream: up, resources: [tenant] }}\n"
+    );
+    Arc::new(RoutesConfig::parse("routes.yaml", &yaml).expect("valid routes"))
 }
 
 fn tenant(i: usize) -> String {
@@ -233,7 +240,9 @@ async fn sidecar_bytes_per_key(keys: Keys) -> f64 {
 /// anew would be the same), so a tenant seen once costs nothing after that.
 /// A manual clock moves the idle time; a nudge wakes the lease client.
 async fn idle_local_bytes_per_key() -> f64 {
-    let cfg = routes();
+    // Over half its max_keys: crowded, so its idle keys go after LOCAL_IDLE.
+    let cfg = routes_with(KEYS + KEYS / 2);
+    assert!(usher_enforce::enforcer::crowded(KEYS + 1, KEYS + KEYS / 2));
     let (clock, time) = Clock::manual(Time::from_secs(1_000_000));
     let table = Arc::new(LeaseTable::new(clock));
     table.configure(usher_enforce::resource::specs(&cfg));

@@ -113,6 +113,18 @@ impl TenantSidecar {
         keys.iter().map(|k| k["id"].as_str().unwrap_or_default().to_string()).collect()
     }
 
+    /// One request from each of `tenants`, one after another on one connection.
+    async fn send_all(&self, tenants: &[String]) -> Vec<StatusCode> {
+        let mut c = h1(self.u.addr("listen")).await;
+        let mut codes = Vec::with_capacity(tenants.len());
+        for tenant in tenants {
+            let req =
+                Request::get("/x").header("host", "app").header("x-tenant", tenant).body(upstream::empty()).unwrap();
+            codes.push(send1(&mut c, req).await.status);
+        }
+        codes
+    }
+
     /// One request of `tenant`'s, on a connection of its own (a kept-alive
     /// one could idle out between requests seconds apart).
     async fn send(&self, tenant: &str) -> upstream::Got {
@@ -155,21 +167,40 @@ async fn a_local_key_with_a_full_bucket_is_forgotten_after_ten_idle_seconds() {
 }
 
 /// The same with the routes file's defaults (no burst, `max_keys` or
-/// `key_idle_timeout` written): a tenant that spent its second's burst is
-/// forgotten once idle 10 s, long before the 5-minute timeout.
+/// `key_idle_timeout` written). A tenant that spent its second's burst
+/// keeps its key past 10 s idle while the resource holds few keys (one of
+/// the 1,000 `max_keys` allows): when it comes back, its key is there. Once
+/// the resource holds more than 500, keys idle for 10 s go, long before
+/// the 5-minute timeout, until it holds 500 or fewer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_local_key_with_defaults_is_forgotten_after_ten_idle_seconds() {
+async fn a_local_key_with_defaults_is_kept_and_forgotten_after_ten_idle_seconds_once_crowded() {
     let t = TenantSidecar::start("capacity: 5/s, id: \"t/{header.x-tenant}\"").await;
-    let start = std::time::Instant::now();
     let mut refused = 0;
     for _ in 0..8 {
         refused += usize::from(t.send("acme").await.status == StatusCode::TOO_MANY_REQUESTS);
     }
     assert!(refused > 0, "8 at once pass a 5/s key's default burst only in part");
     assert_eq!(t.keys(), ["t/acme"]);
-    assert_eventually!(t.keys().is_empty(), Duration::from_secs(16), "{:?}", t.keys());
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(t.keys(), ["t/acme"], "one key of 1,000 allowed: kept past 10 s idle");
+    // 400 new tenants, and 110 more 2 s later: 510 keys of 1,000 allowed.
+    let tenants = |r: std::ops::Range<usize>| r.map(|i| format!("other-{i}")).collect::<Vec<_>>();
+    let start = std::time::Instant::now();
+    let mut codes = t.send_all(&tenants(0..400)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    codes.extend(t.send_all(&tenants(400..510)).await);
+    assert!(codes.iter().all(|c| *c == StatusCode::OK), "each new tenant's first call passes: {codes:?}");
+    assert_eventually!(!t.keys().contains(&"t/acme".to_string()), Duration::from_secs(5), "{} keys", t.keys().len());
+    assert_eq!(t.keys().len(), 510, "the 510 new keys are not idle yet");
+    // Keys of the first 400 go once idle 10 s, until 500 or fewer are left;
+    // those left are not crowded and stay, the 110 newest among them.
+    assert_eventually!(t.keys().len() <= 500, Duration::from_secs(14), "{} keys", t.keys().len());
     let took = start.elapsed();
-    assert!(took >= Duration::from_secs(10), "forgotten after {took:?}, before it was idle 10 s");
+    assert!(took >= Duration::from_secs(10), "new keys forgotten after {took:?}, before they idled 10 s");
+    let left = t.keys();
+    assert!(tenants(400..510).iter().all(|id| left.contains(&format!("t/{id}"))), "the newest are kept");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(t.keys().len(), left.len(), "idle 10 s and more, but no longer crowded: kept");
 }
 
 /// Whether a tenant key holds a lease (it asks for less than the capacity)

@@ -67,11 +67,23 @@ const EMBEDDED_REFRESH_INTERVAL: Duration = Duration::from_secs(3600);
 #[cfg(feature = "embedded-server")]
 const EMBEDDED_LEASE_LENGTH: Duration = Duration::from_secs(3 * 3600);
 /// A local key whose bucket is full is forgotten once unused this long,
-/// before its `key_idle_timeout` (see [`TableEnforcer::local_forget_at`]):
-/// long enough that a tenant calling every few seconds keeps its key (a key
-/// made again costs more than one kept), short enough that a million
-/// tenants seen once do not stay in memory.
+/// before its `key_idle_timeout`, while its resource is crowded (see
+/// [`TableEnforcer::local_forget_at`]): long enough that a tenant calling
+/// every few seconds keeps its key (a key made again costs more than one
+/// kept), short enough that a million tenants seen once do not stay in
+/// memory.
 pub const LOCAL_IDLE: Duration = Duration::from_secs(10);
+/// A templated resource is crowded when it holds more keys than this, or
+/// more than half its `max_keys`: only then are its local keys forgotten
+/// after [`LOCAL_IDLE`]. Below, a key stays to its `key_idle_timeout`, so a
+/// tenant that comes back within it finds its key (no key is made again on
+/// the request path), at about 0.3 KB a key: 21 MB at this count.
+pub const LOCAL_KEEP: usize = 65_536;
+
+/// Whether a resource holding `keys` keys of at most `max_keys` is crowded ([`LOCAL_KEEP`]).
+pub fn crowded(keys: usize, max_keys: usize) -> bool {
+    keys > LOCAL_KEEP.min(max_keys / 2)
+}
 /// The window over which a rate resource's demand is measured: short, so
 /// that wants follow demand up and down within a refresh or two.
 const DEMAND_WINDOW: Duration = Duration::from_secs(2);
@@ -301,6 +313,8 @@ struct Settings<'a> {
     capacity: f64,
     fixed: bool,
     local: bool,
+    /// Its keys are [`crowded`] (read once per pass over them).
+    crowded: bool,
 }
 
 impl TableEnforcer {
@@ -318,6 +332,7 @@ impl TableEnforcer {
             },
             fixed: r.id.is_fixed(),
             local: self.local_keys && crate::resource::is_local(cfg, r),
+            crowded: self.table.resource(resource).is_some_and(|l| crowded(l.len(), r.max_keys)),
         })
     }
 
@@ -530,13 +545,13 @@ impl TableEnforcer {
                     settings
                 }
             };
-            let Some(Settings { lease: settings, kind, capacity, fixed, local }) = settings else { return };
+            let Some(Settings { lease: settings, kind, capacity, fixed, local, crowded }) = settings else { return };
             if !fixed {
                 // A templated key is forgotten once idle for its key_idle_timeout.
                 reading.templated += 1;
                 let (used, first) = l.last_use(now);
                 reading.made += u64::from(first);
-                let at = match local {
+                let at = match local && crowded {
                     true => self.local_forget_at(l, used, settings.key_idle_timeout, now),
                     false => used.saturating_add(settings.key_idle_timeout),
                 };
@@ -586,11 +601,12 @@ impl TableEnforcer {
         reading
     }
 
-    /// When a local key unused since `used` is forgotten: once it has been
-    /// idle for [`LOCAL_IDLE`] (or its `key_idle_timeout`, if shorter) and
-    /// holds nothing a key made anew would not
-    /// ([`usher_limit::Limiter::fresh_at`]: its bucket full, nothing told,
-    /// no pushback), else at its timeout, as any templated key. Its next
+    /// When a local key of a crowded resource ([`crowded`]) unused since
+    /// `used` is forgotten: once it has been idle for [`LOCAL_IDLE`] (or
+    /// its `key_idle_timeout`, if shorter) and holds nothing a key made
+    /// anew would not ([`usher_limit::Limiter::fresh_at`]: its bucket full,
+    /// nothing told, no pushback), else at its timeout, as any templated
+    /// key. Its next
     /// request makes it again with the same outcome, and a tenant seen once
     /// costs nothing after that. Until it has idled, that moment is
     /// returned (the lease client looks again then): one addition, as for a
@@ -1308,7 +1324,7 @@ mod tests {
         let (e, time) = enforcer_of(
             "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
              resources:\n  fixed: { kind: rate, capacity: 1000/s, burst: 100 }\n  \
-             tenant: { kind: rate, capacity: 10/s, id: \"t/{header.x-tenant}\", key_idle_timeout: 60s }\n  \
+             tenant: { kind: rate, capacity: 10/s, id: \"t/{header.x-tenant}\", key_idle_timeout: 60s, max_keys: 1 }\n  \
              quota: { kind: rate, capacity: 10/s, id: \"q/{header.x-tenant}\", upstream_quota: { headers: github } }\n\
              routes:\n  - { name: all, upstream: up, resources: [fixed, tenant, quota] }\n",
         );
@@ -1320,7 +1336,8 @@ mod tests {
         assert_eq!(acme.capacity(), 10.0, "a local key holds its configured capacity");
         assert!(!e.memory.lock().unwrap().contains_key("t/acme"), "and nothing is remembered of it");
         // Used now and then, it stays; idle with a full bucket for
-        // LOCAL_IDLE (under its 60 s timeout), it is forgotten.
+        // LOCAL_IDLE (under its 60 s timeout), it is forgotten: its resource
+        // is crowded (one key of one allowed).
         time.advance(Duration::from_secs(8));
         acme.demand().arrive(1.0);
         e.demand_update();
@@ -1342,12 +1359,13 @@ mod tests {
     /// is full (and the lease client is due then), or until its
     /// key_idle_timeout if that comes first; one backed off by its upstream
     /// stays while it is; a key of a resource that leases keeps its
-    /// key_idle_timeout.
+    /// key_idle_timeout. (The tenant resource is crowded: more keys than
+    /// half its max_keys.)
     #[test]
     fn a_local_key_is_forgotten_early_only_when_a_new_key_would_be_the_same() {
         let (e, time) = enforcer_of(
             "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
-             resources:\n  tenant: { kind: rate, capacity: 6/min, burst: 3, id: \"t/{header.x-tenant}\" }\n  \
+             resources:\n  tenant: { kind: rate, capacity: 6/min, burst: 3, id: \"t/{header.x-tenant}\", max_keys: 3 }\n  \
              leased: { kind: rate, capacity: 6/min, burst: 3, id: \"l/{header.x-tenant}\", wants: auto }\n  \
              slow: { kind: rate, capacity: 1/h, burst: 2, id: \"s/{header.x-tenant}\", key_idle_timeout: 25s }\n\
              routes:\n  - { name: all, upstream: up, resources: [tenant, leased, slow] }\n",
@@ -1395,6 +1413,41 @@ mod tests {
         e.demand_update();
         assert!(present("l/idle"), "70 s idle, under its 5 min timeout");
         drop((idle, leased, slow));
+    }
+
+    /// Below [`crowded`], a local key idle with a full bucket stays to its
+    /// key_idle_timeout: a tenant that comes back finds it, and no key is
+    /// made again on the request path. Once the resource holds more than
+    /// half its max_keys, the keys idle for LOCAL_IDLE go (the newer ones
+    /// not yet), and those left keep theirs again.
+    #[test]
+    fn a_local_key_is_kept_to_its_timeout_while_its_resource_is_not_crowded() {
+        let (e, time) = enforcer_of(
+            "upstreams:\n  up: { url: \"http://127.0.0.1:9\" }\n\
+             resources:\n  tenant: { kind: rate, capacity: 10/s, id: \"t/{header.x-tenant}\", max_keys: 10, key_idle_timeout: 60s }\n\
+             routes:\n  - { name: all, upstream: up, resources: [tenant] }\n",
+        );
+        let e = TableEnforcer { local_keys: true, ..e };
+        let limits = e.table.resource("tenant").unwrap();
+        let make = |ids: std::ops::Range<usize>| ids.for_each(|i| drop(limits.try_limiter(&format!("t/{i}")).unwrap()));
+        let present = |i: usize| e.table.contains(&format!("t/{i}"));
+        make(0..5);
+        e.demand_update();
+        time.advance(LOCAL_IDLE * 3);
+        e.demand_update();
+        assert!((0..5).all(present), "5 keys of 10 allowed: not crowded, all kept past LOCAL_IDLE");
+        make(5..6);
+        e.demand_update();
+        assert!(!(0..5).any(present), "6 of 10: crowded, the five idle 30 s go");
+        assert!(present(5), "the new one is not idle");
+        time.advance(LOCAL_IDLE * 3);
+        e.demand_update();
+        assert!(present(5), "alone again: kept");
+        time.advance(Duration::from_secs(30));
+        e.demand_update();
+        assert!(!present(5), "idle for its 60 s key_idle_timeout: forgotten");
+        assert!((0..4).all(|n| !crowded(n, 10)) && crowded(6, 10) && crowded(LOCAL_KEEP + 1, usize::MAX));
+        assert!(!crowded(LOCAL_KEEP, usize::MAX));
     }
 
     /// A key used at under one request a second (0.5/s, as LLM calls are)

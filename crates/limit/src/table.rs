@@ -982,10 +982,11 @@ fn shards_of(spec: &ResourceSpec) -> usize {
 }
 
 impl Shard {
-    /// Moves the recent keys into a new snapshot.
+    /// Moves the recent keys into a new snapshot: a copy of the table as it
+    /// is (no id hashed again, where inserting each key would hash all of
+    /// them at every fold), and the recent keys inserted.
     fn fold(&self, recent: &mut Recent, keys: &HashSet<Key>) {
-        let mut next = HashSet::with_capacity(keys.len() + recent.keys.len());
-        next.extend(keys.iter().cloned());
+        let mut next = HashSet::clone(keys);
         // Taken, not drained: a drained set keeps its room.
         next.extend(std::mem::take(&mut recent.keys));
         recent.since = None;
