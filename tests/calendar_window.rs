@@ -6,12 +6,16 @@
 //! section): no minute gets more than its quota plus one request per
 //! sidecar, and every full minute gets nearly all of it, bursts included.
 //!
-//! The tests run two at a time: the steady ones take the first whole minute
-//! after they start, the bursting ones the next (they sort after them).
+//! The tests run at once (`usher_test_support::at_once`), each on its own
+//! processes and upstream: each takes the first whole minute after it
+//! starts.
 
 #![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
 
+use std::process::ExitCode;
+
 use usher_test_support as support;
+use usher_test_support::at_once::{self, Run, Runtime};
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -167,7 +171,6 @@ async fn shoot(addr: SocketAddr, tally: Arc<Tally>) {
     counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_sidecars_spend_a_calendar_minute_once() {
     let (_dir, minutes, server, sidecars) = fleet("").await;
     offer_and_check(&sidecars, 3.0, &minutes, 120, 3, 110).await;
@@ -185,20 +188,17 @@ async fn three_sidecars_spend_a_calendar_minute_once() {
 /// Apps that fire 50 requests each at once, just after each minute begins,
 /// get the whole quota through: it is spendable from the start of the unit,
 /// not spread over it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_sidecars_that_burst_get_the_whole_minute() {
     let (_dir, minutes, _server, sidecars) = fleet(", max_wait: 500ms").await;
     burst_and_check(&sidecars, 50, &minutes, 120, 3, 110).await;
 }
 
 /// The same with the sidecar's embedded server keeping the count.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedded_sidecar_that_bursts_gets_the_whole_minute() {
     let (_dir, minutes, sidecar) = embedded(", max_wait: 500ms").await;
     burst_and_check(&[sidecar], 150, &minutes, 120, 1, 110).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedded_sidecar_spends_a_calendar_minute_once() {
     let (_dir, minutes, sidecar) = embedded("").await;
     offer_and_check(&[sidecar], 6.0, &minutes, 120, 1, 110).await;
@@ -222,7 +222,6 @@ async fn embedded(extra: &str) -> (tempfile::TempDir, Minutes, Usher) {
 /// resource's window: a routes file's `window: calendar` is ignored there.
 /// `usher check` (exit 0) and the sidecar's start-up log say so, naming the
 /// field's position; without `doorman:` neither says anything.
-#[test]
 fn a_calendar_window_beside_a_doorman_section_is_said_to_be_ignored() {
     let dir = tempfile::tempdir().unwrap();
     let resources = "resources:\n  reports:\n    kind: rate\n    capacity: 120/min\n    window: calendar\n";
@@ -252,4 +251,23 @@ fn a_calendar_window_beside_a_doorman_section_is_said_to_be_ignored() {
     );
     let log = sidecar.log();
     assert!(log.lines().any(|l| l.contains("WARN") && l.contains(&want)), "{log}");
+}
+
+/// Every test, by name: they run at once (`usher_test_support::at_once`).
+const TESTS: &[(&str, Run)] = &[
+    ("a_calendar_window_beside_a_doorman_section_is_said_to_be_ignored", || {
+        Box::pin(async { a_calendar_window_beside_a_doorman_section_is_said_to_be_ignored() })
+    }),
+    ("three_sidecars_spend_a_calendar_minute_once", || Box::pin(three_sidecars_spend_a_calendar_minute_once())),
+    ("three_sidecars_that_burst_get_the_whole_minute", || Box::pin(three_sidecars_that_burst_get_the_whole_minute())),
+    ("an_embedded_sidecar_that_bursts_gets_the_whole_minute", || {
+        Box::pin(an_embedded_sidecar_that_bursts_gets_the_whole_minute())
+    }),
+    ("an_embedded_sidecar_spends_a_calendar_minute_once", || {
+        Box::pin(an_embedded_sidecar_spends_a_calendar_minute_once())
+    }),
+];
+
+fn main() -> ExitCode {
+    at_once::main(TESTS, &[], Runtime::PerTest(2))
 }

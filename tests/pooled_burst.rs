@@ -12,10 +12,16 @@
 //! call, costlier than a reserve sized by its small lease, passes at once
 //! from the bucket it kept. Either way the upstream never sees more than
 //! `capacity × T + burst`.
+//!
+//! The tests wait on the wall clock far more than they compute, so they run
+//! at once (`usher_test_support::at_once`), each on its own processes.
 
 #![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
 
+use std::process::ExitCode;
+
 use usher_test_support as support;
+use usher_test_support::at_once::{self, Run, Runtime};
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -207,7 +213,6 @@ async fn clump(dir: &Path, extra: &str, sidecar_extra: &str, waves: &Waves) -> C
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quiet_sidecars_clump_draws_the_pooled_burst_and_the_fleet_stays_bounded() {
     let dir = tempfile::tempdir().unwrap();
     let pooled = clump(&subdir(dir.path(), "pooled"), "", MIN_INTERVAL, &at_once(CLUMP)).await;
@@ -247,7 +252,6 @@ fn bounded(name: &str, c: &Clump) {
 /// fleet's burst, and a clump at any sidecar, beyond its own share of the
 /// burst and the free capacity's, is credited its backlog and passes within
 /// seconds, as it would against the upstream's one bucket.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clump_beyond_its_share_draws_what_the_quiet_sidecars_gave_back() {
     let dir = tempfile::tempdir().unwrap();
     let c = clump(dir.path(), "", MIN_INTERVAL, &at_once(BIG_CLUMP)).await;
@@ -274,7 +278,6 @@ fn subdir(dir: &Path, name: &str) -> std::path::PathBuf {
 /// server's pool holds units, the sidecar asks again a round trip after
 /// its last ask, not a second later, so no call waits much longer than
 /// that: the API's one bucket would have served each at once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_that_keep_coming_draw_the_pool_a_round_trip_apart() {
     let dir = tempfile::tempdir().unwrap();
     let waves: Vec<(Duration, usize)> = (0..WAVES).map(|i| (WAVE_GAP * i as u32, WAVE)).collect();
@@ -318,7 +321,6 @@ const FIRST_CALL: Duration = Duration::from_millis(150);
 /// once while its peers, busy from the start, pool theirs. Measured over a
 /// fleet that has run 20 s: its peers' calls every 12 s (half the
 /// capacity), its own none.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quiet_sidecars_first_call_passes_at_once_whatever_it_costs() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
@@ -340,4 +342,24 @@ async fn a_quiet_sidecars_first_call_passes_at_once_whatever_it_costs() {
     }
     eprintln!("figures: the quiet sidecar's first call: {status} in {took:.1?}; its lease {:?}/s", lease(&sidecars[2]));
     assert!(status == 200 && took <= FIRST_CALL, "the quiet sidecar's first call: {status} in {took:.1?}");
+}
+
+/// Every test, by name: they run at once (`usher_test_support::at_once`).
+const TESTS: &[(&str, Run)] = &[
+    ("a_quiet_sidecars_clump_draws_the_pooled_burst_and_the_fleet_stays_bounded", || {
+        Box::pin(a_quiet_sidecars_clump_draws_the_pooled_burst_and_the_fleet_stays_bounded())
+    }),
+    ("a_clump_beyond_its_share_draws_what_the_quiet_sidecars_gave_back", || {
+        Box::pin(a_clump_beyond_its_share_draws_what_the_quiet_sidecars_gave_back())
+    }),
+    ("calls_that_keep_coming_draw_the_pool_a_round_trip_apart", || {
+        Box::pin(calls_that_keep_coming_draw_the_pool_a_round_trip_apart())
+    }),
+    ("a_quiet_sidecars_first_call_passes_at_once_whatever_it_costs", || {
+        Box::pin(a_quiet_sidecars_first_call_passes_at_once_whatever_it_costs())
+    }),
+];
+
+fn main() -> ExitCode {
+    at_once::main(TESTS, &[], Runtime::PerTest(2))
 }

@@ -21,8 +21,9 @@
 //! - [`direct`]: the harness itself: the apps straight at the stand-in, no
 //!   usher, so what the apps and the stand-in record must pair up exactly.
 //!
-//! The scenarios take minutes each, so this binary has its own main, which
-//! runs them all at once (libtest would run two at a time on two cores).
+//! The scenarios take minutes each, so this binary has its own main
+//! (`usher_test_support::at_once`), which runs them all at once (libtest
+//! would run two at a time on two cores).
 //! Arguments as libtest's: words filter by name (`--exact` for whole
 //! names), `--list` lists, `--ignored` runs the scenarios whose bars usher
 //! does not meet yet ([`IGNORED`]). Each scenario prints its figures; a failure says
@@ -48,12 +49,9 @@ mod stream;
 mod twins;
 mod underload;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::process::ExitCode;
-use std::time::Instant;
 
-type Run = fn() -> Pin<Box<dyn Future<Output = ()> + Send>>;
+use usher_test_support::at_once::{self, Run, Runtime};
 
 /// Every scenario, by name.
 const SCENARIOS: &[(&str, Run)] = &[
@@ -76,85 +74,8 @@ const SCENARIOS: &[(&str, Run)] = &[
 /// libtest's `#[ignore]`, so that they stay runnable and in sight.
 const IGNORED: &[(&str, &str)] = &[];
 
-/// libtest's flags that take a value, whose value is not a filter.
-const VALUED: &[&str] = &["--test-threads", "--skip", "--format", "--color", "--logfile", "-Z"];
-
-fn selected(args: &[String]) -> Vec<(&'static str, Run)> {
-    let exact = args.iter().any(|a| a == "--exact");
-    let (mut filters, mut skips) = (Vec::new(), Vec::new());
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        if a == "--skip" {
-            skips.extend(it.next().cloned());
-        } else if VALUED.contains(&a.as_str()) {
-            it.next();
-        } else if !a.starts_with('-') {
-            filters.push(a.clone());
-        }
-    }
-    let hit = |name: &str, f: &String| if exact { name == f } else { name.contains(f.as_str()) };
-    let ignored = |name: &str| IGNORED.iter().any(|(n, _)| *n == name);
-    let (only_ignored, include) =
-        (args.iter().any(|a| a == "--ignored"), args.iter().any(|a| a == "--include-ignored"));
-    SCENARIOS
-        .iter()
-        .filter(|(name, _)| include || ignored(name) == only_ignored)
-        .filter(|(name, _)| filters.is_empty() || filters.iter().any(|f| hit(name, f)))
-        .filter(|(name, _)| !skips.iter().any(|s| name.contains(s.as_str())))
-        .copied()
-        .collect()
-}
-
-fn panic_message(e: tokio::task::JoinError) -> String {
-    if !e.is_panic() {
-        return e.to_string();
-    }
-    let p = e.into_panic();
-    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
-}
-
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let chosen = selected(&args);
-    if args.iter().any(|a| a == "--list") {
-        for (name, _) in &chosen {
-            println!("{name}: test");
-        }
-        return ExitCode::SUCCESS;
-    }
-    println!("\nrunning {} tests (at once)", chosen.len());
-    if !args.iter().any(|a| a == "--ignored" || a == "--include-ignored") {
-        for (name, why) in IGNORED {
-            println!("test {name} ... ignored (run it with --ignored): {why}");
-        }
-    }
-    let started = Instant::now();
     // The stand-ins serve from this runtime while the scenarios wait on
     // processes: threads to spare keep one from holding up another.
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
-    let results: Vec<(&str, Result<(), String>)> = rt.block_on(async {
-        let tasks: Vec<_> = chosen.iter().map(|(name, run)| (*name, tokio::spawn(run()))).collect();
-        let mut results = Vec::new();
-        for (name, task) in tasks {
-            let r = task.await.map_err(panic_message);
-            println!("test {name} ... {}", if r.is_ok() { "ok" } else { "FAILED" });
-            results.push((name, r));
-        }
-        results
-    });
-    let failed: Vec<_> = results.iter().filter_map(|(n, r)| r.as_ref().err().map(|e| (n, e))).collect();
-    if !failed.is_empty() {
-        println!("\nfailures:\n");
-        for (name, e) in &failed {
-            println!("---- {name} ----\n{e}\n");
-        }
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed; finished in {:.1}s\n",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        results.len() - failed.len(),
-        failed.len(),
-        started.elapsed().as_secs_f64()
-    );
-    if failed.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(101) }
+    at_once::main(SCENARIOS, IGNORED, Runtime::Shared(4))
 }

@@ -7,12 +7,19 @@
 //! that retry after Retry-After, idle after load. The same scenarios run
 //! with real processes, at one point of each row, in `tests/allocation/`
 //! and `tests/llm_fleet/`.
+//!
+//! Virtual time makes each outcome independent of the machine's load, so
+//! the scenarios run at once (`usher_test_support::at_once`), each on a
+//! paused runtime of its own.
 
 #![allow(clippy::disallowed_methods, reason = "the harness reads tokio's paused clock")]
 
 mod vt;
 
+use std::process::ExitCode;
+
 use std::time::Duration;
+use usher_test_support::at_once::{self, Run, Runtime};
 
 use rand::Rng;
 use vt::{Load, Record, World, drive, fleet_per_second, summary};
@@ -46,7 +53,6 @@ fn llm_cost(rng: &mut rand::rngs::SmallRng) -> f64 {
 /// their sidecars (an SDK takes seconds to load). No call is refused, and
 /// 95% of the fleet's calls pass within a second of the upstream's own
 /// latency.
-#[tokio::test(start_paused = true, flavor = "current_thread")]
 async fn below_the_quota_calls_pass_at_once() {
     let mut failures = Vec::new();
     for (lease, refresh) in LEASES {
@@ -124,7 +130,6 @@ fn windows(per: &[f64], w: usize) -> Vec<f64> {
 /// each sidecar at least 90% of its share; no window passes more than the
 /// capacity and the fleet's burst; every Retry-After is between 1 s and the
 /// refresh interval (jittered, and a second).
-#[tokio::test(start_paused = true, flavor = "current_thread")]
 async fn above_the_quota_the_whole_of_it_is_used_fairly() {
     let mut failures = Vec::new();
     for (lease, refresh) in LEASES {
@@ -164,7 +169,6 @@ async fn above_the_quota_the_whole_of_it_is_used_fairly() {
 /// times its share), whatever the first `wants`. From the second second on,
 /// each has at least 90% of its share in every second, and no second passes
 /// more than the capacity and the fleet's burst (2) and one request each.
-#[tokio::test(start_paused = true, flavor = "current_thread")]
 async fn a_cold_start_is_fair_from_the_second_second() {
     let mut failures = Vec::new();
     for (lease, refresh) in LEASES {
@@ -200,7 +204,6 @@ async fn a_cold_start_is_fair_from_the_second_second() {
 /// 10 s, sit idle for 25 s, then every server is gone for good; 30 s later
 /// each gets 10 requests at 1/s and admits at least 9. No second passes
 /// more than the capacity, the fleet's burst and one request each.
-#[tokio::test(start_paused = true, flavor = "current_thread")]
 async fn an_idle_sidecar_cut_off_runs_on_its_share_at_any_lease_length() {
     let mut failures = Vec::new();
     for (lease, refresh) in [(2, 1), (20, 5), (60, 15), (60, 10), (10, 10)] {
@@ -230,4 +233,18 @@ async fn an_idle_sidecar_cut_off_runs_on_its_share_at_any_lease_length() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Every test, by name: they run at once (`usher_test_support::at_once`).
+const TESTS: &[(&str, Run)] = &[
+    ("below_the_quota_calls_pass_at_once", || Box::pin(below_the_quota_calls_pass_at_once())),
+    ("above_the_quota_the_whole_of_it_is_used_fairly", || Box::pin(above_the_quota_the_whole_of_it_is_used_fairly())),
+    ("a_cold_start_is_fair_from_the_second_second", || Box::pin(a_cold_start_is_fair_from_the_second_second())),
+    ("an_idle_sidecar_cut_off_runs_on_its_share_at_any_lease_length", || {
+        Box::pin(an_idle_sidecar_cut_off_runs_on_its_share_at_any_lease_length())
+    }),
+];
+
+fn main() -> ExitCode {
+    at_once::main(TESTS, &[], Runtime::PerTestPaused)
 }

@@ -413,6 +413,7 @@ pub fn peak_rss_kib(pid: u32) -> u64 {
         .unwrap_or_else(|| panic!("no VmHWM in:\n{status}"))
 }
 
+pub mod at_once;
 pub mod deploy;
 pub mod edits;
 pub mod etcd;
