@@ -139,7 +139,8 @@ impl TenantSidecar {
 /// `key_idle_timeout` (5 minutes by default), and its place under
 /// `max_keys` goes to a new tenant. A key whose bucket is still filling
 /// stays until it is full, and a tenant that comes back is limited as a new
-/// one is, since a new key is what it would have been.
+/// one is, since a new key is what it would have been. (Two keys of
+/// `max_keys: 2` make the resource crowded, which early forgetting needs.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_key_with_a_full_bucket_is_forgotten_after_ten_idle_seconds() {
     let t = TenantSidecar::start("capacity: 6/min, burst: 2, id: \"t/{header.x-tenant}\", max_keys: 2").await;
@@ -155,7 +156,11 @@ async fn a_local_key_with_a_full_bucket_is_forgotten_after_ten_idle_seconds() {
     assert_eventually!(keys() == ["t/heavy"], Duration::from_secs(16), "{:?}", keys());
     let took = start.elapsed();
     assert!(took >= Duration::from_secs(10), "`once` forgotten after {took:?}, before it was idle 10 s");
-    assert_eq!(send("new").await.status, StatusCode::OK, "the place `once` held is free");
+    // `new` spends both units: full 20 s on, it keeps the resource crowded
+    // (two keys) until `heavy` is full and gone.
+    for expect in [StatusCode::OK, StatusCode::OK] {
+        assert_eq!(send("new").await.status, expect, "the place `once` held is free");
+    }
     assert!(keys().contains(&"t/heavy".to_string()), "still filling at {:?}: kept", start.elapsed());
     assert_eventually!(!keys().contains(&"t/heavy".to_string()), Duration::from_secs(14), "{:?}", keys());
     let took = start.elapsed();

@@ -983,8 +983,9 @@ fn shards_of(spec: &ResourceSpec) -> usize {
 
 impl Shard {
     /// Moves the recent keys into a new snapshot: a copy of the table as it
-    /// is (no id hashed again, where inserting each key would hash all of
-    /// them at every fold), and the recent keys inserted.
+    /// is, and the recent keys inserted. Only a copy that must grow hashes
+    /// its ids again; inserting each key into a new set hashed all of them
+    /// at every fold.
     fn fold(&self, recent: &mut Recent, keys: &HashSet<Key>) {
         let mut next = HashSet::clone(keys);
         // Taken, not drained: a drained set keeps its room.
