@@ -513,8 +513,9 @@ struct Reservation {
     then: f64,
     until: Time,
     epoch: Option<u64>,
-    /// Subclients that may still hold leases under it: a released lower
-    /// server's; 0 once its leases have expired.
+    /// Subclients that may still hold leases under it: a lower server's,
+    /// released or lapsed, until `hold_until` (its subclients' leases end
+    /// with its own, and they hold them as long as it holds its own).
     holders: u64,
     /// An end client's share (its safe capacity) and its subclients, kept
     /// counted in [`Resource::told`] while reserved; 0 for any other.
@@ -1304,7 +1305,10 @@ impl Resource {
                 }
             } else {
                 let then = if l.safe < 0.0 { amount } else { amount.min(l.safe * l.subclients as f64) };
-                Reservation { amount, hold_until, then, until, epoch: l.epoch(), holders: 0, told: 0.0, sharers: 0 }
+                // A lower server's subclients hold their leases from it as
+                // long as it holds its own (`lease::Mode::Held`).
+                let holders = if l.epoch().is_some() { l.subclients } else { 0 };
+                Reservation { amount, hold_until, then, until, epoch: l.epoch(), holders, told: 0.0, sharers: 0 }
             };
             self.remove(&owner);
             if r.amount > 0.0 && r.until > now {
@@ -1763,6 +1767,15 @@ impl Resource {
         let Ok(inherited) = self.take_reservation(&ask, inherited) else {
             return self.nothing_for_a_stale_master(now, capacity, ask.alg);
         };
+        let (padded, padded_bands);
+        let ask = match self.successor_demand(&ask, inherited) {
+            Some(r) => {
+                padded = r;
+                padded_bands = bands_of(&padded.requester, padded.wants, padded.subclients).collect::<Vec<_>>();
+                Ask { req: &padded, bands: &padded_bands, ..ask }
+            }
+            None => ask,
+        };
         // A too-early request gets its lease back unchanged; only its demand
         // is recorded. So does every request while an intermediate server's
         // own lease has lapsed: granted leases run to their expiry, and no new
@@ -1816,6 +1829,51 @@ impl Resource {
         Ok(inherited)
     }
 
+    /// A node's new master speaks at first for the subclients it has
+    /// heard from, not yet for all of its predecessor's, which still hold
+    /// their leases. Until it has heard from as many and while its
+    /// predecessor's lease runs, its demand counts the missing subclients
+    /// at their part of what that lease held: so it is not cut below what
+    /// its subtree holds (its clients would be cut with it), and its
+    /// siblings' shares and its own parent's demand stay what they were.
+    /// The parent counts that lease as held meanwhile anyway (the floor in
+    /// `counted_has`), so nothing more is outstanding. `None`: the request
+    /// stands as it is.
+    fn successor_demand(&self, a: &Ask<'_>, inherited: Option<Inherited>) -> Option<LeaseRequest> {
+        let Requester::Server { bands } = &a.req.requester else { return None };
+        if a.epoch.is_none() || a.d.learning {
+            return None;
+        }
+        let (floor, until, predecessor) = match inherited {
+            Some(i) => i,
+            None => {
+                let l = self.clients.get(a.client)?;
+                let (f, until) = l.floor()?;
+                (f, until, l.predecessor_subclients()?)
+            }
+        };
+        if until <= a.now || floor <= 0.0 || a.req.subclients >= predecessor {
+            return None;
+        }
+        let missing = predecessor - a.req.subclients;
+        let wants = floor * missing as f64 / predecessor as f64;
+        let mut bands = bands.clone();
+        // The missing subclients' priorities are unknown: the lowest band's.
+        match bands.iter_mut().min_by_key(|b| b.priority) {
+            Some(b) => {
+                b.wants += wants;
+                b.num_clients = b.num_clients.saturating_add(missing.min(i64::MAX as u64) as i64);
+            }
+            None => bands.push(Band { priority: 0, num_clients: missing.min(i64::MAX as u64) as i64, wants }),
+        }
+        Some(LeaseRequest {
+            wants: a.req.wants + wants,
+            subclients: predecessor,
+            requester: Requester::Server { bands },
+            ..a.req.clone()
+        })
+    }
+
     /// Ends the reservation a lapsed lease of the client left, if any: a
     /// node's master inherits it beside what it inherited from its
     /// predecessor's lease; a stale master of that node gets nothing (`Err`).
@@ -1828,7 +1886,8 @@ impl Resource {
         let r = self.unreserve(a.client).expect("checked above");
         if a.epoch.is_some() {
             let (floor, until, holders) = inherited.unwrap_or((0.0, a.now, 0));
-            return Ok(Some((floor.max(r.amount), until.max(r.until), holders.max(r.holders))));
+            let held = if r.hold_until > a.now { r.holders } else { 0 };
+            return Ok(Some((floor.max(r.amount), until.max(r.until), holders.max(held))));
         }
         Ok(inherited)
     }
