@@ -7,6 +7,7 @@
 //! benchmark nobody reran. `benches/sim.sh` prints the same figures.
 
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use usher_test_support::usher_bin;
 
@@ -34,17 +35,23 @@ fn run(name: &str, seed: u64) -> Figures {
 
 #[test]
 fn every_scenario_hands_out_its_capacity_and_never_more() {
-    // Every (scenario, seed) on its own thread, a few at a time.
-    let jobs: Vec<(&str, u64)> = SCENARIOS.iter().flat_map(|s| (1..=SEEDS).map(move |seed| (*s, seed))).collect();
+    // Every (scenario, seed), taken in turn by a few threads, the longest
+    // scenario (seven: an hour) first.
+    let jobs: Vec<(&str, u64)> = SCENARIOS.iter().rev().flat_map(|s| (1..=SEEDS).map(move |seed| (*s, seed))).collect();
+    let next = AtomicUsize::new(0);
     let results: Vec<((&str, u64), Figures)> = std::thread::scope(|scope| {
-        let chunks: Vec<_> = jobs.chunks(jobs.len().div_ceil(4)).collect();
-        let handles: Vec<_> = chunks
-            .into_iter()
-            .map(|chunk| {
-                scope.spawn(move || chunk.iter().map(|&(s, seed)| ((s, seed), run(s, seed))).collect::<Vec<_>>())
+        let workers: Vec<_> = (0..4)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    while let Some(&(s, seed)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        done.push(((s, seed), run(s, seed)));
+                    }
+                    done
+                })
             })
             .collect();
-        handles.into_iter().flat_map(|h| h.join().expect("a sim thread panicked")).collect()
+        workers.into_iter().flat_map(|w| w.join().expect("a sim thread panicked")).collect()
     });
     let mut missed = Vec::new();
     let mut table = String::new();

@@ -1831,17 +1831,23 @@ impl Resource {
 
     /// A node's new master speaks at first for the subclients it has
     /// heard from, not yet for all of its predecessor's, which still hold
-    /// their leases. Until it has heard from as many and while its
-    /// predecessor's lease runs, its demand counts the missing subclients
-    /// at their part of what that lease held: so it is not cut below what
-    /// its subtree holds (its clients would be cut with it), and its
-    /// siblings' shares and its own parent's demand stay what they were.
-    /// The parent counts that lease as held meanwhile anyway (the floor in
-    /// `counted_has`), so nothing more is outstanding. `None`: the request
-    /// stands as it is.
+    /// their leases. While it learns, and until it speaks for as many,
+    /// its demand counts the missing subclients at their part of what its
+    /// predecessor's lease held: its grant is not cut below what its
+    /// subtree holds, nor are its siblings' shares or this server's own
+    /// report upwards. This server counts that lease as held meanwhile
+    /// anyway (the floor in `counted_has`). Only while the new master
+    /// learns, which it does for at least `learning_mode_duration` or
+    /// [`RECONNECT_ALLOWANCE`], whichever is less, from its epoch (the
+    /// moment it became master): a learning master hands each client what
+    /// it reports holding, so a padded grant goes to no client beyond its
+    /// lease; once it shares, clients that never came back may still hold
+    /// theirs. `None`: the request stands as it is.
     fn successor_demand(&self, a: &Ask<'_>, inherited: Option<Inherited>) -> Option<LeaseRequest> {
         let Requester::Server { bands } = &a.req.requester else { return None };
-        if a.epoch.is_none() || a.d.learning {
+        let epoch = a.epoch?;
+        let learns = a.alg.learning_mode_duration.min(RECONNECT_ALLOWANCE);
+        if a.d.learning || a.now >= Time::from_nanos(epoch.saturating_mul(1_000)).saturating_add(learns) {
             return None;
         }
         let (floor, until, predecessor) = match inherited {

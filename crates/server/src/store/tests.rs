@@ -290,50 +290,93 @@ fn a_new_masters_missing_subclients_stay_counted_after_the_predecessors_leases_l
     assert_eq!(s.status()[0].sum_has, 40.0 + 60.0);
 }
 
+/// A node's master whose epoch is `now`: it became master then.
+fn master(node: &str, now: Time) -> String {
+    format!("{node}#{}", now.as_nanos() / 1_000)
+}
+
 #[test]
 fn a_new_master_that_has_not_heard_its_whole_subtree_keeps_its_predecessors_lease() {
-    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    let (s, clock) = store(Kind::FairShare, 100.0, 60, Duration::ZERO);
+    s.set_predecessor(Predecessor::NoneOutstanding);
     // Nodes n and m, 5 subclients each wanting 80: 50 each once both ask again.
     for id in ["n#1", "m#1", "n#1", "m#1"] {
         s.get_capacity(id, &server_req(80.0, 5, None));
     }
     assert_eq!(s.get_capacity("n#1", &server_req(80.0, 5, Some(50.0))).capacity, 50.0);
     // n's new master has heard from 1 of its 5 subclients (holding 10):
-    // the 4 others still hold their leases, so it keeps the 50 its
-    // predecessor held, and its demand, told upwards, counts them too.
+    // the 4 others still hold their leases, so while it learns it keeps
+    // the 50 its predecessor held, and its demand, told upwards, counts
+    // them too.
     clock.advance(Duration::from_secs(2));
-    let g = s.get_capacity("n#2", &server_req(10.0, 1, Some(10.0)));
+    let n2 = master("n", clock.now());
+    let g = s.get_capacity(&n2, &server_req(10.0, 1, Some(10.0)));
     assert_eq!((g.capacity, g.predecessor_subclients), (50.0, Some(5)));
     let up = &s.parent_demand()[0];
     assert_eq!((up.wants, up.bands[0].num_clients), (80.0 + 10.0 + 40.0, 10), "{up:?}");
     assert_eq!(s.status()[0].sum_has, 100.0);
     // Once it speaks for all 5, its demand is what it reports.
-    let g = s.get_capacity("n#2", &server_req(30.0, 5, Some(50.0)));
+    let g = s.get_capacity(&n2, &server_req(30.0, 5, Some(50.0)));
     assert_eq!(g.capacity, 30.0);
     assert_eq!(s.parent_demand()[0].wants, 80.0 + 30.0);
+    // Past the first moments of its mastership (RECONNECT_ALLOWANCE: it
+    // may have stopped learning, and shares what it has among the clients
+    // that came back), its report stands as it is, however few it speaks for.
+    let (s, clock) = store(Kind::FairShare, 100.0, 60, Duration::ZERO);
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    s.get_capacity("n#1", &server_req(50.0, 5, None));
+    let n2 = master("n", clock.now());
+    clock.advance(RECONNECT_ALLOWANCE);
+    assert_eq!(s.get_capacity(&n2, &server_req(10.0, 1, Some(10.0))).capacity, 10.0);
 }
 
 #[test]
 fn a_lapsed_lower_servers_subclients_count_as_holding_until_its_hold_ends() {
     // n's lease (10 s, granted at 0) lapses unrenewed at 10 s; its 5
     // subclients hold their leases from it until 20 s.
-    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    let (s, clock) = store(Kind::FairShare, 100.0, 60, Duration::ZERO);
+    s.set_predecessor(Predecessor::NoneOutstanding);
     s.get_capacity("n#1", &server_req(50.0, 5, None));
     clock.advance(Duration::from_secs(11));
     s.sweep();
     assert_eq!(s.status()[0].reserved, 50.0);
     // Its new master, having heard from 1 of them, learns that 5 may hold
     // leases (so it learns until they are back), and keeps the 50.
-    let g = s.get_capacity("n#2", &server_req(10.0, 1, Some(10.0)));
+    let g = s.get_capacity(&master("n", clock.now()), &server_req(10.0, 1, Some(10.0)));
     assert_eq!((g.capacity, g.predecessor_subclients), (50.0, Some(5)));
-    // Past the hold, nobody holds a lease under the lapsed one: the new
-    // master's report stands as it is, however few it speaks for.
-    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    // Past the hold, nobody holds a lease under the lapsed one, though it
+    // stays reserved (at what its subclients run on after): the new
+    // master's report stands as it is, however few it speaks for. An
+    // intermediate whose own parent lease ends in 4 s grants leases that
+    // short: held until 8 s, reserved until 14 s.
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 10, 5, 60)] };
+    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    let parent = |clock: &Clock, secs| ParentLease {
+        resource_capacity: None,
+        capacity: 100.0,
+        expiry: clock.now().saturating_add(Duration::from_secs(secs)),
+        refresh_interval: Duration::from_secs(5),
+        algorithm: None,
+        safe_capacity: None,
+        template: None,
+        predecessor_subclients: None,
+        answered_subclients: None,
+    };
+    // (The resource is made by its first request, and only then takes a parent lease.)
     s.get_capacity("n#1", &server_req(50.0, 5, None));
-    clock.advance(Duration::from_secs(10));
+    s.set_parent_lease("r", Some(parent(&clock, 4)));
+    assert_eq!(
+        s.get_capacity("n#1", &server_req(50.0, 5, Some(50.0))).expiry,
+        clock.now().saturating_add(Duration::from_secs(4))
+    );
+    handle.advance(Duration::from_secs(9));
+    s.set_parent_lease("r", Some(parent(&clock, 10)));
     s.sweep();
-    clock.advance(Duration::from_secs(10));
-    let g = s.get_capacity("n#2", &server_req(10.0, 1, Some(10.0)));
+    assert!(s.status()[0].reserved > 0.0, "{:?}", s.status());
+    let g = s.get_capacity(&master("n", clock.now()), &server_req(10.0, 1, Some(10.0)));
     assert_eq!((g.capacity, g.predecessor_subclients), (10.0, Some(0)));
 }
 
