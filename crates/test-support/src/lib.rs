@@ -16,7 +16,37 @@ use std::time::{Duration, Instant};
 
 /// A port that was free a moment ago, for a process that must listen on a
 /// fixed address (an election member advertising it, a restarted server).
+///
+/// Taken below the kernel's ephemeral range (`ip_local_port_range`, 32768 and
+/// up by default), where every `127.0.0.1:0` bind of this run's upstreams,
+/// sidecars and connections gets its port: a port from the ephemeral range,
+/// free when asked, could be handed to one of those before the test bound it
+/// (a server once failed so with "Address already in use"). Picked at
+/// random from 10000 up, never twice in one process, and tried.
 pub fn free_port() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    static GIVEN: Mutex<Option<std::collections::HashSet<u16>>> = Mutex::new(None);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    if low > 11_000 {
+        for _ in 0..100 {
+            // A random pick: std's hasher is seeded at random per process.
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u64(COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+            let port = 10_000 + (h.finish() % u64::from(low - 10_000)) as u16;
+            let mut given = GIVEN.lock().unwrap();
+            if given.get_or_insert_default().contains(&port) {
+                continue;
+            }
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                given.get_or_insert_default().insert(port);
+                return port;
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
