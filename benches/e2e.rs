@@ -65,6 +65,9 @@ struct Opts {
     keys: Vec<u64>,
     /// Requests per second of the `--keys` runs.
     keys_rate: f64,
+    /// `--new-keys`: `--callgrind`'s keyed rounds name tenants not seen
+    /// before (each request makes its key), where they repeat known ones.
+    new_keys: bool,
     /// `--upstream https` (TLS 1.3, ALPN http/1.1) or `--upstream h2` (ALPN h2 and
     /// http/1.1): each proxy reaches its own TLS upstream; `None` is plain HTTP/1.1.
     tls: Option<bool>,
@@ -118,6 +121,7 @@ fn opts() -> Opts {
         idle_settle: get("--idle-settle").and_then(|v| v.parse().ok()).unwrap_or(3.0),
         keys: list("--keys", "").into_iter().map(|n| n as u64).collect(),
         keys_rate: num("--keys-rate", 5000.0, 5000.0, 1000.0),
+        new_keys: args.iter().any(|a| a == "--new-keys"),
         tls: match get("--upstream").as_deref() {
             None | Some("http") => None,
             Some("https") => Some(false),
@@ -1103,7 +1107,8 @@ async fn soak(o: &Opts, secs: f64) {
 /// Instructions per request of `n` known tenant keys (`--callgrind S
 /// --keys N`): `n` new tenants at 500/s make the keys, then callgrind counts
 /// the same `n` again at that rate (each a key the table holds, among `n`),
-/// [`KEYED_ROUNDS`] times. The whole process is counted, the lease client's
+/// [`KEYED_ROUNDS`] times. With `--new-keys`, each round names `n` tenants
+/// not seen before instead: the cost of a request that makes its key. The whole process is counted, the lease client's
 /// demand reads over every key included, and those come and go (a read
 /// every 100 ms while keys are busy, none while the client sleeps), so a
 /// round's total moves by a fifth: the least round is the figure. The
@@ -1111,8 +1116,9 @@ async fn soak(o: &Opts, secs: f64) {
 /// `callgrind_annotate`'s inclusive count of `usher_proxy::serve_all`'s
 /// connection closure) is given beside it, and moves by far less.
 async fn keyed_instructions(o: &Opts, targets: &[Target], n: u64) -> String {
+    let which = if o.new_keys { "new" } else { "known" };
     let mut md = format!(
-        "\n| target | requests to {n} known tenant keys | instructions per request (least of {KEYED_ROUNDS}) | on the request path | ratio to usher |\n|---|---|---|---|---|\n"
+        "\n| target | requests to {n} {which} tenant keys | instructions per request (least of {KEYED_ROUNDS}) | on the request path | ratio to usher |\n|---|---|---|---|---|\n"
     );
     let (rate, secs) = (500.0, Duration::from_secs_f64(n as f64 / 500.0));
     let mut first = None;
@@ -1123,7 +1129,11 @@ async fn keyed_instructions(o: &Opts, targets: &[Target], n: u64) -> String {
         let (mut best, mut path, mut ok) = (None::<f64>, None::<f64>, 0);
         for round in 0..KEYED_ROUNDS {
             callgrind_control(&["--zero", &pid.to_string()]);
-            let r = loadgen::open_loop_keyed(t.addr, "/tenant", rate, secs, 4, Some(prefix.clone())).await;
+            let tenants: std::sync::Arc<str> = match o.new_keys {
+                true => format!("new{round}-").into(),
+                false => prefix.clone(),
+            };
+            let r = loadgen::open_loop_keyed(t.addr, "/tenant", rate, secs, 4, Some(tenants)).await;
             let before: std::collections::HashSet<PathBuf> = dumps(&o.out).into_iter().collect();
             callgrind_control(&["--dump", &pid.to_string()]);
             let dump = dumps(&o.out)
