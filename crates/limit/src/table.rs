@@ -743,6 +743,8 @@ pub const FOLD_SMALL: usize = 16;
 const FOLD_FRACTION: usize = 4;
 /// ... or at the first [`LeaseTable::settle`] this long after its first key.
 pub const FOLD_AFTER: Duration = Duration::from_secs(1);
+/// The most room a shard's recent set keeps for its next batch after a fold.
+const RECENT_ROOM: usize = 256;
 
 /// Tells a lease client that sleeps between slow demand polls (see
 /// `lease::driver::QUIET_POLL`) that the table needs it now: a new key, new
@@ -988,8 +990,11 @@ impl Shard {
     /// at every fold.
     fn fold(&self, recent: &mut Recent, keys: &HashSet<Key>) {
         let mut next = HashSet::clone(keys);
-        // Taken, not drained: a drained set keeps its room.
-        next.extend(std::mem::take(&mut recent.keys));
+        // Taken, not drained, so that a burst's room is given back; the
+        // next batch gets the room of this one (up to RECENT_ROOM) instead
+        // of growing from empty, rehashing at each doubling.
+        let room = recent.keys.len().min(RECENT_ROOM);
+        next.extend(std::mem::replace(&mut recent.keys, HashSet::with_capacity(room)));
         recent.since = None;
         self.keys.store(Arc::new(next));
         self.has_recent.store(false, Ordering::Release);
