@@ -1482,6 +1482,39 @@ mod tests {
         assert_eq!(r.shards[0].keys.load().len(), FOLD_SMALL + 1 + FOLD_SMALL / FOLD_FRACTION, "a quarter: folded");
     }
 
+    /// After a fold, the recent set keeps room for a batch like the one it
+    /// folded, so the next batch does not grow it from empty; never more
+    /// than RECENT_ROOM, so a burst's room is given back.
+    #[test]
+    fn a_fold_leaves_the_recent_set_room_for_the_next_batch_and_no_more() {
+        let (clock, h) = Clock::manual(Time::from_secs(10));
+        let t = LeaseTable::new(clock);
+        t.configure(vec![ResourceSpec { max_keys: usize::MAX, ..spec("r", Kind::Rate, 1.0) }]);
+        let r = t.resource("r").unwrap();
+        let settle = || {
+            h.advance(FOLD_AFTER);
+            t.settle();
+        };
+        let room = |r: &ResourceLimits| r.shards[0].recent.lock().unwrap().keys.capacity();
+        // A snapshot of 100 keys folds its recent keys at 25.
+        for i in 0..100 {
+            r.limiter(&format!("a{i}"));
+        }
+        settle();
+        let before = r.shards[0].keys.load().len();
+        for i in 0..before / FOLD_FRACTION {
+            r.limiter(&format!("b{i}"));
+        }
+        assert!(r.shards[0].recent.lock().unwrap().keys.is_empty(), "folded at a quarter");
+        assert!(room(&r) >= before / FOLD_FRACTION, "room for the next batch: {}", room(&r));
+        // A large batch leaves no more than RECENT_ROOM behind.
+        for i in 0..4_000 {
+            r.limiter(&format!("c{i}"));
+        }
+        settle();
+        assert!(room(&r) <= 2 * RECENT_ROOM, "a burst's room is given back: {}", room(&r));
+    }
+
     #[test]
     fn templated_keys_are_bounded_and_can_be_forgotten() {
         let (clock, _h) = Clock::manual(Time::from_secs(10));
