@@ -1459,11 +1459,17 @@ mod tests {
         assert_eq!(t.resource("f").unwrap().shards.len(), SHARDS);
     }
 
-    #[test]
-    fn past_fold_small_new_keys_wait_in_recent_until_a_quarter_or_a_second() {
+    /// A table with one fixed-id rate resource `r` of unbounded keys, and its clock.
+    fn one_resource() -> (LeaseTable, Arc<usher_core::clock::ManualClock>) {
         let (clock, h) = Clock::manual(Time::from_secs(10));
         let t = LeaseTable::new(clock);
         t.configure(vec![ResourceSpec { max_keys: usize::MAX, ..spec("r", Kind::Rate, 1.0) }]);
+        (t, h)
+    }
+
+    #[test]
+    fn past_fold_small_new_keys_wait_in_recent_until_a_quarter_or_a_second() {
+        let (t, h) = one_resource();
         let r = t.resource("r").unwrap();
         for i in 0..FOLD_SMALL {
             r.limiter(&format!("k{i}"));
@@ -1487,9 +1493,7 @@ mod tests {
     /// than RECENT_ROOM, so a burst's room is given back.
     #[test]
     fn a_fold_leaves_the_recent_set_room_for_the_next_batch_and_no_more() {
-        let (clock, h) = Clock::manual(Time::from_secs(10));
-        let t = LeaseTable::new(clock);
-        t.configure(vec![ResourceSpec { max_keys: usize::MAX, ..spec("r", Kind::Rate, 1.0) }]);
+        let (t, h) = one_resource();
         let r = t.resource("r").unwrap();
         let settle = || {
             h.advance(FOLD_AFTER);
