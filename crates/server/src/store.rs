@@ -1756,9 +1756,12 @@ impl Resource {
         // out, is answered so again, and stays known (with its demand) for
         // two more seconds: were its entry left to lapse, a lower server
         // whose clients all lapsed at once would have no demand for an
-        // instant and give its own lease back.
+        // instant and give its own lease back. Not a node's new master that
+        // inherits its predecessor's lease: renewed with nothing new, it
+        // keeps what the predecessor held counted as its floor.
         if capacity.is_none()
             && !d.learning
+            && inherited.is_none()
             && self.clients.get(client).is_none_or(|l| l.granted <= 0.0 && l.has <= 0.0)
         {
             self.remove(client);

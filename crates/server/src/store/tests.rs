@@ -380,6 +380,44 @@ fn a_lapsed_lower_servers_subclients_count_as_holding_until_its_hold_ends() {
     assert_eq!((g.capacity, g.predecessor_subclients), (10.0, Some(0)));
 }
 
+/// A node's new master that asks while this intermediate holds no parent
+/// lease is answered with nothing new, but what its predecessor
+/// held stays counted: in what it is told it holds, and in what this server
+/// reports upwards as handed out.
+#[test]
+fn a_new_master_asking_while_there_is_no_parent_lease_keeps_its_predecessors_lease_counted() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 10, 5, 0)] };
+    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    // (The resource is made by its first request, and only then takes a parent lease.)
+    s.get_capacity("n#1", &server_req(50.0, 5, None));
+    s.set_parent_lease(
+        "r",
+        Some(ParentLease {
+            resource_capacity: None,
+            capacity: 100.0,
+            expiry: clock.now().saturating_add(Duration::from_secs(10)),
+            refresh_interval: Duration::from_secs(5),
+            algorithm: None,
+            safe_capacity: None,
+            template: None,
+            predecessor_subclients: None,
+            answered_subclients: None,
+        }),
+    );
+    assert_eq!(s.get_capacity("n#1", &server_req(50.0, 5, Some(50.0))).capacity, 50.0);
+    // The link to the parent loses its lease (refused, or given up) while
+    // n's lease runs; then n's new master asks.
+    handle.advance(Duration::from_secs(2));
+    s.set_parent_lease("r", None);
+    let g = s.get_capacity(&master("n", clock.now()), &server_req(50.0, 5, Some(50.0)));
+    assert_eq!(g.capacity, 0.0, "nothing new is handed out without a parent lease");
+    assert_eq!(s.status()[0].sum_has, 50.0, "the predecessor's 50 stay counted");
+    assert_eq!(s.parent_demand()[0].handed_out, 50.0, "and are reported upwards");
+}
+
 fn learning_store(lease: u64, refresh: u64) -> (Store, Arc<usher_core::clock::ManualClock>) {
     let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
     let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, lease, refresh, lease)] };
