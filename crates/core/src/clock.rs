@@ -39,6 +39,12 @@ impl Time {
         (self.0 / 1_000_000_000) as i64
     }
 
+    /// The first whole second at or after this time: a lease's end that
+    /// the wire's `expiry_time` carries exactly.
+    pub fn ceil_secs(self) -> Time {
+        Time(self.0.div_ceil(1_000_000_000).saturating_mul(1_000_000_000))
+    }
+
     /// Seconds since the epoch, with the fraction.
     pub fn as_secs_f64(self) -> f64 {
         self.0 as f64 / 1e9
@@ -169,6 +175,14 @@ mod tests {
         assert_eq!(clone.now().as_secs(), 101);
         handle.set(Time::from_secs(50));
         assert_eq!(clock.now().as_secs(), 101, "set never goes backwards");
+    }
+
+    #[test]
+    fn ceil_secs_rounds_up_to_the_whole_second_and_keeps_a_whole_one() {
+        assert_eq!(Time::from_nanos(101_000_000_001).ceil_secs(), Time::from_secs(102));
+        assert_eq!(Time::from_nanos(101_999_999_999).ceil_secs(), Time::from_secs(102));
+        assert_eq!(Time::from_secs(101).ceil_secs(), Time::from_secs(101));
+        assert_eq!(Time::EPOCH.ceil_secs(), Time::EPOCH);
     }
 
     #[test]

@@ -1279,8 +1279,31 @@ impl Resource {
                 continue;
             }
             let l = self.clients.get(&owner).expect("expiring slot has a lease");
-            let amount = l.has.max(l.floor().filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
             let lease_length = self.algorithm().lease_length;
+            // An intermediate's lease cut at this server's own lease from its
+            // parent, so short that it ended before its client was due back,
+            // runs on while the parent lease, since renewed, lasts: to where
+            // it would have ended uncut, or until its client is overdue
+            // (a refresh interval, jittered, and a second). Its client holds
+            // it (see `lease::Mode::Held`) and comes back at its refresh.
+            // Swept, it would come back as a newcomer, its demand forgotten
+            // meanwhile, and whichever client asked first after such a sweep
+            // took the others' shares (leases of 2 s, cut every second).
+            let uncut = l.last_request.saturating_add(lease_length);
+            let due = l.last_request.saturating_add(l.refresh_interval.mul_f64(7.0 / 6.0));
+            let overdue = due.saturating_add(Duration::from_secs(1));
+            let cut = expiry < uncut && expiry < due;
+            if let Some(renewed) = self.parent.as_ref().map(|p| p.expiry).filter(|e| *e > now && cut) {
+                let to = uncut.min(renewed).min(overdue);
+                if to > now {
+                    let slot = l.slot;
+                    self.expiries.remove(&(expiry, slot));
+                    self.expiries.insert((to, slot));
+                    self.clients.get_mut(&owner).expect("expiring slot has a lease").expiry = to;
+                    continue;
+                }
+            }
+            let amount = l.has.max(l.floor().filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
             let until = expiry.saturating_add(lease_length);
             // The client holds its lease for as long again as it was granted for.
             let hold_until = expiry.saturating_add(expiry.since(l.last_request).min(lease_length));
@@ -2327,7 +2350,12 @@ impl Resource {
     /// The new lease's expiry and refresh interval.
     fn lease_times(&self, a: &Ask<'_>, held_back: bool) -> (Time, Duration) {
         let (req, now, alg) = (a.req, a.now, &a.alg);
-        let (mut expiry, mut refresh) = (now.saturating_add(alg.lease_length), alg.refresh_interval);
+        // A lease ends on a whole second: the wire carries its expiry in
+        // whole seconds, rounded down, and a client that was told a second
+        // less than the books hold saw its lease run out before the refresh
+        // of a 2 s lease. (An intermediate's parent lease then also ends
+        // where its parent's books say, not up to a second before.)
+        let (mut expiry, mut refresh) = (now.saturating_add(alg.lease_length).ceil_secs(), alg.refresh_interval);
         let parent = self.parent.as_ref().filter(|p| p.expiry > now);
         if let (Role::Intermediate { decay_factor }, Some(p)) = (a.role, &self.parent) {
             // Never promise beyond what this server itself holds.

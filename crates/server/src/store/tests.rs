@@ -683,6 +683,65 @@ fn a_lapsed_lease_stays_reserved_in_full_for_a_lease_length() {
     assert_eq!((b.capacity, s.status()[0].reserved), (100.0, 0.0));
 }
 
+/// A lease ends on a whole second, after the lease length: the wire's
+/// `expiry_time` (whole seconds, rounded down) then says what the books say,
+/// not up to a second less.
+#[test]
+fn a_lease_ends_on_the_whole_second_after_its_length() {
+    let (s, clock) = store(Kind::FairShare, 100.0, 0, Duration::ZERO);
+    clock.advance(Duration::from_millis(300));
+    let g = s.get_capacity("a", &req("r", 10.0, None));
+    assert_eq!(g.expiry, Time::from_secs(1_000_000 + 10 + 1));
+    assert_eq!(Time::from_secs(g.expiry.as_secs() as u64), g.expiry);
+    // A lease asked for on the second lasts the lease length exactly.
+    clock.advance(Duration::from_millis(700));
+    assert_eq!(s.get_capacity("a", &req("r", 10.0, None)).expiry, Time::from_secs(1_000_001 + 10));
+}
+
+/// An intermediate's lease cut at its own parent lease so short that it ends
+/// before its client is due back is not a lapse while the parent lease is
+/// renewed: the client stays known, with its demand, and its next request
+/// is decided as a renewal. Swept at every cut (2 s leases, refreshed every
+/// second), the first client back took what the others held as its own.
+#[test]
+fn a_lease_cut_short_at_the_parents_expiry_runs_on_while_the_parent_lease_is_renewed() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 2, 1, 0)] };
+    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    let parent = |secs: f64| ParentLease {
+        resource_capacity: None,
+        capacity: 40.0,
+        expiry: clock.now().saturating_add(Duration::from_secs_f64(secs)),
+        refresh_interval: Duration::from_secs(1),
+        algorithm: None,
+        safe_capacity: None,
+        template: None,
+        predecessor_subclients: None,
+        answered_subclients: None,
+    };
+    // (The resource is made by its first request, and only then takes a parent lease.)
+    s.get_capacity("a", &req("r", 36.0, None));
+    s.set_parent_lease("r", Some(parent(1.0)));
+    let a = s.get_capacity("a", &req("r", 36.0, None));
+    assert_eq!((a.capacity, a.refresh_interval), (36.0, Duration::from_secs(1)));
+    assert_eq!(a.expiry, clock.now().saturating_add(Duration::from_secs(1)), "cut at the parent's expiry");
+    assert_eq!(s.get_capacity("b", &req("r", 40.0, None)).capacity, 4.0, "what a leaves");
+    // The parent lease is renewed; a's and b's leases end before they are due back.
+    handle.advance(Duration::from_millis(800));
+    s.set_parent_lease("r", Some(parent(2.0)));
+    handle.advance(Duration::from_millis(400));
+    let st = s.status();
+    assert_eq!((st[0].clients, st[0].sum_has, st[0].reserved), (2, 40.0, 0.0), "{st:?}");
+    // a is back first: b still wants 40, so a comes down to its share.
+    assert_eq!(s.get_capacity("a", &req("r", 40.0, None)).capacity, 20.0);
+    // b never comes back: once it is overdue, its lease lapses as any other.
+    handle.advance(Duration::from_secs(1));
+    let st = s.status();
+    assert_eq!((st[0].clients, st[0].reserved), (1, 4.0), "{st:?}");
+}
+
 #[test]
 fn a_short_lapsed_lease_is_reserved_in_full_while_held_then_at_its_safe_capacity() {
     // An intermediate's leases end with its parent's: a 20 s lease out of a
