@@ -290,6 +290,21 @@ fn a_new_masters_missing_subclients_stay_counted_after_the_predecessors_leases_l
     assert_eq!(s.status()[0].sum_has, 40.0 + 60.0);
 }
 
+/// A lease from the parent of `capacity`, ending at `expiry`, refreshed every `refresh` seconds.
+fn parent_lease(capacity: f64, expiry: Time, refresh: u64) -> ParentLease {
+    ParentLease {
+        resource_capacity: None,
+        capacity,
+        expiry,
+        refresh_interval: Duration::from_secs(refresh),
+        algorithm: None,
+        safe_capacity: None,
+        template: None,
+        predecessor_subclients: None,
+        answered_subclients: None,
+    }
+}
+
 /// A node's master whose epoch is `now`: it became master then.
 fn master(node: &str, now: Time) -> String {
     format!("{node}#{}", now.as_nanos() / 1_000)
@@ -354,17 +369,7 @@ fn a_lapsed_lower_servers_subclients_count_as_holding_until_its_hold_ends() {
     let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
     s.set_role(Role::Intermediate { decay_factor: 0.5 });
     s.set_predecessor(Predecessor::NoneOutstanding);
-    let parent = |clock: &Clock, secs| ParentLease {
-        resource_capacity: None,
-        capacity: 100.0,
-        expiry: clock.now().saturating_add(Duration::from_secs(secs)),
-        refresh_interval: Duration::from_secs(5),
-        algorithm: None,
-        safe_capacity: None,
-        template: None,
-        predecessor_subclients: None,
-        answered_subclients: None,
-    };
+    let parent = |clock: &Clock, secs| parent_lease(100.0, clock.now().saturating_add(Duration::from_secs(secs)), 5);
     // (The resource is made by its first request, and only then takes a parent lease.)
     s.get_capacity("n#1", &server_req(50.0, 5, None));
     s.set_parent_lease("r", Some(parent(&clock, 4)));
@@ -393,20 +398,7 @@ fn a_new_master_asking_while_there_is_no_parent_lease_keeps_its_predecessors_lea
     s.set_predecessor(Predecessor::NoneOutstanding);
     // (The resource is made by its first request, and only then takes a parent lease.)
     s.get_capacity("n#1", &server_req(50.0, 5, None));
-    s.set_parent_lease(
-        "r",
-        Some(ParentLease {
-            resource_capacity: None,
-            capacity: 100.0,
-            expiry: clock.now().saturating_add(Duration::from_secs(10)),
-            refresh_interval: Duration::from_secs(5),
-            algorithm: None,
-            safe_capacity: None,
-            template: None,
-            predecessor_subclients: None,
-            answered_subclients: None,
-        }),
-    );
+    s.set_parent_lease("r", Some(parent_lease(100.0, clock.now().saturating_add(Duration::from_secs(10)), 5)));
     assert_eq!(s.get_capacity("n#1", &server_req(50.0, 5, Some(50.0))).capacity, 50.0);
     // The link to the parent loses its lease (refused, or given up) while
     // n's lease runs; then n's new master asks.
@@ -515,15 +507,8 @@ fn an_intermediate_cut_off_from_its_parent_tells_clients_the_safe_capacity() {
     s.set_parent_lease(
         "r",
         Some(ParentLease {
-            resource_capacity: None,
-            capacity: 20.0,
-            expiry: clock.now().saturating_add(Duration::from_secs(10)),
-            refresh_interval: Duration::from_secs(5),
-            algorithm: None,
             safe_capacity: Some(2.0),
-            template: None,
-            predecessor_subclients: None,
-            answered_subclients: None,
+            ..parent_lease(20.0, clock.now().saturating_add(Duration::from_secs(10)), 5)
         }),
     );
     let g = s.get_capacity("a", &req("r", 10.0, None));
@@ -547,17 +532,7 @@ fn an_intermediate_reports_what_its_clients_hold_not_what_it_last_granted() {
     let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
     s.set_role(Role::Intermediate { decay_factor: 0.5 });
     s.set_predecessor(Predecessor::NoneOutstanding);
-    let lease = |capacity| ParentLease {
-        resource_capacity: None,
-        capacity,
-        expiry: clock.now().saturating_add(Duration::from_secs(60)),
-        refresh_interval: Duration::from_secs(8),
-        algorithm: None,
-        safe_capacity: None,
-        template: None,
-        predecessor_subclients: None,
-        answered_subclients: None,
-    };
+    let lease = |capacity| parent_lease(capacity, clock.now().saturating_add(Duration::from_secs(60)), 8);
     s.get_capacity("leaf#1", &server_req(80.0, 4, None));
     s.set_parent_lease("r", Some(lease(100.0)));
     assert_eq!(s.get_capacity("leaf#1", &server_req(80.0, 4, None)).capacity, 80.0);
@@ -710,17 +685,7 @@ fn a_lease_cut_short_at_the_parents_expiry_runs_on_while_the_parent_lease_is_ren
     let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
     s.set_role(Role::Intermediate { decay_factor: 0.5 });
     s.set_predecessor(Predecessor::NoneOutstanding);
-    let parent = |secs: f64| ParentLease {
-        resource_capacity: None,
-        capacity: 40.0,
-        expiry: clock.now().saturating_add(Duration::from_secs_f64(secs)),
-        refresh_interval: Duration::from_secs(1),
-        algorithm: None,
-        safe_capacity: None,
-        template: None,
-        predecessor_subclients: None,
-        answered_subclients: None,
-    };
+    let parent = |secs: f64| parent_lease(40.0, clock.now().saturating_add(Duration::from_secs_f64(secs)), 1);
     // (The resource is made by its first request, and only then takes a parent lease.)
     s.get_capacity("a", &req("r", 36.0, None));
     s.set_parent_lease("r", Some(parent(1.0)));
@@ -754,17 +719,7 @@ fn a_short_lapsed_lease_is_reserved_in_full_while_held_then_at_its_safe_capacity
     let mut s = Store::new(clock.clone(), ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
     s.set_role(Role::Intermediate { decay_factor: 0.5 });
     s.set_predecessor(Predecessor::NoneOutstanding);
-    let lease = |secs| ParentLease {
-        resource_capacity: None,
-        capacity: 100.0,
-        expiry: clock.now().saturating_add(Duration::from_secs(secs)),
-        refresh_interval: Duration::from_secs(8),
-        algorithm: None,
-        safe_capacity: None,
-        template: None,
-        predecessor_subclients: None,
-        answered_subclients: None,
-    };
+    let lease = |secs| parent_lease(100.0, clock.now().saturating_add(Duration::from_secs(secs)), 8);
     s.get_capacity("a", &req("r", 60.0, None));
     s.set_parent_lease("r", Some(lease(20)));
     let a = s.get_capacity("a", &req("r", 60.0, None));
