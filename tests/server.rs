@@ -231,12 +231,13 @@ async fn learning_mode_believes_a_liar_only_up_to_the_capacity_and_a_lease_lengt
     let lease = &resp.response[0].gets;
     // Outside learning mode a client wanting 5 gets 5: 100 is its report, capped.
     assert_eq!(lease.capacity, 100.0, "the reported 1e300 is believed up to the capacity");
+    // (A lease ends on the whole second at or after its length.)
     assert!(
-        (before + LEASE..=after + LEASE).contains(&lease.expiry_time),
+        (before + LEASE..=after + LEASE + 1).contains(&lease.expiry_time),
         "the reported expiry is believed up to a lease length from now: {} not in {}..={}",
         lease.expiry_time,
         before + LEASE,
-        after + LEASE
+        after + LEASE + 1
     );
     let (_, text) = s.admin("/metrics");
     assert_eq!(metric(&text, "usher_server_resource_has", &[("resource", "r")]), Some(100.0));
