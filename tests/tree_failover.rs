@@ -1,9 +1,9 @@
-//! A tree's intermediate loses its master under load (issue 14, "Done
-//! means"): real etcd, a root, intermediate A with two members elected through
-//! etcd, intermediate B, four sidecars each offered 30/s, measured at their
-//! upstreams second by second. Leases (10 s), refresh (2 s at the root, 1 s
-//! below) and the election TTL (3 s) are short so the test is lean; what it
-//! measures is relative to them.
+//! A tree's intermediate loses its master under load: real etcd, a root,
+//! intermediate A with two members elected through etcd, intermediate B, four
+//! sidecars each offered 40/s, measured at their upstreams second by second.
+//! Leases of 10 s (refresh 2 s at the root, 1 s below), and of 2 s (refresh
+//! 1 s, shorter than the election TTL of 3 s). Everything is short so the
+//! test is lean; what it measures is relative to it.
 
 #![allow(clippy::disallowed_methods, reason = "tests wait for real processes on the wall clock")]
 
@@ -25,12 +25,7 @@ const CAPACITY: f64 = 80.0;
 const OFFERED: f64 = 40.0;
 /// The fleet's burst: each of the four sidecars' buckets holds a quarter of it.
 const BURST: f64 = 8.0;
-const REFRESH: Duration = Duration::from_secs(2);
 const TTL: Duration = Duration::from_secs(3);
-const ROOT: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 80\n    algorithm: { kind: FAIR_SHARE, lease_length: 10, refresh_interval: 2 }\n";
-/// An intermediate's own file: only the catch-all, so it shares what its
-/// parent grants under the parent's algorithm.
-const MIDDLE: &str = "resources:\n  - identifier_glob: '*'\n    capacity: 0\n    algorithm: { kind: FAIR_SHARE, lease_length: 10, refresh_interval: 2 }\n";
 
 fn sidecar(dir: &std::path::Path, name: &str, up: &Upstream, servers: &[&String]) -> Usher {
     let list: Vec<String> = servers.iter().map(|s| format!("\"{s}\"")).collect();
@@ -41,9 +36,26 @@ fn sidecar(dir: &std::path::Path, name: &str, up: &Upstream, servers: &[&String]
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_an_intermediates_master_under_load_keeps_the_tree_full() {
+    kill_a_master(10, 2).await;
+}
+
+/// Leases shorter than the election TTL: every lease under the dead master
+/// lapses before a new one is elected, and the sidecars hold theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_an_intermediates_master_with_two_second_leases_keeps_the_tree_full() {
+    kill_a_master(2, 1).await;
+}
+
+/// The whole run, for leases of `lease` seconds refreshed every `refresh` at the root.
+async fn kill_a_master(lease: u64, refresh: u64) {
+    let algorithm = format!("algorithm: {{ kind: FAIR_SHARE, lease_length: {lease}, refresh_interval: {refresh} }}");
+    let root = format!("resources:\n  - identifier_glob: '*'\n    capacity: 80\n    {algorithm}\n");
+    // An intermediate's own file: only the catch-all, so it shares what its
+    // parent grants under the parent's algorithm.
+    let middle = format!("resources:\n  - identifier_glob: '*'\n    capacity: 0\n    {algorithm}\n");
     let etcd = EtcdServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let (root_cfg, mid_cfg) = (write_file(dir.path(), "root.yaml", ROOT), write_file(dir.path(), "mid.yaml", MIDDLE));
+    let (root_cfg, mid_cfg) = (write_file(dir.path(), "root.yaml", &root), write_file(dir.path(), "mid.yaml", &middle));
     let e = etcd.endpoint.as_str();
     let (root, root_addr) = elected_member_with(e, &root_cfg, "/t/root", &[]);
     let parent = ["--parent", root_addr.as_str()];
@@ -150,7 +162,7 @@ async fn killing_an_intermediates_master_under_load_keeps_the_tree_full() {
     // refresh intervals plus the election TTL, and stay there: their leases
     // at every reading, and their admitted rate on average (a single second
     // at the upstream moves with the load's timing on a busy machine).
-    let back = 2 * REFRESH + TTL;
+    let back = 2 * Duration::from_secs(refresh) + TTL;
     for (p, l) in per[..2].iter().zip(&leases) {
         let low = l.iter().find(|(t, c)| *t >= killed + back && *c < 0.9 * 20.0);
         assert!(low.is_none(), "a lease below 18 after {back:?}: {low:?}\n{report}");
