@@ -20,7 +20,7 @@ const SCENARIOS: [&str; 7] = ["one", "two", "three", "four", "five", "six", "sev
 const UTILISATION: f64 = 0.995;
 /// Each scenario's least mean utilisation: what it read when last raised
 /// (one 99.689%, two 99.615%, three 99.518%, four 100%, five 99.768%, six
-/// 99.806%, seven 99.538%), less 0.01 points.
+/// 99.806%, seven 99.549%), less 0.01 points.
 const FLOORS: [(&str, f64); 7] = [
     ("one", 0.9968),
     ("two", 0.9960),
@@ -28,7 +28,7 @@ const FLOORS: [(&str, f64); 7] = [
     ("four", 0.9999),
     ("five", 0.9976),
     ("six", 0.9980),
-    ("seven", 0.9953),
+    ("seven", 0.9954),
 ];
 
 /// A run's utilisation after start-up and its worst second, as shares of the capacity.
