@@ -1294,7 +1294,7 @@ impl Resource {
             let overdue = due.saturating_add(Duration::from_secs(1));
             let cut = expiry < uncut && expiry < due;
             if let Some(renewed) = self.parent.as_ref().map(|p| p.expiry).filter(|e| *e > now && cut) {
-                let to = uncut.min(renewed).min(overdue);
+                let to = self.cap_expiry(uncut.min(renewed).min(overdue));
                 if to > now {
                     let slot = l.slot;
                     self.expiries.remove(&(expiry, slot));
@@ -1304,9 +1304,12 @@ impl Resource {
                 }
             }
             let amount = l.has.max(l.floor().filter(|f| f.1 > expiry).map_or(0.0, |f| f.0));
-            let until = expiry.saturating_add(lease_length);
+            // A lease lasts up to a second more than its length (it ends on
+            // a whole second), and so may its hold.
+            let longest = lease_length.saturating_add(Duration::from_secs(1));
+            let until = expiry.saturating_add(longest);
             // The client holds its lease for as long again as it was granted for.
-            let hold_until = expiry.saturating_add(expiry.since(l.last_request).min(lease_length));
+            let hold_until = expiry.saturating_add(expiry.since(l.last_request).min(longest));
             let r = if l.share {
                 // Its share is what it runs on once the hold ends; reserved
                 // from now, so that no lease granted from now on outlasts
@@ -1772,6 +1775,19 @@ impl Resource {
         }
         let known = self.clients.contains_key(client) || self.reservations.contains_key(client);
         let ask = Ask { req, client, epoch, now, role, alg, capacity, bands: &bands, d, known };
+        // A node's new master asking while there is nothing to hand out (no
+        // lease from the parent) is told so, and its predecessor's lease is
+        // left as it is: counted until it ends, then reserved as any lapsed
+        // lease. The new master takes it over once there is capacity again;
+        // it comes back within a second.
+        if capacity.is_none()
+            && !d.learning
+            && let (Some(e), Some(le)) = (epoch, self.clients.get(client).and_then(ClientLease::epoch))
+            && e > le
+        {
+            let nothing = self.nothing_for_a_stale_master(now, capacity, ask.alg);
+            return Grant { refresh_interval: Duration::from_secs(1), ..nothing };
+        }
         let Ok(inherited) = self.succeed(&ask) else {
             return self.unchanged(client, now, capacity, ask.alg);
         };
@@ -1779,12 +1795,9 @@ impl Resource {
         // out, is answered so again, and stays known (with its demand) for
         // two more seconds: were its entry left to lapse, a lower server
         // whose clients all lapsed at once would have no demand for an
-        // instant and give its own lease back. Not a node's new master that
-        // inherits its predecessor's lease: renewed with nothing new, it
-        // keeps what the predecessor held counted as its floor.
+        // instant and give its own lease back.
         if capacity.is_none()
             && !d.learning
-            && inherited.is_none()
             && self.clients.get(client).is_none_or(|l| l.granted <= 0.0 && l.has <= 0.0)
         {
             self.remove(client);
@@ -1924,8 +1937,9 @@ impl Resource {
         Ok(inherited)
     }
 
-    /// The answer to a stale master of a node whose lease lapsed: an
-    /// expired lease of nothing.
+    /// The answer to a stale master of a node whose lease lapsed, or to a
+    /// new master while there is nothing to hand out: an expired lease of
+    /// nothing.
     fn nothing_for_a_stale_master(&self, now: Time, capacity: Option<f64>, alg: Algorithm) -> Grant {
         Grant {
             quota: self.quota_view(now),

@@ -386,28 +386,43 @@ fn a_lapsed_lower_servers_subclients_count_as_holding_until_its_hold_ends() {
 }
 
 /// A node's new master that asks while this intermediate holds no parent
-/// lease is answered with nothing new, but what its predecessor
-/// held stays counted: in what it is told it holds, and in what this server
-/// reports upwards as handed out.
+/// lease is told there is nothing to hand out (an expired lease, as any
+/// client then), and its predecessor's lease stays as it is: counted until
+/// it ends, in what this server reports upwards too, then reserved. Once
+/// the parent lease is back, the new master takes it over.
 #[test]
-fn a_new_master_asking_while_there_is_no_parent_lease_keeps_its_predecessors_lease_counted() {
+fn a_new_master_asking_while_there_is_no_parent_lease_leaves_its_predecessors_lease_counted() {
     let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
     let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 10, 5, 0)] };
     let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
     s.set_role(Role::Intermediate { decay_factor: 0.5 });
     s.set_predecessor(Predecessor::NoneOutstanding);
+    let parent = |clock: &Clock| parent_lease(100.0, clock.now().saturating_add(Duration::from_secs(20)), 5);
     // (The resource is made by its first request, and only then takes a parent lease.)
     s.get_capacity("n#1", &server_req(50.0, 5, None));
-    s.set_parent_lease("r", Some(parent_lease(100.0, clock.now().saturating_add(Duration::from_secs(10)), 5)));
-    assert_eq!(s.get_capacity("n#1", &server_req(50.0, 5, Some(50.0))).capacity, 50.0);
+    s.set_parent_lease("r", Some(parent(&clock)));
+    let g = s.get_capacity("n#1", &server_req(50.0, 5, Some(50.0)));
+    assert_eq!((g.capacity, g.expiry), (50.0, clock.now().saturating_add(Duration::from_secs(10))));
     // The link to the parent loses its lease (refused, or given up) while
     // n's lease runs; then n's new master asks.
     handle.advance(Duration::from_secs(2));
     s.set_parent_lease("r", None);
-    let g = s.get_capacity(&master("n", clock.now()), &server_req(50.0, 5, Some(50.0)));
-    assert_eq!(g.capacity, 0.0, "nothing new is handed out without a parent lease");
+    let n2 = master("n", clock.now());
+    let g = s.get_capacity(&n2, &server_req(50.0, 5, Some(50.0)));
+    assert_eq!((g.capacity, g.expiry, g.refresh_interval), (0.0, clock.now(), Duration::from_secs(1)));
     assert_eq!(s.status()[0].sum_has, 50.0, "the predecessor's 50 stay counted");
     assert_eq!(s.parent_demand()[0].handed_out, 50.0, "and are reported upwards");
+    // Its lease ends 10 s after it was granted: then it is reserved in full
+    // while its subclients hold theirs.
+    handle.advance(Duration::from_secs(9));
+    s.get_capacity(&n2, &server_req(50.0, 5, Some(50.0)));
+    assert_eq!(s.status()[0].reserved, 50.0, "{:?}", s.status());
+    assert_eq!(s.parent_demand()[0].handed_out, 50.0);
+    // The parent lease is back: the new master takes the node's lease over.
+    s.set_parent_lease("r", Some(parent(&clock)));
+    let g = s.get_capacity(&n2, &server_req(50.0, 5, Some(50.0)));
+    assert_eq!((g.capacity, g.predecessor_subclients), (50.0, Some(5)));
+    assert_eq!(s.parent_demand()[0].handed_out, 50.0);
 }
 
 fn learning_store(lease: u64, refresh: u64) -> (Store, Arc<usher_core::clock::ManualClock>) {
@@ -673,6 +688,29 @@ fn a_lease_ends_on_the_whole_second_after_its_length() {
     assert_eq!(s.get_capacity("a", &req("r", 10.0, None)).expiry, Time::from_secs(1_000_001 + 10));
 }
 
+/// A lease that ends on the whole second after its length is held by its
+/// client for as long again as it was granted for, more than a lease length:
+/// the lapsed lease stays reserved in full that long.
+#[test]
+fn a_lapsed_lease_is_reserved_in_full_for_its_whole_hold() {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let mut t = (*template(Kind::FairShare, 100.0, 10, 5, 0)).clone();
+    t.safe_capacity = Some(4.0);
+    let s = Store::new(clock.clone(), ResourcesConfig { templates: vec![Arc::new(t)] }, Duration::ZERO);
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    handle.advance(Duration::from_millis(300));
+    let g = s.get_capacity("a", &req("r", 60.0, None));
+    assert_eq!((g.capacity, g.expiry), (60.0, Time::from_secs(1_000_011)));
+    // Its client holds it until 1,000,021.7 s: 10.7 s past its end.
+    let reserved = |s: &Store| s.status().first().map_or(0.0, |r| r.reserved);
+    handle.set(Time::from_nanos(1_000_021_600_000_000));
+    s.sweep();
+    assert_eq!(reserved(&s), 60.0, "held: the whole lease");
+    handle.advance(Duration::from_millis(200));
+    s.sweep();
+    assert_eq!(reserved(&s), 4.0, "after the hold: its safe capacity");
+}
+
 /// An intermediate's lease cut at its own parent lease so short that it ends
 /// before its client is due back is not a lapse while the parent lease is
 /// renewed: the client stays known, with its demand, and its next request
@@ -733,8 +771,11 @@ fn a_short_lapsed_lease_is_reserved_in_full_while_held_then_at_its_safe_capacity
     handle.advance(Duration::from_secs(20));
     assert_eq!(reserved(&s), 10.0, "after the hold: the safe capacity");
     assert_eq!(s.parent_demand()[0].handed_out, 50.0, "b's 40 and the 10 reserved");
+    // (A lease may last a second more than its length, ending on a whole second.)
     handle.advance(Duration::from_secs(39));
-    assert_eq!(reserved(&s), 0.0, "a lease length after the lapse");
+    assert_eq!(reserved(&s), 10.0, "until a lease length and a second after the lapse");
+    handle.advance(Duration::from_secs(1));
+    assert_eq!(reserved(&s), 40.0, "a's reservation is over; b's lease (granted at 21 s for 60) has just lapsed");
 }
 
 fn strict(mut t: Arc<Template>) -> Arc<Template> {
