@@ -1728,6 +1728,20 @@ impl Resource {
         }
     }
 
+    /// The most learning mode believes a client holds: the parent's grant,
+    /// else the configured capacity; nothing says it at an intermediate that
+    /// has no lease from its parent yet and no template of its own (its
+    /// catch-all's capacity is a placeholder): a client's leases from its
+    /// predecessor are believed whole until the parent answers, where
+    /// capped at that placeholder (0) they were all cut to nothing.
+    fn learning_limit(&self, a: &Ask<'_>) -> f64 {
+        match (a.capacity, a.role) {
+            (Some(c), _) => c,
+            (None, Role::Intermediate { .. }) if !self.has_local_template() => f64::INFINITY,
+            (None, _) => self.template.capacity,
+        }
+    }
+
     /// What learning mode hands a client: what it reports holding, and at
     /// least the safe capacity this server's own configuration gives it
     /// (what a client cut off from the tree uses anyway), never more than it
@@ -2202,7 +2216,7 @@ impl Resource {
     /// refresh interval later.
     fn grant(&self, a: &Ask<'_>, prior: &Prior) -> (f64, bool) {
         match a.capacity {
-            _ if a.d.learning => (self.learning_grant(a.req, a.capacity.unwrap_or(self.template.capacity)), false),
+            _ if a.d.learning => (self.learning_grant(a.req, self.learning_limit(a)), false),
             None => (0.0, false),
             Some(cap) => self.shared_grant(a, prior, cap),
         }

@@ -688,6 +688,21 @@ fn a_lease_ends_on_the_whole_second_after_its_length() {
     assert_eq!(s.get_capacity("a", &req("r", 10.0, None)).expiry, Time::from_secs(1_000_001 + 10));
 }
 
+/// A new master of an intermediate with no template of its own, learning
+/// before its parent has answered, believes the leases its clients report:
+/// its catch-all's capacity (0) says nothing of the resource's.
+#[test]
+fn an_intermediate_learning_before_its_parent_answers_hands_back_what_clients_hold() {
+    let (clock, _handle) = Clock::manual(Time::from_secs(1_000_000));
+    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 0.0, 10, 5, 10)] };
+    let mut s = Store::new(clock, cfg, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.become_master();
+    let g = s.get_capacity("a", &req("r", 30.0, Some(20.0)));
+    assert_eq!(g.capacity, 20.0, "what it holds, not the catch-all's 0");
+    assert!(s.status()[0].learning_mode);
+}
+
 /// A lease that ends on the whole second after its length is held by its
 /// client for as long again as it was granted for, more than a lease length:
 /// the lapsed lease stays reserved in full that long.
