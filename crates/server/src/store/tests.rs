@@ -290,6 +290,17 @@ fn a_new_masters_missing_subclients_stay_counted_after_the_predecessors_leases_l
     assert_eq!(s.status()[0].sum_has, 40.0 + 60.0);
 }
 
+/// An intermediate's store (decay factor 0.5) with `t` as its one
+/// template and no predecessor's lease outstanding, its clock, and the
+/// clock's handle.
+fn intermediate(t: Arc<Template>) -> (Store, Clock, Arc<usher_core::clock::ManualClock>) {
+    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
+    let mut s = Store::new(clock.clone(), ResourcesConfig { templates: vec![t] }, Duration::ZERO);
+    s.set_role(Role::Intermediate { decay_factor: 0.5 });
+    s.set_predecessor(Predecessor::NoneOutstanding);
+    (s, clock, handle)
+}
+
 /// A lease from the parent of `capacity`, ending at `expiry`, refreshed every `refresh` seconds.
 fn parent_lease(capacity: f64, expiry: Time, refresh: u64) -> ParentLease {
     ParentLease {
@@ -364,11 +375,7 @@ fn a_lapsed_lower_servers_subclients_count_as_holding_until_its_hold_ends() {
     // master's report stands as it is, however few it speaks for. An
     // intermediate whose own parent lease ends in 4 s grants leases that
     // short: held until 8 s, reserved until 14 s.
-    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
-    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 10, 5, 60)] };
-    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
-    s.set_role(Role::Intermediate { decay_factor: 0.5 });
-    s.set_predecessor(Predecessor::NoneOutstanding);
+    let (s, clock, handle) = intermediate(template(Kind::FairShare, 100.0, 10, 5, 60));
     let parent = |clock: &Clock, secs| parent_lease(100.0, clock.now().saturating_add(Duration::from_secs(secs)), 5);
     // (The resource is made by its first request, and only then takes a parent lease.)
     s.get_capacity("n#1", &server_req(50.0, 5, None));
@@ -392,11 +399,7 @@ fn a_lapsed_lower_servers_subclients_count_as_holding_until_its_hold_ends() {
 /// the parent lease is back, the new master takes it over.
 #[test]
 fn a_new_master_asking_while_there_is_no_parent_lease_leaves_its_predecessors_lease_counted() {
-    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
-    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 10, 5, 0)] };
-    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
-    s.set_role(Role::Intermediate { decay_factor: 0.5 });
-    s.set_predecessor(Predecessor::NoneOutstanding);
+    let (s, clock, handle) = intermediate(template(Kind::FairShare, 100.0, 10, 5, 0));
     let parent = |clock: &Clock| parent_lease(100.0, clock.now().saturating_add(Duration::from_secs(20)), 5);
     // (The resource is made by its first request, and only then takes a parent lease.)
     s.get_capacity("n#1", &server_req(50.0, 5, None));
@@ -513,11 +516,7 @@ fn an_intermediate_without_a_parent_lease_keeps_clients_that_hold_nothing_known(
 /// a root outage of two lease lengths cut every client behind it to 0.)
 #[test]
 fn an_intermediate_cut_off_from_its_parent_tells_clients_the_safe_capacity() {
-    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
-    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 10, 5, 0)] };
-    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
-    s.set_role(Role::Intermediate { decay_factor: 0.5 });
-    s.set_predecessor(Predecessor::NoneOutstanding);
+    let (s, clock, handle) = intermediate(template(Kind::FairShare, 100.0, 10, 5, 0));
     s.get_capacity("a", &req("r", 10.0, None));
     s.set_parent_lease(
         "r",
@@ -733,11 +732,7 @@ fn a_lapsed_lease_is_reserved_in_full_for_its_whole_hold() {
 /// second), the first client back took what the others held as its own.
 #[test]
 fn a_lease_cut_short_at_the_parents_expiry_runs_on_while_the_parent_lease_is_renewed() {
-    let (clock, handle) = Clock::manual(Time::from_secs(1_000_000));
-    let cfg = ResourcesConfig { templates: vec![template(Kind::FairShare, 100.0, 2, 1, 0)] };
-    let mut s = Store::new(clock.clone(), cfg, Duration::ZERO);
-    s.set_role(Role::Intermediate { decay_factor: 0.5 });
-    s.set_predecessor(Predecessor::NoneOutstanding);
+    let (s, clock, handle) = intermediate(template(Kind::FairShare, 100.0, 2, 1, 0));
     let parent = |secs: f64| parent_lease(40.0, clock.now().saturating_add(Duration::from_secs_f64(secs)), 1);
     // (The resource is made by its first request, and only then takes a parent lease.)
     s.get_capacity("a", &req("r", 36.0, None));
